@@ -1,0 +1,11 @@
+"""plug_asgd: asynchronous and compressed parameter-server SGD for any Lightning model.
+
+``Trainer(strategy=AsyncPSStrategy(mode="adacomp"))`` or ``Trainer(strategy="async_ps")``:
+importing this package registers the strategy names ``async_ps``, ``async_ps_adacomp`` and
+``async_ps_sync`` with Lightning.
+"""
+
+from plug_asgd.strategy import AsyncPSStrategy
+
+__all__ = ["AsyncPSStrategy"]
+__version__ = "0.1.0"

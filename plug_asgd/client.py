@@ -1,0 +1,184 @@
+"""PSClient: one worker's connection to the parameter server.
+
+A DEALER socket sends one request at a time and waits for the reply that carries the same
+request id (a late reply to an abandoned request is discarded). Every frame sent and received
+is counted, so the byte figures that the callbacks and benchmarks report are what crossed the
+wire, not estimates.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from plug_asgd.wire import DEFAULT_LIMITS, Limits, Message, Tensor, decode, encode, message_bytes
+
+
+class PSError(RuntimeError):
+    """The parameter server refused a request; ``code`` says why (see the PS's error codes)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PSUnreachableError(ConnectionError):
+    """No reply from the parameter server within the timeout."""
+
+
+@dataclass
+class CommCounters:
+    """What this worker moved: bytes by direction, request counts and time spent waiting."""
+
+    bytes_up: int = 0
+    bytes_down: int = 0
+    push_bytes_up: int = 0
+    requests: int = 0
+    pushes: int = 0
+    wait_seconds: float = 0.0
+    by_type: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bytes_up": self.bytes_up, "bytes_down": self.bytes_down, "push_bytes_up": self.push_bytes_up,
+                "requests": self.requests, "pushes": self.pushes, "wait_seconds": round(self.wait_seconds, 6)}
+
+
+@dataclass
+class ModelReply:
+    """The PS's answer to a pull or a push: central version and tensors, and whether to stop."""
+
+    version: int
+    status: str
+    stop: bool
+    tensors: dict[str, np.ndarray]
+
+
+class PSClient:
+    """Requests to one parameter server, with timeouts that end in a clear error, never a hang."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        rank: int,
+        world_size: int,
+        mode: str,
+        request_timeout: float = 600.0,
+        limits: Limits = DEFAULT_LIMITS,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.address = address
+        self.rank = rank
+        self.world_size = world_size
+        self.mode = mode
+        self.request_timeout = request_timeout
+        self.limits = limits
+        self.session = uuid.uuid4().hex
+        self.counters = CommCounters()
+        self._rids = itertools.count(1)
+        self._seq = itertools.count(1)
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+        self._sock.connect(address)
+        self._closed = False
+
+    # -- transport -----------------------------------------------------------------------------
+
+    def request(self, msg_type: str, fields: Mapping[str, Any] | None = None,
+                tensors: Mapping[str, Tensor] | None = None, *, timeout: float | None = None,
+                alive: Callable[[], str | None] | None = None) -> Message:
+        """Send one request and wait for its reply; ``alive`` may explain a silent PS (a dead process)."""
+        if self._closed:
+            raise PSUnreachableError("this PSClient is closed")
+        rid = next(self._rids)
+        frames = encode(msg_type, {**(fields or {}), "rid": rid}, tensors)
+        size = message_bytes(frames)
+        self.counters.bytes_up += size
+        self.counters.requests += 1
+        self.counters.by_type[msg_type] = self.counters.by_type.get(msg_type, 0) + 1
+        if msg_type == "push":
+            self.counters.push_bytes_up += size
+            self.counters.pushes += 1
+        start = time.monotonic()
+        self._sock.send_multipart(frames, copy=False)
+        limit = self.request_timeout if timeout is None else timeout
+        try:
+            while True:
+                left = limit - (time.monotonic() - start)
+                if left <= 0:
+                    raise PSUnreachableError(
+                        f"no reply from the parameter server at {self.address} within {limit:.0f} s "
+                        f"(request {msg_type!r}). Is it running and reachable? Start one with "
+                        "`plug-asgd serve-ps`, or check the address, port and firewall.")
+                if not self._sock.poll(int(min(left, 0.5) * 1000) + 1):
+                    reason = alive() if alive is not None else None
+                    if reason:
+                        raise PSUnreachableError(reason)
+                    continue
+                reply_frames = self._sock.recv_multipart(copy=False)
+                self.counters.bytes_down += message_bytes(reply_frames)
+                reply = decode(reply_frames, self.limits)
+                if reply.fields.get("rid") != rid:
+                    continue  # the late answer to a request that timed out
+                if reply.type == "error":
+                    raise PSError(str(reply.fields.get("code")), f"parameter server at {self.address}: "
+                                                                 f"{reply.fields.get('message')}")
+                return reply
+        finally:
+            self.counters.wait_seconds += time.monotonic() - start
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._sock.close(0)
+
+    # -- protocol ------------------------------------------------------------------------------
+
+    def hello(self, stage: int, training: bool, *, timeout: float | None = None,
+              alive: Callable[[], str | None] | None = None) -> dict[str, Any]:
+        reply = self.request("hello", {"rank": self.rank, "world_size": self.world_size, "stage": stage,
+                                       "training": training, "mode": self.mode, "session": self.session},
+                             timeout=timeout, alive=alive)
+        return reply.fields
+
+    def init(self, tensors: Mapping[str, np.ndarray]) -> bool:
+        """Offer this worker's tensors as the initial central model; False if another came first."""
+        return bool(self.request("init", {"rank": self.rank}, tensors).fields.get("accepted"))
+
+    def pull(self) -> ModelReply:
+        return self._model(self.request("pull", {"rank": self.rank}))
+
+    def push(self, base_version: int, update: Mapping[str, Tensor]) -> ModelReply:
+        fields = {"rank": self.rank, "base_version": base_version, "seq": next(self._seq),
+                  "session": self.session}
+        return self._model(self.request("push", fields, update))
+
+    def gather(self, stage: int, seq: int, obj: Any = None,
+               tensors: Mapping[str, np.ndarray] | None = None) -> list[tuple[int, Any, dict[str, np.ndarray]]]:
+        """Contribute to collective ``seq`` of ``stage``; returns every rank's (rank, obj, tensors)."""
+        reply = self.request("gather", {"rank": self.rank, "stage": stage, "seq": seq, "obj": obj}, tensors)
+        out = []
+        for r, o in zip(reply.fields["ranks"], reply.fields["objs"]):
+            prefix = f"{r}/"
+            out.append((r, o, {k[len(prefix):]: v for k, v in reply.tensors.items() if k.startswith(prefix)}))
+        return out
+
+    def bye(self, stage: int, timeout: float = 5.0) -> None:
+        self.request("bye", {"rank": self.rank, "stage": stage}, timeout=timeout)
+
+    def stats(self, timeout: float | None = None) -> dict[str, Any]:
+        return dict(self.request("stats", timeout=timeout).fields["stats"])
+
+    @staticmethod
+    def _model(reply: Message) -> ModelReply:
+        return ModelReply(version=int(reply.fields["version"]), status=str(reply.fields.get("status")),
+                          stop=bool(reply.fields.get("stop")), tensors=dict(reply.tensors))  # type: ignore[arg-type]

@@ -1,0 +1,214 @@
+"""The training schemes: when a worker pushes, what it sends, and how the PS folds it in.
+
+Each mode is two halves. The worker half (:class:`ModeSpec`) says how often the worker pushes
+and which compressor shapes its update. The server half (a :class:`FoldRule`) folds pushes
+into the central tensors. A rule answers every push with a *resolution*: applied, dropped as
+stale, or (for ``sync``) nothing yet, in which case the push is resolved later, when its round
+completes. The PS replies to a push only once it is resolved, which is what makes ``sync``
+workers wait. Everything here works on numpy arrays: the PS never imports torch or Lightning.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from plug_asgd.compressors import Compressor, NoCompression, TopKResidual
+from plug_asgd.wire import Sparse, Tensor
+
+APPLIED = "applied"
+DROPPED = "dropped"
+
+
+@dataclass
+class CentralState:
+    """The central model: named float tensors and the number of updates folded in so far."""
+
+    tensors: dict[str, np.ndarray]
+    version: int = 0
+
+
+@dataclass
+class Push:
+    """One worker update, based on central version ``base_version``. ``token`` is opaque to rules."""
+
+    token: Any
+    rank: int
+    base_version: int
+    update: dict[str, Tensor]
+
+
+Resolution = tuple[Any, str]  # (token, APPLIED | DROPPED)
+
+
+def _add_into(target: np.ndarray, update: Tensor, scale: float | np.ndarray = 1.0) -> None:
+    """``target += scale * update`` in place, for a dense or a sparse update."""
+    if isinstance(update, Sparse):
+        flat = target.reshape(-1)
+        flat[update.indices] += (update.values * scale).astype(target.dtype, copy=False)
+    elif np.isscalar(scale) and scale == 1.0:
+        target += update
+    else:
+        target += update * scale
+
+
+class FoldRule(ABC):
+    """Server half of a mode. ``trainers`` is the number of workers currently training."""
+
+    def __init__(self) -> None:
+        self.trainers = 0
+
+    @abstractmethod
+    def push(self, state: CentralState, push: Push) -> list[Resolution]:
+        """Fold ``push`` in now, drop it, or hold it; return the pushes resolved by this call."""
+
+    def set_trainers(self, state: CentralState, trainers: int) -> list[Resolution]:
+        """Called when workers join or leave training; a waiting round may now be complete."""
+        self.trainers = trainers
+        return []
+
+    def export_state(self) -> dict[str, Any]:
+        return {}
+
+
+class AsgdRule(FoldRule):
+    """``w += delta`` at once, whatever the staleness (Dean et al.'s and the seeds' ASGD)."""
+
+    def push(self, state: CentralState, push: Push) -> list[Resolution]:
+        for name, update in push.update.items():
+            _add_into(state.tensors[name], update)
+        state.version += 1
+        return [(push.token, APPLIED)]
+
+
+class AdaCompRule(FoldRule):
+    """``w_i += delta_i / max(1, s_i)``, ``s_i`` = updates folded in since the base that touched i.
+
+    The PS remembers which coordinates each of the last ``history`` updates touched (a dense
+    update touches all). A push based on a version older than that memory is scaled by what
+    is remembered, a lower bound of its staleness; ``truncated`` counts such pushes.
+    """
+
+    def __init__(self, history: int = 256) -> None:
+        super().__init__()
+        self.history: deque[tuple[int, dict[str, np.ndarray | None]]] = deque(maxlen=history)
+        self.truncated = 0
+
+    def staleness(self, base_version: int, name: str, indices: np.ndarray) -> np.ndarray:
+        """``s_i`` for each of ``indices`` of tensor ``name``, for an update based on ``base_version``."""
+        counts = np.zeros(indices.size, dtype=np.int64)
+        for version, touched in self.history:
+            if version <= base_version:
+                continue
+            seen = touched.get(name, _UNTOUCHED)
+            if seen is None:  # a dense update touched every coordinate
+                counts += 1
+            elif seen.size:
+                pos = np.searchsorted(seen, indices)
+                hit = pos < seen.size
+                hit[hit] = seen[pos[hit]] == indices[hit]
+                counts += hit
+        return counts
+
+    def push(self, state: CentralState, push: Push) -> list[Resolution]:
+        if self.history and push.base_version < self.history[0][0] - 1:
+            self.truncated += 1
+        touched: dict[str, np.ndarray | None] = {}
+        for name, update in push.update.items():
+            target = state.tensors[name]
+            if isinstance(update, Sparse):
+                s = self.staleness(push.base_version, name, update.indices)
+                _add_into(target, update, 1.0 / np.maximum(1, s))
+                touched[name] = update.indices
+            else:
+                idx = np.arange(target.size)
+                s = self.staleness(push.base_version, name, idx).reshape(target.shape)
+                target += update / np.maximum(1, s)
+                touched[name] = None
+        state.version += 1
+        self.history.append((state.version, touched))
+        return [(push.token, APPLIED)]
+
+
+_UNTOUCHED = np.zeros(0, dtype=np.int64)
+
+
+class SyncRule(FoldRule):
+    """Average ``replicas_to_aggregate`` updates based on the current version, apply them as one.
+
+    Updates based on an older version are dropped (their worker gets the current model back at
+    once), so with ``replicas_to_aggregate`` below the number of workers the slowest ones act
+    as the backup workers of TensorFlow's SyncReplicasOptimizer. The default aggregates every
+    worker currently training; a worker that leaves stops being waited for.
+    """
+
+    def __init__(self, replicas_to_aggregate: int | None = None) -> None:
+        super().__init__()
+        if replicas_to_aggregate is not None and replicas_to_aggregate < 1:
+            raise ValueError(f"replicas_to_aggregate must be >= 1, got {replicas_to_aggregate}")
+        self.replicas_to_aggregate = replicas_to_aggregate
+        self.pending: list[Push] = []
+
+    @property
+    def target(self) -> int:
+        want = self.replicas_to_aggregate or self.trainers
+        return max(1, min(want, self.trainers)) if self.trainers else 1
+
+    def push(self, state: CentralState, push: Push) -> list[Resolution]:
+        if push.base_version != state.version or any(p.rank == push.rank for p in self.pending):
+            return [(push.token, DROPPED)]
+        self.pending.append(push)
+        return self._maybe_complete(state)
+
+    def set_trainers(self, state: CentralState, trainers: int) -> list[Resolution]:
+        super().set_trainers(state, trainers)
+        return self._maybe_complete(state)
+
+    def _maybe_complete(self, state: CentralState) -> list[Resolution]:
+        if not self.pending or len(self.pending) < self.target:
+            return []
+        n = len(self.pending)
+        for name, target in state.tensors.items():
+            total = np.zeros_like(target)
+            for p in self.pending:
+                if name in p.update:
+                    _add_into(total, p.update[name])
+            target += total / n
+        state.version += 1
+        done = [(p.token, APPLIED) for p in self.pending]
+        self.pending = []
+        return done
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """A mode's worker half and the factory of its server half."""
+
+    name: str
+    summary: str
+    make_compressor: Callable[[float], Compressor]
+    make_rule: Callable[[dict[str, Any]], FoldRule]
+    waits_for_round: bool = False
+
+
+MODES: dict[str, ModeSpec] = {
+    "asgd": ModeSpec("asgd", "push every step, folded in at once",
+                     lambda c: NoCompression(), lambda o: AsgdRule()),
+    "adacomp": ModeSpec("adacomp", "per-layer top fraction with residual, staleness-scaled fold-in",
+                        lambda c: TopKResidual(c), lambda o: AdaCompRule(o.get("history", 256))),
+    "sync": ModeSpec("sync", "average of replicas_to_aggregate updates per version, stale ones dropped",
+                     lambda c: NoCompression(), lambda o: SyncRule(o.get("replicas_to_aggregate")),
+                     waits_for_round=True),
+}
+
+
+def get_mode(name: str) -> ModeSpec:
+    """The mode called ``name``, or a ValueError that lists the modes that exist."""
+    try:
+        return MODES[name]
+    except KeyError:
+        raise ValueError(f"unknown mode {name!r}; choose one of: {', '.join(MODES)}") from None

@@ -1,0 +1,401 @@
+"""The parameter server: central tensors, the mode's fold-in rule, and the serving loop.
+
+One ZeroMQ ROUTER socket serves every worker. Requests are answered in the order they are
+resolved: most at once, a ``sync`` push when its round completes, a collective (``gather``,
+which carries barriers, broadcasts and metric reductions) when every rank still in the stage
+has contributed. A request that breaks the protocol gets an ``error`` reply and a counter;
+the PS keeps serving and its tensors are untouched. The PS knows nothing of torch or
+Lightning: it holds named float arrays.
+
+The PS ends by itself: on SIGINT/SIGTERM, when the process that started it dies
+(``parent_pid``), or, given ``expected_workers``, once that many workers have joined and
+all have left for ``linger`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from plug_asgd.modes import APPLIED, CentralState, Push, get_mode
+from plug_asgd.wire import (
+    DEFAULT_LIMITS,
+    FLOAT_DTYPES,
+    Limits,
+    Message,
+    Sparse,
+    Tensor,
+    WireError,
+    decode,
+    encode,
+    message_bytes,
+)
+
+log = logging.getLogger("plug_asgd.ps")
+
+
+@dataclass
+class WorkerInfo:
+    rank: int
+    identity: bytes
+    session: str
+    stage: int
+    training: bool
+    last_seen: float
+    pushes: int = 0
+
+
+@dataclass
+class Stats:
+    """Global counters, as the ``stats`` request returns them."""
+
+    started: float = field(default_factory=time.time)
+    messages_in: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    push_bytes_in: int = 0
+    pushes_applied: int = 0
+    pushes_dropped: int = 0
+    pushes_after_stop: int = 0
+    refused: Counter = field(default_factory=Counter)
+    staleness: Counter = field(default_factory=Counter)
+    pushes_by_rank: Counter = field(default_factory=Counter)
+
+
+class ParameterServer:
+    """Serves one central model to the workers of a run."""
+
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:2223",
+        mode: str = "asgd",
+        *,
+        replicas_to_aggregate: int | None = None,
+        max_updates: int | None = None,
+        expected_workers: int | None = None,
+        linger: float = 10.0,
+        limits: Limits = DEFAULT_LIMITS,
+        parent_pid: int | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.spec = get_mode(mode)
+        self.mode = mode
+        self.rule = self.spec.make_rule({"replicas_to_aggregate": replicas_to_aggregate})
+        self.state = CentralState(tensors={})
+        self.initialized = False
+        self.max_updates = max_updates
+        self.expected_workers = expected_workers
+        self.linger = linger
+        self.limits = limits
+        self.parent_pid = parent_pid
+        self.world_size: int | None = None
+        self.workers: dict[int, WorkerInfo] = {}
+        self.ever_joined: set[int] = set()
+        self.left: dict[int, set[int]] = defaultdict(set)
+        self.gathers: dict[tuple[int, int], dict[int, tuple[Any, Message, Any]]] = {}
+        self.last_seq: dict[str, int] = {}
+        self.stats = Stats()
+        self._stop = False
+        self._empty_since: float | None = None
+        self._ctx = context or zmq.Context.instance()
+        self.socket = self._ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        try:
+            self.socket.bind(bind)
+        except zmq.ZMQError as exc:
+            self.socket.close(0)
+            raise OSError(f"the parameter server cannot listen on {bind}: {exc} (is another process "
+                          "using that port? choose another with --port)") from None
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    # -- serving -------------------------------------------------------------------------------
+
+    def request_stop(self, *_: Any) -> None:
+        self._stop = True
+
+    def serve_forever(self, poll_ms: int = 200) -> int:
+        """Serve until told to stop or until the run is over; returns a process exit code."""
+        log.info("parameter server listening on %s, mode %s", self.address, self.mode)
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        try:
+            while not self._stop:
+                if poller.poll(poll_ms):
+                    while True:
+                        try:
+                            frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_frames(frames)
+                if self._should_exit():
+                    break
+        finally:
+            self.socket.close(0)
+        log.info("parameter server stopped at version %d", self.state.version)
+        return 0
+
+    def _should_exit(self) -> bool:
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            log.info("the process that started the parameter server is gone; stopping")
+            return True
+        if self.expected_workers is None or len(self.ever_joined) < self.expected_workers:
+            return False
+        if self.workers:
+            self._empty_since = None
+            return False
+        now = time.monotonic()
+        if self._empty_since is None:
+            self._empty_since = now
+        if now - self._empty_since >= self.linger:
+            log.info("all %d workers have left; stopping", len(self.ever_joined))
+            return True
+        return False
+
+    def _on_frames(self, frames: list[Any]) -> None:
+        identity = frames[0].bytes
+        body = frames[1:]
+        self.stats.messages_in += 1
+        size = message_bytes(body)
+        self.stats.bytes_in += size
+        rid = None
+        try:
+            msg = decode(body, self.limits)
+            rid = msg.fields.get("rid")
+            handler = getattr(self, f"_on_{msg.type}", None) if msg.type.isidentifier() else None
+            if handler is None:
+                raise WireError("unknown_type", f"unknown message type {msg.type!r}")
+            if msg.type == "push":
+                self.stats.push_bytes_in += size
+            handler(identity, rid, msg)
+        except WireError as exc:
+            self.stats.refused[exc.code] += 1
+            self._error(identity, rid, exc.code, str(exc))
+        except Exception as exc:  # a bug must not take the PS down with it
+            self.stats.refused["internal"] += 1
+            log.error("internal error while serving a request:\n%s", traceback.format_exc())
+            self._error(identity, rid, "internal", f"internal error in the parameter server: {exc}")
+
+    def _send(self, identity: bytes, rid: Any, msg_type: str, fields: dict[str, Any] | None = None,
+              tensors: dict[str, Tensor] | None = None) -> None:
+        frames = encode(msg_type, {**(fields or {}), "rid": rid}, tensors)
+        self.stats.bytes_out += message_bytes(frames)
+        self.socket.send_multipart([identity, *frames], copy=False)
+
+    def _error(self, identity: bytes, rid: Any, code: str, text: str) -> None:
+        self._send(identity, rid, "error", {"code": code, "message": text})
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def _trainers(self) -> int:
+        return sum(1 for w in self.workers.values() if w.training)
+
+    def _update_trainers(self) -> None:
+        self._resolve(self.rule.set_trainers(self.state, self._trainers()))
+
+    def _on_hello(self, identity: bytes, rid: Any, msg: Message) -> None:
+        rank = msg.int_field("rank", minimum=0)
+        world_size = msg.int_field("world_size", minimum=1)
+        stage = msg.int_field("stage", minimum=0)
+        session = msg.str_field("session")
+        mode = msg.str_field("mode")
+        if mode != self.mode:
+            raise WireError("mode_mismatch", f"this parameter server runs mode {self.mode!r} but the worker "
+                                             f"asked for {mode!r}: start the PS with --mode {mode} or "
+                                             f"give the strategy mode={self.mode!r}")
+        if self.world_size is not None and world_size != self.world_size and self.workers:
+            raise WireError("world_mismatch", f"worker says world_size={world_size}, the workers already "
+                                              f"connected say {self.world_size}")
+        if rank >= world_size:
+            raise WireError("bad_field", f"rank {rank} is not below world_size {world_size}")
+        self.world_size = world_size
+        self.workers[rank] = WorkerInfo(rank, identity, session, stage, bool(msg.fields.get("training")),
+                                        time.time())
+        self.ever_joined.add(rank)
+        self.left[stage].discard(rank)
+        self._update_trainers()
+        self._send(identity, rid, "welcome", {
+            "initialized": self.initialized, "version": self.state.version, "mode": self.mode,
+            "stop": self._stopped(),
+        })
+
+    def _on_bye(self, identity: bytes, rid: Any, msg: Message) -> None:
+        rank = msg.int_field("rank", minimum=0)
+        stage = msg.int_field("stage", minimum=0)
+        worker = self.workers.get(rank)
+        if worker is not None and worker.stage == stage:
+            del self.workers[rank]
+        self.left[stage].add(rank)
+        self._update_trainers()
+        for key in [k for k in self.gathers if k[0] == stage]:
+            self._maybe_finish_gather(key)
+        if self.world_size is not None and len(self.left[stage]) >= self.world_size:
+            del self.left[stage]
+        self._send(identity, rid, "ok")
+
+    # -- model ---------------------------------------------------------------------------------
+
+    def _stopped(self) -> bool:
+        return self.max_updates is not None and self.state.version >= self.max_updates
+
+    def _on_init(self, identity: bytes, rid: Any, msg: Message) -> None:
+        accepted = not self.initialized
+        if accepted:
+            tensors: dict[str, np.ndarray] = {}
+            for name, t in msg.tensors.items():
+                if isinstance(t, Sparse) or t.dtype.name not in FLOAT_DTYPES:
+                    raise WireError("bad_tensor", f"tensor {name!r}: the central model holds dense float tensors")
+                if not np.isfinite(t).all():
+                    raise WireError("not_finite", f"tensor {name!r} holds NaN or Inf")
+                tensors[name] = np.array(t, copy=True)
+            if not tensors:
+                raise WireError("bad_tensor", "init carries no tensors")
+            self.state.tensors = tensors
+            self.initialized = True
+            log.info("central model initialised by rank %s: %d tensors, %d values", msg.fields.get("rank"),
+                     len(tensors), sum(t.size for t in tensors.values()))
+        self._send(identity, rid, "init_ok", {"accepted": accepted, "version": self.state.version})
+
+    def _require_init(self) -> None:
+        if not self.initialized:
+            raise WireError("not_initialized", "the central model is not initialised yet: a worker sends it first")
+
+    def _on_pull(self, identity: bytes, rid: Any, msg: Message) -> None:
+        self._require_init()
+        self._send_model(identity, rid, {"status": "pulled"})
+
+    def _send_model(self, identity: bytes, rid: Any, fields: dict[str, Any]) -> None:
+        self._send(identity, rid, "model", {**fields, "version": self.state.version, "stop": self._stopped()},
+                   self.state.tensors)
+
+    def _validate_update(self, update: dict[str, Tensor]) -> None:
+        for name, t in update.items():
+            central = self.state.tensors.get(name)
+            if central is None:
+                raise WireError("unknown_tensor", f"the central model has no tensor {name!r}")
+            shape = t.shape if isinstance(t, Sparse) else t.shape
+            dtype = (t.values if isinstance(t, Sparse) else t).dtype
+            if tuple(shape) != central.shape or dtype != central.dtype:
+                raise WireError("bad_tensor", f"tensor {name!r}: got {dtype.name}{list(shape)}, the central "
+                                              f"model holds {central.dtype.name}{list(central.shape)}")
+            if not np.isfinite(t.values if isinstance(t, Sparse) else t).all():
+                raise WireError("not_finite", f"tensor {name!r} holds NaN or Inf: update refused")
+
+    def _on_push(self, identity: bytes, rid: Any, msg: Message) -> None:
+        self._require_init()
+        rank = msg.int_field("rank", minimum=0)
+        base = msg.int_field("base_version", minimum=0)
+        seq = msg.int_field("seq", minimum=0)
+        session = msg.str_field("session")
+        if base > self.state.version:
+            raise WireError("bad_field", f"base_version {base} is ahead of the central version "
+                                         f"{self.state.version}")
+        if seq <= self.last_seq.get(session, -1):
+            raise WireError("duplicate", f"push {seq} of this worker was already received")
+        self._validate_update(msg.tensors)
+        self.last_seq[session] = seq
+        if self._stopped():
+            self.stats.pushes_after_stop += 1
+            self._send_model(identity, rid, {"status": "stopped"})
+            return
+        self.stats.staleness[self.state.version - base] += 1
+        self.stats.pushes_by_rank[rank] += 1
+        self._resolve(self.rule.push(self.state, Push((identity, rid), rank, base, msg.tensors)))
+
+    def _resolve(self, resolutions: list[tuple[Any, str]]) -> None:
+        for (identity, rid), status in resolutions:
+            if status == APPLIED:
+                self.stats.pushes_applied += 1
+            else:
+                self.stats.pushes_dropped += 1
+            self._send_model(identity, rid, {"status": status})
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def _on_gather(self, identity: bytes, rid: Any, msg: Message) -> None:
+        rank = msg.int_field("rank", minimum=0)
+        stage = msg.int_field("stage", minimum=0)
+        seq = msg.int_field("seq", minimum=0)
+        if rank in self.left.get(stage, ()):
+            raise WireError("bad_field", f"rank {rank} has already left stage {stage}")
+        key = (stage, seq)
+        entries = self.gathers.setdefault(key, {})
+        if rank in entries:
+            raise WireError("duplicate", f"rank {rank} already contributed to collective {seq} of stage {stage}")
+        entries[rank] = (identity, msg, rid)
+        self._maybe_finish_gather(key)
+
+    def _maybe_finish_gather(self, key: tuple[int, int]) -> None:
+        entries = self.gathers.get(key)
+        if entries is None or self.world_size is None:
+            return
+        expected = self.world_size - len(self.left.get(key[0], ()))
+        if len(entries) < expected:
+            return
+        del self.gathers[key]
+        ranks = sorted(entries)
+        tensors = {f"{r}/{name}": t for r in ranks for name, t in entries[r][1].tensors.items()}
+        fields = {"ranks": ranks, "objs": [entries[r][1].fields.get("obj") for r in ranks]}
+        for r in ranks:
+            identity, _, rid = entries[r]
+            self._send(identity, rid, "gathered", fields, tensors)
+
+    # -- introspection -------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counters, as plain data (what ``plug-asgd status`` shows)."""
+        s = self.stats
+        elapsed = max(1e-9, time.time() - s.started)
+        return {
+            "mode": self.mode, "version": self.state.version, "initialized": self.initialized,
+            "max_updates": self.max_updates, "world_size": self.world_size,
+            "workers": sorted(self.workers), "trainers": self._trainers(),
+            "uptime_s": round(elapsed, 3), "updates_per_s": round(self.state.version / elapsed, 3),
+            "messages_in": s.messages_in, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
+            "push_bytes_in": s.push_bytes_in, "pushes_applied": s.pushes_applied,
+            "pushes_dropped": s.pushes_dropped, "pushes_after_stop": s.pushes_after_stop,
+            "refused": dict(s.refused), "staleness": {str(k): v for k, v in sorted(s.staleness.items())},
+            "pushes_by_rank": {str(k): v for k, v in sorted(s.pushes_by_rank.items())},
+        }
+
+    def _on_stats(self, identity: bytes, rid: Any, msg: Message) -> None:
+        self._send(identity, rid, "stats", {"stats": self.snapshot()})
+
+
+def serve(bind: str, mode: str, **options: Any) -> int:
+    """Run a parameter server in this process until it ends; SIGINT and SIGTERM stop it cleanly."""
+    server = ParameterServer(bind, mode, **options)
+    signal.signal(signal.SIGTERM, server.request_stop)
+    signal.signal(signal.SIGINT, server.request_stop)
+    return server.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the embedded PS process that rank 0 starts (``python -m plug_asgd.ps_server``)."""
+    parser = argparse.ArgumentParser(description="plug_asgd parameter server (embedded)")
+    parser.add_argument("--bind", required=True)
+    parser.add_argument("--mode", default="asgd")
+    parser.add_argument("--replicas-to-aggregate", type=int)
+    parser.add_argument("--max-updates", type=int)
+    parser.add_argument("--parent-pid", type=int)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("PLUG_ASGD_LOG", "WARNING"), stream=sys.stderr,
+                        format="[plug_asgd PS %(asctime)s] %(message)s")
+    return serve(args.bind, args.mode, replicas_to_aggregate=args.replicas_to_aggregate,
+                 max_updates=args.max_updates, parent_pid=args.parent_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

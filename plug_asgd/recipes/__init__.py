@@ -1,0 +1,1 @@
+"""Ready-made models and data for trying the strategy on real workloads."""

@@ -1,0 +1,80 @@
+"""What every recipe shares: the strategy flags, and train-then-test with a summary of the run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning.loggers import CSVLogger
+
+from plug_asgd.modes import MODES
+from plug_asgd.strategy import AsyncPSStrategy
+
+
+def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Flags of AsyncPSStrategy and of the run, spelled the same by every recipe and the CLI."""
+    parser.add_argument("--workers", type=int, default=2, help="worker processes on this machine (default: 2)")
+    parser.add_argument("--num-nodes", type=int, default=1, help="machines (launched by torchrun/SLURM)")
+    parser.add_argument("--mode", choices=sorted(MODES), default="asgd", help="training scheme (default: asgd)")
+    parser.add_argument("--compression", type=float, default=0.01,
+                        help="adacomp: fraction of each layer's update sent per push (default: 0.01)")
+    parser.add_argument("--push-every", type=int, default=1, help="local steps between pushes (default: 1)")
+    parser.add_argument("--replicas-to-aggregate", type=int, default=None,
+                        help="sync: updates averaged per round (default: every worker)")
+    parser.add_argument("--max-updates", type=int, default=None, help="PS-wide number of updates to stop at")
+    parser.add_argument("--ps-address", default=None,
+                        help="tcp://host:port of a PS started with `plug-asgd serve-ps` (default: embedded PS)")
+    parser.add_argument("--epochs", type=int, default=1, help="epochs per worker (default: 1)")
+    parser.add_argument("--max-steps", type=int, default=-1, help="local steps per worker (default: no limit)")
+    parser.add_argument("--no-val", action="store_true", help="skip validation during training")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run-dir", type=Path, default=Path("runs"), help="logs and metrics (default: runs/)")
+    parser.add_argument("--metrics-json", type=Path, default=None, help="write the run's summary here")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
+    return AsyncPSStrategy(mode=args.mode, compression=args.compression, push_every=args.push_every,
+                           replicas_to_aggregate=args.replicas_to_aggregate, max_updates=args.max_updates,
+                           ps_address=args.ps_address)
+
+
+def train_and_test(name: str, model: pl.LightningModule, datamodule: pl.LightningDataModule,
+                   args: argparse.Namespace) -> dict[str, Any] | None:
+    """Fit under AsyncPSStrategy, test the central model; rank 0 prints and returns the summary."""
+    pl.seed_everything(args.seed, workers=True, verbose=False)
+    strategy = make_strategy(args)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=args.workers, num_nodes=args.num_nodes, strategy=strategy,
+        max_epochs=args.epochs, max_steps=args.max_steps,
+        limit_val_batches=0 if args.no_val else None, num_sanity_val_steps=0,
+        logger=CSVLogger(args.run_dir, name=f"{name}-{args.mode}"), enable_checkpointing=False,
+        enable_model_summary=False, enable_progress_bar=not args.quiet,
+    )
+    start = time.monotonic()
+    trainer.fit(model, datamodule=datamodule)
+    fit_seconds = time.monotonic() - start
+    results = trainer.test(model, datamodule=datamodule, verbose=False)
+    ps = strategy.ps_stats()
+    if not trainer.is_global_zero:
+        return None
+    summary = {
+        "recipe": name, "mode": args.mode, "workers": args.workers * args.num_nodes,
+        "compression": args.compression if args.mode == "adacomp" else None,
+        "test_acc": results[0].get("test_acc"), "test_loss": results[0].get("test_loss"),
+        "ps_version": ps["version"], "pushes_applied": ps["pushes_applied"], "pushes_dropped": ps["pushes_dropped"],
+        "push_bytes": ps["push_bytes_in"], "ps_bytes_in": ps["bytes_in"], "ps_bytes_out": ps["bytes_out"],
+        "fit_seconds": round(fit_seconds, 3),
+    }
+    print(f"central model test accuracy: {summary['test_acc']:.4f}  (mode {args.mode}, "
+          f"{summary['workers']} workers, PS version {ps['version']}, {ps['push_bytes_in'] / 1e6:.2f} MB pushed, "
+          f"fit {fit_seconds:.1f} s)", flush=True)
+    if args.metrics_json is not None:
+        args.metrics_json.parent.mkdir(parents=True, exist_ok=True)
+        args.metrics_json.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

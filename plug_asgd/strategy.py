@@ -1,0 +1,470 @@
+"""AsyncPSStrategy: the worker side of parameter-server training, as a Lightning Strategy.
+
+Lightning launches the worker processes exactly as it does for DDP (its subprocess or
+multiprocessing launcher, or an external one such as torchrun or SLURM), injects the
+distributed sampler, and runs the user's LightningModule and optimizer untouched. This class
+replaces DDP's gradient all-reduce by the parameter-server protocol: after a local optimizer
+step it pushes ``delta = w - w_base`` to the PS and loads the central weights the PS answers
+with. No torch.distributed process group exists; barriers, broadcasts and the metric
+reductions of evaluation travel through the PS, while a reduction requested during training
+(``self.log(..., sync_dist=True)`` in ``training_step``) stays local, because asynchronous
+workers are never in lockstep and must not wait for each other.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Literal
+
+import msgpack
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning_fabric.utilities.optimizer import _optimizers_to_device
+from pytorch_lightning.accelerators import Accelerator
+from pytorch_lightning.plugins import CheckpointIO, ClusterEnvironment, Precision
+from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
+from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from pytorch_lightning.trainer.states import RunningStage, TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.distributed import ReduceOp
+
+from plug_asgd.client import ModelReply, PSClient, PSError, PSUnreachableError
+from plug_asgd.modes import get_mode
+
+log = logging.getLogger("plug_asgd.strategy")
+
+_REDUCE_OPS = {"sum": "sum", "mean": "mean", "avg": "mean", "max": "max", "min": "min"}
+
+
+def _op_name(reduce_op: Any) -> str:
+    if isinstance(reduce_op, ReduceOp.RedOpType) or isinstance(reduce_op, ReduceOp):
+        name = {ReduceOp.SUM: "sum", ReduceOp.AVG: "mean", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}.get(reduce_op)
+    else:
+        name = _REDUCE_OPS.get(str(reduce_op or "mean").lower())
+    if name is None:
+        raise ValueError(f"reduce_op {reduce_op!r} is not supported by AsyncPSStrategy (sum, mean, max, min)")
+    return name
+
+
+def _to_numpy(t: Tensor) -> np.ndarray:
+    t = t.detach()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: bf16 tensors travel as float32
+        t = t.float()
+    return t.cpu().numpy()
+
+
+def _assign(target: Tensor, array: np.ndarray) -> None:
+    """Copy ``array`` into ``target`` in place (parameters keep their identity for the optimizer)."""
+    with torch.no_grad():
+        if target.device.type == "cpu" and target.dtype != torch.bfloat16:
+            target.detach().numpy()[...] = array.reshape(target.shape)
+        else:
+            target.copy_(torch.tensor(array).reshape(target.shape))
+
+
+class AsyncPSStrategy(ParallelStrategy):
+    """Train any LightningModule with asynchronous, compressed or synchronous parameter-server SGD.
+
+    Args:
+        mode: ``"asgd"``, ``"adacomp"`` or ``"sync"`` (see ``plug_asgd.modes``).
+        compression: for ``adacomp``, the fraction of each tensor's coordinates sent per push.
+        push_every: local optimizer steps between two pushes.
+        replicas_to_aggregate: for ``sync``, updates averaged per round (default: every training worker).
+        max_updates: the PS stops every worker once it has folded in this many updates.
+        ps_address: ``tcp://host:port`` of a PS started with ``plug-asgd serve-ps``; by default global
+            rank 0 starts an embedded PS on the cluster's main address, port ``ps_port``.
+        ps_port: port of the embedded PS (default: the cluster's main port + 1).
+        connect_timeout: seconds to wait for the PS to answer the first time.
+        request_timeout: seconds to wait for any reply (a sync round or a barrier included).
+        start_method: ``"popen"`` (re-run the script, as DDP's default) or ``"spawn"``/``"fork"``.
+    """
+
+    strategy_name = "async_ps"
+
+    def __init__(
+        self,
+        mode: str = "asgd",
+        *,
+        compression: float = 0.01,
+        push_every: int = 1,
+        replicas_to_aggregate: int | None = None,
+        max_updates: int | None = None,
+        ps_address: str | None = None,
+        ps_port: int | None = None,
+        connect_timeout: float = 60.0,
+        request_timeout: float = 600.0,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self.mode = mode
+        self.mode_spec = get_mode(mode)
+        self.mode_spec.make_compressor(compression)  # validates compression now, not in a worker
+        if push_every < 1:
+            raise ValueError(f"push_every must be >= 1, got {push_every}")
+        if replicas_to_aggregate is not None and replicas_to_aggregate < 1:
+            raise ValueError(f"replicas_to_aggregate must be >= 1, got {replicas_to_aggregate}")
+        if max_updates is not None and max_updates < 1:
+            raise ValueError(f"max_updates must be >= 1, got {max_updates}")
+        if ps_address is not None and not ps_address.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"ps_address must look like tcp://host:port, got {ps_address!r}")
+        self.compression = compression
+        self.push_every = push_every
+        self.replicas_to_aggregate = replicas_to_aggregate
+        self.max_updates = max_updates
+        self.ps_address = ps_address
+        self.ps_port = ps_port
+        self.connect_timeout = connect_timeout
+        self.request_timeout = request_timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._client: PSClient | None = None
+        self._ps_proc: subprocess.Popen | None = None
+        self._ps_initialized = False
+        self._stage = 0
+        self._collective_seq = 0
+        self._in_stage = False
+        self._joined = False
+        self._fitting = False
+        self._failed = False
+        self._version = 0
+        self._since_push = 0
+        self._compressor = self.mode_spec.make_compressor(compression)
+        self._base: dict[str, Tensor] = {}
+
+    # -- Lightning plumbing (as DDP) ---------------------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for mode in ("asgd", "adacomp", "sync"):
+            name = "async_ps" if mode == "asgd" else f"async_ps_{mode}"
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=f"plug_asgd parameter-server SGD, mode {mode}",
+                                           mode=mode)
+
+    # -- stage life cycle ------------------------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        self._fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        self._stage += 1
+        self._collective_seq = 0
+        self._failed = False
+        self._joined = False
+        client = self._connect()
+        welcome = client.hello(self._stage, self._fitting, timeout=self.connect_timeout, alive=self._ps_gone)
+        self._ps_initialized = bool(welcome.get("initialized"))
+        self._in_stage = True
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self._compressor = self.mode_spec.make_compressor(self.compression)
+
+    def on_train_start(self) -> None:
+        self._join()
+
+    def on_validation_start(self) -> None:
+        self._refresh()
+
+    def on_test_start(self) -> None:
+        self._refresh()
+
+    def on_predict_start(self) -> None:
+        self._refresh()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+
+    def teardown(self) -> None:
+        client = self._client
+        if client is not None and self._in_stage:
+            self._in_stage = False
+            try:
+                if self._fitting and self._joined and not self._failed:
+                    self._flush()
+                    client.hello(self._stage, training=False)  # no sync round waits for us any more
+                    self.barrier("plug_asgd.fit_end")  # the final central model includes every worker
+                    self._load(client.pull())
+            finally:
+                try:
+                    client.bye(self._stage)
+                except (PSError, PSUnreachableError) as exc:
+                    log.warning("could not say goodbye to the parameter server: %s", exc)
+        self._joined = False
+        super().teardown()
+
+    # -- the parameter server --------------------------------------------------------------------
+
+    def _endpoint(self) -> tuple[str, str | None]:
+        """The address workers connect to, and the one rank 0 binds (None: an external PS)."""
+        if self.ps_address is not None:
+            return self.ps_address, None
+        assert self.cluster_environment is not None
+        host = self.cluster_environment.main_address
+        port = self.ps_port or self.cluster_environment.main_port + 1
+        address = f"tcp://{host}:{port}"
+        return address, f"tcp://{socket.gethostbyname(host)}:{port}"
+
+    def _connect(self) -> PSClient:
+        if self._client is not None:
+            return self._client
+        address, bind = self._endpoint()
+        if bind is not None and self.global_rank == 0:
+            self._start_embedded_ps(bind)
+        self._client = PSClient(address, rank=self.global_rank, world_size=self.world_size, mode=self.mode,
+                                request_timeout=self.request_timeout)
+        atexit.register(self._shutdown)
+        return self._client
+
+    def _start_embedded_ps(self, bind: str) -> None:
+        cmd = [sys.executable, "-m", "plug_asgd.ps_server", "--bind", bind, "--mode", self.mode,
+               "--parent-pid", str(os.getpid())]
+        if self.replicas_to_aggregate is not None:
+            cmd += ["--replicas-to-aggregate", str(self.replicas_to_aggregate)]
+        if self.max_updates is not None:
+            cmd += ["--max-updates", str(self.max_updates)]
+        self._ps_proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+    def _ps_gone(self) -> str | None:
+        if self._ps_proc is not None and self._ps_proc.poll() is not None:
+            return (f"the embedded parameter server exited with code {self._ps_proc.returncode} before "
+                    "answering (its message is above); if the port is taken, pass ps_port=")
+        return None
+
+    def _shutdown(self, wait_for_workers: float = 30.0) -> None:
+        """At exit: let the other workers finish with the PS, then stop it (rank 0) and close."""
+        client, self._client = self._client, None
+        if client is not None:
+            if self._ps_proc is not None and self._ps_proc.poll() is None:
+                deadline = time.monotonic() + wait_for_workers
+                while time.monotonic() < deadline:
+                    try:
+                        if not client.stats(timeout=2.0)["workers"]:
+                            break
+                    except (PSError, PSUnreachableError):
+                        break
+                    time.sleep(0.1)
+            client.close()
+        if self._ps_proc is not None:
+            self._ps_proc.terminate()
+            try:
+                self._ps_proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._ps_proc.kill()
+                self._ps_proc.wait()
+            self._ps_proc = None
+
+    def comm_stats(self) -> dict[str, Any]:
+        """This worker's communication counters (bytes measured on the wire)."""
+        return self._client.counters.as_dict() if self._client is not None else {}
+
+    def ps_stats(self) -> dict[str, Any]:
+        """The parameter server's global counters (version, pushes, bytes in and out, staleness)."""
+        if self._client is None:
+            raise RuntimeError("not connected to a parameter server: run trainer.fit/test first")
+        return self._client.stats()
+
+    # -- synchronising the model with the PS -----------------------------------------------------
+
+    def _synced_tensors(self) -> dict[str, Tensor]:
+        """Floating-point parameters and buffers (BatchNorm statistics): what the PS holds."""
+        module = self.lightning_module
+        assert module is not None
+        tensors = {n: p for n, p in module.named_parameters() if p.is_floating_point()}
+        tensors.update((n, b) for n, b in module.named_buffers() if b.is_floating_point())
+        return tensors
+
+    def _join(self) -> None:
+        """Start of a stage: offer our weights if the PS has none yet, then take the central ones."""
+        if self._joined:
+            return
+        assert self._client is not None
+        if not self._ps_initialized:
+            self._client.init({n: _to_numpy(t) for n, t in self._synced_tensors().items()})
+            self._ps_initialized = True
+        self._load(self._client.pull())
+        self._joined = True
+
+    def _refresh(self) -> None:
+        if not self._joined:
+            self._join()
+            return
+        assert self._client is not None
+        self._flush()
+        self._load(self._client.pull())
+
+    def _load(self, reply: ModelReply) -> None:
+        tensors = self._synced_tensors()
+        missing = sorted(set(tensors) - set(reply.tensors))
+        if missing:
+            raise RuntimeError(f"the parameter server's model lacks {missing[:5]}: is it serving another model? "
+                               "Restart it, or point ps_address at the PS of this run")
+        for name, t in tensors.items():
+            _assign(t, reply.tensors[name])
+            base = self._base.get(name)
+            if base is None or base.shape != t.shape or base.device != t.device:
+                self._base[name] = t.detach().clone()
+            else:
+                base.copy_(t.detach())
+        self._version = reply.version
+        if reply.stop and self._fitting and self.lightning_module is not None:
+            self.lightning_module.trainer.should_stop = True
+
+    def _push(self) -> None:
+        assert self._client is not None
+        update = {}
+        for name, t in self._synced_tensors().items():
+            delta = _to_numpy(t.detach() - self._base[name])
+            update[name] = self._compressor.encode(name, delta)
+        self._since_push = 0
+        self._load(self._client.push(self._version, update))
+
+    def _flush(self) -> None:
+        if self._fitting and self._joined and self._since_push:
+            self._push()
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._joined and self._fitting:
+            self._since_push += 1
+            if self._since_push >= self.push_every:
+                self._push()
+        return out
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The state dict with the central tensors: a checkpoint holds the central model."""
+        state = super().lightning_module_state_dict()
+        if self._client is not None and self._joined:
+            central = self._client.pull().tensors
+            for name, t in self._synced_tensors().items():
+                state[name] = torch.tensor(central[name], dtype=t.dtype).reshape(t.shape)
+        return state
+
+    # -- collectives through the PS --------------------------------------------------------------
+
+    def _collectives_active(self) -> bool:
+        return self._client is not None and self._in_stage and self.world_size > 1
+
+    def _gather(self, obj: Any = None, tensors: dict[str, np.ndarray] | None = None) -> list[Any]:
+        assert self._client is not None
+        seq = self._collective_seq
+        self._collective_seq += 1
+        return self._client.gather(self._stage, seq, obj, tensors)
+
+    def barrier(self, name: str | None = None) -> None:
+        if self._collectives_active():
+            self._gather()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not self._collectives_active():
+            return obj
+        mine = None
+        if self.global_rank == src:
+            try:
+                msgpack.packb(obj, use_bin_type=True)
+                mine = {"value": obj}
+            except (TypeError, ValueError) as exc:
+                mine = {"error": f"AsyncPSStrategy.broadcast sends msgpack data only (str, numbers, lists, "
+                                 f"dicts, bytes, None); got {type(obj).__name__}: {exc}"}
+        for rank, payload, _ in self._gather(mine):
+            if rank == src:
+                if payload is None or "error" in payload:
+                    raise TypeError(payload["error"] if payload else f"broadcast source rank {src} sent nothing")
+                return payload["value"]
+        raise RuntimeError(f"broadcast source rank {src} has left the stage")
+
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        if sync_grads:
+            raise RuntimeError("all_gather(sync_grads=True) needs autograd across processes, which "
+                               "AsyncPSStrategy does not provide")
+        if not self._collectives_active():
+            return tensor.unsqueeze(0)
+        parts = [t["x"] for _, _, t in self._gather(tensors={"x": _to_numpy(tensor)})]
+        return torch.tensor(np.stack(parts), dtype=tensor.dtype, device=tensor.device)
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Reduce across workers during evaluation; during training the local value is returned."""
+        if not isinstance(tensor, Tensor) or not self._collectives_active():
+            return tensor
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
+            return tensor
+        op = _op_name(reduce_op)
+        parts = np.stack([t["x"] for _, _, t in self._gather(tensors={"x": _to_numpy(tensor)})])
+        if op == "mean":
+            result = parts.astype(np.float64).mean(axis=0)
+        else:
+            result = getattr(parts, op)(axis=0)
+        return torch.tensor(result, dtype=tensor.dtype if op != "mean" or tensor.is_floating_point()
+                            else torch.float32, device=tensor.device)
+
+
+AsyncPSStrategy.register_strategies(StrategyRegistry)
