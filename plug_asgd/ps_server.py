@@ -291,7 +291,8 @@ class ParameterServer:
                 raise WireError("bad_tensor", f"tensor {name!r}: got {dtype.name}{list(shape)}, the central "
                                               f"model holds {central.dtype.name}{list(central.shape)}")
             if not np.isfinite(t.values if isinstance(t, Sparse) else t).all():
-                raise WireError("not_finite", f"tensor {name!r} holds NaN or Inf: update refused")
+                raise WireError("not_finite", f"update refused: tensor {name!r} holds NaN or Inf (has the worker's "
+                                              "training diverged? lower the learning rate)")
 
     def _on_push(self, identity: bytes, rid: Any, msg: Message) -> None:
         self._require_init()
@@ -382,8 +383,30 @@ def serve(bind: str, mode: str, **options: Any) -> int:
     return server.serve_forever()
 
 
+_BARE_PACKAGE = (
+    "import sys, types; pkg = types.ModuleType('plug_asgd'); pkg.__path__ = [{path!r}]; "
+    "sys.modules['plug_asgd'] = pkg; from plug_asgd.ps_server import main; sys.exit(main())"
+)
+
+
+def embedded_command(bind: str, mode: str, *, parent_pid: int | None = None,
+                     replicas_to_aggregate: int | None = None, max_updates: int | None = None) -> list[str]:
+    """The command that runs a PS in a fresh interpreter, as rank 0 starts the embedded one.
+
+    It imports this module without running ``plug_asgd/__init__`` (which registers the strategy
+    with Lightning): the PS never imports Lightning, and starts in a tenth of a second, not three.
+    """
+    code = _BARE_PACKAGE.format(path=os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-c", code, "--bind", bind, "--mode", mode]
+    for flag, value in (("--parent-pid", parent_pid), ("--replicas-to-aggregate", replicas_to_aggregate),
+                        ("--max-updates", max_updates)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    return cmd
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the embedded PS process that rank 0 starts (``python -m plug_asgd.ps_server``)."""
+    """Entry point of the embedded PS process (see :func:`embedded_command`)."""
     parser = argparse.ArgumentParser(description="plug_asgd parameter server (embedded)")
     parser.add_argument("--bind", required=True)
     parser.add_argument("--mode", default="asgd")
@@ -393,8 +416,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PLUG_ASGD_LOG", "WARNING"), stream=sys.stderr,
                         format="[plug_asgd PS %(asctime)s] %(message)s")
-    return serve(args.bind, args.mode, replicas_to_aggregate=args.replicas_to_aggregate,
-                 max_updates=args.max_updates, parent_pid=args.parent_pid)
+    try:
+        return serve(args.bind, args.mode, replicas_to_aggregate=args.replicas_to_aggregate,
+                     max_updates=args.max_updates, parent_pid=args.parent_pid)
+    except (OSError, ValueError) as exc:
+        print(f"plug_asgd parameter server: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import time
 from typing import Any, Callable, Literal
 
@@ -39,6 +38,7 @@ from torch.distributed import ReduceOp
 
 from plug_asgd.client import ModelReply, PSClient, PSError, PSUnreachableError
 from plug_asgd.modes import get_mode
+from plug_asgd.ps_server import embedded_command
 
 log = logging.getLogger("plug_asgd.strategy")
 
@@ -285,12 +285,8 @@ class AsyncPSStrategy(ParallelStrategy):
         return self._client
 
     def _start_embedded_ps(self, bind: str) -> None:
-        cmd = [sys.executable, "-m", "plug_asgd.ps_server", "--bind", bind, "--mode", self.mode,
-               "--parent-pid", str(os.getpid())]
-        if self.replicas_to_aggregate is not None:
-            cmd += ["--replicas-to-aggregate", str(self.replicas_to_aggregate)]
-        if self.max_updates is not None:
-            cmd += ["--max-updates", str(self.max_updates)]
+        cmd = embedded_command(bind, self.mode, parent_pid=os.getpid(), max_updates=self.max_updates,
+                               replicas_to_aggregate=self.replicas_to_aggregate)
         self._ps_proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
 
     def _ps_gone(self) -> str | None:

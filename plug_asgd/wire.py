@@ -130,8 +130,8 @@ def _dtype_name(array: np.ndarray) -> str:
 
 def _le(array: np.ndarray) -> np.ndarray:
     """A C-contiguous little-endian view or copy, so its buffer is the wire bytes."""
-    want = _DTYPES[_dtype_name(array)]
-    return np.ascontiguousarray(array, dtype=want)
+    out = np.asarray(array, dtype=_DTYPES[_dtype_name(array)])
+    return out if out.flags.c_contiguous else out.copy(order="C")  # ascontiguousarray would make 0-d 1-d
 
 
 def encode(

@@ -1,0 +1,223 @@
+"""The ``plug-asgd`` command: run a parameter server, train a recipe, inspect a running PS.
+
+``plug-asgd serve-ps``   a standalone parameter server for workers started elsewhere
+                         (``--ps-address tcp://host:port`` on the recipes, ``ps_address=`` on the strategy);
+``plug-asgd train mnist`` a ready-made recipe, every flag after its name passed to the recipe unchanged;
+``plug-asgd status ADDRESS`` the counters of a running PS, as a table.
+
+Only typer, rich and the standard library are imported at module level besides the PS and its
+client (neither imports torch or Lightning); a recipe, which imports Lightning, is imported when
+``train`` runs. (``import plug_asgd`` itself imports Lightning through the package ``__init__``.)
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from plug_asgd import ps_server
+from plug_asgd.client import PSClient, PSError, PSUnreachableError
+from plug_asgd.modes import MODES
+
+# name -> (module whose ``main(argv)`` runs it, one-line description)
+RECIPES: dict[str, tuple[str, str]] = {
+    "mnist": ("plug_asgd.recipes.mnist", "the Keras mnist_cnn on MNIST / Fashion-MNIST IDX files"),
+}
+
+app = typer.Typer(
+    help="Asynchronous and compressed parameter-server SGD for PyTorch Lightning.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    """Print ``message`` in red on stderr (one line, not wrapped) and return the Exit to raise."""
+    err_console.print(f"[bold red]error:[/] [red]{escape(message)}[/]", soft_wrap=True, highlight=False)
+    return typer.Exit(code)
+
+
+def _modes_text() -> str:
+    return ", ".join(MODES)
+
+
+def _check_mode(value: str) -> str:
+    if value not in MODES:
+        raise typer.BadParameter(f"unknown mode {value!r}; choose one of: {_modes_text()}")
+    return value
+
+
+def _check_log_level(value: str) -> str:
+    level = value.upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise typer.BadParameter(f"unknown log level {value!r}; choose one of: DEBUG, INFO, WARNING, ERROR, CRITICAL")
+    return level
+
+
+def _check_positive(value: float) -> float:
+    if not value > 0:
+        raise typer.BadParameter(f"must be positive, got {value:g}")
+    return value
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
+
+
+@app.command("serve-ps")
+def serve_ps(
+    host: Annotated[str, typer.Option(help="interface to listen on (0.0.0.0 or * for every interface)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port to listen on")] = 2223,
+    mode: Annotated[str, typer.Option(callback=_check_mode, help=f"training scheme: {_modes_text()}; workers "
+                                      "must ask for the same one")] = "asgd",
+    workers: Annotated[int | None, typer.Option(min=1, help="expected workers: once that many have joined and all "
+                                                "have left for --linger seconds, the PS exits by itself "
+                                                "(default: run until Ctrl-C / SIGTERM)")] = None,
+    linger: Annotated[float, typer.Option(min=0.0, help="seconds to wait, after the last of --workers has left, "
+                                          "for a worker to come back")] = 10.0,
+    replicas_to_aggregate: Annotated[int | None, typer.Option(min=1, help="sync: updates averaged per round "
+                                                              "(default: every training worker)")] = None,
+    max_updates: Annotated[int | None, typer.Option(min=1, help="central version at which workers are told "
+                                                    "to stop")] = None,
+    log_level: Annotated[str, typer.Option(callback=_check_log_level, help="logging level of the PS (stderr)")]
+    = "INFO",
+) -> None:
+    """Run a standalone parameter server until Ctrl-C / SIGTERM (or until --workers have come and gone).
+
+    Workers reach it with --ps-address tcp://HOST:PORT. A live dashboard of its counters is not
+    part of this command yet: query a running PS with 'plug-asgd status tcp://HOST:PORT'.
+    """
+    logging.basicConfig(level=log_level, stream=sys.stderr, format="[plug_asgd PS %(asctime)s] %(message)s",
+                        force=True)
+    bind = _endpoint(host, port)
+    extra = f", expecting {workers} worker{'s' if workers != 1 else ''}" if workers else ""
+    console.print(f"[bold green]plug_asgd parameter server[/] listening on [bold]{escape(bind)}[/], "
+                  f"mode [bold]{escape(mode)}[/]{extra} (Ctrl-C to stop)", soft_wrap=True, highlight=False)
+    try:
+        code = ps_server.serve(bind, mode, replicas_to_aggregate=replicas_to_aggregate, max_updates=max_updates,
+                               expected_workers=workers, linger=linger)
+    except (OSError, ValueError) as exc:  # port in use / bad interface, or a refused option
+        raise _fail(str(exc), 2) from None
+    raise typer.Exit(code or 0)
+
+
+def _recipes_text() -> str:
+    return ", ".join(RECIPES)
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False},
+    add_help_option=False,
+)
+def train(
+    ctx: typer.Context,
+    recipe: Annotated[str | None, typer.Argument(metavar="RECIPE", show_default=False,
+                                                 help=f"recipe to run: {_recipes_text()}; 'plug-asgd train RECIPE "
+                                                 "--help' shows its flags")] = None,
+) -> None:
+    """Train a ready-made recipe (mnist); every argument after RECIPE goes to the recipe unchanged.
+
+    Lightning starts the other worker processes by re-running this same command line.
+    """
+    args = list(ctx.args)
+    if recipe is None or recipe in ("--help", "-h"):
+        console.print(ctx.get_help(), highlight=False)
+        for name, (_, summary) in RECIPES.items():
+            console.print(f"  [bold]{name}[/]  {escape(summary)}", soft_wrap=True, highlight=False)
+        if recipe is None:
+            raise _fail(f"missing RECIPE; available recipes: {_recipes_text()}", 2)
+        raise typer.Exit(0)
+    if recipe not in RECIPES:
+        raise _fail(f"unknown recipe {recipe!r}; available recipes: {_recipes_text()}", 2)
+    module = importlib.import_module(RECIPES[recipe][0])
+    module.main(args)
+
+
+def _bytes(n: Any) -> str:
+    value = float(n or 0)
+    for unit in ("B", "kB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+def _histogram(counts: dict[str, Any] | None, empty: str = "none") -> str:
+    if not counts:
+        return empty
+    return "  ".join(f"{k}: {v}" for k, v in counts.items())
+
+
+def stats_table(address: str, stats: dict[str, Any]) -> Table:
+    """A rich table of a PS's ``snapshot()`` counters."""
+    table = Table(title=f"parameter server {address}", show_header=True, title_justify="left")
+    table.add_column("counter", style="cyan", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    workers = stats.get("workers") or []
+    rows = [
+        ("mode", str(stats.get("mode"))),
+        ("version", str(stats.get("version"))),
+        ("initialized", "yes" if stats.get("initialized") else "no"),
+        ("max updates", "none" if stats.get("max_updates") is None else str(stats.get("max_updates"))),
+        ("world size", "unknown" if stats.get("world_size") is None else str(stats.get("world_size"))),
+        ("workers", f"{len(workers)}" + (f" (ranks {', '.join(map(str, workers))})" if workers else "")),
+        ("trainers", str(stats.get("trainers"))),
+        ("uptime", f"{float(stats.get('uptime_s') or 0):.1f} s"),
+        ("updates/s", f"{float(stats.get('updates_per_s') or 0):.3f} (average since start)"),
+        ("messages in", str(stats.get("messages_in"))),
+        ("bytes in", f"{_bytes(stats.get('bytes_in'))} (pushes {_bytes(stats.get('push_bytes_in'))})"),
+        ("bytes out", _bytes(stats.get("bytes_out"))),
+        ("pushes applied", str(stats.get("pushes_applied"))),
+        ("pushes dropped", str(stats.get("pushes_dropped"))),
+        ("pushes after stop", str(stats.get("pushes_after_stop"))),
+        ("refused by code", _histogram(stats.get("refused"))),
+        ("staleness histogram", _histogram(stats.get("staleness"))),
+        ("pushes by rank", _histogram(stats.get("pushes_by_rank"))),
+    ]
+    for name, value in rows:
+        table.add_row(name, escape(value))
+    return table
+
+
+@app.command()
+def status(
+    address: Annotated[str, typer.Argument(help="the PS's address, e.g. tcp://127.0.0.1:2223 (tcp:// may be "
+                                           "left out)", show_default=False)],
+    timeout: Annotated[float, typer.Option(callback=_check_positive, help="seconds to wait for the PS's answer")]
+    = 5.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print the counters as JSON instead of a table")] = False,
+) -> None:
+    """Show the counters of a running parameter server (version, workers, traffic, staleness...)."""
+    if "://" not in address:
+        address = f"tcp://{address}"
+    try:
+        client = PSClient(address, rank=0, world_size=1, mode="", request_timeout=timeout)
+    except Exception as exc:  # zmq refuses a malformed endpoint at connect time
+        raise _fail(f"cannot connect to {address}: {exc} (expected tcp://HOST:PORT)", 2) from None
+    try:
+        stats = client.stats(timeout=timeout)
+    except PSUnreachableError as exc:
+        raise _fail(str(exc), 1) from None  # names the address and says what to check
+    except PSError as exc:
+        raise _fail(str(exc), 1) from None
+    finally:
+        client.close()
+    if as_json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+    else:
+        console.print(stats_table(address, stats))
+
+
+if __name__ == "__main__":
+    app()

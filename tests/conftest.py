@@ -1,0 +1,97 @@
+"""Process helpers: every process a test starts lives in its own process group, which must be
+empty when the test ends; anything left is killed and the test fails."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+PYTHON = sys.executable
+PLUG_ASGD = str(Path(sys.executable).with_name("plug-asgd"))
+
+needs_fashion = pytest.mark.skipif(
+    not (FASHION / "train-images-idx3-ubyte.gz").exists(),
+    reason="Fashion-MNIST not installed: apt-get install dataset-fashion-mnist",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids whose process group is ``pgid`` (read from /proc, so zombies of other parents count too)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+class ProcessGroups:
+    """Starts commands in new sessions and checks, at the end, that none of them left anything behind."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, start_new_session=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, **kw)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
+        proc = self.start(cmd, env)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill(proc)
+            out, _ = proc.communicate()
+            pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s; output:\n{out[-4000:]}")
+        return proc.returncode, out
+
+    @staticmethod
+    def kill(proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def leftovers(self, grace: float = 15.0) -> list[int]:
+        deadline = time.monotonic() + grace
+        while True:
+            left = [pid for p in self.procs for pid in group_members(p.pid)]
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def procs():
+    groups = ProcessGroups()
+    yield groups
+    left = groups.leftovers()
+    for p in groups.procs:
+        groups.kill(p)
+        if p.poll() is None:
+            p.wait(10)
+    assert not left, f"processes left running after the test: {left}"

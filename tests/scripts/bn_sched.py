@@ -1,0 +1,77 @@
+"""A LightningModule with BatchNorm and a per-step LR scheduler, trained under AsyncPSStrategy.
+
+Each rank writes what it ends with to OUT/rank{r}.json, for tests/test_training.py to compare.
+The data are generated here on purpose: this script tests the strategy's mechanics, not a model.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from plug_asgd import AsyncPSStrategy
+
+
+class BNNet(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_acc", (self.net(x).argmax(1) == y).float().mean(), sync_dist=True)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+        return [opt], [{"scheduler": sched, "interval": "step"}]
+
+
+def loader(n: int, seed: int, shuffle: bool) -> DataLoader:
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n, 8)) * 3 + 2).astype(np.float32)  # mean 2, var 9: BN statistics must move
+    y = (x[:, 0] + x[:, 1] > 4).astype(np.int64)
+    return DataLoader(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=32, shuffle=shuffle)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", default="asgd")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    pl.seed_everything(0, verbose=False)
+    model = BNNet()
+    strategy = AsyncPSStrategy(mode=args.mode, compression=0.1)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, loader(1280, 0, True))
+    results = trainer.test(model, loader(512, 1, False), verbose=False)
+    bn = model.net[1]
+    out = {
+        "rank": trainer.global_rank,
+        "steps": trainer.global_step,
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "bn_mean": bn.running_mean.tolist(),
+        "bn_var": bn.running_var.tolist(),
+        "param_sum": float(sum(p.double().sum() for p in model.parameters())),
+        "test_acc": results[0]["test_acc"],
+        "ps_version": strategy.ps_stats()["version"],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

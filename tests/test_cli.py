@@ -1,0 +1,271 @@
+"""Tests for the ``plug-asgd`` command line: help, serve-ps, status and train.
+
+Commands that run a server are real subprocesses on 127.0.0.1, each in its own session so that
+the teardown can kill its whole process group; every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from plug_asgd import cli
+from plug_asgd.client import PSClient
+from plug_asgd.modes import MODES
+
+pytestmark = pytest.mark.timeout(60)
+
+CLI = [sys.executable, "-m", "plug_asgd.cli"]
+FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+runner = CliRunner()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "NO_COLOR": "1"}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group the test started (the leader and anything it spawned)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+class Procs:
+    """Starts CLI subprocesses in their own sessions; ``close`` kills every group still alive."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.started: list[subprocess.Popen] = []
+
+    def start(self, *args: str, name: str = "proc") -> tuple[subprocess.Popen, Path, Path]:
+        out, err = self.tmp_path / f"{name}.out", self.tmp_path / f"{name}.err"
+        with open(out, "wb") as fo, open(err, "wb") as fe:
+            proc = subprocess.Popen([*CLI, *args], stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
+                                    start_new_session=True, env=_env(), cwd=self.tmp_path)
+        self.started.append(proc)
+        return proc, out, err
+
+    def run(self, *args: str, timeout: float = 45) -> subprocess.CompletedProcess:
+        """Run a command to its end (killing its group past ``timeout``); returns its output."""
+        proc = subprocess.Popen([*CLI, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True, env=_env(),
+                                cwd=self.tmp_path)
+        self.started.append(proc)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            out, err = proc.communicate(timeout=10)
+            pytest.fail(f"{args} did not finish within {timeout} s:\n{out}\n{err}")
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def close(self) -> None:
+        for proc in self.started:
+            _kill_group(proc)
+
+
+@pytest.fixture
+def procs(tmp_path: Path):
+    p = Procs(tmp_path)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in path.read_text(errors="replace"):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the process exited with {proc.returncode} before printing {text!r}:\n"
+                        f"{path.read_text(errors='replace')}")
+        time.sleep(0.1)
+    pytest.fail(f"{text!r} not printed within {timeout} s")
+
+
+# -- help and usage (in process) ---------------------------------------------------------------
+
+
+def test_help_lists_commands():
+    result = runner.invoke(cli.app, ["--help"])
+    assert result.exit_code == 0, result.output
+    for command in ("serve-ps", "train", "status"):
+        assert command in result.output
+
+
+def test_no_args_shows_help():
+    result = runner.invoke(cli.app, [])
+    assert "serve-ps" in result.output and "status" in result.output
+
+
+def test_module_entry_point_help(procs):
+    result = procs.run("--help")
+    assert result.returncode == 0, result.stderr
+    for command in ("serve-ps", "train", "status"):
+        assert command in result.stdout
+
+
+def test_serve_ps_rejects_unknown_mode():
+    result = runner.invoke(cli.app, ["serve-ps", "--mode", "nope"])
+    assert result.exit_code != 0
+    assert "nope" in result.output
+    for mode in MODES:
+        assert mode in result.output
+
+
+def test_serve_ps_rejects_unknown_log_level():
+    result = runner.invoke(cli.app, ["serve-ps", "--log-level", "loud"])
+    assert result.exit_code == 2
+    assert "loud" in result.output
+
+
+def test_train_unknown_recipe():
+    result = runner.invoke(cli.app, ["train", "cifar10", "--workers", "2"])
+    assert result.exit_code == 2
+    assert "cifar10" in result.output and "mnist" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_train_without_recipe_lists_recipes():
+    result = runner.invoke(cli.app, ["train"])
+    assert result.exit_code == 2
+    assert "mnist" in result.output
+
+
+def test_train_help_is_the_recipes():
+    result = runner.invoke(cli.app, ["train", "mnist", "--help"])
+    assert result.exit_code == 0, result.output
+    for flag in ("--data-dir", "--workers", "--mode", "--ps-address"):
+        assert flag in result.output
+
+
+def test_train_passes_arguments_unchanged(monkeypatch):
+    seen: list[list[str]] = []
+    fake = types.ModuleType("plug_asgd_fake_recipe")
+    fake.main = lambda argv: seen.append(argv)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "plug_asgd_fake_recipe", fake)
+    monkeypatch.setitem(cli.RECIPES, "fake", ("plug_asgd_fake_recipe", "a test recipe"))
+    argv = ["--workers", "2", "-x", "value", "--help", "--", "positional", "--mode=sync"]
+    before = list(sys.argv)
+    result = runner.invoke(cli.app, ["train", "fake", *argv])
+    assert result.exit_code == 0, result.output
+    assert seen == [argv]
+    assert sys.argv == before
+
+
+def test_stats_table_shows_counters():
+    from rich.console import Console
+
+    stats = {"mode": "adacomp", "version": 12, "initialized": True, "max_updates": None, "world_size": 2,
+             "workers": [0, 1], "trainers": 2, "uptime_s": 3.0, "updates_per_s": 4.0, "messages_in": 40,
+             "bytes_in": 2_500_000, "bytes_out": 999, "push_bytes_in": 1_000_000, "pushes_applied": 12,
+             "pushes_dropped": 1, "pushes_after_stop": 0, "refused": {"bad_tensor": 3},
+             "staleness": {"0": 7, "1": 5}, "pushes_by_rank": {"0": 6, "1": 6}}
+    console = Console(width=200, file=io.StringIO())
+    console.print(cli.stats_table("tcp://127.0.0.1:1", stats))
+    text = console.file.getvalue()
+    for expected in ("adacomp", "version", "12", "2.50 MB", "999 B", "bad_tensor: 3", "0: 7  1: 5", "ranks 0, 1"):
+        assert expected in text
+
+
+# -- real processes ----------------------------------------------------------------------------
+
+
+def test_serve_ps_status_and_sigterm(procs):
+    port = free_port()
+    ps, out, err = procs.start("serve-ps", "--port", str(port), "--mode", "adacomp", name="ps")
+    wait_for_text(out, f"tcp://127.0.0.1:{port}", ps)
+    result = procs.run("status", f"tcp://127.0.0.1:{port}", "--timeout", "20")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "adacomp" in result.stdout
+    assert "version" in result.stdout
+    assert ps.poll() is None
+    ps.send_signal(signal.SIGTERM)
+    assert ps.wait(timeout=10) == 0
+    assert "Traceback" not in err.read_text()
+    assert "mode adacomp" in out.read_text()
+
+
+def test_serve_ps_exits_when_workers_have_left(procs):
+    port = free_port()
+    ps, out, err = procs.start("serve-ps", "--port", str(port), "--workers", "1", "--linger", "0.5", name="ps")
+    wait_for_text(out, f"tcp://127.0.0.1:{port}", ps)
+    client = PSClient(f"tcp://127.0.0.1:{port}", rank=0, world_size=1, mode="asgd", request_timeout=20)
+    try:
+        welcome = client.hello(stage=1, training=True)
+        assert welcome["mode"] == "asgd"
+        client.bye(stage=1, timeout=20)
+    finally:
+        client.close()
+    assert ps.wait(timeout=10) == 0
+    assert "Traceback" not in err.read_text()
+
+
+def test_serve_ps_port_in_use(procs):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = procs.run("serve-ps", "--port", str(port))
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert f"127.0.0.1:{port}" in result.stderr
+    assert "in use" in result.stderr or "port" in result.stderr
+    assert "Traceback" not in output
+
+
+def test_status_unreachable(procs):
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    start = time.monotonic()
+    result = procs.run("status", address, "--timeout", "1")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert address in result.stderr
+    assert "Traceback" not in output
+    assert time.monotonic() - start < 30
+
+
+def test_status_malformed_address(procs):
+    result = procs.run("status", "tcp://nohost", "--timeout", "1")
+    assert result.returncode == 2
+    assert "tcp://nohost" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.skipif(not FASHION_DIR.is_dir(), reason=f"no dataset at {FASHION_DIR}")
+def test_train_mnist_two_workers(procs, tmp_path):
+    """Lightning re-runs the command line for the second worker: the CLI must survive that."""
+    metrics = tmp_path / "metrics.json"
+    result = procs.run("train", "mnist", "--workers", "2", "--max-steps", "2", "--train-subset", "64",
+                       "--test-subset", "32", "--no-val", "--quiet", "--no-download", "--data-dir", str(FASHION_DIR),
+                       "--run-dir", str(tmp_path / "runs"), "--metrics-json", str(metrics), timeout=50)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "central model test accuracy" in result.stdout
+    summary = json.loads(metrics.read_text())
+    assert summary["workers"] == 2 and summary["ps_version"] >= 2

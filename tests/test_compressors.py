@@ -1,0 +1,67 @@
+"""AdaComp's worker half: the exact top fraction per layer, and nothing lost to the residual."""
+
+import math
+
+import numpy as np
+import pytest
+
+from plug_asgd.compressors import NoCompression, TopKResidual
+from plug_asgd.wire import Sparse, encode, sparse_wire_bytes
+
+
+def test_selects_exactly_the_largest_magnitudes_per_layer():
+    rng = np.random.default_rng(1)
+    layers = {"conv": rng.standard_normal((32, 1, 3, 3)).astype(np.float32),  # 288 values
+              "fc": rng.standard_normal((1000,)).astype(np.float32)}
+    comp = TopKResidual(0.05)
+    for name, delta in layers.items():
+        sent = comp.encode(name, delta)
+        k = math.ceil(0.05 * delta.size)  # 15 of 288, 50 of 1000
+        expected = np.sort(np.argsort(-np.abs(delta.reshape(-1)), kind="stable")[:k])
+        assert isinstance(sent, Sparse) and sent.shape == delta.shape
+        np.testing.assert_array_equal(sent.indices, expected)
+        np.testing.assert_array_equal(sent.values, delta.reshape(-1)[expected])
+
+
+def test_sent_plus_residual_is_exactly_the_update_over_several_steps():
+    rng = np.random.default_rng(2)
+    comp = TopKResidual(0.01)
+    carried = np.zeros(5000, np.float32)
+    for _ in range(4):
+        delta = rng.standard_normal(5000).astype(np.float32)
+        want = delta + carried  # what the worker owes the PS this step
+        sent = comp.encode("w", delta)
+        residual = comp.residuals["w"]
+        np.testing.assert_array_equal(sent.to_dense() + residual, want)
+        assert sent.nnz == 50
+        assert np.all(residual[sent.indices] == 0)
+        # every sent magnitude is >= every kept one
+        assert np.abs(sent.values).min() >= np.abs(residual).max()
+        carried = residual
+
+
+def test_zeros_are_not_sent_and_small_layers_send_at_least_one():
+    comp = TopKResidual(0.01)
+    sent = comp.encode("bias", np.array([0, 0, 3, 0], np.float32))
+    np.testing.assert_array_equal(sent.indices, [2])
+    assert comp.encode("frozen", np.zeros(10, np.float32)).nnz == 0
+
+
+def test_wire_size_matches_the_docstring_formula():
+    comp = TopKResidual(0.01)
+    delta = np.random.default_rng(3).standard_normal((9216, 128)).astype(np.float32)
+    sent = comp.encode("fc", delta)
+    frames = encode("push", None, {"fc": sent})
+    payload = sum(len(memoryview(f).cast("B")) for f in frames[1:])
+    assert sent.nnz == math.ceil(0.01 * 9216 * 128) == 11797
+    assert payload == 4 * 18 + 6 * 11797 == sparse_wire_bytes(9216 * 128, 11797)
+    assert payload * 60 < delta.nbytes  # 70,854 bytes instead of 4,718,592
+
+
+def test_fraction_is_validated_and_none_passes_through():
+    with pytest.raises(ValueError):
+        TopKResidual(0.0)
+    with pytest.raises(ValueError):
+        TopKResidual(1.5)
+    d = np.ones(3, np.float32)
+    assert NoCompression().encode("x", d) is d

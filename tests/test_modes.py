@@ -1,0 +1,102 @@
+"""The PS's fold-in rules against hand-computed central models."""
+
+import numpy as np
+import pytest
+
+from plug_asgd.modes import APPLIED, DROPPED, AdaCompRule, AsgdRule, CentralState, Push, SyncRule, get_mode
+from plug_asgd.wire import Sparse
+
+
+def sparse(idx, val, n=8):
+    idx = np.array(idx, dtype=np.int64)
+    return Sparse(idx, np.full(idx.size, val, np.float32), (n,))
+
+
+def test_asgd_adds_every_update_at_once_whatever_its_base():
+    state = CentralState({"w": np.zeros(3, np.float32)})
+    rule = AsgdRule()
+    assert rule.push(state, Push("a", 0, 0, {"w": np.array([1, 2, 3], np.float32)})) == [("a", APPLIED)]
+    assert rule.push(state, Push("b", 1, 0, {"w": sparse([2], 10.0, 3)})) == [("b", APPLIED)]
+    np.testing.assert_array_equal(state.tensors["w"], [1, 2, 13])
+    assert state.version == 2
+
+
+def test_adacomp_scales_each_coordinate_by_its_own_staleness():
+    state = CentralState({"w": np.zeros(8, np.float32)})
+    rule = AdaCompRule()
+    # Three fresh updates (each based on the version current when it was sent): scale 1.
+    rule.push(state, Push("u1", 0, 0, {"w": sparse([1, 2, 3], 1.0)}))  # -> version 1
+    rule.push(state, Push("u2", 1, 1, {"w": sparse([2, 3], 1.0)}))  # -> version 2
+    rule.push(state, Push("u3", 0, 2, {"w": sparse([3, 5], 1.0)}))  # -> version 3
+    np.testing.assert_array_equal(state.tensors["w"], [0, 1, 2, 3, 0, 1, 0, 0])
+    # A push based on version 0 touching {0, 2, 3, 5}. Updates since: u1{1,2,3}, u2{2,3}, u3{3,5}.
+    # By hand: s_0 = 0, s_2 = 2 (u1, u2), s_3 = 3 (u1, u2, u3), s_5 = 1 (u3).
+    np.testing.assert_array_equal(rule.staleness(0, "w", np.array([0, 2, 3, 5])), [0, 2, 3, 1])
+    rule.push(state, Push("p", 1, 0, {"w": sparse([0, 2, 3, 5], 6.0)}))
+    # increments 6/max(1,0)=6, 6/2=3, 6/3=2, 6/1=6
+    np.testing.assert_allclose(state.tensors["w"], [6, 1, 5, 5, 0, 7, 0, 0])
+    assert state.version == 4
+
+
+def test_adacomp_counts_a_dense_update_as_touching_everything():
+    state = CentralState({"w": np.zeros(4, np.float32)})
+    rule = AdaCompRule()
+    rule.push(state, Push("d", 0, 0, {"w": np.ones(4, np.float32)}))
+    rule.push(state, Push("s", 1, 0, {"w": sparse([1], 4.0, 4)}))
+    np.testing.assert_allclose(state.tensors["w"], [1, 5, 1, 1])  # s_1 = 1 -> scale 1
+
+
+def test_adacomp_history_bound_is_counted():
+    state = CentralState({"w": np.zeros(4, np.float32)})
+    rule = AdaCompRule(history=2)
+    for v in range(4):
+        rule.push(state, Push(v, 0, v, {"w": sparse([0], 1.0, 4)}))
+    rule.push(state, Push("old", 1, 0, {"w": sparse([0], 2.0, 4)}))
+    assert rule.truncated == 1
+    assert state.tensors["w"][0] == pytest.approx(4 + 2 / 2)  # only 2 of the 4 remembered
+
+
+def test_sync_averages_a_full_round_and_releases_it_together():
+    state = CentralState({"w": np.zeros(2, np.float32)})
+    rule = SyncRule()
+    rule.set_trainers(state, 3)
+    assert rule.push(state, Push("a", 0, 0, {"w": np.array([3, 0], np.float32)})) == []
+    assert rule.push(state, Push("b", 1, 0, {"w": np.array([0, 3], np.float32)})) == []
+    assert state.version == 0 and not state.tensors["w"].any()
+    done = rule.push(state, Push("c", 2, 0, {"w": np.array([3, 3], np.float32)}))
+    assert sorted(done) == [("a", APPLIED), ("b", APPLIED), ("c", APPLIED)]
+    np.testing.assert_allclose(state.tensors["w"], [2, 2])
+    assert state.version == 1
+
+
+def test_sync_drops_stale_updates_and_backup_workers_are_not_waited_for():
+    state = CentralState({"w": np.zeros(1, np.float32)})
+    rule = SyncRule(replicas_to_aggregate=2)
+    rule.set_trainers(state, 3)
+    rule.push(state, Push("a", 0, 0, {"w": np.array([2], np.float32)}))
+    assert rule.push(state, Push("b", 1, 0, {"w": np.array([4], np.float32)})) == [("a", APPLIED), ("b", APPLIED)]
+    assert rule.push(state, Push("slow", 2, 0, {"w": np.array([100], np.float32)})) == [("slow", DROPPED)]
+    np.testing.assert_allclose(state.tensors["w"], [3])
+    assert state.version == 1
+
+
+def test_sync_round_completes_when_a_worker_leaves():
+    state = CentralState({"w": np.zeros(1, np.float32)})
+    rule = SyncRule()
+    rule.set_trainers(state, 2)
+    assert rule.push(state, Push("a", 0, 0, {"w": np.array([2], np.float32)})) == []
+    assert rule.set_trainers(state, 1) == [("a", APPLIED)]
+    np.testing.assert_allclose(state.tensors["w"], [2])
+
+
+def test_sync_refuses_a_second_update_from_the_same_worker_in_one_round():
+    state = CentralState({"w": np.zeros(1, np.float32)})
+    rule = SyncRule()
+    rule.set_trainers(state, 2)
+    rule.push(state, Push("a1", 0, 0, {"w": np.array([2], np.float32)}))
+    assert rule.push(state, Push("a2", 0, 0, {"w": np.array([2], np.float32)})) == [("a2", DROPPED)]
+
+
+def test_unknown_mode_lists_the_modes():
+    with pytest.raises(ValueError, match="asgd, adacomp, sync"):
+        get_mode("hogwild")

@@ -1,0 +1,163 @@
+"""A real PS process on loopback, driven over real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from plug_asgd.client import PSClient, PSError
+from plug_asgd.wire import PROTOCOL_VERSION, Sparse, decode, encode
+from plug_asgd.ps_server import embedded_command
+from tests.conftest import free_port
+
+
+@pytest.fixture
+def start_ps(procs):
+    def start(mode: str = "asgd", *extra: str) -> str:
+        port = free_port()
+        address = f"tcp://127.0.0.1:{port}"
+        procs.start([*embedded_command(address, mode), *extra])
+        return address
+
+    yield start
+    for p in procs.procs:
+        p.terminate()
+        p.wait(10)
+
+
+def client(address: str, rank: int = 0, world: int = 1, mode: str = "asgd", training: bool = True) -> PSClient:
+    c = PSClient(address, rank=rank, world_size=world, mode=mode, request_timeout=10)
+    c.hello(stage=1, training=training, timeout=20)
+    return c
+
+
+W0 = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(2, np.float32)}
+
+
+def test_asgd_push_is_folded_in_and_answered_with_the_central_model(start_ps):
+    c = client(start_ps())
+    assert c.init(W0) is True
+    assert c.init({"w": np.ones((2, 3), np.float32)}) is False  # the first worker's model wins
+    delta = {"w": np.full((2, 3), 0.5, np.float32), "b": Sparse(np.array([1]), np.array([2.0], np.float32), (2,))}
+    reply = c.push(0, delta)
+    assert reply.version == 1 and reply.status == "applied" and not reply.stop
+    np.testing.assert_array_equal(reply.tensors["w"], W0["w"] + 0.5)
+    np.testing.assert_array_equal(reply.tensors["b"], [0, 2])
+    assert c.counters.push_bytes_up > 6 * 4  # counted on the wire: header + frames
+    c.close()
+
+
+def test_malformed_messages_get_error_replies_and_the_model_is_untouched(start_ps):
+    address = start_ps()
+    good = client(address)
+    good.init(W0)
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(address)
+
+    def ask(frames):
+        raw.send_multipart(frames)
+        assert raw.poll(10_000), "the PS did not answer"
+        return decode(raw.recv_multipart())
+
+    bad_version = encode("pull", {"rid": 1})
+    bad_version[0] = bad_version[0].replace(bytes([0xA1, 0x76, PROTOCOL_VERSION]), bytes([0xA1, 0x76, 99]))
+    cases = {
+        "bad_header": [b"\x93\x01\x02"],
+        "bad_version": bad_version,
+        "unknown_type": encode("steal", {"rid": 1}),
+        "frame_count": encode("push", {"rid": 1}, {"w": np.zeros(6, np.float32)})[:1],
+        "bad_tensor": encode("push", {"rid": 1, "rank": 0, "base_version": 0, "seq": 1, "session": "x"},
+                             {"w": np.zeros(5, np.float32)}),
+        "unknown_tensor": encode("push", {"rid": 1, "rank": 0, "base_version": 0, "seq": 2, "session": "x"},
+                                 {"nope": np.zeros(5, np.float32)}),
+        "not_finite": encode("push", {"rid": 1, "rank": 0, "base_version": 0, "seq": 3, "session": "x"},
+                             {"w": np.full((2, 3), np.nan, np.float32)}),
+        "bad_field": encode("push", {"rid": 1, "rank": 0, "base_version": "zero", "seq": 4, "session": "x"},
+                            {"w": np.zeros((2, 3), np.float32)}),
+    }
+    for code, frames in cases.items():
+        reply = ask(frames)
+        assert reply.type == "error" and reply.fields["code"] == code, (code, reply.fields)
+    np.testing.assert_array_equal(good.pull().tensors["w"], W0["w"])
+    assert good.pull().version == 0
+    refused = good.stats()["refused"]
+    assert sum(refused.values()) == len(cases)
+    raw.close()
+    good.close()
+
+
+def test_a_replayed_push_is_applied_once(start_ps):
+    c = client(start_ps())
+    c.init(W0)
+    fields = {"rank": 0, "base_version": 0, "seq": 7, "session": c.session}
+    c.request("push", fields, {"w": np.ones((2, 3), np.float32)})
+    with pytest.raises(PSError) as err:
+        c.request("push", fields, {"w": np.ones((2, 3), np.float32)})
+    assert err.value.code == "duplicate"
+    np.testing.assert_array_equal(c.pull().tensors["w"], W0["w"] + 1)
+
+
+def test_wrong_mode_is_refused_with_a_clear_message(start_ps):
+    address = start_ps("sync")
+    c = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=20)
+    with pytest.raises(PSError, match="runs mode 'sync'"):
+        c.hello(stage=1, training=True)
+    c.close()
+
+
+def test_sync_workers_wait_for_the_round_then_get_the_average(start_ps):
+    address = start_ps("sync")
+    a, b = client(address, 0, 2, "sync"), client(address, 1, 2, "sync")
+    a.init(W0)
+    replies = {}
+    t = threading.Thread(target=lambda: replies.setdefault("a", a.push(0, {"w": np.full((2, 3), 2, np.float32)})))
+    t.start()
+    time.sleep(1.0)
+    assert t.is_alive(), "a sync push was answered before its round was complete"
+    replies["b"] = b.push(0, {"w": np.full((2, 3), 4, np.float32)})
+    t.join(10)
+    for r in replies.values():
+        assert r.version == 1 and r.status == "applied"
+        np.testing.assert_array_equal(r.tensors["w"], W0["w"] + 3)
+    stale = a.push(0, {"w": np.full((2, 3), 100, np.float32)})  # based on version 0, now 1
+    assert stale.status == "dropped" and stale.version == 1
+    np.testing.assert_array_equal(stale.tensors["w"], W0["w"] + 3)
+    a.close()
+    b.close()
+
+
+def test_collectives_complete_when_every_rank_present_contributes(start_ps):
+    address = start_ps()
+    a, b = client(address, 0, 2), client(address, 1, 2)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("a", a.gather(1, 0, "hello", {"x": np.array([1.0])})))
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive()
+    out["b"] = b.gather(1, 0, None, {"x": np.array([2.0])})
+    t.join(10)
+    for res in out.values():
+        assert [(r, o) for r, o, _ in res] == [(0, "hello"), (1, None)]
+        assert [float(ts["x"][0]) for _, _, ts in res] == [1.0, 2.0]
+    # rank 1 leaves: rank 0's next collective completes alone instead of hanging
+    b.bye(1)
+    assert [r for r, _, _ in a.gather(1, 1)] == [0]
+    a.close()
+    b.close()
+
+
+def test_max_updates_tells_workers_to_stop_and_freezes_the_model(start_ps):
+    c = client(start_ps("asgd", "--max-updates", "2"))
+    c.init(W0)
+    assert not c.push(0, {"w": np.ones((2, 3), np.float32)}).stop
+    r = c.push(1, {"w": np.ones((2, 3), np.float32)})
+    assert r.stop and r.version == 2
+    r = c.push(2, {"w": np.ones((2, 3), np.float32)})
+    assert r.stop and r.status == "stopped" and r.version == 2
+    np.testing.assert_array_equal(r.tensors["w"], W0["w"] + 2)

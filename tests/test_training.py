@@ -1,0 +1,135 @@
+"""Real training: Lightning's launcher, worker processes, an embedded PS, real sockets, Fashion-MNIST."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FASHION, PLUG_ASGD, PYTHON, ProcessGroups, free_port, group_members, needs_fashion
+
+ACCURACY_THRESHOLD = 0.75  # chance is 0.10; 250 updates of 2 workers on 8000 images
+RECIPE = ["recipes/mnist.py", "--data-dir", str(FASHION), "--no-download", "--quiet", "--no-val",
+          "--train-subset", "8000", "--test-subset", "1000"]
+
+
+def run_recipe(groups: ProcessGroups, tmp: Path, *args: str, timeout: float = 150, env=None) -> dict:
+    metrics = tmp / f"metrics-{time.monotonic_ns()}.json"
+    code, out = groups.run([PYTHON, *RECIPE, "--run-dir", str(tmp / "runs"), "--metrics-json", str(metrics),
+                            *args], timeout=timeout, env=env)
+    assert code == 0, out[-4000:]
+    return json.loads(metrics.read_text())
+
+
+@pytest.fixture(scope="module")
+def core_runs(tmp_path_factory):
+    """One run of each core mode, 2 workers, shared by the tests below."""
+    if not (FASHION / "train-images-idx3-ubyte.gz").exists():
+        pytest.skip("Fashion-MNIST not installed: apt-get install dataset-fashion-mnist")
+    groups = ProcessGroups()
+    tmp = tmp_path_factory.mktemp("core")
+    try:
+        runs = {mode: run_recipe(groups, tmp, "--workers", "2", "--mode", mode, "--compression", "0.01")
+                for mode in ("asgd", "adacomp", "sync")}
+    finally:
+        left = groups.leftovers()
+        for p in groups.procs:
+            groups.kill(p)
+    assert not left, f"processes left running: {left}"
+    return runs
+
+
+@needs_fashion
+@pytest.mark.parametrize("mode", ["asgd", "adacomp", "sync"])
+def test_each_mode_trains_the_central_model_well_above_chance(core_runs, mode):
+    run = core_runs[mode]
+    assert run["test_acc"] >= ACCURACY_THRESHOLD, run
+    # 8000 images / 2 workers / batch 32 = 125 steps per worker
+    if mode == "sync":
+        assert run["ps_version"] == 125 and run["pushes_applied"] == 250
+    else:
+        assert run["ps_version"] == 250
+
+
+@needs_fashion
+def test_adacomp_pushes_at_least_30x_fewer_bytes_than_asgd(core_runs):
+    asgd, ada = core_runs["asgd"], core_runs["adacomp"]
+    assert asgd["pushes_applied"] == ada["pushes_applied"] == 250
+    # dense: 1,199,882 float32 = 4,799,528 bytes of frames per push, plus the header
+    assert asgd["push_bytes"] >= 250 * 4_799_528
+    assert asgd["push_bytes"] / ada["push_bytes"] >= 30, (asgd["push_bytes"], ada["push_bytes"])
+
+
+@pytest.mark.parametrize("mode", ["asgd", "adacomp", "sync"])
+def test_batchnorm_and_lr_scheduler_train_under_each_mode(procs, tmp_path, mode):
+    code, out = procs.run([PYTHON, "tests/scripts/bn_sched.py", "--mode", mode, "--out", str(tmp_path)],
+                          timeout=120)
+    assert code == 0, out[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        # 1280 samples / 2 workers / batch 32 = 20 steps per epoch, 2 epochs; StepLR(10, 0.5) per step
+        assert r["steps"] == 40 and r["lr"] == pytest.approx(0.1 * 0.5**4)
+        assert r["test_acc"] >= 0.9
+        assert sum(r["bn_mean"]) / 32 != pytest.approx(0.0, abs=0.05)  # the statistics travelled and moved
+        assert max(r["bn_var"]) > 1.5
+    # fit returned on both workers with the same, final central model
+    assert ranks[0]["param_sum"] == ranks[1]["param_sum"]
+    assert ranks[0]["bn_mean"] == ranks[1]["bn_mean"]
+    # each rank tested its own half of the test set; sync_dist reduced them through the PS to one value
+    assert ranks[0]["test_acc"] == ranks[1]["test_acc"]
+    assert ranks[0]["ps_version"] == (40 if mode == "sync" else 80)
+
+
+@needs_fashion
+def test_external_ps_from_the_cli_serves_two_workers_and_exits_cleanly(procs, tmp_path):
+    port = free_port()
+    ps = procs.start([PLUG_ASGD, "serve-ps", "--port", str(port), "--mode", "asgd", "--workers", "2",
+                      "--linger", "2"])
+    run = run_recipe(procs, tmp_path, "--workers", "2", "--mode", "asgd", "--train-subset", "2000",
+                     "--ps-address", f"tcp://127.0.0.1:{port}")
+    assert run["ps_version"] == 2000 // 32 // 2 * 2 + 2  # 31.25 -> 32 batches per worker (last one partial)
+    out, _ = ps.communicate(timeout=30)
+    assert ps.returncode == 0, out
+    assert "all 2 workers have left" in out
+
+
+@needs_fashion
+def test_max_updates_stops_every_worker(procs, tmp_path):
+    run = run_recipe(procs, tmp_path, "--workers", "2", "--mode", "asgd", "--max-updates", "30")
+    assert run["ps_version"] == 30
+    assert run["pushes_applied"] == 30
+
+
+@needs_fashion
+def test_two_nodes_through_lightnings_cluster_environment(procs, tmp_path):
+    """Two 'machines' (NODE_RANK 0 and 1) on loopback, as torchrun or a job script would start them."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "LOCAL_RANK": "0"}
+    metrics = tmp_path / "node0.json"
+    args = [*RECIPE, "--workers", "1", "--num-nodes", "2", "--mode", "asgd", "--train-subset", "2000",
+            "--run-dir", str(tmp_path / "runs")]
+    node0 = procs.start([PYTHON, *args, "--metrics-json", str(metrics)], env={**env, "NODE_RANK": "0"})
+    node1 = procs.start([PYTHON, *args], env={**env, "NODE_RANK": "1"})
+    out0, _ = node0.communicate(timeout=150)
+    out1, _ = node1.communicate(timeout=60)
+    assert node0.returncode == 0 and node1.returncode == 0, out0[-3000:] + out1[-3000:]
+    run = json.loads(metrics.read_text())
+    assert run["workers"] == 2 and run["ps_version"] == 64  # 1000 images per node, 32 batches each
+
+
+@needs_fashion
+def test_ctrl_c_stops_every_process(procs, tmp_path):
+    proc = procs.start([PYTHON, *RECIPE, "--train-subset", "60000", "--workers", "2", "--run-dir",
+                        str(tmp_path / "runs")])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(group_members(proc.pid)) < 3:  # 2 workers + the PS
+        time.sleep(0.2)
+    assert len(group_members(proc.pid)) >= 3, "training did not start"
+    time.sleep(3)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert procs.leftovers(grace=20) == []
