@@ -102,11 +102,14 @@ def serve_ps(
                         force=True)
     bind = _endpoint(host, port)
     extra = f", expecting {workers} worker{'s' if workers != 1 else ''}" if workers else ""
-    console.print(f"[bold green]plug_asgd parameter server[/] listening on [bold]{escape(bind)}[/], "
-                  f"mode [bold]{escape(mode)}[/]{extra} (Ctrl-C to stop)", soft_wrap=True, highlight=False)
+
+    def announce(address: str) -> None:
+        console.print(f"[bold green]plug_asgd parameter server[/] listening on [bold]{escape(address)}[/], "
+                      f"mode [bold]{escape(mode)}[/]{extra} (Ctrl-C to stop)", soft_wrap=True, highlight=False)
+
     try:
-        code = ps_server.serve(bind, mode, replicas_to_aggregate=replicas_to_aggregate, max_updates=max_updates,
-                               expected_workers=workers, linger=linger)
+        code = ps_server.serve(bind, mode, announce=announce, replicas_to_aggregate=replicas_to_aggregate,
+                               max_updates=max_updates, expected_workers=workers, linger=linger)
     except (OSError, ValueError) as exc:  # port in use / bad interface, or a refused option
         raise _fail(str(exc), 2) from None
     raise typer.Exit(code or 0)

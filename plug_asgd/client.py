@@ -116,7 +116,7 @@ class PSClient:
                 left = limit - (time.monotonic() - start)
                 if left <= 0:
                     raise PSUnreachableError(
-                        f"no reply from the parameter server at {self.address} within {limit:.0f} s "
+                        f"no reply from the parameter server at {self.address} within {limit:g} s "
                         f"(request {msg_type!r}). Is it running and reachable? Start one with "
                         "`plug-asgd serve-ps`, or check the address, port and firewall.")
                 if not self._sock.poll(int(min(left, 0.5) * 1000) + 1):
@@ -167,7 +167,7 @@ class PSClient:
         """Contribute to collective ``seq`` of ``stage``; returns every rank's (rank, obj, tensors)."""
         reply = self.request("gather", {"rank": self.rank, "stage": stage, "seq": seq, "obj": obj}, tensors)
         out = []
-        for r, o in zip(reply.fields["ranks"], reply.fields["objs"]):
+        for r, o in zip(reply.fields["ranks"], reply.fields["objs"], strict=True):
             prefix = f"{r}/"
             out.append((r, o, {k[len(prefix):]: v for k, v in reply.tensors.items() if k.startswith(prefix)}))
         return out

@@ -22,6 +22,7 @@ import sys
 import time
 import traceback
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -375,9 +376,14 @@ class ParameterServer:
         self._send(identity, rid, "stats", {"stats": self.snapshot()})
 
 
-def serve(bind: str, mode: str, **options: Any) -> int:
-    """Run a parameter server in this process until it ends; SIGINT and SIGTERM stop it cleanly."""
+def serve(bind: str, mode: str, *, announce: Callable[[str], None] | None = None, **options: Any) -> int:
+    """Run a parameter server in this process until it ends; SIGINT and SIGTERM stop it cleanly.
+
+    ``announce`` receives the bound address once the port is really listening.
+    """
     server = ParameterServer(bind, mode, **options)
+    if announce is not None:
+        announce(server.address)
     signal.signal(signal.SIGTERM, server.request_stop)
     signal.signal(signal.SIGINT, server.request_stop)
     return server.serve_forever()

@@ -19,7 +19,8 @@ import os
 import socket
 import subprocess
 import time
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import msgpack
 import numpy as np

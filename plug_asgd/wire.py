@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -81,7 +81,7 @@ class Sparse:
         return out.reshape(self.shape)
 
 
-Tensor = Union[np.ndarray, Sparse]
+Tensor = np.ndarray | Sparse
 
 
 @dataclass

@@ -18,9 +18,12 @@ FASHION = Path("/usr/share/datasets/fashion-mnist")
 PYTHON = sys.executable
 PLUG_ASGD = str(Path(sys.executable).with_name("plug-asgd"))
 
+HAVE_FASHION = (FASHION / "train-images-idx3-ubyte.gz").exists()
+if not HAVE_FASHION and os.environ.get("PLUG_ASGD_REQUIRE_DATA") == "1":
+    raise RuntimeError(f"PLUG_ASGD_REQUIRE_DATA=1 but {FASHION} holds no Fashion-MNIST: "
+                       "apt-get install dataset-fashion-mnist")
 needs_fashion = pytest.mark.skipif(
-    not (FASHION / "train-images-idx3-ubyte.gz").exists(),
-    reason="Fashion-MNIST not installed: apt-get install dataset-fashion-mnist",
+    not HAVE_FASHION, reason="Fashion-MNIST not installed: apt-get install dataset-fashion-mnist"
 )
 
 

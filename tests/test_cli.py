@@ -88,7 +88,7 @@ class Procs:
 
 
 @pytest.fixture
-def procs(tmp_path: Path):
+def cli_procs(tmp_path: Path):
     p = Procs(tmp_path)
     try:
         yield p
@@ -123,8 +123,8 @@ def test_no_args_shows_help():
     assert "serve-ps" in result.output and "status" in result.output
 
 
-def test_module_entry_point_help(procs):
-    result = procs.run("--help")
+def test_module_entry_point_help(cli_procs):
+    result = cli_procs.run("--help")
     assert result.returncode == 0, result.stderr
     for command in ("serve-ps", "train", "status"):
         assert command in result.stdout
@@ -196,11 +196,11 @@ def test_stats_table_shows_counters():
 # -- real processes ----------------------------------------------------------------------------
 
 
-def test_serve_ps_status_and_sigterm(procs):
+def test_serve_ps_status_and_sigterm(cli_procs):
     port = free_port()
-    ps, out, err = procs.start("serve-ps", "--port", str(port), "--mode", "adacomp", name="ps")
+    ps, out, err = cli_procs.start("serve-ps", "--port", str(port), "--mode", "adacomp", name="ps")
     wait_for_text(out, f"tcp://127.0.0.1:{port}", ps)
-    result = procs.run("status", f"tcp://127.0.0.1:{port}", "--timeout", "20")
+    result = cli_procs.run("status", f"tcp://127.0.0.1:{port}", "--timeout", "20")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "adacomp" in result.stdout
     assert "version" in result.stdout
@@ -211,9 +211,9 @@ def test_serve_ps_status_and_sigterm(procs):
     assert "mode adacomp" in out.read_text()
 
 
-def test_serve_ps_exits_when_workers_have_left(procs):
+def test_serve_ps_exits_when_workers_have_left(cli_procs):
     port = free_port()
-    ps, out, err = procs.start("serve-ps", "--port", str(port), "--workers", "1", "--linger", "0.5", name="ps")
+    ps, out, err = cli_procs.start("serve-ps", "--port", str(port), "--workers", "1", "--linger", "0.5", name="ps")
     wait_for_text(out, f"tcp://127.0.0.1:{port}", ps)
     client = PSClient(f"tcp://127.0.0.1:{port}", rank=0, world_size=1, mode="asgd", request_timeout=20)
     try:
@@ -226,12 +226,12 @@ def test_serve_ps_exits_when_workers_have_left(procs):
     assert "Traceback" not in err.read_text()
 
 
-def test_serve_ps_port_in_use(procs):
+def test_serve_ps_port_in_use(cli_procs):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        result = procs.run("serve-ps", "--port", str(port))
+        result = cli_procs.run("serve-ps", "--port", str(port))
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert f"127.0.0.1:{port}" in result.stderr
@@ -239,11 +239,11 @@ def test_serve_ps_port_in_use(procs):
     assert "Traceback" not in output
 
 
-def test_status_unreachable(procs):
+def test_status_unreachable(cli_procs):
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     start = time.monotonic()
-    result = procs.run("status", address, "--timeout", "1")
+    result = cli_procs.run("status", address, "--timeout", "1")
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
     assert address in result.stderr
@@ -251,18 +251,18 @@ def test_status_unreachable(procs):
     assert time.monotonic() - start < 30
 
 
-def test_status_malformed_address(procs):
-    result = procs.run("status", "tcp://nohost", "--timeout", "1")
+def test_status_malformed_address(cli_procs):
+    result = cli_procs.run("status", "tcp://nohost", "--timeout", "1")
     assert result.returncode == 2
     assert "tcp://nohost" in result.stderr
     assert "Traceback" not in result.stdout + result.stderr
 
 
 @pytest.mark.skipif(not FASHION_DIR.is_dir(), reason=f"no dataset at {FASHION_DIR}")
-def test_train_mnist_two_workers(procs, tmp_path):
+def test_train_mnist_two_workers(cli_procs, tmp_path):
     """Lightning re-runs the command line for the second worker: the CLI must survive that."""
     metrics = tmp_path / "metrics.json"
-    result = procs.run("train", "mnist", "--workers", "2", "--max-steps", "2", "--train-subset", "64",
+    result = cli_procs.run("train", "mnist", "--workers", "2", "--max-steps", "2", "--train-subset", "64",
                        "--test-subset", "32", "--no-val", "--quiet", "--no-download", "--data-dir", str(FASHION_DIR),
                        "--run-dir", str(tmp_path / "runs"), "--metrics-json", str(metrics), timeout=50)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -10,8 +10,8 @@ import pytest
 import zmq
 
 from plug_asgd.client import PSClient, PSError
-from plug_asgd.wire import PROTOCOL_VERSION, Sparse, decode, encode
 from plug_asgd.ps_server import embedded_command
+from plug_asgd.wire import PROTOCOL_VERSION, Sparse, decode, encode
 from tests.conftest import free_port
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -205,7 +206,8 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def build_parser() -> argparse.ArgumentParser:
     from plug_asgd.recipes.common import add_strategy_arguments
 
-    parser = argparse.ArgumentParser(description="Train the Keras mnist_cnn under AsyncPSStrategy and test "
+    prog = "plug-asgd train mnist" if Path(sys.argv[0]).name == "plug-asgd" else None
+    parser = argparse.ArgumentParser(prog=prog, description="Train the Keras mnist_cnn under AsyncPSStrategy and test "
                                                  "the central model.")
     return add_strategy_arguments(add_data_arguments(parser))
 

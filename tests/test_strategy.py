@@ -1,0 +1,128 @@
+"""AsyncPSStrategy in this process: one worker, an embedded PS, and what evaluation and checkpoints see."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ReduceOp
+from torch.utils.data import DataLoader, TensorDataset
+
+from plug_asgd import AsyncPSStrategy
+from plug_asgd.strategy import _op_name
+from tests.conftest import group_members
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.layer(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.layer(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def data(n: int = 320) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16)
+
+
+def central(strategy: AsyncPSStrategy) -> dict[str, np.ndarray]:
+    return strategy._client.pull().tensors
+
+
+class Probe(pl.Callback):
+    """Records, at chosen moments, the local weights next to the PS's."""
+
+    def __init__(self, save_to) -> None:
+        self.save_to = save_to
+        self.seen: dict[str, object] = {}
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx == 6 and "ckpt" not in self.seen:  # 7 local steps: pushed at 5, 2 not yet pushed
+            trainer.save_checkpoint(self.save_to)
+            self.seen["ckpt"] = (central(trainer.strategy), module.layer.weight.detach().clone(),
+                                 trainer.strategy._version)
+
+    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        if "val" not in self.seen:
+            self.seen["val"] = (central(trainer.strategy), module.layer.weight.detach().clone(),
+                                trainer.strategy._version)
+
+
+@pytest.fixture
+def strategy():
+    s = AsyncPSStrategy(mode="asgd", push_every=5)
+    yield s
+    proc = s._ps_proc
+    s._shutdown(wait_for_workers=0)
+    if proc is not None:
+        assert proc.poll() is not None and not group_members(proc.pid)
+
+
+def test_checkpoints_and_validation_see_the_central_model(strategy, tmp_path):
+    probe = Probe(tmp_path / "mid.ckpt")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, val_check_interval=12,
+                         num_sanity_val_steps=0, callbacks=[probe], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Tiny(), data(), data(64))
+    ps_weights, local, version = probe.seen["ckpt"]
+    assert version == 1  # one push (after step 5); steps 6 and 7 are only local
+    assert not torch.equal(local, torch.from_numpy(ps_weights["layer.weight"]))
+    saved = torch.load(tmp_path / "mid.ckpt", weights_only=True)["state_dict"]
+    np.testing.assert_array_equal(saved["layer.weight"].numpy(), ps_weights["layer.weight"])
+    # validation after 12 steps: 10 pushed in two pushes, the 2 pending flushed, then the central pulled
+    ps_weights, local, version = probe.seen["val"]
+    assert version == 3
+    np.testing.assert_array_equal(local.numpy(), ps_weights["layer.weight"])
+    # fit leaves the module holding the final central model: 20 steps = 4 pushes + 1 at validation
+    assert strategy._version == 5
+    np.testing.assert_array_equal(trainer.lightning_module.layer.weight.detach().numpy(),
+                                  central(strategy)["layer.weight"])
+
+
+@pytest.mark.parametrize("name, mode", [("async_ps", "asgd"), ("async_ps_adacomp", "adacomp"),
+                                        ("async_ps_sync", "sync")])
+def test_strategy_names_are_registered_with_lightning(name, mode):
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
+    assert isinstance(trainer.strategy, AsyncPSStrategy) and trainer.strategy.mode == mode
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+
+
+def test_bad_arguments_are_refused_at_construction():
+    with pytest.raises(ValueError, match="unknown mode"):
+        AsyncPSStrategy(mode="nope")
+    with pytest.raises(ValueError, match="compression"):
+        AsyncPSStrategy(mode="adacomp", compression=2.0)
+    with pytest.raises(ValueError, match="push_every"):
+        AsyncPSStrategy(push_every=0)
+    with pytest.raises(ValueError, match="tcp://"):
+        AsyncPSStrategy(ps_address="localhost:2223")
+
+
+def test_reduce_ops_of_torch_and_lightning_are_understood():
+    assert _op_name(ReduceOp.SUM) == "sum" and _op_name("mean") == "mean" and _op_name("avg") == "mean"
+    assert _op_name(ReduceOp.MAX) == "max" and _op_name(None) == "mean"
+    with pytest.raises(ValueError):
+        _op_name("product")
+
+
+def test_an_unreachable_ps_is_reported_with_its_address_not_a_hang():
+    s = AsyncPSStrategy(ps_address="tcp://127.0.0.1:9", connect_timeout=1.5)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=s, max_epochs=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ConnectionError, match=r"tcp://127\.0\.0\.1:9 within 1.5 s"):
+        trainer.fit(Tiny(), data())
+    s._shutdown(wait_for_workers=0)
