@@ -49,6 +49,21 @@ def group_members(pgid: int) -> list[int]:
     return pids
 
 
+# Set by Lightning's launchers in the launching process; a child that inherits them believes it is
+# one rank of an already launched job (LOCAL_RANK set: "processes are created externally").
+LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "WORLD_SIZE",
+                      "GROUP_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """An in-process Trainer writes launcher variables into os.environ: undo that after each test."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 class ProcessGroups:
     """Starts commands in new sessions and checks, at the end, that none of them left anything behind."""
 
@@ -56,7 +71,8 @@ class ProcessGroups:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, cmd: list[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+        full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
         proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, start_new_session=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, **kw)
         self.procs.append(proc)

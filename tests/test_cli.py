@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 from plug_asgd import cli
 from plug_asgd.client import PSClient
 from plug_asgd.modes import MODES
+from tests.conftest import LAUNCHER_VARIABLES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,7 +39,8 @@ def free_port() -> int:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "NO_COLOR": "1"}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    return {**env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "NO_COLOR": "1"}
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

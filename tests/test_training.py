@@ -76,12 +76,21 @@ def test_batchnorm_and_lr_scheduler_train_under_each_mode(procs, tmp_path, mode)
         assert r["test_acc"] >= 0.9
         assert sum(r["bn_mean"]) / 32 != pytest.approx(0.0, abs=0.05)  # the statistics travelled and moved
         assert max(r["bn_var"]) > 1.5
+        if "OMP_NUM_THREADS" not in os.environ:  # 2 workers share the cores
+            assert r["threads"] == max(1, (os.cpu_count() or 1) // 2)
     # fit returned on both workers with the same, final central model
     assert ranks[0]["param_sum"] == ranks[1]["param_sum"]
     assert ranks[0]["bn_mean"] == ranks[1]["bn_mean"]
     # each rank tested its own half of the test set; sync_dist reduced them through the PS to one value
     assert ranks[0]["test_acc"] == ranks[1]["test_acc"]
     assert ranks[0]["ps_version"] == (40 if mode == "sync" else 80)
+
+
+def test_spawn_start_method_trains_too(procs, tmp_path):
+    code, out = procs.run([PYTHON, "tests/scripts/bn_sched.py", "--start-method", "spawn", "--out", str(tmp_path)],
+                          timeout=120)
+    assert code == 0, out[-4000:]
+    assert json.loads((tmp_path / "parent.json").read_text())["test_acc"] >= 0.9
 
 
 @needs_fashion

@@ -50,14 +50,22 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", default="asgd")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--start-method", default="popen")
     args = parser.parse_args()
     pl.seed_everything(0, verbose=False)
     model = BNNet()
-    strategy = AsyncPSStrategy(mode=args.mode, compression=0.1)
+    strategy = AsyncPSStrategy(mode=args.mode, compression=0.1, start_method=args.start_method)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, loader(1280, 0, True))
+    threads = torch.get_num_threads()
     results = trainer.test(model, loader(512, 1, False), verbose=False)
+    if args.start_method != "popen":
+        # Lightning's multiprocessing launcher trains in child processes and hands rank 0's results
+        # back to this one; the per-rank checks below need the popen launcher's own ranks.
+        (args.out / "parent.json").parent.mkdir(parents=True, exist_ok=True)
+        (args.out / "parent.json").write_text(json.dumps({"test_acc": results[0]["test_acc"]}))
+        return
     bn = model.net[1]
     out = {
         "rank": trainer.global_rank,
@@ -68,6 +76,7 @@ def main() -> None:
         "param_sum": float(sum(p.double().sum() for p in model.parameters())),
         "test_acc": results[0]["test_acc"],
         "ps_version": strategy.ps_stats()["version"],
+        "threads": threads,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
