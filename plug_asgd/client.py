@@ -12,7 +12,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,7 +43,6 @@ class CommCounters:
     requests: int = 0
     pushes: int = 0
     wait_seconds: float = 0.0
-    by_type: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"bytes_up": self.bytes_up, "bytes_down": self.bytes_down, "push_bytes_up": self.push_bytes_up,
@@ -104,7 +103,6 @@ class PSClient:
         size = message_bytes(frames)
         self.counters.bytes_up += size
         self.counters.requests += 1
-        self.counters.by_type[msg_type] = self.counters.by_type.get(msg_type, 0) + 1
         if msg_type == "push":
             self.counters.push_bytes_up += size
             self.counters.pushes += 1

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from plug_asgd.wire import Sparse, Tensor, sparse_wire_bytes
+from plug_asgd.wire import Sparse, Tensor
 
 
 class Compressor(Protocol):
@@ -69,7 +69,3 @@ class TopKResidual:
         flat[chosen] = 0
         self.residuals[key] = flat
         return Sparse(indices=chosen.astype(np.int64), values=values, shape=tuple(update.shape))
-
-    @staticmethod
-    def wire_bytes(numel: int, nnz: int, itemsize: int = 4) -> int:
-        return sparse_wire_bytes(numel, nnz, itemsize)

@@ -72,9 +72,6 @@ class FoldRule(ABC):
         self.trainers = trainers
         return []
 
-    def export_state(self) -> dict[str, Any]:
-        return {}
-
 
 class AsgdRule(FoldRule):
     """``w += delta`` at once, whatever the staleness (Dean et al.'s and the seeds' ASGD)."""
@@ -193,17 +190,35 @@ class ModeSpec:
     summary: str
     make_compressor: Callable[[float], Compressor]
     make_rule: Callable[[dict[str, Any]], FoldRule]
-    waits_for_round: bool = False
+
+
+# Module-level factories, not lambdas: the strategy (and its mode) is pickled to spawned workers.
+def _dense(compression: float) -> Compressor:
+    return NoCompression()
+
+
+def _topk(compression: float) -> Compressor:
+    return TopKResidual(compression)
+
+
+def _asgd_rule(options: dict[str, Any]) -> FoldRule:
+    return AsgdRule()
+
+
+def _adacomp_rule(options: dict[str, Any]) -> FoldRule:
+    return AdaCompRule(options.get("history", 256))
+
+
+def _sync_rule(options: dict[str, Any]) -> FoldRule:
+    return SyncRule(options.get("replicas_to_aggregate"))
 
 
 MODES: dict[str, ModeSpec] = {
-    "asgd": ModeSpec("asgd", "push every step, folded in at once",
-                     lambda c: NoCompression(), lambda o: AsgdRule()),
-    "adacomp": ModeSpec("adacomp", "per-layer top fraction with residual, staleness-scaled fold-in",
-                        lambda c: TopKResidual(c), lambda o: AdaCompRule(o.get("history", 256))),
-    "sync": ModeSpec("sync", "average of replicas_to_aggregate updates per version, stale ones dropped",
-                     lambda c: NoCompression(), lambda o: SyncRule(o.get("replicas_to_aggregate")),
-                     waits_for_round=True),
+    "asgd": ModeSpec("asgd", "push every step, folded in at once", _dense, _asgd_rule),
+    "adacomp": ModeSpec("adacomp", "per-layer top fraction with residual, staleness-scaled fold-in", _topk,
+                        _adacomp_rule),
+    "sync": ModeSpec("sync", "average of replicas_to_aggregate updates per version, stale ones dropped", _dense,
+                     _sync_rule),
 }
 
 
