@@ -19,8 +19,9 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     """Flags of AsyncPSStrategy and of the run, spelled the same by every recipe and the CLI."""
     parser.add_argument("--workers", type=int, default=2, help="worker processes on this machine (default: 2)")
     parser.add_argument("--num-nodes", type=int, default=1, help="machines (launched by torchrun/SLURM)")
+    schemes = "; ".join(f"{name}: {spec.summary}" for name, spec in MODES.items())
     parser.add_argument("--mode", choices=sorted(MODES), default="asgd",
-                        help="training scheme (default: asgd): " + "; ".join(f"{n}: {m.summary}" for n, m in MODES.items()))
+                        help=f"training scheme (default: asgd): {schemes}")
     parser.add_argument("--compression", type=float, default=0.01,
                         help="adacomp: fraction of each layer's update sent per push (default: 0.01)")
     parser.add_argument("--push-every", type=int, default=1, help="local steps between pushes (default: 1)")
