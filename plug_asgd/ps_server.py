@@ -102,6 +102,7 @@ class ParameterServer:
         self.parent_pid = parent_pid
         self.world_size: int | None = None
         self.workers: dict[int, WorkerInfo] = {}
+        self._by_identity: dict[bytes, WorkerInfo] = {}
         self.ever_joined: set[int] = set()
         self.left: dict[int, set[int]] = defaultdict(set)
         self.gathers: dict[tuple[int, int], dict[int, tuple[Any, Message, Any]]] = {}
@@ -127,14 +128,23 @@ class ParameterServer:
     def request_stop(self, *_: Any) -> None:
         self._stop = True
 
-    def serve_forever(self, poll_ms: int = 200) -> int:
-        """Serve until told to stop or until the run is over; returns a process exit code."""
+    def serve_forever(self, poll_ms: int = 200, on_tick: Callable[[ParameterServer], None] | None = None,
+                      tick_s: float = 0.5) -> int:
+        """Serve until told to stop or until the run is over; returns a process exit code.
+
+        ``on_tick(server)`` runs every ``tick_s`` seconds in the serving thread, between requests,
+        so it sees a consistent state (the live dashboard uses it).
+        """
         log.info("parameter server listening on %s, mode %s", self.address, self.mode)
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
+        next_tick = time.monotonic()
         try:
             while not self._stop:
-                if poller.poll(poll_ms):
+                if on_tick is not None and time.monotonic() >= next_tick:
+                    on_tick(self)
+                    next_tick = time.monotonic() + tick_s
+                if poller.poll(min(poll_ms, int(tick_s * 1000)) if on_tick else poll_ms):
                     while True:
                         try:
                             frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -169,6 +179,9 @@ class ParameterServer:
         identity = frames[0].bytes
         body = frames[1:]
         self.stats.messages_in += 1
+        worker = self._by_identity.get(identity)
+        if worker is not None:
+            worker.last_seen = time.time()
         size = message_bytes(body)
         self.stats.bytes_in += size
         rid = None
@@ -222,8 +235,11 @@ class ParameterServer:
         if rank >= world_size:
             raise WireError("bad_field", f"rank {rank} is not below world_size {world_size}")
         self.world_size = world_size
-        self.workers[rank] = WorkerInfo(rank, identity, session, stage, bool(msg.fields.get("training")),
-                                        time.time())
+        previous = self.workers.get(rank)
+        worker = WorkerInfo(rank, identity, session, stage, bool(msg.fields.get("training")), time.time(),
+                            previous.pushes if previous is not None else 0)
+        self.workers[rank] = worker
+        self._by_identity[identity] = worker
         self.ever_joined.add(rank)
         self.left[stage].discard(rank)
         self._update_trainers()
@@ -238,6 +254,7 @@ class ParameterServer:
         worker = self.workers.get(rank)
         if worker is not None and worker.stage == stage:
             del self.workers[rank]
+            self._by_identity.pop(worker.identity, None)
         self.left[stage].add(rank)
         self._update_trainers()
         for key in [k for k in self.gathers if k[0] == stage]:
@@ -314,6 +331,8 @@ class ParameterServer:
             return
         self.stats.staleness[self.state.version - base] += 1
         self.stats.pushes_by_rank[rank] += 1
+        if rank in self.workers:
+            self.workers[rank].pushes += 1
         self._resolve(self.rule.push(self.state, Push((identity, rid), rank, base, msg.tensors)))
 
     def _resolve(self, resolutions: list[tuple[Any, str]]) -> None:
@@ -364,6 +383,10 @@ class ParameterServer:
             "mode": self.mode, "version": self.state.version, "initialized": self.initialized,
             "max_updates": self.max_updates, "world_size": self.world_size,
             "workers": sorted(self.workers), "trainers": self._trainers(),
+            "worker_details": [
+                {"rank": w.rank, "stage": w.stage, "training": w.training, "pushes": w.pushes,
+                 "last_seen_s": round(time.time() - w.last_seen, 3)} for _, w in sorted(self.workers.items())
+            ],
             "uptime_s": round(elapsed, 3), "updates_per_s": round(self.state.version / elapsed, 3),
             "messages_in": s.messages_in, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
             "push_bytes_in": s.push_bytes_in, "pushes_applied": s.pushes_applied,
