@@ -4,6 +4,12 @@ A DEALER socket sends one request at a time and waits for the reply that carries
 request id (a late reply to an abandoned request is discarded). Every frame sent and received
 is counted, so the byte figures that the callbacks and benchmarks report are what crossed the
 wire, not estimates.
+
+ZeroMQ reconnects by itself when the PS comes back (restarted from its checkpoint, say), but
+a request in flight when the PS died is lost. The client watches its socket's connection
+events: after a reconnection it says hello again (the new PS does not know it yet) and sends
+the request it is waiting on once more. Pushes carry a sequence number, so one that the PS had
+already applied is refused as a duplicate and never counted twice.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.wire import DEFAULT_LIMITS, Limits, Message, Tensor, decode, encode, message_bytes
 
@@ -87,8 +94,16 @@ class PSClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._sock.connect(address)
         self._closed = False
+        self._lost = False
+        self._hello_fields: dict[str, Any] | None = None
+        self.reconnections = 0
 
     # -- transport -----------------------------------------------------------------------------
 
@@ -117,7 +132,10 @@ class PSClient:
                         f"no reply from the parameter server at {self.address} within {limit:g} s "
                         f"(request {msg_type!r}). Is it running and reachable? Start one with "
                         "`plug-asgd serve-ps`, or check the address, port and firewall.")
-                if not self._sock.poll(int(min(left, 0.5) * 1000) + 1):
+                ready = dict(self._poller.poll(int(min(left, 0.5) * 1000) + 1))
+                if self._monitor in ready:
+                    self._on_connection_event(msg_type, frames)
+                if self._sock not in ready:
                     reason = alive() if alive is not None else None
                     if reason:
                         raise PSUnreachableError(reason)
@@ -134,18 +152,37 @@ class PSClient:
         finally:
             self.counters.wait_seconds += time.monotonic() - start
 
+    def _on_connection_event(self, msg_type: str, frames: list[Any]) -> None:
+        """After the PS dropped and came back: hello again, then resend the request in flight."""
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._lost = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._lost:
+                self._lost = False
+                self.reconnections += 1
+                if self._hello_fields is not None and msg_type != "hello":
+                    hello = encode("hello", {**self._hello_fields, "rid": 0})
+                    self.counters.bytes_up += message_bytes(hello)
+                    self._sock.send_multipart(hello, copy=False)
+                self.counters.bytes_up += message_bytes(frames)
+                self._sock.send_multipart(frames, copy=False)
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._sock.disable_monitor()
+            self._monitor.close(0)
             self._sock.close(0)
 
     # -- protocol ------------------------------------------------------------------------------
 
     def hello(self, stage: int, training: bool, *, timeout: float | None = None,
               alive: Callable[[], str | None] | None = None) -> dict[str, Any]:
-        reply = self.request("hello", {"rank": self.rank, "world_size": self.world_size, "stage": stage,
-                                       "training": training, "mode": self.mode, "session": self.session},
-                             timeout=timeout, alive=alive)
+        fields = {"rank": self.rank, "world_size": self.world_size, "stage": stage, "training": training,
+                  "mode": self.mode, "session": self.session}
+        reply = self.request("hello", fields, timeout=timeout, alive=alive)
+        self._hello_fields = fields
         return reply.fields
 
     def init(self, tensors: Mapping[str, np.ndarray]) -> bool:
@@ -158,7 +195,14 @@ class PSClient:
     def push(self, base_version: int, update: Mapping[str, Tensor]) -> ModelReply:
         fields = {"rank": self.rank, "base_version": base_version, "seq": next(self._seq),
                   "session": self.session}
-        return self._model(self.request("push", fields, update))
+        try:
+            return self._model(self.request("push", fields, update))
+        except PSError as exc:
+            if exc.code != "duplicate":
+                raise
+            # sent twice around a reconnection and applied the first time: take the model as it is now
+            reply = self.pull()
+            return ModelReply(reply.version, "duplicate", reply.stop, reply.tensors)
 
     def gather(self, stage: int, seq: int, obj: Any = None,
                tensors: Mapping[str, np.ndarray] | None = None) -> list[tuple[int, Any, dict[str, np.ndarray]]]:

@@ -72,6 +72,13 @@ class FoldRule(ABC):
         self.trainers = trainers
         return []
 
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """What a checkpoint must keep of this rule (header fields, arrays); most rules keep nothing."""
+        return {}, {}
+
+    def restore(self, fields: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:  # noqa: B027 (optional hook)
+        """Take back what :meth:`state` returned, from a checkpoint."""
+
 
 class AsgdRule(FoldRule):
     """``w += delta`` at once, whatever the staleness (Dean et al.'s and the seeds' ASGD)."""
@@ -130,6 +137,22 @@ class AdaCompRule(FoldRule):
         state.version += 1
         self.history.append((state.version, touched))
         return [(push.token, APPLIED)]
+
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        entries, arrays = [], {}
+        for i, (version, touched) in enumerate(self.history):
+            entries.append([version, [n for n, idx in touched.items() if idx is None],
+                            [n for n, idx in touched.items() if idx is not None]])
+            arrays.update((f"{i}/{n}", idx) for n, idx in touched.items() if idx is not None)
+        return {"history": entries, "truncated": self.truncated}, arrays
+
+    def restore(self, fields: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        self.history.clear()
+        for i, (version, dense, sparse) in enumerate(fields.get("history", [])):
+            touched: dict[str, np.ndarray | None] = dict.fromkeys(dense)
+            touched.update((n, np.array(arrays[f"{i}/{n}"], dtype=np.int64)) for n in sparse)
+            self.history.append((int(version), touched))
+        self.truncated = int(fields.get("truncated", 0))
 
 
 _UNTOUCHED = np.zeros(0, dtype=np.int64)

@@ -15,6 +15,7 @@ all have left for ``linger`` seconds.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -24,11 +25,13 @@ import traceback
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zmq
 
+from plug_asgd.checkpoint import CheckpointError, CheckpointPolicy, read_checkpoint, resolve_checkpoint
 from plug_asgd.modes import APPLIED, CentralState, Push, get_mode
 from plug_asgd.wire import (
     DEFAULT_LIMITS,
@@ -88,6 +91,10 @@ class ParameterServer:
         linger: float = 10.0,
         limits: Limits = DEFAULT_LIMITS,
         parent_pid: int | None = None,
+        checkpoint: CheckpointPolicy | None = None,
+        resume: str | os.PathLike[str] | None = None,
+        run_dir: str | os.PathLike[str] | None = None,
+        metrics_every: float = 2.0,
         context: zmq.Context | None = None,
     ) -> None:
         self.spec = get_mode(mode)
@@ -108,8 +115,15 @@ class ParameterServer:
         self.gathers: dict[tuple[int, int], dict[int, tuple[Any, Message, Any]]] = {}
         self.last_seq: dict[str, int] = {}
         self.stats = Stats()
+        self.checkpoint = checkpoint
+        self.resumed_from: Path | None = None
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.metrics_every = metrics_every
+        self._next_metrics = 0.0
         self._stop = False
         self._empty_since: float | None = None
+        if resume is not None:
+            self._resume(resume)
         self._ctx = context or zmq.Context.instance()
         self.socket = self._ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -151,10 +165,12 @@ class ParameterServer:
                         except zmq.Again:
                             break
                         self._on_frames(frames)
+                self._housekeeping()
                 if self._should_exit():
                     break
         finally:
             self.socket.close(0)
+            self._housekeeping(final=True)
         log.info("parameter server stopped at version %d", self.state.version)
         return 0
 
@@ -319,8 +335,10 @@ class ParameterServer:
         seq = msg.int_field("seq", minimum=0)
         session = msg.str_field("session")
         if base > self.state.version:
-            raise WireError("bad_field", f"base_version {base} is ahead of the central version "
-                                         f"{self.state.version}")
+            if self.resumed_from is None:
+                raise WireError("bad_field", f"base_version {base} is ahead of the central version "
+                                             f"{self.state.version}")
+            base = self.state.version  # based on updates this PS lost in its crash: fold in as fresh
         if seq <= self.last_seq.get(session, -1):
             raise WireError("duplicate", f"push {seq} of this worker was already received")
         self._validate_update(msg.tensors)
@@ -352,10 +370,8 @@ class ParameterServer:
         if rank in self.left.get(stage, ()):
             raise WireError("bad_field", f"rank {rank} has already left stage {stage}")
         key = (stage, seq)
-        entries = self.gathers.setdefault(key, {})
-        if rank in entries:
-            raise WireError("duplicate", f"rank {rank} already contributed to collective {seq} of stage {stage}")
-        entries[rank] = (identity, msg, rid)
+        # a contribution sent again (after a reconnection) replaces the first: the reply goes to the latest
+        self.gathers.setdefault(key, {})[rank] = (identity, msg, rid)
         self._maybe_finish_gather(key)
 
     def _maybe_finish_gather(self, key: tuple[int, int]) -> None:
@@ -373,6 +389,66 @@ class ParameterServer:
             identity, _, rid = entries[r]
             self._send(identity, rid, "gathered", fields, tensors)
 
+    # -- persistence ---------------------------------------------------------------------------
+
+    def _housekeeping(self, final: bool = False) -> None:
+        """Checkpoint and metrics line when due (and at exit), between requests, in the serving thread."""
+        policy, version = self.checkpoint, self.state.version
+        if policy is not None and self.initialized and (policy.due(version) or (final and policy.unsaved(version))):
+            self.save_checkpoint()
+        if self.run_dir is not None and (final or time.monotonic() >= self._next_metrics):
+            self._next_metrics = time.monotonic() + self.metrics_every
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.run_dir / "ps_metrics.jsonl", "a") as f:
+                f.write(json.dumps({"time": round(time.time(), 3), **self.snapshot()}) + "\n")
+
+    def save_checkpoint(self) -> Path:
+        """Write the central state now: tensors, version, dedupe table, mode state, counters."""
+        assert self.checkpoint is not None
+        rule_fields, rule_arrays = self.rule.state()
+        s = self.stats
+        fields = {
+            "mode": self.mode, "version": self.state.version, "world_size": self.world_size,
+            "last_seq": self.last_seq, "left": {str(k): sorted(v) for k, v in self.left.items()},
+            "rule": rule_fields, "saved_at": time.time(),
+            "stats": {"pushes_applied": s.pushes_applied, "pushes_dropped": s.pushes_dropped,
+                      "push_bytes_in": s.push_bytes_in, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
+                      "staleness": {str(k): v for k, v in s.staleness.items()},
+                      "pushes_by_rank": {str(k): v for k, v in s.pushes_by_rank.items()}},
+        }
+        tensors = {f"model/{n}": t for n, t in self.state.tensors.items()}
+        tensors.update((f"rule/{n}", a) for n, a in rule_arrays.items())
+        path = self.checkpoint.save(self.state.version, fields, tensors)
+        log.info("checkpoint %s written (version %d)", path, self.state.version)
+        return path
+
+    def _resume(self, where: str | os.PathLike[str]) -> None:
+        path = resolve_checkpoint(where)
+        msg = read_checkpoint(path)
+        f = msg.fields
+        if f.get("mode") != self.mode:
+            raise CheckpointError(f"{path} was written by a PS in mode {f.get('mode')!r}; this one runs "
+                                  f"{self.mode!r}: resume with --mode {f.get('mode')}")
+        tensors = {n[len("model/"):]: np.array(t) for n, t in msg.tensors.items() if n.startswith("model/")}
+        if not tensors or any(isinstance(t, Sparse) or t.dtype.name not in FLOAT_DTYPES for t in tensors.values()):
+            raise CheckpointError(f"{path} holds no dense float central model")
+        self.state = CentralState(tensors=tensors, version=int(f["version"]))
+        self.initialized = True
+        self.world_size = f.get("world_size")
+        self.last_seq = {str(k): int(v) for k, v in f.get("last_seq", {}).items()}
+        self.left.update((int(k), set(v)) for k, v in f.get("left", {}).items())
+        self.rule.restore(f.get("rule", {}), {n[len("rule/"):]: t for n, t in msg.tensors.items()
+                                               if n.startswith("rule/")})
+        st = f.get("stats", {})
+        for name in ("pushes_applied", "pushes_dropped", "push_bytes_in", "bytes_in", "bytes_out"):
+            setattr(self.stats, name, int(st.get(name, 0)))
+        self.stats.staleness.update({int(k): v for k, v in st.get("staleness", {}).items()})
+        self.stats.pushes_by_rank.update({int(k): v for k, v in st.get("pushes_by_rank", {}).items()})
+        if self.checkpoint is not None:
+            self.checkpoint.saved_version(self.state.version)
+        self.resumed_from = path
+        log.info("resumed from %s at version %d", path, self.state.version)
+
     # -- introspection -------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
@@ -381,6 +457,7 @@ class ParameterServer:
         elapsed = max(1e-9, time.time() - s.started)
         return {
             "mode": self.mode, "version": self.state.version, "initialized": self.initialized,
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "max_updates": self.max_updates, "world_size": self.world_size,
             "workers": sorted(self.workers), "trainers": self._trainers(),
             "worker_details": [
@@ -442,12 +519,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas-to-aggregate", type=int)
     parser.add_argument("--max-updates", type=int)
     parser.add_argument("--parent-pid", type=int)
+    parser.add_argument("--checkpoint-dir")
+    parser.add_argument("--checkpoint-every-updates", type=int)
+    parser.add_argument("--checkpoint-every-seconds", type=float)
+    parser.add_argument("--keep", type=int, default=3)
+    parser.add_argument("--resume")
+    parser.add_argument("--run-dir")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PLUG_ASGD_LOG", "WARNING"), stream=sys.stderr,
                         format="[plug_asgd PS %(asctime)s] %(message)s")
     try:
+        policy = None
+        if args.checkpoint_dir:
+            policy = CheckpointPolicy(Path(args.checkpoint_dir), args.checkpoint_every_updates,
+                                      args.checkpoint_every_seconds, args.keep)
         return serve(args.bind, args.mode, replicas_to_aggregate=args.replicas_to_aggregate,
-                     max_updates=args.max_updates, parent_pid=args.parent_pid)
+                     max_updates=args.max_updates, parent_pid=args.parent_pid, checkpoint=policy,
+                     resume=args.resume, run_dir=args.run_dir)
     except (OSError, ValueError) as exc:
         print(f"plug_asgd parameter server: {exc}", file=sys.stderr)
         return 2
