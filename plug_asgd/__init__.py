@@ -5,7 +5,8 @@ importing this package registers the strategy names ``async_ps``, ``async_ps_ada
 ``async_ps_sync`` with Lightning.
 """
 
-from plug_asgd.strategy import AsyncPSStrategy
+from plug_asgd.strategy import AsyncPSStrategy  # noqa: I001 (first: it registers the strategy names)
+from plug_asgd.callbacks import CommunicationMonitor, PSCheckpoint, Supervisor, load_central_weights
 
-__all__ = ["AsyncPSStrategy"]
+__all__ = ["AsyncPSStrategy", "CommunicationMonitor", "PSCheckpoint", "Supervisor", "load_central_weights"]
 __version__ = "0.1.0"

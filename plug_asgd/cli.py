@@ -1,13 +1,15 @@
-"""The ``plug-asgd`` command: run a parameter server, train a recipe, inspect a running PS.
+"""The ``plug-asgd`` command: run a parameter server, train a recipe, inspect a running PS, plot runs.
 
 ``plug-asgd serve-ps``   a standalone parameter server for workers started elsewhere
                          (``--ps-address tcp://host:port`` on the recipes, ``ps_address=`` on the strategy);
 ``plug-asgd train mnist`` a ready-made recipe, every flag after its name passed to the recipe unchanged;
-``plug-asgd status ADDRESS`` the counters of a running PS, as a table.
+``plug-asgd status ADDRESS`` the counters of a running PS, as a table;
+``plug-asgd plot RUN... --out PNG`` learning curves of finished runs (their supervisor.jsonl).
 
 Only typer, rich and the standard library are imported at module level besides the PS and its
 client (neither imports torch or Lightning); a recipe, which imports Lightning, is imported when
-``train`` runs. (``import plug_asgd`` itself imports Lightning through the package ``__init__``.)
+``train`` runs, the dashboard when ``serve-ps`` shows it, matplotlib when ``plot`` draws.
+(``import plug_asgd`` itself imports Lightning through the package ``__init__``.)
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import signal
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -24,12 +30,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from plug_asgd import ps_server
+from plug_asgd.checkpoint import CheckpointPolicy
 from plug_asgd.client import PSClient, PSError, PSUnreachableError
 from plug_asgd.modes import MODES
 
 # name -> (module whose ``main(argv)`` runs it, one-line description)
 RECIPES: dict[str, tuple[str, str]] = {
     "mnist": ("plug_asgd.recipes.mnist", "the Keras mnist_cnn on MNIST / Fashion-MNIST IDX files"),
+    "cifar10": ("plug_asgd.recipes.cifar10", "a CNN, AlexNet or ResNet-18 on the CIFAR-10 python batches"),
 }
 
 app = typer.Typer(
@@ -71,6 +79,12 @@ def _check_positive(value: float) -> float:
     return value
 
 
+def _check_log_every(value: float) -> float:
+    if value != 0 and not value >= 0.1:
+        raise typer.BadParameter(f"must be 0 (no lines) or at least 0.1 seconds, got {value:g}")
+    return value
+
+
 def _endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
 
@@ -92,27 +106,97 @@ def serve_ps(
                                                     "to stop")] = None,
     log_level: Annotated[str, typer.Option(callback=_check_log_level, help="logging level of the PS (stderr)")]
     = "INFO",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no live dashboard, plain log lines only (the "
+                                        "default when stdout is not a terminal)")] = False,
+    log_every: Annotated[float, typer.Option(callback=_check_log_every, help="without the dashboard: seconds "
+                                             "between two plain lines of counters on stdout (0: none)")] = 10.0,
+    checkpoint_dir: Annotated[Path | None, typer.Option(help="write checkpoints of the central state here "
+                                                        "(atomically; the newest --keep are kept)")] = None,
+    checkpoint_every_updates: Annotated[int | None, typer.Option(min=1, help="updates between checkpoints")] = None,
+    checkpoint_every_seconds: Annotated[float | None, typer.Option(min=0.001, help="seconds between checkpoints "
+                                                                   "(default: 60 if no other rule)")] = None,
+    keep: Annotated[int, typer.Option(min=1, help="checkpoints kept")] = 3,
+    resume: Annotated[Path | None, typer.Option(help="start from this checkpoint, or the newest in this folder; "
+                                                "a corrupt one is refused")] = None,
+    run_dir: Annotated[Path | None, typer.Option(help="where ps_metrics.jsonl (the counters, every 2 s) goes "
+                                                 "[default: runs/ps-DATE-TIME]")] = None,
 ) -> None:
     """Run a standalone parameter server until Ctrl-C / SIGTERM (or until --workers have come and gone).
 
-    Workers reach it with --ps-address tcp://HOST:PORT. A live dashboard of its counters is not
-    part of this command yet: query a running PS with 'plug-asgd status tcp://HOST:PORT'.
+    Workers reach it with --ps-address tcp://HOST:PORT. On a terminal it shows a live dashboard
+    (workers, updates/s, traffic, refusals, staleness); with --quiet or when stdout is not a
+    terminal, it prints a plain line of counters every --log-every seconds instead. Another
+    shell can query it with 'plug-asgd status tcp://HOST:PORT'.
     """
-    logging.basicConfig(level=log_level, stream=sys.stderr, format="[plug_asgd PS %(asctime)s] %(message)s",
-                        force=True)
+    live = not quiet and sys.stdout.isatty() and not console.is_dumb_terminal
+    if live:  # log records go through the dashboard's console, above the live view
+        from rich.logging import RichHandler
+
+        handler: logging.Handler = RichHandler(console=console, show_path=False, markup=False)
+        logging.basicConfig(level=log_level, format="%(message)s", handlers=[handler], force=True)
+    else:
+        logging.basicConfig(level=log_level, stream=sys.stderr, format="[plug_asgd PS %(asctime)s] %(message)s",
+                            force=True)
     bind = _endpoint(host, port)
     extra = f", expecting {workers} worker{'s' if workers != 1 else ''}" if workers else ""
-
-    def announce(address: str) -> None:
-        console.print(f"[bold green]plug_asgd parameter server[/] listening on [bold]{escape(address)}[/], "
-                      f"mode [bold]{escape(mode)}[/]{extra} (Ctrl-C to stop)", soft_wrap=True, highlight=False)
-
     try:
-        code = ps_server.serve(bind, mode, announce=announce, replicas_to_aggregate=replicas_to_aggregate,
-                               max_updates=max_updates, expected_workers=workers, linger=linger)
-    except (OSError, ValueError) as exc:  # port in use / bad interface, or a refused option
+        policy = None
+        if checkpoint_dir is not None:
+            policy = CheckpointPolicy(checkpoint_dir, checkpoint_every_updates, checkpoint_every_seconds, keep)
+        elif checkpoint_every_updates or checkpoint_every_seconds:
+            raise ValueError("--checkpoint-every-* needs --checkpoint-dir")
+        server = ps_server.ParameterServer(
+            bind, mode, replicas_to_aggregate=replicas_to_aggregate, max_updates=max_updates,
+            expected_workers=workers, linger=linger, checkpoint=policy, resume=resume,
+            run_dir=run_dir or Path("runs") / time.strftime("ps-%Y%m%d-%H%M%S"))
+    except (OSError, ValueError) as exc:  # port in use / bad interface, a refused option, a bad checkpoint
         raise _fail(str(exc), 2) from None
+    console.print(f"[bold green]plug_asgd parameter server[/] listening on [bold]{escape(server.address)}[/], "
+                  f"mode [bold]{escape(mode)}[/]{extra} (Ctrl-C to stop)", soft_wrap=True, highlight=False)
+    signal.signal(signal.SIGTERM, server.request_stop)
+    signal.signal(signal.SIGINT, server.request_stop)
+    if live:
+        from plug_asgd.dashboard import Dashboard
+
+        with Dashboard(server.address, console) as dashboard:
+            code = server.serve_forever(on_tick=_guarded(dashboard.on_tick), tick_s=0.5)
+    elif log_every > 0:
+        code = server.serve_forever(on_tick=_guarded(_StatsLines()), tick_s=log_every)
+    else:
+        code = server.serve_forever()
     raise typer.Exit(code or 0)
+
+
+class _StatsLines:
+    """``on_tick`` of a PS without the dashboard: one plain line of counters per tick on stdout."""
+
+    def __init__(self) -> None:
+        self.previous: dict[str, Any] | None = None
+
+    def __call__(self, server: ps_server.ParameterServer) -> None:
+        from plug_asgd.dashboard import log_line
+
+        snapshot = server.snapshot()
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        print(f"[plug_asgd PS {stamp}] {log_line(snapshot, self.previous)}", flush=True)
+        self.previous = snapshot
+
+
+def _guarded(tick: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``tick``, made harmless: a first failure (say, stdout closed) is logged and the ticks stop; the PS goes on."""
+    failed = False
+
+    def guarded(server: Any) -> None:
+        nonlocal failed
+        if failed:
+            return
+        try:
+            tick(server)
+        except Exception as exc:
+            failed = True
+            logging.getLogger("plug_asgd.ps").warning("the live counters stopped: %s", exc)
+
+    return guarded
 
 
 def _recipes_text() -> str:
@@ -220,6 +304,29 @@ def status(
         print(json.dumps(stats, indent=2, sort_keys=True))
     else:
         console.print(stats_table(address, stats))
+
+
+@app.command()
+def plot(
+    runs: Annotated[list[Path], typer.Argument(metavar="RUN", show_default=False,
+                                               help="a supervisor.jsonl, or a directory searched for them")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="the image to write (PNG)", show_default=False)],
+    label: Annotated[list[str] | None, typer.Option("--label", help="a curve's name, once per curve in order "
+                                                    "(default: each run's directory name)", show_default=False)]
+    = None,
+) -> None:
+    """Plot test accuracy against wall time and against bytes pushed, one curve per run."""
+    from plug_asgd import plotting
+
+    try:
+        plotting.require_matplotlib()
+    except plotting.MatplotlibMissing as exc:
+        raise _fail(str(exc), 2) from None
+    try:
+        path = plotting.plot_runs(runs, out, labels=label or None)
+    except (plotting.RunError, OSError, ValueError) as exc:
+        raise _fail(str(exc), 2) from None
+    console.print(f"wrote [bold]{escape(str(path))}[/]", soft_wrap=True, highlight=False)
 
 
 if __name__ == "__main__":

@@ -204,10 +204,15 @@ class PSClient:
             reply = self.pull()
             return ModelReply(reply.version, "duplicate", reply.stop, reply.tensors)
 
-    def gather(self, stage: int, seq: int, obj: Any = None,
-               tensors: Mapping[str, np.ndarray] | None = None) -> list[tuple[int, Any, dict[str, np.ndarray]]]:
-        """Contribute to collective ``seq`` of ``stage``; returns every rank's (rank, obj, tensors)."""
-        reply = self.request("gather", {"rank": self.rank, "stage": stage, "seq": seq, "obj": obj}, tensors)
+    def gather(self, stage: int, seq: int, obj: Any = None, tensors: Mapping[str, np.ndarray] | None = None,
+               kind: str = "") -> list[tuple[int, Any, dict[str, np.ndarray]]]:
+        """Contribute to collective ``seq`` of ``stage``; returns every rank's (rank, obj, tensors).
+
+        ``kind`` ("barrier:NAME", "broadcast", ...) lets the PS refuse ranks that disagree on what
+        this collective is, instead of pairing one rank's broadcast with another's barrier.
+        """
+        fields = {"rank": self.rank, "stage": stage, "seq": seq, "obj": obj, "kind": kind}
+        reply = self.request("gather", fields, tensors)
         out = []
         for r, o in zip(reply.fields["ranks"], reply.fields["objs"], strict=True):
             prefix = f"{r}/"

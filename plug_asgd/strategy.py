@@ -87,6 +87,8 @@ class AsyncPSStrategy(ParallelStrategy):
         connect_timeout: seconds to wait for the PS to answer the first time.
         request_timeout: seconds to wait for any reply (a sync round or a barrier included).
         start_method: ``"popen"`` (re-run the script, as DDP's default) or ``"spawn"``/``"fork"``.
+        resume_from: a PS checkpoint file or folder the embedded PS starts from (see ``PSCheckpoint``).
+        ps_run_dir: where the embedded PS writes ``ps_metrics.jsonl`` (default: the trainer's log dir).
     """
 
     strategy_name = "async_ps"
@@ -104,6 +106,8 @@ class AsyncPSStrategy(ParallelStrategy):
         connect_timeout: float = 60.0,
         request_timeout: float = 600.0,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        resume_from: str | os.PathLike[str] | None = None,
+        ps_run_dir: str | os.PathLike[str] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -132,6 +136,8 @@ class AsyncPSStrategy(ParallelStrategy):
         self.ps_port = ps_port
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
+        self.resume_from = resume_from
+        self.ps_run_dir = ps_run_dir
         self._start_method = start_method
         self._num_nodes = 1
         self._client: PSClient | None = None
@@ -145,6 +151,8 @@ class AsyncPSStrategy(ParallelStrategy):
         self._failed = False
         self._version = 0
         self._since_push = 0
+        self._local_steps = 0
+        self._staleness = [0, 0, 0]  # sum, count, max over this worker's applied pushes
         self._compressor = self.mode_spec.make_compressor(compression)
         self._base: dict[str, Tensor] = {}
 
@@ -278,6 +286,10 @@ class AsyncPSStrategy(ParallelStrategy):
         if self._client is not None:
             return self._client
         address, bind = self._endpoint()
+        if bind is None and (self.resume_from is not None or self._ps_checkpoint_callback() is not None):
+            raise ValueError(f"the PS at {address} is external: PSCheckpoint and resume_from configure the "
+                             "embedded PS only; give the external one `plug-asgd serve-ps --checkpoint-dir DIR` "
+                             "or `--resume DIR` instead")
         if bind is not None and self.global_rank == 0:
             self._start_embedded_ps(bind)
         self._client = PSClient(address, rank=self.global_rank, world_size=self.world_size, mode=self.mode,
@@ -285,10 +297,25 @@ class AsyncPSStrategy(ParallelStrategy):
         atexit.register(self._shutdown)
         return self._client
 
+    def _ps_checkpoint_callback(self) -> Any:
+        from plug_asgd.callbacks import PSCheckpoint  # callbacks import this module
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        found = [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, PSCheckpoint)]
+        return found[0] if found else None
+
     def _start_embedded_ps(self, bind: str) -> None:
-        cmd = embedded_command(bind, self.mode, parent_pid=os.getpid(), max_updates=self.max_updates,
-                               replicas_to_aggregate=self.replicas_to_aggregate)
-        self._ps_proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        options: dict[str, Any] = {"parent_pid": os.getpid(), "max_updates": self.max_updates,
+                                   "replicas_to_aggregate": self.replicas_to_aggregate, "resume": self.resume_from}
+        checkpoint = self._ps_checkpoint_callback()
+        if checkpoint is not None:
+            options.update(checkpoint.ps_options())
+        run_dir = self.ps_run_dir
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if run_dir is None and trainer is not None and trainer.loggers and trainer.log_dir is not None:
+            run_dir = os.path.join(trainer.log_dir, "ps")
+        options["run_dir"] = run_dir
+        self._ps_proc = subprocess.Popen(embedded_command(bind, self.mode, **options), stdin=subprocess.DEVNULL)
 
     def _ps_gone(self) -> str | None:
         if self._ps_proc is not None and self._ps_proc.poll() is not None:
@@ -320,8 +347,15 @@ class AsyncPSStrategy(ParallelStrategy):
             self._ps_proc = None
 
     def comm_stats(self) -> dict[str, Any]:
-        """This worker's communication counters (bytes measured on the wire)."""
-        return self._client.counters.as_dict() if self._client is not None else {}
+        """This worker's counters: local steps, bytes up and down (measured on the wire), time spent
+        waiting for the PS, and the staleness of its pushes (updates of others folded in between its
+        base version and its own update)."""
+        if self._client is None:
+            return {}
+        total, count, worst = self._staleness
+        return {**self._client.counters.as_dict(), "local_steps": self._local_steps, "version": self._version,
+                "staleness_mean": total / count if count else 0.0, "staleness_max": worst,
+                "reconnections": self._client.reconnections}
 
     def ps_stats(self) -> dict[str, Any]:
         """The parameter server's global counters (version, pushes, bytes in and out, staleness)."""
@@ -382,7 +416,13 @@ class AsyncPSStrategy(ParallelStrategy):
             delta = _to_numpy(t.detach() - self._base[name])
             update[name] = self._compressor.encode(name, delta)
         self._since_push = 0
-        self._load(self._client.push(self._version, update))
+        base = self._version
+        reply = self._client.push(base, update)
+        if reply.status == "applied":
+            staleness = reply.version - base - 1
+            st = self._staleness
+            st[0], st[1], st[2] = st[0] + staleness, st[1] + 1, max(st[2], staleness)
+        self._load(reply)
 
     def _flush(self) -> None:
         if self._fitting and self._joined and self._since_push:
@@ -390,6 +430,7 @@ class AsyncPSStrategy(ParallelStrategy):
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._local_steps += 1
         if self._joined and self._fitting:
             self._since_push += 1
             if self._since_push >= self.push_every:
@@ -410,15 +451,15 @@ class AsyncPSStrategy(ParallelStrategy):
     def _collectives_active(self) -> bool:
         return self._client is not None and self._in_stage and self.world_size > 1
 
-    def _gather(self, obj: Any = None, tensors: dict[str, np.ndarray] | None = None) -> list[Any]:
+    def _gather(self, kind: str, obj: Any = None, tensors: dict[str, np.ndarray] | None = None) -> list[Any]:
         assert self._client is not None
         seq = self._collective_seq
         self._collective_seq += 1
-        return self._client.gather(self._stage, seq, obj, tensors)
+        return self._client.gather(self._stage, seq, obj, tensors, kind=kind)
 
     def barrier(self, name: str | None = None) -> None:
         if self._collectives_active():
-            self._gather()
+            self._gather(f"barrier:{name or ''}")
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not self._collectives_active():
@@ -431,7 +472,7 @@ class AsyncPSStrategy(ParallelStrategy):
             except (TypeError, ValueError) as exc:
                 mine = {"error": f"AsyncPSStrategy.broadcast sends msgpack data only (str, numbers, lists, "
                                  f"dicts, bytes, None); got {type(obj).__name__}: {exc}"}
-        for rank, payload, _ in self._gather(mine):
+        for rank, payload, _ in self._gather("broadcast", mine):
             if rank == src:
                 if payload is None or "error" in payload:
                     raise TypeError(payload["error"] if payload else f"broadcast source rank {src} sent nothing")
@@ -444,7 +485,7 @@ class AsyncPSStrategy(ParallelStrategy):
                                "AsyncPSStrategy does not provide")
         if not self._collectives_active():
             return tensor.unsqueeze(0)
-        parts = [t["x"] for _, _, t in self._gather(tensors={"x": _to_numpy(tensor)})]
+        parts = [t["x"] for _, _, t in self._gather("all_gather", tensors={"x": _to_numpy(tensor)})]
         return torch.tensor(np.stack(parts), dtype=tensor.dtype, device=tensor.device)
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
@@ -455,7 +496,7 @@ class AsyncPSStrategy(ParallelStrategy):
         if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
             return tensor
         op = _op_name(reduce_op)
-        parts = np.stack([t["x"] for _, _, t in self._gather(tensors={"x": _to_numpy(tensor)})])
+        parts = np.stack([t["x"] for _, _, t in self._gather(f"reduce:{op}", tensors={"x": _to_numpy(tensor)})])
         if op == "mean":
             result = parts.astype(np.float64).mean(axis=0)
         else:

@@ -147,7 +147,7 @@ def test_serve_ps_rejects_unknown_log_level():
 
 
 def test_train_unknown_recipe():
-    result = runner.invoke(cli.app, ["train", "cifar10", "--workers", "2"])
+    result = runner.invoke(cli.app, ["train", "imagenet", "--workers", "2"])
     assert result.exit_code == 2
     assert "cifar10" in result.output and "mnist" in result.output
     assert "Traceback" not in result.output

@@ -152,6 +152,33 @@ def test_collectives_complete_when_every_rank_present_contributes(start_ps):
     b.close()
 
 
+def test_ranks_that_disagree_on_a_collective_get_an_error_not_a_wrong_pairing(start_ps):
+    address = start_ps()
+    a, b = client(address, 0, 2), client(address, 1, 2)
+    errors = {}
+
+    def call(c, kind, key):
+        try:
+            c.gather(1, 0, kind=kind)
+        except PSError as exc:
+            errors[key] = exc
+
+    t = threading.Thread(target=call, args=(a, "broadcast", "a"))
+    t.start()
+    time.sleep(0.3)
+    call(b, "barrier:plug_asgd.fit_end", "b")
+    t.join(10)
+    assert {e.code for e in errors.values()} == {"collective_mismatch"} and len(errors) == 2
+    assert "rank 1 called barrier:plug_asgd.fit_end where rank 0 called broadcast" in str(errors["b"])
+    # two barriers of different names are the same collective (names are labels, as in DDP)
+    t = threading.Thread(target=lambda: a.gather(1, 1, kind="barrier:x"))
+    t.start()
+    b.gather(1, 1, kind="barrier:y")
+    t.join(10)
+    a.close()
+    b.close()
+
+
 def test_max_updates_tells_workers_to_stop_and_freezes_the_model(start_ps):
     c = client(start_ps("asgd", "--max-updates", "2"))
     c.init(W0)

@@ -11,6 +11,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.loggers import CSVLogger
 
+from plug_asgd.callbacks import CommunicationMonitor, PSCheckpoint, Supervisor
 from plug_asgd.modes import MODES
 from plug_asgd.strategy import AsyncPSStrategy
 
@@ -37,13 +38,34 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--run-dir", type=Path, default=Path("runs"), help="logs and metrics (default: runs/)")
     parser.add_argument("--metrics-json", type=Path, default=None, help="write the run's summary here")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--supervise-every", type=int, default=None, metavar="N",
+                        help="evaluate the central model on the test set every N PS updates while training")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="the PS checkpoints its state here")
+    parser.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                        help="updates between PS checkpoints (default: every 60 s)")
+    parser.add_argument("--resume", type=Path, default=None, help="start the embedded PS from this checkpoint")
+    parser.add_argument("--comm-monitor", type=int, default=None, metavar="N",
+                        help="record each worker's steps, bytes, times and staleness every N local steps")
     return parser
 
 
 def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
     return AsyncPSStrategy(mode=args.mode, compression=args.compression, push_every=args.push_every,
                            replicas_to_aggregate=args.replicas_to_aggregate, max_updates=args.max_updates,
-                           ps_address=args.ps_address)
+                           ps_address=args.ps_address, resume_from=args.resume)
+
+
+def make_callbacks(args: argparse.Namespace, datamodule: pl.LightningDataModule) -> list[pl.Callback]:
+    """The callbacks the flags ask for; the Supervisor evaluates on the data module's test set."""
+    callbacks: list[pl.Callback] = []
+    if args.supervise_every is not None:
+        datamodule.setup("test")
+        callbacks.append(Supervisor(datamodule.test_dataloader(), every_n_updates=args.supervise_every))
+    if args.checkpoint_dir is not None:
+        callbacks.append(PSCheckpoint(args.checkpoint_dir, every_n_updates=args.checkpoint_every))
+    if args.comm_monitor is not None:
+        callbacks.append(CommunicationMonitor(every_n_steps=args.comm_monitor))
+    return callbacks
 
 
 def train_and_test(name: str, model: pl.LightningModule, datamodule: pl.LightningDataModule,
@@ -56,6 +78,7 @@ def train_and_test(name: str, model: pl.LightningModule, datamodule: pl.Lightnin
         max_epochs=args.epochs, max_steps=args.max_steps,
         limit_val_batches=0 if args.no_val else None, num_sanity_val_steps=0,
         logger=CSVLogger(args.run_dir, name=f"{name}-{args.mode}"), enable_checkpointing=False,
+        callbacks=make_callbacks(args, datamodule),
         enable_model_summary=False, enable_progress_bar=not args.quiet,
     )
     start = time.monotonic()
@@ -71,7 +94,7 @@ def train_and_test(name: str, model: pl.LightningModule, datamodule: pl.Lightnin
         "test_acc": results[0].get("test_acc"), "test_loss": results[0].get("test_loss"),
         "ps_version": ps["version"], "pushes_applied": ps["pushes_applied"], "pushes_dropped": ps["pushes_dropped"],
         "push_bytes": ps["push_bytes_in"], "ps_bytes_in": ps["bytes_in"], "ps_bytes_out": ps["bytes_out"],
-        "fit_seconds": round(fit_seconds, 3),
+        "fit_seconds": round(fit_seconds, 3), "log_dir": trainer.log_dir,
     }
     print(f"central model test accuracy: {summary['test_acc']:.4f}  (mode {args.mode}, "
           f"{summary['workers']} workers, PS version {ps['version']}, {ps['push_bytes_in'] / 1e6:.2f} MB pushed, "

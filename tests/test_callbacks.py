@@ -1,0 +1,103 @@
+"""Supervisor, PSCheckpoint and CommunicationMonitor on one real 2-worker Fashion-MNIST run."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from plug_asgd import load_central_weights
+from plug_asgd.checkpoint import list_checkpoints
+from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
+from tests.conftest import FASHION, PYTHON, ProcessGroups
+from tests.test_training import RECIPE
+
+STEPS = 125  # 8000 images / 2 workers / batch 32
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    if not (FASHION / "train-images-idx3-ubyte.gz").exists():
+        pytest.skip("Fashion-MNIST not installed: apt-get install dataset-fashion-mnist")
+    tmp = tmp_path_factory.mktemp("callbacks")
+    groups = ProcessGroups()
+    try:
+        code, out = groups.run([PYTHON, *RECIPE, "--workers", "2", "--mode", "asgd", "--run-dir", str(tmp / "runs"),
+                                "--metrics-json", str(tmp / "m.json"), "--supervise-every", "40",
+                                "--checkpoint-dir", str(tmp / "ck"), "--checkpoint-every", "50",
+                                "--comm-monitor", "25"], timeout=170)
+    finally:
+        left = groups.leftovers()
+        for p in groups.procs:
+            groups.kill(p)
+    assert code == 0, out[-4000:]
+    assert not left
+    summary = json.loads((tmp / "m.json").read_text())
+    return tmp, Path(summary["log_dir"]), summary
+
+
+def test_supervisor_records_a_rising_central_accuracy_while_workers_train(run):
+    _, log_dir, summary = run
+    records = jsonl(log_dir / "supervisor.jsonl")
+    assert len(records) >= 3
+    versions = [r["version"] for r in records]
+    assert versions == sorted(set(versions)) and versions[-1] < summary["ps_version"]  # during training
+    assert [r["wall_s"] for r in records] == sorted(r["wall_s"] for r in records)
+    assert [r["bytes_pushed"] for r in records] == sorted(r["bytes_pushed"] for r in records)
+    assert records[-1]["test_acc"] >= 0.7 and records[-1]["test_acc"] >= records[0]["test_acc"] + 0.2
+    # the same evaluations reached the Lightning logger (CSV), keyed by PS version
+    with open(log_dir / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("central/test_acc")]
+    assert [float(r["central/test_acc"]) for r in rows] == [r["test_acc"] for r in records]
+    assert [int(float(r["central/version"])) for r in rows] == versions
+
+
+def test_ps_checkpoint_holds_the_final_central_model(run):
+    tmp, _, summary = run
+    files = list_checkpoints(tmp / "ck")
+    assert len(files) == 3 and files[-1].name == f"ps-v{summary['ps_version']:010d}.ckpt"  # keep=3, last at exit
+    model = MnistCNN()
+    assert load_central_weights(model, tmp / "ck") == summary["ps_version"]
+    dm = MnistDataModule(FASHION, test_subset=1000, download=False)
+    dm.setup("test")
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for x, y in dm.test_dataloader():
+            correct += int((model(x).argmax(1) == y).sum())
+    # what trainer.test measured on the central model after fit, from the checkpoint alone
+    assert correct / 1000 == pytest.approx(summary["test_acc"], abs=1e-6)
+
+
+def test_load_central_weights_refuses_a_mismatched_module(run):
+    tmp, _, _ = run
+    with pytest.raises(KeyError, match="does not match"):
+        load_central_weights(torch.nn.Linear(3, 2), tmp / "ck")
+
+
+def test_communication_monitor_counts_each_worker_on_the_wire(run):
+    _, log_dir, summary = run
+    last = [jsonl(log_dir / "comm" / f"worker{r}.jsonl")[-1] for r in (0, 1)]
+    for rank, rec in enumerate(last):
+        assert rec["rank"] == rank and rec["local_steps"] == STEPS and rec["pushes"] == STEPS
+        assert rec["push_bytes_up"] >= STEPS * 4_799_528  # 1,199,882 float32 per dense push
+        assert rec["bytes_down"] >= STEPS * 4_799_528  # the central model comes back each time
+        assert rec["comm_s"] + rec["compute_s"] == pytest.approx(rec["wall_s"], abs=0.01)
+    assert sum(r["push_bytes_up"] for r in last) == summary["push_bytes"]  # both sides of the wire agree
+    assert max(r["staleness_mean"] for r in last) > 0  # the two workers really overlapped
+
+
+def test_ps_writes_its_counters_to_its_run_directory(run):
+    _, log_dir, summary = run
+    lines = jsonl(log_dir / "ps" / "ps_metrics.jsonl")
+    versions = [m["version"] for m in lines]
+    assert versions == sorted(versions) and versions[-1] == summary["ps_version"]
+    assert lines[-1]["pushes_by_rank"] == {"0": STEPS, "1": STEPS}
+    assert sum(lines[-1]["staleness"].values()) == 2 * STEPS

@@ -1,0 +1,241 @@
+"""The live dashboard of ``plug-asgd serve-ps``: rendering a snapshot, the plain log lines, and the
+dashboard on a real pseudo-terminal.
+
+Servers are real processes on 127.0.0.1, each in its own session; every wait has a timeout and
+each test kills its process group in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import os
+import pty
+import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from plug_asgd import cli
+from plug_asgd.dashboard import (
+    Dashboard,
+    human_bytes,
+    human_duration,
+    log_line,
+    recent_rate,
+    render,
+    sparkline,
+    staleness_text,
+)
+from tests.conftest import LAUNCHER_VARIABLES, free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+PLUG_ASGD = str(Path(sys.executable).with_name("plug-asgd"))
+ANSI = re.compile(r"\x1b(\[[0-9;?]*[ -/]*[@-~]|\][^\x07]*\x07|[()][0-9A-Za-z])")
+START_TIMEOUT = 60.0  # the console script imports Lightning first: slow on a loaded 2-core machine
+
+SNAPSHOT = {
+    "mode": "adacomp", "version": 1234, "initialized": True, "max_updates": None, "world_size": 3,
+    "workers": [0, 2], "trainers": 2,
+    "worker_details": [
+        {"rank": 0, "stage": 1, "training": True, "pushes": 700, "last_seen_s": 0.31},
+        {"rank": 2, "stage": 1, "training": True, "pushes": 534, "last_seen_s": 12.04},
+    ],
+    "uptime_s": 83.5, "updates_per_s": 14.78, "messages_in": 2500, "bytes_in": 2_500_000,
+    "bytes_out": 12_345_678, "push_bytes_in": 2_000_000, "pushes_applied": 1234, "pushes_dropped": 7,
+    "pushes_after_stop": 0, "refused": {"bad_tensor": 3, "duplicate": 1},
+    "staleness": {"0": 120, "1": 30, "2": 4}, "pushes_by_rank": {"0": 700, "2": 534},
+}
+
+
+def text_of(renderable, width: int = 120) -> str:
+    console = Console(record=True, width=width, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()
+
+
+# -- rendering (pure) --------------------------------------------------------------------------
+
+
+def test_render_shows_workers_and_counters():
+    text = text_of(render(SNAPSHOT, None, "tcp://127.0.0.1:2223"))
+    for expected in ("tcp://127.0.0.1:2223", "adacomp", "version 1234", "2 workers", "2 training", "world size 3",
+                     "1m 23s", "14.78 updates/s (since start)",
+                     "2.50 MB", "12.35 MB", "applied 1234", "dropped 7", "bad_tensor:3", "duplicate:1",
+                     "0:120 1:30 2:4", "0.3 s ago", "12.0 s ago", "700", "534"):
+        assert expected in text, f"{expected!r} missing from:\n{text}"
+    rows = [line for line in text.splitlines() if "s ago" in line]
+    assert [re.findall(r"\d+", row)[0] for row in rows] == ["0", "2"]  # one row per rank, in order
+
+
+def test_render_is_pure_and_rates_come_from_the_previous_snapshot():
+    previous = {**SNAPSHOT, "version": 1200, "uptime_s": 81.5, "bytes_in": 2_000_000, "bytes_out": 12_345_678}
+    first = text_of(render(SNAPSHOT, previous, "a"))
+    assert first == text_of(render(SNAPSHOT, previous, "a"))
+    assert "17.00 updates/s" in first and "since start" not in first  # (1234 - 1200) / 2 s
+    assert "250.00 kB/s" in first  # 500 kB in 2 s
+    assert recent_rate(SNAPSHOT, previous) == pytest.approx(17.0)
+    assert recent_rate(SNAPSHOT, None) is None
+    assert recent_rate(SNAPSHOT, SNAPSHOT) is None  # no time between them
+
+
+def test_render_without_workers_or_counters():
+    empty = {"mode": "asgd", "version": 0, "initialized": False, "workers": [], "trainers": 0, "worker_details": [],
+             "uptime_s": 0.4, "updates_per_s": 0.0, "bytes_in": 0, "bytes_out": 0, "refused": {}, "staleness": {}}
+    text = text_of(render(empty, None, "tcp://127.0.0.1:9"))
+    for expected in ("0 workers", "no worker connected", "no model yet", "0 B", "refused    none",
+                     "staleness  none"):
+        assert expected in text, f"{expected!r} missing from:\n{text}"
+    single = {**SNAPSHOT, "workers": [5], "worker_details": [{"rank": 5, "stage": 0, "training": False,
+                                                              "pushes": 0, "last_seen_s": 1.0}]}
+    assert "1 worker " in text_of(render(single))
+
+
+def test_many_workers_are_cut_short():
+    details = [{"rank": r, "stage": 1, "training": True, "pushes": r, "last_seen_s": 0.1} for r in range(40)]
+    snapshot = {**SNAPSHOT, "workers": list(range(40)), "worker_details": details}
+    text = text_of(render(snapshot))
+    assert "40 workers" in text and "17 more" in text
+
+
+def test_formatting_helpers():
+    assert [human_bytes(n) for n in (0, 999, 1000, 2_500_000, 3.2e9)] == ["0 B", "999 B", "1.00 kB", "2.50 MB",
+                                                                          "3.20 GB"]
+    assert [human_duration(s) for s in (4.25, 83, 7384)] == ["4.2 s", "1m 23s", "2h 03m 04s"]
+    long_tail = {str(k): 1 for k in range(15)}
+    assert staleness_text(long_tail, max_buckets=4) == "0:1 1:1 2:1 >=3:12"
+    assert staleness_text({"10": 2, "2": 5}) == "2:5 10:2"  # numeric order, not string order
+    assert staleness_text({}) == "none"
+    assert sparkline([8, 0, 1]) == "█ ▁"
+
+
+def test_log_line_and_dashboard_window():
+    line = log_line(SNAPSHOT)
+    assert line == "version 1234 | 14.78 updates/s | 2 workers | in 2.50 MB | out 12.35 MB"
+    dash = Dashboard("tcp://x:1", Console(file=io.StringIO(), width=100), window_s=2.0)
+    snaps = [{**SNAPSHOT, "uptime_s": 0.5 * i, "version": 10 * i} for i in range(10)]
+    previous = [dash._previous(s) for s in snaps]
+    assert previous[0] is None and previous[1] is snaps[0]
+    # past the window, rates are measured over the last ~2 s, not since start
+    assert previous[-1] is snaps[-5]
+    assert log_line(snaps[-1], previous[-1]).startswith("version 90 | 20.00 updates/s")
+
+
+def test_log_every_is_checked():
+    result = CliRunner().invoke(cli.app, ["serve-ps", "--log-every", "0.01"])
+    assert result.exit_code == 2
+    assert "log-every" in result.output
+
+
+# -- real processes ----------------------------------------------------------------------------
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def test_serve_ps_quiet_prints_plain_log_lines(tmp_path):
+    port = free_port()
+    out_path, err_path = tmp_path / "ps.out", tmp_path / "ps.err"
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        proc = subprocess.Popen([PLUG_ASGD, "serve-ps", "--port", str(port), "--quiet", "--log-every", "0.5"],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+                                env=_env(COLUMNS="200"), cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        lines: list[str] = []
+        while time.monotonic() < deadline:
+            lines = [line for line in out_path.read_text(errors="replace").splitlines() if "updates/s" in line]
+            if len(lines) >= 3 or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        output = out_path.read_text(errors="replace")
+        assert len(lines) >= 3, f"fewer than 3 log lines within {START_TIMEOUT} s (exit {proc.poll()}):\n{output}"
+        for line in lines:
+            assert re.search(r"version \d+ \| [\d.]+ updates/s \| \d+ workers? \| in [\d.]+ k?B \| out [\d.]+ k?B$",
+                             line), line
+        assert f"tcp://127.0.0.1:{port}" in output
+        assert "\x1b[" not in output and "╭" not in output  # no dashboard, no escape codes
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert "Traceback" not in err_path.read_text(errors="replace")
+    finally:
+        _kill_group(proc)
+
+
+def _read_available(fd: int, timeout: float) -> bytes:
+    """What the pty's master has within ``timeout`` seconds (b"" when nothing; the child's end closed raises)."""
+    ready, _, _ = select.select([fd], [], [], timeout)
+    if not ready:
+        return b""
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # EIO: every process holding the slave end has exited
+        raise EOFError from None
+
+
+def test_serve_ps_dashboard_on_a_terminal(tmp_path):
+    port = free_port()
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = _env(TERM="xterm-256color")
+    for name in ("COLUMNS", "LINES", "NO_COLOR", "FORCE_COLOR", "TERM_PROGRAM"):
+        env.pop(name, None)
+    try:
+        proc = subprocess.Popen([PLUG_ASGD, "serve-ps", "--port", str(port), "--mode", "sync"],
+                                stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, start_new_session=True,
+                                env=env, cwd=tmp_path)
+    finally:
+        os.close(slave)
+    raw = b""
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        text = ""
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                raw += _read_available(master, 0.2)
+            except EOFError:
+                break
+            text = ANSI.sub("", raw.decode(errors="replace"))
+            if "no worker connected" in text and "╰" in text:
+                break
+        assert "no worker connected" in text, f"no dashboard within {START_TIMEOUT} s (exit {proc.poll()}):\n{text}"
+        assert "\x1b[" in raw.decode(errors="replace")  # drawn with terminal codes
+        title = next(line for line in text.splitlines() if "plug_asgd parameter server tcp://" in line)
+        assert f"127.0.0.1:{port}" in title and "mode sync" in title
+        assert "workers" in text and "0 workers" in text and "updates/s" in text and "staleness" in text
+        assert "last contact" in text
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while proc.poll() is None and time.monotonic() < deadline:  # keep draining: a full pty would block it
+            try:
+                raw += _read_available(master, 0.1)
+            except EOFError:
+                break
+        assert proc.wait(timeout=max(0.1, deadline - time.monotonic())) == 0
+        assert "Traceback" not in ANSI.sub("", raw.decode(errors="replace"))
+    finally:
+        _kill_group(proc)
+        os.close(master)
