@@ -258,6 +258,10 @@ class ParameterServer:
         self._by_identity[identity] = worker
         self.ever_joined.add(rank)
         self.left[stage].discard(rank)
+        # a rank in stage s has left every earlier one (what a PS restarted mid-run learns from re-hellos)
+        for key in [k for k in self.gathers if k[0] < stage]:
+            self.left[key[0]].add(rank)
+            self._maybe_finish_gather(key)
         self._update_trainers()
         self._send(identity, rid, "welcome", {
             "initialized": self.initialized, "version": self.state.version, "mode": self.mode,
@@ -420,9 +424,10 @@ class ParameterServer:
         assert self.checkpoint is not None
         rule_fields, rule_arrays = self.rule.state()
         s = self.stats
+        # stage membership is not saved: it belongs to a run, and a resumed PS may serve a new one
         fields = {
             "mode": self.mode, "version": self.state.version, "world_size": self.world_size,
-            "last_seq": self.last_seq, "left": {str(k): sorted(v) for k, v in self.left.items()},
+            "last_seq": self.last_seq,
             "rule": rule_fields, "saved_at": time.time(),
             "stats": {"pushes_applied": s.pushes_applied, "pushes_dropped": s.pushes_dropped,
                       "push_bytes_in": s.push_bytes_in, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
@@ -449,7 +454,6 @@ class ParameterServer:
         self.initialized = True
         self.world_size = f.get("world_size")
         self.last_seq = {str(k): int(v) for k, v in f.get("last_seq", {}).items()}
-        self.left.update((int(k), set(v)) for k, v in f.get("left", {}).items())
         self.rule.restore(f.get("rule", {}), {n[len("rule/"):]: t for n, t in msg.tensors.items()
                                                if n.startswith("rule/")})
         st = f.get("stats", {})

@@ -12,7 +12,7 @@ import torch
 from plug_asgd import load_central_weights
 from plug_asgd.checkpoint import list_checkpoints
 from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
-from tests.conftest import FASHION, PYTHON, ProcessGroups
+from tests.conftest import FASHION, PLUG_ASGD, PYTHON, ProcessGroups
 from tests.test_training import RECIPE
 
 STEPS = 125  # 8000 images / 2 workers / batch 32
@@ -101,3 +101,29 @@ def test_ps_writes_its_counters_to_its_run_directory(run):
     assert versions == sorted(versions) and versions[-1] == summary["ps_version"]
     assert lines[-1]["pushes_by_rank"] == {"0": STEPS, "1": STEPS}
     assert sum(lines[-1]["staleness"].values()) == 2 * STEPS
+
+
+def test_plot_draws_the_runs_own_supervisor_file(run, tmp_path):
+    from plug_asgd.plotting import load_series
+
+    _, log_dir, _ = run
+    out = tmp_path / "acc.png"
+    code, text = ProcessGroups().run([PLUG_ASGD, "plot", str(log_dir), "--out", str(out)], timeout=60)
+    assert code == 0, text
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    series = load_series(log_dir / "supervisor.jsonl")
+    records = jsonl(log_dir / "supervisor.jsonl")
+    assert series.test_acc == [r["test_acc"] for r in records] and series.wall_s == [r["wall_s"] for r in records]
+
+
+def test_a_new_run_resumes_the_embedded_ps_from_the_checkpoint(run, tmp_path):
+    tmp, _, summary = run
+    groups = ProcessGroups()
+    code, out = groups.run([PYTHON, *RECIPE, "--workers", "2", "--mode", "asgd", "--max-steps", "5",
+                            "--resume", str(tmp / "ck"), "--run-dir", str(tmp_path / "runs"),
+                            "--metrics-json", str(tmp_path / "m.json")], timeout=120)
+    assert code == 0, out[-4000:]
+    assert not groups.leftovers()
+    resumed = json.loads((tmp_path / "m.json").read_text())
+    assert resumed["ps_version"] == summary["ps_version"] + 2 * 5  # continued from the checkpoint's version
+    assert resumed["test_acc"] >= summary["test_acc"] - 0.05  # and from its model, not from scratch

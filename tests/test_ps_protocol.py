@@ -152,6 +152,21 @@ def test_collectives_complete_when_every_rank_present_contributes(start_ps):
     b.close()
 
 
+def test_a_rank_in_a_later_stage_has_left_the_earlier_ones(start_ps):
+    address = start_ps()
+    a, b = client(address, 0, 2), client(address, 1, 2)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("a", a.gather(1, 3, kind="barrier:")))
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive()
+    b.hello(stage=2, training=False)  # e.g. what a PS restarted mid-run hears from a rank already testing
+    t.join(10)
+    assert [r for r, _, _ in out["a"]] == [0]
+    a.close()
+    b.close()
+
+
 def test_ranks_that_disagree_on_a_collective_get_an_error_not_a_wrong_pairing(start_ps):
     address = start_ps()
     a, b = client(address, 0, 2), client(address, 1, 2)
