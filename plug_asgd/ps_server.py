@@ -72,6 +72,7 @@ class Stats:
     pushes_applied: int = 0
     pushes_dropped: int = 0
     pushes_after_stop: int = 0
+    copies_on_write: int = 0
     refused: Counter = field(default_factory=Counter)
     staleness: Counter = field(default_factory=Counter)
     pushes_by_rank: Counter = field(default_factory=Counter)
@@ -109,6 +110,7 @@ class ParameterServer:
         self.parent_pid = parent_pid
         self.world_size: int | None = None
         self.workers: dict[int, WorkerInfo] = {}
+        self._in_flight: list[zmq.MessageTracker] = []
         self._by_identity: dict[bytes, WorkerInfo] = {}
         self.ever_joined: set[int] = set()
         self.left: dict[int, set[int]] = defaultdict(set)
@@ -219,10 +221,10 @@ class ParameterServer:
             self._error(identity, rid, "internal", f"internal error in the parameter server: {exc}")
 
     def _send(self, identity: bytes, rid: Any, msg_type: str, fields: dict[str, Any] | None = None,
-              tensors: dict[str, Tensor] | None = None) -> None:
+              tensors: dict[str, Tensor] | None = None, track: bool = False) -> zmq.MessageTracker | None:
         frames = encode(msg_type, {**(fields or {}), "rid": rid}, tensors)
         self.stats.bytes_out += message_bytes(frames)
-        self.socket.send_multipart([identity, *frames], copy=False)
+        return self.socket.send_multipart([identity, *frames], copy=False, track=track)
 
     def _error(self, identity: bytes, rid: Any, code: str, text: str) -> None:
         self._send(identity, rid, "error", {"code": code, "message": text})
@@ -233,6 +235,7 @@ class ParameterServer:
         return sum(1 for w in self.workers.values() if w.training)
 
     def _update_trainers(self) -> None:
+        self._writable()  # a sync round may complete
         self._resolve(self.rule.set_trainers(self.state, self._trainers()))
 
     def _on_hello(self, identity: bytes, rid: Any, msg: Message) -> None:
@@ -315,9 +318,24 @@ class ParameterServer:
         self._send_model(identity, rid, {"status": "pulled"})
 
     def _send_model(self, identity: bytes, rid: Any, fields: dict[str, Any]) -> None:
-        self._send(identity, rid, "model", {**fields, "version": self.state.version, "stop": self._stopped()},
-                   self.state.tensors)
+        tracker = self._send(identity, rid, "model", {**fields, "version": self.state.version,
+                                                      "stop": self._stopped()}, self.state.tensors, track=True)
+        if tracker is not None:
+            self._in_flight.append(tracker)
 
+    def _writable(self) -> None:
+        """Call before changing the central tensors in place.
+
+        Model replies go out zero-copy: ZeroMQ's I/O thread may still be reading the arrays when
+        the next update arrives. Folding into them then would send a worker half of one version
+        and half of the next. While a reply is in flight, the PS folds into fresh copies instead
+        (copy-on-write); the frames keep the old arrays alive until they are sent.
+        """
+        self._in_flight = [t for t in self._in_flight if not t.done]
+        if self._in_flight:
+            self.state.tensors = {name: t.copy() for name, t in self.state.tensors.items()}
+            self._in_flight = []
+            self.stats.copies_on_write += 1
     def _validate_update(self, update: dict[str, Tensor]) -> None:
         for name, t in update.items():
             central = self.state.tensors.get(name)
@@ -355,6 +373,7 @@ class ParameterServer:
         self.stats.pushes_by_rank[rank] += 1
         if rank in self.workers:
             self.workers[rank].pushes += 1
+        self._writable()
         self._resolve(self.rule.push(self.state, Push((identity, rid), rank, base, msg.tensors)))
 
     def _resolve(self, resolutions: list[tuple[Any, str]]) -> None:
@@ -485,6 +504,7 @@ class ParameterServer:
             "messages_in": s.messages_in, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
             "push_bytes_in": s.push_bytes_in, "pushes_applied": s.pushes_applied,
             "pushes_dropped": s.pushes_dropped, "pushes_after_stop": s.pushes_after_stop,
+            "copies_on_write": s.copies_on_write,
             "refused": dict(s.refused), "staleness": {str(k): v for k, v in sorted(s.staleness.items())},
             "pushes_by_rank": {str(k): v for k, v in sorted(s.pushes_by_rank.items())},
         }

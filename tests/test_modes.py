@@ -100,3 +100,27 @@ def test_sync_refuses_a_second_update_from_the_same_worker_in_one_round():
 def test_unknown_mode_lists_the_modes():
     with pytest.raises(ValueError, match="asgd, adacomp, sync"):
         get_mode("hogwild")
+
+
+def test_the_ps_folds_into_a_copy_while_a_zero_copy_reply_is_in_flight():
+    from plug_asgd.ps_server import ParameterServer
+
+    server = ParameterServer("tcp://127.0.0.1:*", "asgd")
+    try:
+        sent = np.zeros(4, np.float32)
+        server.state.tensors = {"w": sent}
+
+        class InFlight:
+            done = False
+
+        server._in_flight = [InFlight()]
+        server._writable()
+        assert server.state.tensors["w"] is not sent and server.stats.copies_on_write == 1
+        server.state.tensors["w"] += 1  # the fold
+        assert not sent.any()  # what the in-flight reply references is untouched
+        now = server.state.tensors["w"]
+        server._in_flight = [type("Sent", (), {"done": True})()]
+        server._writable()  # nothing in flight any more: fold in place
+        assert server.state.tensors["w"] is now and server.stats.copies_on_write == 1
+    finally:
+        server.socket.close(0)
