@@ -255,6 +255,8 @@ class ParameterServer:
             raise WireError("bad_field", f"rank {rank} is not below world_size {world_size}")
         self.world_size = world_size
         previous = self.workers.get(rank)
+        if previous is not None:
+            self._by_identity.pop(previous.identity, None)  # a reconnected worker has a new identity
         worker = WorkerInfo(rank, identity, session, stage, bool(msg.fields.get("training")), time.time(),
                             previous.pushes if previous is not None else 0)
         self.workers[rank] = worker
