@@ -192,9 +192,10 @@ class PSClient:
     def pull(self) -> ModelReply:
         return self._model(self.request("pull", {"rank": self.rank}))
 
-    def push(self, base_version: int, update: Mapping[str, Tensor]) -> ModelReply:
+    def push(self, base_version: int, update: Mapping[str, Tensor], want_model: bool = True) -> ModelReply:
+        """Push an update; the reply carries the central model unless ``want_model`` is False."""
         fields = {"rank": self.rank, "base_version": base_version, "seq": next(self._seq),
-                  "session": self.session}
+                  "session": self.session, "model": want_model}
         try:
             return self._model(self.request("push", fields, update))
         except PSError as exc:

@@ -61,15 +61,19 @@ class FoldRule(ABC):
     """Server half of a mode. ``trainers`` is the number of workers currently training."""
 
     def __init__(self) -> None:
-        self.trainers = 0
+        self.training_ranks: frozenset[int] = frozenset()
+
+    @property
+    def trainers(self) -> int:
+        return len(self.training_ranks)
 
     @abstractmethod
     def push(self, state: CentralState, push: Push) -> list[Resolution]:
         """Fold ``push`` in now, drop it, or hold it; return the pushes resolved by this call."""
 
-    def set_trainers(self, state: CentralState, trainers: int) -> list[Resolution]:
-        """Called when workers join or leave training; a waiting round may now be complete."""
-        self.trainers = trainers
+    def set_trainers(self, state: CentralState, ranks: frozenset[int]) -> list[Resolution]:
+        """Called when workers join or leave training; a waiting push may now be released."""
+        self.training_ranks = ranks
         return []
 
     def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -185,8 +189,8 @@ class SyncRule(FoldRule):
         self.pending.append(push)
         return self._maybe_complete(state)
 
-    def set_trainers(self, state: CentralState, trainers: int) -> list[Resolution]:
-        super().set_trainers(state, trainers)
+    def set_trainers(self, state: CentralState, ranks: frozenset[int]) -> list[Resolution]:
+        super().set_trainers(state, ranks)
         return self._maybe_complete(state)
 
     def _maybe_complete(self, state: CentralState) -> list[Resolution]:
@@ -205,14 +209,69 @@ class SyncRule(FoldRule):
         return done
 
 
+class DynSGDRule(FoldRule):
+    """``w += delta / (staleness + 1)``, staleness = updates folded in since the base (Jiang et al., SIGMOD 2017)."""
+
+    def push(self, state: CentralState, push: Push) -> list[Resolution]:
+        scale = 1.0 / (state.version - push.base_version + 1)
+        for name, update in push.update.items():
+            _add_into(state.tensors[name], update, scale)
+        state.version += 1
+        return [(push.token, APPLIED)]
+
+
+class SSPRule(FoldRule):
+    """Stale synchronous parallel (Ho et al., NIPS 2013): asynchronous folds, bounded clock drift.
+
+    A worker's clock is the number of its pushes in this training stage. Its push is folded in
+    at once, but the reply (and so its next step) waits while its clock is more than
+    ``staleness_bound`` ahead of the slowest training worker's.
+    """
+
+    def __init__(self, staleness_bound: int = 2) -> None:
+        super().__init__()
+        if staleness_bound < 0:
+            raise ValueError(f"staleness_bound must be >= 0, got {staleness_bound}")
+        self.staleness_bound = staleness_bound
+        self.clocks: dict[int, int] = {}
+        self.waiting: list[tuple[Any, int]] = []
+
+    def push(self, state: CentralState, push: Push) -> list[Resolution]:
+        for name, update in push.update.items():
+            _add_into(state.tensors[name], update)
+        state.version += 1
+        self.clocks[push.rank] = self.clocks.get(push.rank, 0) + 1
+        self.waiting.append((push.token, push.rank))
+        return self._release()
+
+    def set_trainers(self, state: CentralState, ranks: frozenset[int]) -> list[Resolution]:
+        super().set_trainers(state, ranks)
+        return self._release()
+
+    def _release(self) -> list[Resolution]:
+        slowest = min((self.clocks.get(r, 0) for r in self.training_ranks), default=None)
+        free = [(t, r) for t, r in self.waiting if slowest is None or r not in self.training_ranks
+                or self.clocks[r] - slowest <= self.staleness_bound]
+        self.waiting = [w for w in self.waiting if w not in free]
+        return [(t, APPLIED) for t, _ in free]
+
+
 @dataclass(frozen=True)
 class ModeSpec:
-    """A mode's worker half and the factory of its server half."""
+    """A mode's worker half and the factory of its server half.
+
+    The worker half: ``exchange`` is ``"push"`` (send ``w - w_base``, scaled by ``1/push_every``
+    when ``normalize``) or ``"elastic"`` (EASGD's exchange with the center); ``defaults`` fill the
+    strategy's knobs the user left unset (``push_every``, ``pull_every``, ``tau``, ``alpha``).
+    """
 
     name: str
     summary: str
     make_compressor: Callable[[float], Compressor]
     make_rule: Callable[[dict[str, Any]], FoldRule]
+    exchange: str = "push"
+    normalize: bool = False
+    defaults: tuple[tuple[str, Any], ...] = ()
 
 
 # Module-level factories, not lambdas: the strategy (and its mode) is pickled to spawned workers.
@@ -236,12 +295,36 @@ def _sync_rule(options: dict[str, Any]) -> FoldRule:
     return SyncRule(options.get("replicas_to_aggregate"))
 
 
+def _dynsgd_rule(options: dict[str, Any]) -> FoldRule:
+    return DynSGDRule()
+
+
+def _ssp_rule(options: dict[str, Any]) -> FoldRule:
+    bound = options.get("staleness_bound")
+    return SSPRule(2 if bound is None else bound)
+
+
 MODES: dict[str, ModeSpec] = {
     "asgd": ModeSpec("asgd", "push every step, folded in at once", _dense, _asgd_rule),
     "adacomp": ModeSpec("adacomp", "per-layer top fraction with residual, staleness-scaled fold-in", _topk,
                         _adacomp_rule),
     "sync": ModeSpec("sync", "average of replicas_to_aggregate updates per version, stale ones dropped", _dense,
                      _sync_rule),
+    "downpour": ModeSpec("downpour", "push the update of push_every local steps, pull every pull_every steps",
+                         _dense, _asgd_rule, defaults=(("push_every", 4),)),
+    "dynsgd": ModeSpec("dynsgd", "asgd, each update scaled by 1/(staleness+1) at the PS", _dense, _dynsgd_rule),
+    "ssp": ModeSpec("ssp", "asgd, but a worker staleness_bound pushes ahead of the slowest waits", _dense,
+                    _ssp_rule),
+    "localsgd": ModeSpec("localsgd", "push_every local steps, then the models are averaged synchronously",
+                         _dense, _sync_rule, defaults=(("push_every", 8),)),
+    "agn": ModeSpec("agn", "the update of push_every local steps divided by their number, folded in at once",
+                    _dense, _asgd_rule, normalize=True, defaults=(("push_every", 4),)),
+    "sagn": ModeSpec("sagn", "agn's normalized updates, averaged synchronously", _dense, _sync_rule,
+                     normalize=True, defaults=(("push_every", 4),)),
+    "easgd": ModeSpec("easgd", "every tau steps worker and center move alpha*(w - center) towards each other",
+                      _dense, _asgd_rule, exchange="elastic", defaults=(("tau", 4), ("alpha", 0.5))),
+    "eamsgd": ModeSpec("eamsgd", "easgd with Nesterov momentum SGD on the workers", _dense, _asgd_rule,
+                       exchange="elastic", defaults=(("tau", 4), ("alpha", 0.5))),
 }
 
 

@@ -87,6 +87,7 @@ class ParameterServer:
         mode: str = "asgd",
         *,
         replicas_to_aggregate: int | None = None,
+        staleness_bound: int | None = None,
         max_updates: int | None = None,
         expected_workers: int | None = None,
         linger: float = 10.0,
@@ -100,7 +101,8 @@ class ParameterServer:
     ) -> None:
         self.spec = get_mode(mode)
         self.mode = mode
-        self.rule = self.spec.make_rule({"replicas_to_aggregate": replicas_to_aggregate})
+        self.rule = self.spec.make_rule({"replicas_to_aggregate": replicas_to_aggregate,
+                                         "staleness_bound": staleness_bound})
         self.state = CentralState(tensors={})
         self.initialized = False
         self.max_updates = max_updates
@@ -231,8 +233,8 @@ class ParameterServer:
 
     # -- membership ----------------------------------------------------------------------------
 
-    def _trainers(self) -> int:
-        return sum(1 for w in self.workers.values() if w.training)
+    def _trainers(self) -> frozenset[int]:
+        return frozenset(r for r, w in self.workers.items() if w.training)
 
     def _update_trainers(self) -> None:
         self._writable()  # a sync round may complete
@@ -319,9 +321,10 @@ class ParameterServer:
         self._require_init()
         self._send_model(identity, rid, {"status": "pulled"})
 
-    def _send_model(self, identity: bytes, rid: Any, fields: dict[str, Any]) -> None:
+    def _send_model(self, identity: bytes, rid: Any, fields: dict[str, Any], with_tensors: bool = True) -> None:
         tracker = self._send(identity, rid, "model", {**fields, "version": self.state.version,
-                                                      "stop": self._stopped()}, self.state.tensors, track=True)
+                                                      "stop": self._stopped()},
+                             self.state.tensors if with_tensors else None, track=with_tensors)
         if tracker is not None:
             self._in_flight.append(tracker)
 
@@ -367,24 +370,25 @@ class ParameterServer:
             raise WireError("duplicate", f"push {seq} of this worker was already received")
         self._validate_update(msg.tensors)
         self.last_seq[session] = seq
+        want_model = msg.fields.get("model", True) is not False
         if self._stopped():
             self.stats.pushes_after_stop += 1
-            self._send_model(identity, rid, {"status": "stopped"})
+            self._send_model(identity, rid, {"status": "stopped"}, want_model)
             return
         self.stats.staleness[self.state.version - base] += 1
         self.stats.pushes_by_rank[rank] += 1
         if rank in self.workers:
             self.workers[rank].pushes += 1
         self._writable()
-        self._resolve(self.rule.push(self.state, Push((identity, rid), rank, base, msg.tensors)))
+        self._resolve(self.rule.push(self.state, Push((identity, rid, want_model), rank, base, msg.tensors)))
 
     def _resolve(self, resolutions: list[tuple[Any, str]]) -> None:
-        for (identity, rid), status in resolutions:
+        for (identity, rid, want_model), status in resolutions:
             if status == APPLIED:
                 self.stats.pushes_applied += 1
             else:
                 self.stats.pushes_dropped += 1
-            self._send_model(identity, rid, {"status": status})
+            self._send_model(identity, rid, {"status": status}, want_model or status != APPLIED)
 
     # -- collectives ---------------------------------------------------------------------------
 
@@ -497,7 +501,7 @@ class ParameterServer:
             "mode": self.mode, "version": self.state.version, "initialized": self.initialized,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "max_updates": self.max_updates, "world_size": self.world_size,
-            "workers": sorted(self.workers), "trainers": self._trainers(),
+            "workers": sorted(self.workers), "trainers": len(self._trainers()),
             "worker_details": [
                 {"rank": w.rank, "stage": w.stage, "training": w.training, "pushes": w.pushes,
                  "last_seen_s": round(time.time() - w.last_seen, 3)} for _, w in sorted(self.workers.items())
@@ -550,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bind", required=True)
     parser.add_argument("--mode", default="asgd")
     parser.add_argument("--replicas-to-aggregate", type=int)
+    parser.add_argument("--staleness-bound", type=int)
     parser.add_argument("--max-updates", type=int)
     parser.add_argument("--parent-pid", type=int)
     parser.add_argument("--checkpoint-dir")
@@ -567,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
             policy = CheckpointPolicy(Path(args.checkpoint_dir), args.checkpoint_every_updates,
                                       args.checkpoint_every_seconds, args.keep)
         return serve(args.bind, args.mode, replicas_to_aggregate=args.replicas_to_aggregate,
+                     staleness_bound=args.staleness_bound,
                      max_updates=args.max_updates, parent_pid=args.parent_pid, checkpoint=policy,
                      resume=args.resume, run_dir=args.run_dir)
     except (OSError, ValueError) as exc:

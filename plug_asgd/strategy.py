@@ -76,9 +76,16 @@ class AsyncPSStrategy(ParallelStrategy):
     """Train any LightningModule with asynchronous, compressed or synchronous parameter-server SGD.
 
     Args:
-        mode: ``"asgd"``, ``"adacomp"`` or ``"sync"`` (see ``plug_asgd.modes``).
+        mode: a scheme of ``plug_asgd.modes.MODES``: ``asgd``, ``adacomp``, ``sync``, ``downpour``,
+            ``dynsgd``, ``ssp``, ``localsgd``, ``agn``, ``sagn``, ``easgd``, ``eamsgd``.
         compression: for ``adacomp``, the fraction of each tensor's coordinates sent per push.
-        push_every: local optimizer steps between two pushes.
+        push_every: local optimizer steps between two pushes (the local steps of localsgd/agn/sagn;
+            default: the mode's, 1 for asgd).
+        pull_every: local steps between two pulls of the central model (default: with every push);
+            a pull keeps the progress not yet pushed (DOWNPOUR's n_fetch).
+        tau: easgd/eamsgd: local steps between two elastic exchanges with the center.
+        alpha: easgd/eamsgd: the elastic step: worker and center move ``alpha * (w - center)``.
+        staleness_bound: ssp: how many pushes a worker may be ahead of the slowest (default 2).
         replicas_to_aggregate: for ``sync``, updates averaged per round (default: every training worker).
         max_updates: the PS stops every worker once it has folded in this many updates.
         ps_address: ``tcp://host:port`` of a PS started with ``plug-asgd serve-ps``; by default global
@@ -98,7 +105,11 @@ class AsyncPSStrategy(ParallelStrategy):
         mode: str = "asgd",
         *,
         compression: float = 0.01,
-        push_every: int = 1,
+        push_every: int | None = None,
+        pull_every: int | None = None,
+        tau: int | None = None,
+        alpha: float | None = None,
+        staleness_bound: int | None = None,
         replicas_to_aggregate: int | None = None,
         max_updates: int | None = None,
         ps_address: str | None = None,
@@ -120,8 +131,17 @@ class AsyncPSStrategy(ParallelStrategy):
         self.mode = mode
         self.mode_spec = get_mode(mode)
         self.mode_spec.make_compressor(compression)  # validates compression now, not in a worker
-        if push_every < 1:
-            raise ValueError(f"push_every must be >= 1, got {push_every}")
+        defaults = dict(self.mode_spec.defaults)
+        push_every = push_every if push_every is not None else defaults.get("push_every", 1)
+        tau = tau if tau is not None else defaults.get("tau", 1)
+        alpha = alpha if alpha is not None else defaults.get("alpha", 0.5)
+        for name, value in (("push_every", push_every), ("tau", tau), ("pull_every", pull_every or 1)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0.0 < alpha < 1.0:
+            raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+        if staleness_bound is not None and staleness_bound < 0:
+            raise ValueError(f"staleness_bound must be >= 0, got {staleness_bound}")
         if replicas_to_aggregate is not None and replicas_to_aggregate < 1:
             raise ValueError(f"replicas_to_aggregate must be >= 1, got {replicas_to_aggregate}")
         if max_updates is not None and max_updates < 1:
@@ -130,6 +150,10 @@ class AsyncPSStrategy(ParallelStrategy):
             raise ValueError(f"ps_address must look like tcp://host:port, got {ps_address!r}")
         self.compression = compression
         self.push_every = push_every
+        self.pull_every = pull_every
+        self.tau = tau
+        self.alpha = alpha
+        self.staleness_bound = staleness_bound
         self.replicas_to_aggregate = replicas_to_aggregate
         self.max_updates = max_updates
         self.ps_address = ps_address
@@ -151,6 +175,7 @@ class AsyncPSStrategy(ParallelStrategy):
         self._failed = False
         self._version = 0
         self._since_push = 0
+        self._since_pull = 0
         self._local_steps = 0
         self._staleness = [0, 0, 0]  # sum, count, max over this worker's applied pushes
         self._compressor = self.mode_spec.make_compressor(compression)
@@ -238,6 +263,12 @@ class AsyncPSStrategy(ParallelStrategy):
             self._compressor = self.mode_spec.make_compressor(self.compression)
 
     def on_train_start(self) -> None:
+        if self.mode == "eamsgd":
+            for opt in self.optimizers:
+                group = opt.param_groups[0] if opt.param_groups else {}
+                if not (isinstance(opt, torch.optim.SGD) and group.get("nesterov") and group.get("momentum", 0) > 0):
+                    raise ValueError("mode='eamsgd' is EASGD with Nesterov momentum on the workers: configure "
+                                     "torch.optim.SGD(..., momentum=0.9, nesterov=True), or use mode='easgd'")
         self._join()
 
     def on_validation_start(self) -> None:
@@ -306,7 +337,8 @@ class AsyncPSStrategy(ParallelStrategy):
 
     def _start_embedded_ps(self, bind: str) -> None:
         options: dict[str, Any] = {"parent_pid": os.getpid(), "max_updates": self.max_updates,
-                                   "replicas_to_aggregate": self.replicas_to_aggregate, "resume": self.resume_from}
+                                   "replicas_to_aggregate": self.replicas_to_aggregate, "resume": self.resume_from,
+                                   "staleness_bound": self.staleness_bound}
         checkpoint = self._ps_checkpoint_callback()
         if checkpoint is not None:
             options.update(checkpoint.ps_options())
@@ -406,35 +438,91 @@ class AsyncPSStrategy(ParallelStrategy):
             else:
                 base.copy_(t.detach())
         self._version = reply.version
-        if reply.stop and self._fitting and self.lightning_module is not None:
-            self.lightning_module.trainer.should_stop = True
+        self._since_pull = 0
+        self._stop_if(reply.stop)
+
+    def _pull_due(self) -> bool:
+        return self.pull_every is None or self._since_pull >= self.pull_every
 
     def _push(self) -> None:
+        """Send ``w - w_base`` (over the steps it spans, for agn/sagn); take the central model if a pull is due."""
         assert self._client is not None
+        tensors = self._synced_tensors()
+        scale = 1.0 / self._since_push if self.mode_spec.normalize and self._since_push else 1.0
         update = {}
-        for name, t in self._synced_tensors().items():
+        for name, t in tensors.items():
             delta = _to_numpy(t.detach() - self._base[name])
-            update[name] = self._compressor.encode(name, delta)
+            update[name] = self._compressor.encode(name, delta * scale if scale != 1.0 else delta)
         self._since_push = 0
         base = self._version
-        reply = self._client.push(base, update)
+        want_model = self._pull_due()
+        reply = self._client.push(base, update, want_model=want_model)
         if reply.status == "applied":
             staleness = reply.version - base - 1
             st = self._staleness
             st[0], st[1], st[2] = st[0] + staleness, st[1] + 1, max(st[2], staleness)
-        self._load(reply)
+        if want_model:
+            self._since_pull = 0
+            self._load(reply)
+        else:  # what was pushed is the PS's now; keep training from our own weights
+            for name, t in tensors.items():
+                self._base[name].copy_(t.detach())
+            self._version = reply.version
+            self._stop_if(reply.stop)
+
+    def _pull_keeping_progress(self) -> None:
+        """DOWNPOUR's fetch: ``w = central + (w - w_base)``, so steps not yet pushed are not lost."""
+        assert self._client is not None
+        reply = self._client.pull()
+        for name, t in self._synced_tensors().items():
+            pending = t.detach() - self._base[name]
+            _assign(self._base[name], reply.tensors[name])
+            with torch.no_grad():
+                t.copy_(self._base[name] + pending)
+        self._version = reply.version
+        self._since_pull = 0
+        self._stop_if(reply.stop)
+
+    def _elastic_exchange(self) -> None:
+        """EASGD: ``e = alpha * (w - center)``; the worker steps ``-e``, the center ``+e`` (pushed)."""
+        assert self._client is not None
+        reply = self._client.pull()
+        elastic = {}
+        for name, t in self._synced_tensors().items():
+            center = torch.as_tensor(reply.tensors[name], dtype=t.dtype, device=t.device).reshape(t.shape)
+            e = self.alpha * (t.detach() - center)
+            with torch.no_grad():
+                t.sub_(e)
+            elastic[name] = self._compressor.encode(name, _to_numpy(e))
+        self._since_push = 0
+        done = self._client.push(reply.version, elastic, want_model=False)
+        self._version = done.version
+        self._stop_if(reply.stop or done.stop)
+
+    def _stop_if(self, stop: bool) -> None:
+        if stop and self._fitting and self.lightning_module is not None:
+            self.lightning_module.trainer.should_stop = True
 
     def _flush(self) -> None:
         if self._fitting and self._joined and self._since_push:
-            self._push()
+            if self.mode_spec.exchange == "elastic":
+                self._elastic_exchange()
+            else:
+                self._push()
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._local_steps += 1
         if self._joined and self._fitting:
             self._since_push += 1
-            if self._since_push >= self.push_every:
+            self._since_pull += 1
+            if self.mode_spec.exchange == "elastic":
+                if self._since_push >= self.tau:
+                    self._elastic_exchange()
+            elif self._since_push >= self.push_every:
                 self._push()
+            elif self.pull_every is not None and self._since_pull >= self.pull_every:
+                self._pull_keeping_progress()
         return out
 
     def lightning_module_state_dict(self) -> dict[str, Any]:

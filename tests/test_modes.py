@@ -59,7 +59,7 @@ def test_adacomp_history_bound_is_counted():
 def test_sync_averages_a_full_round_and_releases_it_together():
     state = CentralState({"w": np.zeros(2, np.float32)})
     rule = SyncRule()
-    rule.set_trainers(state, 3)
+    rule.set_trainers(state, frozenset({0, 1, 2}))
     assert rule.push(state, Push("a", 0, 0, {"w": np.array([3, 0], np.float32)})) == []
     assert rule.push(state, Push("b", 1, 0, {"w": np.array([0, 3], np.float32)})) == []
     assert state.version == 0 and not state.tensors["w"].any()
@@ -72,7 +72,7 @@ def test_sync_averages_a_full_round_and_releases_it_together():
 def test_sync_drops_stale_updates_and_backup_workers_are_not_waited_for():
     state = CentralState({"w": np.zeros(1, np.float32)})
     rule = SyncRule(replicas_to_aggregate=2)
-    rule.set_trainers(state, 3)
+    rule.set_trainers(state, frozenset({0, 1, 2}))
     rule.push(state, Push("a", 0, 0, {"w": np.array([2], np.float32)}))
     assert rule.push(state, Push("b", 1, 0, {"w": np.array([4], np.float32)})) == [("a", APPLIED), ("b", APPLIED)]
     assert rule.push(state, Push("slow", 2, 0, {"w": np.array([100], np.float32)})) == [("slow", DROPPED)]
@@ -83,16 +83,16 @@ def test_sync_drops_stale_updates_and_backup_workers_are_not_waited_for():
 def test_sync_round_completes_when_a_worker_leaves():
     state = CentralState({"w": np.zeros(1, np.float32)})
     rule = SyncRule()
-    rule.set_trainers(state, 2)
+    rule.set_trainers(state, frozenset({0, 1}))
     assert rule.push(state, Push("a", 0, 0, {"w": np.array([2], np.float32)})) == []
-    assert rule.set_trainers(state, 1) == [("a", APPLIED)]
+    assert rule.set_trainers(state, frozenset({0})) == [("a", APPLIED)]
     np.testing.assert_allclose(state.tensors["w"], [2])
 
 
 def test_sync_refuses_a_second_update_from_the_same_worker_in_one_round():
     state = CentralState({"w": np.zeros(1, np.float32)})
     rule = SyncRule()
-    rule.set_trainers(state, 2)
+    rule.set_trainers(state, frozenset({0, 1}))
     rule.push(state, Push("a1", 0, 0, {"w": np.array([2], np.float32)}))
     assert rule.push(state, Push("a2", 0, 0, {"w": np.array([2], np.float32)})) == [("a2", DROPPED)]
 

@@ -25,7 +25,12 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help=f"training scheme (default: asgd): {schemes}")
     parser.add_argument("--compression", type=float, default=0.01,
                         help="adacomp: fraction of each layer's update sent per push (default: 0.01)")
-    parser.add_argument("--push-every", type=int, default=1, help="local steps between pushes (default: 1)")
+    parser.add_argument("--push-every", type=int, default=None,
+                        help="local steps between pushes (default: the mode's; 1 for asgd)")
+    parser.add_argument("--pull-every", type=int, default=None, help="local steps between pulls (default: at push)")
+    parser.add_argument("--tau", type=int, default=None, help="easgd/eamsgd: steps between elastic exchanges")
+    parser.add_argument("--alpha", type=float, default=None, help="easgd/eamsgd: elastic step (default 0.5)")
+    parser.add_argument("--staleness-bound", type=int, default=None, help="ssp: pushes ahead allowed (default 2)")
     parser.add_argument("--replicas-to-aggregate", type=int, default=None,
                         help="sync: updates averaged per round (default: every worker)")
     parser.add_argument("--max-updates", type=int, default=None, help="PS-wide number of updates to stop at")
@@ -51,6 +56,8 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 
 def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
     return AsyncPSStrategy(mode=args.mode, compression=args.compression, push_every=args.push_every,
+                           pull_every=args.pull_every, tau=args.tau, alpha=args.alpha,
+                           staleness_bound=args.staleness_bound,
                            replicas_to_aggregate=args.replicas_to_aggregate, max_updates=args.max_updates,
                            ps_address=args.ps_address, resume_from=args.resume)
 

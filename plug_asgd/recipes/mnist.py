@@ -55,8 +55,8 @@ class MnistCNN(pl.LightningModule):
 
     def __init__(self, lr: float = 1e-3, momentum: float = 0.9, optimizer: str = "adam") -> None:
         super().__init__()
-        if optimizer not in ("sgd", "adam"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {optimizer!r}")
+        if optimizer not in ("sgd", "nesterov", "adam"):
+            raise ValueError(f"optimizer must be 'sgd', 'nesterov' or 'adam', got {optimizer!r}")
         self.save_hyperparameters()
         self.net = nn.Sequential(
             nn.Conv2d(1, 32, 3),
@@ -109,7 +109,8 @@ class MnistCNN(pl.LightningModule):
         """
         if self.hparams.optimizer == "adam":
             return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum,
+                               nesterov=self.hparams.optimizer == "nesterov")
 
 
 class MnistDataModule(pl.LightningDataModule):
@@ -198,7 +199,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: %(default)s)")
     parser.add_argument(
-        "--optimizer", choices=("sgd", "adam"), default="adam", help="optimiser (default: %(default)s)"
+        "--optimizer", choices=("sgd", "nesterov", "adam"), default="adam", help="optimiser (default: %(default)s)"
     )
     return parser
 
