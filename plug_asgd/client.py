@@ -77,6 +77,7 @@ class PSClient:
         world_size: int,
         mode: str,
         request_timeout: float = 600.0,
+        lost_timeout: float = 60.0,
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context | None = None,
     ) -> None:
@@ -85,6 +86,7 @@ class PSClient:
         self.world_size = world_size
         self.mode = mode
         self.request_timeout = request_timeout
+        self.lost_timeout = lost_timeout
         self.limits = limits
         self.session = uuid.uuid4().hex
         self.counters = CommCounters()
@@ -102,6 +104,7 @@ class PSClient:
         self._sock.connect(address)
         self._closed = False
         self._lost = False
+        self._lost_since = 0.0
         self._hello_fields: dict[str, Any] | None = None
         self.reconnections = 0
 
@@ -139,6 +142,11 @@ class PSClient:
                     reason = alive() if alive is not None else None
                     if reason:
                         raise PSUnreachableError(reason)
+                    if self._lost and time.monotonic() - self._lost_since > self.lost_timeout:
+                        raise PSUnreachableError(
+                            f"the parameter server at {self.address} went away (connection lost) and did not "
+                            f"come back within {self.lost_timeout:g} s (request {msg_type!r}); restart it "
+                            "(`plug-asgd serve-ps --resume DIR`) and run again")
                     continue
                 reply_frames = self._sock.recv_multipart(copy=False)
                 self.counters.bytes_down += message_bytes(reply_frames)
@@ -157,6 +165,8 @@ class PSClient:
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
             if event == zmq.EVENT_DISCONNECTED:
+                if not self._lost:
+                    self._lost_since = time.monotonic()
                 self._lost = True
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._lost:
                 self._lost = False

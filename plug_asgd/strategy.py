@@ -30,6 +30,7 @@ from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from pytorch_lightning.accelerators import Accelerator
 from pytorch_lightning.plugins import CheckpointIO, ClusterEnvironment, Precision
+from pytorch_lightning.plugins.environments import TorchElasticEnvironment
 from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
@@ -90,9 +91,10 @@ class AsyncPSStrategy(ParallelStrategy):
         max_updates: the PS stops every worker once it has folded in this many updates.
         ps_address: ``tcp://host:port`` of a PS started with ``plug-asgd serve-ps``; by default global
             rank 0 starts an embedded PS on the cluster's main address, port ``ps_port``.
-        ps_port: port of the embedded PS (default: the cluster's main port + 1).
+        ps_port: port of the embedded PS (default: the cluster's main port, + 1 under torchrun).
         connect_timeout: seconds to wait for the PS to answer the first time.
         request_timeout: seconds to wait for any reply (a sync round or a barrier included).
+        lost_timeout: seconds a worker waits for a PS whose connection dropped to come back.
         start_method: ``"popen"`` (re-run the script, as DDP's default) or ``"spawn"``/``"fork"``.
         resume_from: a PS checkpoint file or folder the embedded PS starts from (see ``PSCheckpoint``).
         ps_run_dir: where the embedded PS writes ``ps_metrics.jsonl`` (default: the trainer's log dir).
@@ -116,6 +118,7 @@ class AsyncPSStrategy(ParallelStrategy):
         ps_port: int | None = None,
         connect_timeout: float = 60.0,
         request_timeout: float = 600.0,
+        lost_timeout: float = 60.0,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         resume_from: str | os.PathLike[str] | None = None,
         ps_run_dir: str | os.PathLike[str] | None = None,
@@ -160,6 +163,7 @@ class AsyncPSStrategy(ParallelStrategy):
         self.ps_port = ps_port
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
+        self.lost_timeout = lost_timeout
         self.resume_from = resume_from
         self.ps_run_dir = ps_run_dir
         self._start_method = start_method
@@ -308,8 +312,11 @@ class AsyncPSStrategy(ParallelStrategy):
         if self.ps_address is not None:
             return self.ps_address, None
         assert self.cluster_environment is not None
-        host = self.cluster_environment.main_address
-        port = self.ps_port or self.cluster_environment.main_port + 1
+        env = self.cluster_environment
+        host = env.main_address
+        # Without torch.distributed the main port is free for the PS (Lightning chose it free), except
+        # under torchrun, whose agent serves its store there.
+        port = self.ps_port or env.main_port + (1 if isinstance(env, TorchElasticEnvironment) else 0)
         address = f"tcp://{host}:{port}"
         return address, f"tcp://{socket.gethostbyname(host)}:{port}"
 
@@ -324,7 +331,7 @@ class AsyncPSStrategy(ParallelStrategy):
         if bind is not None and self.global_rank == 0:
             self._start_embedded_ps(bind)
         self._client = PSClient(address, rank=self.global_rank, world_size=self.world_size, mode=self.mode,
-                                request_timeout=self.request_timeout)
+                                request_timeout=self.request_timeout, lost_timeout=self.lost_timeout)
         atexit.register(self._shutdown)
         return self._client
 

@@ -12,6 +12,13 @@ Sparse tensors (the top-k updates of AdaComp) travel as three frames: per-block 
 per coordinate, ascending) and the values. Their wire size is
 ``4 * ceil(numel / 65536) + 2 * nnz + itemsize * nnz`` bytes.
 
+Packed tensors (:class:`Packed`: quantised, bit-packed or low-rank updates) travel as one raw
+frame per array. Their header entry names the codec, the shape of the tensor they decode to, a
+small map of scalars (``meta``) and each array's dtype and shape; their wire size is the sum of
+their arrays' ``nbytes``. The wire checks the layout (every frame's size against its dtype and
+shape, the meta map, the codec name, the number of arrays) but never interprets a codec: that is
+:func:`plug_asgd.compressors.decode`'s job.
+
 This module imports nothing else of plug_asgd.
 """
 
@@ -33,9 +40,16 @@ BLOCK_SIZE = 1 << BLOCK_BITS
 # by the parameter server; the rest serve collectives (metric counts, flags).
 _DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name).newbyteorder("<")
-    for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
+    for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "bool")
 }
 FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
+
+# Bounds on a packed tensor's header entry (the frames are bounded by Limits like any other).
+PACKED_MAX_ARRAYS = 16
+PACKED_MAX_META = 32
+PACKED_MAX_NAME = 32  # characters of the codec name and of each meta key
+PACKED_MAX_STR = 256  # characters of a string meta value
+_CODEC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.+")
 
 
 class WireError(ValueError):
@@ -81,7 +95,37 @@ class Sparse:
         return out.reshape(self.shape)
 
 
-Tensor = np.ndarray | Sparse
+@dataclass(frozen=True)
+class Packed:
+    """A tensor in a codec's own form: the wire carries it, :func:`plug_asgd.compressors.decode` reads it.
+
+    ``codec`` names the codec (``"qsgd"``, ``"powersgd"``, ...), ``shape`` is the shape of the
+    tensor it decodes to, ``meta`` holds small scalars (int, float or str; they travel in the
+    header) and ``arrays`` the codec's arrays (each travels as one raw frame, with its dtype and
+    shape in the header; the dtypes allowed are those of dense tensors).
+    """
+
+    codec: str
+    shape: tuple[int, ...]
+    meta: dict[str, int | float | str] = field(default_factory=dict)
+    arrays: tuple[np.ndarray, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "meta", dict(self.meta))
+        object.__setattr__(self, "arrays", tuple(self.arrays))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its frames on the wire."""
+        return sum(int(np.asarray(a).nbytes) for a in self.arrays)
+
+
+Tensor = np.ndarray | Sparse | Packed
 
 
 @dataclass
@@ -153,6 +197,10 @@ def encode(
             specs.append({"name": name, "enc": "sparse", "dtype": values.dtype.name,
                           "shape": list(tensor.shape), "nnz": int(indices.size)})
             frames += [counts.data, offsets.data, values.data]
+        elif isinstance(tensor, Packed):
+            spec, packed_frames = _encode_packed(name, tensor)
+            specs.append(spec)
+            frames += packed_frames
         else:
             array = _le(np.asarray(tensor))
             specs.append({"name": name, "enc": "dense", "dtype": array.dtype.name, "shape": list(array.shape)})
@@ -161,18 +209,62 @@ def encode(
     return [msgpack.packb(header, use_bin_type=True), *frames]
 
 
+def _check_codec(name: str, codec: Any) -> str:
+    if not (isinstance(codec, str) and 0 < len(codec) <= PACKED_MAX_NAME and set(codec) <= _CODEC_CHARS):
+        raise WireError("bad_packed", f"packed tensor {name!r}: the codec must be a name of 1 to {PACKED_MAX_NAME} "
+                                      f"letters, digits or '_-.+', got {codec!r:.60}")
+    return codec
+
+
+def _check_meta(name: str, meta: Any) -> dict[str, int | float | str]:
+    """A packed tensor's meta: a map of at most PACKED_MAX_META short names to int, float or str."""
+    if not isinstance(meta, dict) or len(meta) > PACKED_MAX_META:
+        raise WireError("bad_packed", f"packed tensor {name!r}: meta must be a map of at most {PACKED_MAX_META} "
+                                      "entries")
+    out: dict[str, int | float | str] = {}
+    for key, value in meta.items():
+        if not isinstance(key, str) or not 0 < len(key) <= PACKED_MAX_NAME:
+            raise WireError("bad_packed", f"packed tensor {name!r}: meta keys must be strings of 1 to "
+                                          f"{PACKED_MAX_NAME} characters, got {key!r:.60}")
+        if isinstance(value, (np.integer, np.floating)):  # numpy scalars travel as their Python value
+            value = value.item()
+        ok = (isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < 1 << 64
+              or isinstance(value, float)
+              or isinstance(value, str) and len(value) <= PACKED_MAX_STR)
+        if not ok:
+            raise WireError("bad_packed", f"packed tensor {name!r}: meta {key!r} must be an int (64-bit), a float "
+                                          f"or a string of at most {PACKED_MAX_STR} characters, got "
+                                          f"{type(value).__name__}")
+        out[key] = value
+    return out
+
+
+def _encode_packed(name: str, tensor: Packed) -> tuple[dict[str, Any], list[Any]]:
+    codec = _check_codec(name, tensor.codec)
+    meta = _check_meta(name, tensor.meta)
+    if len(tensor.arrays) > PACKED_MAX_ARRAYS:
+        raise WireError("bad_packed", f"packed tensor {name!r}: {len(tensor.arrays)} arrays, at most "
+                                      f"{PACKED_MAX_ARRAYS} may travel")
+    if len(tensor.shape) > DEFAULT_LIMITS.max_ndim or not all(0 <= d < 1 << 40 for d in tensor.shape):
+        raise WireError("bad_shape", f"packed tensor {name!r}: shape {list(tensor.shape)} cannot travel")
+    arrays = [_le(np.asarray(a)) for a in tensor.arrays]
+    spec = {"name": name, "enc": "packed", "codec": codec, "shape": list(tensor.shape), "meta": meta,
+            "arrays": [{"dtype": a.dtype.name, "shape": list(a.shape)} for a in arrays]}
+    return spec, [a.reshape(-1).data if a.ndim else a.reshape(1).data for a in arrays]
+
+
 def _buffer(frame: Any) -> memoryview:
     # zmq.Frame exposes .buffer; bytes and memoryview are taken as they are.
     buf = frame.buffer if hasattr(frame, "buffer") else frame
     return memoryview(buf).cast("B")
 
 
-def _shape(spec: Mapping[str, Any], name: str, limits: Limits) -> tuple[int, ...]:
+def _shape(spec: Mapping[str, Any], name: str, limits: Limits, what: str | None = None) -> tuple[int, ...]:
     shape = spec.get("shape")
     if (not isinstance(shape, list) or len(shape) > limits.max_ndim
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)):
-        raise WireError("bad_shape", f"tensor {name!r}: shape must be a list of at most {limits.max_ndim} "
-                                     "non-negative integers")
+        raise WireError("bad_shape", f"{what or f'tensor {name!r}'}: shape must be a list of at most "
+                                     f"{limits.max_ndim} non-negative integers below 2**40")
     return tuple(shape)
 
 
@@ -217,8 +309,11 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         name = spec["name"]
         if name in tensors:
             raise WireError("bad_tensor", f"tensor {name!r} appears twice")
+        if spec.get("enc") == "packed":
+            tensors[name], pos = _decode_packed(name, spec, frames, pos, limits)
+            continue
         dtype_name = spec.get("dtype")
-        if dtype_name not in _DTYPES:
+        if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
             raise WireError("bad_dtype", f"tensor {name!r}: dtype {dtype_name!r} is not allowed")
         dtype = _DTYPES[dtype_name]
         shape = _shape(spec, name, limits)
@@ -257,6 +352,32 @@ def _decode_sparse(name: str, spec: Mapping[str, Any], frames: Sequence[Any], dt
         raise WireError("bad_sparse", f"sparse tensor {name!r}: indices must be ascending, unique and "
                                       f"below {numel}")
     return Sparse(indices=indices, values=values, shape=shape)
+
+
+def _decode_packed(name: str, spec: Mapping[str, Any], frames: Sequence[Any], pos: int,
+                   limits: Limits) -> tuple[Packed, int]:
+    """A packed tensor's entry and its frames from ``pos``; returns it and the position after it."""
+    codec = _check_codec(name, spec.get("codec"))
+    shape = _shape(spec, name, limits)
+    meta = _check_meta(name, spec.get("meta"))
+    entries = spec.get("arrays")
+    if not isinstance(entries, list) or len(entries) > PACKED_MAX_ARRAYS:
+        raise WireError("bad_packed", f"packed tensor {name!r}: 'arrays' must be a list of at most "
+                                      f"{PACKED_MAX_ARRAYS} entries")
+    if pos + len(entries) > len(frames):
+        raise WireError("frame_count", f"packed tensor {name!r} needs {len(entries)} frame(s), the message "
+                                       "ends first")
+    arrays = []
+    for i, entry in enumerate(entries):
+        what = f"packed tensor {name!r} array {i}"
+        if not isinstance(entry, dict):
+            raise WireError("bad_packed", f"{what}: each array entry must be a map with 'dtype' and 'shape'")
+        if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in _DTYPES:
+            raise WireError("bad_dtype", f"{what}: dtype {entry.get('dtype')!r} is not allowed")
+        array_shape = _shape(entry, name, limits, what)
+        count = math.prod(array_shape)
+        arrays.append(_frame_array(frames[pos + i], _DTYPES[entry["dtype"]], count, what).reshape(array_shape))
+    return Packed(codec=codec, shape=shape, meta=meta, arrays=tuple(arrays)), pos + len(entries)
 
 
 def message_bytes(frames: Sequence[Any]) -> int:

@@ -137,3 +137,20 @@ def test_resume_refuses_a_corrupt_checkpoint_with_a_clear_message(procs, tmp_pat
                           timeout=30)
     assert code == 2
     assert "corrupt or truncated" in out and str(path) in out
+
+
+def test_a_worker_whose_ps_vanishes_stops_after_lost_timeout_naming_it(procs):
+    from plug_asgd.client import PSUnreachableError
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    ps = procs.start(embedded_command(address, "asgd"))
+    c = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=60, lost_timeout=1.0)
+    c.hello(stage=1, training=True, timeout=20)
+    c.init({"w": np.zeros(3, np.float32)})
+    os.killpg(ps.pid, signal.SIGKILL)
+    ps.wait(10)
+    start = time.monotonic()
+    with pytest.raises(PSUnreachableError, match=f"{address} went away"):
+        c.pull()
+    assert time.monotonic() - start < 10  # not the 60 s request timeout
+    c.close()

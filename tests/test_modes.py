@@ -124,3 +124,29 @@ def test_the_ps_folds_into_a_copy_while_a_zero_copy_reply_is_in_flight():
         assert server.state.tensors["w"] is now and server.stats.copies_on_write == 1
     finally:
         server.socket.close(0)
+
+
+def test_dynsgd_scales_by_one_over_staleness_plus_one():
+    from plug_asgd.modes import DynSGDRule
+
+    state = CentralState({"w": np.zeros(2, np.float32)})
+    rule = DynSGDRule()
+    rule.push(state, Push("a", 0, 0, {"w": np.array([6, 0], np.float32)}))  # fresh: 6/1
+    rule.push(state, Push("b", 1, 0, {"w": np.array([0, 6], np.float32)}))  # one behind: 6/2
+    rule.push(state, Push("c", 0, 0, {"w": np.array([6, 6], np.float32)}))  # two behind: 6/3
+    np.testing.assert_allclose(state.tensors["w"], [8, 5])
+
+
+def test_ssp_holds_a_worker_more_than_the_bound_ahead_until_the_slowest_pushes():
+    from plug_asgd.modes import SSPRule
+
+    state = CentralState({"w": np.zeros(1, np.float32)})
+    rule = SSPRule(staleness_bound=1)
+    rule.set_trainers(state, frozenset({0, 1}))
+    one = {"w": np.ones(1, np.float32)}
+    assert rule.push(state, Push("a1", 0, 0, one)) == [("a1", APPLIED)]  # clocks 1:0, drift 1
+    assert rule.push(state, Push("a2", 0, 1, one)) == []  # clocks 2:0, drift 2 > 1: waits...
+    assert state.tensors["w"][0] == 2  # ...but its update is already folded in
+    assert sorted(rule.push(state, Push("b1", 1, 0, one))) == [("a2", APPLIED), ("b1", APPLIED)]  # 2:1
+    assert rule.push(state, Push("a3", 0, 3, one)) == []  # 3:1
+    assert rule.set_trainers(state, frozenset({0})) == [("a3", APPLIED)]  # the slow one left training

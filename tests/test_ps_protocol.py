@@ -132,6 +132,25 @@ def test_sync_workers_wait_for_the_round_then_get_the_average(start_ps):
     b.close()
 
 
+def test_an_ssp_worker_ahead_of_the_bound_blocks_until_the_slow_one_pushes(start_ps):
+    address = start_ps("ssp", "--staleness-bound", "1")
+    fast, slow = client(address, 0, 2, "ssp"), client(address, 1, 2, "ssp")
+    fast.init(W0)
+    one = {"w": np.ones((2, 3), np.float32)}
+    assert fast.push(0, one).version == 1  # 1 ahead of the slow worker: allowed
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", fast.push(1, one)))
+    t.start()
+    time.sleep(1.0)
+    assert t.is_alive(), "a worker 2 pushes ahead with staleness_bound=1 was not held"
+    slow.push(0, one)
+    t.join(10)
+    assert not t.is_alive() and out["r"].status == "applied"
+    np.testing.assert_array_equal(out["r"].tensors["w"], W0["w"] + 3)
+    fast.close()
+    slow.close()
+
+
 def test_collectives_complete_when_every_rank_present_contributes(start_ps):
     address = start_ps()
     a, b = client(address, 0, 2), client(address, 1, 2)

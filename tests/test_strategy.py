@@ -126,3 +126,86 @@ def test_an_unreachable_ps_is_reported_with_its_address_not_a_hang():
     with pytest.raises(ConnectionError, match=r"tcp://127\.0\.0\.1:9 within 1.5 s"):
         trainer.fit(Tiny(), data())
     s._shutdown(wait_for_workers=0)
+
+
+def plain_sgd(model: Tiny, steps: int) -> list[torch.Tensor]:
+    """Weights of ``model`` after ``steps`` steps of plain SGD without any PS, in the batch order that
+    Lightning's injected DistributedSampler (shuffle=True, seed 0, epoch 0) gives one worker."""
+    from torch.utils.data import DistributedSampler
+
+    dataset = data().dataset
+    loader = DataLoader(dataset, batch_size=16, sampler=DistributedSampler(dataset, 1, 0, shuffle=True, seed=0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for i, (x, y) in enumerate(loader):
+        if i == steps:
+            break
+        opt.zero_grad()
+        F.cross_entropy(model.layer(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def run_one_worker(strategy: AsyncPSStrategy, model: Tiny, steps: int) -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, data())
+
+
+@pytest.mark.parametrize("push_every, pull_every", [(3, 2), (2, 5)])
+def test_downpour_pushes_every_push_every_and_loses_nothing_when_pulling(push_every, pull_every):
+    import copy
+
+    model = Tiny()
+    expected = plain_sgd(copy.deepcopy(model), 12)
+    s = AsyncPSStrategy(mode="downpour", push_every=push_every, pull_every=pull_every)
+    try:
+        run_one_worker(s, model, 12)
+        assert s.ps_stats()["pushes_applied"] == 12 // push_every  # exactly every push_every steps
+        # one worker: pushes without a model and pulls that keep unpushed steps lose nothing
+        for got, want in zip(model.parameters(), expected, strict=True):
+            torch.testing.assert_close(got.detach(), want, atol=1e-5, rtol=0)
+    finally:
+        s._shutdown(wait_for_workers=0)
+
+
+def test_easgd_center_after_one_exchange_is_the_elastic_step():
+    import copy
+
+    model = Tiny()
+    w0 = [p.detach().clone() for p in model.parameters()]
+    w3 = plain_sgd(copy.deepcopy(model), 3)
+    s = AsyncPSStrategy(mode="easgd", tau=3, alpha=0.25)
+    try:
+        run_one_worker(s, model, 3)
+        center = central(s)
+        assert s.ps_stats()["version"] == 1
+        for (name, _), a, b in zip(model.named_parameters(), w0, w3, strict=True):
+            want = a + 0.25 * (b - a)  # center moves alpha * (w - center); it started at w0
+            np.testing.assert_allclose(center[name], want.numpy(), atol=1e-6)
+    finally:
+        s._shutdown(wait_for_workers=0)
+
+
+def test_agn_folds_in_the_accumulated_update_divided_by_the_steps():
+    import copy
+
+    model = Tiny()
+    w0 = [p.detach().clone() for p in model.parameters()]
+    w3 = plain_sgd(copy.deepcopy(model), 3)
+    s = AsyncPSStrategy(mode="agn", push_every=3)
+    try:
+        run_one_worker(s, model, 3)
+        center = central(s)
+        for (name, _), a, b in zip(model.named_parameters(), w0, w3, strict=True):
+            np.testing.assert_allclose(center[name], (a + (b - a) / 3).numpy(), atol=1e-6)
+    finally:
+        s._shutdown(wait_for_workers=0)
+
+
+def test_eamsgd_refuses_an_optimizer_without_nesterov_momentum():
+    s = AsyncPSStrategy(mode="eamsgd")
+    try:
+        with pytest.raises(ValueError, match="nesterov=True"):
+            run_one_worker(s, Tiny(), 2)
+    finally:
+        s._shutdown(wait_for_workers=0)

@@ -65,6 +65,29 @@ def test_adacomp_pushes_at_least_30x_fewer_bytes_than_asgd(core_runs):
     assert asgd["push_bytes"] / ada["push_bytes"] >= 30, (asgd["push_bytes"], ada["push_bytes"])
 
 
+# 125 local steps per worker: versions follow from each scheme's push cadence (the last, partial
+# accumulation is flushed at the end of fit)
+SCHEMES = [
+    ("downpour", [], 2 * 32),  # a push every 4 steps: ceil(125/4) per worker
+    ("dynsgd", [], 250),
+    ("ssp", [], 250),
+    ("localsgd", [], 16),  # a synchronous average every 8 steps: ceil(125/8) rounds
+    # agn/sagn divide the accumulated update by its 4 steps: a larger step size compensates (Hermans et al.)
+    ("agn", ["--lr", "0.003"], 2 * 32),
+    ("sagn", ["--lr", "0.003"], 32),
+    ("easgd", [], 2 * 32),  # an elastic exchange every 4 steps
+    ("eamsgd", ["--optimizer", "nesterov", "--lr", "0.05"], 2 * 32),
+]
+
+
+@needs_fashion
+@pytest.mark.parametrize("mode, extra, version", SCHEMES, ids=[m for m, _, _ in SCHEMES])
+def test_every_scheme_trains_the_recipe_above_the_core_threshold(procs, tmp_path, mode, extra, version):
+    run = run_recipe(procs, tmp_path, "--workers", "2", "--mode", mode, *extra)
+    assert run["test_acc"] >= ACCURACY_THRESHOLD, run
+    assert run["ps_version"] == version
+
+
 @pytest.mark.parametrize("mode", ["asgd", "adacomp", "sync"])
 def test_batchnorm_and_lr_scheduler_train_under_each_mode(procs, tmp_path, mode):
     code, out = procs.run([PYTHON, "tests/scripts/bn_sched.py", "--mode", mode, "--out", str(tmp_path)],
