@@ -32,6 +32,7 @@ import numpy as np
 import zmq
 
 from plug_asgd.checkpoint import CheckpointError, CheckpointPolicy, read_checkpoint, resolve_checkpoint
+from plug_asgd.compressors import decode as decode_update
 from plug_asgd.modes import APPLIED, CentralState, Push, get_mode
 from plug_asgd.wire import (
     DEFAULT_LIMITS,
@@ -300,7 +301,7 @@ class ParameterServer:
         if accepted:
             tensors: dict[str, np.ndarray] = {}
             for name, t in msg.tensors.items():
-                if isinstance(t, Sparse) or t.dtype.name not in FLOAT_DTYPES:
+                if not isinstance(t, np.ndarray) or t.dtype.name not in FLOAT_DTYPES:
                     raise WireError("bad_tensor", f"tensor {name!r}: the central model holds dense float tensors")
                 if not np.isfinite(t).all():
                     raise WireError("not_finite", f"tensor {name!r} holds NaN or Inf")
@@ -341,19 +342,22 @@ class ParameterServer:
             self.state.tensors = {name: t.copy() for name, t in self.state.tensors.items()}
             self._in_flight = []
             self.stats.copies_on_write += 1
-    def _validate_update(self, update: dict[str, Tensor]) -> None:
+    def _decode_update(self, update: dict[str, Tensor]) -> dict[str, Tensor]:
+        """What each compressor sent, decoded into the central tensor's dtype, checked before any fold."""
+        out: dict[str, Tensor] = {}
         for name, t in update.items():
             central = self.state.tensors.get(name)
             if central is None:
                 raise WireError("unknown_tensor", f"the central model has no tensor {name!r}")
-            shape = t.shape if isinstance(t, Sparse) else t.shape
-            dtype = (t.values if isinstance(t, Sparse) else t).dtype
-            if tuple(shape) != central.shape or dtype != central.dtype:
-                raise WireError("bad_tensor", f"tensor {name!r}: got {dtype.name}{list(shape)}, the central "
-                                              f"model holds {central.dtype.name}{list(central.shape)}")
-            if not np.isfinite(t.values if isinstance(t, Sparse) else t).all():
+            if tuple(t.shape) != central.shape:
+                raise WireError("bad_tensor", f"tensor {name!r}: got shape {list(t.shape)}, the central model "
+                                              f"holds {central.dtype.name}{list(central.shape)}")
+            decoded = decode_update(t, central.dtype, shape=central.shape)
+            if not np.isfinite(decoded.values if isinstance(decoded, Sparse) else decoded).all():
                 raise WireError("not_finite", f"update refused: tensor {name!r} holds NaN or Inf (has the worker's "
                                               "training diverged? lower the learning rate)")
+            out[name] = decoded
+        return out
 
     def _on_push(self, identity: bytes, rid: Any, msg: Message) -> None:
         self._require_init()
@@ -368,7 +372,7 @@ class ParameterServer:
             base = self.state.version  # based on updates this PS lost in its crash: fold in as fresh
         if seq <= self.last_seq.get(session, -1):
             raise WireError("duplicate", f"push {seq} of this worker was already received")
-        self._validate_update(msg.tensors)
+        update = self._decode_update(msg.tensors)
         self.last_seq[session] = seq
         want_model = msg.fields.get("model", True) is not False
         if self._stopped():
@@ -380,7 +384,7 @@ class ParameterServer:
         if rank in self.workers:
             self.workers[rank].pushes += 1
         self._writable()
-        self._resolve(self.rule.push(self.state, Push((identity, rid, want_model), rank, base, msg.tensors)))
+        self._resolve(self.rule.push(self.state, Push((identity, rid, want_model), rank, base, update)))
 
     def _resolve(self, resolutions: list[tuple[Any, str]]) -> None:
         for (identity, rid, want_model), status in resolutions:
@@ -472,9 +476,11 @@ class ParameterServer:
         if f.get("mode") != self.mode:
             raise CheckpointError(f"{path} was written by a PS in mode {f.get('mode')!r}; this one runs "
                                   f"{self.mode!r}: resume with --mode {f.get('mode')}")
-        tensors = {n[len("model/"):]: np.array(t) for n, t in msg.tensors.items() if n.startswith("model/")}
-        if not tensors or any(isinstance(t, Sparse) or t.dtype.name not in FLOAT_DTYPES for t in tensors.values()):
+        tensors = {n[len("model/"):]: t for n, t in msg.tensors.items() if n.startswith("model/")}
+        if not tensors or any(not isinstance(t, np.ndarray) or t.dtype.name not in FLOAT_DTYPES
+                              for t in tensors.values()):
             raise CheckpointError(f"{path} holds no dense float central model")
+        tensors = {n: np.array(t) for n, t in tensors.items()}
         self.state = CentralState(tensors=tensors, version=int(f["version"]))
         self.initialized = True
         self.world_size = f.get("world_size")

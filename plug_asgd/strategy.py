@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 
 from plug_asgd.client import ModelReply, PSClient, PSError, PSUnreachableError
+from plug_asgd.compressors import make_compressor
 from plug_asgd.modes import get_mode
 from plug_asgd.ps_server import embedded_command
 
@@ -79,7 +80,14 @@ class AsyncPSStrategy(ParallelStrategy):
     Args:
         mode: a scheme of ``plug_asgd.modes.MODES``: ``asgd``, ``adacomp``, ``sync``, ``downpour``,
             ``dynsgd``, ``ssp``, ``localsgd``, ``agn``, ``sagn``, ``easgd``, ``eamsgd``.
-        compression: for ``adacomp``, the fraction of each tensor's coordinates sent per push.
+        compression: for ``adacomp`` (and the ``topk``/``randomk`` compressors), the fraction of each
+            tensor's coordinates sent per push.
+        compressor: how pushed updates are encoded (``plug_asgd.compressors.COMPRESSORS``: none, fp16,
+            bf16, topk, randomk, qsgd, sign, powersgd), for every push-based mode but adacomp (its own
+            top-k) and easgd/eamsgd (whose exchange must move worker and center by the same amount).
+        bits: qsgd's bits per coordinate. rank: powersgd's rank.
+        error_feedback: keep what a compressor did not send and add it to the next update (default:
+            on for the biased compressors: topk, randomk, sign, powersgd).
         push_every: local optimizer steps between two pushes (the local steps of localsgd/agn/sagn;
             default: the mode's, 1 for asgd).
         pull_every: local steps between two pulls of the central model (default: with every push);
@@ -107,6 +115,10 @@ class AsyncPSStrategy(ParallelStrategy):
         mode: str = "asgd",
         *,
         compression: float = 0.01,
+        compressor: str = "none",
+        bits: int = 8,
+        rank: int = 4,
+        error_feedback: bool | None = None,
         push_every: int | None = None,
         pull_every: int | None = None,
         tau: int | None = None,
@@ -134,6 +146,15 @@ class AsyncPSStrategy(ParallelStrategy):
         self.mode = mode
         self.mode_spec = get_mode(mode)
         self.mode_spec.make_compressor(compression)  # validates compression now, not in a worker
+        if compressor != "none" and (mode == "adacomp" or self.mode_spec.exchange == "elastic"):
+            why = ("adacomp is top-k selection paired with the PS's staleness scaling; for another codec use "
+                   "mode='asgd' with that compressor" if mode == "adacomp" else
+                   f"{mode}'s elastic exchange moves the worker by exactly what the center receives, which a "
+                   "lossy codec would break")
+            raise ValueError(f"compressor={compressor!r} does not go with mode={mode!r}: {why}")
+        self._compressor_options = {"fraction": compression, "bits": bits, "rank": rank,
+                                    "error_feedback": error_feedback}
+        make_compressor(compressor, **self._compressor_options)  # an unknown name or bad option fails here
         defaults = dict(self.mode_spec.defaults)
         push_every = push_every if push_every is not None else defaults.get("push_every", 1)
         tau = tau if tau is not None else defaults.get("tau", 1)
@@ -152,6 +173,7 @@ class AsyncPSStrategy(ParallelStrategy):
         if ps_address is not None and not ps_address.startswith(("tcp://", "ipc://")):
             raise ValueError(f"ps_address must look like tcp://host:port, got {ps_address!r}")
         self.compression = compression
+        self.compressor = compressor
         self.push_every = push_every
         self.pull_every = pull_every
         self.tau = tau
@@ -182,8 +204,15 @@ class AsyncPSStrategy(ParallelStrategy):
         self._since_pull = 0
         self._local_steps = 0
         self._staleness = [0, 0, 0]  # sum, count, max over this worker's applied pushes
-        self._compressor = self.mode_spec.make_compressor(compression)
+        self._compressor = self._new_compressor()
         self._base: dict[str, Tensor] = {}
+
+    def _new_compressor(self) -> Any:
+        """A fresh compressor (empty residuals) for a fit: the mode's own for adacomp, else the chosen one."""
+        if self.mode == "adacomp":
+            return self.mode_spec.make_compressor(self.compression)
+        return make_compressor(self.compressor, seed=self.global_rank if self.cluster_environment else 0,
+                               **self._compressor_options)
 
     # -- Lightning plumbing (as DDP) ---------------------------------------------------------------
 
@@ -264,7 +293,7 @@ class AsyncPSStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            self._compressor = self.mode_spec.make_compressor(self.compression)
+            self._compressor = self._new_compressor()
 
     def on_train_start(self) -> None:
         if self.mode == "eamsgd":

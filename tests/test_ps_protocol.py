@@ -51,6 +51,19 @@ def test_asgd_push_is_folded_in_and_answered_with_the_central_model(start_ps):
     c.close()
 
 
+def test_a_compressed_push_is_decoded_into_the_central_dtype_before_the_fold(start_ps):
+    from plug_asgd.compressors import QSGD, decode
+
+    c = client(start_ps())
+    c.init(W0)
+    payload = QSGD(bits=3, seed=1).encode("w", np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3))
+    reply = c.push(0, {"w": payload, "b": np.array([1, 2], np.float16)})
+    np.testing.assert_array_equal(reply.tensors["w"], W0["w"] + decode(payload, np.float32))
+    np.testing.assert_array_equal(reply.tensors["b"], [1, 2])
+    assert reply.tensors["w"].dtype == np.float32
+    c.close()
+
+
 def test_malformed_messages_get_error_replies_and_the_model_is_untouched(start_ps):
     address = start_ps()
     good = client(address)

@@ -88,6 +88,35 @@ def test_every_scheme_trains_the_recipe_above_the_core_threshold(procs, tmp_path
     assert run["ps_version"] == version
 
 
+DENSE_PUSH = 4 * 1_199_882  # bytes of one float32 update of the recipe CNN
+PAIRS = [  # (mode, compressor flags, the most bytes its 250 pushes may take, as a fraction of dense)
+    ("asgd", ["--compressor", "fp16"], 0.501),
+    ("asgd", ["--compressor", "bf16"], 0.501),
+    ("downpour", ["--compressor", "topk"], 0.016),
+    ("asgd", ["--compressor", "randomk", "--compression", "0.1"], 0.151),
+    ("asgd", ["--compressor", "qsgd", "--bits", "4"], 5 / 32 + 0.001),
+    ("asgd", ["--compressor", "sign"], 1 / 32 + 0.001),
+    ("sync", ["--compressor", "powersgd", "--rank", "4"], 0.034),
+]
+
+
+@needs_fashion
+@pytest.mark.parametrize("mode, flags, fraction", PAIRS, ids=[f"{m}-{f[1]}" for m, f, _ in PAIRS])
+def test_every_compressor_trains_and_sends_what_its_format_says(procs, tmp_path, mode, flags, fraction):
+    run = run_recipe(procs, tmp_path, "--workers", "2", "--mode", mode, *flags)
+    assert run["test_acc"] >= ACCURACY_THRESHOLD, run
+    pushes = run["pushes_applied"] + run["pushes_dropped"]
+    assert run["push_bytes"] <= fraction * pushes * DENSE_PUSH, run
+
+
+@pytest.mark.parametrize("mode, compressor", [("adacomp", "qsgd"), ("easgd", "fp16")])
+def test_a_mode_and_compressor_that_do_not_go_together_are_refused(procs, mode, compressor):
+    code, out = procs.run([PLUG_ASGD, "train", "mnist", "--mode", mode, "--compressor", compressor,
+                           "--data-dir", str(FASHION)], timeout=60)
+    assert code != 0
+    assert f"compressor='{compressor}' does not go with mode='{mode}'" in out and "Traceback" not in out
+
+
 @pytest.mark.parametrize("mode", ["asgd", "adacomp", "sync"])
 def test_batchnorm_and_lr_scheduler_train_under_each_mode(procs, tmp_path, mode):
     code, out = procs.run([PYTHON, "tests/scripts/bn_sched.py", "--mode", mode, "--out", str(tmp_path)],

@@ -12,6 +12,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.loggers import CSVLogger
 
 from plug_asgd.callbacks import CommunicationMonitor, PSCheckpoint, Supervisor
+from plug_asgd.compressors import COMPRESSORS
 from plug_asgd.modes import MODES
 from plug_asgd.strategy import AsyncPSStrategy
 
@@ -25,6 +26,10 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help=f"training scheme (default: asgd): {schemes}")
     parser.add_argument("--compression", type=float, default=0.01,
                         help="adacomp: fraction of each layer's update sent per push (default: 0.01)")
+    parser.add_argument("--compressor", choices=sorted(COMPRESSORS), default="none",
+                        help="how pushed updates are encoded (default: none); topk/randomk use --compression")
+    parser.add_argument("--bits", type=int, default=8, help="qsgd: bits per coordinate (default: 8)")
+    parser.add_argument("--rank", type=int, default=4, help="powersgd: rank (default: 4)")
     parser.add_argument("--push-every", type=int, default=None,
                         help="local steps between pushes (default: the mode's; 1 for asgd)")
     parser.add_argument("--pull-every", type=int, default=None, help="local steps between pulls (default: at push)")
@@ -55,7 +60,8 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 
 
 def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
-    return AsyncPSStrategy(mode=args.mode, compression=args.compression, push_every=args.push_every,
+    return AsyncPSStrategy(mode=args.mode, compression=args.compression, compressor=args.compressor,
+                           bits=args.bits, rank=args.rank, push_every=args.push_every,
                            pull_every=args.pull_every, tau=args.tau, alpha=args.alpha,
                            staleness_bound=args.staleness_bound,
                            replicas_to_aggregate=args.replicas_to_aggregate, max_updates=args.max_updates,
@@ -79,7 +85,10 @@ def train_and_test(name: str, model: pl.LightningModule, datamodule: pl.Lightnin
                    args: argparse.Namespace) -> dict[str, Any] | None:
     """Fit under AsyncPSStrategy, test the central model; rank 0 prints and returns the summary."""
     pl.seed_everything(args.seed, workers=True, verbose=False)
-    strategy = make_strategy(args)
+    try:
+        strategy = make_strategy(args)
+    except ValueError as exc:  # a flag the strategy refuses: say so as argparse would, no traceback
+        raise SystemExit(f"error: {exc}") from None
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.workers, num_nodes=args.num_nodes, strategy=strategy,
         max_epochs=args.epochs, max_steps=args.max_steps,
