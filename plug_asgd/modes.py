@@ -261,7 +261,8 @@ class ModeSpec:
     """A mode's worker half and the factory of its server half.
 
     The worker half: ``exchange`` is ``"push"`` (send ``w - w_base``, scaled by ``1/push_every``
-    when ``normalize``) or ``"elastic"`` (EASGD's exchange with the center); ``defaults`` fill the
+    when ``normalize``), ``"overlap"`` (the same push, sent by a background thread while the next
+    step computes) or ``"elastic"`` (EASGD's exchange with the center); ``defaults`` fill the
     strategy's knobs the user left unset (``push_every``, ``pull_every``, ``tau``, ``alpha``).
     """
 
@@ -321,6 +322,10 @@ MODES: dict[str, ModeSpec] = {
                     _dense, _asgd_rule, normalize=True, defaults=(("push_every", 4),)),
     "sagn": ModeSpec("sagn", "agn's normalized updates, averaged synchronously", _dense, _sync_rule,
                      normalize=True, defaults=(("push_every", 4),)),
+    "osp": ModeSpec("osp", "sync rounds, each sent in the background while the next step computes", _dense,
+                    _sync_rule, exchange="overlap"),
+    "losp": ModeSpec("losp", "osp with push_every local steps; progress made during a round is kept", _dense,
+                     _sync_rule, exchange="overlap", defaults=(("push_every", 4),)),
     "easgd": ModeSpec("easgd", "every tau steps worker and center move alpha*(w - center) towards each other",
                       _dense, _asgd_rule, exchange="elastic", defaults=(("tau", 4), ("alpha", 0.5))),
     "eamsgd": ModeSpec("eamsgd", "easgd with Nesterov momentum SGD on the workers", _dense, _asgd_rule,

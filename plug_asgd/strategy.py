@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -79,7 +80,7 @@ class AsyncPSStrategy(ParallelStrategy):
 
     Args:
         mode: a scheme of ``plug_asgd.modes.MODES``: ``asgd``, ``adacomp``, ``sync``, ``downpour``,
-            ``dynsgd``, ``ssp``, ``localsgd``, ``agn``, ``sagn``, ``easgd``, ``eamsgd``.
+            ``dynsgd``, ``ssp``, ``localsgd``, ``agn``, ``sagn``, ``osp``, ``losp``, ``easgd``, ``eamsgd``.
         compression: for ``adacomp`` (and the ``topk``/``randomk`` compressors), the fraction of each
             tensor's coordinates sent per push.
         compressor: how pushed updates are encoded (``plug_asgd.compressors.COMPRESSORS``: none, fp16,
@@ -203,6 +204,10 @@ class AsyncPSStrategy(ParallelStrategy):
         self._since_push = 0
         self._since_pull = 0
         self._local_steps = 0
+        self._in_flight: threading.Thread | None = None
+        self._in_flight_result: dict[str, Any] = {}
+        self._overlapped_steps = 0
+        self._overlap_trace: list[tuple[float, float | None, float]] = []
         self._staleness = [0, 0, 0]  # sum, count, max over this worker's applied pushes
         self._compressor = self._new_compressor()
         self._base: dict[str, Tensor] = {}
@@ -327,7 +332,13 @@ class AsyncPSStrategy(ParallelStrategy):
                     self.barrier("plug_asgd.fit_end")  # the final central model includes every worker
                     self._load(client.pull())
             finally:
+                sender = self._in_flight
+                if sender is not None:  # after a failure: the socket is the sender's until it is done
+                    sender.join(5.0)
+                    self._in_flight = None
                 try:
+                    if sender is not None and sender.is_alive():
+                        raise PSUnreachableError("a push is still in flight")
                     client.bye(self._stage)
                 except (PSError, PSUnreachableError) as exc:
                     log.warning("could not say goodbye to the parameter server: %s", exc)
@@ -423,12 +434,14 @@ class AsyncPSStrategy(ParallelStrategy):
         total, count, worst = self._staleness
         return {**self._client.counters.as_dict(), "local_steps": self._local_steps, "version": self._version,
                 "staleness_mean": total / count if count else 0.0, "staleness_max": worst,
+                "overlapped_steps": self._overlapped_steps, "overlap_trace": list(self._overlap_trace),
                 "reconnections": self._client.reconnections}
 
     def ps_stats(self) -> dict[str, Any]:
         """The parameter server's global counters (version, pushes, bytes in and out, staleness)."""
         if self._client is None:
             raise RuntimeError("not connected to a parameter server: run trainer.fit/test first")
+        self._finish_in_flight()
         return self._client.stats()
 
     # -- synchronising the model with the PS -----------------------------------------------------
@@ -535,11 +548,54 @@ class AsyncPSStrategy(ParallelStrategy):
         self._version = done.version
         self._stop_if(reply.stop or done.stop)
 
+    def _push_overlapped(self) -> None:
+        """OSP/LOSP: finish the round in flight, then send this update from a background thread."""
+        self._finish_in_flight()
+        assert self._client is not None
+        tensors = self._synced_tensors()
+        update = {n: self._compressor.encode(n, _to_numpy(t.detach() - self._base[n])) for n, t in tensors.items()}
+        sent = {n: t.detach().clone() for n, t in tensors.items()}
+        client, base, result = self._client, self._version, self._in_flight_result
+        result.clear()
+
+        def send() -> None:
+            try:
+                result["reply"] = client.push(base, update)
+            except BaseException as exc:  # re-raised in the training thread
+                result["error"] = exc
+            result["done_at"] = time.monotonic()
+
+        result["sent"], result["sent_at"], result["next_step_at"] = sent, time.monotonic(), None
+        self._since_push = 0
+        self._in_flight = threading.Thread(target=send, name="plug_asgd-sender", daemon=True)
+        self._in_flight.start()
+
+    def _finish_in_flight(self) -> None:
+        """Take the reply of the push in flight: ``w = central + (w - w_at_send)`` keeps the steps made since."""
+        thread, self._in_flight = self._in_flight, None
+        if thread is None:
+            return
+        thread.join()
+        result = self._in_flight_result
+        if "error" in result:
+            raise result["error"]
+        reply, sent = result["reply"], result["sent"]
+        if len(self._overlap_trace) < 20:  # (sent, next step started, reply received): the overlap, measured
+            self._overlap_trace.append((result["sent_at"], result["next_step_at"], result["done_at"]))
+        for name, t in self._synced_tensors().items():
+            progress = t.detach() - sent[name]
+            _assign(self._base[name], reply.tensors[name])
+            with torch.no_grad():
+                t.copy_(self._base[name] + progress)
+        self._version = reply.version
+        self._stop_if(reply.stop)
+
     def _stop_if(self, stop: bool) -> None:
         if stop and self._fitting and self.lightning_module is not None:
             self.lightning_module.trainer.should_stop = True
 
     def _flush(self) -> None:
+        self._finish_in_flight()
         if self._fitting and self._joined and self._since_push:
             if self.mode_spec.exchange == "elastic":
                 self._elastic_exchange()
@@ -547,12 +603,20 @@ class AsyncPSStrategy(ParallelStrategy):
                 self._push()
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._in_flight is not None:
+            if self._in_flight_result.get("next_step_at") is None:
+                self._in_flight_result["next_step_at"] = time.monotonic()
+            if self._in_flight.is_alive():
+                self._overlapped_steps += 1  # this step computes while the last update is on its way
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._local_steps += 1
         if self._joined and self._fitting:
             self._since_push += 1
             self._since_pull += 1
-            if self.mode_spec.exchange == "elastic":
+            if self.mode_spec.exchange == "overlap":
+                if self._since_push >= self.push_every:
+                    self._push_overlapped()
+            elif self.mode_spec.exchange == "elastic":
                 if self._since_push >= self.tau:
                     self._elastic_exchange()
             elif self._since_push >= self.push_every:
@@ -564,6 +628,7 @@ class AsyncPSStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The state dict with the central tensors: a checkpoint holds the central model."""
         state = super().lightning_module_state_dict()
+        self._finish_in_flight()
         if self._client is not None and self._joined:
             central = self._client.pull().tensors
             for name, t in self._synced_tensors().items():
@@ -576,6 +641,7 @@ class AsyncPSStrategy(ParallelStrategy):
         return self._client is not None and self._in_stage and self.world_size > 1
 
     def _gather(self, kind: str, obj: Any = None, tensors: dict[str, np.ndarray] | None = None) -> list[Any]:
+        self._finish_in_flight()  # one request at a time on the socket
         assert self._client is not None
         seq = self._collective_seq
         self._collective_seq += 1

@@ -168,6 +168,22 @@ def test_downpour_pushes_every_push_every_and_loses_nothing_when_pulling(push_ev
         s._shutdown(wait_for_workers=0)
 
 
+@pytest.mark.parametrize("mode, push_every", [("osp", 1), ("losp", 3)])
+def test_overlapped_rounds_keep_the_progress_made_while_in_flight(mode, push_every):
+    import copy
+
+    model = Tiny()
+    expected = plain_sgd(copy.deepcopy(model), 12)
+    s = AsyncPSStrategy(mode=mode, push_every=push_every)
+    try:
+        run_one_worker(s, model, 12)
+        assert s.ps_stats()["version"] == 12 // push_every
+        for got, want in zip(model.parameters(), expected, strict=True):  # one worker: nothing lost
+            torch.testing.assert_close(got.detach(), want, atol=1e-5, rtol=0)
+    finally:
+        s._shutdown(wait_for_workers=0)
+
+
 def test_easgd_center_after_one_exchange_is_the_elastic_step():
     import copy
 

@@ -75,6 +75,8 @@ SCHEMES = [
     # agn/sagn divide the accumulated update by its 4 steps: a larger step size compensates (Hermans et al.)
     ("agn", ["--lr", "0.003"], 2 * 32),
     ("sagn", ["--lr", "0.003"], 32),
+    ("osp", [], 125),  # a synchronous round per step, sent while the next step computes
+    ("losp", [], 32),  # the same every 4 local steps
     ("easgd", [], 2 * 32),  # an elastic exchange every 4 steps
     ("eamsgd", ["--optimizer", "nesterov", "--lr", "0.05"], 2 * 32),
 ]
@@ -144,6 +146,17 @@ def test_spawn_start_method_trains_too(procs, tmp_path):
                           timeout=120)
     assert code == 0, out[-4000:]
     assert json.loads((tmp_path / "parent.json").read_text())["test_acc"] >= 0.9
+
+
+def test_osp_sends_while_the_next_step_computes(procs, tmp_path):
+    code, out = procs.run([PYTHON, "tests/scripts/bn_sched.py", "--mode", "osp", "--out", str(tmp_path)], timeout=120)
+    assert code == 0, out[-4000:]
+    for rank in (0, 1):
+        comm = json.loads((tmp_path / f"rank{rank}.json").read_text())["comm"]
+        assert comm["overlapped_steps"] > 0
+        # timestamps of the first pushes: (sent, next step started, reply received)
+        overlapped = [t for t in comm["overlap_trace"] if t[1] is not None and t[0] <= t[1] < t[2]]
+        assert overlapped, comm["overlap_trace"]
 
 
 @needs_fashion

@@ -77,6 +77,7 @@ def main() -> None:
         "test_acc": results[0]["test_acc"],
         "ps_version": strategy.ps_stats()["version"],
         "threads": threads,
+        "comm": strategy.comm_stats(),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
