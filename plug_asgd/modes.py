@@ -262,7 +262,8 @@ class ModeSpec:
 
     The worker half: ``exchange`` is ``"push"`` (send ``w - w_base``, scaled by ``1/push_every``
     when ``normalize``), ``"overlap"`` (the same push, sent by a background thread while the next
-    step computes) or ``"elastic"`` (EASGD's exchange with the center); ``defaults`` fill the
+    step computes), ``"elastic"`` (EASGD's exchange with the center) or ``"shared"`` (Hogwild: the
+    model lives in shared memory and nothing is pushed; the PS only serves Lightning's barriers); ``defaults`` fill the
     strategy's knobs the user left unset (``push_every``, ``pull_every``, ``tau``, ``alpha``).
     """
 
@@ -326,6 +327,8 @@ MODES: dict[str, ModeSpec] = {
                     _sync_rule, exchange="overlap"),
     "losp": ModeSpec("losp", "osp with push_every local steps; progress made during a round is kept", _dense,
                      _sync_rule, exchange="overlap", defaults=(("push_every", 4),)),
+    "hogwild": ModeSpec("hogwild", "workers of one machine update one shared-memory model without locks",
+                        _dense, _asgd_rule, exchange="shared"),
     "easgd": ModeSpec("easgd", "every tau steps worker and center move alpha*(w - center) towards each other",
                       _dense, _asgd_rule, exchange="elastic", defaults=(("tau", 4), ("alpha", 0.5))),
     "eamsgd": ModeSpec("eamsgd", "easgd with Nesterov momentum SGD on the workers", _dense, _asgd_rule,

@@ -39,6 +39,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
 
+from plug_asgd import shared
 from plug_asgd.client import ModelReply, PSClient, PSError, PSUnreachableError
 from plug_asgd.compressors import make_compressor
 from plug_asgd.modes import get_mode
@@ -80,7 +81,8 @@ class AsyncPSStrategy(ParallelStrategy):
 
     Args:
         mode: a scheme of ``plug_asgd.modes.MODES``: ``asgd``, ``adacomp``, ``sync``, ``downpour``,
-            ``dynsgd``, ``ssp``, ``localsgd``, ``agn``, ``sagn``, ``osp``, ``losp``, ``easgd``, ``eamsgd``.
+            ``dynsgd``, ``ssp``, ``localsgd``, ``agn``, ``sagn``, ``osp``, ``losp``, ``easgd``, ``eamsgd``,
+            ``hogwild``.
         compression: for ``adacomp`` (and the ``topk``/``randomk`` compressors), the fraction of each
             tensor's coordinates sent per push.
         compressor: how pushed updates are encoded (``plug_asgd.compressors.COMPRESSORS``: none, fp16,
@@ -147,6 +149,8 @@ class AsyncPSStrategy(ParallelStrategy):
         self.mode = mode
         self.mode_spec = get_mode(mode)
         self.mode_spec.make_compressor(compression)  # validates compression now, not in a worker
+        if compressor != "none" and mode == "hogwild":
+            raise ValueError("compressor= does not go with mode='hogwild': its workers share memory and send nothing")
         if compressor != "none" and (mode == "adacomp" or self.mode_spec.exchange == "elastic"):
             why = ("adacomp is top-k selection paired with the PS's staleness scaling; for another codec use "
                    "mode='asgd' with that compressor" if mode == "adacomp" else
@@ -208,6 +212,7 @@ class AsyncPSStrategy(ParallelStrategy):
         self._in_flight_result: dict[str, Any] = {}
         self._overlapped_steps = 0
         self._overlap_trace: list[tuple[float, float | None, float]] = []
+        self._shared_map: Any = None
         self._staleness = [0, 0, 0]  # sum, count, max over this worker's applied pushes
         self._compressor = self._new_compressor()
         self._base: dict[str, Tensor] = {}
@@ -324,14 +329,19 @@ class AsyncPSStrategy(ParallelStrategy):
     def teardown(self) -> None:
         client = self._client
         if client is not None and self._in_stage:
-            self._in_stage = False
             try:
-                if self._fitting and self._joined and not self._failed:
+                if self._fitting and self._joined and not self._failed and self._hogwild:
+                    self.barrier("plug_asgd.fit_end")  # every worker's steps are in the shared model
+                    shared.detach(self._synced_tensors())
+                    self.barrier("plug_asgd.hogwild_detached")
+                    self._drop_shared()
+                elif self._fitting and self._joined and not self._failed:
                     self._flush()
                     client.hello(self._stage, training=False)  # no sync round waits for us any more
                     self.barrier("plug_asgd.fit_end")  # the final central model includes every worker
                     self._load(client.pull())
             finally:
+                self._in_stage = False  # only now: the barriers above are collectives of this stage
                 sender = self._in_flight
                 if sender is not None:  # after a failure: the socket is the sender's until it is done
                     sender.join(5.0)
@@ -404,6 +414,8 @@ class AsyncPSStrategy(ParallelStrategy):
 
     def _shutdown(self, wait_for_workers: float = 30.0) -> None:
         """At exit: let the other workers finish with the PS, then stop it (rank 0) and close."""
+        if self._hogwild and self._stage and self.cluster_environment is not None:
+            self._drop_shared()  # a hogwild fit that failed leaves its shared file behind
         client, self._client = self._client, None
         if client is not None:
             if self._ps_proc is not None and self._ps_proc.poll() is None:
@@ -454,11 +466,40 @@ class AsyncPSStrategy(ParallelStrategy):
         tensors.update((n, b) for n, b in module.named_buffers() if b.is_floating_point())
         return tensors
 
+    @property
+    def _hogwild(self) -> bool:
+        return self.mode_spec.exchange == "shared"
+
+    def _shared_path(self) -> Any:
+        assert self.cluster_environment is not None
+        return shared.shared_path(f"{self.cluster_environment.main_port}_{self._stage}")
+
+    def _join_shared(self) -> None:
+        """Hogwild: rank 0 puts its model in shared memory; every worker's tensors become views of it."""
+        if self.num_nodes > 1 or self.root_device.type != "cpu":
+            raise ValueError("mode='hogwild' shares memory between the processes of one machine: use "
+                             "num_nodes=1 and accelerator='cpu'")
+        tensors = self._synced_tensors()
+        if self.global_rank == 0:
+            shared.create(self._shared_path(), tensors)
+        self.barrier("plug_asgd.hogwild_created")
+        self._shared_map = shared.attach(self._shared_path(), tensors)
+
+    def _drop_shared(self) -> None:
+        self._shared_map = None
+        if self.global_rank == 0:
+            self._shared_path().unlink(missing_ok=True)
+
     def _join(self) -> None:
         """Start of a stage: offer our weights if the PS has none yet, then take the central ones."""
         if self._joined:
             return
         assert self._client is not None
+        if self._hogwild:
+            if self._fitting:
+                self._join_shared()
+            self._joined = True
+            return
         if not self._ps_initialized:
             self._client.init({n: _to_numpy(t) for n, t in self._synced_tensors().items()})
             self._ps_initialized = True
@@ -468,6 +509,8 @@ class AsyncPSStrategy(ParallelStrategy):
     def _refresh(self) -> None:
         if not self._joined:
             self._join()
+            return
+        if self._hogwild:  # the module already is the shared, central model
             return
         assert self._client is not None
         self._flush()
@@ -610,7 +653,7 @@ class AsyncPSStrategy(ParallelStrategy):
                 self._overlapped_steps += 1  # this step computes while the last update is on its way
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._local_steps += 1
-        if self._joined and self._fitting:
+        if self._joined and self._fitting and not self._hogwild:
             self._since_push += 1
             self._since_pull += 1
             if self.mode_spec.exchange == "overlap":
@@ -629,7 +672,7 @@ class AsyncPSStrategy(ParallelStrategy):
         """The state dict with the central tensors: a checkpoint holds the central model."""
         state = super().lightning_module_state_dict()
         self._finish_in_flight()
-        if self._client is not None and self._joined:
+        if self._client is not None and self._joined and not self._hogwild:
             central = self._client.pull().tensors
             for name, t in self._synced_tensors().items():
                 state[name] = torch.tensor(central[name], dtype=t.dtype).reshape(t.shape)

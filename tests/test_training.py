@@ -77,6 +77,7 @@ SCHEMES = [
     ("sagn", ["--lr", "0.003"], 32),
     ("osp", [], 125),  # a synchronous round per step, sent while the next step computes
     ("losp", [], 32),  # the same every 4 local steps
+    ("hogwild", [], 0),  # one shared-memory model, nothing pushed
     ("easgd", [], 2 * 32),  # an elastic exchange every 4 steps
     ("eamsgd", ["--optimizer", "nesterov", "--lr", "0.05"], 2 * 32),
 ]
@@ -133,7 +134,8 @@ def test_batchnorm_and_lr_scheduler_train_under_each_mode(procs, tmp_path, mode)
         assert max(r["bn_var"]) > 1.5
         if "OMP_NUM_THREADS" not in os.environ:  # 2 workers share the cores
             assert r["threads"] == max(1, (os.cpu_count() or 1) // 2)
-    # fit returned on both workers with the same, final central model
+    # fit returned on both workers with the same, final central model (rank 1's slow last step included)
+    assert ranks[0]["param_sum_after_fit"] == ranks[1]["param_sum_after_fit"]
     assert ranks[0]["param_sum"] == ranks[1]["param_sum"]
     assert ranks[0]["bn_mean"] == ranks[1]["bn_mean"]
     # each rank tested its own half of the test set; sync_dist reduced them through the PS to one value
@@ -146,6 +148,16 @@ def test_spawn_start_method_trains_too(procs, tmp_path):
                           timeout=120)
     assert code == 0, out[-4000:]
     assert json.loads((tmp_path / "parent.json").read_text())["test_acc"] >= 0.9
+
+
+def test_hogwild_workers_update_one_shared_tensor(procs, tmp_path):
+    code, out = procs.run([PYTHON, "tests/scripts/hogwild_slots.py", "--out", str(tmp_path)], timeout=120)
+    assert code == 0, out[-4000:]
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["w"] == [40.0, 40.0]  # each wrote only its own slot: both see both, so one tensor
+        assert r["ps"] == 0 and r["pushed"] == 0  # and the model never went through the PS
+    assert not list(Path("/dev/shm").glob("plug_asgd_hogwild_*"))  # the shared file is gone
 
 
 def test_osp_sends_while_the_next_step_computes(procs, tmp_path):

@@ -6,6 +6,7 @@ The data are generated here on purpose: this script tests the strategy's mechani
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,8 @@ class BNNet(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 2))
 
     def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and self.trainer.is_last_batch and self.current_epoch == 1:
+            time.sleep(1.5)  # a slow last step: the others must wait for it before taking the final model
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
         self.log("train_loss", loss, sync_dist=True)
@@ -58,6 +61,7 @@ def main() -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, loader(1280, 0, True))
+    after_fit = float(sum(p.double().sum() for p in model.parameters()))  # what fit leaves in the module
     threads = torch.get_num_threads()
     results = trainer.test(model, loader(512, 1, False), verbose=False)
     if args.start_method != "popen":
@@ -74,6 +78,7 @@ def main() -> None:
         "bn_mean": bn.running_mean.tolist(),
         "bn_var": bn.running_var.tolist(),
         "param_sum": float(sum(p.double().sum() for p in model.parameters())),
+        "param_sum_after_fit": after_fit,
         "test_acc": results[0]["test_acc"],
         "ps_version": strategy.ps_stats()["version"],
         "threads": threads,
