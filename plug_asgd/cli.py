@@ -213,7 +213,7 @@ def train(
                                                  help=f"recipe to run: {_recipes_text()}; 'plug-asgd train RECIPE "
                                                  "--help' shows its flags")] = None,
 ) -> None:
-    """Train a ready-made recipe (mnist); every argument after RECIPE goes to the recipe unchanged.
+    """Train a ready-made recipe (mnist, cifar10); every argument after RECIPE goes to the recipe unchanged.
 
     Lightning starts the other worker processes by re-running this same command line.
     """

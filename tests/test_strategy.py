@@ -225,3 +225,18 @@ def test_eamsgd_refuses_an_optimizer_without_nesterov_momentum():
             run_one_worker(s, Tiny(), 2)
     finally:
         s._shutdown(wait_for_workers=0)
+
+
+def test_every_mode_and_compressor_pair_is_accepted_or_refused_by_the_stated_rule():
+    from plug_asgd.compressors import COMPRESSORS
+    from plug_asgd.modes import MODES
+
+    refused_modes = {"adacomp", "easgd", "eamsgd", "hogwild"}  # their own codec, or nothing to compress
+    for mode in MODES:
+        for name in COMPRESSORS:
+            if name != "none" and mode in refused_modes:
+                with pytest.raises(ValueError, match=f"compressor=.*mode='{mode}'"):
+                    AsyncPSStrategy(mode=mode, compressor=name)
+            else:
+                s = AsyncPSStrategy(mode=mode, compressor=name)
+                assert s.compressor == name
