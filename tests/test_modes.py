@@ -99,7 +99,7 @@ def test_sync_refuses_a_second_update_from_the_same_worker_in_one_round():
 
 def test_unknown_mode_lists_the_modes():
     with pytest.raises(ValueError, match="asgd, adacomp, sync"):
-        get_mode("hogwild")
+        get_mode("nope")
 
 
 def test_the_ps_folds_into_a_copy_while_a_zero_copy_reply_is_in_flight():
