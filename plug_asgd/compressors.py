@@ -55,6 +55,15 @@ class NoCompression:
         return update
 
 
+def largest_magnitudes(flat: np.ndarray, k: int) -> np.ndarray:
+    """Ascending int64 indices of the ``k`` largest ``|flat|`` (exact zeros left out: sending them changes nothing)."""
+    if k < flat.size:
+        chosen = np.argpartition(np.abs(flat), flat.size - k)[flat.size - k:]
+    else:
+        chosen = np.arange(flat.size)
+    return np.sort(chosen[flat[chosen] != 0]).astype(np.int64)
+
+
 class TopKResidual:
     """Per tensor, the ``fraction`` of coordinates with the largest magnitude; the rest is kept.
 
@@ -82,16 +91,11 @@ class TopKResidual:
         flat = update.reshape(-1).astype(update.dtype, copy=True)
         if residual is not None:
             flat += residual
-        k = self.k_for(flat.size)
-        if k < flat.size:
-            chosen = np.argpartition(np.abs(flat), flat.size - k)[flat.size - k:]
-        else:
-            chosen = np.arange(flat.size)
-        chosen = np.sort(chosen[flat[chosen] != 0])
+        chosen = largest_magnitudes(flat, self.k_for(flat.size))
         values = flat[chosen]  # fancy indexing copies, so zeroing below keeps them intact
         flat[chosen] = 0
         self.residuals[key] = flat
-        return Sparse(indices=chosen.astype(np.int64), values=values, shape=tuple(update.shape))
+        return Sparse(indices=chosen, values=values, shape=tuple(update.shape))
 
 
 # -- decoding --------------------------------------------------------------------------------------
@@ -342,13 +346,8 @@ class TopK:
 
     def encode(self, key: str, update: np.ndarray) -> Tensor:
         flat = np.asarray(update).reshape(-1)
-        k = self.k_for(flat.size)
-        if k < flat.size:
-            chosen = np.argpartition(np.abs(flat), flat.size - k)[flat.size - k:]
-        else:
-            chosen = np.arange(flat.size)
-        chosen = np.sort(chosen[flat[chosen] != 0])
-        return Sparse(indices=chosen.astype(np.int64), values=flat[chosen], shape=tuple(update.shape))
+        chosen = largest_magnitudes(flat, self.k_for(flat.size))
+        return Sparse(indices=chosen, values=flat[chosen], shape=tuple(update.shape))
 
 
 class RandomK:

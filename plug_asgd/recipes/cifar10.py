@@ -29,12 +29,11 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
 
+from plug_asgd.recipes.data import OPTIMIZERS, Arrays, ImageClassifier, SplitDataModule
 from plug_asgd.recipes.idx import DatasetNotFoundError
 
 try:  # numpy >= 2
@@ -496,61 +495,23 @@ def build_model(arch: str) -> nn.Module:
     return ARCHS[arch]()
 
 
-class Cifar10Classifier(pl.LightningModule):
+class Cifar10Classifier(ImageClassifier):
     """One of :data:`ARCHS` trained with cross-entropy, logging exactly as :class:`MnistCNN` does."""
 
     def __init__(self, arch: str = "cnn", lr: float = 1e-3, momentum: float = 0.9, optimizer: str = "adam") -> None:
-        super().__init__()
-        if optimizer not in ("sgd", "adam"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {optimizer!r}")
+        super().__init__(lr, momentum, optimizer)
         self.save_hyperparameters()
         self.net = build_model(arch)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Return class logits [B, 10] for normalised images [B, 3, 32, 32]."""
-        return self.net(x)
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        """Cross-entropy on one batch (``sync_dist`` as a DDP user writes it; under AsyncPSStrategy it stays local)."""
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss, sync_dist=True, prog_bar=True)
-        return loss
-
-    def _eval_step(self, batch: tuple[Tensor, Tensor], prefix: str) -> Tensor:
-        """Shared body of validation and test: log epoch-averaged loss and accuracy across workers."""
-        x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits, y)
-        acc = (logits.argmax(dim=1) == y).float().mean()
-        self.log(f"{prefix}_loss", loss, sync_dist=True, on_epoch=True, prog_bar=True)
-        self.log(f"{prefix}_acc", acc, sync_dist=True, on_epoch=True, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        """Evaluate one held-out batch."""
-        return self._eval_step(batch, "val")
-
-    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        """Evaluate one test batch."""
-        return self._eval_step(batch, "test")
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        """Adam (default) or SGD with momentum, by the ``optimizer`` hyperparameter."""
-        if self.hparams.optimizer == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
 
 
 # ------------------------------------------------------------------------------------ data module
 
 
-class Cifar10DataModule(pl.LightningDataModule):
+class Cifar10DataModule(SplitDataModule):
     """CIFAR-10 from the python batches, augmented for training, with optional deterministic subsets.
 
     Images stay uint8 in memory (150 MB for the training set per worker); each batch is augmented
-    (training only) and normalised as it is collated. Plain DataLoaders (no sampler): Lightning
-    injects the distributed sampler itself, so each worker sees its own shard.
+    (training only) and normalised as it is collated.
     """
 
     def __init__(
@@ -563,56 +524,18 @@ class Cifar10DataModule(pl.LightningDataModule):
         augment: bool = True,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        self.data_dir = Path(data_dir).expanduser()
-        self.batch_size = batch_size
-        self.train_subset = train_subset
-        self.test_subset = test_subset
-        self.download = download
+        super().__init__(data_dir, batch_size, train_subset, test_subset, download, seed)
         self.augment = augment
-        self.seed = seed
-        self.train_set: TensorDataset | None = None
-        self.test_set: TensorDataset | None = None
 
     def prepare_data(self) -> None:
         """Find (or download, on one process per node) the files; arrays are loaded in :meth:`setup`."""
         ensure_cifar10(self.data_dir, download=self.download)
 
-    def _subset(self, x: np.ndarray, y: np.ndarray, n: int | None, salt: int) -> TensorDataset:
-        """Take the first ``n`` of a fixed-seed shuffle: class-balanced in expectation, same on every rank."""
-        if n is not None:
-            if n <= 0:
-                raise ValueError(f"subset size must be positive, got {n}")
-            idx = np.random.default_rng([self.seed, salt]).permutation(len(x))[:n]
-            x, y = x[idx], y[idx]
-        return TensorDataset(torch.from_numpy(np.ascontiguousarray(x)), torch.as_tensor(y, dtype=torch.long))
+    def load_arrays(self) -> Arrays:
+        return load_cifar10(self.data_dir, download=self.download)
 
-    def setup(self, stage: str | None = None) -> None:
-        """Load the arrays into TensorDatasets (once; later calls for other stages reuse them)."""
-        if self.train_set is not None and self.test_set is not None:
-            return
-        train_x, train_y, test_x, test_y = load_cifar10(self.data_dir, download=self.download)
-        self.train_set = self._subset(train_x, train_y, self.train_subset, salt=0)
-        self.test_set = self._subset(test_x, test_y, self.test_subset, salt=1)
-
-    def _loader(self, dataset: TensorDataset | None, shuffle: bool, augment: bool) -> DataLoader:
-        """Build a plain single-process loader; fails clearly if :meth:`setup` was not run."""
-        if dataset is None:
-            raise RuntimeError("Cifar10DataModule.setup() must be called before requesting a dataloader")
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=0,
-                          collate_fn=_Collate(augment))
-
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled, augmented training batches."""
-        return self._loader(self.train_set, shuffle=True, augment=self.augment)
-
-    def val_dataloader(self) -> DataLoader:
-        """Validation uses the test split (CIFAR-10 has no separate validation set)."""
-        return self._loader(self.test_set, shuffle=False, augment=False)
-
-    def test_dataloader(self) -> DataLoader:
-        """Test batches, in file order."""
-        return self._loader(self.test_set, shuffle=False, augment=False)
+    def collate(self, train: bool) -> _Collate:
+        return _Collate(train and self.augment)
 
 
 # ------------------------------------------------------------------------------------ entry point
@@ -643,7 +566,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: %(default)s)")
     parser.add_argument(
-        "--optimizer", choices=("sgd", "adam"), default="adam", help="optimiser (default: %(default)s)"
+        "--optimizer", choices=OPTIMIZERS, default="adam", help="optimiser (default: %(default)s)"
     )
     return parser
 

@@ -1,0 +1,131 @@
+"""What the recipes' data modules share: arrays loaded once, subsets, and plain loaders."""
+
+from __future__ import annotations
+
+import os
+from abc import abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
+
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+class SplitDataModule(pl.LightningDataModule):
+    """A dataset given as train and test arrays. Validation uses the test split (neither MNIST nor
+    CIFAR-10 has another). Loaders are plain (no sampler): Lightning injects the distributed
+    sampler itself, so each worker sees its own shard. A subset is the first ``n`` of a
+    fixed-seed shuffle: class-balanced in expectation and the same on every rank."""
+
+    def __init__(self, data_dir: str | os.PathLike[str], batch_size: int = 32, train_subset: int | None = None,
+                 test_subset: int | None = None, download: bool = True, seed: int = 0) -> None:
+        super().__init__()
+        self.data_dir = Path(data_dir).expanduser()
+        self.batch_size = batch_size
+        self.train_subset = train_subset
+        self.test_subset = test_subset
+        self.download = download
+        self.seed = seed
+        self.train_set: TensorDataset | None = None
+        self.test_set: TensorDataset | None = None
+
+    @abstractmethod
+    def load_arrays(self) -> Arrays:
+        """``(train_x, train_y, test_x, test_y)``, downloading if allowed and needed."""
+
+    def inputs(self, x: np.ndarray) -> Tensor:
+        """What the dataset stores for images ``x`` (the raw array by default)."""
+        return torch.from_numpy(np.ascontiguousarray(x))
+
+    def collate(self, train: bool) -> Callable[[list[Any]], Any] | None:
+        """A batch builder (augmentation, normalisation), or None for the default one."""
+        return None
+
+    def _subset(self, x: np.ndarray, y: np.ndarray, n: int | None, salt: int) -> TensorDataset:
+        if n is not None:
+            if n <= 0:
+                raise ValueError(f"subset size must be positive, got {n}")
+            idx = np.random.default_rng([self.seed, salt]).permutation(len(x))[:n]
+            x, y = x[idx], y[idx]
+        return TensorDataset(self.inputs(x), torch.as_tensor(y, dtype=torch.long))
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the arrays into TensorDatasets (once; later calls for other stages reuse them)."""
+        if self.train_set is not None and self.test_set is not None:
+            return
+        train_x, train_y, test_x, test_y = self.load_arrays()
+        self.train_set = self._subset(train_x, train_y, self.train_subset, salt=0)
+        self.test_set = self._subset(test_x, test_y, self.test_subset, salt=1)
+
+    def _loader(self, dataset: TensorDataset | None, train: bool) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() must be called before requesting a dataloader")
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=train, num_workers=0,
+                          collate_fn=self.collate(train))
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, train=False)
+
+
+OPTIMIZERS = ("sgd", "nesterov", "adam")
+
+
+class ImageClassifier(pl.LightningModule):
+    """Cross-entropy training of ``self.net`` (set by the subclass), logged as a DDP user writes it.
+
+    ``sync_dist=True`` everywhere: under AsyncPSStrategy the training loss stays each worker's own,
+    while validation and test reduce across workers through the PS. The optimizer is Adam (stable
+    under every mode), SGD with momentum, or SGD with Nesterov momentum (what eamsgd needs).
+    """
+
+    net: torch.nn.Module
+
+    def __init__(self, lr: float, momentum: float, optimizer: str) -> None:
+        super().__init__()
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Class logits for a batch of normalised images."""
+        return self.net(x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, sync_dist=True, prog_bar=True)
+        return loss
+
+    def _eval_step(self, batch: tuple[Tensor, Tensor], prefix: str) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        acc = (logits.argmax(dim=1) == y).float().mean()
+        self.log(f"{prefix}_loss", loss, sync_dist=True, on_epoch=True, prog_bar=True)
+        self.log(f"{prefix}_acc", acc, sync_dist=True, on_epoch=True, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self._eval_step(batch, "val")
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self._eval_step(batch, "test")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """SGD with momentum 0.9 needs lr <= 0.01 under adacomp: the momentum keeps growing while the
+        worker is reset to the central model after every push, and lr=0.05 diverges."""
+        hp = self.hparams
+        if hp.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=hp.lr)
+        return torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, nesterov=hp.optimizer == "nesterov")
