@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from abc import abstractmethod
 from collections.abc import Callable
@@ -80,6 +81,17 @@ class SplitDataModule(pl.LightningDataModule):
 
 
 OPTIMIZERS = ("sgd", "nesterov", "adam")
+
+
+def add_common_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The batch, subset, download and optimizer flags every recipe spells the same way."""
+    parser.add_argument("--batch-size", type=int, default=32, help="per-worker batch size (default: %(default)s)")
+    parser.add_argument("--train-subset", type=int, default=None, help="use only this many training images")
+    parser.add_argument("--test-subset", type=int, default=None, help="use only this many test images")
+    parser.add_argument("--no-download", action="store_true", help="fail instead of downloading missing files")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: %(default)s)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="optimiser (default: %(default)s)")
+    return parser
 
 
 class ImageClassifier(pl.LightningModule):

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from plug_asgd.recipes.data import OPTIMIZERS, Arrays, ImageClassifier, SplitDataModule
+from plug_asgd.recipes.data import Arrays, ImageClassifier, SplitDataModule, add_common_data_arguments
 from plug_asgd.recipes.idx import load_mnist
 
 __all__ = [
@@ -93,19 +93,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="folder holding the four MNIST/Fashion-MNIST IDX files "
         "(default: $PLUG_ASGD_DATA or %(default)s)",
     )
-    parser.add_argument(
-        "--batch-size", type=int, default=32, help="per-worker batch size (default: %(default)s)"
-    )
-    parser.add_argument("--train-subset", type=int, default=None, help="use only this many training images")
-    parser.add_argument("--test-subset", type=int, default=None, help="use only this many test images")
-    parser.add_argument(
-        "--no-download", action="store_true", help="fail instead of downloading missing files"
-    )
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: %(default)s)")
-    parser.add_argument(
-        "--optimizer", choices=OPTIMIZERS, default="adam", help="optimiser (default: %(default)s)"
-    )
-    return parser
+    return add_common_data_arguments(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
