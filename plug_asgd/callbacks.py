@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import queue
 import threading
@@ -29,6 +30,8 @@ from torch import Tensor
 from plug_asgd.checkpoint import central_tensors, read_checkpoint, resolve_checkpoint
 from plug_asgd.client import PSClient, PSError, PSUnreachableError
 from plug_asgd.strategy import AsyncPSStrategy, _assign
+
+log = logging.getLogger("plug_asgd.callbacks")
 
 EvaluateFn = Callable[[torch.nn.Module, Any], Mapping[str, float]]
 
@@ -184,8 +187,9 @@ class Supervisor(Callback):
                     f.write(json.dumps(record) + "\n")
                 self.records.append(record)
                 self._pending.put(record)
-        except (PSError, PSUnreachableError):
-            pass  # the PS went away: training is over or failed, and the trainer reports that
+        except (PSError, PSUnreachableError) as exc:
+            # the PS went away: training is over or failed, and the trainer reports the failure itself
+            log.info("Supervisor stopped: %s", exc)
         except BaseException as exc:  # surfaced in the main thread at the next batch
             self._error = exc
         finally:
