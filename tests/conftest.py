@@ -55,6 +55,24 @@ LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "
                       "GROUP_RANK")
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment without the launcher variables, unbuffered, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def kill_group(proc: subprocess.Popen, wait: float = 10.0) -> None:
+    """SIGKILL the process group a test started (the leader and all it spawned), then reap the leader."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=wait)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():
     """An in-process Trainer writes launcher variables into os.environ: undo that after each test."""
@@ -71,10 +89,8 @@ class ProcessGroups:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, cmd: list[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
-        full_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-        full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, start_new_session=True, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, **kw)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(**(env or {})), start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
         self.procs.append(proc)
         return proc
 
@@ -90,10 +106,7 @@ class ProcessGroups:
 
     @staticmethod
     def kill(proc: subprocess.Popen) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(proc, wait=0)
 
     def leftovers(self, grace: float = 15.0) -> list[int]:
         deadline = time.monotonic() + grace

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -23,7 +22,9 @@ from typer.testing import CliRunner
 from plug_asgd import cli
 from plug_asgd.client import PSClient
 from plug_asgd.modes import MODES
-from tests.conftest import LAUNCHER_VARIABLES
+from tests.conftest import child_env, kill_group
+
+CLI_ENV = child_env(COLUMNS="200", NO_COLOR="1")
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,23 +39,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    return {**env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "NO_COLOR": "1"}
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group the test started (the leader and anything it spawned)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
 class Procs:
     """Starts CLI subprocesses in their own sessions; ``close`` kills every group still alive."""
 
@@ -66,27 +50,27 @@ class Procs:
         out, err = self.tmp_path / f"{name}.out", self.tmp_path / f"{name}.err"
         with open(out, "wb") as fo, open(err, "wb") as fe:
             proc = subprocess.Popen([*CLI, *args], stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
-                                    start_new_session=True, env=_env(), cwd=self.tmp_path)
+                                    start_new_session=True, env=CLI_ENV, cwd=self.tmp_path)
         self.started.append(proc)
         return proc, out, err
 
     def run(self, *args: str, timeout: float = 45) -> subprocess.CompletedProcess:
         """Run a command to its end (killing its group past ``timeout``); returns its output."""
         proc = subprocess.Popen([*CLI, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True, env=_env(),
+                                stderr=subprocess.PIPE, text=True, start_new_session=True, env=CLI_ENV,
                                 cwd=self.tmp_path)
         self.started.append(proc)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc)
             out, err = proc.communicate(timeout=10)
             pytest.fail(f"{args} did not finish within {timeout} s:\n{out}\n{err}")
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def close(self) -> None:
         for proc in self.started:
-            _kill_group(proc)
+            kill_group(proc)
 
 
 @pytest.fixture

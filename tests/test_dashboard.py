@@ -36,7 +36,7 @@ from plug_asgd.dashboard import (
     sparkline,
     staleness_text,
 )
-from tests.conftest import LAUNCHER_VARIABLES, free_port
+from tests.conftest import child_env, free_port, kill_group
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -140,29 +140,13 @@ def test_log_every_is_checked():
 # -- real processes ----------------------------------------------------------------------------
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    return {**env, "PYTHONUNBUFFERED": "1", **extra}
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
 def test_serve_ps_quiet_prints_plain_log_lines(tmp_path):
     port = free_port()
     out_path, err_path = tmp_path / "ps.out", tmp_path / "ps.err"
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         proc = subprocess.Popen([PLUG_ASGD, "serve-ps", "--port", str(port), "--quiet", "--log-every", "0.5"],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
-                                env=_env(COLUMNS="200"), cwd=tmp_path)
+                                env=child_env(COLUMNS="200"), cwd=tmp_path)
     try:
         deadline = time.monotonic() + START_TIMEOUT
         lines: list[str] = []
@@ -182,7 +166,7 @@ def test_serve_ps_quiet_prints_plain_log_lines(tmp_path):
         assert proc.wait(timeout=10) == 0
         assert "Traceback" not in err_path.read_text(errors="replace")
     finally:
-        _kill_group(proc)
+        kill_group(proc)
 
 
 def _read_available(fd: int, timeout: float) -> bytes:
@@ -200,7 +184,7 @@ def test_serve_ps_dashboard_on_a_terminal(tmp_path):
     port = free_port()
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    env = _env(TERM="xterm-256color")
+    env = child_env(TERM="xterm-256color")
     for name in ("COLUMNS", "LINES", "NO_COLOR", "FORCE_COLOR", "TERM_PROGRAM"):
         env.pop(name, None)
     try:
@@ -237,5 +221,5 @@ def test_serve_ps_dashboard_on_a_terminal(tmp_path):
         assert proc.wait(timeout=max(0.1, deadline - time.monotonic())) == 0
         assert "Traceback" not in ANSI.sub("", raw.decode(errors="replace"))
     finally:
-        _kill_group(proc)
+        kill_group(proc)
         os.close(master)
