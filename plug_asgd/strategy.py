@@ -204,6 +204,7 @@ class AsyncPSStrategy(ParallelStrategy):
         self._joined = False
         self._fitting = False
         self._failed = False
+        self._ps_stats_at_exit: dict[str, Any] | None = None
         self._version = 0
         self._since_push = 0
         self._since_pull = 0
@@ -349,6 +350,8 @@ class AsyncPSStrategy(ParallelStrategy):
                 try:
                     if sender is not None and sender.is_alive():
                         raise PSUnreachableError("a push is still in flight")
+                    # rank 0 stops the embedded PS as soon as every worker has left: keep its counters
+                    self._ps_stats_at_exit = client.stats()
                     client.bye(self._stage)
                 except (PSError, PSUnreachableError) as exc:
                     log.warning("could not say goodbye to the parameter server: %s", exc)
@@ -450,7 +453,12 @@ class AsyncPSStrategy(ParallelStrategy):
                 "reconnections": self._client.reconnections}
 
     def ps_stats(self) -> dict[str, Any]:
-        """The parameter server's global counters (version, pushes, bytes in and out, staleness)."""
+        """The parameter server's global counters (version, pushes, bytes in and out, staleness).
+
+        Between stages they are those this worker saw as it left the last one: the embedded PS
+        stops once every worker has left, so asking it again could wait for a server that is gone."""
+        if not self._in_stage and self._ps_stats_at_exit is not None:
+            return dict(self._ps_stats_at_exit)
         if self._client is None:
             raise RuntimeError("not connected to a parameter server: run trainer.fit/test first")
         self._finish_in_flight()

@@ -26,6 +26,13 @@ def run_recipe(groups: ProcessGroups, tmp: Path, *args: str, timeout: float = 15
     return json.loads(metrics.read_text())
 
 
+def rank_results(out_dir: Path, output: str) -> list[dict]:
+    """Each rank's result file; a rank that wrote none failed, and the run's output says why."""
+    missing = [r for r in (0, 1) if not (out_dir / f"rank{r}.json").exists()]
+    assert not missing, f"rank(s) {missing} wrote no result:\n{output[-4000:]}"
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
 @pytest.fixture(scope="module")
 def core_runs(tmp_path_factory):
     """One run of each core mode, 2 workers, shared by the tests below."""
@@ -125,7 +132,7 @@ def test_batchnorm_and_lr_scheduler_train_under_each_mode(procs, tmp_path, mode)
     code, out = procs.run([PYTHON, "tests/scripts/bn_sched.py", "--mode", mode, "--out", str(tmp_path)],
                           timeout=120)
     assert code == 0, out[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = rank_results(tmp_path, out)
     for r in ranks:
         # 1280 samples / 2 workers / batch 32 = 20 steps per epoch, 2 epochs; StepLR(10, 0.5) per step
         assert r["steps"] == 40 and r["lr"] == pytest.approx(0.1 * 0.5**4)
@@ -153,8 +160,7 @@ def test_spawn_start_method_trains_too(procs, tmp_path):
 def test_hogwild_workers_update_one_shared_tensor(procs, tmp_path):
     code, out = procs.run([PYTHON, "tests/scripts/hogwild_slots.py", "--out", str(tmp_path)], timeout=120)
     assert code == 0, out[-4000:]
-    for rank in (0, 1):
-        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for r in rank_results(tmp_path, out):
         assert r["w"] == [40.0, 40.0]  # each wrote only its own slot: both see both, so one tensor
         assert r["ps"] == 0 and r["pushed"] == 0  # and the model never went through the PS
     assert not list(Path("/dev/shm").glob("plug_asgd_hogwild_*"))  # the shared file is gone
@@ -163,8 +169,8 @@ def test_hogwild_workers_update_one_shared_tensor(procs, tmp_path):
 def test_osp_sends_while_the_next_step_computes(procs, tmp_path):
     code, out = procs.run([PYTHON, "tests/scripts/bn_sched.py", "--mode", "osp", "--out", str(tmp_path)], timeout=120)
     assert code == 0, out[-4000:]
-    for rank in (0, 1):
-        comm = json.loads((tmp_path / f"rank{rank}.json").read_text())["comm"]
+    for r in rank_results(tmp_path, out):
+        comm = r["comm"]
         assert comm["overlapped_steps"] > 0
         # timestamps of the first pushes: (sent, next step started, reply received)
         overlapped = [t for t in comm["overlap_trace"] if t[1] is not None and t[0] <= t[1] < t[2]]
