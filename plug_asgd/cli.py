@@ -120,6 +120,9 @@ def serve_ps(
                                                 "a corrupt one is refused")] = None,
     run_dir: Annotated[Path | None, typer.Option(help="where ps_metrics.jsonl (the counters, every 2 s) goes "
                                                  "[default: runs/ps-DATE-TIME]")] = None,
+    worker_timeout: Annotated[float, typer.Option(min=0.1, help="seconds without a heartbeat after which a worker "
+                                                  "is declared lost and nothing waits for it any more; it is "
+                                                  "taken back if it speaks again")] = ps_server.DEFAULT_WORKER_TIMEOUT,
 ) -> None:
     """Run a standalone parameter server until Ctrl-C / SIGTERM (or until --workers have come and gone).
 
@@ -148,7 +151,7 @@ def serve_ps(
         server = ps_server.ParameterServer(
             bind, mode, replicas_to_aggregate=replicas_to_aggregate, max_updates=max_updates,
             expected_workers=workers, linger=linger, checkpoint=policy, resume=resume,
-            run_dir=run_dir or Path("runs") / time.strftime("ps-%Y%m%d-%H%M%S"))
+            run_dir=run_dir or Path("runs") / time.strftime("ps-%Y%m%d-%H%M%S"), worker_timeout=worker_timeout)
     except (OSError, ValueError) as exc:  # port in use / bad interface, a refused option, a bad checkpoint
         raise _fail(str(exc), 2) from None
     console.print(f"[bold green]plug_asgd parameter server[/] listening on [bold]{escape(server.address)}[/], "

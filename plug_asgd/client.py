@@ -10,11 +10,16 @@ a request in flight when the PS died is lost. The client watches its socket's co
 events: after a reconnection it says hello again (the new PS does not know it yet) and sends
 the request it is waiting on once more. Pushes carry a sequence number, so one that the PS had
 already applied is refused as a duplicate and never counted twice.
+
+Once it has said hello, the client sends a heartbeat every ``heartbeat_s`` seconds from a
+thread with a socket of its own, so the PS can tell a worker busy with a long step (heartbeats
+go on) from one that died, froze or was cut off (they stop): see the PS's ``worker_timeout``.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -26,6 +31,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.wire import DEFAULT_LIMITS, Limits, Message, Tensor, decode, encode, message_bytes
+
+DEFAULT_HEARTBEAT_S = 2.0
 
 
 class PSError(RuntimeError):
@@ -78,16 +85,22 @@ class PSClient:
         mode: str,
         request_timeout: float = 600.0,
         lost_timeout: float = 60.0,
+        heartbeat_s: float | None = DEFAULT_HEARTBEAT_S,
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context | None = None,
     ) -> None:
+        if heartbeat_s is not None and not 0 < heartbeat_s < 3600:
+            raise ValueError(f"heartbeat_s must be in (0, 3600) seconds or None, got {heartbeat_s}")
         self.address = address
         self.rank = rank
         self.world_size = world_size
         self.mode = mode
         self.request_timeout = request_timeout
         self.lost_timeout = lost_timeout
+        self.heartbeat_s = heartbeat_s
         self.limits = limits
+        self._heartbeat: threading.Thread | None = None
+        self._heartbeat_stop = threading.Event()
         self.session = uuid.uuid4().hex
         self.counters = CommCounters()
         self._rids = itertools.count(1)
@@ -178,9 +191,35 @@ class PSClient:
                 self.counters.bytes_up += message_bytes(frames)
                 self._sock.send_multipart(frames, copy=False)
 
+    def _start_heartbeat(self) -> None:
+        if self.heartbeat_s is None or self._heartbeat is not None:
+            return
+        self._heartbeat = threading.Thread(target=self._beat, name=f"plug_asgd-heartbeat-{self.rank}", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        """Fire and forget: no reply is awaited, and at most one beat waits while the PS is away."""
+        sock = self._ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 1)
+            sock.setsockopt(zmq.RCVHWM, 1)
+            sock.connect(self.address)
+            frames = encode("heartbeat", {"rank": self.rank, "session": self.session})
+            while not self._heartbeat_stop.wait(self.heartbeat_s):
+                try:
+                    sock.send_multipart(frames, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+        finally:
+            sock.close(0)
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._heartbeat_stop.set()
+            if self._heartbeat is not None:
+                self._heartbeat.join(5.0)
             self._sock.disable_monitor()
             self._monitor.close(0)
             self._sock.close(0)
@@ -190,9 +229,10 @@ class PSClient:
     def hello(self, stage: int, training: bool, *, timeout: float | None = None,
               alive: Callable[[], str | None] | None = None) -> dict[str, Any]:
         fields = {"rank": self.rank, "world_size": self.world_size, "stage": stage, "training": training,
-                  "mode": self.mode, "session": self.session}
+                  "mode": self.mode, "session": self.session, "heartbeat_s": self.heartbeat_s}
         reply = self.request("hello", fields, timeout=timeout, alive=alive)
         self._hello_fields = fields
+        self._start_heartbeat()
         return reply.fields
 
     def init(self, tensors: Mapping[str, np.ndarray]) -> bool:

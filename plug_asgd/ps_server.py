@@ -7,9 +7,17 @@ has contributed. A request that breaks the protocol gets an ``error`` reply and 
 the PS keeps serving and its tensors are untouched. The PS knows nothing of torch or
 Lightning: it holds named float arrays.
 
+Liveness: a worker whose hello announced heartbeats (``PSClient`` sends one every
+``heartbeat_s`` from a thread of its own, so a long step does not count as silence) and that
+is silent for ``worker_timeout`` seconds is declared lost: no sync round, staleness bound or
+collective waits for it any more. If it speaks again (a frozen process resumed, a network cut
+healed), it is taken back as it is, and its late pushes meet the mode's rule like any stale
+push; a collective it missed is answered from the record of completed ones. A restarted worker
+(a new session for the same rank) replaces the lost one and starts from the central model.
+
 The PS ends by itself: on SIGINT/SIGTERM, when the process that started it dies
 (``parent_pid``), or, given ``expected_workers``, once that many workers have joined and
-all have left for ``linger`` seconds.
+all have left (or been lost) for ``linger`` seconds.
 """
 
 from __future__ import annotations
@@ -49,6 +57,9 @@ from plug_asgd.wire import (
 
 log = logging.getLogger("plug_asgd.ps")
 
+DEFAULT_WORKER_TIMEOUT = 20.0  # seconds of silence (no heartbeat, no request) before a worker is lost
+COMPLETED_KEPT = 1024  # collectives whose result a worker that comes back late can still get
+
 
 @dataclass
 class WorkerInfo:
@@ -59,6 +70,7 @@ class WorkerInfo:
     training: bool
     last_seen: float
     pushes: int = 0
+    heartbeat_s: float | None = None  # announced in hello; None: never declared lost
 
 
 @dataclass
@@ -74,6 +86,8 @@ class Stats:
     pushes_dropped: int = 0
     pushes_after_stop: int = 0
     copies_on_write: int = 0
+    workers_lost: int = 0
+    workers_back: int = 0
     refused: Counter = field(default_factory=Counter)
     staleness: Counter = field(default_factory=Counter)
     pushes_by_rank: Counter = field(default_factory=Counter)
@@ -98,8 +112,11 @@ class ParameterServer:
         resume: str | os.PathLike[str] | None = None,
         run_dir: str | os.PathLike[str] | None = None,
         metrics_every: float = 2.0,
+        worker_timeout: float = DEFAULT_WORKER_TIMEOUT,
         context: zmq.Context | None = None,
     ) -> None:
+        if worker_timeout <= 0:
+            raise ValueError(f"worker_timeout must be > 0 seconds, got {worker_timeout}")
         self.spec = get_mode(mode)
         self.mode = mode
         self.rule = self.spec.make_rule({"replicas_to_aggregate": replicas_to_aggregate,
@@ -113,10 +130,14 @@ class ParameterServer:
         self.parent_pid = parent_pid
         self.world_size: int | None = None
         self.workers: dict[int, WorkerInfo] = {}
+        self.worker_timeout = worker_timeout
+        self.lost: dict[int, WorkerInfo] = {}  # declared dead; taken back if they speak again
+        self.completed: dict[tuple[int, int], tuple[dict[str, Any], dict[str, Tensor]]] = {}
         self._in_flight: list[zmq.MessageTracker] = []
         self._by_identity: dict[bytes, WorkerInfo] = {}
         self.ever_joined: set[int] = set()
         self.left: dict[int, set[int]] = defaultdict(set)
+        self.late: dict[int, set[int]] = defaultdict(set)  # restarted mid-stage: outside its collectives
         self.gathers: dict[tuple[int, int], dict[int, tuple[Any, Message, Any]]] = {}
         self.last_seq: dict[str, int] = {}
         self.stats = Stats()
@@ -170,6 +191,7 @@ class ParameterServer:
                         except zmq.Again:
                             break
                         self._on_frames(frames)
+                self.check_liveness()
                 self._housekeeping()
                 if self._should_exit():
                     break
@@ -203,6 +225,10 @@ class ParameterServer:
         worker = self._by_identity.get(identity)
         if worker is not None:
             worker.last_seen = time.time()
+        else:
+            lost = next((w for w in self.lost.values() if w.identity == identity), None)
+            if lost is not None:
+                self._take_back(lost)
         size = message_bytes(body)
         self.stats.bytes_in += size
         rid = None
@@ -237,6 +263,49 @@ class ParameterServer:
     def _trainers(self) -> frozenset[int]:
         return frozenset(r for r, w in self.workers.items() if w.training)
 
+    def _absent(self, stage: int) -> set[int]:
+        """Ranks a collective of ``stage`` does not wait for: those that left it and those lost."""
+        return self.left.get(stage, set()) | self.late.get(stage, set()) | set(self.lost)
+
+    def check_liveness(self, now: float | None = None) -> list[int]:
+        """Declare lost the heartbeating workers silent for ``worker_timeout`` s; returns their ranks."""
+        now = time.time() if now is None else now
+        gone = [w for w in self.workers.values()
+                if w.heartbeat_s is not None and now - w.last_seen > self.worker_timeout]
+        for w in gone:
+            del self.workers[w.rank]
+            self._by_identity.pop(w.identity, None)
+            self.lost[w.rank] = w
+            self.stats.workers_lost += 1
+            log.warning("rank %d silent for %.1f s (worker_timeout %g s): declared lost; nothing waits for it "
+                        "now", w.rank, now - w.last_seen, self.worker_timeout)
+        if gone:
+            self._update_trainers()
+            for key in list(self.gathers):
+                self._maybe_finish_gather(key)
+        return [w.rank for w in gone]
+
+    def _take_back(self, worker: WorkerInfo) -> None:
+        """A lost worker spoke again: it rejoins as it was (its stale pushes meet the mode's rule)."""
+        del self.lost[worker.rank]
+        silent = time.time() - worker.last_seen
+        worker.last_seen = time.time()
+        self.workers[worker.rank] = worker
+        self._by_identity[worker.identity] = worker
+        self.stats.workers_back += 1
+        log.warning("rank %d is back after %.1f s of silence", worker.rank, silent)
+        self._update_trainers()
+
+    def _on_heartbeat(self, identity: bytes, rid: Any, msg: Message) -> None:
+        """From a worker's heartbeat socket (another identity): keeps its main connection alive. No reply."""
+        rank = msg.int_field("rank", minimum=0)
+        session = msg.str_field("session")
+        worker = self.workers.get(rank)
+        if worker is not None and worker.session == session:
+            worker.last_seen = time.time()
+        elif rank in self.lost and self.lost[rank].session == session:
+            self._take_back(self.lost[rank])
+
     def _update_trainers(self) -> None:
         self._writable()  # a sync round may complete
         self._resolve(self.rule.set_trainers(self.state, self._trainers()))
@@ -260,8 +329,18 @@ class ParameterServer:
         previous = self.workers.get(rank)
         if previous is not None:
             self._by_identity.pop(previous.identity, None)  # a reconnected worker has a new identity
+        if previous is None and rank in self.lost:
+            previous = self.lost.pop(rank)  # restarted: the new process replaces the lost one
+        if previous is not None and previous.session != session and previous.stage == stage:
+            # a restarted process in a stage whose collectives the others have begun: it cannot take
+            # part in them in step, so it trains alongside and its collectives are its own
+            self.late[stage].add(rank)
+        heartbeat = msg.fields.get("heartbeat_s")
+        if heartbeat is not None and (not isinstance(heartbeat, int | float) or not 0 < heartbeat < 3600):
+            raise WireError("bad_field", f"heartbeat_s must be a number of seconds in (0, 3600), got {heartbeat!r}")
         worker = WorkerInfo(rank, identity, session, stage, bool(msg.fields.get("training")), time.time(),
-                            previous.pushes if previous is not None else 0)
+                            previous.pushes if previous is not None else 0,
+                            float(heartbeat) if heartbeat is not None else None)
         self.workers[rank] = worker
         self._by_identity[identity] = worker
         self.ever_joined.add(rank)
@@ -283,12 +362,16 @@ class ParameterServer:
         if worker is not None and worker.stage == stage:
             del self.workers[rank]
             self._by_identity.pop(worker.identity, None)
+        self.lost.pop(rank, None)
         self.left[stage].add(rank)
         self._update_trainers()
         for key in [k for k in self.gathers if k[0] == stage]:
             self._maybe_finish_gather(key)
         if self.world_size is not None and len(self.left[stage]) >= self.world_size:
-            del self.left[stage]
+            del self.left[stage]  # every rank is done with this stage
+            self.late.pop(stage, None)
+            for key in [k for k in self.completed if k[0] == stage]:
+                del self.completed[key]
         self._send(identity, rid, "ok")
 
     # -- model ---------------------------------------------------------------------------------
@@ -403,6 +486,14 @@ class ParameterServer:
         if rank in self.left.get(stage, ()):
             raise WireError("bad_field", f"rank {rank} has already left stage {stage}")
         key = (stage, seq)
+        if key in self.completed:  # it was lost while the others held this collective: their result
+            fields, tensors = self.completed[key]
+            self._send(identity, rid, "gathered", fields, tensors)
+            return
+        if rank in self.late.get(stage, ()):
+            self._send(identity, rid, "gathered", {"ranks": [rank], "objs": [msg.fields.get("obj")]},
+                       {f"{rank}/{n}": t for n, t in msg.tensors.items()})
+            return
         entries = self.gathers.setdefault(key, {})
         kind = str(msg.fields.get("kind", ""))
         other = next(((r, e[1].fields.get("kind", "")) for r, e in entries.items()
@@ -424,13 +515,16 @@ class ParameterServer:
         entries = self.gathers.get(key)
         if entries is None or self.world_size is None:
             return
-        expected = self.world_size - len(self.left.get(key[0], ()))
-        if len(entries) < expected:
+        absent = self._absent(key[0]) - set(entries)
+        if len(entries) < self.world_size - len(absent):
             return
         del self.gathers[key]
         ranks = sorted(entries)
         tensors = {f"{r}/{name}": t for r in ranks for name, t in entries[r][1].tensors.items()}
         fields = {"ranks": ranks, "objs": [entries[r][1].fields.get("obj") for r in ranks]}
+        self.completed[key] = (fields, tensors)
+        while len(self.completed) > COMPLETED_KEPT:
+            del self.completed[next(iter(self.completed))]
         for r in ranks:
             identity, _, rid = entries[r]
             self._send(identity, rid, "gathered", fields, tensors)
@@ -516,7 +610,8 @@ class ParameterServer:
             "messages_in": s.messages_in, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
             "push_bytes_in": s.push_bytes_in, "pushes_applied": s.pushes_applied,
             "pushes_dropped": s.pushes_dropped, "pushes_after_stop": s.pushes_after_stop,
-            "copies_on_write": s.copies_on_write,
+            "copies_on_write": s.copies_on_write, "worker_timeout_s": self.worker_timeout,
+            "lost": sorted(self.lost), "workers_lost": s.workers_lost, "workers_back": s.workers_back,
             "refused": dict(s.refused), "staleness": {str(k): v for k, v in sorted(s.staleness.items())},
             "pushes_by_rank": {str(k): v for k, v in sorted(s.pushes_by_rank.items())},
         }
@@ -569,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=int, default=3)
     parser.add_argument("--resume")
     parser.add_argument("--run-dir")
+    parser.add_argument("--worker-timeout", type=float, default=DEFAULT_WORKER_TIMEOUT)
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PLUG_ASGD_LOG", "WARNING"), stream=sys.stderr,
                         format="[plug_asgd PS %(asctime)s] %(message)s")
@@ -580,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args.bind, args.mode, replicas_to_aggregate=args.replicas_to_aggregate,
                      staleness_bound=args.staleness_bound,
                      max_updates=args.max_updates, parent_pid=args.parent_pid, checkpoint=policy,
-                     resume=args.resume, run_dir=args.run_dir)
+                     resume=args.resume, run_dir=args.run_dir, worker_timeout=args.worker_timeout)
     except (OSError, ValueError) as exc:
         print(f"plug_asgd parameter server: {exc}", file=sys.stderr)
         return 2

@@ -40,10 +40,10 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 
 from plug_asgd import shared
-from plug_asgd.client import ModelReply, PSClient, PSError, PSUnreachableError
+from plug_asgd.client import DEFAULT_HEARTBEAT_S, ModelReply, PSClient, PSError, PSUnreachableError
 from plug_asgd.compressors import make_compressor
 from plug_asgd.modes import get_mode
-from plug_asgd.ps_server import embedded_command
+from plug_asgd.ps_server import DEFAULT_WORKER_TIMEOUT, embedded_command
 
 log = logging.getLogger("plug_asgd.strategy")
 
@@ -106,6 +106,12 @@ class AsyncPSStrategy(ParallelStrategy):
         connect_timeout: seconds to wait for the PS to answer the first time.
         request_timeout: seconds to wait for any reply (a sync round or a barrier included).
         lost_timeout: seconds a worker waits for a PS whose connection dropped to come back.
+        heartbeat_s: seconds between two heartbeats of each worker (a thread of its own, so a long
+            step is not silence); ``"auto"``: ``min(2, worker_timeout / 4)``; None sends none, and the
+            PS then never declares this worker lost.
+        worker_timeout: the embedded PS declares a heartbeating worker lost after this many seconds
+            of silence, and stops waiting for it (sync rounds, ssp, barriers); an external PS takes
+            ``plug-asgd serve-ps --worker-timeout``.
         start_method: ``"popen"`` (re-run the script, as DDP's default) or ``"spawn"``/``"fork"``.
         resume_from: a PS checkpoint file or folder the embedded PS starts from (see ``PSCheckpoint``).
         ps_run_dir: where the embedded PS writes ``ps_metrics.jsonl`` (default: the trainer's log dir).
@@ -134,6 +140,8 @@ class AsyncPSStrategy(ParallelStrategy):
         connect_timeout: float = 60.0,
         request_timeout: float = 600.0,
         lost_timeout: float = 60.0,
+        heartbeat_s: float | Literal["auto"] | None = "auto",
+        worker_timeout: float = DEFAULT_WORKER_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         resume_from: str | os.PathLike[str] | None = None,
         ps_run_dir: str | os.PathLike[str] | None = None,
@@ -175,6 +183,11 @@ class AsyncPSStrategy(ParallelStrategy):
             raise ValueError(f"replicas_to_aggregate must be >= 1, got {replicas_to_aggregate}")
         if max_updates is not None and max_updates < 1:
             raise ValueError(f"max_updates must be >= 1, got {max_updates}")
+        if heartbeat_s == "auto":
+            heartbeat_s = min(DEFAULT_HEARTBEAT_S, worker_timeout / 4)
+        if heartbeat_s is not None and not 0 < heartbeat_s <= worker_timeout / 2:
+            raise ValueError(f"heartbeat_s must be in (0, worker_timeout / 2 = {worker_timeout / 2:g}] so that one "
+                             f"late beat does not make a live worker lost, got {heartbeat_s}")
         if ps_address is not None and not ps_address.startswith(("tcp://", "ipc://")):
             raise ValueError(f"ps_address must look like tcp://host:port, got {ps_address!r}")
         self.compression = compression
@@ -191,6 +204,8 @@ class AsyncPSStrategy(ParallelStrategy):
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
         self.lost_timeout = lost_timeout
+        self.heartbeat_s = heartbeat_s
+        self.worker_timeout = worker_timeout
         self.resume_from = resume_from
         self.ps_run_dir = ps_run_dir
         self._start_method = start_method
@@ -384,7 +399,8 @@ class AsyncPSStrategy(ParallelStrategy):
         if bind is not None and self.global_rank == 0:
             self._start_embedded_ps(bind)
         self._client = PSClient(address, rank=self.global_rank, world_size=self.world_size, mode=self.mode,
-                                request_timeout=self.request_timeout, lost_timeout=self.lost_timeout)
+                                request_timeout=self.request_timeout, lost_timeout=self.lost_timeout,
+                                heartbeat_s=self.heartbeat_s)
         atexit.register(self._shutdown)
         return self._client
 
@@ -398,7 +414,7 @@ class AsyncPSStrategy(ParallelStrategy):
     def _start_embedded_ps(self, bind: str) -> None:
         options: dict[str, Any] = {"parent_pid": os.getpid(), "max_updates": self.max_updates,
                                    "replicas_to_aggregate": self.replicas_to_aggregate, "resume": self.resume_from,
-                                   "staleness_bound": self.staleness_bound}
+                                   "staleness_bound": self.staleness_bound, "worker_timeout": self.worker_timeout}
         checkpoint = self._ps_checkpoint_callback()
         if checkpoint is not None:
             options.update(checkpoint.ps_options())

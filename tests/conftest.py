@@ -3,6 +3,7 @@ empty when the test ends; anything left is killed and the test fails."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -127,3 +128,16 @@ def procs():
         if p.poll() is None:
             p.wait(10)
     assert not left, f"processes left running after the test: {left}"
+
+
+@pytest.fixture
+def fault_report(request):
+    """``record(**row)``: one line of the README's fault table (scripts/fault_table.py sets the file)."""
+    path = os.environ.get("PLUG_ASGD_FAULT_REPORT")
+
+    def record(**row) -> None:
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps({"test": request.node.name, **row}) + "\n")
+
+    return record

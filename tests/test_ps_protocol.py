@@ -184,6 +184,40 @@ def test_collectives_complete_when_every_rank_present_contributes(start_ps):
     b.close()
 
 
+def test_a_lost_worker_is_not_waited_for_and_its_restart_gets_what_it_missed(start_ps):
+    address = start_ps("asgd", "--worker-timeout", "1")
+
+    def member(rank: int) -> PSClient:
+        c = PSClient(address, rank=rank, world_size=2, mode="asgd", request_timeout=20, heartbeat_s=0.25)
+        c.hello(stage=1, training=True, timeout=20)
+        return c
+
+    a, b = member(0), member(1)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("a", a.gather(1, 0, "log_dir", kind="broadcast")))
+    t.start()
+    b.gather(1, 0, None, kind="broadcast")
+    t.join(10)
+    time.sleep(1.5)  # heartbeats keep an idle rank 1 a member
+    assert a.stats()["lost"] == []
+    b.close()  # gone without a bye: its heartbeats stop, as when its process dies
+    start = time.monotonic()
+    assert [r for r, _, _ in a.gather(1, 1, kind="barrier:x")] == [0]  # not waited for past the timeout
+    assert 0.7 <= time.monotonic() - start <= 1.0 + 1.5
+    assert a.stats()["lost"] == [1]
+    c = member(1)  # restarted: a new session for rank 1, in a stage the others are well into
+    assert a.stats()["lost"] == []
+    # it replays the stage's collectives: those held without it are answered from the record ...
+    assert [(r, o) for r, o, _ in c.gather(1, 0, None, kind="broadcast")] == [(0, "log_dir"), (1, None)]
+    # ... and the rest are its own, while rank 0's go on without waiting for it
+    assert [r for r, _, _ in c.gather(1, 7, kind="barrier:y")] == [1]
+    start = time.monotonic()
+    assert [r for r, _, _ in a.gather(1, 2, kind="barrier:z")] == [0]
+    assert time.monotonic() - start < 0.7
+    a.close()
+    c.close()
+
+
 def test_a_rank_in_a_later_stage_has_left_the_earlier_ones(start_ps):
     address = start_ps()
     a, b = client(address, 0, 2), client(address, 1, 2)
