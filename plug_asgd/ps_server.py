@@ -331,6 +331,8 @@ class ParameterServer:
             self._by_identity.pop(previous.identity, None)  # a reconnected worker has a new identity
         if previous is None and rank in self.lost:
             previous = self.lost.pop(rank)  # restarted: the new process replaces the lost one
+            log.warning("rank %d restarted (a new session) in stage %d: it starts from version %d", rank, stage,
+                        self.state.version)
         if previous is not None and previous.session != session and previous.stage == stage:
             # a restarted process in a stage whose collectives the others have begun: it cannot take
             # part in them in step, so it trains alongside and its collectives are its own

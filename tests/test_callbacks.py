@@ -12,8 +12,7 @@ import torch
 from plug_asgd import load_central_weights
 from plug_asgd.checkpoint import list_checkpoints
 from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
-from tests.conftest import FASHION, PLUG_ASGD, PYTHON, ProcessGroups
-from tests.test_training import RECIPE
+from tests.conftest import FASHION, PLUG_ASGD, PYTHON, RECIPE, ProcessGroups
 
 STEPS = 125  # 8000 images / 2 workers / batch 32
 

@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from plug_asgd.checkpoint import list_checkpoints, resolve_checkpoint
 from plug_asgd.client import PSClient
 from plug_asgd.ps_server import embedded_command
-from tests.conftest import PYTHON, ProcessGroups, free_port
+from tests.conftest import ACCURACY_THRESHOLD, PLUG_ASGD, PYTHON, RECIPE, ProcessGroups, free_port, needs_fashion
 
 TIMEOUT = 2.0  # the PS's worker_timeout in these tests; workers beat every 0.5 s
 WORKER = "tests/scripts/ps_worker.py"
@@ -143,7 +144,7 @@ def test_sync_stops_waiting_for_a_killed_worker_and_a_restarted_one_rejoins(proc
     assert pulled["event"] == "pulled" and pulled["version"] > max(r["version"] for r in pushes(log1))
     assert pulled["w"][0] in [central_after(pulled["version"], k) for k in (False, True)]
     assert any(r["status"] == "applied" for r in pushes(log1b))  # and took part in rounds again
-    fault_report(fault="worker SIGKILLed mid-training (sync), then restarted", injected=1, survived=1,
+    fault_report(fault="worker SIGKILLed mid-training (sync), then restarted", injected=1, handled=1,
                  pushes_lost=0, recovery_s=round(stall, 2),
                  detail=f"rank 0 waited {stall:.1f} s (worker_timeout {TIMEOUT:g} s), then rounds went on alone")
 
@@ -194,7 +195,7 @@ def test_a_frozen_worker_is_lost_then_taken_back_and_its_stale_push_meets_the_ru
         assert w == pytest.approx(sum(sum(ds) / len(ds) for ds in by_version.values()), rel=1e-12)
         # after the thaw, at least one push of rank 1 rests on a version rank 0 has moved past
         assert stats["pushes_dropped"] == sum(1 for _, _, r in rows if r["status"] == "dropped") >= 1
-    fault_report(fault=f"worker SIGSTOPped {TIMEOUT + 2:g} s, then resumed ({mode})", injected=1, survived=1,
+    fault_report(fault=f"worker SIGSTOPped {TIMEOUT + 2:g} s, then resumed ({mode})", injected=1, handled=1,
                  pushes_lost=0, recovery_s=round(max(0.0, after[0]["t"] - thawed_at), 2),
                  detail="lost, taken back; its stale push " + ("scaled by 1/(s+1)" if mode == "dynsgd" else
                                                                "dropped, the current model sent back"))
@@ -261,6 +262,82 @@ def test_workers_on_another_host_survive_a_cut_link(procs, start_ps, tmp_path, t
     ps_log = start_ps.stop(address)
     assert "rank 0 silent" in ps_log and "rank 1 silent" in ps_log, ps_log[-2000:]
     assert "rank 0 is back" in ps_log and "rank 1 is back" in ps_log
-    fault_report(fault=f"link between hosts cut for {TIMEOUT + 2:g} s (network namespaces)", injected=1, survived=1,
+    fault_report(fault=f"link between hosts cut for {TIMEOUT + 2:g} s (network namespaces)", injected=1, handled=1,
                  pushes_lost=0, recovery_s=round(recovery, 2),
                  detail="both workers lost then taken back; every push folded in once")
+
+
+@needs_fashion
+def test_a_killed_ps_restarted_with_resume_lets_the_run_finish(procs, tmp_path, fault_report):
+    port, ck = free_port(), tmp_path / "ck"
+    serve = [PLUG_ASGD, "serve-ps", "--port", str(port), "--mode", "asgd", "--workers", "2", "--linger", "3",
+             "--quiet", "--checkpoint-dir", str(ck), "--checkpoint-every-updates", "30", "--run-dir", str(tmp_path)]
+    ps = procs.start(serve)
+    metrics = tmp_path / "m.json"
+    run = procs.start([PYTHON, *RECIPE, "--workers", "2", "--mode", "asgd", "--ps-address", f"tcp://127.0.0.1:{port}",
+                       "--run-dir", str(tmp_path / "runs"), "--metrics-json", str(metrics)])
+    wait_for(lambda: any(int(p.name[4:14]) >= 60 for p in list_checkpoints(ck)) or run.poll() is not None, 120,
+             "a checkpoint at version >= 60")
+    assert run.poll() is None, "the run ended before the PS could be killed"
+    os.killpg(ps.pid, signal.SIGKILL)
+    ps.wait(10)
+    saved = resolve_checkpoint(ck)
+    version = int(saved.name[4:14])
+    time.sleep(1.0)  # the workers wait, their requests unanswered
+    resumed = procs.start([*serve, "--resume", str(ck)])
+    restarted_at = time.monotonic()
+    watcher = ps_client(f"tcp://127.0.0.1:{port}", "asgd")
+    while watcher.stats(timeout=30)["version"] <= version:  # the first update folded in after the restart
+        assert time.monotonic() - restarted_at < 60, "no update reached the resumed PS"
+        time.sleep(0.05)
+    recovery = time.monotonic() - restarted_at
+    watcher.close()
+    out, _ = run.communicate(timeout=150)
+    assert run.returncode == 0, out[-4000:]
+    ps_out, _ = resumed.communicate(timeout=30)  # exits by itself once both workers have left
+    assert resumed.returncode == 0, ps_out[-3000:]
+    assert f"resumed from {saved} at version {version}" in ps_out
+    result = json.loads(metrics.read_text())
+    lost = 250 - result["ps_version"]  # 2 workers x 125 pushes, each folded in once unless lost with the PS
+    assert 0 <= lost <= 30 + 10  # at most the updates since the last checkpoint (one every 30) + one loop pass
+    assert result["test_acc"] >= ACCURACY_THRESHOLD
+    fault_report(fault="PS SIGKILLed, restarted with --resume (checkpoint every 30 updates)", injected=1,
+                 survived=1, pushes_lost=lost, recovery_s=round(recovery, 2),
+                 detail=f"lost {lost} updates, bound: those since the last checkpoint (<= 30 + one loop pass)")
+
+
+@needs_fashion
+def test_lightning_workers_in_sync_outlive_a_killed_peer_which_then_rejoins(procs, tmp_path, fault_report):
+    """Two 'machines' (Lightning's cluster environment), an external sync PS; one machine's worker dies."""
+    port = free_port()
+    ps = procs.start([PLUG_ASGD, "serve-ps", "--port", str(port), "--mode", "sync", "--workers", "2", "--linger", "3",
+                      "--quiet", "--worker-timeout", "3", "--run-dir", str(tmp_path / "ps")],
+                     env={"PLUG_ASGD_LOG": "INFO"})
+    address = f"tcp://127.0.0.1:{port}"
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "LOCAL_RANK": "0"}
+    args = [PYTHON, *RECIPE, "--workers", "1", "--num-nodes", "2", "--mode", "sync", "--ps-address", address,
+            "--run-dir", str(tmp_path / "runs")]
+    metrics = tmp_path / "node0.json"
+    node0 = procs.start([*args, "--metrics-json", str(metrics)], env={**env, "NODE_RANK": "0"})
+    node1 = procs.start(args, env={**env, "NODE_RANK": "1"})
+    watcher = ps_client(address, "sync")
+    wait_for(lambda: watcher.stats(timeout=30)["version"] >= 20, 120, "20 sync rounds")
+    os.killpg(node1.pid, signal.SIGKILL)
+    node1.wait(10)
+    killed = watcher.stats(timeout=30)["version"]
+    killed_at = time.monotonic()
+    wait_for(lambda: watcher.stats(timeout=30)["version"] >= killed + 3, 30, "rounds without the dead worker")
+    stall = time.monotonic() - killed_at
+    watcher.close()
+    node1 = procs.start(args, env={**env, "NODE_RANK": "1"})  # the same command, as a job scheduler would rerun it
+    out0, _ = node0.communicate(timeout=180)
+    out1, _ = node1.communicate(timeout=120)
+    assert node0.returncode == 0 and node1.returncode == 0, out0[-3000:] + out1[-3000:]
+    ps_out, _ = ps.communicate(timeout=30)  # every worker has left: the PS ends by itself
+    assert ps.returncode == 0, ps_out[-3000:]
+    assert "rank 1 silent" in ps_out and "rank 1 restarted" in ps_out, ps_out[-3000:]
+    result = json.loads(metrics.read_text())
+    assert result["test_acc"] >= ACCURACY_THRESHOLD - 0.05, result  # fewer rounds than a run without a fault
+    fault_report(fault="Lightning worker SIGKILLed mid-training (sync, 2 machines), then rerun", injected=1,
+                 survived=1, pushes_lost=0, recovery_s=round(stall, 2),
+                 detail="the other machine's rounds resumed after worker_timeout 3 s; the rerun rejoined")

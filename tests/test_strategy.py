@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import pytorch_lightning as pl
@@ -119,13 +121,19 @@ def test_reduce_ops_of_torch_and_lightning_are_understood():
         _op_name("product")
 
 
-def test_an_unreachable_ps_is_reported_with_its_address_not_a_hang():
+@pytest.mark.faults
+def test_an_unreachable_ps_is_reported_with_its_address_not_a_hang(fault_report):
     s = AsyncPSStrategy(ps_address="tcp://127.0.0.1:9", connect_timeout=1.5)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=s, max_epochs=1, logger=False,
                          enable_progress_bar=False, enable_model_summary=False)
+    start = time.monotonic()
     with pytest.raises(ConnectionError, match=r"tcp://127\.0\.0\.1:9 within 1.5 s"):
         trainer.fit(Tiny(), data())
+    waited = time.monotonic() - start
+    assert waited < 1.5 + 5.0
     s._shutdown(wait_for_workers=0)
+    fault_report(fault="PS unreachable at start (connect_timeout 1.5 s)", injected=1, handled=1, pushes_lost=0,
+                 recovery_s=round(waited, 2), detail="a ConnectionError naming tcp://127.0.0.1:9, no hang")
 
 
 def plain_sgd(model: Tiny, steps: int) -> list[torch.Tensor]:
