@@ -130,6 +130,8 @@ def _header(snapshot: Snapshot, previous: Snapshot | None) -> Text:
     if snapshot.get("world_size") is not None:
         details.append(f"world size {snapshot.get('world_size')}")
     text.append(f" ({', '.join(details)})")
+    if snapshot.get("lost"):
+        text.append(f"   lost: rank {', '.join(map(str, snapshot['lost']))}", style="bold red")
     if not snapshot.get("initialized", True):
         text.append("   no model yet (the first worker sends it)", style="yellow")
     return text
@@ -151,7 +153,8 @@ def _workers_table(snapshot: Snapshot) -> Table:
             "" if w.get("stage") is None else str(w.get("stage")),
             "" if w.get("training") is None else ("[green]yes[/]" if w.get("training") else "[dim]no[/]"),
             "" if w.get("pushes") is None else str(w.get("pushes")),
-            "" if seen is None else f"{float(seen):.1f} s ago",
+            "" if seen is None else (f"[red]{float(seen):.1f} s ago: lost[/]" if w.get("lost")
+                                     else f"{float(seen):.1f} s ago"),
         )
     if len(shown) < len(details):
         table.add_row("[dim]...[/]", "", "", "", f"[dim]{len(details) - len(shown)} more[/]")

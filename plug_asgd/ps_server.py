@@ -606,7 +606,8 @@ class ParameterServer:
             "workers": sorted(self.workers), "trainers": len(self._trainers()),
             "worker_details": [
                 {"rank": w.rank, "stage": w.stage, "training": w.training, "pushes": w.pushes,
-                 "last_seen_s": round(time.time() - w.last_seen, 3)} for _, w in sorted(self.workers.items())
+                 "last_seen_s": round(time.time() - w.last_seen, 3), "lost": w.rank in self.lost}
+                for w in sorted([*self.workers.values(), *self.lost.values()], key=lambda w: w.rank)
             ],
             "uptime_s": round(elapsed, 3), "updates_per_s": round(self.state.version / elapsed, 3),
             "messages_in": s.messages_in, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,

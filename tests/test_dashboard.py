@@ -78,6 +78,14 @@ def test_render_shows_workers_and_counters():
     assert [re.findall(r"\d+", row)[0] for row in rows] == ["0", "2"]  # one row per rank, in order
 
 
+def test_a_lost_worker_is_shown_as_lost():
+    details = [*SNAPSHOT["worker_details"], {"rank": 1, "stage": 0, "training": True, "pushes": 9,
+                                              "last_seen_s": 25.0, "lost": True}]
+    text = text_of(render({**SNAPSHOT, "lost": [1], "worker_details": details}, None, "a"))
+    assert "lost: rank 1" in text and "25.0 s ago: lost" in text
+    assert "lost" not in text_of(render(SNAPSHOT, None, "a"))
+
+
 def test_render_is_pure_and_rates_come_from_the_previous_snapshot():
     previous = {**SNAPSHOT, "version": 1200, "uptime_s": 81.5, "bytes_in": 2_000_000, "bytes_out": 12_345_678}
     first = text_of(render(SNAPSHOT, previous, "a"))

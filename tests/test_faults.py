@@ -302,7 +302,7 @@ def test_a_killed_ps_restarted_with_resume_lets_the_run_finish(procs, tmp_path, 
     assert 0 <= lost <= 30 + 10  # at most the updates since the last checkpoint (one every 30) + one loop pass
     assert result["test_acc"] >= ACCURACY_THRESHOLD
     fault_report(fault="PS SIGKILLed, restarted with --resume (checkpoint every 30 updates)", injected=1,
-                 survived=1, pushes_lost=lost, recovery_s=round(recovery, 2),
+                 handled=1, pushes_lost=lost, recovery_s=round(recovery, 2),
                  detail=f"lost {lost} updates, bound: those since the last checkpoint (<= 30 + one loop pass)")
 
 
@@ -339,5 +339,5 @@ def test_lightning_workers_in_sync_outlive_a_killed_peer_which_then_rejoins(proc
     result = json.loads(metrics.read_text())
     assert result["test_acc"] >= ACCURACY_THRESHOLD - 0.05, result  # fewer rounds than a run without a fault
     fault_report(fault="Lightning worker SIGKILLed mid-training (sync, 2 machines), then rerun", injected=1,
-                 survived=1, pushes_lost=0, recovery_s=round(stall, 2),
+                 handled=1, pushes_lost=0, recovery_s=round(stall, 2),
                  detail="the other machine's rounds resumed after worker_timeout 3 s; the rerun rejoined")
