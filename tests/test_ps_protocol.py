@@ -164,6 +164,21 @@ def test_an_ssp_worker_ahead_of_the_bound_blocks_until_the_slow_one_pushes(start
     slow.close()
 
 
+def test_an_ssp_worker_held_for_a_slow_one_is_released_when_the_slow_one_is_lost(start_ps):
+    address = start_ps("ssp", "--staleness-bound", "0", "--worker-timeout", "1")
+    fast, slow = (PSClient(address, rank=r, world_size=2, mode="ssp", request_timeout=20, heartbeat_s=0.25)
+                  for r in (0, 1))
+    for c in (fast, slow):
+        c.hello(stage=1, training=True, timeout=20)
+    fast.init(W0)
+    slow.close()  # dies before its first push: its heartbeats stop
+    start = time.monotonic()
+    reply = fast.push(0, {"w": np.ones((2, 3), np.float32)})  # 1 ahead with bound 0: held until then
+    assert reply.status == "applied" and 0.7 <= time.monotonic() - start <= 1.0 + 1.5
+    assert fast.stats()["lost"] == [1]
+    fast.close()
+
+
 def test_collectives_complete_when_every_rank_present_contributes(start_ps):
     address = start_ps()
     a, b = client(address, 0, 2), client(address, 1, 2)
