@@ -15,6 +15,7 @@ already applied is refused as a duplicate and never counted twice.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -25,7 +26,11 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from plug_asgd.security import KEYGEN_HINT, load_worker_keys
 from plug_asgd.wire import DEFAULT_LIMITS, Limits, Message, Tensor, decode, encode, message_bytes
+
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class PSError(RuntimeError):
@@ -80,7 +85,10 @@ class PSClient:
         lost_timeout: float = 60.0,
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context | None = None,
+        keys: str | os.PathLike[str] | None = None,
     ) -> None:
+        """``keys``: the worker's CURVE keys (``DIR/worker`` or ``DIR`` of ``plug-asgd keygen``), for a keyed PS."""
+        worker_keys = load_worker_keys(keys) if keys is not None else None
         self.address = address
         self.rank = rank
         self.world_size = world_size
@@ -96,13 +104,20 @@ class PSClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+        if worker_keys is not None:
+            self._sock.curve_publickey = worker_keys.public
+            self._sock.curve_secretkey = worker_keys.secret
+            self._sock.curve_serverkey = worker_keys.server_public
+        self.keyed = worker_keys is not None
+        self.max_message_bytes: int | None = None  # the PS's limit, learnt from its hello reply
         self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._sock.connect(address)
         self._closed = False
+        self._admitted = False
         self._lost = False
         self._lost_since = 0.0
         self._hello_fields: dict[str, Any] | None = None
@@ -119,6 +134,10 @@ class PSClient:
         rid = next(self._rids)
         frames = encode(msg_type, {**(fields or {}), "rid": rid}, tensors)
         size = message_bytes(frames)
+        if self.max_message_bytes is not None and size > self.max_message_bytes:
+            raise PSError("too_large", f"this {msg_type!r} request is {size} bytes; the parameter server at "
+                                       f"{self.address} accepts at most {self.max_message_bytes} (its "
+                                       "--max-message-bytes): raise that limit or send less (a compressor)")
         self.counters.bytes_up += size
         self.counters.requests += 1
         if msg_type == "push":
@@ -164,6 +183,14 @@ class PSClient:
         """After the PS dropped and came back: hello again, then resend the request in flight."""
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
+            # PROTOCOL/AUTH: the keys do not match (or one side has none). NO_DETAIL is what a worker without
+            # keys often sees when a keyed PS hangs up on it, but it also ends a handshake cut short by a PS
+            # that died; so it means refusal only before this worker was ever admitted.
+            if event & (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH) or (
+                    event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and not self._admitted):
+                raise PSUnreachableError(self._handshake_failure(event))
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._admitted = True
             if event == zmq.EVENT_DISCONNECTED:
                 if not self._lost:
                     self._lost_since = time.monotonic()
@@ -177,6 +204,18 @@ class PSClient:
                     self._sock.send_multipart(hello, copy=False)
                 self.counters.bytes_up += message_bytes(frames)
                 self._sock.send_multipart(frames, copy=False)
+
+    def _handshake_failure(self, event: int) -> str:
+        """Why the PS refused the connection, in words: almost always keys that do not match."""
+        if self.keyed:
+            why = ("the PS refused this worker's key" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else
+                   "the secure handshake failed (a server.key that is not this PS's, or a PS without keys)")
+            return (f"cannot connect to the parameter server at {self.address}: {why}. Check that --ps-keys "
+                    "points at the worker folder made together with the PS's keys and that the worker's public "
+                    f"key is in the PS's authorized_workers folder; {KEYGEN_HINT}")
+        return (f"cannot connect to the parameter server at {self.address}: it requires authentication "
+                f"(CURVE keys) and this worker has none. Pass --ps-keys DIR/worker (ps_keys= on the strategy, "
+                f"keys= on PSClient); {KEYGEN_HINT}")
 
     def close(self) -> None:
         if not self._closed:
@@ -193,6 +232,8 @@ class PSClient:
                   "mode": self.mode, "session": self.session}
         reply = self.request("hello", fields, timeout=timeout, alive=alive)
         self._hello_fields = fields
+        limit = reply.fields.get("max_message_bytes")
+        self.max_message_bytes = limit if isinstance(limit, int) and limit > 0 else None
         return reply.fields
 
     def init(self, tensors: Mapping[str, np.ndarray]) -> bool:
