@@ -202,3 +202,48 @@ def test_the_strategy_refuses_an_embedded_ps_beyond_loopback_without_keys(monkey
 
 if sys.platform == "win32":  # pragma: no cover
     pytest.skip("file modes", allow_module_level=True)
+
+
+def test_a_keyed_run_trains_on_an_embedded_ps_listening_beyond_loopback(monkeypatch, tmp_path):
+    """MASTER_ADDR 0.0.0.0: rank 0's embedded PS listens on every interface, so it needs (and gets) the keys."""
+    import pytorch_lightning as pl
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from plug_asgd import AsyncPSStrategy
+    from tests.conftest import group_members
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    generate_keys(tmp_path / "keys")
+    monkeypatch.setenv("MASTER_ADDR", "0.0.0.0")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    strategy = AsyncPSStrategy(mode="asgd", push_every=5, ps_keys=tmp_path / "keys")
+    x = torch.randn(320, 4, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    try:
+        trainer.fit(Tiny(), loader)
+        assert strategy._client is not None and strategy._client.keyed
+        stats = strategy.ps_stats()
+        assert stats["version"] == 4 and stats["pushes_applied"] == 4 and not stats["refused"]
+        central = strategy._client.pull().tensors["layer.weight"]
+        np.testing.assert_array_equal(trainer.lightning_module.layer.weight.detach().numpy(), central)
+    finally:
+        proc = strategy._ps_proc
+        strategy._shutdown(wait_for_workers=0)
+        if proc is not None:
+            assert proc.poll() is not None and not group_members(proc.pid)
