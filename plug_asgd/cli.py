@@ -137,7 +137,8 @@ def serve_ps(
     Workers reach it with --ps-address tcp://HOST:PORT. On a terminal it shows a live dashboard
     (workers, updates/s, traffic, refusals, staleness); with --quiet or when stdout is not a
     terminal, it prints a plain line of counters every --log-every seconds instead. Another
-    shell can query it with 'plug-asgd status tcp://HOST:PORT'.
+    shell can query it with 'plug-asgd status tcp://HOST:PORT'. Beyond 127.0.0.1 it needs
+    --keys (made by 'plug-asgd keygen DIR'), or --insecure.
     """
     live = not quiet and sys.stdout.isatty() and not console.is_dumb_terminal
     if live:  # log records go through the dashboard's console, above the live view

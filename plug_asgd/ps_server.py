@@ -7,6 +7,9 @@ has contributed. A request that breaks the protocol gets an ``error`` reply and 
 the PS keeps serving and its tensors are untouched. The PS knows nothing of torch or
 Lightning: it holds named float arrays.
 
+It listens on loopback unless given keys (CURVE, see :mod:`plug_asgd.security`) or told
+``insecure``; a peer refused in the CURVE handshake is counted as ``refused["auth"]``.
+
 The PS ends by itself: on SIGINT/SIGTERM, when the process that started it dies
 (``parent_pid``), or, given ``expected_workers``, once that many workers have joined and
 all have left for ``linger`` seconds.
@@ -153,7 +156,8 @@ class ParameterServer:
         if resume is not None:
             self._resume(resume)
         # a ZAP handler is one per context: a keyed PS gets its own unless one is given
-        self._ctx = context or (zmq.Context() if server_keys is not None else zmq.Context.instance())
+        self._own_ctx = context is None and server_keys is not None
+        self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         self.socket = self._ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, frame_cap(limits))
@@ -206,6 +210,9 @@ class ParameterServer:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+        if self._own_ctx:
+            self._ctx.term()
+            self._own_ctx = False
 
     # -- serving -------------------------------------------------------------------------------
 

@@ -247,3 +247,22 @@ def test_a_keyed_run_trains_on_an_embedded_ps_listening_beyond_loopback(monkeypa
         strategy._shutdown(wait_for_workers=0)
         if proc is not None:
             assert proc.poll() is not None and not group_members(proc.pid)
+
+
+def test_serve_ps_with_keys_and_a_message_limit_serves_keyed_workers(procs, tmp_path):
+    generate_keys(tmp_path / "keys")
+    port = free_port()
+    proc = procs.start([PLUG_ASGD, "serve-ps", "--host", "0.0.0.0", "--port", str(port), "--quiet", "--log-every",
+                        "0", "--keys", str(tmp_path / "keys" / "server"), "--max-message-bytes", "5000",
+                        "--run-dir", str(tmp_path / "run")], env={"COLUMNS": "300", "NO_COLOR": "1"})
+    c = PSClient(f"tcp://127.0.0.1:{port}", rank=0, world_size=1, mode="asgd", request_timeout=15,
+                 keys=tmp_path / "keys" / "worker")
+    try:
+        c.hello(stage=1, training=True, timeout=30)
+        assert c.max_message_bytes == 5000
+        assert c.init(W0)
+    finally:
+        c.close()
+        proc.terminate()
+        out, _ = proc.communicate(timeout=15)
+    assert "CURVE keys, authorized workers only" in " ".join(out.split()), out
