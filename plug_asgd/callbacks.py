@@ -161,12 +161,12 @@ class Supervisor(Callback):
         address = strategy._endpoint()[0]
         self._start = time.monotonic()
         self._stop.clear()
-        self._thread = threading.Thread(target=self._watch, args=(model, address, strategy.mode),
+        self._thread = threading.Thread(target=self._watch, args=(model, address, strategy.mode, strategy.ps_keys),
                                         name="plug_asgd-supervisor", daemon=True)
         self._thread.start()
 
-    def _watch(self, model: torch.nn.Module, address: str, mode: str) -> None:
-        client = PSClient(address, rank=0, world_size=1, mode=mode, request_timeout=30)
+    def _watch(self, model: torch.nn.Module, address: str, mode: str, keys: Any = None) -> None:
+        client = PSClient(address, rank=0, world_size=1, mode=mode, request_timeout=30, keys=keys)
         last_version, last_time = None, 0.0
         try:
             while not self._stop.wait(0.2):

@@ -4,6 +4,7 @@
                          (``--ps-address tcp://host:port`` on the recipes, ``ps_address=`` on the strategy);
 ``plug-asgd train mnist`` a ready-made recipe, every flag after its name passed to the recipe unchanged;
 ``plug-asgd status ADDRESS`` the counters of a running PS, as a table;
+``plug-asgd keygen DIR``  CURVE keys for a PS that listens beyond loopback (``serve-ps --keys``);
 ``plug-asgd plot RUN... --out PNG`` learning curves of finished runs (their supervisor.jsonl).
 
 Only typer, rich and the standard library are imported at module level besides the PS and its
@@ -33,6 +34,8 @@ from plug_asgd import ps_server
 from plug_asgd.checkpoint import CheckpointPolicy
 from plug_asgd.client import PSClient, PSError, PSUnreachableError
 from plug_asgd.modes import MODES
+from plug_asgd.security import KeysError, generate_keys, is_loopback
+from plug_asgd.wire import DEFAULT_LIMITS, Limits
 
 # name -> (module whose ``main(argv)`` runs it, one-line description)
 RECIPES: dict[str, tuple[str, str]] = {
@@ -123,13 +126,22 @@ def serve_ps(
     worker_timeout: Annotated[float, typer.Option(min=0.1, help="seconds without a heartbeat after which a worker "
                                                   "is declared lost and nothing waits for it any more; it is "
                                                   "taken back if it speaks again")] = ps_server.DEFAULT_WORKER_TIMEOUT,
+    keys: Annotated[Path | None, typer.Option(help="CURVE keys of the PS (DIR/server of 'plug-asgd keygen DIR'): "
+                                              "encrypts traffic and admits only the authorized workers; "
+                                              "required to listen beyond 127.0.0.1")] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="listen beyond 127.0.0.1 WITHOUT keys: anyone who "
+                                           "reaches the port can read and overwrite the model")] = False,
+    max_message_bytes: Annotated[int | None, typer.Option(min=1, help="largest request accepted, in bytes; a "
+                                                          "larger one is refused with code too_large "
+                                                          "[default: 2 GiB]")] = None,
 ) -> None:
     """Run a standalone parameter server until Ctrl-C / SIGTERM (or until --workers have come and gone).
 
     Workers reach it with --ps-address tcp://HOST:PORT. On a terminal it shows a live dashboard
     (workers, updates/s, traffic, refusals, staleness); with --quiet or when stdout is not a
     terminal, it prints a plain line of counters every --log-every seconds instead. Another
-    shell can query it with 'plug-asgd status tcp://HOST:PORT'.
+    shell can query it with 'plug-asgd status tcp://HOST:PORT'. Beyond 127.0.0.1 it needs
+    --keys (made by 'plug-asgd keygen DIR'), or --insecure.
     """
     live = not quiet and sys.stdout.isatty() and not console.is_dumb_terminal
     if live:  # log records go through the dashboard's console, above the live view
@@ -151,11 +163,16 @@ def serve_ps(
         server = ps_server.ParameterServer(
             bind, mode, replicas_to_aggregate=replicas_to_aggregate, max_updates=max_updates,
             expected_workers=workers, linger=linger, checkpoint=policy, resume=resume,
-            run_dir=run_dir or Path("runs") / time.strftime("ps-%Y%m%d-%H%M%S"), worker_timeout=worker_timeout)
+            run_dir=run_dir or Path("runs") / time.strftime("ps-%Y%m%d-%H%M%S"), worker_timeout=worker_timeout,
+            keys=keys, insecure=insecure,
+            limits=Limits(max_message_bytes=max_message_bytes) if max_message_bytes else DEFAULT_LIMITS)
     except (OSError, ValueError) as exc:  # port in use / bad interface, a refused option, a bad checkpoint
         raise _fail(str(exc), 2) from None
+    security = ("CURVE keys, authorized workers only" if server.keyed else
+                "[bold red]no authentication[/]" if insecure and not is_loopback(bind) else "loopback only, no keys")
     console.print(f"[bold green]plug_asgd parameter server[/] listening on [bold]{escape(server.address)}[/], "
-                  f"mode [bold]{escape(mode)}[/]{extra} (Ctrl-C to stop)", soft_wrap=True, highlight=False)
+                  f"mode [bold]{escape(mode)}[/]{extra}, {security} (Ctrl-C to stop)", soft_wrap=True,
+                  highlight=False)
     signal.signal(signal.SIGTERM, server.request_stop)
     signal.signal(signal.SIGINT, server.request_stop)
     if live:
@@ -200,6 +217,39 @@ def _guarded(tick: Callable[[Any], None]) -> Callable[[Any], None]:
             logging.getLogger("plug_asgd.ps").warning("the live counters stopped: %s", exc)
 
     return guarded
+
+
+@app.command()
+def keygen(
+    directory: Annotated[Path, typer.Argument(metavar="DIR", help="folder to write the keys into (created; "
+                                              "existing keys are never overwritten)", show_default=False)],
+) -> None:
+    """Make CURVE keys: a keypair for the PS, one for the workers, and the PS's list of authorized workers.
+
+    Copy DIR/server to the PS machine only ('plug-asgd serve-ps --keys DIR/server') and DIR/worker to
+    every worker machine ('--ps-keys DIR/worker'; AsyncPSStrategy(ps_keys=...)). With an embedded PS,
+    or a shared file system, pass DIR itself to both. The *_secret files are readable by you alone.
+    """
+    try:
+        files = generate_keys(directory)
+    except (OSError, ValueError) as exc:
+        raise _fail(str(exc), 2) from None
+    table = Table(title=f"CURVE keys in {directory}", title_justify="left")
+    table.add_column("file", style="cyan", overflow="fold")
+    table.add_column("goes to")
+    table.add_column("secret")
+    rows = [(files["server_secret"], "the PS machine only", "yes (0600)"),
+            (files["server_public"], "the PS machine", "no"),
+            (files["authorized"], "the PS machine: public keys of the workers it admits", "no"),
+            (files["worker_secret"], "every worker machine", "yes (0600)"),
+            (files["worker_public"], "every worker machine", "no"),
+            (files["worker_server_public"], "every worker machine (the PS's public key)", "no")]
+    for path, where, secret in rows:
+        table.add_row(escape(str(path)), escape(where), secret)
+    console.print(table)
+    console.print(f"PS:      plug-asgd serve-ps --host 0.0.0.0 --keys {escape(str(directory / 'server'))}\n"
+                  f"workers: --ps-keys {escape(str(directory / 'worker'))}  (AsyncPSStrategy(ps_keys=...))",
+                  soft_wrap=True, highlight=False)
 
 
 def _recipes_text() -> str:
@@ -287,12 +337,16 @@ def status(
     timeout: Annotated[float, typer.Option(callback=_check_positive, help="seconds to wait for the PS's answer")]
     = 5.0,
     as_json: Annotated[bool, typer.Option("--json", help="print the counters as JSON instead of a table")] = False,
+    keys: Annotated[Path | None, typer.Option(help="worker CURVE keys (DIR/worker of 'plug-asgd keygen'), for a "
+                                              "PS started with --keys")] = None,
 ) -> None:
     """Show the counters of a running parameter server (version, workers, traffic, staleness...)."""
     if "://" not in address:
         address = f"tcp://{address}"
     try:
-        client = PSClient(address, rank=0, world_size=1, mode="", request_timeout=timeout)
+        client = PSClient(address, rank=0, world_size=1, mode="", request_timeout=timeout, keys=keys)
+    except KeysError as exc:
+        raise _fail(str(exc), 2) from None
     except Exception as exc:  # zmq refuses a malformed endpoint at connect time
         raise _fail(f"cannot connect to {address}: {exc} (expected tcp://HOST:PORT)", 2) from None
     try:

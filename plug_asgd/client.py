@@ -19,6 +19,7 @@ go on) from one that died, froze or was cut off (they stop): see the PS's ``work
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 import uuid
@@ -30,9 +31,12 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from plug_asgd.security import KEYGEN_HINT, load_worker_keys
 from plug_asgd.wire import DEFAULT_LIMITS, Limits, Message, Tensor, decode, encode, message_bytes
 
 DEFAULT_HEARTBEAT_S = 2.0
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class PSError(RuntimeError):
@@ -88,9 +92,12 @@ class PSClient:
         heartbeat_s: float | None = DEFAULT_HEARTBEAT_S,
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context | None = None,
+        keys: str | os.PathLike[str] | None = None,
     ) -> None:
+        """``keys``: the worker's CURVE keys (``DIR/worker`` or ``DIR`` of ``plug-asgd keygen``), for a keyed PS."""
         if heartbeat_s is not None and not 0 < heartbeat_s < 3600:
             raise ValueError(f"heartbeat_s must be in (0, 3600) seconds or None, got {heartbeat_s}")
+        worker_keys = load_worker_keys(keys) if keys is not None else None
         self.address = address
         self.rank = rank
         self.world_size = world_size
@@ -109,13 +116,18 @@ class PSClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+        self._worker_keys = worker_keys
+        self._secure(self._sock)
+        self.keyed = worker_keys is not None
+        self.max_message_bytes: int | None = None  # the PS's limit, learnt from its hello reply
         self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._sock.connect(address)
         self._closed = False
+        self._admitted = False
         self._lost = False
         self._lost_since = 0.0
         self._hello_fields: dict[str, Any] | None = None
@@ -132,6 +144,10 @@ class PSClient:
         rid = next(self._rids)
         frames = encode(msg_type, {**(fields or {}), "rid": rid}, tensors)
         size = message_bytes(frames)
+        if self.max_message_bytes is not None and size > self.max_message_bytes:
+            raise PSError("too_large", f"this {msg_type!r} request is {size} bytes; the parameter server at "
+                                       f"{self.address} accepts at most {self.max_message_bytes} (its "
+                                       "--max-message-bytes): raise that limit or send less (a compressor)")
         self.counters.bytes_up += size
         self.counters.requests += 1
         if msg_type == "push":
@@ -177,6 +193,14 @@ class PSClient:
         """After the PS dropped and came back: hello again, then resend the request in flight."""
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
+            # PROTOCOL/AUTH: the keys do not match (or one side has none). NO_DETAIL is what a worker without
+            # keys often sees when a keyed PS hangs up on it, but it also ends a handshake cut short by a PS
+            # that died; so it means refusal only before this worker was ever admitted.
+            if event & (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH) or (
+                    event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and not self._admitted):
+                raise PSUnreachableError(self._handshake_failure(event))
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._admitted = True
             if event == zmq.EVENT_DISCONNECTED:
                 if not self._lost:
                     self._lost_since = time.monotonic()
@@ -191,6 +215,14 @@ class PSClient:
                 self.counters.bytes_up += message_bytes(frames)
                 self._sock.send_multipart(frames, copy=False)
 
+    def _secure(self, sock: zmq.Socket) -> None:
+        """CURVE on one of this worker's sockets, when it has keys (the heartbeat's too)."""
+        keys = self._worker_keys
+        if keys is not None:
+            sock.curve_publickey = keys.public
+            sock.curve_secretkey = keys.secret
+            sock.curve_serverkey = keys.server_public
+
     def _start_heartbeat(self) -> None:
         if self.heartbeat_s is None or self._heartbeat is not None:
             return
@@ -204,6 +236,7 @@ class PSClient:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 1)
             sock.setsockopt(zmq.RCVHWM, 1)
+            self._secure(sock)
             sock.connect(self.address)
             frames = encode("heartbeat", {"rank": self.rank, "session": self.session})
             while not self._heartbeat_stop.wait(self.heartbeat_s):
@@ -213,6 +246,17 @@ class PSClient:
                     pass
         finally:
             sock.close(0)
+    def _handshake_failure(self, event: int) -> str:
+        """Why the PS refused the connection, in words: almost always keys that do not match."""
+        if self.keyed:
+            why = ("the PS refused this worker's key" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else
+                   "the secure handshake failed (a server.key that is not this PS's, or a PS without keys)")
+            return (f"cannot connect to the parameter server at {self.address}: {why}. Check that --ps-keys "
+                    "points at the worker folder made together with the PS's keys and that the worker's public "
+                    f"key is in the PS's authorized_workers folder; {KEYGEN_HINT}")
+        return (f"cannot connect to the parameter server at {self.address}: it requires authentication "
+                f"(CURVE keys) and this worker has none. Pass --ps-keys DIR/worker (ps_keys= on the strategy, "
+                f"keys= on PSClient); {KEYGEN_HINT}")
 
     def close(self) -> None:
         if not self._closed:
@@ -233,6 +277,8 @@ class PSClient:
         reply = self.request("hello", fields, timeout=timeout, alive=alive)
         self._hello_fields = fields
         self._start_heartbeat()
+        limit = reply.fields.get("max_message_bytes")
+        self.max_message_bytes = limit if isinstance(limit, int) and limit > 0 else None
         return reply.fields
 
     def init(self, tensors: Mapping[str, np.ndarray]) -> bool:

@@ -15,6 +15,9 @@ healed), it is taken back as it is, and its late pushes meet the mode's rule lik
 push; a collective it missed is answered from the record of completed ones. A restarted worker
 (a new session for the same rank) replaces the lost one and starts from the central model.
 
+It listens on loopback unless given keys (CURVE, see :mod:`plug_asgd.security`) or told
+``insecure``; a peer refused in the CURVE handshake is counted as ``refused["auth"]``.
+
 The PS ends by itself: on SIGINT/SIGTERM, when the process that started it dies
 (``parent_pid``), or, given ``expected_workers``, once that many workers have joined and
 all have left (or been lost) for ``linger`` seconds.
@@ -38,10 +41,12 @@ from typing import Any
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.checkpoint import CheckpointError, CheckpointPolicy, read_checkpoint, resolve_checkpoint
 from plug_asgd.compressors import decode as decode_update
 from plug_asgd.modes import APPLIED, CentralState, Push, get_mode
+from plug_asgd.security import check_bind, load_server_keys
 from plug_asgd.wire import (
     DEFAULT_LIMITS,
     FLOAT_DTYPES,
@@ -59,6 +64,22 @@ log = logging.getLogger("plug_asgd.ps")
 
 DEFAULT_WORKER_TIMEOUT = 20.0  # seconds of silence (no heartbeat, no request) before a worker is lost
 COMPLETED_KEPT = 1024  # collectives whose result a worker that comes back late can still get
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def frame_cap(limits: Limits) -> int:
+    """ZeroMQ's MAXMSGSIZE for the PS's socket: twice ``limits.max_message_bytes``.
+
+    libzmq applies MAXMSGSIZE to each frame and, above it, drops the sender's connection without
+    delivering anything, which the PS could neither answer nor count. So the PS checks
+    ``max_message_bytes`` itself, on the whole message once received (an ``error`` reply with
+    code ``too_large`` and a counter), and leaves libzmq only the job of bounding memory: a single
+    frame above twice the limit cuts the connection (not counted: libzmq reports it as a plain
+    disconnect). plug_asgd's client never sends either: it learns the limit in the hello reply and
+    refuses a larger request itself, with an error saying so.
+    """
+    return min(2 * limits.max_message_bytes, (1 << 63) - 1)
 
 
 @dataclass
@@ -114,9 +135,13 @@ class ParameterServer:
         metrics_every: float = 2.0,
         worker_timeout: float = DEFAULT_WORKER_TIMEOUT,
         context: zmq.Context | None = None,
+        keys: str | os.PathLike[str] | None = None,
+        insecure: bool = False,
     ) -> None:
         if worker_timeout <= 0:
             raise ValueError(f"worker_timeout must be > 0 seconds, got {worker_timeout}")
+        check_bind(bind, keys is not None, insecure)  # before anything is loaded or bound
+        server_keys = load_server_keys(keys) if keys is not None else None
         self.spec = get_mode(mode)
         self.mode = mode
         self.rule = self.spec.make_rule({"replicas_to_aggregate": replicas_to_aggregate,
@@ -150,18 +175,64 @@ class ParameterServer:
         self._empty_since: float | None = None
         if resume is not None:
             self._resume(resume)
-        self._ctx = context or zmq.Context.instance()
+        # a ZAP handler is one per context: a keyed PS gets its own unless one is given
+        self._own_ctx = context is None and server_keys is not None
+        self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         self.socket = self._ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, frame_cap(limits))
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._auth: Any = None
+        self._monitor: zmq.Socket | None = None
+        if server_keys is not None:
+            self._auth = self._start_authenticator(server_keys)
         try:
             self.socket.bind(bind)
         except zmq.ZMQError as exc:
-            self.socket.close(0)
+            self._close_sockets()
             raise OSError(f"the parameter server cannot listen on {bind}: {exc} (is another process "
                           "using that port? choose another with --port)") from None
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.keyed = server_keys is not None
+
+    def _start_authenticator(self, keys: Any) -> Any:
+        """CURVE on the ROUTER; a ZAP thread accepts only the authorized workers' public keys.
+
+        A peer refused in the handshake (no key, a key not authorized, the wrong server key) never
+        reaches the ROUTER, so it never gets a byte of the model; the socket monitor's
+        HANDSHAKE_FAILED_* events count it in ``refused["auth"]`` (one per failed handshake: a
+        client that retries is counted at each attempt).
+        """
+        from zmq.auth.thread import ThreadAuthenticator
+
+        auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("plug_asgd.ps.auth"))
+        auth.start()
+        auth.configure_curve(domain="*", location=str(keys.authorized_dir))
+        self.socket.curve_server = True
+        self.socket.curve_publickey = keys.public
+        self.socket.curve_secretkey = keys.secret
+        self._monitor = self.socket.get_monitor_socket(_HANDSHAKE_FAILED)
+        return auth
+
+    def _on_monitor(self) -> None:
+        assert self._monitor is not None
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event & _HANDSHAKE_FAILED:
+                self.stats.refused["auth"] += 1
+
+    def _close_sockets(self) -> None:
+        if self._monitor is not None:
+            self.socket.disable_monitor()
+            self._monitor.close(0)
+            self._monitor = None
+        self.socket.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._own_ctx:
+            self._ctx.term()
+            self._own_ctx = False
 
     # -- serving -------------------------------------------------------------------------------
 
@@ -178,13 +249,18 @@ class ParameterServer:
         log.info("parameter server listening on %s, mode %s", self.address, self.mode)
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         next_tick = time.monotonic()
         try:
             while not self._stop:
                 if on_tick is not None and time.monotonic() >= next_tick:
                     on_tick(self)
                     next_tick = time.monotonic() + tick_s
-                if poller.poll(min(poll_ms, int(tick_s * 1000)) if on_tick else poll_ms):
+                ready = dict(poller.poll(min(poll_ms, int(tick_s * 1000)) if on_tick else poll_ms))
+                if self._monitor is not None and self._monitor in ready:
+                    self._on_monitor()
+                if self.socket in ready:
                     while True:
                         try:
                             frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -196,7 +272,9 @@ class ParameterServer:
                 if self._should_exit():
                     break
         finally:
-            self.socket.close(0)
+            if self._monitor is not None:
+                self._on_monitor()
+            self._close_sockets()
             self._housekeeping(final=True)
         log.info("parameter server stopped at version %d", self.state.version)
         return 0
@@ -354,7 +432,7 @@ class ParameterServer:
         self._update_trainers()
         self._send(identity, rid, "welcome", {
             "initialized": self.initialized, "version": self.state.version, "mode": self.mode,
-            "stop": self._stopped(),
+            "stop": self._stopped(), "max_message_bytes": self.limits.max_message_bytes,
         })
 
     def _on_bye(self, identity: bytes, rid: Any, msg: Message) -> None:
@@ -640,14 +718,17 @@ _BARE_PACKAGE = (
 def embedded_command(bind: str, mode: str, **options: Any) -> list[str]:
     """The command that runs a PS in a fresh interpreter, as rank 0 starts the embedded one.
 
-    ``options`` are :func:`main`'s flags (``max_updates=5`` -> ``--max-updates 5``; None is left
-    out). It imports this module without running ``plug_asgd/__init__`` (which registers the
+    ``options`` are :func:`main`'s flags (``max_updates=5`` -> ``--max-updates 5``, ``insecure=True``
+    -> ``--insecure``; None and False are left out). It imports this module without running
+    ``plug_asgd/__init__`` (which registers the
     strategy with Lightning): the PS never imports Lightning, and starts in 0.2 s, not 3.
     """
     code = _BARE_PACKAGE.format(path=os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-c", code, "--bind", bind, "--mode", mode]
     for name, value in options.items():
-        if value is not None:
+        if value is True:  # a flag (insecure)
+            cmd.append(f"--{name.replace('_', '-')}")
+        elif value is not None and value is not False:
             cmd += [f"--{name.replace('_', '-')}", str(value)]
     return cmd
 
@@ -668,6 +749,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume")
     parser.add_argument("--run-dir")
     parser.add_argument("--worker-timeout", type=float, default=DEFAULT_WORKER_TIMEOUT)
+    parser.add_argument("--keys", help="CURVE keys (see plug-asgd keygen): required beyond loopback")
+    parser.add_argument("--insecure", action="store_true", help="listen beyond loopback without keys")
+    parser.add_argument("--max-message-bytes", type=int)
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PLUG_ASGD_LOG", "WARNING"), stream=sys.stderr,
                         format="[plug_asgd PS %(asctime)s] %(message)s")
@@ -679,7 +763,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args.bind, args.mode, replicas_to_aggregate=args.replicas_to_aggregate,
                      staleness_bound=args.staleness_bound,
                      max_updates=args.max_updates, parent_pid=args.parent_pid, checkpoint=policy,
-                     resume=args.resume, run_dir=args.run_dir, worker_timeout=args.worker_timeout)
+                     resume=args.resume, run_dir=args.run_dir, worker_timeout=args.worker_timeout,
+                     keys=args.keys, insecure=args.insecure,
+                     limits=(Limits(max_message_bytes=args.max_message_bytes) if args.max_message_bytes
+                             else DEFAULT_LIMITS))
     except (OSError, ValueError) as exc:
         print(f"plug_asgd parameter server: {exc}", file=sys.stderr)
         return 2

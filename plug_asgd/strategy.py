@@ -44,6 +44,7 @@ from plug_asgd.client import DEFAULT_HEARTBEAT_S, ModelReply, PSClient, PSError,
 from plug_asgd.compressors import make_compressor
 from plug_asgd.modes import get_mode
 from plug_asgd.ps_server import DEFAULT_WORKER_TIMEOUT, embedded_command
+from plug_asgd.security import check_bind
 
 log = logging.getLogger("plug_asgd.strategy")
 
@@ -115,6 +116,11 @@ class AsyncPSStrategy(ParallelStrategy):
         start_method: ``"popen"`` (re-run the script, as DDP's default) or ``"spawn"``/``"fork"``.
         resume_from: a PS checkpoint file or folder the embedded PS starts from (see ``PSCheckpoint``).
         ps_run_dir: where the embedded PS writes ``ps_metrics.jsonl`` (default: the trainer's log dir).
+        ps_keys: CURVE keys made by ``plug-asgd keygen DIR``: ``DIR`` (both sides: the embedded PS uses
+            ``DIR/server``, the workers ``DIR/worker``) or ``DIR/worker`` for an external PS. Required
+            when the embedded PS would listen beyond loopback (``MASTER_ADDR`` not 127.0.0.1).
+        ps_insecure: let the embedded PS listen beyond loopback without keys (anyone who reaches the
+            port can then read and overwrite the model).
     """
 
     strategy_name = "async_ps"
@@ -145,6 +151,8 @@ class AsyncPSStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         resume_from: str | os.PathLike[str] | None = None,
         ps_run_dir: str | os.PathLike[str] | None = None,
+        ps_keys: str | os.PathLike[str] | None = None,
+        ps_insecure: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -208,6 +216,8 @@ class AsyncPSStrategy(ParallelStrategy):
         self.worker_timeout = worker_timeout
         self.resume_from = resume_from
         self.ps_run_dir = ps_run_dir
+        self.ps_keys = ps_keys
+        self.ps_insecure = ps_insecure
         self._start_method = start_method
         self._num_nodes = 1
         self._client: PSClient | None = None
@@ -396,11 +406,13 @@ class AsyncPSStrategy(ParallelStrategy):
             raise ValueError(f"the PS at {address} is external: PSCheckpoint and resume_from configure the "
                              "embedded PS only; give the external one `plug-asgd serve-ps --checkpoint-dir DIR` "
                              "or `--resume DIR` instead")
+        if bind is not None:  # every rank refuses alike, instead of waiting for a PS that never starts
+            check_bind(bind, self.ps_keys is not None, self.ps_insecure)
         if bind is not None and self.global_rank == 0:
             self._start_embedded_ps(bind)
         self._client = PSClient(address, rank=self.global_rank, world_size=self.world_size, mode=self.mode,
                                 request_timeout=self.request_timeout, lost_timeout=self.lost_timeout,
-                                heartbeat_s=self.heartbeat_s)
+                                heartbeat_s=self.heartbeat_s, keys=self.ps_keys)
         atexit.register(self._shutdown)
         return self._client
 
@@ -423,6 +435,8 @@ class AsyncPSStrategy(ParallelStrategy):
         if run_dir is None and trainer is not None and trainer.loggers and trainer.log_dir is not None:
             run_dir = os.path.join(trainer.log_dir, "ps")
         options["run_dir"] = run_dir
+        options["keys"] = self.ps_keys
+        options["insecure"] = self.ps_insecure
         self._ps_proc = subprocess.Popen(embedded_command(bind, self.mode, **options), stdin=subprocess.DEVNULL)
 
     def _ps_gone(self) -> str | None:

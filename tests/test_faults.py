@@ -17,6 +17,7 @@ import pytest
 from plug_asgd.checkpoint import list_checkpoints, resolve_checkpoint
 from plug_asgd.client import PSClient
 from plug_asgd.ps_server import embedded_command
+from plug_asgd.security import generate_keys
 from tests.conftest import ACCURACY_THRESHOLD, PLUG_ASGD, PYTHON, RECIPE, ProcessGroups, free_port, needs_fashion
 
 TIMEOUT = 2.0  # the PS's worker_timeout in these tests; workers beat every 0.5 s
@@ -55,10 +56,11 @@ def start_ps(procs):
 
 
 def start_worker(procs: ProcessGroups, address: str, rank: int, log: Path, *, mode: str, pushes: int,
-                 delta: float, interval: float = 0.05, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+                 delta: float, interval: float = 0.05, prefix: tuple[str, ...] = (),
+                 keys: Path | None = None) -> subprocess.Popen:
     return procs.start([*prefix, PYTHON, WORKER, "--address", address, "--rank", str(rank), "--mode", mode,
                         "--pushes", str(pushes), "--delta", str(delta), "--interval", str(interval),
-                        "--log", str(log)])
+                        "--log", str(log), *(["--keys", str(keys)] if keys else [])])
 
 
 def read_log(path: Path) -> list[dict]:
@@ -239,10 +241,12 @@ def two_hosts():
 
 def test_workers_on_another_host_survive_a_cut_link(procs, start_ps, tmp_path, two_hosts, fault_report):
     ps_host, worker_host, cut, heal = two_hosts
-    address = start_ps("asgd", host="10.77.0.1", prefix=ps_host)
+    keys = tmp_path / "keys"
+    generate_keys(keys)  # beyond loopback the PS needs them; CURVE then carries every message
+    address = start_ps("asgd", "--keys", str(keys / "server"), host="10.77.0.1", prefix=ps_host)
     logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
-    workers = [start_worker(procs, address, r, logs[r], mode="asgd", pushes=120, delta=r + 1.0, prefix=worker_host)
-               for r in (0, 1)]
+    workers = [start_worker(procs, address, r, logs[r], mode="asgd", pushes=120, delta=r + 1.0, prefix=worker_host,
+                            keys=keys / "worker") for r in (0, 1)]
     wait_for(lambda: all(len(pushes(log)) >= 20 for log in logs), 60, "20 pushes of each worker across the link")
     assert cut().returncode == 0
     cut_at = time.time()

@@ -45,6 +45,10 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--worker-timeout", type=float, default=DEFAULT_WORKER_TIMEOUT,
                         help="embedded PS: seconds without a heartbeat before a worker is declared lost and not "
                              f"waited for (default: {DEFAULT_WORKER_TIMEOUT:g})")
+    parser.add_argument("--ps-keys", type=Path, default=None,
+                        help="CURVE keys of `plug-asgd keygen DIR`: DIR (embedded PS) or DIR/worker (external PS)")
+    parser.add_argument("--ps-insecure", action="store_true",
+                        help="let the embedded PS listen beyond loopback without keys (unsafe)")
     parser.add_argument("--epochs", type=int, default=1, help="epochs per worker (default: 1)")
     parser.add_argument("--max-steps", type=int, default=-1, help="local steps per worker (default: no limit)")
     parser.add_argument("--no-val", action="store_true", help="skip validation during training")
@@ -69,8 +73,8 @@ def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
                            pull_every=args.pull_every, tau=args.tau, alpha=args.alpha,
                            staleness_bound=args.staleness_bound,
                            replicas_to_aggregate=args.replicas_to_aggregate, max_updates=args.max_updates,
-                           ps_address=args.ps_address, resume_from=args.resume,
-                           worker_timeout=args.worker_timeout)
+                           ps_address=args.ps_address, resume_from=args.resume, ps_keys=args.ps_keys,
+                           ps_insecure=args.ps_insecure, worker_timeout=args.worker_timeout)
 
 
 def make_callbacks(args: argparse.Namespace, datamodule: pl.LightningDataModule) -> list[pl.Callback]:

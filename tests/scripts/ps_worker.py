@@ -36,9 +36,10 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=0.05, help="seconds of 'compute' before each push")
     parser.add_argument("--heartbeat", type=float, default=0.5)
     parser.add_argument("--log", required=True)
+    parser.add_argument("--keys", default=None, help="CURVE keys (DIR/worker of plug-asgd keygen)")
     args = parser.parse_args()
     client = PSClient(args.address, rank=args.rank, world_size=args.world, mode=args.mode, request_timeout=120,
-                      heartbeat_s=args.heartbeat)
+                      heartbeat_s=args.heartbeat, keys=args.keys)
     with open(args.log, "a") as log:
         def record(**fields) -> None:
             log.write(json.dumps({**fields, "t": time.time()}) + "\n")

@@ -1,0 +1,154 @@
+"""CURVE keys for the PS and its workers, and the rule that a non-loopback PS needs them.
+
+``plug-asgd keygen DIR`` writes::
+
+    DIR/server/server.key               the PS's public key
+    DIR/server/server.key_secret        the PS's secret key (mode 0600)   -> the PS machine only
+    DIR/server/authorized_workers/      public keys of the workers the PS accepts
+    DIR/worker/worker.key               the workers' public key
+    DIR/worker/worker.key_secret        the workers' secret key (mode 0600) -> every worker machine
+    DIR/worker/server.key               the PS's public key (workers check they talk to the real PS)
+
+``DIR/server`` goes to the PS machine (``serve-ps --keys DIR/server``), ``DIR/worker`` to every
+worker machine (``--ps-keys DIR/worker``). Where one machine runs both (the embedded PS of rank
+0, or a shared file system), ``DIR`` itself works for both sides.
+
+With keys, ZeroMQ's CURVE encrypts and authenticates every connection; the PS's ZAP handler
+accepts only the public keys in ``authorized_workers``. Imports nothing of plug_asgd but zmq.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+
+SERVER = "server"
+WORKER = "worker"
+AUTHORIZED = "authorized_workers"
+KEYGEN_HINT = ("make keys with `plug-asgd keygen DIR`, then give the PS `--keys DIR/server` and the workers "
+               "`--ps-keys DIR/worker` (AsyncPSStrategy(ps_keys=...))")
+
+
+class KeysError(ValueError):
+    """Keys missing, unreadable or malformed; the message names the file and how to make keys."""
+
+
+class InsecureBindError(ValueError):
+    """A PS asked to listen beyond loopback without authentication."""
+
+
+@dataclass(frozen=True)
+class ServerKeys:
+    public: bytes
+    secret: bytes
+    authorized_dir: Path
+
+
+@dataclass(frozen=True)
+class WorkerKeys:
+    public: bytes
+    secret: bytes
+    server_public: bytes
+
+
+def _secret_file(path: Path) -> None:
+    os.chmod(path, 0o600)
+
+
+def generate_keys(directory: str | os.PathLike[str]) -> dict[str, Path]:
+    """Write a server and a worker keypair under ``directory`` (see the module doc); returns the files."""
+    root = Path(directory)
+    server_dir, worker_dir = root / SERVER, root / WORKER
+    authorized = server_dir / AUTHORIZED
+    for d in (server_dir, worker_dir, authorized):
+        d.mkdir(parents=True, exist_ok=True)
+    for existing in (server_dir / "server.key_secret", worker_dir / "worker.key_secret"):
+        if existing.exists():
+            raise FileExistsError(f"{existing} exists already: keygen never overwrites keys; choose another folder")
+    os.chmod(server_dir, 0o700)
+    os.chmod(worker_dir, 0o700)
+    server_public, server_secret = zmq.auth.create_certificates(server_dir, SERVER)
+    worker_public, worker_secret = zmq.auth.create_certificates(worker_dir, WORKER)
+    _secret_file(Path(server_secret))
+    _secret_file(Path(worker_secret))
+    # public keys only: the PS's to the workers, the worker's to the PS's authorized list
+    (worker_dir / "server.key").write_bytes(Path(server_public).read_bytes())
+    (authorized / "worker.key").write_bytes(Path(worker_public).read_bytes())
+    return {"server_public": Path(server_public), "server_secret": Path(server_secret),
+            "authorized": authorized, "worker_public": Path(worker_public),
+            "worker_secret": Path(worker_secret), "worker_server_public": worker_dir / "server.key"}
+
+
+def _side(path: str | os.PathLike[str], side: str) -> Path:
+    """``path`` itself, or its ``side`` subfolder where it is the folder keygen wrote."""
+    p = Path(path)
+    return p / side if (p / side).is_dir() else p
+
+
+def _load(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
+    if not path.is_file():
+        raise KeysError(f"key file {path} not found; {KEYGEN_HINT}")
+    try:
+        public, secret_key = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise KeysError(f"key file {path} is not a ZeroMQ certificate ({exc}); {KEYGEN_HINT}") from None
+    if secret and not secret_key:
+        raise KeysError(f"{path} holds no secret key; {KEYGEN_HINT}")
+    return public, secret_key
+
+
+def load_server_keys(path: str | os.PathLike[str]) -> ServerKeys:
+    """The PS's keypair and its authorized-workers folder, from ``DIR/server`` (or ``DIR``)."""
+    d = _side(path, SERVER)
+    public, secret = _load(d / "server.key_secret", secret=True)
+    authorized = d / AUTHORIZED
+    if not authorized.is_dir() or not any(authorized.glob("*.key")):
+        raise KeysError(f"{authorized} holds no worker public key (*.key), so no worker could connect; "
+                        f"{KEYGEN_HINT}")
+    assert secret is not None
+    return ServerKeys(public, secret, authorized)
+
+
+def load_worker_keys(path: str | os.PathLike[str]) -> WorkerKeys:
+    """A worker's keypair and the PS's public key, from ``DIR/worker`` (or ``DIR``)."""
+    d = _side(path, WORKER)
+    public, secret = _load(d / "worker.key_secret", secret=True)
+    server_public, _ = _load(d / "server.key", secret=False)
+    assert secret is not None
+    return WorkerKeys(public, secret, server_public)
+
+
+def endpoint_host(endpoint: str) -> str | None:
+    """The host of a ``tcp://host:port`` endpoint (brackets of IPv6 removed); None for ipc/inproc."""
+    m = re.fullmatch(r"tcp://(\[[^\]]*\]|[^:]*):(\d+|\*)", endpoint)
+    if m is None:
+        return None if not endpoint.startswith("tcp://") else endpoint[len("tcp://"):]
+    return m.group(1).strip("[]")
+
+
+def is_loopback(endpoint: str) -> bool:
+    """Whether binding ``endpoint`` exposes nothing beyond this machine (ipc and inproc count as local)."""
+    host = endpoint_host(endpoint)
+    if host is None:
+        return True
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # '*', an interface name or a host name: assume it is reachable from elsewhere
+
+
+def check_bind(endpoint: str, keyed: bool, insecure: bool) -> None:
+    """Refuse to listen beyond loopback without keys, unless explicitly told ``insecure``."""
+    if not keyed and not insecure and not is_loopback(endpoint):
+        raise InsecureBindError(
+            f"refusing to listen on {endpoint} without authentication: anyone who reaches it could read and "
+            f"overwrite the model. {KEYGEN_HINT}; or bind 127.0.0.1; or pass --insecure (insecure=True) "
+            "on a network you trust completely")

@@ -1,0 +1,268 @@
+"""CURVE authentication and the loopback rule, with real keys, real sockets and a real PS process.
+
+A worker with the keys made with the PS's trains and pulls; one without keys, one with keys the
+PS does not know and one that expects another PS's key are refused in the handshake: the client
+fails at once with an error naming the address and the keys, it receives zero bytes, the PS
+counts the refusal in ``refused["auth"]`` and sends it nothing. A PS asked to listen beyond
+loopback without keys refuses to start.
+"""
+
+from __future__ import annotations
+
+import re
+import stat
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from plug_asgd import cli
+from plug_asgd.client import PSClient, PSUnreachableError
+from plug_asgd.ps_server import ParameterServer, embedded_command
+from plug_asgd.security import InsecureBindError, KeysError, generate_keys, is_loopback, load_worker_keys
+from tests.conftest import PLUG_ASGD, free_port
+
+pytestmark = pytest.mark.timeout(90)
+
+W0 = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+runner = CliRunner()
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_keygen_writes_both_keypairs_secrets_0600_and_says_where_they_go(tmp_path):
+    keys = tmp_path / "keys"
+    result = runner.invoke(cli.app, ["keygen", str(keys)], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    for secret in (keys / "server" / "server.key_secret", keys / "worker" / "worker.key_secret"):
+        assert _mode(secret) == 0o600, secret
+        assert "secret-key" in secret.read_text()
+    for public in (keys / "server" / "server.key", keys / "worker" / "worker.key", keys / "worker" / "server.key",
+                   keys / "server" / "authorized_workers" / "worker.key"):
+        assert "secret-key" not in public.read_text(), public
+    assert (keys / "worker" / "server.key").read_text() == (keys / "server" / "server.key").read_text()
+    assert ((keys / "server" / "authorized_workers" / "worker.key").read_text()
+            == (keys / "worker" / "worker.key").read_text())
+    assert not list((keys / "worker").glob("server.key_secret")), "the PS's secret must not go to the workers"
+    out = " ".join(result.output.split())
+    assert "the PS machine only" in out and "every worker machine" in out
+    assert f"--keys {keys / 'server'}" in out and f"--ps-keys {keys / 'worker'}" in out
+    again = runner.invoke(cli.app, ["keygen", str(keys)])
+    assert again.exit_code == 2 and "never overwrites" in again.output
+
+
+def test_keygen_through_the_console_script(procs, tmp_path):
+    code, out = procs.run([PLUG_ASGD, "keygen", str(tmp_path / "k")], timeout=60)
+    assert code == 0, out
+    assert _mode(tmp_path / "k" / "worker" / "worker.key_secret") == 0o600
+
+
+def test_missing_keys_are_named_with_how_to_make_them(tmp_path):
+    with pytest.raises(KeysError, match=r"worker\.key_secret not found.*plug-asgd keygen"):
+        load_worker_keys(tmp_path)
+
+
+@pytest.fixture
+def keyed_ps(procs, tmp_path):
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    procs.start([*embedded_command(address, "asgd"), "--keys", str(keys / "server")])
+    yield address, keys
+    for p in procs.procs:
+        p.terminate()
+        p.wait(10)
+
+
+def _refused(address: str, keys: Path | None) -> None:
+    c = PSClient(address, rank=1, world_size=2, mode="asgd", request_timeout=15, keys=keys)
+    with pytest.raises(PSUnreachableError) as err:
+        c.hello(stage=1, training=True)
+    text = str(err.value)
+    assert address in text and "keygen" in text and "keys" in text, text
+    assert c.counters.bytes_down == 0, "a refused worker received bytes"
+    c.close()
+
+
+def _check_refused_and_sent_nothing(good: PSClient, address: str, keys: Path | None, name: str) -> None:
+    """Refused, counted in refused["auth"], and every byte the PS sent meanwhile went to ``good``."""
+    down = good.counters.bytes_down
+    before = good.stats()
+    _refused(address, keys)
+    for _ in range(50):  # the PS's monitor event may lag the client's by a few ms
+        time.sleep(0.1)
+        received = good.counters.bytes_down - down  # every reply ``good`` got since its ``before`` request
+        after = good.stats()
+        if after["refused"].get("auth", 0) > before["refused"].get("auth", 0):
+            break
+    auth = after["refused"].get("auth", 0) - before["refused"].get("auth", 0)
+    # one count per failed handshake: the client gives up at the first, but libzmq may have retried once or
+    # twice (every 100 ms) before it did
+    assert 1 <= auth <= 3, (name, before["refused"], after["refused"])
+    # snapshots are taken before their own reply is sent: between the two, the PS sent exactly what good got
+    assert after["bytes_out"] - before["bytes_out"] == received, f"{name}: the PS sent bytes to a refused worker"
+    assert {k: v for k, v in after["refused"].items() if k != "auth"} == \
+        {k: v for k, v in before["refused"].items() if k != "auth"}, name
+
+
+def test_keyed_worker_is_served_and_unkeyed_or_wrongly_keyed_ones_are_refused_and_counted(keyed_ps, tmp_path):
+    address, keys = keyed_ps
+    good = PSClient(address, rank=0, world_size=2, mode="asgd", request_timeout=15, keys=keys / "worker")
+    good.hello(stage=1, training=True, timeout=30)
+    assert good.init(W0)
+    np.testing.assert_array_equal(good.push(0, {"w": np.ones((2, 3), np.float32)}).tensors["w"], W0["w"] + 1)
+
+    other = tmp_path / "other"
+    generate_keys(other)
+    impostor = tmp_path / "impostor"  # the right PS key, but a worker key the PS never authorized
+    impostor.mkdir()
+    for f in ("worker.key", "worker.key_secret"):
+        (impostor / f).write_bytes((other / "worker" / f).read_bytes())
+    (impostor / "server.key").write_bytes((keys / "worker" / "server.key").read_bytes())
+    wrong_server = tmp_path / "wrong_server"  # an authorized worker key, but another PS's public key
+    wrong_server.mkdir()
+    for f in ("worker.key", "worker.key_secret"):
+        (wrong_server / f).write_bytes((keys / "worker" / f).read_bytes())
+    (wrong_server / "server.key").write_bytes((other / "worker" / "server.key").read_bytes())
+
+    _check_refused_and_sent_nothing(good, address, None, "no keys")
+    _check_refused_and_sent_nothing(good, address, impostor, "unauthorized key")
+    _check_refused_and_sent_nothing(good, address, wrong_server, "wrong server key")
+    reply = good.pull()
+    assert reply.version == 1
+    np.testing.assert_array_equal(reply.tensors["w"], W0["w"] + 1)
+    assert good.stats()["refused"].keys() == {"auth"}
+    good.close()
+
+
+def test_the_top_level_keygen_folder_works_for_both_sides(keyed_ps):
+    address, keys = keyed_ps
+    good = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=15, keys=keys)
+    assert good.hello(stage=1, training=True, timeout=30)["version"] == 0
+    good.close()
+
+
+def test_status_needs_the_keys_of_a_keyed_ps(keyed_ps, procs):
+    address, keys = keyed_ps
+    code, out = procs.run([PLUG_ASGD, "status", address, "--keys", str(keys / "worker"), "--json"], timeout=60,
+                          env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert code == 0, out
+    code, out = procs.run([PLUG_ASGD, "status", address, "--timeout", "10"], timeout=60,
+                          env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert code == 1 and "requires authentication" in out, out
+
+
+@pytest.mark.parametrize("endpoint, local", [
+    ("tcp://127.0.0.1:1", True), ("tcp://127.3.2.1:1", True), ("tcp://localhost:1", True),
+    ("tcp://[::1]:1", True), ("ipc:///tmp/x", True), ("tcp://0.0.0.0:1", False), ("tcp://*:1", False),
+    ("tcp://10.1.2.3:1", False), ("tcp://[::]:1", False), ("tcp://example.org:1", False),
+])
+def test_loopback_is_recognised(endpoint, local):
+    assert is_loopback(endpoint) is local
+
+
+def test_a_ps_beyond_loopback_without_keys_refuses_to_start(procs, tmp_path):
+    with pytest.raises(InsecureBindError, match="plug-asgd keygen"):
+        ParameterServer("tcp://0.0.0.0:*")
+    result = runner.invoke(cli.app, ["serve-ps", "--host", "0.0.0.0", "--port", str(free_port()), "--quiet"],
+                           env={"COLUMNS": "300", "NO_COLOR": "1"})
+    assert result.exit_code == 2
+    assert re.search(r"refusing to listen on tcp://0\.0\.0\.0:\d+ without authentication.*plug-asgd keygen",
+                     " ".join(result.output.split())), result.output
+    code, out = procs.run(embedded_command(f"tcp://0.0.0.0:{free_port()}", "asgd"), timeout=60)
+    assert code == 2 and "without authentication" in out, out
+
+
+def test_insecure_and_keys_each_allow_a_non_loopback_bind(tmp_path):
+    server = ParameterServer("tcp://0.0.0.0:*", insecure=True)
+    server._close_sockets()
+    generate_keys(tmp_path / "k")
+    server = ParameterServer("tcp://0.0.0.0:*", keys=tmp_path / "k")
+    assert server.keyed
+    server._close_sockets()
+
+
+def test_the_strategy_refuses_an_embedded_ps_beyond_loopback_without_keys(monkeypatch):
+    from lightning_fabric.plugins.environments import LightningEnvironment
+
+    from plug_asgd import AsyncPSStrategy
+
+    monkeypatch.setenv("MASTER_ADDR", "0.0.0.0")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    strategy = AsyncPSStrategy(cluster_environment=LightningEnvironment())
+    with pytest.raises(InsecureBindError, match="ps_keys|--ps-keys"):
+        strategy._connect()
+    assert strategy._ps_proc is None, "no PS may have been started"
+
+
+if sys.platform == "win32":  # pragma: no cover
+    pytest.skip("file modes", allow_module_level=True)
+
+
+def test_a_keyed_run_trains_on_an_embedded_ps_listening_beyond_loopback(monkeypatch, tmp_path):
+    """MASTER_ADDR 0.0.0.0: rank 0's embedded PS listens on every interface, so it needs (and gets) the keys."""
+    import pytorch_lightning as pl
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from plug_asgd import AsyncPSStrategy
+    from tests.conftest import group_members
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    generate_keys(tmp_path / "keys")
+    monkeypatch.setenv("MASTER_ADDR", "0.0.0.0")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    strategy = AsyncPSStrategy(mode="asgd", push_every=5, ps_keys=tmp_path / "keys")
+    x = torch.randn(320, 4, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    try:
+        trainer.fit(Tiny(), loader)
+        assert strategy._client is not None and strategy._client.keyed
+        stats = strategy.ps_stats()
+        assert stats["version"] == 4 and stats["pushes_applied"] == 4 and not stats["refused"]
+        central = strategy._client.pull().tensors["layer.weight"]
+        np.testing.assert_array_equal(trainer.lightning_module.layer.weight.detach().numpy(), central)
+    finally:
+        proc = strategy._ps_proc
+        strategy._shutdown(wait_for_workers=0)
+        if proc is not None:
+            assert proc.poll() is not None and not group_members(proc.pid)
+
+
+def test_serve_ps_with_keys_and_a_message_limit_serves_keyed_workers(procs, tmp_path):
+    generate_keys(tmp_path / "keys")
+    port = free_port()
+    proc = procs.start([PLUG_ASGD, "serve-ps", "--host", "0.0.0.0", "--port", str(port), "--quiet", "--log-every",
+                        "0", "--keys", str(tmp_path / "keys" / "server"), "--max-message-bytes", "5000",
+                        "--run-dir", str(tmp_path / "run")], env={"COLUMNS": "300", "NO_COLOR": "1"})
+    c = PSClient(f"tcp://127.0.0.1:{port}", rank=0, world_size=1, mode="asgd", request_timeout=15,
+                 keys=tmp_path / "keys" / "worker")
+    try:
+        c.hello(stage=1, training=True, timeout=30)
+        assert c.max_message_bytes == 5000
+        assert c.init(W0)
+    finally:
+        c.close()
+        proc.terminate()
+        out, _ = proc.communicate(timeout=15)
+    assert "CURVE keys, authorized workers only" in " ".join(out.split()), out
