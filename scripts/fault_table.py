@@ -33,7 +33,7 @@ def render(rows: list[dict]) -> str:
     lines = ["| fault injected | times | handled | pushes lost | recovery (s) | what happened |",
              "|---|---:|---:|---:|---:|---|"]
     for r in rows:
-        recovery = "" if r.get("recovery_s") is None else f"{r['recovery_s']:.2f}"
+        recovery = "-" if r.get("recovery_s") is None else f"{r['recovery_s']:.2f}"
         lines.append(f"| {r['fault']} | {r['injected']} | {r['handled']} | {r['pushes_lost']} | {recovery} | "
                      f"{r.get('detail', '')} |")
     stamp = time.strftime("%Y-%m-%d")

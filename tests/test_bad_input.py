@@ -129,7 +129,8 @@ def _central(good: PSClient) -> tuple[int, dict[str, bytes]]:
     return reply.version, {k: v.tobytes() for k, v in reply.tensors.items()}
 
 
-def test_each_bad_input_gets_its_code_one_count_and_leaves_the_model_alone(ps):
+@pytest.mark.faults
+def test_each_bad_input_gets_its_code_one_count_and_leaves_the_model_alone(ps, fault_report):
     good, raw = ps
     before_model = _central(good)
     for name, (frames, code) in CASES.items():
@@ -143,9 +144,13 @@ def test_each_bad_input_gets_its_code_one_count_and_leaves_the_model_alone(ps):
         assert after == expected, (name, before, after)
         assert _central(good) == before_model, f"{name}: the central model changed"
     assert sum(good.stats()["refused"].values()) == len(CASES)
+    fault_report(fault="malformed messages, one of each kind (frames, types, version, tensors, sizes, NaN/Inf, "
+                       "sparse indices)", injected=len(CASES), handled=sum(good.stats()["refused"].values()),
+                 pushes_lost=0, recovery_s=None, detail="each refused with its own code and one count; model untouched")
 
 
-def test_a_replayed_push_is_refused_counted_and_applied_once(ps):
+@pytest.mark.faults
+def test_a_replayed_push_is_refused_counted_and_applied_once(ps, fault_report):
     good, raw = ps
     push = _push(5, OK)
     raw.send_multipart(push)
@@ -161,6 +166,8 @@ def test_a_replayed_push_is_refused_counted_and_applied_once(ps):
     raw.send_multipart(_push(6, OK))  # the next sequence number is applied
     assert raw.poll(10_000) and decode(raw.recv_multipart()).fields["status"] == "applied"
     assert good.pull().version == 2
+    fault_report(fault="replayed and duplicated pushes (same or lower sequence number)", injected=3, handled=3,
+                 pushes_lost=0, recovery_s=None, detail="refused as duplicate; each push applied exactly once")
 
 
 def test_the_client_refuses_a_request_over_the_ps_limit_with_a_clear_error(ps):

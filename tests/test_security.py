@@ -110,7 +110,9 @@ def _check_refused_and_sent_nothing(good: PSClient, address: str, keys: Path | N
         {k: v for k, v in before["refused"].items() if k != "auth"}, name
 
 
-def test_keyed_worker_is_served_and_unkeyed_or_wrongly_keyed_ones_are_refused_and_counted(keyed_ps, tmp_path):
+@pytest.mark.faults
+def test_keyed_worker_is_served_and_unkeyed_or_wrongly_keyed_ones_are_refused_and_counted(keyed_ps, tmp_path,
+                                                                                          fault_report):
     address, keys = keyed_ps
     good = PSClient(address, rank=0, world_size=2, mode="asgd", request_timeout=15, keys=keys / "worker")
     good.hello(stage=1, training=True, timeout=30)
@@ -137,6 +139,9 @@ def test_keyed_worker_is_served_and_unkeyed_or_wrongly_keyed_ones_are_refused_an
     assert reply.version == 1
     np.testing.assert_array_equal(reply.tensors["w"], W0["w"] + 1)
     assert good.stats()["refused"].keys() == {"auth"}
+    fault_report(fault="workers without the right CURVE key (none, unauthorized, another PS's)", injected=3,
+                 handled=3, pushes_lost=0, recovery_s=None,
+                 detail=f"refused in the handshake ({good.stats()['refused']['auth']} counted), 0 model bytes sent")
     good.close()
 
 
