@@ -321,7 +321,7 @@ def test_lightning_workers_in_sync_outlive_a_killed_peer_which_then_rejoins(proc
     address = f"tcp://127.0.0.1:{port}"
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "LOCAL_RANK": "0"}
     args = [PYTHON, *RECIPE, "--workers", "1", "--num-nodes", "2", "--mode", "sync", "--ps-address", address,
-            "--run-dir", str(tmp_path / "runs")]
+            "--train-subset", "4000", "--run-dir", str(tmp_path / "runs")]
     metrics = tmp_path / "node0.json"
     node0 = procs.start([*args, "--metrics-json", str(metrics)], env={**env, "NODE_RANK": "0"})
     node1 = procs.start(args, env={**env, "NODE_RANK": "1"})
@@ -342,7 +342,7 @@ def test_lightning_workers_in_sync_outlive_a_killed_peer_which_then_rejoins(proc
     assert ps.returncode == 0, ps_out[-3000:]
     assert "rank 1 silent" in ps_out and "rank 1 restarted" in ps_out, ps_out[-3000:]
     result = json.loads(metrics.read_text())
-    assert result["test_acc"] >= ACCURACY_THRESHOLD - 0.05, result  # fewer rounds than a run without a fault
+    assert result["test_acc"] >= 0.65, result  # chance is 0.10; about 100 sync rounds on 4000 images
     fault_report(fault="Lightning worker SIGKILLed mid-training (sync, 2 machines), then rerun", injected=1,
                  handled=1, pushes_lost=0, recovery_s=round(stall, 2),
                  detail="the other machine's rounds resumed after worker_timeout 3 s; the rerun rejoined")
