@@ -403,6 +403,10 @@ class ParameterServer:
                                               f"connected say {self.world_size}")
         if rank >= world_size:
             raise WireError("bad_field", f"rank {rank} is not below world_size {world_size}")
+        heartbeat = msg.fields.get("heartbeat_s")
+        if heartbeat is not None and (isinstance(heartbeat, bool) or not isinstance(heartbeat, int | float)
+                                      or not 0 < heartbeat < 3600):
+            raise WireError("bad_field", f"heartbeat_s must be a number of seconds in (0, 3600), got {heartbeat!r}")
         self.world_size = world_size
         previous = self.workers.get(rank)
         if previous is not None:
@@ -415,9 +419,6 @@ class ParameterServer:
             # a restarted process in a stage whose collectives the others have begun: it cannot take
             # part in them in step, so it trains alongside and its collectives are its own
             self.late[stage].add(rank)
-        heartbeat = msg.fields.get("heartbeat_s")
-        if heartbeat is not None and (not isinstance(heartbeat, int | float) or not 0 < heartbeat < 3600):
-            raise WireError("bad_field", f"heartbeat_s must be a number of seconds in (0, 3600), got {heartbeat!r}")
         worker = WorkerInfo(rank, identity, session, stage, bool(msg.fields.get("training")), time.time(),
                             previous.pushes if previous is not None else 0,
                             float(heartbeat) if heartbeat is not None else None)

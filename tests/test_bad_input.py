@@ -109,6 +109,10 @@ CASES = {
     "base_version not an int": (_push(1, OK, base_version="0"), "bad_field"),
     "negative seq": (_push(-1, OK), "bad_field"),
     "base_version from the future": (_push(1, OK, base_version=10**6), "bad_field"),
+    "hello with a heartbeat of -1 s": (encode("hello", {"rid": 1, "rank": 0, "world_size": 1, "stage": 1,
+                                                        "mode": "asgd", "session": "x", "heartbeat_s": -1}),
+                                       "bad_field"),
+    "heartbeat without a session": (encode("heartbeat", {"rank": 0}), "bad_field"),
     # oversized (checked by the PS on the whole message: see ps_server.frame_cap)
     "message over the limit in many frames": (
         _push(1, {f"t{i}": np.zeros(300, np.float32) for i in range(4)}), "too_large"),
