@@ -269,7 +269,7 @@ class ModeSpec:
 
     name: str
     summary: str
-    make_compressor: Callable[[float], Compressor]
+    make_compressor: Callable[..., Compressor]  # (compression, values="float32")
     make_rule: Callable[[dict[str, Any]], FoldRule]
     exchange: str = "push"
     normalize: bool = False
@@ -277,12 +277,12 @@ class ModeSpec:
 
 
 # Module-level factories, not lambdas: the strategy (and its mode) is pickled to spawned workers.
-def _dense(compression: float) -> Compressor:
+def _dense(compression: float, values: str = "float32") -> Compressor:
     return NoCompression()
 
 
-def _topk(compression: float) -> Compressor:
-    return TopKResidual(compression)
+def _topk(compression: float, values: str = "float32") -> Compressor:
+    return TopKResidual(compression, values)
 
 
 def _asgd_rule(options: dict[str, Any]) -> FoldRule:

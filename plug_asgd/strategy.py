@@ -41,7 +41,7 @@ from torch.distributed import ReduceOp
 
 from plug_asgd import shared
 from plug_asgd.client import DEFAULT_HEARTBEAT_S, ModelReply, PSClient, PSError, PSUnreachableError
-from plug_asgd.compressors import make_compressor
+from plug_asgd.compressors import SPARSE_VALUES, make_compressor
 from plug_asgd.modes import get_mode
 from plug_asgd.ps_server import DEFAULT_WORKER_TIMEOUT, embedded_command
 from plug_asgd.security import check_bind
@@ -89,6 +89,8 @@ class AsyncPSStrategy(ParallelStrategy):
         compressor: how pushed updates are encoded (``plug_asgd.compressors.COMPRESSORS``: none, fp16,
             bf16, topk, randomk, qsgd, sign, powersgd), for every push-based mode but adacomp (its own
             top-k) and easgd/eamsgd (whose exchange must move worker and center by the same amount).
+        sparse_values: adacomp: ``"float16"`` sends the chosen values as halves (4 bytes per sent
+            coordinate instead of 6, the rounding kept in the residual).
         bits: qsgd's bits per coordinate. rank: powersgd's rank.
         error_feedback: keep what a compressor did not send and add it to the next update (default:
             on for the biased compressors: topk, randomk, sign, powersgd).
@@ -131,6 +133,7 @@ class AsyncPSStrategy(ParallelStrategy):
         *,
         compression: float = 0.01,
         compressor: str = "none",
+        sparse_values: str = "float32",
         bits: int = 8,
         rank: int = 4,
         error_feedback: bool | None = None,
@@ -164,7 +167,13 @@ class AsyncPSStrategy(ParallelStrategy):
                          precision_plugin=precision_plugin)
         self.mode = mode
         self.mode_spec = get_mode(mode)
-        self.mode_spec.make_compressor(compression)  # validates compression now, not in a worker
+        if sparse_values not in SPARSE_VALUES:
+            raise ValueError(f"sparse_values must be one of {SPARSE_VALUES}, got {sparse_values!r}")
+        if sparse_values != "float32" and mode != "adacomp":
+            raise ValueError(f"sparse_values={sparse_values!r} sets how adacomp sends its values; mode={mode!r} "
+                             "sends none (use compressor='fp16' for dense halves)")
+        self.sparse_values = sparse_values
+        self.mode_spec.make_compressor(compression, sparse_values)  # validates compression now, not in a worker
         if compressor != "none" and mode == "hogwild":
             raise ValueError("compressor= does not go with mode='hogwild': its workers share memory and send nothing")
         if compressor != "none" and (mode == "adacomp" or self.mode_spec.exchange == "elastic"):
@@ -246,7 +255,7 @@ class AsyncPSStrategy(ParallelStrategy):
     def _new_compressor(self) -> Any:
         """A fresh compressor (empty residuals) for a fit: the mode's own for adacomp, else the chosen one."""
         if self.mode == "adacomp":
-            return self.mode_spec.make_compressor(self.compression)
+            return self.mode_spec.make_compressor(self.compression, self.sparse_values)
         return make_compressor(self.compressor, seed=self.global_rank if self.cluster_environment else 0,
                                **self._compressor_options)
 

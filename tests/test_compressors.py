@@ -58,6 +58,29 @@ def test_wire_size_matches_the_docstring_formula():
     assert payload * 60 < delta.nbytes  # 70,854 bytes instead of 4,718,592
 
 
+def test_half_values_keep_their_rounding_in_the_residual_and_cost_four_bytes_each():
+    rng = np.random.default_rng(4)
+    comp = TopKResidual(0.01, values="float16")
+    carried = np.zeros((9216, 128), np.float32)
+    for _ in range(3):
+        delta = (rng.standard_normal((9216, 128)) * 1e-3).astype(np.float32)
+        want = (delta + carried).reshape(-1)
+        sent = comp.encode("fc", delta)
+        residual = comp.residuals["fc"]
+        assert sent.values.dtype == np.float16 and sent.nnz == 11797
+        # each value is the half nearest the chosen coordinate; what rounding lost stays, exactly
+        np.testing.assert_array_equal(sent.values, want[sent.indices].astype(np.float16))
+        np.testing.assert_array_equal(sent.to_dense().reshape(-1).astype(np.float32) + residual, want)
+        kept, chosen = np.abs(residual[sent.indices]), np.abs(want[sent.indices])
+        assert np.all(kept <= chosen * 2.0**-11 + 2.0**-25)  # half a unit in the last place of a half
+        carried = residual.reshape(delta.shape)
+    frames = encode("push", None, {"fc": sent})
+    payload = sum(len(memoryview(f).cast("B")) for f in frames[1:])
+    assert payload == 4 * 18 + 4 * 11797 == sparse_wire_bytes(9216 * 128, 11797, itemsize=2)
+    with pytest.raises(ValueError, match="values must be one of"):
+        TopKResidual(0.01, values="int8")
+
+
 def test_fraction_is_validated_and_none_passes_through():
     with pytest.raises(ValueError):
         TopKResidual(0.0)

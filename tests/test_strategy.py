@@ -112,6 +112,12 @@ def test_bad_arguments_are_refused_at_construction():
         AsyncPSStrategy(push_every=0)
     with pytest.raises(ValueError, match="tcp://"):
         AsyncPSStrategy(ps_address="localhost:2223")
+    with pytest.raises(ValueError, match="sparse_values must be one of"):
+        AsyncPSStrategy(mode="adacomp", sparse_values="int8")
+    with pytest.raises(ValueError, match="sets how adacomp sends its values"):
+        AsyncPSStrategy(mode="asgd", sparse_values="float16")
+    with pytest.raises(ValueError, match="heartbeat_s must be in"):
+        AsyncPSStrategy(heartbeat_s=15.0, worker_timeout=20.0)
 
 
 def test_reduce_ops_of_torch_and_lightning_are_understood():

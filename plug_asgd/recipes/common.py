@@ -12,7 +12,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.loggers import CSVLogger
 
 from plug_asgd.callbacks import CommunicationMonitor, PSCheckpoint, Supervisor
-from plug_asgd.compressors import COMPRESSORS
+from plug_asgd.compressors import COMPRESSORS, SPARSE_VALUES
 from plug_asgd.modes import MODES
 from plug_asgd.ps_server import DEFAULT_WORKER_TIMEOUT
 from plug_asgd.strategy import AsyncPSStrategy
@@ -29,6 +29,8 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help="adacomp: fraction of each layer's update sent per push (default: 0.01)")
     parser.add_argument("--compressor", choices=sorted(COMPRESSORS), default="none",
                         help="how pushed updates are encoded (default: none); topk/randomk use --compression")
+    parser.add_argument("--sparse-values", choices=SPARSE_VALUES, default="float32",
+                        help="adacomp: dtype of the values sent (float16: 4 bytes per coordinate, not 6)")
     parser.add_argument("--bits", type=int, default=8, help="qsgd: bits per coordinate (default: 8)")
     parser.add_argument("--rank", type=int, default=4, help="powersgd: rank (default: 4)")
     parser.add_argument("--push-every", type=int, default=None,
@@ -69,6 +71,7 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 
 def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
     return AsyncPSStrategy(mode=args.mode, compression=args.compression, compressor=args.compressor,
+                           sparse_values=args.sparse_values,
                            bits=args.bits, rank=args.rank, push_every=args.push_every,
                            pull_every=args.pull_every, tau=args.tau, alpha=args.alpha,
                            staleness_bound=args.staleness_bound,
