@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from plug_asgd.client import PSClient, PSError, PSUnreachableError
 from tests.conftest import (
     ACCURACY_THRESHOLD,
     FASHION,
@@ -220,14 +222,25 @@ def test_two_nodes_through_lightnings_cluster_environment(procs, tmp_path):
 
 @needs_fashion
 def test_ctrl_c_stops_every_process(procs, tmp_path):
+    port = free_port()  # the embedded PS listens on MASTER_PORT: the test watches it to see training going
     proc = procs.start([PYTHON, *RECIPE, "--train-subset", "60000", "--workers", "2", "--run-dir",
-                        str(tmp_path / "runs")])
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(group_members(proc.pid)) < 3:  # 2 workers + the PS
+                        str(tmp_path / "runs")], env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    watcher = PSClient(f"tcp://127.0.0.1:{port}", rank=0, world_size=1, mode="asgd", heartbeat_s=None)
+    deadline = time.monotonic() + 120
+    while True:  # both workers past setup and pushing, whatever the load on the machine
+        assert time.monotonic() < deadline and proc.poll() is None, "training did not start"
+        try:
+            if watcher.stats(timeout=2.0)["version"] >= 10:
+                break
+        except (PSError, PSUnreachableError):
+            pass
         time.sleep(0.2)
-    assert len(group_members(proc.pid)) >= 3, "training did not start"
-    time.sleep(3)
+    watcher.close()
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-    proc.communicate(timeout=60)
-    assert proc.returncode != 0
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in group_members(proc.pid)}
+        pytest.fail(f"still running 120 s after Ctrl-C: {left}")
+    assert proc.returncode != 0, out[-3000:]
     assert procs.leftovers(grace=20) == []
