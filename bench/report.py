@@ -25,7 +25,9 @@ def _spread(s: dict[str, Any] | None) -> str:
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     lines = [f"# Benchmark results ({results['size']})", "",
-             f"Command: `{results['command']}` (from the repository root; {results.get('wall_s', 0):.0f} s).", "",
+             f"Command: `{results['command']}` (from the repository root; {results.get('wall_s', 0):.0f} s)."
+             + "".join(f" Earlier: `{e['command']}` ({e.get('wall_s', 0):.0f} s, {e['machine']['date']})."
+                       for e in results.get("earlier", [])) + " Each benchmark's own command is in results.json.", "",
              f"Machine: {m['cpu_count']} CPUs ({m['cpu_model']}), torch {m['torch']}, Python {m['python']}, "
              f"ZeroMQ {m['zmq']}, {m['platform']}; {m['date']}; load average at start "
              f"{', '.join(f'{x:.2f}' for x in m['load_average_at_start'])}.", "",

@@ -39,9 +39,11 @@ ADACOMP_191 = 0.0034
 SIZES: dict[str, dict[str, Any]] = {
     "quick": {"reps": 1, "straggler_s": 2.0, "sync_steps": 12, "overhead_steps": 12, "adacomp_subset": 1280,
               "tta_subset": 3200, "tta_epochs": 1, "tta_limit_s": 8.0, "snapshot_s": 2.0, "test_subset": 1000,
+              "tta_test_subset": 1000,
               "rtt_rounds": 5, "ingest_s": 1.5, "ingest_clients": (2,), "timeout": 170},
-    "full": {"reps": 3, "straggler_s": 15.0, "sync_steps": 80, "overhead_steps": 60, "adacomp_subset": 24000,
-             "tta_subset": None, "tta_epochs": 2, "tta_limit_s": 110.0, "snapshot_s": 5.0, "test_subset": None,
+    "full": {"reps": 5, "straggler_s": 15.0, "sync_steps": 100, "overhead_steps": 100, "adacomp_subset": 24000,
+             "tta_subset": None, "tta_epochs": 2, "tta_limit_s": 110.0, "snapshot_s": 10.0, "test_subset": None,
+             "tta_test_subset": 5000,
              "rtt_rounds": 20, "ingest_s": 5.0, "ingest_clients": (2, 4), "timeout": 1800},
 }
 
@@ -120,8 +122,10 @@ def training_runs(names: list[str], size: dict[str, Any], slow_sleep: float) -> 
             two.append({**common, "name": comp, "kind": "asgd", "mode": "asgd", "compressor": comp})
     if "time_to_accuracy" in names:
         common = {"bench": "time_to_accuracy", "batch_size": 32, "train_subset": size["tta_subset"],
-                  "epochs": size["tta_epochs"], "snapshot_every_s": size["snapshot_s"]}
-        one.append({**common, "name": "one process", "kind": "single"})
+                  "epochs": size["tta_epochs"], "snapshot_every_s": size["snapshot_s"],
+                  "test_subset": size["tta_test_subset"]}
+        one.append({**common, "name": "one process", "kind": "single", "time_limit_s": size["tta_limit_s"],
+                    "max_steps": big})
         two.append({**common, "name": "ddp", "kind": "ddp"})
         for mode in ("asgd", "adacomp", "sync"):
             two.append({**common, "name": mode, "kind": "asgd", "mode": mode, "time_limit_s": size["tta_limit_s"],
@@ -183,15 +187,22 @@ def analyse_stragglers(runs: list[dict[str, Any]], slow_sleep: float, base_step:
 
 
 def analyse_sync(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"ratio": summary(_pairs(runs, "sync", "ddp", "step_time_s")), "unit": "sync / DDP time per step (rank 0)",
+    return {"ratio": summary(_pairs(runs, "sync", "ddp", "step_time_median_s")),
+            "unit": "sync / DDP median time per step (rank 0)",
+            "mean_step_ratio": summary(_pairs(runs, "sync", "ddp", "step_time_s")),
+            "method": "2 workers, batch 32, OMP_NUM_THREADS = cpu_count // 2 each; per run the median of rank 0's "
+                      "step-to-step times after 3 warm-up steps (the median resists bursts of load from other "
+                      "processes on the machine); the ratio of the sync and DDP runs of a repetition",
             "runs": runs}
 
 
 def analyse_overhead(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    per_batch = {str(b): summary(_pairs(runs, "asgd", "plain", "step_time_s", batch_size=b)) for b in (10, 32, 128)}
+    per_batch = {str(b): summary(_pairs(runs, "asgd", "plain", "step_time_median_s", batch_size=b))
+                 for b in (10, 32, 128)}
     return {"ratio": per_batch["32"], "by_batch": per_batch, "unit": "asgd / plain Lightning time per step, 1 worker",
             "method": "one process, OMP_NUM_THREADS = cpu_count, the embedded PS in its own process beside it; "
-                      "time per step: rank 0's steps after 5 warm-up steps over their wall time",
+                      "time per step: the median of the step-to-step times after 5 warm-up steps; the plain and "
+                      "asgd runs of each batch size alternate, their order flipped every repetition",
             "runs": runs}
 
 
@@ -240,7 +251,8 @@ def analyse_time_to_accuracy(runs: list[dict[str, Any]], target: float = 0.88) -
             "2 asgd workers / one process", "time_to_target_s": times, "best_acc": best, "target_acc": target,
             "method": "rank 0 snapshots its weights (for asgd/adacomp/sync: the central model of its last reply) "
                       "every few seconds of training, the snapshot's own time taken off the clock; the snapshots "
-                      "are evaluated on the test set after the fit. One process: OMP_NUM_THREADS = cpu_count; "
+                      "are evaluated after the fit on a fixed half of the test set (5,000 images; 1,000 with --quick), "
+                      "to keep the evaluation's time in bounds. One process: OMP_NUM_THREADS = cpu_count; "
                       "2 workers: cpu_count // 2 each. One run per configuration.",
             "curves": {r["name"]: r.get("curve", []) for r in runs}}
 
@@ -332,7 +344,8 @@ def bench_ingest(size: dict[str, Any], work: Path) -> dict[str, Any]:
                 workers = []
                 probe = None
                 try:
-                    probe = PSClient(address, rank=63, world_size=64, mode="asgd", request_timeout=60)
+                    probe = PSClient(address, rank=63, world_size=64, mode="asgd" if kind == "dense" else "adacomp",
+                                     request_timeout=60)
                     probe.hello(1, False, timeout=30)
                     probe.init(model())
                     for c in range(clients):
@@ -374,12 +387,21 @@ def judge(name: str, value: float | None, result: dict[str, Any]) -> bool | None
     return value >= target if op == ">=" else value <= target
 
 
-def run(names: list[str], quick: bool, out: Path) -> dict[str, Any]:
+def run(names: list[str], quick: bool, out: Path, merge: bool = False) -> dict[str, Any]:
     size = SIZES["quick" if quick else "full"]
     work = out / "work"
     started = time.monotonic()
+    command = "python -m bench " + " ".join(sys.argv[1:])
     results: dict[str, Any] = {"machine": machine(), "size": "quick" if quick else "full",
-                               "command": "python -m bench " + " ".join(sys.argv[1:]), "benchmarks": {}}
+                               "command": command, "benchmarks": {}}
+    previous = out / "results.json"
+    if merge and previous.exists():  # keep the other benchmarks of an earlier run, say which command made which
+        old = json.loads(previous.read_text())
+        results["benchmarks"] = old["benchmarks"]
+        results["earlier"] = old.get("earlier", []) + [{k: old[k] for k in ("command", "machine", "wall_s")
+                                                         if k in old}]
+        for name in names:
+            results["benchmarks"].pop(name, None)
     base_step = step_time_single_thread(32)
     slow_sleep = 3 * base_step
     launches = training_runs(names, size, slow_sleep)
@@ -403,6 +425,8 @@ def run(names: list[str], quick: bool, out: Path) -> dict[str, Any]:
         what, op, target = TARGETS[name]
         value = (result.get("ratio") or {}).get("median")
         result.update(figure=what, target=None if op is None else f"{op} {target}", met=judge(name, value, result))
+        result["command"] = command
+        result["size_params"] = {k: v for k, v in size.items() if k != "timeout"}
         results["benchmarks"][name] = result
         if name not in analysers:
             print(f"[bench] {name}: {time.monotonic() - t:.0f} s", flush=True)
@@ -419,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "process: " + ", ".join(BENCHMARKS))
     parser.add_argument("names", nargs="+", help="'all' or benchmark names: " + ", ".join(BENCHMARKS))
     parser.add_argument("--quick", action="store_true", help="the CI size (about a minute and a half on 2 cores)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other benchmarks of the results.json already in --out (rerun some only)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results folder (default: bench/results, or runs/bench-quick with --quick)")
     args = parser.parse_args(argv)
@@ -429,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (FASHION / "train-images-idx3-ubyte.gz").exists() and set(names) - {"ps_roundtrip", "ingest"}:
         parser.error(f"the training benchmarks need Fashion-MNIST in {FASHION}: apt-get install dataset-fashion-mnist")
     out = args.out or (ROOT / "runs" / "bench-quick" if args.quick else ROOT / "bench" / "results")
-    results = run(names, args.quick, out)
+    results = run(names, args.quick, out, merge=args.merge)
     for name, r in results["benchmarks"].items():
         med = (r.get("ratio") or {}).get("median")
         shown = "error: " + r["error"] if "error" in r else (f"{med:.3g}" if med is not None else "n/a")

@@ -142,8 +142,10 @@ def window(records: list[dict[str, Any]], batch: int) -> dict[str, Any]:
     span = end - start
     rank0 = records[0]
     r0_span = rank0["step_ends"][-1] - rank0["window_start"]
+    ends = [rank0["window_start"], *rank0["step_ends"]]
     return {"samples_per_s": sum(steps) * batch / span if span > 0 else None, "window_s": span,
-            "steps_in_window": steps, "step_time_s": r0_span / len(rank0["step_ends"])}
+            "steps_in_window": steps, "step_time_s": r0_span / len(rank0["step_ends"]),
+            "step_time_median_s": float(np.median(np.diff(ends)))}
 
 
 def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) -> dict[str, Any] | None:
@@ -151,7 +153,8 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
     batch = run["batch_size"]
     pl.seed_everything(spec.get("seed", 0), workers=True, verbose=False)
     dm = MnistDataModule(spec["data_dir"], batch_size=batch, train_subset=run.get("train_subset"),
-                         test_subset=spec.get("test_subset"), download=False, seed=spec.get("seed", 0))
+                         test_subset=run.get("test_subset", spec.get("test_subset")), download=False,
+                         seed=spec.get("seed", 0))
     model = MnistCNN()
     strategy = make_strategy(run, index, workers)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -173,6 +176,12 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
         # (training_epoch_loop._broadcast_sigterm_tensor): the asgd runs after this one would be in lockstep.
         torch.distributed.destroy_process_group()
     if rank != 0:
+        # rank 0 evaluates its snapshots after the fit: wait for it, or the next run's first request (to a PS
+        # that rank 0 has not started yet) would time out
+        done = out / f"run{index}_done"
+        deadline = time.monotonic() + 900
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
         return None
     records = []
     deadline = time.monotonic() + 120
@@ -209,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         if result is not None:
             results.append(result)
             (args.out / "results.json").write_text(json.dumps(results, indent=1))
+            (args.out / f"run{i}_done").touch()
             print(f"bench.train: run {i} {run.get('name')} done", flush=True)
 
 
