@@ -72,7 +72,9 @@ def markdown(results: dict[str, Any]) -> str:
         t = b["time_to_accuracy"]
         lines += ["", f"## Time to {t['target_acc']:.0%} test accuracy", "", t["method"], "",
                   "| run | seconds to target | best accuracy |", "|---|---|---|"]
-        lines += [f"| {k} | {_fmt(v)} | {_fmt(t['best_acc'].get(k))} |" for k, v in t["time_to_target_s"].items()]
+        for k, v in t["time_to_target_s"].items():
+            shown = _fmt(v) if v is not None else f"not reached in {_fmt(t.get('run_s', {}).get(k))} s"
+            lines.append(f"| {k} | {shown} | {_fmt(t['best_acc'].get(k))} |")
     return "\n".join(lines) + "\n"
 
 
