@@ -165,7 +165,9 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
                          enable_progress_bar=False, callbacks=[clock])
     trainer.fit(model, datamodule=dm)
     rank = trainer.global_rank
-    (out / f"run{index}_rank{rank}.json").write_text(json.dumps(clock.record()))
+    tmp = out / f"run{index}_rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(clock.record()))
+    tmp.replace(out / f"run{index}_rank{rank}.json")  # atomic: rank 0 polls for this file and reads it
     ps = strategy.ps_stats() if isinstance(strategy, AsyncPSStrategy) else None
     test_acc = None
     if run.get("test"):
