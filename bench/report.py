@@ -1,0 +1,140 @@
+"""results.md and the PNG plots of a benchmark run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def _spread(s: dict[str, Any] | None) -> str:
+    if not s or s.get("median") is None:
+        return "n/a"
+    if s["n"] == 1:
+        return f"{_fmt(s['median'])} (1 run)"
+    return f"{_fmt(s['median'])} [{_fmt(s['min'])} .. {_fmt(s['max'])}], n={s['n']}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    lines = [f"# Benchmark results ({results['size']})", "",
+             f"Command: `{results['command']}` (from the repository root; {results.get('wall_s', 0):.0f} s)."
+             + "".join(f" Earlier: `{e['command']}` ({e.get('wall_s', 0):.0f} s, {e['machine']['date']})."
+                       for e in results.get("earlier", [])) + " Each benchmark's own command is in results.json.", "",
+             f"Machine: {m['cpu_count']} CPUs ({m['cpu_model']}), torch {m['torch']}, Python {m['python']}, "
+             f"ZeroMQ {m['zmq']}, {m['platform']}; {m['date']}; load average at start "
+             f"{', '.join(f'{x:.2f}' for x in m['load_average_at_start'])}.", "",
+             "Each figure: median over repetitions [min .. max], alternated within the run.", "",
+             "| benchmark | figure | target | measured | met |", "|---|---|---|---|---|"]
+    for name, r in results["benchmarks"].items():
+        measured = ("error: " + r["error"]) if "error" in r else _spread(r.get("ratio"))
+        lines.append(f"| {name} | {r.get('figure')} | {r.get('target') or 'none'} | {measured} | "
+                     f"{ {True: 'yes', False: '**no**', None: '-'}[r.get('met')]} |")
+    b = results["benchmarks"]
+    if "overhead" in b and "by_batch" in b["overhead"]:
+        lines += ["", "## Overhead by batch size (asgd / plain Lightning, 1 worker)", "", "| batch | ratio |",
+                  "|---|---|"]
+        lines += [f"| {k} | {_spread(v)} |" for k, v in b["overhead"]["by_batch"].items()]
+    if "stragglers" in b and "asgd_samples_per_s" in b["stragglers"]:
+        s = b["stragglers"]
+        lines += ["", "## Stragglers", "", f"asgd {_spread(s['asgd_samples_per_s'])} samples/s, DDP "
+                  f"{_spread(s['ddp_samples_per_s'])} samples/s. {s['method']}"]
+    if "adacomp" in b and "rows" in b["adacomp"]:
+        a = b["adacomp"]
+        lines += ["", "## Bytes pushed and accuracy", "", a["method"], "",
+                  f"191x fewer bytes than dense needs a fraction of at most 4 / (6 x 191) = "
+                  f"{a['needed_fraction_for_191x']:.4f} with 16-bit offsets and float32 values.", "",
+                  "| run | bytes pushed | pushes | bytes/push | formula payload/push | asgd bytes / these | "
+                  "test acc | vs asgd |", "|---|---|---|---|---|---|---|---|"]
+        for row in a["rows"]:
+            lines.append(f"| {row['name']} | {_fmt(row['push_bytes'])} | {_fmt(row['pushes'])} | "
+                         f"{_fmt(row['bytes_per_push'], 6)} | {row['formula_payload_per_push']} | "
+                         f"{_fmt(row['asgd_bytes_over_these'])} | {_fmt(row['test_acc'])} | "
+                         f"{_fmt(row['acc_minus_asgd'], 2)} |")
+    if "ps_roundtrip" in b and "ps_roundtrip_s" in b["ps_roundtrip"]:
+        p = b["ps_roundtrip"]
+        lines += ["", "## PS round trip", "", f"PS {_spread(p['ps_roundtrip_s'])} s, echo "
+                  f"{_spread(p['echo_roundtrip_s'])} s per round trip; push {p['push_message_bytes']} bytes. "
+                  + p["method"]]
+    if "ingest" in b and "updates_per_s" in b["ingest"]:
+        g = b["ingest"]
+        lines += ["", "## PS ingest (updates/s)", "", "| update / clients | updates/s |", "|---|---|"]
+        lines += [f"| {k} | {_spread(v)} |" for k, v in g["updates_per_s"].items()]
+        lines += ["", f"Multi-threaded PS: {g['multi_threaded']}. {g['method']}"]
+    if "time_to_accuracy" in b and "time_to_target_s" in b["time_to_accuracy"]:
+        t = b["time_to_accuracy"]
+        lines += ["", f"## Time to {t['target_acc']:.0%} test accuracy", "", t["method"], "",
+                  "| run | seconds to target | best accuracy |", "|---|---|---|"]
+        for k, v in t["time_to_target_s"].items():
+            shown = _fmt(v) if v is not None else f"not reached in {_fmt(t.get('run_s', {}).get(k))} s"
+            lines.append(f"| {k} | {shown} | {_fmt(t['best_acc'].get(k))} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict[str, Any], out: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        return []
+    made = []
+    b = results["benchmarks"]
+    t = b.get("time_to_accuracy", {})
+    if t.get("curves"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, curve in t["curves"].items():
+            if curve:
+                ax.plot([c[0] for c in curve], [c[1] for c in curve], marker=".", label=name)
+        ax.axhline(t["target_acc"], color="grey", ls="--", lw=0.8)
+        ax.set(xlabel="training wall time (s)", ylabel="test accuracy", title="Fashion-MNIST, recipe CNN")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "time_to_accuracy.png", dpi=100)
+        plt.close(fig)
+        made.append("time_to_accuracy.png")
+    a = b.get("adacomp", {})
+    if a.get("rows"):
+        rows = [r for r in a["rows"] if r["push_bytes"] and r["test_acc"] is not None]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in rows:
+            ax.scatter(r["push_bytes"], r["test_acc"])
+            ax.annotate(r["name"], (r["push_bytes"], r["test_acc"]), fontsize=7)
+        ax.set_xscale("log")
+        ax.set(xlabel="bytes pushed over the run (on the wire)", ylabel="test accuracy", title="Bytes and accuracy")
+        fig.tight_layout()
+        fig.savefig(out / "adacomp_bytes.png", dpi=100)
+        plt.close(fig)
+        made.append("adacomp_bytes.png")
+    ratios = [(n, r["ratio"]) for n, r in b.items() if (r.get("ratio") or {}).get("median") is not None]
+    if ratios:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        xs = range(len(ratios))
+        med = [r["median"] for _, r in ratios]
+        err = [[r["median"] - r["min"] for _, r in ratios], [r["max"] - r["median"] for _, r in ratios]]
+        ax.bar(xs, med, yerr=err, capsize=3)
+        ax.set_yscale("log")
+        ax.set_xticks(list(xs), [n for n, _ in ratios], rotation=30, ha="right")
+        ax.set(ylabel="ratio (median, min..max)", title="Benchmark figures")
+        fig.tight_layout()
+        fig.savefig(out / "ratios.png", dpi=100)
+        plt.close(fig)
+        made.append("ratios.png")
+    return made
+
+
+def write_report(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    made = plots(results, out)
+    text = markdown(results)
+    if made:
+        text += "\n" + "\n".join(f"![{m}]({m})" for m in made) + "\n"
+    (out / "results.md").write_text(text)

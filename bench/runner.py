@@ -1,0 +1,486 @@
+"""The benchmark runner: ``python -m bench all --quick`` or ``python -m bench NAME [NAME...]``.
+
+Every figure is a ratio of two things measured in the same run, alternated and repeated; the
+median is reported with its spread (min, max over the repetitions). The training benchmarks of
+one process count share one launch of Lightning worker processes (``bench.train``), which runs
+their configurations in turn; the PS benchmarks drive a PS process over pyzmq.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    FASHION,
+    ROOT,
+    child_env,
+    free_port_block,
+    machine,
+    payload_bytes,
+    run_module,
+    start,
+    stop,
+    summary,
+    wait_for,
+    write_json,
+)
+
+BENCHMARKS = ("stragglers", "overhead", "ps_roundtrip", "adacomp", "sync", "ingest", "time_to_accuracy")
+COMPRESSORS = ("fp16", "bf16", "topk", "randomk", "qsgd", "sign", "powersgd")
+# AdaComp at the fraction where 16-bit offsets + fp32 values give 191x fewer bytes than dense: 4 / (6 * 191)
+ADACOMP_191 = 0.0034
+
+SIZES: dict[str, dict[str, Any]] = {
+    "quick": {"reps": 1, "straggler_s": 1.5, "sync_steps": 10, "overhead_steps": 10, "adacomp_subset": 640,
+              "tta_subset": 1920, "tta_epochs": 1, "tta_limit_s": 4.0, "snapshot_s": 2.0, "test_subset": 500,
+              "tta_test_subset": 500,
+              "rtt_rounds": 5, "ingest_s": 1.5, "ingest_clients": (2,), "timeout": 170},
+    "full": {"reps": 5, "straggler_s": 15.0, "sync_steps": 100, "overhead_steps": 100, "adacomp_subset": 24000,
+             "tta_subset": None, "tta_epochs": 2, "tta_limit_s": 110.0, "snapshot_s": 10.0, "test_subset": None,
+             "tta_test_subset": 5000,
+             "rtt_rounds": 20, "ingest_s": 5.0, "ingest_clients": (2, 4), "timeout": 1800},
+}
+
+TARGETS = {
+    "stragglers": ("asgd / DDP samples/s, 2 workers, one slowed 4x", ">=", 2.2),
+    "overhead": ("asgd / plain Lightning time per step, 1 worker, batch 32", "<=", 1.10),
+    "ps_roundtrip": ("PS push+pull round trip / bare pyzmq echo of the same bytes", "<=", 1.25),
+    "adacomp": ("asgd bytes / adacomp bytes at equal accuracy (within 1 point)", ">=", 191.0),
+    "sync": ("sync / DDP time per step, 2 workers", "<=", 1.2),
+    "ingest": ("updates/s the single-threaded PS folds in (sparse 1%, dense)", None, None),
+    "time_to_accuracy": ("time to 88% test accuracy: 2 asgd workers / one process", "<=", 1.0),
+}
+
+
+def step_time_single_thread(batch: int, steps: int = 20) -> float:
+    """Median forward+backward+Adam step of the recipe CNN at ``batch`` on one thread, alone."""
+    import torch
+
+    from plug_asgd.recipes.mnist import MnistCNN
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = MnistCNN()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+        times = []
+        for i in range(steps + 3):
+            t = time.perf_counter()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if i >= 3:
+                times.append(time.perf_counter() - t)
+        return summary(times)["median"]
+    finally:
+        torch.set_num_threads(threads)
+
+
+# -- the training launches -------------------------------------------------------------------------
+
+def training_runs(names: list[str], size: dict[str, Any], slow_sleep: float) -> dict[int, list[dict[str, Any]]]:
+    """The runs of each launch (by number of workers), alternated within each repetition."""
+    two: list[dict[str, Any]] = []
+    one: list[dict[str, Any]] = []
+    big = 100_000
+    for rep in range(size["reps"]):
+        if "stragglers" in names:
+            # asgd ranks stop independently after the same time; DDP runs a step count of about the same length
+            steps = max(8, int(size["straggler_s"] / (slow_sleep * 4 / 3 + 0.03)))
+            common = {"bench": "stragglers", "rep": rep, "batch_size": 32, "slow_rank": 1, "slow_sleep_s": slow_sleep,
+                      "epochs": 1000}
+            pair = [{**common, "name": "asgd", "kind": "asgd", "mode": "asgd", "max_steps": big,
+                     "time_limit_s": size["straggler_s"]},
+                    {**common, "name": "ddp", "kind": "ddp", "max_steps": steps + 3}]
+            two += pair if rep % 2 == 0 else pair[::-1]
+        if "sync" in names:
+            common = {"bench": "sync", "rep": rep, "batch_size": 32, "max_steps": size["sync_steps"], "epochs": 1000}
+            pair = [{**common, "name": "sync", "kind": "asgd", "mode": "sync"},
+                    {**common, "name": "ddp", "kind": "ddp"}]
+            two += pair if rep % 2 == 0 else pair[::-1]
+        if "overhead" in names:
+            for batch in (10, 32, 128):
+                common = {"bench": "overhead", "rep": rep, "batch_size": batch, "max_steps": size["overhead_steps"],
+                          "epochs": 1000, "warmup": 5}
+                pair = [{**common, "name": "plain", "kind": "single"}, {**common, "name": "asgd", "kind": "asgd"}]
+                one += pair if rep % 2 == 0 else pair[::-1]
+    if "adacomp" in names:
+        common = {"bench": "adacomp", "batch_size": 32, "train_subset": size["adacomp_subset"], "epochs": 1,
+                  "test": True}
+        two.append({**common, "name": "asgd", "kind": "asgd", "mode": "asgd"})
+        for frac in (0.01, 0.005, ADACOMP_191):
+            two.append({**common, "name": f"adacomp {frac:g}", "kind": "asgd", "mode": "adacomp", "compression": frac})
+        for comp in COMPRESSORS:
+            two.append({**common, "name": comp, "kind": "asgd", "mode": "asgd", "compressor": comp})
+    if "time_to_accuracy" in names:
+        common = {"bench": "time_to_accuracy", "batch_size": 32, "train_subset": size["tta_subset"],
+                  "epochs": size["tta_epochs"], "snapshot_every_s": size["snapshot_s"],
+                  "test_subset": size["tta_test_subset"]}
+        one.append({**common, "name": "one process", "kind": "single", "time_limit_s": size["tta_limit_s"],
+                    "max_steps": big})
+        two.append({**common, "name": "ddp", "kind": "ddp"})
+        for mode in ("asgd", "adacomp", "sync"):
+            two.append({**common, "name": mode, "kind": "asgd", "mode": mode, "time_limit_s": size["tta_limit_s"],
+                        "max_steps": big})
+    return {n: runs for n, runs in ((2, two), (1, one)) if runs}
+
+
+def launch(workers: int, runs: list[dict[str, Any]], size: dict[str, Any], work: Path) -> list[dict[str, Any]]:
+    out = work / f"train{workers}"
+    spec = {"workers": workers, "data_dir": str(FASHION), "test_subset": size["test_subset"], "runs": runs}
+    work.mkdir(parents=True, exist_ok=True)
+    (work / f"spec{workers}.json").write_text(json.dumps(spec, indent=1))
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    env = child_env(OMP_NUM_THREADS=str(threads), MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(free_port_block(len(runs) + 2)))
+    log = work / f"train{workers}.log"
+    t = time.monotonic()
+    rc = run_module("bench.train", ["--spec", str(work / f"spec{workers}.json"), "--out", str(out)],
+                    timeout=size["timeout"], log=log, env=env)
+    print(f"[bench] {workers}-worker launch: {len(runs)} runs, rc {rc}, {time.monotonic() - t:.0f} s", flush=True)
+    path = out / "results.json"
+    results = json.loads(path.read_text()) if path.exists() else []
+    for r in results:
+        r["threads_per_process"] = threads
+    if rc != 0:
+        print(f"[bench] the {workers}-worker launch failed (rc {rc}); its log: {log}", file=sys.stderr)
+        results.append({"launch_error": f"the {workers}-worker launch failed (rc {rc}) after {len(results)} of "
+                                        f"{len(runs)} runs; its log: {log}"})
+    return results
+
+
+# -- analysis of the training benchmarks -----------------------------------------------------------
+
+def _by(results: list[dict[str, Any]], bench: str) -> list[dict[str, Any]]:
+    return [r for r in results if r.get("bench") == bench]
+
+
+def _pairs(runs: list[dict[str, Any]], num: str, den: str, key: str, **match: Any) -> list[float]:
+    ratios = []
+    for rep in sorted({r["rep"] for r in runs}):
+        sel = [r for r in runs if r["rep"] == rep and all(r.get(k) == v for k, v in match.items())]
+        a = next((r[key] for r in sel if r["name"] == num), None)
+        b = next((r[key] for r in sel if r["name"] == den), None)
+        if a and b:
+            ratios.append(a / b)
+    return ratios
+
+
+def analyse_stragglers(runs: list[dict[str, Any]], slow_sleep: float, base_step: float) -> dict[str, Any]:
+    ratios = _pairs(runs, "asgd", "ddp", "samples_per_s")
+    return {"ratio": summary(ratios), "unit": "asgd samples/s / DDP samples/s",
+            "asgd_samples_per_s": summary([r["samples_per_s"] for r in runs if r["name"] == "asgd"]),
+            "ddp_samples_per_s": summary([r["samples_per_s"] for r in runs if r["name"] == "ddp"]),
+            "method": f"rank 1 sleeps {slow_sleep * 1000:.1f} ms after each step = 3x the median compute time of "
+                      f"one step (forward, backward, Adam; {base_step * 1000:.1f} ms at batch 32 on one thread, "
+                      "measured alone before the launch): a 4x slower worker, the same sleep under DDP and asgd. "
+                      "Samples/s: steps of both ranks within the window where both are past 3 warm-up steps and "
+                      "still training, times the batch, over the window's length. Threads: OMP_NUM_THREADS = "
+                      "cpu_count // 2 per worker, for both.",
+            "runs": runs}
+
+
+def analyse_sync(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"ratio": summary(_pairs(runs, "sync", "ddp", "step_time_median_s")),
+            "unit": "sync / DDP median time per step (rank 0)",
+            "mean_step_ratio": summary(_pairs(runs, "sync", "ddp", "step_time_s")),
+            "method": "2 workers, batch 32, OMP_NUM_THREADS = cpu_count // 2 each; per run the median of rank 0's "
+                      "step-to-step times after 3 warm-up steps (the median resists bursts of load from other "
+                      "processes on the machine); the ratio of the sync and DDP runs of a repetition",
+            "runs": runs}
+
+
+def analyse_overhead(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    per_batch = {str(b): summary(_pairs(runs, "asgd", "plain", "step_time_median_s", batch_size=b))
+                 for b in (10, 32, 128)}
+    return {"ratio": per_batch["32"], "by_batch": per_batch, "unit": "asgd / plain Lightning time per step, 1 worker",
+            "method": "one process, OMP_NUM_THREADS = cpu_count, the embedded PS in its own process beside it; "
+                      "time per step: the median of the step-to-step times after 5 warm-up steps; the plain and "
+                      "asgd runs of each batch size alternate, their order flipped every repetition",
+            "runs": runs}
+
+
+def analyse_adacomp(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    from bench.zmqtools import CNN_SHAPES
+
+    asgd = next((r for r in runs if r["name"] == "asgd"), None)
+    rows = []
+    for r in runs:
+        comp = "adacomp" if r.get("mode") == "adacomp" else r.get("compressor", "none")
+        expected = payload_bytes(CNN_SHAPES, comp, fraction=r.get("compression", 0.01))
+        per_push = r["push_bytes"] / r["pushes"] if r.get("pushes") else None
+        rows.append({"name": r["name"], "mode": r.get("mode"), "compressor": comp,
+                     "compression": r.get("compression") if comp in ("adacomp", "topk", "randomk") else None,
+                     "push_bytes": r.get("push_bytes"), "pushes": r.get("pushes"), "bytes_per_push": per_push,
+                     "formula_payload_per_push": expected, "test_acc": r.get("test_acc"),
+                     "asgd_bytes_over_these": asgd["push_bytes"] / r["push_bytes"] if asgd and r.get("push_bytes")
+                     else None,
+                     "acc_minus_asgd": (r["test_acc"] - asgd["test_acc"]) if asgd and r.get("test_acc") is not None
+                     and asgd.get("test_acc") is not None else None})
+    best = [row for row in rows if row["mode"] == "adacomp" and row["acc_minus_asgd"] is not None
+            and row["acc_minus_asgd"] >= -0.01]
+    ratio = max((row["asgd_bytes_over_these"] for row in best), default=None)
+    within = ratio is not None
+    if ratio is None:  # no adacomp run kept the accuracy: report the 1% one, and say so
+        ratio = next((row["asgd_bytes_over_these"] for row in rows if row["name"] == "adacomp 0.01"), None)
+    return {"ratio": summary([ratio] if ratio else []), "unit": "asgd bytes / adacomp bytes: the smallest adacomp "
+            "fraction whose test accuracy is within 1 point of asgd's, else adacomp 1%", "rows": rows,
+            "accuracy_within_1_point": within,
+            "needed_fraction_for_191x": 4 / (6 * 191),
+            "method": "one training run each (2 workers, 1 epoch of the subset, batch 32, Adam 1e-3), bytes pushed "
+                      "as counted by the PS on the wire (headers included); accuracy of the central model on the "
+                      "test set. One run per configuration: the accuracy moves by about +-1 point between runs.",
+            "runs": runs}
+
+
+def first_time_at(curve: list[list[float]], target: float) -> float | None:
+    return next((t for t, acc in curve if acc >= target), None)
+
+
+def analyse_time_to_accuracy(runs: list[dict[str, Any]], target: float = 0.88) -> dict[str, Any]:
+    times = {r["name"]: first_time_at(r.get("curve", []), target) for r in runs}
+    best = {r["name"]: max((a for _, a in r.get("curve", [])), default=None) for r in runs}
+    last = {r["name"]: max((t for t, _ in r.get("curve", [])), default=None) for r in runs}
+    one, asgd = times.get("one process"), times.get("asgd")
+    bound = None
+    if one and asgd:
+        ratio = [asgd / one]
+    elif asgd and one is None and last.get("one process"):
+        # one process never got there: its whole run is a lower bound on its time, so this is an upper bound
+        ratio, bound = [asgd / last["one process"]], "upper"
+    else:
+        ratio = []
+    return {"ratio": summary(ratio), "bound": bound, "unit": f"time to {target:.0%} test accuracy, "
+            "2 asgd workers / one process" + (" (upper bound: one process never reached it in its run)"
+                                               if bound else ""),
+            "time_to_target_s": times, "best_acc": best, "run_s": last, "target_acc": target,
+            "method": "rank 0 snapshots its weights (for asgd/adacomp/sync: the central model of its last reply) "
+                      "every few seconds of training, the snapshot's own time taken off the clock; the snapshots "
+                      "are evaluated after the fit on a fixed half of the test set (5,000 images; 500 with "
+                      "--quick), to keep the evaluation's time in bounds; the snapshot interval is the figure's "
+                      "resolution. One process: OMP_NUM_THREADS = cpu_count; 2 workers: cpu_count // 2 each; the "
+                      "asgd-family runs and the one process stop after the same training time, DDP after 2 epochs. "
+                      "One run per configuration.",
+            "curves": {r["name"]: r.get("curve", []) for r in runs}}
+
+
+# -- the PS benchmarks -----------------------------------------------------------------------------
+
+def _ps(work: Path, mode: str) -> tuple[Any, str]:
+    from plug_asgd.ps_server import embedded_command
+
+    port = free_port_block(2)
+    proc = start(embedded_command(f"tcp://127.0.0.1:{port}", mode, parent_pid=os.getpid()), log=work / "ps.log")
+    return proc, f"tcp://127.0.0.1:{port}"
+
+
+def bench_ps_roundtrip(size: dict[str, Any], work: Path) -> dict[str, Any]:
+    import zmq
+
+    from bench.zmqtools import CNN_PARAMETERS, model, update
+    from plug_asgd.client import PSClient
+    from plug_asgd.wire import encode, message_bytes
+
+    work.mkdir(parents=True, exist_ok=True)
+    ps, address = _ps(work, "asgd")
+    port = free_port_block(2)
+    echo_proc = start([sys.executable, "-m", "bench.zmqtools", "echo", f"tcp://127.0.0.1:{port}"],
+                      log=work / "echo.log")
+    ctx = zmq.Context.instance()
+    client = None
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        client = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=60)
+        client.hello(1, True, timeout=30)
+        client.init(model())
+        up = update("dense")
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        frames = encode("push", {"rank": 0, "base_version": 0, "seq": 1, "session": "x", "model": True, "rid": 1},
+                        up)
+        push_size = message_bytes(frames)
+        sock.send_multipart(frames, copy=False)  # the echo is up and connected once this comes back
+        if not sock.poll(30000):
+            raise TimeoutError("the echo server did not answer")
+        sock.recv_multipart(copy=False)
+        ps_times: list[list[float]] = []
+        echo_times: list[list[float]] = []
+        version = client.pull().version
+        for rep in range(max(3, size["reps"] * 2)):
+            order = ("ps", "echo") if rep % 2 == 0 else ("echo", "ps")
+            for what in order:
+                times = []
+                for _ in range(size["rtt_rounds"]):
+                    t = time.perf_counter()
+                    if what == "ps":
+                        version = client.push(version, up).version
+                    else:
+                        sock.send_multipart(frames, copy=False)
+                        sock.recv_multipart(copy=False)
+                    times.append(time.perf_counter() - t)
+                (ps_times if what == "ps" else echo_times).append(times)
+        ratios = [summary(p)["median"] / summary(e)["median"] for p, e in zip(ps_times, echo_times, strict=True)]
+        down = client.counters.bytes_down / max(1, client.counters.requests)
+        return {"ratio": summary(ratios), "unit": "PS dense push + model reply / bare pyzmq echo of the push's bytes",
+                "ps_roundtrip_s": summary([summary(p)["median"] for p in ps_times]),
+                "echo_roundtrip_s": summary([summary(e)["median"] for e in echo_times]),
+                "parameters": CNN_PARAMETERS, "push_message_bytes": push_size, "mean_reply_bytes": down,
+                "method": f"{size['rtt_rounds']} round trips per block, PS and echo blocks alternated; per block pair "
+                          "the ratio of the median round trips. The PS (mode asgd, single-threaded, its own process) "
+                          "folds the dense update in and answers with the whole central model; the echo server (its "
+                          "own process) sends the push's frames back unchanged; both over tcp on 127.0.0.1."}
+    finally:
+        if client is not None:
+            client.close()
+        sock.close(0)
+        stop(echo_proc)
+        stop(ps)
+
+
+def bench_ingest(size: dict[str, Any], work: Path) -> dict[str, Any]:
+    from bench.zmqtools import CNN_PARAMETERS, model
+    from plug_asgd.client import PSClient
+
+    work.mkdir(parents=True, exist_ok=True)
+    rates: dict[str, list[float]] = {}
+    for rep in range(max(2, size["reps"])):
+        for clients in size["ingest_clients"]:
+            kinds = ("dense", "sparse") if rep % 2 == 0 else ("sparse", "dense")
+            for kind in kinds:
+                ps, address = _ps(work, "asgd" if kind == "dense" else "adacomp")
+                workers = []
+                probe = None
+                try:
+                    probe = PSClient(address, rank=63, world_size=64, mode="asgd" if kind == "dense" else "adacomp",
+                                     request_timeout=60)
+                    probe.hello(1, False, timeout=30)
+                    probe.init(model())
+                    for c in range(clients):
+                        workers.append(start([sys.executable, "-m", "bench.zmqtools", "ingest", address, kind, str(c)],
+                                             log=work / "ingest.log"))
+                    wait_for(lambda p=probe, n=clients: p.stats()["pushes_applied"] >= 3 * n, 60, "ingest clients")
+                    s0, t0 = probe.stats()["pushes_applied"], time.perf_counter()
+                    time.sleep(size["ingest_s"])
+                    s1, t1 = probe.stats()["pushes_applied"], time.perf_counter()
+                    rates.setdefault(f"{kind}/{clients}", []).append((s1 - s0) / (t1 - t0))
+                finally:
+                    for w in workers:
+                        stop(w, grace=1.0)
+                    if probe is not None:
+                        probe.close()
+                    stop(ps)
+    by = {k: summary(v) for k, v in rates.items()}
+    ratio = [s / d for s, d in zip(rates.get(f"sparse/{size['ingest_clients'][0]}", []),
+                                   rates.get(f"dense/{size['ingest_clients'][0]}", []), strict=False)]
+    return {"updates_per_s": by, "ratio": summary(ratio), "unit": "sparse 1% updates/s / dense updates/s "
+            f"(single-threaded PS, {size['ingest_clients'][0]} clients)", "parameters": CNN_PARAMETERS,
+            "multi_threaded": "absent: the library's PS serves from one thread (no --threads); only the "
+                              "single-threaded PS is measured",
+            "method": "a PS process (dense: mode asgd; sparse: mode adacomp, its top-1% encoding with 16-bit "
+                      "offsets) initialised with the recipe CNN's shapes; N client processes push the same "
+                      "pre-encoded update in a loop without asking for the model back; updates/s = the PS's "
+                      "pushes_applied counter over a timed window after a warm-up. Clients and PS share the "
+                      "machine's cores."}
+
+
+# -- the runner ------------------------------------------------------------------------------------
+
+def judge(name: str, value: float | None, result: dict[str, Any]) -> bool | None:
+    _, op, target = TARGETS[name]
+    if value is None or op is None:
+        return None
+    if name == "adacomp" and not result.get("accuracy_within_1_point"):
+        return False
+    return value >= target if op == ">=" else value <= target
+
+
+def run(names: list[str], quick: bool, out: Path, merge: bool = False) -> dict[str, Any]:
+    size = SIZES["quick" if quick else "full"]
+    work = out / "work"
+    started = time.monotonic()
+    command = "python -m bench " + " ".join(sys.argv[1:])
+    results: dict[str, Any] = {"machine": machine(), "size": "quick" if quick else "full",
+                               "command": command, "benchmarks": {}}
+    previous = out / "results.json"
+    if merge and previous.exists():  # keep the other benchmarks of an earlier run, say which command made which
+        old = json.loads(previous.read_text())
+        results["benchmarks"] = old["benchmarks"]
+        results["earlier"] = old.get("earlier", []) + [{k: old[k] for k in ("command", "machine", "wall_s")
+                                                         if k in old}]
+        for name in names:
+            results["benchmarks"].pop(name, None)
+    base_step = step_time_single_thread(32)
+    slow_sleep = 3 * base_step
+    launches = training_runs(names, size, slow_sleep)
+    trained: list[dict[str, Any]] = []
+    for workers, runs in launches.items():
+        trained += launch(workers, runs, size, work)
+    failures = [r.pop("launch_error") for r in trained if "launch_error" in r]
+    trained = [r for r in trained if r]
+    if failures:
+        results["launch_errors"] = failures
+    analysers = {"stragglers": lambda r: analyse_stragglers(r, slow_sleep, base_step), "sync": analyse_sync,
+                 "overhead": analyse_overhead, "adacomp": analyse_adacomp, "time_to_accuracy": analyse_time_to_accuracy}
+    for name in names:
+        t = time.monotonic()
+        try:
+            if name in analysers:
+                got = _by(trained, name)
+                result = analysers[name](got) if got else {"error": "no run of this benchmark finished (see the log)"}
+            elif name == "ps_roundtrip":
+                result = bench_ps_roundtrip(size, work / name)
+            else:
+                result = bench_ingest(size, work / name)
+        except Exception as exc:  # a benchmark that fails says so; the others still report
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        what, op, target = TARGETS[name]
+        value = (result.get("ratio") or {}).get("median")
+        result.update(figure=what, target=None if op is None else f"{op} {target}", met=judge(name, value, result))
+        result["command"] = command
+        result["size_params"] = {k: v for k, v in size.items() if k != "timeout"}
+        results["benchmarks"][name] = result
+        if name not in analysers:
+            print(f"[bench] {name}: {time.monotonic() - t:.0f} s", flush=True)
+    results["wall_s"] = round(time.monotonic() - started, 1)
+    write_json(out / "results.json", results)
+    from bench.report import write_report
+
+    write_report(results, out)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description="plug_asgd against Lightning DDP and one "
+                                     "process: " + ", ".join(BENCHMARKS))
+    parser.add_argument("names", nargs="+", help="'all' or benchmark names: " + ", ".join(BENCHMARKS))
+    parser.add_argument("--quick", action="store_true", help="the CI size (about a minute and a half on 2 cores)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other benchmarks of the results.json already in --out (rerun some only)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results folder (default: bench/results, or runs/bench-quick with --quick)")
+    args = parser.parse_args(argv)
+    names = list(BENCHMARKS) if "all" in args.names else args.names
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+    if not (FASHION / "train-images-idx3-ubyte.gz").exists() and set(names) - {"ps_roundtrip", "ingest"}:
+        parser.error(f"the training benchmarks need Fashion-MNIST in {FASHION}: apt-get install dataset-fashion-mnist")
+    out = args.out or (ROOT / "runs" / "bench-quick" if args.quick else ROOT / "bench" / "results")
+    results = run(names, args.quick, out, merge=args.merge)
+    for name, r in results["benchmarks"].items():
+        med = (r.get("ratio") or {}).get("median")
+        shown = "error: " + r["error"] if "error" in r else (f"{med:.3g}" if med is not None else "n/a")
+        print(f"{name:18s} {shown:>10s}  target {r.get('target')}  met {r.get('met')}")
+    print(f"[bench] results in {out} ({results['wall_s']:.0f} s)")
+    for failure in results.get("launch_errors", []):
+        print(f"[bench] {failure}")
+    ok = all("error" not in r for r in results["benchmarks"].values()) and not results.get("launch_errors")
+    return 0 if ok else 1

@@ -1,0 +1,228 @@
+"""One launch of Lightning worker processes that runs a sequence of training configurations.
+
+``python -m bench.train --spec SPEC.json --out DIR``. Every rank runs the same sequence of
+runs (a fresh Trainer each; Lightning launches the other ranks once, at the first Trainer,
+by re-running this module), so several strategies are compared in the same processes,
+alternated, without paying the interpreter and import start-up for each. A run is one of:
+
+- ``single``: plain Lightning on one device (``strategy="auto"``), for ``workers == 1``;
+- ``ddp``: Lightning's DDP over gloo (``accelerator="cpu"``);
+- ``asgd``: ``AsyncPSStrategy(mode=...)`` with its embedded PS on port ``MASTER_PORT + 1 + i``
+  (the main port stays free for DDP's store).
+
+Measured on each rank by :class:`StepClock`: the wall-clock end of every training step (after
+``warmup`` steps), forward+backward time, and, on rank 0 where asked, snapshots of the weights
+every ``snapshot_every_s`` seconds of training (the time taken by a snapshot is subtracted from
+the clock), evaluated on the test set after the fit. The straggler is a sleep of ``slow_sleep_s``
+at the end of each step of rank ``slow_rank``: the runner sets it to ``(factor - 1) x`` the
+compute time of one step measured once, alone, before the launch, so that DDP and asgd are
+slowed by the same amount (a sleep proportional to the step's own measured time would also
+scale DDP's all-reduce, which runs inside its backward pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+
+from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
+from plug_asgd.strategy import AsyncPSStrategy
+
+
+class StepClock(pl.Callback):
+    def __init__(self, run: dict[str, Any], rank: int) -> None:
+        self.run = run
+        self.rank = rank
+        self.warmup = int(run.get("warmup", 3))
+        self.pause = float(run.get("slow_sleep_s") or 0.0) if run.get("slow_rank") == rank else 0.0
+        self.time_limit = run.get("time_limit_s")
+        self.snapshot_every = run.get("snapshot_every_s") if rank == 0 else None
+        self.steps = 0
+        self.step_ends: list[float] = []  # time.time() of each step end after the warm-up
+        self.window_start: float | None = None
+        self.compute: list[float] = []
+        self.slept = 0.0
+        self.excluded = 0.0
+        self.fit_start = 0.0
+        self.snapshots: list[tuple[float, dict[str, torch.Tensor]]] = []
+        self._next_snapshot = 0.0
+        self._t0 = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        self.fit_start = time.perf_counter()
+        if self.snapshot_every:
+            self._snapshot(module)
+            self._next_snapshot = self.snapshot_every
+
+    def _clock(self) -> float:
+        return time.perf_counter() - self.fit_start - self.excluded
+
+    def _snapshot(self, module: pl.LightningModule) -> None:
+        t = time.perf_counter()
+        at = self._clock()
+        self.snapshots.append((at, {k: v.detach().clone() for k, v in module.state_dict().items()}))
+        self.excluded += time.perf_counter() - t
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_after_backward(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self._fb = time.perf_counter() - self._t0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
+                           idx: int) -> None:
+        fb = getattr(self, "_fb", 0.0)
+        self.compute.append(fb)
+        if self.pause:
+            time.sleep(self.pause)
+            self.slept += self.pause
+        self.steps += 1
+        now = time.time()
+        if self.steps == self.warmup:
+            self.window_start = now
+        elif self.steps > self.warmup:
+            self.step_ends.append(now)
+        if self.snapshot_every and self._clock() >= self._next_snapshot:
+            self._snapshot(module)
+            self._next_snapshot = self._clock() + self.snapshot_every
+        if self.time_limit and self.window_start is not None and now - self.window_start >= self.time_limit:
+            trainer.should_stop = True  # asgd-family runs only: their ranks stop independently
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if self.snapshot_every:
+            self._snapshot(module)
+
+    def record(self) -> dict[str, Any]:
+        return {"rank": self.rank, "steps": self.steps, "window_start": self.window_start,
+                "step_ends": self.step_ends, "compute_median_s": float(np.median(self.compute)) if self.compute else 0,
+                "slept_s": self.slept}
+
+
+def make_strategy(run: dict[str, Any], index: int, workers: int) -> Any:
+    kind = run["kind"]
+    if kind == "single":
+        return "auto"
+    if kind == "ddp":
+        from pytorch_lightning.strategies import DDPStrategy
+
+        return DDPStrategy(process_group_backend="gloo")
+    port = int(os.environ["MASTER_PORT"]) + 1 + index
+    return AsyncPSStrategy(mode=run.get("mode", "asgd"), compression=run.get("compression", 0.01),
+                           compressor=run.get("compressor", "none"), ps_port=port)
+
+
+def evaluate(state: dict[str, torch.Tensor], test_x: torch.Tensor, test_y: torch.Tensor) -> float:
+    model = MnistCNN()
+    model.load_state_dict(state)
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, len(test_x), 1000):
+            correct += int((model(test_x[i:i + 1000]).argmax(1) == test_y[i:i + 1000]).sum())
+    return correct / len(test_x)
+
+
+def window(records: list[dict[str, Any]], batch: int) -> dict[str, Any]:
+    """Samples/s of all ranks over the window in which every rank was past its warm-up and still training."""
+    starts = [r["window_start"] for r in records if r["window_start"] is not None]
+    if len(starts) < len(records) or any(not r["step_ends"] for r in records):
+        return {"samples_per_s": None, "window_s": None, "steps_in_window": None}
+    start = max(starts)
+    end = min(r["step_ends"][-1] for r in records)
+    steps = [sum(1 for t in r["step_ends"] if start < t <= end) for r in records]
+    span = end - start
+    rank0 = records[0]
+    r0_span = rank0["step_ends"][-1] - rank0["window_start"]
+    ends = [rank0["window_start"], *rank0["step_ends"]]
+    return {"samples_per_s": sum(steps) * batch / span if span > 0 else None, "window_s": span,
+            "steps_in_window": steps, "step_time_s": r0_span / len(rank0["step_ends"]),
+            "step_time_median_s": float(np.median(np.diff(ends)))}
+
+
+def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) -> dict[str, Any] | None:
+    workers = spec["workers"]
+    batch = run["batch_size"]
+    pl.seed_everything(spec.get("seed", 0), workers=True, verbose=False)
+    dm = MnistDataModule(spec["data_dir"], batch_size=batch, train_subset=run.get("train_subset"),
+                         test_subset=run.get("test_subset", spec.get("test_subset")), download=False,
+                         seed=spec.get("seed", 0))
+    model = MnistCNN()
+    strategy = make_strategy(run, index, workers)
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    clock = StepClock(run, rank)
+    trainer = pl.Trainer(accelerator="cpu", devices=workers, strategy=strategy, max_epochs=run.get("epochs", 1),
+                         max_steps=run.get("max_steps", -1), limit_val_batches=0, num_sanity_val_steps=0,
+                         logger=False, enable_checkpointing=False, enable_model_summary=False,
+                         enable_progress_bar=False, callbacks=[clock])
+    trainer.fit(model, datamodule=dm)
+    rank = trainer.global_rank
+    tmp = out / f"run{index}_rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(clock.record()))
+    tmp.replace(out / f"run{index}_rank{rank}.json")  # atomic: rank 0 polls for this file and reads it
+    ps = strategy.ps_stats() if isinstance(strategy, AsyncPSStrategy) else None
+    test_acc = None
+    if run.get("test"):
+        results = trainer.test(model, datamodule=dm, verbose=False)
+        test_acc = results[0].get("test_acc")
+    if run["kind"] == "ddp" and torch.distributed.is_initialized():
+        # Once a process group exists, Lightning broadcasts a SIGTERM flag over it at every training step
+        # (training_epoch_loop._broadcast_sigterm_tensor): the asgd runs after this one would be in lockstep.
+        torch.distributed.destroy_process_group()
+    if rank != 0:
+        # rank 0 evaluates its snapshots after the fit: wait for it, or the next run's first request (to a PS
+        # that rank 0 has not started yet) would time out
+        done = out / f"run{index}_done"
+        deadline = time.monotonic() + 900
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return None
+    records = []
+    deadline = time.monotonic() + 120
+    for r in range(workers):
+        path = out / f"run{index}_rank{r}.json"
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        records.append(json.loads(path.read_text()))
+    result = {**run, "index": index, "workers": workers, **window(records, batch), "test_acc": test_acc,
+              "ranks": [{k: v for k, v in r.items() if k != "step_ends"} | {"steps_after_warmup": len(r["step_ends"])}
+                        for r in records]}
+    if ps is not None:
+        result.update(push_bytes=ps["push_bytes_in"], pushes=ps["pushes_applied"] + ps["pushes_dropped"],
+                      pushes_applied=ps["pushes_applied"], ps_version=ps["version"])
+    if clock.snapshots:
+        dm.setup("test")
+        test_x, test_y = dm.test_set.tensors
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        result["curve"] = [(round(t, 3), evaluate(s, test_x, test_y)) for t, s in clock.snapshots]
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    spec = json.loads(args.spec.read_text())
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for i, run in enumerate(spec["runs"]):
+        result = run_one(spec, run, i, args.out)
+        if result is not None:
+            results.append(result)
+            (args.out / "results.json").write_text(json.dumps(results, indent=1))
+            (args.out / f"run{i}_done").touch()
+            print(f"bench.train: run {i} {run.get('name')} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

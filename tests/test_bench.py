@@ -1,0 +1,109 @@
+"""The benchmark runner at its CI size: every benchmark reports, with sane values (no timing thresholds)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.common import payload_bytes
+from bench.runner import BENCHMARKS, COMPRESSORS
+from bench.zmqtools import CNN_PARAMETERS, CNN_SHAPES
+from tests.conftest import PYTHON, needs_fashion
+
+HEADER_BOUND = 4096  # bytes of msgpack header a push may add to its tensor frames
+
+
+def finite_positive(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def test_the_shapes_are_the_recipe_cnns():
+    from plug_asgd.recipes.mnist import MnistCNN
+
+    model = MnistCNN()
+    assert {n: tuple(p.shape) for n, p in model.named_parameters()} == CNN_SHAPES
+    assert CNN_PARAMETERS == 1_199_882
+
+
+def test_payload_formulas_match_the_readme():
+    assert payload_bytes(CNN_SHAPES, "none") == 4 * 1_199_882
+    assert payload_bytes(CNN_SHAPES, "fp16") == 2 * 1_199_882
+    # the README: about 72 KB per adacomp push at 1% for the recipe CNN
+    assert 70_000 < payload_bytes(CNN_SHAPES, "adacomp", fraction=0.01) < 74_000
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    from tests.conftest import ProcessGroups
+
+    groups = ProcessGroups()
+    out = tmp_path_factory.mktemp("bench")
+    rc, output = groups.run([PYTHON, "-m", "bench", "all", "--quick", "--out", str(out)], timeout=420)
+    left = groups.leftovers()
+    for p in groups.procs:
+        groups.kill(p)
+    assert not left, f"the runner left processes behind: {left}"
+    assert rc == 0, output[-4000:]
+    return json.loads((out / "results.json").read_text()), out, output
+
+
+@needs_fashion
+def test_quick_runner_reports_every_benchmark(quick):
+    results, out, _ = quick
+    assert set(results["benchmarks"]) == set(BENCHMARKS)
+    m = results["machine"]
+    assert m["cpu_count"] >= 1 and m["cpu_model"] and m["torch"] and m["date"]
+    for name, r in results["benchmarks"].items():
+        assert "error" not in r, (name, r.get("error"))
+        assert r["figure"]
+    for name in ("stragglers", "overhead", "ps_roundtrip", "adacomp", "sync", "ingest"):
+        ratio = results["benchmarks"][name]["ratio"]
+        assert ratio["n"] >= 1 and finite_positive(ratio["median"]), (name, ratio)
+        assert ratio["min"] <= ratio["median"] <= ratio["max"]
+    for batch, ratio in results["benchmarks"]["overhead"]["by_batch"].items():
+        assert finite_positive(ratio["median"]), batch
+    text = (out / "results.md").read_text()
+    assert "| stragglers |" in text and "Machine:" in text
+    assert (out / "ratios.png").stat().st_size > 0
+    assert (out / "time_to_accuracy.png").stat().st_size > 0
+
+
+@needs_fashion
+def test_bytes_pushed_follow_the_codec_formulas(quick):
+    rows = {row["name"]: row for row in quick[0]["benchmarks"]["adacomp"]["rows"]}
+    assert {"asgd", "adacomp 0.01", "adacomp 0.005", *COMPRESSORS} <= set(rows)
+    for name, row in rows.items():
+        assert row["pushes"] > 0 and row["push_bytes"] > 0, name
+        formula = payload_bytes(CNN_SHAPES, row["compressor"], fraction=row["compression"] or 0.01)
+        assert row["formula_payload_per_push"] == formula
+        assert formula <= row["bytes_per_push"] <= formula + HEADER_BOUND, (name, row["bytes_per_push"], formula)
+        assert 0.0 <= row["test_acc"] <= 1.0
+        assert finite_positive(row["asgd_bytes_over_these"])
+    # the ratio to asgd is what the formulas predict, within the headers
+    for name in ("adacomp 0.01", "adacomp 0.005", "fp16", "sign"):
+        predicted = 4 * CNN_PARAMETERS / rows[name]["formula_payload_per_push"]
+        assert rows[name]["asgd_bytes_over_these"] == pytest.approx(predicted, rel=0.05), name
+
+
+@needs_fashion
+def test_time_to_accuracy_curves_and_ingest(quick):
+    b = quick[0]["benchmarks"]
+    curves = b["time_to_accuracy"]["curves"]
+    assert set(curves) == {"one process", "ddp", "asgd", "adacomp", "sync"}
+    for name, curve in curves.items():
+        assert len(curve) >= 2, name
+        times = [t for t, _ in curve]
+        assert times == sorted(times) and all(0.0 <= a <= 1.0 for _, a in curve), name
+        assert max(a for _, a in curve) > 0.3, name  # trained well above chance (0.1)
+    ingest = b["ingest"]
+    assert "absent" in ingest["multi_threaded"]
+    for key, rate in ingest["updates_per_s"].items():
+        assert finite_positive(rate["median"]), key
+    assert b["ps_roundtrip"]["push_message_bytes"] >= 4 * CNN_PARAMETERS
+
+
+def test_an_unknown_benchmark_is_refused(procs):
+    rc, out = procs.run([PYTHON, "-m", "bench", "nonesuch"], timeout=60)
+    assert rc == 2 and "unknown benchmark" in out
