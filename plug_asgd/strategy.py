@@ -35,7 +35,7 @@ from pytorch_lightning.plugins.environments import TorchElasticEnvironment
 from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_only
+from pytorch_lightning.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
 
@@ -317,6 +317,12 @@ class AsyncPSStrategy(ParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         _set_num_threads_if_needed(num_processes=self.num_processes)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Lightning broadcasts a stop flag over an existing process group at every training step,
+            # which puts the workers back in lockstep (measured by the benchmarks: bench/results/NOTES.md)
+            rank_zero_warn("a torch.distributed process group exists: Lightning synchronises every training "
+                           "step over it, so AsyncPSStrategy's workers cannot run ahead of each other. Call "
+                           "torch.distributed.destroy_process_group() before fitting with it.")
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         self._fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         self._stage += 1

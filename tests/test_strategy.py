@@ -127,6 +127,20 @@ def test_reduce_ops_of_torch_and_lightning_are_understood():
         _op_name("product")
 
 
+def test_a_process_group_that_would_lockstep_the_workers_is_warned_about():
+    from tests.conftest import free_port
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=AsyncPSStrategy(), max_steps=2, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        with pytest.warns(UserWarning, match="destroy_process_group"):
+            trainer.fit(Tiny(), data())
+        trainer.strategy._shutdown(wait_for_workers=0)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 @pytest.mark.faults
 def test_an_unreachable_ps_is_reported_with_its_address_not_a_hang(fault_report):
     s = AsyncPSStrategy(ps_address="tcp://127.0.0.1:9", connect_timeout=1.5)
