@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import random
 import signal
 import socket
 import subprocess
@@ -55,16 +56,26 @@ def summary(values: list[float]) -> dict[str, Any]:
     return {"median": median, "min": vals[0], "max": vals[-1], "n": n, "values": [round(v, 6) for v in values]}
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port_block(size: int = 40) -> int:
-    """A port p such that p .. p+size-1 were all free a moment ago (DDP's store, then one PS per run)."""
+    """A port p such that p .. p+size-1 are free and below the ephemeral range (DDP's store, then one PS per run).
+
+    Below that range no connection made during the runs (gloo's, the workers' own) can be given one
+    of these ports as its local port, which would make a later run's PS fail to bind.
+    """
+    low, _ = _ephemeral_range()
+    rng = random.Random()
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + size >= 65535:
-            continue
+        base = rng.randrange(10000, max(10001, low - size))
         ok = True
-        for p in range(base + 1, base + size):
+        for p in range(base, base + size):
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", p))
@@ -73,7 +84,7 @@ def free_port_block(size: int = 40) -> int:
                     break
         if ok:
             return base
-    raise RuntimeError("no block of free ports found")
+    raise RuntimeError("no block of free ports found below the ephemeral range")
 
 
 def child_env(**extra: str) -> dict[str, str]:
