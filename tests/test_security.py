@@ -213,24 +213,11 @@ def test_a_keyed_run_trains_on_an_embedded_ps_listening_beyond_loopback(monkeypa
     """MASTER_ADDR 0.0.0.0: rank 0's embedded PS listens on every interface, so it needs (and gets) the keys."""
     import pytorch_lightning as pl
     import torch
-    import torch.nn.functional as F
-    from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     from plug_asgd import AsyncPSStrategy
     from tests.conftest import group_members
-
-    class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = nn.Linear(4, 2)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return F.cross_entropy(self.layer(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.5)
+    from tests.test_strategy import Tiny
 
     generate_keys(tmp_path / "keys")
     monkeypatch.setenv("MASTER_ADDR", "0.0.0.0")
