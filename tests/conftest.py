@@ -145,3 +145,55 @@ def fault_report(request):
                 f.write(json.dumps({"test": request.node.name, **row}) + "\n")
 
     return record
+
+
+class PSProcesses:
+    """PS processes a test starts: ``start_ps(mode, *flags)`` -> address; ``stop(address)`` -> its output.
+
+    ``options`` are :func:`plug_asgd.ps_server.embedded_command` options every PS gets (a test module
+    may set some, ``worker_timeout`` say); ``env`` is added to their environment.
+    """
+
+    def __init__(self, procs: ProcessGroups) -> None:
+        self.procs = procs
+        self.options: dict = {}
+        self.env: dict[str, str] = {}
+        self.started: dict[str, subprocess.Popen] = {}
+
+    def __call__(self, mode: str = "asgd", *extra: str, host: str = "127.0.0.1", prefix: tuple[str, ...] = ()) -> str:
+        from plug_asgd.ps_server import embedded_command
+
+        address = f"tcp://{host}:{free_port()}"
+        self.started[address] = self.procs.start(
+            [*prefix, *embedded_command(address, mode, **self.options), *extra], env=self.env)
+        return address
+
+    def stop(self, address: str) -> str:
+        """SIGTERM, the PS's clean stop; returns what it printed."""
+        proc = self.started.pop(address)
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+        return out
+
+
+@pytest.fixture
+def start_ps(procs):
+    processes = PSProcesses(procs)
+    yield processes
+    for address in list(processes.started):
+        processes.stop(address)
+
+
+def serving_pair(address: str, tensors: dict) -> tuple:
+    """A worker that initialised the PS at ``address`` with ``tensors``, and a raw DEALER socket to it."""
+    import zmq
+
+    from plug_asgd.client import PSClient
+
+    good = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=10)
+    good.hello(stage=1, training=True, timeout=20)
+    assert good.init(tensors)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(address)
+    return good, raw

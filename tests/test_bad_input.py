@@ -13,9 +13,8 @@ import pytest
 import zmq
 
 from plug_asgd.client import PSClient, PSError
-from plug_asgd.ps_server import embedded_command
 from plug_asgd.wire import PROTOCOL_VERSION, decode, encode
-from tests.conftest import free_port
+from tests.conftest import serving_pair
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,21 +23,11 @@ W0 = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(2, np.flo
 
 
 @pytest.fixture
-def ps(procs):
-    address = f"tcp://127.0.0.1:{free_port()}"
-    procs.start([*embedded_command(address, "asgd"), "--max-message-bytes", str(LIMIT)])
-    good = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=10)
-    good.hello(stage=1, training=True, timeout=20)
-    assert good.init(W0)
-    raw = zmq.Context.instance().socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(address)
+def ps(start_ps):
+    good, raw = serving_pair(start_ps("asgd", "--max-message-bytes", str(LIMIT)), W0)
     yield good, raw
     raw.close(0)
     good.close()
-    for p in procs.procs:
-        p.terminate()
-        p.wait(10)
 
 
 def _push(seq: int, tensors: dict, **fields) -> list:

@@ -16,7 +16,6 @@ import pytest
 
 from plug_asgd.checkpoint import list_checkpoints, resolve_checkpoint
 from plug_asgd.client import PSClient
-from plug_asgd.ps_server import embedded_command
 from plug_asgd.security import generate_keys
 from tests.conftest import ACCURACY_THRESHOLD, PLUG_ASGD, PYTHON, RECIPE, ProcessGroups, free_port, needs_fashion
 
@@ -26,33 +25,12 @@ WORKER = "tests/scripts/ps_worker.py"
 pytestmark = pytest.mark.faults
 
 
-class PSProcesses:
-    """PS processes started for one test: ``start(mode, *flags)`` -> address; ``stop(address)`` -> its output."""
-
-    def __init__(self, procs: ProcessGroups) -> None:
-        self.procs = procs
-        self.started: dict[str, subprocess.Popen] = {}
-
-    def __call__(self, mode: str, *extra: str, host: str = "127.0.0.1", prefix: tuple[str, ...] = ()) -> str:
-        address = f"tcp://{host}:{free_port()}"
-        self.started[address] = self.procs.start(
-            [*prefix, *embedded_command(address, mode, worker_timeout=TIMEOUT), *extra], env={"PLUG_ASGD_LOG": "INFO"})
-        return address
-
-    def stop(self, address: str) -> str:
-        """SIGTERM, the PS's clean stop; returns what it printed."""
-        proc = self.started.pop(address)
-        proc.terminate()
-        out, _ = proc.communicate(timeout=10)
-        return out
-
-
 @pytest.fixture
-def start_ps(procs):
-    processes = PSProcesses(procs)
-    yield processes
-    for address in list(processes.started):
-        processes.stop(address)
+def start_ps(start_ps):
+    """The PSes of these tests declare a worker lost after TIMEOUT, and log it."""
+    start_ps.options["worker_timeout"] = TIMEOUT
+    start_ps.env["PLUG_ASGD_LOG"] = "INFO"
+    return start_ps
 
 
 def start_worker(procs: ProcessGroups, address: str, rank: int, log: Path, *, mode: str, pushes: int,

@@ -16,15 +16,12 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from plug_asgd.client import PSClient
 from plug_asgd.compressors import QSGD
-from plug_asgd.ps_server import embedded_command
 from plug_asgd.wire import PROTOCOL_VERSION, Sparse, decode, encode
-from tests.conftest import free_port
+from tests.conftest import serving_pair
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -209,15 +206,8 @@ messages = st.one_of(random_frames(), mutated_fields(), corrupted_push(), random
 
 
 @pytest.mark.faults
-def test_thousands_of_bad_messages_leave_the_ps_serving_and_its_model_untouched(procs, fault_report):
-    address = f"tcp://127.0.0.1:{free_port()}"
-    procs.start(embedded_command(address, "asgd"))
-    good = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=10)
-    good.hello(stage=1, training=True, timeout=20)
-    assert good.init(W0)
-    raw = zmq.Context.instance().socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(address)
+def test_thousands_of_bad_messages_leave_the_ps_serving_and_its_model_untouched(start_ps, fault_report):
+    good, raw = serving_pair(start_ps("asgd"), W0)
     sent = [0]
     codes: dict[str, int] = {}
 
@@ -254,6 +244,3 @@ def test_thousands_of_bad_messages_leave_the_ps_serving_and_its_model_untouched(
     finally:
         raw.close(0)
         good.close()
-        for p in procs.procs:
-            p.terminate()
-            p.wait(10)

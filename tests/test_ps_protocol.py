@@ -10,27 +10,14 @@ import pytest
 import zmq
 
 from plug_asgd.client import PSClient, PSError
-from plug_asgd.ps_server import embedded_command
 from plug_asgd.wire import PROTOCOL_VERSION, Sparse, decode, encode
-from tests.conftest import free_port
+
+BEAT = 0.25  # heartbeat of the clients in the liveness tests, whose PSes time out after 1 s
 
 
-@pytest.fixture
-def start_ps(procs):
-    def start(mode: str = "asgd", *extra: str) -> str:
-        port = free_port()
-        address = f"tcp://127.0.0.1:{port}"
-        procs.start([*embedded_command(address, mode), *extra])
-        return address
-
-    yield start
-    for p in procs.procs:
-        p.terminate()
-        p.wait(10)
-
-
-def client(address: str, rank: int = 0, world: int = 1, mode: str = "asgd", training: bool = True) -> PSClient:
-    c = PSClient(address, rank=rank, world_size=world, mode=mode, request_timeout=10)
+def client(address: str, rank: int = 0, world: int = 1, mode: str = "asgd", training: bool = True,
+           heartbeat_s: float | None = None) -> PSClient:
+    c = PSClient(address, rank=rank, world_size=world, mode=mode, request_timeout=10, heartbeat_s=heartbeat_s)
     c.hello(stage=1, training=training, timeout=20)
     return c
 
@@ -166,10 +153,7 @@ def test_an_ssp_worker_ahead_of_the_bound_blocks_until_the_slow_one_pushes(start
 
 def test_an_ssp_worker_held_for_a_slow_one_is_released_when_the_slow_one_is_lost(start_ps):
     address = start_ps("ssp", "--staleness-bound", "0", "--worker-timeout", "1")
-    fast, slow = (PSClient(address, rank=r, world_size=2, mode="ssp", request_timeout=20, heartbeat_s=0.25)
-                  for r in (0, 1))
-    for c in (fast, slow):
-        c.hello(stage=1, training=True, timeout=20)
+    fast, slow = (client(address, r, 2, "ssp", heartbeat_s=BEAT) for r in (0, 1))
     fast.init(W0)
     slow.close()  # dies before its first push: its heartbeats stop
     start = time.monotonic()
@@ -203,9 +187,7 @@ def test_a_lost_worker_is_not_waited_for_and_its_restart_gets_what_it_missed(sta
     address = start_ps("asgd", "--worker-timeout", "1")
 
     def member(rank: int) -> PSClient:
-        c = PSClient(address, rank=rank, world_size=2, mode="asgd", request_timeout=20, heartbeat_s=0.25)
-        c.hello(stage=1, training=True, timeout=20)
-        return c
+        return client(address, rank, 2, heartbeat_s=BEAT)
 
     a, b = member(0), member(1)
     out = {}
