@@ -35,7 +35,7 @@ from typing import Protocol
 
 import numpy as np
 
-from plug_asgd.wire import FLOAT_DTYPES, Packed, Sparse, Tensor, WireError
+from plug_asgd.wire import FLOAT_DTYPES, Packed, Sparse, Tensor, WireError, dtype_name
 
 
 class Compressor(Protocol):
@@ -145,7 +145,7 @@ def decode(tensor: Tensor, dtype: np.dtype | type, *, shape: tuple[int, ...] | N
         raise _bad(f"payload of shape {list(got)} for a tensor of shape {list(shape)}")
     with np.errstate(over="ignore"):  # a float64 value beyond float32 becomes Inf; the caller refuses it
         if isinstance(tensor, np.ndarray):
-            if tensor.dtype.name not in FLOAT_DTYPES:
+            if dtype_name(tensor.dtype) not in FLOAT_DTYPES:
                 raise _bad(f"a dense update must hold floats, got {tensor.dtype.name}")
             return tensor.astype(dtype, copy=False)
         if isinstance(tensor, Sparse):
@@ -158,7 +158,7 @@ def decode(tensor: Tensor, dtype: np.dtype | type, *, shape: tuple[int, ...] | N
 
 def _decode_sparse(tensor: Sparse, dtype: np.dtype) -> Sparse:
     indices, values = np.asarray(tensor.indices), np.asarray(tensor.values)
-    if values.dtype.name not in FLOAT_DTYPES:
+    if dtype_name(values.dtype) not in FLOAT_DTYPES:
         raise _bad(f"sparse values must be floats, got {values.dtype.name}")
     if indices.dtype.kind not in "iu" or indices.ndim != 1 or values.shape != indices.shape:
         raise _bad(f"a sparse update needs as many integer indices ({indices.shape}) as values ({values.shape})")

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from plug_asgd.compressors import Compressor, NoCompression, TopKResidual
-from plug_asgd.wire import Sparse, Tensor
+from plug_asgd.wire import Sparse, Tensor, WireError
 
 APPLIED = "applied"
 DROPPED = "dropped"
@@ -41,6 +41,9 @@ class Push:
     rank: int
     base_version: int
     update: dict[str, Tensor]
+    # The update's dense arrays belong to the rule: it may fold the central tensor into them and
+    # keep them as the new central tensors (the PS's received buffers, used once and never sent).
+    owned: bool = False
 
 
 Resolution = tuple[Any, str]  # (token, APPLIED | DROPPED)
@@ -57,8 +60,47 @@ def _add_into(target: np.ndarray, update: Tensor, scale: float | np.ndarray = 1.
         target += update * scale
 
 
+def can_fold_into(update: Tensor, target: np.ndarray) -> bool:
+    """Whether ``_fold_all`` can fold ``target`` into ``update``'s buffer (a writable dense array like it)."""
+    return (isinstance(update, np.ndarray) and update.dtype == target.dtype and update.shape == target.shape
+            and update.flags.writeable)
+
+
+def _fold_all(state: CentralState, push: Push, scale: float = 1.0) -> None:
+    """``central += scale * update`` for each tensor of ``push``; into its own buffers when it owns them.
+
+    Folding into the update's buffers (``push.owned``) makes each new central tensor a fresh
+    array: the old one is never written, so a reply still being sent from it needs no copy, and
+    the PS can answer with the very frames the update came in. IEEE addition commutes, so both
+    ways give the same bits. The PS does not check an owned update for NaN/Inf beforehand; the
+    results are checked here instead, while still in cache, and none is kept unless all are
+    finite (a finite central tensor plus a finite update is finite unless the sum overflows, which
+    is refused as well).
+    """
+    if not push.owned:
+        for name, update in push.update.items():
+            _add_into(state.tensors[name], update, scale)
+        return
+    for name, update in push.update.items():
+        if not can_fold_into(update, state.tensors[name]):
+            raise ValueError(f"push marked owned, but its tensor {name!r} cannot be folded into")
+        with np.errstate(over="ignore"):  # an overflow is refused just below
+            if scale != 1.0:
+                np.multiply(update, scale, out=update)
+            np.add(update, state.tensors[name], out=update)
+        if not np.isfinite(update).all():
+            raise WireError("not_finite", f"update refused: tensor {name!r} holds NaN or Inf, or would overflow "
+                                          "the central tensor (has the worker's training diverged? lower the "
+                                          "learning rate)")
+    state.tensors.update(push.update)  # type: ignore[arg-type]
+
+
 class FoldRule(ABC):
     """Server half of a mode. ``trainers`` is the number of workers currently training."""
+
+    # True when a rule's only change to the central model is ``_fold_all`` of a push's tensors:
+    # the PS then hands it the push's buffers (``Push.owned``) and copies nothing on write.
+    folds_into_update = False
 
     def __init__(self) -> None:
         self.training_ranks: frozenset[int] = frozenset()
@@ -87,9 +129,10 @@ class FoldRule(ABC):
 class AsgdRule(FoldRule):
     """``w += delta`` at once, whatever the staleness (Dean et al.'s and the seeds' ASGD)."""
 
+    folds_into_update = True
+
     def push(self, state: CentralState, push: Push) -> list[Resolution]:
-        for name, update in push.update.items():
-            _add_into(state.tensors[name], update)
+        _fold_all(state, push)
         state.version += 1
         return [(push.token, APPLIED)]
 
@@ -212,10 +255,11 @@ class SyncRule(FoldRule):
 class DynSGDRule(FoldRule):
     """``w += delta / (staleness + 1)``, staleness = updates folded in since the base (Jiang et al., SIGMOD 2017)."""
 
+    folds_into_update = True
+
     def push(self, state: CentralState, push: Push) -> list[Resolution]:
         scale = 1.0 / (state.version - push.base_version + 1)
-        for name, update in push.update.items():
-            _add_into(state.tensors[name], update, scale)
+        _fold_all(state, push, scale)
         state.version += 1
         return [(push.token, APPLIED)]
 
@@ -228,6 +272,8 @@ class SSPRule(FoldRule):
     ``staleness_bound`` ahead of the slowest training worker's.
     """
 
+    folds_into_update = True
+
     def __init__(self, staleness_bound: int = 2) -> None:
         super().__init__()
         if staleness_bound < 0:
@@ -237,8 +283,7 @@ class SSPRule(FoldRule):
         self.waiting: list[tuple[Any, int]] = []
 
     def push(self, state: CentralState, push: Push) -> list[Resolution]:
-        for name, update in push.update.items():
-            _add_into(state.tensors[name], update)
+        _fold_all(state, push)
         state.version += 1
         self.clocks[push.rank] = self.clocks.get(push.rank, 0) + 1
         self.waiting.append((push.token, push.rank))

@@ -45,7 +45,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.checkpoint import CheckpointError, CheckpointPolicy, read_checkpoint, resolve_checkpoint
 from plug_asgd.compressors import decode as decode_update
-from plug_asgd.modes import APPLIED, CentralState, Push, get_mode
+from plug_asgd.modes import APPLIED, CentralState, Push, can_fold_into, get_mode
 from plug_asgd.security import check_bind, load_server_keys
 from plug_asgd.wire import (
     DEFAULT_LIMITS,
@@ -159,6 +159,8 @@ class ParameterServer:
         self.lost: dict[int, WorkerInfo] = {}  # declared dead; taken back if they speak again
         self.completed: dict[tuple[int, int], tuple[dict[str, Any], dict[str, Tensor]]] = {}
         self._in_flight: list[zmq.MessageTracker] = []
+        # central tensors that are still the buffer of the push they came in: (array, frame) by name
+        self._frames: dict[str, tuple[np.ndarray, Any]] = {}
         self._by_identity: dict[bytes, WorkerInfo] = {}
         self.ever_joined: set[int] = set()
         self.left: dict[int, set[int]] = defaultdict(set)
@@ -385,7 +387,7 @@ class ParameterServer:
             self._take_back(self.lost[rank])
 
     def _update_trainers(self) -> None:
-        self._writable()  # a sync round may complete
+        self._writable(in_place=not self.rule.folds_into_update)  # a sync round may complete
         self._resolve(self.rule.set_trainers(self.state, self._trainers()))
 
     def _on_hello(self, identity: bytes, rid: Any, msg: Message) -> None:
@@ -486,28 +488,51 @@ class ParameterServer:
         self._require_init()
         self._send_model(identity, rid, {"status": "pulled"})
 
-    def _send_model(self, identity: bytes, rid: Any, fields: dict[str, Any], with_tensors: bool = True) -> None:
-        tracker = self._send(identity, rid, "model", {**fields, "version": self.state.version,
-                                                      "stop": self._stopped()},
-                             self.state.tensors if with_tensors else None, track=with_tensors)
-        if tracker is not None:
-            self._in_flight.append(tracker)
+    def _received_frames(self) -> dict[str, Any]:
+        """The central tensors that are still the received buffers they were folded into, as frames."""
+        tensors = self.state.tensors
+        return {name: frame for name, (array, frame) in self._frames.items() if tensors.get(name) is array}
 
-    def _writable(self) -> None:
-        """Call before changing the central tensors in place.
+    def _send_model(self, identity: bytes, rid: Any, fields: dict[str, Any], with_tensors: bool = True) -> None:
+        fields = {**fields, "version": self.state.version, "stop": self._stopped()}
+        if not with_tensors:
+            self._send(identity, rid, "model", fields)
+            return
+        reuse = self._received_frames()
+        frames = encode("model", {**fields, "rid": rid}, self.state.tensors, reuse=reuse)
+        self.stats.bytes_out += message_bytes(frames)
+        # Received frames are resent as they are (pyzmq shares their memory); the PS's own arrays go
+        # out zero-copy and are tracked, so that _writable knows when they are free again.
+        # (pyzmq copies buffers below its copy_threshold: those need no tracking either)
+        threshold = self.socket.copy_threshold
+        parts = [f if isinstance(f, zmq.Frame) or memoryview(f).nbytes < threshold else zmq.Frame(f, track=True)
+                 for f in frames]
+        self.socket.send_multipart([identity, *parts], copy=False)
+        self._in_flight += [p.tracker for p in parts if isinstance(p, zmq.Frame) and p.tracker is not None]
+
+    def _writable(self, in_place: bool = True) -> None:
+        """Call before the central tensors change; ``in_place``: whether they may be written in place.
 
         Model replies go out zero-copy: ZeroMQ's I/O thread may still be reading the arrays when
         the next update arrives. Folding into them then would send a worker half of one version
         and half of the next. While a reply is in flight, the PS folds into fresh copies instead
-        (copy-on-write); the frames keep the old arrays alive until they are sent.
+        (copy-on-write); the frames keep the old arrays alive until they are sent. A central tensor
+        that is a received buffer (see ``modes._fold_all``) cannot be tracked once resent, so it is
+        copied before any write in place. Folds into the push's own buffers write nothing in place.
         """
         self._in_flight = [t for t in self._in_flight if not t.done]
-        if self._in_flight:
-            self.state.tensors = {name: t.copy() for name, t in self.state.tensors.items()}
+        if not in_place:
+            return
+        received = self._received_frames()
+        if self._in_flight or received:
+            self.state.tensors = {name: t.copy() if self._in_flight or name in received else t
+                                  for name, t in self.state.tensors.items()}
             self._in_flight = []
+            self._frames = {}
             self.stats.copies_on_write += 1
+
     def _decode_update(self, update: dict[str, Tensor]) -> dict[str, Tensor]:
-        """What each compressor sent, decoded into the central tensor's dtype, checked before any fold."""
+        """What each compressor sent, decoded into the central tensor's dtype (not yet checked for NaN/Inf)."""
         out: dict[str, Tensor] = {}
         for name, t in update.items():
             central = self.state.tensors.get(name)
@@ -516,12 +541,15 @@ class ParameterServer:
             if tuple(t.shape) != central.shape:
                 raise WireError("bad_tensor", f"tensor {name!r}: got shape {list(t.shape)}, the central model "
                                               f"holds {central.dtype.name}{list(central.shape)}")
-            decoded = decode_update(t, central.dtype, shape=central.shape)
-            if not np.isfinite(decoded.values if isinstance(decoded, Sparse) else decoded).all():
+            out[name] = decode_update(t, central.dtype, shape=central.shape)
+        return out
+
+    @staticmethod
+    def _check_finite(update: dict[str, Tensor]) -> None:
+        for name, t in update.items():
+            if not np.isfinite(t.values if isinstance(t, Sparse) else t).all():
                 raise WireError("not_finite", f"update refused: tensor {name!r} holds NaN or Inf (has the worker's "
                                               "training diverged? lower the learning rate)")
-            out[name] = decoded
-        return out
 
     def _on_push(self, identity: bytes, rid: Any, msg: Message) -> None:
         self._require_init()
@@ -537,18 +565,30 @@ class ParameterServer:
         if seq <= self.last_seq.get(session, -1):
             raise WireError("duplicate", f"push {seq} of this worker was already received")
         update = self._decode_update(msg.tensors)
-        self.last_seq[session] = seq
+        # An update in buffers of its own is folded into them, and the rule checks the results
+        # (``modes._fold_all``); any other is checked here, before a fold writes in place.
+        owned = self.rule.folds_into_update and all(can_fold_into(u, self.state.tensors[n]) for n, u in update.items())
         want_model = msg.fields.get("model", True) is not False
         if self._stopped():
+            self._check_finite(update)
+            self.last_seq[session] = seq
             self.stats.pushes_after_stop += 1
             self._send_model(identity, rid, {"status": "stopped"}, want_model)
             return
-        self.stats.staleness[self.state.version - base] += 1
+        if not owned:
+            self._check_finite(update)
+        staleness = self.state.version - base
+        self._writable(in_place=not owned)
+        resolutions = self.rule.push(self.state, Push((identity, rid, want_model), rank, base, update, owned))
+        self.last_seq[session] = seq
+        self.stats.staleness[staleness] += 1
         self.stats.pushes_by_rank[rank] += 1
         if rank in self.workers:
             self.workers[rank].pushes += 1
-        self._writable()
-        self._resolve(self.rule.push(self.state, Push((identity, rid, want_model), rank, base, update)))
+        for name, array in update.items():  # folded into the frame it came in: the replies resend that frame
+            if owned and self.state.tensors.get(name) is array and msg.tensors.get(name) is array:
+                self._frames[name] = (array, msg.frames[name])
+        self._resolve(resolutions)
 
     def _resolve(self, resolutions: list[tuple[Any, str]]) -> None:
         for (identity, rid, want_model), status in resolutions:

@@ -43,6 +43,9 @@ _DTYPES: dict[str, np.dtype] = {
     for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "bool")
 }
 FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
+# numpy computes ``dtype.name`` in Python (microseconds a call, several calls a tensor); a dict
+# lookup of the dtype itself is what the per-message hot paths use instead.
+_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
 
 # Bounds on a packed tensor's header entry (the frames are bounded by Limits like any other).
 PACKED_MAX_ARRAYS = 16
@@ -135,6 +138,9 @@ class Message:
     type: str
     fields: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, Tensor] = field(default_factory=dict)
+    # The frame that holds each dense tensor's bytes: a receiver that keeps a tensor as it came
+    # can send it on as this frame (see ``encode``'s ``reuse``) instead of as a new buffer.
+    frames: dict[str, Any] = field(default_factory=dict)
 
     def int_field(self, name: str, *, minimum: int | None = None, optional: bool = False) -> int | None:
         """A header integer, validated; a missing or mistyped one is a protocol error."""
@@ -165,8 +171,13 @@ def _num_blocks(numel: int) -> int:
     return max(1, -(-numel // BLOCK_SIZE))
 
 
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, fast for the dtypes that travel (little-endian ones are looked up, not computed)."""
+    return _NAMES.get(dtype) or dtype.name
+
+
 def _dtype_name(array: np.ndarray) -> str:
-    name = array.dtype.name
+    name = dtype_name(array.dtype)
     if name not in _DTYPES:
         raise WireError("bad_dtype", f"dtype {name} cannot travel on the wire (allowed: {sorted(_DTYPES)})")
     return name
@@ -174,6 +185,8 @@ def _dtype_name(array: np.ndarray) -> str:
 
 def _le(array: np.ndarray) -> np.ndarray:
     """A C-contiguous little-endian view or copy, so its buffer is the wire bytes."""
+    if array.dtype in _NAMES and array.flags.c_contiguous:
+        return array
     out = np.asarray(array, dtype=_DTYPES[_dtype_name(array)])
     return out if out.flags.c_contiguous else out.copy(order="C")  # ascontiguousarray would make 0-d 1-d
 
@@ -182,8 +195,15 @@ def encode(
     msg_type: str,
     fields: Mapping[str, Any] | None = None,
     tensors: Mapping[str, Tensor] | None = None,
+    reuse: Mapping[str, Any] | None = None,
 ) -> list[Any]:
-    """Frames of a message: the header, then each tensor's buffers (not copied where avoidable)."""
+    """Frames of a message: the header, then each tensor's buffers (not copied where avoidable).
+
+    ``reuse`` maps a dense tensor's name to a received frame that holds exactly its bytes
+    (``Message.frames``); that frame is sent in place of the array's buffer. With pyzmq,
+    resending a received frame shares its memory at no cost, whereas each new zero-copy buffer
+    is released later through pyzmq's garbage-collection thread.
+    """
     specs: list[dict[str, Any]] = []
     frames: list[Any] = []
     for name, tensor in (tensors or {}).items():
@@ -194,7 +214,7 @@ def encode(
                 raise WireError("bad_sparse", f"sparse tensor {name!r}: {indices.size} indices, {values.size} values")
             counts = np.bincount(indices >> BLOCK_BITS, minlength=_num_blocks(tensor.numel)).astype("<u4")
             offsets = (indices & (BLOCK_SIZE - 1)).astype("<u2")
-            specs.append({"name": name, "enc": "sparse", "dtype": values.dtype.name,
+            specs.append({"name": name, "enc": "sparse", "dtype": dtype_name(values.dtype),
                           "shape": list(tensor.shape), "nnz": int(indices.size)})
             frames += [counts.data, offsets.data, values.data]
         elif isinstance(tensor, Packed):
@@ -203,8 +223,13 @@ def encode(
             frames += packed_frames
         else:
             array = _le(np.asarray(tensor))
-            specs.append({"name": name, "enc": "dense", "dtype": array.dtype.name, "shape": list(array.shape)})
-            frames.append(array.reshape(-1).data if array.ndim else array.reshape(1).data)
+            specs.append({"name": name, "enc": "dense", "dtype": dtype_name(array.dtype), "shape": list(array.shape)})
+            frame = reuse.get(name) if reuse else None
+            if frame is not None and len(_buffer(frame)) != array.nbytes:
+                raise ValueError(f"tensor {name!r}: the frame to reuse has {len(_buffer(frame))} bytes, "
+                                 f"the tensor {array.nbytes}")
+            frames.append(frame if frame is not None else array.reshape(-1).data if array.ndim
+                          else array.reshape(1).data)
     header = {"v": PROTOCOL_VERSION, "type": msg_type, "fields": dict(fields or {}), "tensors": specs}
     return [msgpack.packb(header, use_bin_type=True), *frames]
 
@@ -249,7 +274,7 @@ def _encode_packed(name: str, tensor: Packed) -> tuple[dict[str, Any], list[Any]
         raise WireError("bad_shape", f"packed tensor {name!r}: shape {list(tensor.shape)} cannot travel")
     arrays = [_le(np.asarray(a)) for a in tensor.arrays]
     spec = {"name": name, "enc": "packed", "codec": codec, "shape": list(tensor.shape), "meta": meta,
-            "arrays": [{"dtype": a.dtype.name, "shape": list(a.shape)} for a in arrays]}
+            "arrays": [{"dtype": dtype_name(a.dtype), "shape": list(a.shape)} for a in arrays]}
     return spec, [a.reshape(-1).data if a.ndim else a.reshape(1).data for a in arrays]
 
 
@@ -302,6 +327,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     if not isinstance(msg_type, str) or not isinstance(fields, dict) or not isinstance(specs, list):
         raise WireError("bad_header", "header needs 'type' (str), 'fields' (map) and 'tensors' (list)")
     tensors: dict[str, Tensor] = {}
+    dense_frames: dict[str, Any] = {}
     pos = 1
     for spec in specs:
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
@@ -326,12 +352,13 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
             raise WireError("frame_count", f"tensor {name!r} needs {need} frame(s), the message ends first")
         if enc == "dense":
             tensors[name] = _frame_array(frames[pos], dtype, numel, f"tensor {name!r}").reshape(shape)
+            dense_frames[name] = frames[pos]
         else:
             tensors[name] = _decode_sparse(name, spec, frames[pos:pos + 3], dtype, shape, numel)
         pos += need
     if pos != len(frames):
         raise WireError("frame_count", f"header describes {pos} frames, the message has {len(frames)}")
-    return Message(type=msg_type, fields=fields, tensors=tensors)
+    return Message(type=msg_type, fields=fields, tensors=tensors, frames=dense_frames)
 
 
 def _decode_sparse(name: str, spec: Mapping[str, Any], frames: Sequence[Any], dtype: np.dtype,

@@ -126,6 +126,46 @@ def test_the_ps_folds_into_a_copy_while_a_zero_copy_reply_is_in_flight():
         server.socket.close(0)
 
 
+@pytest.mark.parametrize("rule_name", ["asgd", "dynsgd", "ssp"])
+def test_folding_into_the_pushs_own_buffers_gives_the_same_bits_and_never_writes_the_old_model(rule_name):
+    from plug_asgd.modes import MODES
+
+    rng = np.random.default_rng(3)
+    w0 = {"w": rng.standard_normal((5, 7)).astype(np.float32), "b": rng.standard_normal(7).astype(np.float32)}
+    pushes = [(rank, base, {n: (rng.standard_normal(t.shape) * 1e-3).astype(np.float32) for n, t in w0.items()})
+              for rank, base in [(0, 0), (1, 0), (0, 1), (1, 1), (0, 4)]]
+    in_place = CentralState({n: t.copy() for n, t in w0.items()})
+    owned = CentralState({n: t.copy() for n, t in w0.items()})
+    rule_a, rule_b = MODES[rule_name].make_rule({}), MODES[rule_name].make_rule({})
+    assert rule_b.folds_into_update
+    rule_a.set_trainers(in_place, frozenset({0, 1}))
+    rule_b.set_trainers(owned, frozenset({0, 1}))
+    first = owned.tensors["w"]
+    for i, (rank, base, update) in enumerate(pushes):
+        rule_a.push(in_place, Push(i, rank, base, {n: u.copy() for n, u in update.items()}))
+        mine = {n: u.copy() for n, u in update.items()}
+        rule_b.push(owned, Push(i, rank, base, mine, owned=True))
+        assert all(owned.tensors[n] is mine[n] for n in mine)  # the new model is the push's buffers
+    for n in w0:  # bit for bit
+        np.testing.assert_array_equal(owned.tensors[n].view(np.uint32), in_place.tensors[n].view(np.uint32))
+    np.testing.assert_array_equal(first, w0["w"])  # the model a reply may still be sending is untouched
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, 3e38])
+def test_an_owned_push_that_is_or_would_make_the_model_non_finite_is_refused_whole(bad):
+    from plug_asgd.wire import WireError
+
+    state = CentralState({"a": np.ones(3, np.float32), "b": np.full(3, 3e38, np.float32)}, version=7)
+    before = {n: t.copy() for n, t in state.tensors.items()}
+    update = {"a": np.ones(3, np.float32), "b": np.array([0, bad, 0], np.float32)}
+    with pytest.raises(WireError) as err:
+        AsgdRule().push(state, Push("t", 0, 7, update, owned=True))
+    assert err.value.code == "not_finite"
+    assert state.version == 7
+    for n in before:
+        np.testing.assert_array_equal(state.tensors[n], before[n])
+
+
 def test_dynsgd_scales_by_one_over_staleness_plus_one():
     from plug_asgd.modes import DynSGDRule
 

@@ -266,3 +266,33 @@ def test_max_updates_tells_workers_to_stop_and_freezes_the_model(start_ps):
     r = c.push(2, {"w": np.ones((2, 3), np.float32)})
     assert r.stop and r.status == "stopped" and r.version == 2
     np.testing.assert_array_equal(r.tensors["w"], W0["w"] + 2)
+
+
+def test_the_ps_answers_with_the_frames_a_push_came_in_and_copies_them_before_any_write_in_place():
+    """The asgd PS folds a dense push into its own received buffers and resends those frames; a
+    later fold that writes in place (a sparse update) must first copy them, since a frame already
+    resent cannot be tracked. The PS runs in a thread here so the test can hold its frames."""
+    from plug_asgd.ps_server import ParameterServer
+
+    server = ParameterServer("tcp://127.0.0.1:*", "asgd")
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 20}, daemon=True)
+    thread.start()
+    c = client(server.address)
+    try:
+        c.init(W0)
+        delta = {"w": np.full((2, 3), 0.5, np.float32), "b": np.ones(2, np.float32)}
+        reply = c.push(0, delta)
+        np.testing.assert_array_equal(reply.tensors["w"], W0["w"] + 0.5)
+        frames = server._received_frames()
+        assert set(frames) == {"w", "b"} and server.stats.copies_on_write == 0
+        resent = {n: f.bytes for n, f in frames.items()}
+        assert resent["w"] == (W0["w"] + 0.5).astype("<f4").tobytes()
+        reply = c.push(1, {"w": Sparse(np.array([4]), np.array([2.0], np.float32), (2, 3))})
+        np.testing.assert_array_equal(reply.tensors["w"].reshape(-1), (W0["w"] + 0.5).reshape(-1) + [0, 0, 0, 0, 2, 0])
+        assert server.stats.copies_on_write == 1 and server._received_frames() == {}
+        assert {n: f.bytes for n, f in frames.items()} == resent  # what was resent was never written
+        np.testing.assert_array_equal(c.pull().tensors["b"], W0["b"] + 1)
+    finally:
+        c.close()
+        server.request_stop()
+        thread.join(10)
