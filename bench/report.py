@@ -63,10 +63,20 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", "## PS round trip", "", f"PS {_spread(p['ps_roundtrip_s'])} s, echo "
                   f"{_spread(p['echo_roundtrip_s'])} s per round trip; push {p['push_message_bytes']} bytes. "
                   + p["method"]]
+        if "ratio_2_threads" in p:
+            lines += ["", "| PS variant | round trip (s) | / echo |", "|---|---|---|",
+                      f"| 1 thread, whole model (the figure) | {_spread(p['ps_roundtrip_s'])} | "
+                      f"{_spread(p['ratio'])} |",
+                      f"| 2 fold threads, whole model | {_spread(p['ps_2_threads_roundtrip_s'])} | "
+                      f"{_spread(p['ratio_2_threads'])} |",
+                      f"| 1 thread, no model (nothing else changed) | {_spread(p['ps_own_reply_roundtrip_s'])} | "
+                      f"{_spread(p['ratio_own_reply'])} |"]
     if "ingest" in b and "updates_per_s" in b["ingest"]:
         g = b["ingest"]
         lines += ["", "## PS ingest (updates/s)", "", "| update / clients | updates/s |", "|---|---|"]
         lines += [f"| {k} | {_spread(v)} |" for k, v in g["updates_per_s"].items()]
+        if g.get("dense_2_threads_over_1"):
+            lines += ["", f"Dense updates/s, 2 fold threads over 1: {_spread(g['dense_2_threads_over_1'])}."]
         lines += ["", f"Multi-threaded PS: {g['multi_threaded']}. {g['method']}"]
     if "time_to_accuracy" in b and "time_to_target_s" in b["time_to_accuracy"]:
         t = b["time_to_accuracy"]

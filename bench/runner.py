@@ -44,7 +44,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "full": {"reps": 5, "straggler_s": 15.0, "sync_steps": 100, "overhead_steps": 100, "adacomp_subset": 24000,
              "tta_subset": None, "tta_epochs": 2, "tta_limit_s": 110.0, "snapshot_s": 10.0, "test_subset": None,
              "tta_test_subset": 5000,
-             "rtt_rounds": 20, "ingest_s": 5.0, "ingest_clients": (2, 4), "timeout": 1800},
+             "rtt_rounds": 100, "ingest_s": 5.0, "ingest_clients": (2, 4), "timeout": 1800},
 }
 
 TARGETS = {
@@ -53,7 +53,7 @@ TARGETS = {
     "ps_roundtrip": ("PS push+pull round trip / bare pyzmq echo of the same bytes", "<=", 1.25),
     "adacomp": ("asgd bytes / adacomp bytes at equal accuracy (within 1 point)", ">=", 191.0),
     "sync": ("sync / DDP time per step, 2 workers", "<=", 1.2),
-    "ingest": ("updates/s the single-threaded PS folds in (sparse 1%, dense)", None, None),
+    "ingest": ("updates/s the PS folds in (sparse 1%, dense; 1 and 2 fold threads)", None, None),
     "time_to_accuracy": ("time to 88% test accuracy: 2 asgd workers / one process", "<=", 1.0),
 }
 
@@ -274,15 +274,23 @@ def analyse_time_to_accuracy(runs: list[dict[str, Any]], target: float = 0.88) -
 
 # -- the PS benchmarks -----------------------------------------------------------------------------
 
-def _ps(work: Path, mode: str) -> tuple[Any, str]:
+def _ps(work: Path, mode: str, threads: int = 1) -> tuple[Any, str]:
     from plug_asgd.ps_server import embedded_command
 
     port = free_port_block(2)
-    proc = start(embedded_command(f"tcp://127.0.0.1:{port}", mode, parent_pid=os.getpid()), log=work / "ps.log")
+    proc = start(embedded_command(f"tcp://127.0.0.1:{port}", mode, parent_pid=os.getpid(), threads=threads),
+                 log=work / "ps.log")
     return proc, f"tcp://127.0.0.1:{port}"
 
 
 def bench_ps_roundtrip(size: dict[str, Any], work: Path) -> dict[str, Any]:
+    """The PS's dense push + whole-model reply against a bare echo of the push's bytes.
+
+    Besides the figure (the default PS: one thread, the whole model in every reply) the same
+    alternation times a PS that folds with 2 threads (``serve-ps --threads 2``), and a push
+    answered without the model because nothing else changed the model since the push's base
+    (``want_model="unless_own"``, what a lone asgd worker gets): those are reported, not judged.
+    """
     import zmq
 
     from bench.zmqtools import CNN_PARAMETERS, model, update
@@ -290,18 +298,19 @@ def bench_ps_roundtrip(size: dict[str, Any], work: Path) -> dict[str, Any]:
     from plug_asgd.wire import encode, message_bytes
 
     work.mkdir(parents=True, exist_ok=True)
-    ps, address = _ps(work, "asgd")
+    servers = {"ps": _ps(work, "asgd"), "ps_2_threads": _ps(work, "asgd", threads=2)}
     port = free_port_block(2)
     echo_proc = start([sys.executable, "-m", "bench.zmqtools", "echo", f"tcp://127.0.0.1:{port}"],
                       log=work / "echo.log")
     ctx = zmq.Context.instance()
-    client = None
+    clients: dict[str, PSClient] = {}
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        client = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=60)
-        client.hello(1, True, timeout=30)
-        client.init(model())
+        for name, (_, address) in servers.items():
+            clients[name] = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=60)
+            clients[name].hello(1, True, timeout=30)
+            clients[name].init(model())
         up = update("dense")
         sock.connect(f"tcp://127.0.0.1:{port}")
         frames = encode("push", {"rank": 0, "base_version": 0, "seq": 1, "session": "x", "model": True, "rid": 1},
@@ -311,38 +320,55 @@ def bench_ps_roundtrip(size: dict[str, Any], work: Path) -> dict[str, Any]:
         if not sock.poll(30000):
             raise TimeoutError("the echo server did not answer")
         sock.recv_multipart(copy=False)
-        ps_times: list[list[float]] = []
-        echo_times: list[list[float]] = []
-        version = client.pull().version
+        versions = {name: c.pull().version for name, c in clients.items()}
+        kinds = ("ps", "echo", "ps_2_threads", "ps_own_reply")
+        times: dict[str, list[list[float]]] = {k: [] for k in kinds}
+        reply_bytes: dict[str, list[float]] = {k: [] for k in kinds if k != "echo"}
         for rep in range(max(3, size["reps"] * 2)):
-            order = ("ps", "echo") if rep % 2 == 0 else ("echo", "ps")
-            for what in order:
-                times = []
+            for what in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:  # each kind in each position
+                counters = clients["ps_2_threads" if what == "ps_2_threads" else "ps"].counters
+                down, requests = counters.bytes_down, counters.requests
+                block = []
                 for _ in range(size["rtt_rounds"]):
                     t = time.perf_counter()
-                    if what == "ps":
-                        version = client.push(version, up).version
-                    else:
+                    if what == "echo":
                         sock.send_multipart(frames, copy=False)
                         sock.recv_multipart(copy=False)
-                    times.append(time.perf_counter() - t)
-                (ps_times if what == "ps" else echo_times).append(times)
-        ratios = [summary(p)["median"] / summary(e)["median"] for p, e in zip(ps_times, echo_times, strict=True)]
-        down = client.counters.bytes_down / max(1, client.counters.requests)
-        return {"ratio": summary(ratios), "unit": "PS dense push + model reply / bare pyzmq echo of the push's bytes",
-                "ps_roundtrip_s": summary([summary(p)["median"] for p in ps_times]),
-                "echo_roundtrip_s": summary([summary(e)["median"] for e in echo_times]),
-                "parameters": CNN_PARAMETERS, "push_message_bytes": push_size, "mean_reply_bytes": down,
-                "method": f"{size['rtt_rounds']} round trips per block, PS and echo blocks alternated; per block pair "
-                          "the ratio of the median round trips. The PS (mode asgd, single-threaded, its own process) "
-                          "folds the dense update in and answers with the whole central model; the echo server (its "
-                          "own process) sends the push's frames back unchanged; both over tcp on 127.0.0.1."}
+                    else:
+                        name = "ps_2_threads" if what == "ps_2_threads" else "ps"
+                        want: Any = "unless_own" if what == "ps_own_reply" else True
+                        reply = clients[name].push(versions[name], up, want_model=want)
+                        versions[name] = reply.version
+                        if what == "ps_own_reply" and not reply.own:
+                            raise RuntimeError("a lone worker's push was answered with the whole model")
+                    block.append(time.perf_counter() - t)
+                times[what].append(block)
+                if what != "echo":
+                    reply_bytes[what].append((counters.bytes_down - down) / (counters.requests - requests))
+        med = {k: [summary(b)["median"] for b in v] for k, v in times.items()}
+        ratios = {k: summary([p / e for p, e in zip(med[k], med["echo"], strict=True)])
+                  for k in kinds if k != "echo"}
+        return {"ratio": ratios["ps"], "unit": "PS dense push + model reply / bare pyzmq echo of the push's bytes",
+                "ratio_2_threads": ratios["ps_2_threads"], "ratio_own_reply": ratios["ps_own_reply"],
+                "ps_roundtrip_s": summary(med["ps"]), "ps_2_threads_roundtrip_s": summary(med["ps_2_threads"]),
+                "ps_own_reply_roundtrip_s": summary(med["ps_own_reply"]),
+                "echo_roundtrip_s": summary(med["echo"]),
+                "parameters": CNN_PARAMETERS, "push_message_bytes": push_size,
+                "mean_reply_bytes": {k: sum(v) / len(v) for k, v in reply_bytes.items()},
+                "method": f"{size['rtt_rounds']} round trips per block; blocks of the PS, the echo, the PS with 2 "
+                          "fold threads and the PS answering a lone worker without the model, rotated so that each "
+                          "takes each position; per repetition the ratio of the block medians to the echo's. The "
+                          "PS (mode asgd, its own process) folds the dense update in and answers with the whole "
+                          "central model (the figure), with 2 threads (--threads 2), or with no tensors when "
+                          "nothing but this push changed the model (want_model='unless_own'); the echo server (its "
+                          "own process) sends the push's frames back unchanged; all over tcp on 127.0.0.1."}
     finally:
-        if client is not None:
-            client.close()
+        for c in clients.values():
+            c.close()
         sock.close(0)
         stop(echo_proc)
-        stop(ps)
+        for proc, _ in servers.values():
+            stop(proc)
 
 
 def bench_ingest(size: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -351,11 +377,11 @@ def bench_ingest(size: dict[str, Any], work: Path) -> dict[str, Any]:
 
     work.mkdir(parents=True, exist_ok=True)
     rates: dict[str, list[float]] = {}
+    variants = (("dense", 1), ("sparse", 1), ("dense", 2))  # (update, PS fold threads)
     for rep in range(max(2, size["reps"])):
         for clients in size["ingest_clients"]:
-            kinds = ("dense", "sparse") if rep % 2 == 0 else ("sparse", "dense")
-            for kind in kinds:
-                ps, address = _ps(work, "asgd" if kind == "dense" else "adacomp")
+            for kind, threads in variants[rep % 3:] + variants[:rep % 3]:
+                ps, address = _ps(work, "asgd" if kind == "dense" else "adacomp", threads)
                 workers = []
                 probe = None
                 try:
@@ -370,7 +396,8 @@ def bench_ingest(size: dict[str, Any], work: Path) -> dict[str, Any]:
                     s0, t0 = probe.stats()["pushes_applied"], time.perf_counter()
                     time.sleep(size["ingest_s"])
                     s1, t1 = probe.stats()["pushes_applied"], time.perf_counter()
-                    rates.setdefault(f"{kind}/{clients}", []).append((s1 - s0) / (t1 - t0))
+                    label = f"{kind}/{clients}" + (f"/{threads} threads" if threads > 1 else "")
+                    rates.setdefault(label, []).append((s1 - s0) / (t1 - t0))
                 finally:
                     for w in workers:
                         stop(w, grace=1.0)
@@ -380,10 +407,15 @@ def bench_ingest(size: dict[str, Any], work: Path) -> dict[str, Any]:
     by = {k: summary(v) for k, v in rates.items()}
     ratio = [s / d for s, d in zip(rates.get(f"sparse/{size['ingest_clients'][0]}", []),
                                    rates.get(f"dense/{size['ingest_clients'][0]}", []), strict=False)]
-    return {"updates_per_s": by, "ratio": summary(ratio), "unit": "sparse 1% updates/s / dense updates/s "
+    first = size["ingest_clients"][0]
+    threaded = [t / d for t, d in zip(rates.get(f"dense/{first}/2 threads", []), rates.get(f"dense/{first}", []),
+                                      strict=False)]
+    return {"updates_per_s": by, "ratio": summary(ratio), "dense_2_threads_over_1": summary(threaded),
+            "unit": "sparse 1% updates/s / dense updates/s "
             f"(single-threaded PS, {size['ingest_clients'][0]} clients)", "parameters": CNN_PARAMETERS,
-            "multi_threaded": "absent: the library's PS serves from one thread (no --threads); only the "
-                              "single-threaded PS is measured",
+            "multi_threaded": "serve-ps --threads N folds each large dense update in N slices on N threads "
+                              "(rows '/2 threads'); requests are still served one at a time, and sparse updates "
+                              "are folded by the serving thread alone",
             "method": "a PS process (dense: mode asgd; sparse: mode adacomp, its top-1% encoding with 16-bit "
                       "offsets) initialised with the recipe CNN's shapes; N client processes push the same "
                       "pre-encoded update in a loop without asking for the model back; updates/s = the PS's "

@@ -134,6 +134,9 @@ def serve_ps(
     max_message_bytes: Annotated[int | None, typer.Option(min=1, help="largest request accepted, in bytes; a "
                                                           "larger one is refused with code too_large "
                                                           "[default: 2 GiB]")] = None,
+    threads: Annotated[int, typer.Option(min=1, max=256, help="threads that fold each large dense update in "
+                                         "(asgd, dynsgd, ssp and the modes built on them), each on a slice; "
+                                         "requests are still served one at a time, in order")] = 1,
 ) -> None:
     """Run a standalone parameter server until Ctrl-C / SIGTERM (or until --workers have come and gone).
 
@@ -164,7 +167,7 @@ def serve_ps(
             bind, mode, replicas_to_aggregate=replicas_to_aggregate, max_updates=max_updates,
             expected_workers=workers, linger=linger, checkpoint=policy, resume=resume,
             run_dir=run_dir or Path("runs") / time.strftime("ps-%Y%m%d-%H%M%S"), worker_timeout=worker_timeout,
-            keys=keys, insecure=insecure,
+            keys=keys, insecure=insecure, threads=threads,
             limits=Limits(max_message_bytes=max_message_bytes) if max_message_bytes else DEFAULT_LIMITS)
     except (OSError, ValueError) as exc:  # port in use / bad interface, a refused option, a bad checkpoint
         raise _fail(str(exc), 2) from None

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import zmq
@@ -75,6 +75,7 @@ class ModelReply:
     status: str
     stop: bool
     tensors: dict[str, np.ndarray]
+    own: bool = False  # no tensors: the central model is exactly the worker's base plus its update
 
 
 class PSClient:
@@ -288,8 +289,18 @@ class PSClient:
     def pull(self) -> ModelReply:
         return self._model(self.request("pull", {"rank": self.rank}))
 
-    def push(self, base_version: int, update: Mapping[str, Tensor], want_model: bool = True) -> ModelReply:
-        """Push an update; the reply carries the central model unless ``want_model`` is False."""
+    def push(self, base_version: int, update: Mapping[str, Tensor],
+             want_model: bool | Literal["unless_own"] = True) -> ModelReply:
+        """Push an update; the reply carries the central model unless ``want_model`` is False.
+
+        ``"unless_own"``: no tensors either when the PS folded the update, as sent, into a model
+        that nothing else had changed since ``base_version`` (``reply.own``). The worker then
+        makes the central model itself, ``base + update`` with the same float additions as the
+        PS: the same bits, without the model's bytes on the wire. Dense updates of the central
+        dtype only; the PS decides, and answers with the whole model otherwise.
+        """
+        if want_model not in (True, False, "unless_own"):
+            raise ValueError(f"want_model must be True, False or 'unless_own', got {want_model!r}")
         fields = {"rank": self.rank, "base_version": base_version, "seq": next(self._seq),
                   "session": self.session, "model": want_model}
         try:
@@ -325,4 +336,5 @@ class PSClient:
     @staticmethod
     def _model(reply: Message) -> ModelReply:
         return ModelReply(version=int(reply.fields["version"]), status=str(reply.fields.get("status")),
-                          stop=bool(reply.fields.get("stop")), tensors=dict(reply.tensors))  # type: ignore[arg-type]
+                          stop=bool(reply.fields.get("stop")), tensors=dict(reply.tensors),  # type: ignore[arg-type]
+                          own=reply.fields.get("own") is True)

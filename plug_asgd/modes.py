@@ -13,12 +13,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from plug_asgd.compressors import Compressor, NoCompression, TopKResidual
+from plug_asgd.slices import SlicePool
 from plug_asgd.wire import Sparse, Tensor, WireError
 
 APPLIED = "applied"
@@ -31,6 +32,7 @@ class CentralState:
 
     tensors: dict[str, np.ndarray]
     version: int = 0
+    pool: SlicePool | None = field(default=None, repr=False, compare=False)  # threads for large folds
 
 
 @dataclass
@@ -84,11 +86,18 @@ def _fold_all(state: CentralState, push: Push, scale: float = 1.0) -> None:
     for name, update in push.update.items():
         if not can_fold_into(update, state.tensors[name]):
             raise ValueError(f"push marked owned, but its tensor {name!r} cannot be folded into")
-        with np.errstate(over="ignore"):  # an overflow is refused just below
-            if scale != 1.0:
-                np.multiply(update, scale, out=update)
-            np.add(update, state.tensors[name], out=update)
-        if not np.isfinite(update).all():
+        u, c = update.reshape(-1), state.tensors[name].reshape(-1)
+
+        def fold(part: slice, u: np.ndarray = u, c: np.ndarray = c) -> bool:
+            out = u[part]
+            with np.errstate(over="ignore"):  # an overflow is refused just below
+                if scale != 1.0:
+                    np.multiply(out, scale, out=out)
+                np.add(out, c[part], out=out)
+            return bool(np.isfinite(out).all())
+
+        finite = all(state.pool.map(fold, u.size)) if state.pool is not None else fold(slice(None))
+        if not finite:
             raise WireError("not_finite", f"update refused: tensor {name!r} holds NaN or Inf, or would overflow "
                                           "the central tensor (has the worker's training diverged? lower the "
                                           "learning rate)")

@@ -47,6 +47,7 @@ from plug_asgd.checkpoint import CheckpointError, CheckpointPolicy, read_checkpo
 from plug_asgd.compressors import decode as decode_update
 from plug_asgd.modes import APPLIED, CentralState, Push, can_fold_into, get_mode
 from plug_asgd.security import check_bind, load_server_keys
+from plug_asgd.slices import SlicePool
 from plug_asgd.wire import (
     DEFAULT_LIMITS,
     FLOAT_DTYPES,
@@ -107,11 +108,22 @@ class Stats:
     pushes_dropped: int = 0
     pushes_after_stop: int = 0
     copies_on_write: int = 0
+    own_replies: int = 0
     workers_lost: int = 0
     workers_back: int = 0
     refused: Counter = field(default_factory=Counter)
     staleness: Counter = field(default_factory=Counter)
     pushes_by_rank: Counter = field(default_factory=Counter)
+
+
+@dataclass
+class _Reply:
+    """Where a push's answer goes, and what it should carry (``want``: all, none or unless_own)."""
+
+    identity: bytes
+    rid: Any
+    want: str
+    own_version: int | None = None  # the version this push alone made, when it was folded in exactly
 
 
 class ParameterServer:
@@ -137,7 +149,9 @@ class ParameterServer:
         context: zmq.Context | None = None,
         keys: str | os.PathLike[str] | None = None,
         insecure: bool = False,
+        threads: int = 1,
     ) -> None:
+        """``threads``: how many threads fold a large dense update in (see :mod:`plug_asgd.slices`)."""
         if worker_timeout <= 0:
             raise ValueError(f"worker_timeout must be > 0 seconds, got {worker_timeout}")
         check_bind(bind, keys is not None, insecure)  # before anything is loaded or bound
@@ -146,7 +160,10 @@ class ParameterServer:
         self.mode = mode
         self.rule = self.spec.make_rule({"replicas_to_aggregate": replicas_to_aggregate,
                                          "staleness_bound": staleness_bound})
-        self.state = CentralState(tensors={})
+        if not 1 <= threads <= 256:
+            raise ValueError(f"threads must be between 1 and 256, got {threads}")
+        self.threads = threads
+        self.state = CentralState(tensors={}, pool=SlicePool(threads) if threads > 1 else None)
         self.initialized = False
         self.max_updates = max_updates
         self.expected_workers = expected_workers
@@ -229,6 +246,8 @@ class ParameterServer:
             self._monitor.close(0)
             self._monitor = None
         self.socket.close(0)
+        if self.state.pool is not None:
+            self.state.pool.close()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
@@ -568,7 +587,8 @@ class ParameterServer:
         # An update in buffers of its own is folded into them, and the rule checks the results
         # (``modes._fold_all``); any other is checked here, before a fold writes in place.
         owned = self.rule.folds_into_update and all(can_fold_into(u, self.state.tensors[n]) for n, u in update.items())
-        want_model = msg.fields.get("model", True) is not False
+        model = msg.fields.get("model", True)
+        want_model = model is not False
         if self._stopped():
             self._check_finite(update)
             self.last_seq[session] = seq
@@ -579,7 +599,11 @@ class ParameterServer:
             self._check_finite(update)
         staleness = self.state.version - base
         self._writable(in_place=not owned)
-        resolutions = self.rule.push(self.state, Push((identity, rid, want_model), rank, base, update, owned))
+        token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all")
+        resolutions = self.rule.push(self.state, Push(token, rank, base, update, owned))
+        if staleness == 0 and self.rule.folds_into_update and all(
+                update[n] is msg.tensors[n] and isinstance(update[n], np.ndarray) for n in update):
+            token.own_version = self.state.version  # the central model is now exactly base + this update
         self.last_seq[session] = seq
         self.stats.staleness[staleness] += 1
         self.stats.pushes_by_rank[rank] += 1
@@ -591,12 +615,19 @@ class ParameterServer:
         self._resolve(resolutions)
 
     def _resolve(self, resolutions: list[tuple[Any, str]]) -> None:
-        for (identity, rid, want_model), status in resolutions:
+        for token, status in resolutions:
             if status == APPLIED:
                 self.stats.pushes_applied += 1
             else:
                 self.stats.pushes_dropped += 1
-            self._send_model(identity, rid, {"status": status}, want_model or status != APPLIED)
+            if status == APPLIED and token.want == "unless_own" and token.own_version == self.state.version:
+                # nothing but this push changed the model since the worker's base: it can add its
+                # update to its base itself (same float additions, same bits); the model stays here
+                self.stats.own_replies += 1
+                self._send_model(token.identity, token.rid, {"status": status, "own": True}, False)
+            else:
+                self._send_model(token.identity, token.rid, {"status": status},
+                                 token.want != "none" or status != APPLIED)
 
     # -- collectives ---------------------------------------------------------------------------
 
@@ -696,7 +727,7 @@ class ParameterServer:
                               for t in tensors.values()):
             raise CheckpointError(f"{path} holds no dense float central model")
         tensors = {n: np.array(t) for n, t in tensors.items()}
-        self.state = CentralState(tensors=tensors, version=int(f["version"]))
+        self.state = CentralState(tensors=tensors, version=int(f["version"]), pool=self.state.pool)
         self.initialized = True
         self.world_size = f.get("world_size")
         self.last_seq = {str(k): int(v) for k, v in f.get("last_seq", {}).items()}
@@ -732,7 +763,7 @@ class ParameterServer:
             "messages_in": s.messages_in, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
             "push_bytes_in": s.push_bytes_in, "pushes_applied": s.pushes_applied,
             "pushes_dropped": s.pushes_dropped, "pushes_after_stop": s.pushes_after_stop,
-            "copies_on_write": s.copies_on_write, "worker_timeout_s": self.worker_timeout,
+            "copies_on_write": s.copies_on_write, "own_replies": s.own_replies, "worker_timeout_s": self.worker_timeout,
             "lost": sorted(self.lost), "workers_lost": s.workers_lost, "workers_back": s.workers_back,
             "refused": dict(s.refused), "staleness": {str(k): v for k, v in sorted(s.staleness.items())},
             "pushes_by_rank": {str(k): v for k, v in sorted(s.pushes_by_rank.items())},
@@ -793,6 +824,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", help="CURVE keys (see plug-asgd keygen): required beyond loopback")
     parser.add_argument("--insecure", action="store_true", help="listen beyond loopback without keys")
     parser.add_argument("--max-message-bytes", type=int)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PLUG_ASGD_LOG", "WARNING"), stream=sys.stderr,
                         format="[plug_asgd PS %(asctime)s] %(message)s")
@@ -805,7 +837,7 @@ def main(argv: list[str] | None = None) -> int:
                      staleness_bound=args.staleness_bound,
                      max_updates=args.max_updates, parent_pid=args.parent_pid, checkpoint=policy,
                      resume=args.resume, run_dir=args.run_dir, worker_timeout=args.worker_timeout,
-                     keys=args.keys, insecure=args.insecure,
+                     keys=args.keys, insecure=args.insecure, threads=args.threads,
                      limits=(Limits(max_message_bytes=args.max_message_bytes) if args.max_message_bytes
                              else DEFAULT_LIMITS))
     except (OSError, ValueError) as exc:

@@ -41,7 +41,7 @@ from torch.distributed import ReduceOp
 
 from plug_asgd import shared
 from plug_asgd.client import DEFAULT_HEARTBEAT_S, ModelReply, PSClient, PSError, PSUnreachableError
-from plug_asgd.compressors import SPARSE_VALUES, make_compressor
+from plug_asgd.compressors import SPARSE_VALUES, NoCompression, make_compressor
 from plug_asgd.modes import get_mode
 from plug_asgd.ps_server import DEFAULT_WORKER_TIMEOUT, embedded_command
 from plug_asgd.security import check_bind
@@ -123,6 +123,8 @@ class AsyncPSStrategy(ParallelStrategy):
             when the embedded PS would listen beyond loopback (``MASTER_ADDR`` not 127.0.0.1).
         ps_insecure: let the embedded PS listen beyond loopback without keys (anyone who reaches the
             port can then read and overwrite the model).
+        ps_threads: threads with which the embedded PS folds each large dense update in (``serve-ps
+            --threads``); worth it only where the PS has cores the workers leave idle.
     """
 
     strategy_name = "async_ps"
@@ -156,6 +158,7 @@ class AsyncPSStrategy(ParallelStrategy):
         ps_run_dir: str | os.PathLike[str] | None = None,
         ps_keys: str | os.PathLike[str] | None = None,
         ps_insecure: bool = False,
+        ps_threads: int = 1,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -227,6 +230,9 @@ class AsyncPSStrategy(ParallelStrategy):
         self.ps_run_dir = ps_run_dir
         self.ps_keys = ps_keys
         self.ps_insecure = ps_insecure
+        if not 1 <= ps_threads <= 256:
+            raise ValueError(f"ps_threads must be between 1 and 256, got {ps_threads}")
+        self.ps_threads = ps_threads
         self._start_method = start_method
         self._num_nodes = 1
         self._client: PSClient | None = None
@@ -251,6 +257,7 @@ class AsyncPSStrategy(ParallelStrategy):
         self._staleness = [0, 0, 0]  # sum, count, max over this worker's applied pushes
         self._compressor = self._new_compressor()
         self._base: dict[str, Tensor] = {}
+        self._delta_buffers: dict[str, Tensor] = {}
 
     def _new_compressor(self) -> Any:
         """A fresh compressor (empty residuals) for a fit: the mode's own for adacomp, else the chosen one."""
@@ -452,6 +459,7 @@ class AsyncPSStrategy(ParallelStrategy):
         options["run_dir"] = run_dir
         options["keys"] = self.ps_keys
         options["insecure"] = self.ps_insecure
+        options["threads"] = self.ps_threads if self.ps_threads > 1 else None
         self._ps_proc = subprocess.Popen(embedded_command(bind, self.mode, **options), stdin=subprocess.DEVNULL)
 
     def _ps_gone(self) -> str | None:
@@ -594,19 +602,37 @@ class AsyncPSStrategy(ParallelStrategy):
         assert self._client is not None
         tensors = self._synced_tensors()
         scale = 1.0 / self._since_push if self.mode_spec.normalize and self._since_push else 1.0
-        update = {}
+        # a dense float32 update as it is: the PS may answer "your base plus this" instead of the model
+        exact = scale == 1.0 and isinstance(self._compressor, NoCompression) and all(
+            t.dtype == torch.float32 for t in tensors.values())
+        update, deltas = {}, {}
         for name, t in tensors.items():
-            delta = _to_numpy(t.detach() - self._base[name])
+            if exact:  # into a buffer kept across steps: sent as it is, and free again once the PS has replied
+                buf = self._delta_buffers.get(name)
+                if buf is None or buf.shape != t.shape or buf.device != t.device:
+                    buf = self._delta_buffers[name] = torch.empty_like(t.detach())
+                deltas[name] = torch.sub(t.detach(), self._base[name], out=buf)
+            else:
+                deltas[name] = t.detach() - self._base[name]
+            delta = _to_numpy(deltas[name])
             update[name] = self._compressor.encode(name, delta * scale if scale != 1.0 else delta)
         self._since_push = 0
         base = self._version
         want_model = self._pull_due()
-        reply = self._client.push(base, update, want_model=want_model)
+        reply = self._client.push(base, update, want_model="unless_own" if want_model and exact else want_model)
         if reply.status == "applied":
             staleness = reply.version - base - 1
             st = self._staleness
             st[0], st[1], st[2] = st[0] + staleness, st[1] + 1, max(st[2], staleness)
-        if want_model:
+        if reply.own:  # the central model is base + update: the same float32 additions give the same bits
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    self._base[name].add_(deltas[name])
+                    t.copy_(self._base[name])
+            self._version = reply.version
+            self._since_pull = 0
+            self._stop_if(reply.stop)
+        elif want_model:
             self._since_pull = 0
             self._load(reply)
         else:  # what was pushed is the PS's now; keep training from our own weights

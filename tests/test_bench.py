@@ -98,10 +98,18 @@ def test_time_to_accuracy_curves_and_ingest(quick):
         assert times == sorted(times) and all(0.0 <= a <= 1.0 for _, a in curve), name
         assert max(a for _, a in curve) > 0.3, name  # trained well above chance (0.1)
     ingest = b["ingest"]
-    assert "absent" in ingest["multi_threaded"]
+    assert set(ingest["updates_per_s"]) == {"dense/2", "sparse/2", "dense/2/2 threads"}
     for key, rate in ingest["updates_per_s"].items():
         assert finite_positive(rate["median"]), key
-    assert b["ps_roundtrip"]["push_message_bytes"] >= 4 * CNN_PARAMETERS
+    assert finite_positive(ingest["dense_2_threads_over_1"]["median"])
+    rtt = b["ps_roundtrip"]
+    assert rtt["push_message_bytes"] >= 4 * CNN_PARAMETERS
+    for variant in ("ratio_2_threads", "ratio_own_reply"):
+        assert finite_positive(rtt[variant]["median"]), variant
+    # the whole model comes back (its bytes and a header), except to a lone worker that asked for "unless_own"
+    assert 4 * CNN_PARAMETERS < rtt["mean_reply_bytes"]["ps"] < 4 * CNN_PARAMETERS + 2000
+    assert 4 * CNN_PARAMETERS < rtt["mean_reply_bytes"]["ps_2_threads"] < 4 * CNN_PARAMETERS + 2000
+    assert rtt["mean_reply_bytes"]["ps_own_reply"] < 200
 
 
 def test_an_unknown_benchmark_is_refused(procs):

@@ -124,6 +124,11 @@ def test_serve_ps_rejects_unknown_mode():
         assert mode in result.output
 
 
+def test_serve_ps_refuses_zero_fold_threads():
+    result = runner.invoke(cli.app, ["serve-ps", "--threads", "0"])
+    assert result.exit_code == 2 and "--threads" in result.output
+
+
 def test_serve_ps_rejects_unknown_log_level():
     result = runner.invoke(cli.app, ["serve-ps", "--log-level", "loud"])
     assert result.exit_code == 2

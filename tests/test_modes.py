@@ -126,16 +126,19 @@ def test_the_ps_folds_into_a_copy_while_a_zero_copy_reply_is_in_flight():
         server.socket.close(0)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("rule_name", ["asgd", "dynsgd", "ssp"])
-def test_folding_into_the_pushs_own_buffers_gives_the_same_bits_and_never_writes_the_old_model(rule_name):
+def test_folding_into_the_pushs_own_buffers_gives_the_same_bits_and_never_writes_the_old_model(rule_name, threads):
     from plug_asgd.modes import MODES
+    from plug_asgd.slices import SlicePool
 
     rng = np.random.default_rng(3)
     w0 = {"w": rng.standard_normal((5, 7)).astype(np.float32), "b": rng.standard_normal(7).astype(np.float32)}
     pushes = [(rank, base, {n: (rng.standard_normal(t.shape) * 1e-3).astype(np.float32) for n, t in w0.items()})
               for rank, base in [(0, 0), (1, 0), (0, 1), (1, 1), (0, 4)]]
     in_place = CentralState({n: t.copy() for n, t in w0.items()})
-    owned = CentralState({n: t.copy() for n, t in w0.items()})
+    # a pool of 3 threads splits every tensor of more than 4 values in 3 slices
+    owned = CentralState({n: t.copy() for n, t in w0.items()}, pool=SlicePool(threads, min_split=4))
     rule_a, rule_b = MODES[rule_name].make_rule({}), MODES[rule_name].make_rule({})
     assert rule_b.folds_into_update
     rule_a.set_trainers(in_place, frozenset({0, 1}))
@@ -151,13 +154,16 @@ def test_folding_into_the_pushs_own_buffers_gives_the_same_bits_and_never_writes
     np.testing.assert_array_equal(first, w0["w"])  # the model a reply may still be sending is untouched
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, 3e38])
-def test_an_owned_push_that_is_or_would_make_the_model_non_finite_is_refused_whole(bad):
+def test_an_owned_push_that_is_or_would_make_the_model_non_finite_is_refused_whole(bad, threads):
+    from plug_asgd.slices import SlicePool
     from plug_asgd.wire import WireError
 
-    state = CentralState({"a": np.ones(3, np.float32), "b": np.full(3, 3e38, np.float32)}, version=7)
+    state = CentralState({"a": np.ones(3, np.float32), "b": np.full(4, 3e38, np.float32)}, version=7,
+                         pool=SlicePool(threads, min_split=2))
     before = {n: t.copy() for n, t in state.tensors.items()}
-    update = {"a": np.ones(3, np.float32), "b": np.array([0, bad, 0], np.float32)}
+    update = {"a": np.ones(3, np.float32), "b": np.array([0, 0, 0, bad], np.float32)}  # in the last slice
     with pytest.raises(WireError) as err:
         AsgdRule().push(state, Push("t", 0, 7, update, owned=True))
     assert err.value.code == "not_finite"
@@ -190,3 +196,17 @@ def test_ssp_holds_a_worker_more_than_the_bound_ahead_until_the_slowest_pushes()
     assert sorted(rule.push(state, Push("b1", 1, 0, one))) == [("a2", APPLIED), ("b1", APPLIED)]  # 2:1
     assert rule.push(state, Push("a3", 0, 3, one)) == []  # 3:1
     assert rule.set_trainers(state, frozenset({0})) == [("a3", APPLIED)]  # the slow one left training
+
+
+def test_a_slice_pool_covers_the_range_once_in_order_and_splits_only_large_ranges():
+    from plug_asgd.slices import SlicePool
+
+    pool = SlicePool(3, min_split=10)
+    try:
+        assert pool.map(lambda s: (s.start, s.stop), 9) == [(0, 9)]
+        assert pool.map(lambda s: (s.start, s.stop), 10) == [(0, 3), (3, 6), (6, 10)]
+        assert SlicePool(1).map(lambda s: (s.start, s.stop), 1 << 20) == [(0, 1 << 20)]
+    finally:
+        pool.close()
+    with pytest.raises(ValueError, match="threads"):
+        SlicePool(0)

@@ -296,3 +296,59 @@ def test_the_ps_answers_with_the_frames_a_push_came_in_and_copies_them_before_an
         c.close()
         server.request_stop()
         thread.join(10)
+
+
+@pytest.mark.parametrize("mode", ["asgd", "dynsgd"])
+def test_a_push_nothing_else_raced_is_answered_without_the_model_which_the_worker_then_has_bit_for_bit(
+        start_ps, mode):
+    address = start_ps(mode)
+    a, b = client(address, 0, 2, mode), client(address, 1, 2, mode)
+    try:
+        rng = np.random.default_rng(5)
+        w0 = {"w": rng.standard_normal((2, 3)).astype(np.float32), "b": rng.standard_normal(2).astype(np.float32)}
+        a.init(w0)
+        delta = {n: (rng.standard_normal(t.shape) * 1e-3).astype(np.float32) for n, t in w0.items()}
+        down = a.counters.bytes_down
+        reply = a.push(0, delta, want_model="unless_own")
+        assert reply.own and reply.tensors == {} and reply.version == 1
+        assert a.counters.bytes_down - down < 200  # a header, no model
+        mine = {n: w0[n] + delta[n] for n in w0}  # what the worker computes: float32 + float32, as the PS did
+        central = a.pull().tensors
+        for n in w0:
+            np.testing.assert_array_equal(central[n].view(np.uint32), mine[n].view(np.uint32))
+        b.push(1, delta)  # version 2: a's next push, based on 1, is raced
+        reply = a.push(1, delta, want_model="unless_own")
+        assert not reply.own and set(reply.tensors) == {"w", "b"}
+        # not exact either: a sparse update, and an update in another dtype than the central one
+        reply = a.push(3, {"w": Sparse(np.array([0]), np.array([1.0], np.float32), (2, 3))}, want_model="unless_own")
+        assert not reply.own and set(reply.tensors) == {"w", "b"}
+        reply = a.push(4, {"b": np.ones(2, np.float16)}, want_model="unless_own")
+        assert not reply.own and set(reply.tensors) == {"w", "b"}
+        assert a.stats()["own_replies"] == 1
+        with pytest.raises(ValueError, match="unless_own"):
+            a.push(5, delta, want_model="yes")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_ps_with_two_fold_threads_folds_large_tensors_exactly_and_refuses_a_nan_in_any_slice(start_ps):
+    address = start_ps("asgd", "--threads", "2")
+    c = client(address)
+    try:
+        rng = np.random.default_rng(9)
+        w0 = {"big": rng.standard_normal(300_000).astype(np.float32), "small": np.zeros(3, np.float32)}
+        c.init(w0)
+        delta = {"big": (rng.standard_normal(300_000) * 1e-3).astype(np.float32), "small": np.ones(3, np.float32)}
+        reply = c.push(0, delta)
+        for n in w0:  # split in two slices folded on two threads: the same bits as one numpy addition
+            np.testing.assert_array_equal(reply.tensors[n].view(np.uint32), (w0[n] + delta[n]).view(np.uint32))
+        bad = delta["big"].copy()
+        bad[-1] = np.nan  # in the second thread's slice
+        with pytest.raises(PSError) as err:
+            c.push(1, {"big": bad})
+        assert err.value.code == "not_finite"
+        np.testing.assert_array_equal(c.pull().tensors["big"], reply.tensors["big"])
+        assert c.stats()["version"] == 1
+    finally:
+        c.close()

@@ -95,6 +95,17 @@ def test_checkpoints_and_validation_see_the_central_model(strategy, tmp_path):
                                   central(strategy)["layer.weight"])
 
 
+def test_a_lone_asgd_worker_gets_no_model_back_yet_holds_the_central_model_bit_for_bit(strategy):
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Tiny(), data())  # 20 steps: 4 pushes, each answered "your base plus your update"
+    stats = strategy._client.stats()
+    assert stats["pushes_applied"] == 4 and stats["own_replies"] == 4
+    for name, value in central(strategy).items():
+        local = dict(trainer.lightning_module.named_parameters())[name].detach().numpy()
+        np.testing.assert_array_equal(local.view(np.uint32), value.view(np.uint32))
+
+
 @pytest.mark.parametrize("name, mode", [("async_ps", "asgd"), ("async_ps_adacomp", "adacomp"),
                                         ("async_ps_sync", "sync")])
 def test_strategy_names_are_registered_with_lightning(name, mode):
@@ -118,6 +129,8 @@ def test_bad_arguments_are_refused_at_construction():
         AsyncPSStrategy(mode="asgd", sparse_values="float16")
     with pytest.raises(ValueError, match="heartbeat_s must be in"):
         AsyncPSStrategy(heartbeat_s=15.0, worker_timeout=20.0)
+    with pytest.raises(ValueError, match="ps_threads"):
+        AsyncPSStrategy(ps_threads=0)
 
 
 def test_reduce_ops_of_torch_and_lightning_are_understood():
