@@ -117,7 +117,7 @@ def make_strategy(run: dict[str, Any], index: int, workers: int) -> Any:
         return DDPStrategy(process_group_backend="gloo")
     port = int(os.environ["MASTER_PORT"]) + 1 + index
     return AsyncPSStrategy(mode=run.get("mode", "asgd"), compression=run.get("compression", 0.01),
-                           compressor=run.get("compressor", "none"), ps_port=port)
+                           compressor=run.get("compressor", "none"), overlap=run.get("overlap"), ps_port=port)
 
 
 def evaluate(state: dict[str, torch.Tensor], test_x: torch.Tensor, test_y: torch.Tensor) -> float:

@@ -98,6 +98,11 @@ class AsyncPSStrategy(ParallelStrategy):
             default: the mode's, 1 for asgd).
         pull_every: local steps between two pulls of the central model (default: with every push);
             a pull keeps the progress not yet pushed (DOWNPOUR's n_fetch).
+        overlap: send each push from a background thread while the next step computes, and merge
+            the reply when the push after it is due, keeping the progress made meanwhile (the
+            central model then reaches the worker one push later). The default for osp/losp, which
+            are defined by it; opt-in for the other push modes (asgd, dynsgd, ssp, downpour's pushes
+            without pull_every, agn, sync, localsgd, sagn).
         tau: easgd/eamsgd: local steps between two elastic exchanges with the center.
         alpha: easgd/eamsgd: the elastic step: worker and center move ``alpha * (w - center)``.
         staleness_bound: ssp: how many pushes a worker may be ahead of the slowest (default 2).
@@ -141,6 +146,7 @@ class AsyncPSStrategy(ParallelStrategy):
         error_feedback: bool | None = None,
         push_every: int | None = None,
         pull_every: int | None = None,
+        overlap: bool | None = None,
         tau: int | None = None,
         alpha: float | None = None,
         staleness_bound: int | None = None,
@@ -208,12 +214,23 @@ class AsyncPSStrategy(ParallelStrategy):
         if heartbeat_s is not None and not 0 < heartbeat_s <= worker_timeout / 2:
             raise ValueError(f"heartbeat_s must be in (0, worker_timeout / 2 = {worker_timeout / 2:g}] so that one "
                              f"late beat does not make a live worker lost, got {heartbeat_s}")
+        exchange = self.mode_spec.exchange
+        if overlap is None:
+            overlap = exchange == "overlap"
+        elif overlap and exchange not in ("push", "overlap"):
+            raise ValueError(f"overlap=True does not go with mode={mode!r}: its exchange ({exchange}) is not a push")
+        elif not overlap and exchange == "overlap":
+            raise ValueError(f"mode={mode!r} is defined by its overlap: for the same rounds without it, use "
+                             f"mode={'sync' if mode == 'osp' else 'localsgd'!r}")
+        if overlap and pull_every is not None:
+            raise ValueError("overlap=True takes the model with every push's reply: it does not go with pull_every")
         if ps_address is not None and not ps_address.startswith(("tcp://", "ipc://")):
             raise ValueError(f"ps_address must look like tcp://host:port, got {ps_address!r}")
         self.compression = compression
         self.compressor = compressor
         self.push_every = push_every
         self.pull_every = pull_every
+        self.overlap = overlap
         self.tau = tau
         self.alpha = alpha
         self.staleness_bound = staleness_bound
@@ -597,17 +614,19 @@ class AsyncPSStrategy(ParallelStrategy):
     def _pull_due(self) -> bool:
         return self.pull_every is None or self._since_pull >= self.pull_every
 
-    def _push(self) -> None:
-        """Send ``w - w_base`` (over the steps it spans, for agn/sagn); take the central model if a pull is due."""
-        assert self._client is not None
-        tensors = self._synced_tensors()
+    def _update(self, tensors: dict[str, Tensor]) -> tuple[dict[str, Any], dict[str, Tensor], bool]:
+        """The update to push (``w - w_base``, encoded), the deltas, and whether the PS may answer "own".
+
+        A dense float32 update sent as it is can be answered "your base plus this" instead of the
+        model (see ``PSClient.push``); its deltas go into buffers kept across pushes (no 4.8 MB
+        allocation per step for the recipe CNN), free again once the PS has replied.
+        """
         scale = 1.0 / self._since_push if self.mode_spec.normalize and self._since_push else 1.0
-        # a dense float32 update as it is: the PS may answer "your base plus this" instead of the model
         exact = scale == 1.0 and isinstance(self._compressor, NoCompression) and all(
             t.dtype == torch.float32 for t in tensors.values())
         update, deltas = {}, {}
         for name, t in tensors.items():
-            if exact:  # into a buffer kept across steps: sent as it is, and free again once the PS has replied
+            if exact:
                 buf = self._delta_buffers.get(name)
                 if buf is None or buf.shape != t.shape or buf.device != t.device:
                     buf = self._delta_buffers[name] = torch.empty_like(t.detach())
@@ -616,6 +635,13 @@ class AsyncPSStrategy(ParallelStrategy):
                 deltas[name] = t.detach() - self._base[name]
             delta = _to_numpy(deltas[name])
             update[name] = self._compressor.encode(name, delta * scale if scale != 1.0 else delta)
+        return update, deltas, exact
+
+    def _push(self) -> None:
+        """Send ``w - w_base`` (over the steps it spans, for agn/sagn); take the central model if a pull is due."""
+        assert self._client is not None
+        tensors = self._synced_tensors()
+        update, deltas, exact = self._update(tensors)
         self._since_push = 0
         base = self._version
         want_model = self._pull_due()
@@ -671,23 +697,25 @@ class AsyncPSStrategy(ParallelStrategy):
         self._stop_if(reply.stop or done.stop)
 
     def _push_overlapped(self) -> None:
-        """OSP/LOSP: finish the round in flight, then send this update from a background thread."""
+        """``overlap``: finish the push in flight, then send this update from a background thread."""
         self._finish_in_flight()
         assert self._client is not None
         tensors = self._synced_tensors()
-        update = {n: self._compressor.encode(n, _to_numpy(t.detach() - self._base[n])) for n, t in tensors.items()}
-        sent = {n: t.detach().clone() for n, t in tensors.items()}
+        update, deltas, exact = self._update(tensors)
+        # what the reply's model is merged with: the weights sent, unless the PS answers "own"
+        sent = None if exact else {n: t.detach().clone() for n, t in tensors.items()}
         client, base, result = self._client, self._version, self._in_flight_result
         result.clear()
 
         def send() -> None:
             try:
-                result["reply"] = client.push(base, update)
+                result["reply"] = client.push(base, update, want_model="unless_own" if exact else True)
             except BaseException as exc:  # re-raised in the training thread
                 result["error"] = exc
             result["done_at"] = time.monotonic()
 
-        result["sent"], result["sent_at"], result["next_step_at"] = sent, time.monotonic(), None
+        result["sent"], result["deltas"] = sent, deltas
+        result["sent_at"], result["next_step_at"] = time.monotonic(), None
         self._since_push = 0
         self._in_flight = threading.Thread(target=send, name="plug_asgd-sender", daemon=True)
         self._in_flight.start()
@@ -704,11 +732,18 @@ class AsyncPSStrategy(ParallelStrategy):
         reply, sent = result["reply"], result["sent"]
         if len(self._overlap_trace) < 20:  # (sent, next step started, reply received): the overlap, measured
             self._overlap_trace.append((result["sent_at"], result["next_step_at"], result["done_at"]))
-        for name, t in self._synced_tensors().items():
-            progress = t.detach() - sent[name]
-            _assign(self._base[name], reply.tensors[name])
+        if reply.own:  # central = base + what was sent: the weights sent plus the progress are the weights now
             with torch.no_grad():
-                t.copy_(self._base[name] + progress)
+                for name, delta in result["deltas"].items():
+                    self._base[name].add_(delta)
+        else:
+            if sent is None:  # an "own" push raced, or duplicate: merge with the weights sent, base + delta
+                sent = {n: self._base[n] + d for n, d in result["deltas"].items()}
+            for name, t in self._synced_tensors().items():
+                progress = t.detach() - sent[name]
+                _assign(self._base[name], reply.tensors[name])
+                with torch.no_grad():
+                    t.copy_(self._base[name] + progress)
         self._version = reply.version
         self._stop_if(reply.stop)
 
@@ -735,7 +770,7 @@ class AsyncPSStrategy(ParallelStrategy):
         if self._joined and self._fitting and not self._hogwild:
             self._since_push += 1
             self._since_pull += 1
-            if self.mode_spec.exchange == "overlap":
+            if self.overlap:
                 if self._since_push >= self.push_every:
                     self._push_overlapped()
             elif self.mode_spec.exchange == "elastic":

@@ -106,6 +106,33 @@ def test_a_lone_asgd_worker_gets_no_model_back_yet_holds_the_central_model_bit_f
         np.testing.assert_array_equal(local.view(np.uint32), value.view(np.uint32))
 
 
+def test_overlapped_pushes_of_a_lone_worker_lose_no_step(tmp_path):
+    """A lone worker's model is the central one either way: overlapping its pushes with its next
+    steps must end where pushing after each step ends, up to float rounding."""
+    finals, stats = [], []
+    for overlap in (False, True):
+        pl.seed_everything(3)
+        module = Tiny()
+        s = AsyncPSStrategy(mode="asgd", overlap=overlap)
+        try:
+            trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=s, max_epochs=2, logger=False,
+                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+            trainer.fit(module, data())  # 40 steps, a push after each
+            stats.append(s._client.stats())
+            finals.append({n: p.detach().clone() for n, p in module.named_parameters()})
+            center = central(s)
+            for n, p in module.named_parameters():  # teardown leaves the central model in the module
+                np.testing.assert_array_equal(p.detach().numpy(), center[n])
+        finally:
+            proc = s._ps_proc
+            s._shutdown(wait_for_workers=0)
+            assert proc is None or proc.poll() is not None
+    for st in stats:
+        assert st["pushes_applied"] == 40 and st["own_replies"] == 40
+    for n in finals[0]:
+        torch.testing.assert_close(finals[1][n], finals[0][n], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name, mode", [("async_ps", "asgd"), ("async_ps_adacomp", "adacomp"),
                                         ("async_ps_sync", "sync")])
 def test_strategy_names_are_registered_with_lightning(name, mode):
@@ -131,6 +158,13 @@ def test_bad_arguments_are_refused_at_construction():
         AsyncPSStrategy(heartbeat_s=15.0, worker_timeout=20.0)
     with pytest.raises(ValueError, match="ps_threads"):
         AsyncPSStrategy(ps_threads=0)
+    with pytest.raises(ValueError, match="is not a push"):
+        AsyncPSStrategy(mode="easgd", overlap=True)
+    with pytest.raises(ValueError, match="use mode='sync'"):
+        AsyncPSStrategy(mode="osp", overlap=False)
+    with pytest.raises(ValueError, match="pull_every"):
+        AsyncPSStrategy(mode="downpour", overlap=True, pull_every=8)
+    assert AsyncPSStrategy(mode="losp").overlap and not AsyncPSStrategy(mode="asgd").overlap
 
 
 def test_reduce_ops_of_torch_and_lightning_are_understood():
