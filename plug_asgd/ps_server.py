@@ -349,10 +349,10 @@ class ParameterServer:
             self._error(identity, rid, "internal", f"internal error in the parameter server: {exc}")
 
     def _send(self, identity: bytes, rid: Any, msg_type: str, fields: dict[str, Any] | None = None,
-              tensors: dict[str, Tensor] | None = None, track: bool = False) -> zmq.MessageTracker | None:
+              tensors: dict[str, Tensor] | None = None) -> None:
         frames = encode(msg_type, {**(fields or {}), "rid": rid}, tensors)
         self.stats.bytes_out += message_bytes(frames)
-        return self.socket.send_multipart([identity, *frames], copy=False, track=track)
+        self.socket.send_multipart([identity, *frames], copy=False)
 
     def _error(self, identity: bytes, rid: Any, code: str, text: str) -> None:
         self._send(identity, rid, "error", {"code": code, "message": text})
@@ -601,9 +601,11 @@ class ParameterServer:
         self._writable(in_place=not owned)
         token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all")
         resolutions = self.rule.push(self.state, Push(token, rank, base, update, owned))
-        if staleness == 0 and self.rule.folds_into_update and all(
-                update[n] is msg.tensors[n] and isinstance(update[n], np.ndarray) for n in update):
-            token.own_version = self.state.version  # the central model is now exactly base + this update
+        # Exactly base + this update: nothing else folded in since the base, dense values used as sent. Not
+        # after a resume: versions made before the crash and after it share numbers, not contents.
+        if (staleness == 0 and self.resumed_from is None and self.rule.folds_into_update
+                and all(update[n] is msg.tensors[n] and isinstance(update[n], np.ndarray) for n in update)):
+            token.own_version = self.state.version
         self.last_seq[session] = seq
         self.stats.staleness[staleness] += 1
         self.stats.pushes_by_rank[rank] += 1
@@ -763,7 +765,8 @@ class ParameterServer:
             "messages_in": s.messages_in, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
             "push_bytes_in": s.push_bytes_in, "pushes_applied": s.pushes_applied,
             "pushes_dropped": s.pushes_dropped, "pushes_after_stop": s.pushes_after_stop,
-            "copies_on_write": s.copies_on_write, "own_replies": s.own_replies, "worker_timeout_s": self.worker_timeout,
+            "copies_on_write": s.copies_on_write, "own_replies": s.own_replies, "threads": self.threads,
+            "worker_timeout_s": self.worker_timeout,
             "lost": sorted(self.lost), "workers_lost": s.workers_lost, "workers_back": s.workers_back,
             "refused": dict(s.refused), "staleness": {str(k): v for k, v in sorted(s.staleness.items())},
             "pushes_by_rank": {str(k): v for k, v in sorted(s.pushes_by_rank.items())},

@@ -275,6 +275,10 @@ class AsyncPSStrategy(ParallelStrategy):
         self._compressor = self._new_compressor()
         self._base: dict[str, Tensor] = {}
         self._delta_buffers: dict[str, Tensor] = {}
+        # whether _base holds the central model of version _version bit for bit (not after a push
+        # answered without the model, whose worker keeps its own weights): only then may a push ask
+        # the PS for an "own" reply
+        self._base_is_central = False
 
     def _new_compressor(self) -> Any:
         """A fresh compressor (empty residuals) for a fit: the mode's own for adacomp, else the chosen one."""
@@ -607,6 +611,7 @@ class AsyncPSStrategy(ParallelStrategy):
                 self._base[name] = t.detach().clone()
             else:
                 base.copy_(t.detach())
+        self._base_is_central = True
         self._version = reply.version
         self._since_pull = 0
         self._stop_if(reply.stop)
@@ -622,7 +627,7 @@ class AsyncPSStrategy(ParallelStrategy):
         allocation per step for the recipe CNN), free again once the PS has replied.
         """
         scale = 1.0 / self._since_push if self.mode_spec.normalize and self._since_push else 1.0
-        exact = scale == 1.0 and isinstance(self._compressor, NoCompression) and all(
+        exact = self._base_is_central and scale == 1.0 and isinstance(self._compressor, NoCompression) and all(
             t.dtype == torch.float32 for t in tensors.values())
         update, deltas = {}, {}
         for name, t in tensors.items():
@@ -664,6 +669,7 @@ class AsyncPSStrategy(ParallelStrategy):
         else:  # what was pushed is the PS's now; keep training from our own weights
             for name, t in tensors.items():
                 self._base[name].copy_(t.detach())
+            self._base_is_central = False
             self._version = reply.version
             self._stop_if(reply.stop)
 
@@ -676,6 +682,7 @@ class AsyncPSStrategy(ParallelStrategy):
             _assign(self._base[name], reply.tensors[name])
             with torch.no_grad():
                 t.copy_(self._base[name] + pending)
+        self._base_is_central = True
         self._version = reply.version
         self._since_pull = 0
         self._stop_if(reply.stop)
@@ -744,6 +751,7 @@ class AsyncPSStrategy(ParallelStrategy):
                 _assign(self._base[name], reply.tensors[name])
                 with torch.no_grad():
                     t.copy_(self._base[name] + progress)
+        self._base_is_central = True
         self._version = reply.version
         self._stop_if(reply.stop)
 

@@ -352,3 +352,22 @@ def test_a_ps_with_two_fold_threads_folds_large_tensors_exactly_and_refuses_a_na
         assert c.stats()["version"] == 1
     finally:
         c.close()
+
+
+def test_a_resumed_ps_never_answers_own_since_its_versions_may_name_other_models(start_ps, tmp_path):
+    """Versions made after a resume reuse the numbers of versions lost in the crash: a worker's base
+    of "version 2" may be another model than the resumed PS's version 2, so only whole models go back."""
+    first = start_ps("asgd", "--checkpoint-dir", str(tmp_path), "--checkpoint-every-updates", "1")
+    c = client(first)
+    c.init(W0)
+    assert c.push(0, {"w": np.ones((2, 3), np.float32)}, want_model="unless_own").own
+    c.close()
+    start_ps.stop(first)
+    second = start_ps("asgd", "--resume", str(tmp_path))
+    c = client(second)
+    try:
+        reply = c.push(1, {"w": np.ones((2, 3), np.float32)}, want_model="unless_own")
+        assert reply.version == 2 and not reply.own
+        np.testing.assert_array_equal(reply.tensors["w"], W0["w"] + 2)
+    finally:
+        c.close()

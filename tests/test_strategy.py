@@ -106,6 +106,21 @@ def test_a_lone_asgd_worker_gets_no_model_back_yet_holds_the_central_model_bit_f
         np.testing.assert_array_equal(local.view(np.uint32), value.view(np.uint32))
 
 
+def test_a_worker_whose_base_is_its_own_weights_never_asks_for_an_own_reply():
+    """With pull_every=2 every other push takes no model: the worker then keeps its own weights as its
+    base, which need not be the central model of the version it was told, so the next push must
+    get the whole model back."""
+    s = AsyncPSStrategy(mode="asgd", pull_every=2)
+    try:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=s, max_epochs=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(Tiny(), data())
+        stats = s._client.stats()
+        assert stats["pushes_applied"] == 20 and stats["own_replies"] == 0
+    finally:
+        s._shutdown(wait_for_workers=0)
+
+
 def test_overlapped_pushes_of_a_lone_worker_lose_no_step(tmp_path):
     """A lone worker's model is the central one either way: overlapping its pushes with its next
     steps must end where pushing after each step ends, up to float rounding."""
