@@ -60,11 +60,13 @@ class CommCounters:
     push_bytes_up: int = 0
     requests: int = 0
     pushes: int = 0
+    own_replies: int = 0  # pushes answered without the model (see PSClient.push)
     wait_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"bytes_up": self.bytes_up, "bytes_down": self.bytes_down, "push_bytes_up": self.push_bytes_up,
-                "requests": self.requests, "pushes": self.pushes, "wait_seconds": round(self.wait_seconds, 6)}
+                "requests": self.requests, "pushes": self.pushes, "own_replies": self.own_replies,
+                "wait_seconds": round(self.wait_seconds, 6)}
 
 
 @dataclass
@@ -304,7 +306,9 @@ class PSClient:
         fields = {"rank": self.rank, "base_version": base_version, "seq": next(self._seq),
                   "session": self.session, "model": want_model}
         try:
-            return self._model(self.request("push", fields, update))
+            reply = self._model(self.request("push", fields, update))
+            self.counters.own_replies += reply.own
+            return reply
         except PSError as exc:
             if exc.code != "duplicate":
                 raise
