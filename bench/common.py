@@ -53,7 +53,8 @@ def summary(values: list[float]) -> dict[str, Any]:
         return {"median": None, "min": None, "max": None, "n": 0, "values": []}
     n = len(vals)
     median = vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) / 2
-    return {"median": median, "min": vals[0], "max": vals[-1], "n": n, "values": [round(v, 6) for v in values]}
+    return {"median": median, "min": vals[0], "max": vals[-1], "n": n,
+            "values": [None if v is None else round(v, 6) for v in values]}
 
 
 def _ephemeral_range() -> tuple[int, int]:
