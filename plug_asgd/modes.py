@@ -44,7 +44,7 @@ class Push:
     base_version: int
     update: dict[str, Tensor]
     # The update's dense arrays belong to the rule: it may fold the central tensor into them and
-    # keep them as the new central tensors (the PS's received buffers, used once and never sent).
+    # keep them as the new central tensors (the PS's received buffers, which nothing else holds).
     owned: bool = False
 
 
