@@ -116,7 +116,7 @@ def stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
             proc.wait(timeout=wait)
         except subprocess.TimeoutExpired:
             continue
-        if not group_alive(proc.pid):
+        if not group_members(proc.pid):
             return
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -124,7 +124,12 @@ def stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
         pass
 
 
-def group_alive(pgid: int) -> bool:
+def group_members(pgid: int) -> list[int]:
+    """Pids whose process group is ``pgid`` (read from /proc, so zombies of other parents count too).
+
+    The tests' process fixtures use this too (``tests/conftest.py``).
+    """
+    pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -134,8 +139,8 @@ def group_alive(pgid: int) -> bool:
             continue
         fields = stat[stat.rindex(")") + 2:].split()
         if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+            pids.append(int(entry.name))
+    return pids
 
 
 def run_module(module: str, args: list[str], timeout: float, log: Path, env: dict[str, str]) -> int:

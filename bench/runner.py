@@ -342,11 +342,12 @@ def bench_ps_roundtrip(size: dict[str, Any], work: Path) -> dict[str, Any]:
         sock.recv_multipart(copy=False)
         versions = {name: c.pull().version for name, c in clients.items()}
         kinds = ("ps", "echo", "ps_2_threads", "ps_own_reply")
+        served_by = {"ps": "ps", "ps_2_threads": "ps_2_threads", "ps_own_reply": "ps"}  # the PS of each kind
         times: dict[str, list[list[float]]] = {k: [] for k in kinds}
         reply_bytes: dict[str, list[float]] = {k: [] for k in kinds if k != "echo"}
         for rep in range(max(3, size["reps"] * 2)):
             for what in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:  # each kind in each position
-                counters = clients["ps_2_threads" if what == "ps_2_threads" else "ps"].counters
+                counters = clients[served_by.get(what, "ps")].counters
                 down, requests = counters.bytes_down, counters.requests
                 block = []
                 for _ in range(size["rtt_rounds"]):
@@ -355,7 +356,7 @@ def bench_ps_roundtrip(size: dict[str, Any], work: Path) -> dict[str, Any]:
                         sock.send_multipart(frames, copy=False)
                         sock.recv_multipart(copy=False)
                     else:
-                        name = "ps_2_threads" if what == "ps_2_threads" else "ps"
+                        name = served_by[what]
                         want: Any = "unless_own" if what == "ps_own_reply" else True
                         reply = clients[name].push(versions[name], up, want_model=want)
                         versions[name] = reply.version

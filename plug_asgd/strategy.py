@@ -611,9 +611,14 @@ class AsyncPSStrategy(ParallelStrategy):
                 self._base[name] = t.detach().clone()
             else:
                 base.copy_(t.detach())
-        self._base_is_central = True
+        self._based_on(reply)
+
+    def _based_on(self, reply: ModelReply, central: bool = True) -> None:
+        """``_base`` is now version ``reply.version``: the central model itself, unless ``central`` is False."""
+        self._base_is_central = central
         self._version = reply.version
-        self._since_pull = 0
+        if central:
+            self._since_pull = 0
         self._stop_if(reply.stop)
 
     def _pull_due(self) -> bool:
@@ -660,18 +665,14 @@ class AsyncPSStrategy(ParallelStrategy):
                 for name, t in tensors.items():
                     self._base[name].add_(deltas[name])
                     t.copy_(self._base[name])
-            self._version = reply.version
-            self._since_pull = 0
-            self._stop_if(reply.stop)
+            self._based_on(reply)
         elif want_model:
             self._since_pull = 0
             self._load(reply)
         else:  # what was pushed is the PS's now; keep training from our own weights
             for name, t in tensors.items():
                 self._base[name].copy_(t.detach())
-            self._base_is_central = False
-            self._version = reply.version
-            self._stop_if(reply.stop)
+            self._based_on(reply, central=False)
 
     def _pull_keeping_progress(self) -> None:
         """DOWNPOUR's fetch: ``w = central + (w - w_base)``, so steps not yet pushed are not lost."""
@@ -682,10 +683,7 @@ class AsyncPSStrategy(ParallelStrategy):
             _assign(self._base[name], reply.tensors[name])
             with torch.no_grad():
                 t.copy_(self._base[name] + pending)
-        self._base_is_central = True
-        self._version = reply.version
-        self._since_pull = 0
-        self._stop_if(reply.stop)
+        self._based_on(reply)
 
     def _elastic_exchange(self) -> None:
         """EASGD: ``e = alpha * (w - center)``; the worker steps ``-e``, the center ``+e`` (pushed)."""
@@ -751,9 +749,7 @@ class AsyncPSStrategy(ParallelStrategy):
                 _assign(self._base[name], reply.tensors[name])
                 with torch.no_grad():
                     t.copy_(self._base[name] + progress)
-        self._base_is_central = True
-        self._version = reply.version
-        self._stop_if(reply.stop)
+        self._based_on(reply)
 
     def _stop_if(self, stop: bool) -> None:
         if stop and self._fitting and self.lightning_module is not None:

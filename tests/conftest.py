@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+# LAUNCHER_VARIABLES: set by Lightning's launchers in the launching process, a child that inherits them
+# believes it is one rank of an already launched job. group_members: the pids of a process group.
+from bench.common import LAUNCHER_VARIABLES, group_members
+
 ROOT = Path(__file__).resolve().parent.parent
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 PYTHON = sys.executable
@@ -38,26 +42,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def group_members(pgid: int) -> list[int]:
-    """Pids whose process group is ``pgid`` (read from /proc, so zombies of other parents count too)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
-# Set by Lightning's launchers in the launching process; a child that inherits them believes it is
-# one rank of an already launched job (LOCAL_RANK set: "processes are created externally").
-LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "WORLD_SIZE",
-                      "GROUP_RANK")
 
 
 def child_env(**extra: str) -> dict[str, str]:
