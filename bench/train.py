@@ -117,7 +117,8 @@ def make_strategy(run: dict[str, Any], index: int, workers: int) -> Any:
         return DDPStrategy(process_group_backend="gloo")
     port = int(os.environ["MASTER_PORT"]) + 1 + index
     return AsyncPSStrategy(mode=run.get("mode", "asgd"), compression=run.get("compression", 0.01),
-                           compressor=run.get("compressor", "none"), overlap=run.get("overlap"), ps_port=port)
+                           compressor=run.get("compressor", "none"), overlap=run.get("overlap"), ps_port=port,
+                           shm_pushes=run.get("shm_pushes", True))
 
 
 def evaluate(state: dict[str, torch.Tensor], test_x: torch.Tensor, test_y: torch.Tensor) -> float:
@@ -196,7 +197,8 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
               "ranks": [{k: v for k, v in r.items() if k != "step_ends"} | {"steps_after_warmup": len(r["step_ends"])}
                         for r in records]}
     if ps is not None:
-        result.update(push_bytes=ps["push_bytes_in"], pushes=ps["pushes_applied"] + ps["pushes_dropped"],
+        result.update(push_bytes=ps["push_bytes_in"], push_local_bytes=ps["push_local_bytes_in"],
+                      pushes=ps["pushes_applied"] + ps["pushes_dropped"],
                       pushes_applied=ps["pushes_applied"], ps_version=ps["version"])
     if clock.snapshots:
         dm.setup("test")

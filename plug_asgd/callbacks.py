@@ -279,15 +279,16 @@ class CommunicationMonitor(Callback):
     def _record(self, trainer: pl.Trainer) -> None:
         stats = self._strategy.comm_stats()
         since = {k: stats.get(k, 0) - self._baseline.get(k, 0)
-                 for k in ("wait_seconds", "bytes_up", "bytes_down", "push_bytes_up", "pushes", "own_replies",
-                           "local_steps")}
+                 for k in ("wait_seconds", "bytes_up", "bytes_down", "push_bytes_up", "push_local_bytes_up", "pushes",
+                           "own_replies", "local_steps")}
         wall = time.monotonic() - self._start
         comm = since["wait_seconds"]
         record = {
             "rank": trainer.global_rank, "local_steps": since["local_steps"],
             "train_loss_mean": sum(self._losses) / len(self._losses) if self._losses else None,
             "bytes_up": since["bytes_up"], "bytes_down": since["bytes_down"],
-            "push_bytes_up": since["push_bytes_up"], "pushes": since["pushes"], "own_replies": since["own_replies"],
+            "push_bytes_up": since["push_bytes_up"], "push_local_bytes_up": since["push_local_bytes_up"],
+            "pushes": since["pushes"], "own_replies": since["own_replies"],
             "wall_s": round(wall, 3), "comm_s": round(comm, 3), "compute_s": round(max(0.0, wall - comm), 3),
             "staleness_mean": stats.get("staleness_mean", 0.0), "staleness_max": stats.get("staleness_max", 0),
             "version": stats.get("version", 0), "time": round(time.time(), 3),

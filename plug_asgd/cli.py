@@ -137,6 +137,8 @@ def serve_ps(
     threads: Annotated[int, typer.Option(min=1, max=256, help="threads that fold each large dense update in "
                                          "(asgd, dynsgd, ssp and the modes built on them), each on a slice; "
                                          "requests are still served one at a time, in order")] = 1,
+    shm_pushes: Annotated[bool, typer.Option(help="let workers on this machine push dense updates through "
+                                             "shared memory (/dev/shm) instead of the socket")] = True,
 ) -> None:
     """Run a standalone parameter server until Ctrl-C / SIGTERM (or until --workers have come and gone).
 
@@ -167,7 +169,7 @@ def serve_ps(
             bind, mode, replicas_to_aggregate=replicas_to_aggregate, max_updates=max_updates,
             expected_workers=workers, linger=linger, checkpoint=policy, resume=resume,
             run_dir=run_dir or Path("runs") / time.strftime("ps-%Y%m%d-%H%M%S"), worker_timeout=worker_timeout,
-            keys=keys, insecure=insecure, threads=threads,
+            keys=keys, insecure=insecure, threads=threads, shm_pushes=shm_pushes,
             limits=Limits(max_message_bytes=max_message_bytes) if max_message_bytes else DEFAULT_LIMITS)
     except (OSError, ValueError) as exc:  # port in use / bad interface, a refused option, a bad checkpoint
         raise _fail(str(exc), 2) from None

@@ -11,6 +11,10 @@ events: after a reconnection it says hello again (the new PS does not know it ye
 the request it is waiting on once more. Pushes carry a sequence number, so one that the PS had
 already applied is refused as a duplicate and never counted twice.
 
+On the PS's machine the client can push through shared memory (:meth:`PSClient.push_buffers`,
+:mod:`plug_asgd.push_memory`); should the PS lose the segment (a restart), the push is sent again
+as bytes, and so are all later ones.
+
 Once it has said hello, the client sends a heartbeat every ``heartbeat_s`` seconds from a
 thread with a socket of its own, so the PS can tell a worker busy with a long step (heartbeats
 go on) from one that died, froze or was cut off (they stop): see the PS's ``worker_timeout``.
@@ -19,6 +23,7 @@ go on) from one that died, froze or was cut off (they stop): see the PS's ``work
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -31,8 +36,11 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from plug_asgd import push_memory
 from plug_asgd.security import KEYGEN_HINT, load_worker_keys
 from plug_asgd.wire import DEFAULT_LIMITS, Limits, Message, Tensor, decode, encode, message_bytes
+
+log = logging.getLogger("plug_asgd.client")
 
 DEFAULT_HEARTBEAT_S = 2.0
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -58,6 +66,7 @@ class CommCounters:
     bytes_up: int = 0
     bytes_down: int = 0
     push_bytes_up: int = 0
+    push_local_bytes_up: int = 0  # written to shared memory for the PS instead of sent (see push_buffers)
     requests: int = 0
     pushes: int = 0
     own_replies: int = 0  # pushes answered without the model (see PSClient.push)
@@ -65,6 +74,7 @@ class CommCounters:
 
     def as_dict(self) -> dict[str, Any]:
         return {"bytes_up": self.bytes_up, "bytes_down": self.bytes_down, "push_bytes_up": self.push_bytes_up,
+                "push_local_bytes_up": self.push_local_bytes_up,
                 "requests": self.requests, "pushes": self.pushes, "own_replies": self.own_replies,
                 "wait_seconds": round(self.wait_seconds, 6)}
 
@@ -123,6 +133,8 @@ class PSClient:
         self._secure(self._sock)
         self.keyed = worker_keys is not None
         self.max_message_bytes: int | None = None  # the PS's limit, learnt from its hello reply
+        self.shm_offered = False  # the PS takes pushes through shared memory (its hello reply says)
+        self._segment: push_memory.PushSegment | None = None
         self._monitor = self._sock.get_monitor_socket(
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
         self._poller = zmq.Poller()
@@ -140,12 +152,15 @@ class PSClient:
 
     def request(self, msg_type: str, fields: Mapping[str, Any] | None = None,
                 tensors: Mapping[str, Tensor] | None = None, *, timeout: float | None = None,
-                alive: Callable[[], str | None] | None = None) -> Message:
-        """Send one request and wait for its reply; ``alive`` may explain a silent PS (a dead process)."""
+                alive: Callable[[], str | None] | None = None, local: Mapping[str, int] | None = None) -> Message:
+        """Send one request and wait for its reply; ``alive`` may explain a silent PS (a dead process).
+
+        ``local``: tensors that are in this client's shared segment, by their offset in it (pushes only).
+        """
         if self._closed:
             raise PSUnreachableError("this PSClient is closed")
         rid = next(self._rids)
-        frames = encode(msg_type, {**(fields or {}), "rid": rid}, tensors)
+        frames = encode(msg_type, {**(fields or {}), "rid": rid}, tensors, local=local)
         size = message_bytes(frames)
         if self.max_message_bytes is not None and size > self.max_message_bytes:
             raise PSError("too_large", f"this {msg_type!r} request is {size} bytes; the parameter server at "
@@ -156,6 +171,8 @@ class PSClient:
         if msg_type == "push":
             self.counters.push_bytes_up += size
             self.counters.pushes += 1
+            if local:
+                self.counters.push_local_bytes_up += sum(np.asarray(tensors[n]).nbytes for n in local)  # type: ignore[index]
         start = time.monotonic()
         self._sock.send_multipart(frames, copy=False)
         limit = self.request_timeout if timeout is None else timeout
@@ -282,7 +299,35 @@ class PSClient:
         self._start_heartbeat()
         limit = reply.fields.get("max_message_bytes")
         self.max_message_bytes = limit if isinstance(limit, int) and limit > 0 else None
+        self.shm_offered = reply.fields.get("shm") is True
         return reply.fields
+
+    def push_buffers(self, shapes: Mapping[str, tuple[tuple[int, ...], Any]]) -> dict[str, np.ndarray] | None:
+        """Buffers (name -> shape, dtype) that :meth:`push` hands the PS through shared memory, not the socket.
+
+        None where the PS cannot take them: it is on another machine, does not offer it, or this
+        machine has no ``/dev/shm``. An update made in these buffers must not change until its
+        push has been answered; another array is sent as bytes, as always.
+        """
+        if not (self.shm_offered and push_memory.available()):
+            return None
+        try:
+            segment = push_memory.PushSegment(shapes)
+        except OSError as exc:
+            log.info("pushing over the socket: cannot create a shared segment (%s)", exc)
+            return None
+        if self.max_message_bytes is not None and segment.size > self.max_message_bytes:
+            segment.unlink()
+            return None
+        try:
+            self.request("attach", {"session": self.session, "segment": segment.name, "token": segment.token})
+        except PSError as exc:
+            log.info("pushing over the socket: the parameter server cannot map this worker's memory (%s)", exc)
+            return None
+        finally:
+            segment.unlink()  # mapped by both now, or refused: the name is not needed any more
+        self._segment = segment
+        return segment.buffers
 
     def init(self, tensors: Mapping[str, np.ndarray]) -> bool:
         """Offer this worker's tensors as the initial central model; False if another came first."""
@@ -305,8 +350,19 @@ class PSClient:
             raise ValueError(f"want_model must be True, False or 'unless_own', got {want_model!r}")
         fields = {"rank": self.rank, "base_version": base_version, "seq": next(self._seq),
                   "session": self.session, "model": want_model}
+        local = None
+        if self._segment is not None:
+            local = {n: o for n, t in update.items() if (o := self._segment.offset(t)) is not None} or None
         try:
-            reply = self._model(self.request("push", fields, update))
+            try:
+                reply = self._model(self.request("push", fields, update, local=local))
+            except PSError as exc:
+                if exc.code != "bad_local" or not local:
+                    raise
+                log.warning("the parameter server no longer maps this worker's memory (%s); pushing over the socket "
+                            "from now on", exc)
+                self._segment = None
+                reply = self._model(self.request("push", fields, update))
             self.counters.own_replies += reply.own
             return reply
         except PSError as exc:

@@ -43,9 +43,10 @@ class Push:
     rank: int
     base_version: int
     update: dict[str, Tensor]
-    # The update's dense arrays belong to the rule: it may fold the central tensor into them and
-    # keep them as the new central tensors (the PS's received buffers, which nothing else holds).
-    owned: bool = False
+    # Where a rule that folds (``FoldRule.folds_into_update``) writes each new central tensor, out
+    # of place: buffers nothing else holds (the push's own received buffers, or spare buffers of
+    # the PS), which become the central tensors. None: the rule folds into the central tensors.
+    out: dict[str, np.ndarray] | None = None
 
 
 Resolution = tuple[Any, str]  # (token, APPLIED | DROPPED)
@@ -63,52 +64,55 @@ def _add_into(target: np.ndarray, update: Tensor, scale: float | np.ndarray = 1.
 
 
 def can_fold_into(update: Tensor, target: np.ndarray) -> bool:
-    """Whether ``_fold_all`` can fold ``target`` into ``update``'s buffer (a writable dense array like it)."""
+    """Whether ``update`` can take the fold of ``target``: a writable dense array of its dtype and shape."""
     return (isinstance(update, np.ndarray) and update.dtype == target.dtype and update.shape == target.shape
             and update.flags.writeable)
 
 
 def _fold_all(state: CentralState, push: Push, scale: float = 1.0) -> None:
-    """``central += scale * update`` for each tensor of ``push``; into its own buffers when it owns them.
+    """``central += scale * update`` for each tensor of ``push``: in place, or into ``push.out``.
 
-    Folding into the update's buffers (``push.owned``) makes each new central tensor a fresh
-    array: the old one is never written, so a reply still being sent from it needs no copy, and
-    the PS can answer with the very frames the update came in. IEEE addition commutes, so both
-    ways give the same bits. The PS does not check an owned update for NaN/Inf beforehand; the
-    results are checked here instead, while still in cache, and none is kept unless all are
-    finite (a finite central tensor plus a finite update is finite unless the sum overflows, which
-    is refused as well).
+    Folding out of place (``push.out``) makes each new central tensor another array: the old
+    one is never written, so a reply still being sent from it needs no copy, and when the
+    buffers are the push's own the PS can answer with the very frames the update came in. IEEE
+    addition commutes, so both ways give the same bits. The PS does not check such an update for
+    NaN/Inf beforehand: the results are checked here instead, while still in cache, and none is
+    kept unless all are finite (a finite central tensor plus a finite update is finite unless the
+    sum overflows, which is refused as well). Checking what is kept, not what was sent, also
+    holds for an update read from a worker's shared memory, which its worker could still write.
     """
-    if not push.owned:
+    if push.out is None:
         for name, update in push.update.items():
             _add_into(state.tensors[name], update, scale)
         return
     for name, update in push.update.items():
-        if not can_fold_into(update, state.tensors[name]):
-            raise ValueError(f"push marked owned, but its tensor {name!r} cannot be folded into")
-        u, c = update.reshape(-1), state.tensors[name].reshape(-1)
+        out, central = push.out[name], state.tensors[name]
+        if not (isinstance(update, np.ndarray) and update.shape == central.shape and can_fold_into(out, central)):
+            raise ValueError(f"tensor {name!r} cannot be folded out of place")
+        u, c, o = update.reshape(-1), central.reshape(-1), out.reshape(-1)
 
-        def fold(part: slice, u: np.ndarray = u, c: np.ndarray = c) -> bool:
-            out = u[part]
+        def fold(part: slice, u: np.ndarray = u, c: np.ndarray = c, o: np.ndarray = o) -> bool:
             with np.errstate(over="ignore"):  # an overflow is refused just below
                 if scale != 1.0:
-                    np.multiply(out, scale, out=out)
-                np.add(out, c[part], out=out)
-            return bool(np.isfinite(out).all())
+                    np.multiply(u[part], scale, out=o[part])
+                    np.add(o[part], c[part], out=o[part])
+                else:
+                    np.add(u[part], c[part], out=o[part])
+            return bool(np.isfinite(o[part]).all())
 
         finite = all(state.pool.map(fold, u.size)) if state.pool is not None else fold(slice(None))
         if not finite:
             raise WireError("not_finite", f"update refused: tensor {name!r} holds NaN or Inf, or would overflow "
                                           "the central tensor (has the worker's training diverged? lower the "
                                           "learning rate)")
-    state.tensors.update(push.update)  # type: ignore[arg-type]
+    state.tensors.update(push.out)
 
 
 class FoldRule(ABC):
     """Server half of a mode. ``trainers`` is the number of workers currently training."""
 
     # True when a rule's only change to the central model is ``_fold_all`` of a push's tensors:
-    # the PS then hands it the push's buffers (``Push.owned``) and copies nothing on write.
+    # the PS then gives it buffers to fold into (``Push.out``) and copies nothing on write.
     folds_into_update = False
 
     def __init__(self) -> None:

@@ -15,6 +15,9 @@ healed), it is taken back as it is, and its late pushes meet the mode's rule lik
 push; a collective it missed is answered from the record of completed ones. A restarted worker
 (a new session for the same rank) replaces the lost one and starts from the central model.
 
+Workers on the PS's machine may push through shared memory instead of the socket (see
+:mod:`plug_asgd.push_memory`): the PS maps each one's segment once, when it attaches.
+
 It listens on loopback unless given keys (CURVE, see :mod:`plug_asgd.security`) or told
 ``insecure``; a peer refused in the CURVE handshake is counted as ``refused["auth"]``.
 
@@ -46,12 +49,15 @@ from zmq.utils.monitor import recv_monitor_message
 from plug_asgd.checkpoint import CheckpointError, CheckpointPolicy, read_checkpoint, resolve_checkpoint
 from plug_asgd.compressors import decode as decode_update
 from plug_asgd.modes import APPLIED, CentralState, Push, can_fold_into, get_mode
+from plug_asgd.push_memory import AttachedSegments
+from plug_asgd.push_memory import available as shm_available
 from plug_asgd.security import check_bind, load_server_keys
 from plug_asgd.slices import SlicePool
 from plug_asgd.wire import (
     DEFAULT_LIMITS,
     FLOAT_DTYPES,
     Limits,
+    Local,
     Message,
     Sparse,
     Tensor,
@@ -104,6 +110,7 @@ class Stats:
     bytes_in: int = 0
     bytes_out: int = 0
     push_bytes_in: int = 0
+    push_local_bytes_in: int = 0  # read from workers' shared memory instead of the socket
     pushes_applied: int = 0
     pushes_dropped: int = 0
     pushes_after_stop: int = 0
@@ -150,8 +157,10 @@ class ParameterServer:
         keys: str | os.PathLike[str] | None = None,
         insecure: bool = False,
         threads: int = 1,
+        shm_pushes: bool = True,
     ) -> None:
-        """``threads``: how many threads fold a large dense update in (see :mod:`plug_asgd.slices`)."""
+        """``threads``: how many threads fold a large dense update in (see :mod:`plug_asgd.slices`);
+        ``shm_pushes``: whether workers on this machine may push through shared memory."""
         if worker_timeout <= 0:
             raise ValueError(f"worker_timeout must be > 0 seconds, got {worker_timeout}")
         check_bind(bind, keys is not None, insecure)  # before anything is loaded or bound
@@ -178,6 +187,10 @@ class ParameterServer:
         self._in_flight: list[zmq.MessageTracker] = []
         # central tensors that are still the buffer of the push they came in: (array, frame) by name
         self._frames: dict[str, tuple[np.ndarray, Any]] = {}
+        # workers' shared segments (None: pushes come over the socket only), and arrays no reply
+        # holds any more, which the next fold out of a shared segment writes into
+        self.segments = AttachedSegments(limits.max_message_bytes) if shm_pushes and shm_available() else None
+        self._spares: dict[str, np.ndarray] = {}
         self._by_identity: dict[bytes, WorkerInfo] = {}
         self.ever_joined: set[int] = set()
         self.left: dict[int, set[int]] = defaultdict(set)
@@ -246,6 +259,8 @@ class ParameterServer:
             self._monitor.close(0)
             self._monitor = None
         self.socket.close(0)
+        if self.segments is not None:
+            self.segments.clear()
         if self.state.pool is not None:
             self.state.pool.close()
         if self._auth is not None:
@@ -334,6 +349,8 @@ class ParameterServer:
         try:
             msg = decode(body, self.limits)
             rid = msg.fields.get("rid")
+            if msg.type != "push" and any(isinstance(t, Local) for t in msg.tensors.values()):
+                raise WireError("bad_local", f"a {msg.type!r} message cannot name shared memory: only pushes do")
             handler = getattr(self, f"_on_{msg.type}", None) if msg.type.isidentifier() else None
             if handler is None:
                 raise WireError("unknown_type", f"unknown message type {msg.type!r}")
@@ -432,6 +449,8 @@ class ParameterServer:
         previous = self.workers.get(rank)
         if previous is not None:
             self._by_identity.pop(previous.identity, None)  # a reconnected worker has a new identity
+        if previous is not None and previous.session != session and self.segments is not None:
+            self.segments.drop(previous.session)
         if previous is None and rank in self.lost:
             previous = self.lost.pop(rank)  # restarted: the new process replaces the lost one
             log.warning("rank %d restarted (a new session) in stage %d: it starts from version %d", rank, stage,
@@ -455,7 +474,20 @@ class ParameterServer:
         self._send(identity, rid, "welcome", {
             "initialized": self.initialized, "version": self.state.version, "mode": self.mode,
             "stop": self._stopped(), "max_message_bytes": self.limits.max_message_bytes,
+            "shm": self.segments is not None,
         })
+
+    def _on_attach(self, identity: bytes, rid: Any, msg: Message) -> None:
+        """A worker on this machine offers its push segment (see :mod:`plug_asgd.push_memory`)."""
+        session = msg.str_field("session")
+        worker = self._by_identity.get(identity)
+        if worker is None or worker.session != session:
+            raise WireError("bad_field", "attach comes after hello, on the same connection and session")
+        if self.segments is None:
+            raise WireError("bad_local", "this parameter server takes pushes over its socket only (it was started "
+                                         "with --no-shm-pushes, or this machine has no /dev/shm)")
+        size = self.segments.attach(session, msg.fields.get("segment"), msg.fields.get("token"))
+        self._send(identity, rid, "attached", {"size": size})
 
     def _on_bye(self, identity: bytes, rid: Any, msg: Message) -> None:
         rank = msg.int_field("rank", minimum=0)
@@ -583,10 +615,21 @@ class ParameterServer:
             base = self.state.version  # based on updates this PS lost in its crash: fold in as fresh
         if seq <= self.last_seq.get(session, -1):
             raise WireError("duplicate", f"push {seq} of this worker was already received")
-        update = self._decode_update(msg.tensors)
-        # An update in buffers of its own is folded into them, and the rule checks the results
-        # (``modes._fold_all``); any other is checked here, before a fold writes in place.
-        owned = self.rule.folds_into_update and all(can_fold_into(u, self.state.tensors[n]) for n, u in update.items())
+        sent, local_bytes = self._local_tensors(session, msg.tensors)
+        update = self._decode_update(sent)
+        # Where a rule that folds writes the new central tensors (``modes._fold_all``): into the
+        # update's own received buffers, or, for an update read from shared memory, into spare
+        # arrays of the PS; the rule checks the results. Any other update is checked here, before
+        # a fold writes in place, and one read from shared memory is copied first.
+        out = None
+        if self.rule.folds_into_update:
+            if all(can_fold_into(u, self.state.tensors[n]) for n, u in update.items()):
+                out = update
+            elif local_bytes and all(isinstance(u, np.ndarray) for u in update.values()):
+                out = self._spare_buffers(update)
+        if out is None and local_bytes:
+            update = {n: np.array(u) if isinstance(sent[n], np.ndarray) and sent[n] is not msg.tensors[n] else u
+                      for n, u in update.items()}
         model = msg.fields.get("model", True)
         want_model = model is not False
         if self._stopped():
@@ -595,26 +638,68 @@ class ParameterServer:
             self.stats.pushes_after_stop += 1
             self._send_model(identity, rid, {"status": "stopped"}, want_model)
             return
-        if not owned:
+        if out is None:
             self._check_finite(update)
         staleness = self.state.version - base
-        self._writable(in_place=not owned)
+        self._writable(in_place=out is None)
         token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all")
-        resolutions = self.rule.push(self.state, Push(token, rank, base, update, owned))
+        before = dict(self.state.tensors)
+        resolutions = self.rule.push(self.state, Push(token, rank, base, update, out))
         # Exactly base + this update: nothing else folded in since the base, dense values used as sent. Not
         # after a resume: versions made before the crash and after it share numbers, not contents.
         if (staleness == 0 and self.resumed_from is None and self.rule.folds_into_update
-                and all(update[n] is msg.tensors[n] and isinstance(update[n], np.ndarray) for n in update)):
+                and all(update[n] is sent[n] and isinstance(update[n], np.ndarray) for n in update)):
             token.own_version = self.state.version
         self.last_seq[session] = seq
+        self.stats.push_local_bytes_in += local_bytes
         self.stats.staleness[staleness] += 1
         self.stats.pushes_by_rank[rank] += 1
         if rank in self.workers:
             self.workers[rank].pushes += 1
-        for name, array in update.items():  # folded into the frame it came in: the replies resend that frame
-            if owned and self.state.tensors.get(name) is array and msg.tensors.get(name) is array:
-                self._frames[name] = (array, msg.frames[name])
+        if out is update:  # folded into the frames it came in: the replies resend those frames
+            for name, array in update.items():
+                if self.state.tensors.get(name) is array and msg.tensors.get(name) is array:
+                    self._frames[name] = (array, msg.frames[name])
+        elif out is not None:
+            self._recycle(before)
         self._resolve(resolutions)
+
+    def _local_tensors(self, session: str, tensors: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """``tensors`` with each :class:`Local` reference read from ``session``'s segment, and their bytes."""
+        if not any(isinstance(t, Local) for t in tensors.values()):
+            return tensors, 0
+        if self.segments is None:
+            raise WireError("bad_local", "this parameter server takes pushes over its socket only: push the "
+                                         "update's bytes")
+        out, nbytes = {}, 0
+        for name, t in tensors.items():
+            if isinstance(t, Local):
+                t = self.segments.resolve(session, t)
+                nbytes += t.nbytes
+            out[name] = t
+        return out, nbytes
+
+    def _spare_buffers(self, update: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """Arrays like the central ones to fold ``update`` into; None if a tensor cannot be (dtype, shape)."""
+        out = {}
+        for name, u in update.items():
+            central = self.state.tensors[name]
+            if u.dtype != central.dtype or u.shape != central.shape:
+                return None
+            spare = self._spares.pop(name, None)
+            out[name] = spare if spare is not None and spare.shape == central.shape and \
+                spare.dtype == central.dtype else np.empty_like(central)
+        return out
+
+    def _recycle(self, before: dict[str, np.ndarray]) -> None:
+        """Keep the central arrays a fold out of place replaced as spares, unless a reply may still read them."""
+        self._in_flight = [t for t in self._in_flight if not t.done]
+        if self._in_flight:
+            return
+        received = {id(array) for array, _ in self._frames.values()}
+        for name, old in before.items():
+            if self.state.tensors.get(name) is not old and id(old) not in received:
+                self._spares[name] = old
 
     def _resolve(self, resolutions: list[tuple[Any, str]]) -> None:
         for token, status in resolutions:
@@ -763,7 +848,9 @@ class ParameterServer:
             ],
             "uptime_s": round(elapsed, 3), "updates_per_s": round(self.state.version / elapsed, 3),
             "messages_in": s.messages_in, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
-            "push_bytes_in": s.push_bytes_in, "pushes_applied": s.pushes_applied,
+            "push_bytes_in": s.push_bytes_in, "push_local_bytes_in": s.push_local_bytes_in,
+            "shm_segments": len(self.segments) if self.segments is not None else None,
+            "pushes_applied": s.pushes_applied,
             "pushes_dropped": s.pushes_dropped, "pushes_after_stop": s.pushes_after_stop,
             "copies_on_write": s.copies_on_write, "own_replies": s.own_replies, "threads": self.threads,
             "worker_timeout_s": self.worker_timeout,
@@ -828,6 +915,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--insecure", action="store_true", help="listen beyond loopback without keys")
     parser.add_argument("--max-message-bytes", type=int)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-shm-pushes", dest="shm_pushes", action="store_false")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PLUG_ASGD_LOG", "WARNING"), stream=sys.stderr,
                         format="[plug_asgd PS %(asctime)s] %(message)s")
@@ -840,7 +928,7 @@ def main(argv: list[str] | None = None) -> int:
                      staleness_bound=args.staleness_bound,
                      max_updates=args.max_updates, parent_pid=args.parent_pid, checkpoint=policy,
                      resume=args.resume, run_dir=args.run_dir, worker_timeout=args.worker_timeout,
-                     keys=args.keys, insecure=args.insecure, threads=args.threads,
+                     keys=args.keys, insecure=args.insecure, threads=args.threads, shm_pushes=args.shm_pushes,
                      limits=(Limits(max_message_bytes=args.max_message_bytes) if args.max_message_bytes
                              else DEFAULT_LIMITS))
     except (OSError, ValueError) as exc:

@@ -130,6 +130,10 @@ class AsyncPSStrategy(ParallelStrategy):
             port can then read and overwrite the model).
         ps_threads: threads with which the embedded PS folds each large dense update in (``serve-ps
             --threads``); worth it only where the PS has cores the workers leave idle.
+        shm_pushes: a worker on the PS's machine writes its dense updates into shared memory that
+            the PS maps, and the socket carries only where they lie (see ``plug_asgd.push_memory``);
+            elsewhere, or where the PS does not offer it (``serve-ps --no-shm-pushes``), updates go
+            over the socket. CPU tensors, dense float32 updates (no compressor).
     """
 
     strategy_name = "async_ps"
@@ -165,6 +169,7 @@ class AsyncPSStrategy(ParallelStrategy):
         ps_keys: str | os.PathLike[str] | None = None,
         ps_insecure: bool = False,
         ps_threads: int = 1,
+        shm_pushes: bool = True,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -250,6 +255,7 @@ class AsyncPSStrategy(ParallelStrategy):
         if not 1 <= ps_threads <= 256:
             raise ValueError(f"ps_threads must be between 1 and 256, got {ps_threads}")
         self.ps_threads = ps_threads
+        self.shm_pushes = shm_pushes
         self._start_method = start_method
         self._num_nodes = 1
         self._client: PSClient | None = None
@@ -627,25 +633,41 @@ class AsyncPSStrategy(ParallelStrategy):
     def _update(self, tensors: dict[str, Tensor]) -> tuple[dict[str, Any], dict[str, Tensor], bool]:
         """The update to push (``w - w_base``, encoded), the deltas, and whether the PS may answer "own".
 
-        A dense float32 update sent as it is can be answered "your base plus this" instead of the
-        model (see ``PSClient.push``); its deltas go into buffers kept across pushes (no 4.8 MB
-        allocation per step for the recipe CNN), free again once the PS has replied.
+        A dense float32 update is made in buffers kept across pushes (no 4.8 MB allocation per
+        step for the recipe CNN; in memory the PS maps, when it offers that), free again once the
+        PS has replied. Sent as it is, it can be answered "your base plus this" instead of the
+        model (see ``PSClient.push``).
         """
         scale = 1.0 / self._since_push if self.mode_spec.normalize and self._since_push else 1.0
-        exact = self._base_is_central and scale == 1.0 and isinstance(self._compressor, NoCompression) and all(
-            t.dtype == torch.float32 for t in tensors.values())
+        dense = isinstance(self._compressor, NoCompression) and all(t.dtype == torch.float32 for t in tensors.values())
+        exact = dense and self._base_is_central and scale == 1.0
+        if dense and not self._buffers_fit(tensors):
+            self._delta_buffers = self._new_delta_buffers(tensors)
         update, deltas = {}, {}
         for name, t in tensors.items():
-            if exact:
-                buf = self._delta_buffers.get(name)
-                if buf is None or buf.shape != t.shape or buf.device != t.device:
-                    buf = self._delta_buffers[name] = torch.empty_like(t.detach())
-                deltas[name] = torch.sub(t.detach(), self._base[name], out=buf)
+            if dense:
+                deltas[name] = torch.sub(t.detach(), self._base[name], out=self._delta_buffers[name])
+                if scale != 1.0:
+                    deltas[name].mul_(scale)
+                update[name] = _to_numpy(deltas[name])
             else:
                 deltas[name] = t.detach() - self._base[name]
-            delta = _to_numpy(deltas[name])
-            update[name] = self._compressor.encode(name, delta * scale if scale != 1.0 else delta)
+                delta = _to_numpy(deltas[name])
+                update[name] = self._compressor.encode(name, delta * scale if scale != 1.0 else delta)
         return update, deltas, exact
+
+    def _buffers_fit(self, tensors: dict[str, Tensor]) -> bool:
+        buffers = self._delta_buffers
+        return buffers.keys() == tensors.keys() and all(
+            buffers[n].shape == t.shape and buffers[n].device == t.device for n, t in tensors.items())
+
+    def _new_delta_buffers(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Buffers for dense updates: in memory the PS maps where it can (``shm_pushes``), else private."""
+        if self.shm_pushes and self._client is not None and all(t.device.type == "cpu" for t in tensors.values()):
+            shared = self._client.push_buffers({n: (tuple(t.shape), np.float32) for n, t in tensors.items()})
+            if shared is not None:
+                return {n: torch.from_numpy(a) for n, a in shared.items()}
+        return {n: torch.empty_like(t.detach()) for n, t in tensors.items()}
 
     def _push(self) -> None:
         """Send ``w - w_base`` (over the steps it spans, for agn/sagn); take the central model if a pull is due."""

@@ -12,6 +12,12 @@ Sparse tensors (the top-k updates of AdaComp) travel as three frames: per-block 
 per coordinate, ascending) and the values. Their wire size is
 ``4 * ceil(numel / 65536) + 2 * nnz + itemsize * nnz`` bytes.
 
+A dense tensor may also travel as a *local* reference (:class:`Local`, no frame): its dtype,
+shape and byte offset in the shared-memory segment the sender attached (see
+:mod:`plug_asgd.push_memory`), so that the bytes of an update made on the PS's machine never
+cross the socket. Only pushes carry them; the PS resolves them against the segment of the
+sending session, and everything else refuses them.
+
 Packed tensors (:class:`Packed`: quantised, bit-packed or low-rank updates) travel as one raw
 frame per array. Their header entry names the codec, the shape of the tensor they decode to, a
 small map of scalars (``meta``) and each array's dtype and shape; their wire size is the sum of
@@ -128,7 +134,21 @@ class Packed:
         return sum(int(np.asarray(a).nbytes) for a in self.arrays)
 
 
+@dataclass(frozen=True)
+class Local:
+    """A dense tensor the receiver reads from the sender's shared segment: where it is, not its bytes."""
+
+    offset: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
 Tensor = np.ndarray | Sparse | Packed
+LOCAL_MAX_OFFSET = 1 << 48
 
 
 @dataclass
@@ -196,8 +216,12 @@ def encode(
     fields: Mapping[str, Any] | None = None,
     tensors: Mapping[str, Tensor] | None = None,
     reuse: Mapping[str, Any] | None = None,
+    local: Mapping[str, int] | None = None,
 ) -> list[Any]:
     """Frames of a message: the header, then each tensor's buffers (not copied where avoidable).
+
+    ``local`` maps a dense tensor's name to its byte offset in the sender's attached shared
+    segment: it travels as a :class:`Local` reference, without a frame.
 
     ``reuse`` maps a dense tensor's name to a received frame that holds exactly its bytes
     (``Message.frames``); that frame is sent in place of the array's buffer. With pyzmq,
@@ -221,6 +245,12 @@ def encode(
             spec, packed_frames = _encode_packed(name, tensor)
             specs.append(spec)
             frames += packed_frames
+        elif local and name in local:
+            array = np.asarray(tensor)
+            if array.dtype not in _NAMES or not array.flags.c_contiguous:
+                raise ValueError(f"tensor {name!r}: a local tensor is a C-contiguous little-endian array")
+            specs.append({"name": name, "enc": "local", "dtype": dtype_name(array.dtype), "shape": list(array.shape),
+                          "offset": int(local[name])})
         else:
             array = _le(np.asarray(tensor))
             specs.append({"name": name, "enc": "dense", "dtype": dtype_name(array.dtype), "shape": list(array.shape)})
@@ -345,6 +375,13 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         shape = _shape(spec, name, limits)
         numel = math.prod(shape)
         enc = spec.get("enc")
+        if enc == "local":
+            offset = spec.get("offset")
+            if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < LOCAL_MAX_OFFSET:
+                raise WireError("bad_local", f"local tensor {name!r}: offset must be an integer in "
+                                             f"[0, {LOCAL_MAX_OFFSET})")
+            tensors[name] = Local(offset, dtype, shape)
+            continue
         need = 1 if enc == "dense" else 3 if enc == "sparse" else None
         if need is None:
             raise WireError("bad_tensor", f"tensor {name!r}: unknown encoding {enc!r}")

@@ -127,8 +127,12 @@ def test_the_ps_folds_into_a_copy_while_a_zero_copy_reply_is_in_flight():
 
 
 @pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("into", ["update", "spares"])
 @pytest.mark.parametrize("rule_name", ["asgd", "dynsgd", "ssp"])
-def test_folding_into_the_pushs_own_buffers_gives_the_same_bits_and_never_writes_the_old_model(rule_name, threads):
+def test_folding_out_of_place_gives_the_same_bits_and_never_writes_the_old_model_or_the_update(
+        rule_name, into, threads):
+    """Into the push's own buffers (received frames), or into spare arrays while the update is read-only
+    (a worker's shared memory): the bits of an in-place fold, and nothing but ``out`` is written."""
     from plug_asgd.modes import MODES
     from plug_asgd.slices import SlicePool
 
@@ -138,25 +142,34 @@ def test_folding_into_the_pushs_own_buffers_gives_the_same_bits_and_never_writes
               for rank, base in [(0, 0), (1, 0), (0, 1), (1, 1), (0, 4)]]
     in_place = CentralState({n: t.copy() for n, t in w0.items()})
     # a pool of 3 threads splits every tensor of more than 4 values in 3 slices
-    owned = CentralState({n: t.copy() for n, t in w0.items()}, pool=SlicePool(threads, min_split=4))
+    folded = CentralState({n: t.copy() for n, t in w0.items()}, pool=SlicePool(threads, min_split=4))
     rule_a, rule_b = MODES[rule_name].make_rule({}), MODES[rule_name].make_rule({})
     assert rule_b.folds_into_update
     rule_a.set_trainers(in_place, frozenset({0, 1}))
-    rule_b.set_trainers(owned, frozenset({0, 1}))
-    first = owned.tensors["w"]
+    rule_b.set_trainers(folded, frozenset({0, 1}))
+    first = folded.tensors["w"]
     for i, (rank, base, update) in enumerate(pushes):
         rule_a.push(in_place, Push(i, rank, base, {n: u.copy() for n, u in update.items()}))
         mine = {n: u.copy() for n, u in update.items()}
-        rule_b.push(owned, Push(i, rank, base, mine, owned=True))
-        assert all(owned.tensors[n] is mine[n] for n in mine)  # the new model is the push's buffers
+        if into == "update":
+            out = mine
+        else:
+            for u in mine.values():
+                u.flags.writeable = False  # as a view of a worker's shared memory is
+            out = {n: np.full_like(u, np.nan) for n, u in mine.items()}
+        rule_b.push(folded, Push(i, rank, base, mine, out))
+        assert all(folded.tensors[n] is out[n] for n in mine)  # the new model is in the buffers given
+        if into == "spares":
+            for n in mine:
+                np.testing.assert_array_equal(mine[n], update[n])
     for n in w0:  # bit for bit
-        np.testing.assert_array_equal(owned.tensors[n].view(np.uint32), in_place.tensors[n].view(np.uint32))
+        np.testing.assert_array_equal(folded.tensors[n].view(np.uint32), in_place.tensors[n].view(np.uint32))
     np.testing.assert_array_equal(first, w0["w"])  # the model a reply may still be sending is untouched
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, 3e38])
-def test_an_owned_push_that_is_or_would_make_the_model_non_finite_is_refused_whole(bad, threads):
+def test_a_push_folded_out_of_place_that_is_or_would_make_the_model_non_finite_is_refused_whole(bad, threads):
     from plug_asgd.slices import SlicePool
     from plug_asgd.wire import WireError
 
@@ -165,7 +178,7 @@ def test_an_owned_push_that_is_or_would_make_the_model_non_finite_is_refused_who
     before = {n: t.copy() for n, t in state.tensors.items()}
     update = {"a": np.ones(3, np.float32), "b": np.array([0, 0, 0, bad], np.float32)}  # in the last slice
     with pytest.raises(WireError) as err:
-        AsgdRule().push(state, Push("t", 0, 7, update, owned=True))
+        AsgdRule().push(state, Push("t", 0, 7, update, update))
     assert err.value.code == "not_finite"
     assert state.version == 7
     for n in before:

@@ -74,9 +74,11 @@ def test_each_mode_trains_the_central_model_well_above_chance(core_runs, mode):
 def test_adacomp_pushes_at_least_30x_fewer_bytes_than_asgd(core_runs):
     asgd, ada = core_runs["asgd"], core_runs["adacomp"]
     assert asgd["pushes_applied"] == ada["pushes_applied"] == 250
-    # dense: 1,199,882 float32 = 4,799,528 bytes of frames per push, plus the header
-    assert asgd["push_bytes"] >= 250 * 4_799_528
-    assert asgd["push_bytes"] / ada["push_bytes"] >= 30, (asgd["push_bytes"], ada["push_bytes"])
+    # dense: 1,199,882 float32 = 4,799,528 bytes per push, through shared memory (the PS is on this
+    # machine) with a header on the socket; adacomp's sparse updates all go over the socket
+    assert asgd["push_local_bytes"] == 250 * 4_799_528 and ada["push_local_bytes"] == 0
+    dense = asgd["push_bytes"] + asgd["push_local_bytes"]
+    assert dense / ada["push_bytes"] >= 30, (dense, ada["push_bytes"])
 
 
 # 125 local steps per worker: versions follow from each scheme's push cadence (the last, partial

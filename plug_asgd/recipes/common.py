@@ -121,12 +121,15 @@ def train_and_test(name: str, model: pl.LightningModule, datamodule: pl.Lightnin
         "compression": args.compression if args.mode == "adacomp" else None,
         "test_acc": results[0].get("test_acc"), "test_loss": results[0].get("test_loss"),
         "ps_version": ps["version"], "pushes_applied": ps["pushes_applied"], "pushes_dropped": ps["pushes_dropped"],
-        "push_bytes": ps["push_bytes_in"], "ps_bytes_in": ps["bytes_in"], "ps_bytes_out": ps["bytes_out"],
+        "push_bytes": ps["push_bytes_in"], "push_local_bytes": ps.get("push_local_bytes_in", 0),
+        "ps_bytes_in": ps["bytes_in"], "ps_bytes_out": ps["bytes_out"],
         "fit_seconds": round(fit_seconds, 3), "log_dir": trainer.log_dir,
     }
+    local = summary["push_local_bytes"]
+    shared = f" + {local / 1e6:.2f} MB through shared memory" if local else ""
     print(f"central model test accuracy: {summary['test_acc']:.4f}  (mode {args.mode}, "
-          f"{summary['workers']} workers, PS version {ps['version']}, {ps['push_bytes_in'] / 1e6:.2f} MB pushed, "
-          f"fit {fit_seconds:.1f} s)", flush=True)
+          f"{summary['workers']} workers, PS version {ps['version']}, {ps['push_bytes_in'] / 1e6:.2f} MB pushed"
+          f"{shared}, fit {fit_seconds:.1f} s)", flush=True)
     if args.metrics_json is not None:
         args.metrics_json.parent.mkdir(parents=True, exist_ok=True)
         args.metrics_json.write_text(json.dumps(summary, indent=2) + "\n")

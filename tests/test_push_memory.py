@@ -1,0 +1,268 @@
+"""Pushes through shared memory: real PS processes, real sockets, real /dev/shm segments."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from plug_asgd import push_memory
+from plug_asgd.client import PSClient, PSError
+from plug_asgd.push_memory import HEADER_BYTES, PushSegment
+from plug_asgd.wire import Local
+
+pytestmark = pytest.mark.skipif(not push_memory.available(), reason="this machine has no writable /dev/shm")
+
+SHAPES = {"w": (3, 5), "b": (5,)}
+
+
+def client(address: str, rank: int = 0, world: int = 1, mode: str = "asgd") -> PSClient:
+    c = PSClient(address, rank=rank, world_size=world, mode=mode, request_timeout=10, heartbeat_s=None)
+    c.hello(stage=1, training=True, timeout=20)
+    return c
+
+
+def model(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+
+
+def buffers(c: PSClient) -> dict[str, np.ndarray]:
+    out = c.push_buffers({n: (s, np.float32) for n, s in SHAPES.items()})
+    assert out is not None
+    return out
+
+
+def segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("plug_asgd_push_*")}
+
+
+@pytest.mark.parametrize("mode", ["asgd", "dynsgd", "sync", "adacomp"])
+def test_a_push_through_shared_memory_folds_the_bits_of_the_same_push_over_the_socket(start_ps, mode):
+    """Two PSes get the same pushes, one as bytes, one through a segment: their models stay equal bit
+    for bit, the segment's pushes carry a header and no tensor bytes, and what the worker writes
+    into its buffers afterwards never reaches the central model (the PS keeps no view of them)."""
+    over_socket, shared = client(start_ps(mode), mode=mode), client(start_ps(mode), mode=mode)
+    try:
+        w0 = model()
+        over_socket.init(w0)
+        shared.init(w0)
+        mine = buffers(shared)
+        rng = np.random.default_rng(1)
+        version = 0
+        for _ in range(4):
+            for n, s in SHAPES.items():
+                mine[n][...] = rng.standard_normal(s).astype(np.float32) * 1e-2
+            sent = shared.counters.push_bytes_up
+            a = over_socket.push(version, {n: mine[n].copy() for n in SHAPES})
+            b = shared.push(version, mine)
+            assert shared.counters.push_bytes_up - sent < 300  # the header only
+            assert a.version == b.version
+            for n in SHAPES:
+                np.testing.assert_array_equal(b.tensors[n].view(np.uint32), a.tensors[n].view(np.uint32))
+            version = b.version
+        per_push = sum(4 * int(np.prod(s)) for s in SHAPES.values())
+        assert shared.counters.push_local_bytes_up == 4 * per_push
+        stats = shared.stats()
+        assert stats["push_local_bytes_in"] == 4 * per_push and stats["shm_segments"] == 1
+        assert over_socket.stats()["push_local_bytes_in"] == 0
+        before = shared.pull().tensors
+        for n in SHAPES:
+            mine[n][...] = np.nan
+        after = shared.pull().tensors
+        for n in SHAPES:
+            np.testing.assert_array_equal(after[n], before[n])
+    finally:
+        over_socket.close()
+        shared.close()
+
+
+def test_a_segment_name_is_gone_once_attached_and_a_segment_never_attached_is_removed_when_dropped(start_ps):
+    before = segments()
+    c = client(start_ps())
+    try:
+        c.init(model())
+        mine = buffers(c)
+        assert segments() == before  # unlinked: mapped by the worker and the PS, named nowhere
+        mine["w"][...] = 1.0
+        reply = c.push(0, mine)
+        np.testing.assert_array_equal(reply.tensors["w"], model()["w"] + 1.0)
+    finally:
+        c.close()
+    lone = PushSegment({"x": ((4,), np.float32)})
+    assert lone.name in segments()
+    del lone
+    assert segments() == before
+
+
+def test_a_nan_in_shared_memory_is_refused_and_the_model_is_untouched(start_ps):
+    c = client(start_ps())
+    try:
+        c.init(model())
+        mine = buffers(c)
+        mine["w"][...] = 0.5
+        mine["b"][...] = 0.0
+        mine["b"][3] = np.inf
+        with pytest.raises(PSError) as err:
+            c.push(0, mine)
+        assert err.value.code == "not_finite"
+        central = c.pull()
+        assert central.version == 0
+        for n, t in model().items():
+            np.testing.assert_array_equal(central.tensors[n], t)
+        mine["b"][3] = 0.0
+        assert c.push(0, mine).version == 1  # still serving, still through the segment
+        assert c.counters.push_local_bytes_up == 2 * sum(4 * int(np.prod(s)) for s in SHAPES.values())
+    finally:
+        c.close()
+
+
+def test_attach_refuses_names_tokens_and_files_that_are_not_the_senders_segment(start_ps, tmp_path):
+    c = client(start_ps())
+    try:
+        c.init(model())
+
+        def attach(name: str, token: bytes) -> str:
+            with pytest.raises(PSError) as err:
+                c.request("attach", {"session": c.session, "segment": name, "token": token})
+            return err.value.code
+
+        assert attach("../etc/passwd", b"x" * 16) == "bad_local"
+        assert attach("plug_asgd_push_" + "0" * 32, b"x" * 16) == "bad_local"  # no such segment
+        seg = PushSegment({"x": ((4,), np.float32)})
+        try:
+            assert attach(seg.name, bytes(16)) == "bad_local"  # not its token: a name seen is not enough
+            assert attach(seg.name, seg.token[:8]) == "bad_local"
+        finally:
+            seg.unlink()
+        target = tmp_path / "secret"
+        target.write_bytes(b"\0" * 128)
+        link = Path("/dev/shm") / ("plug_asgd_push_" + "f" * 32)
+        link.symlink_to(target)
+        try:
+            assert attach(link.name, bytes(16)) == "bad_local"  # symlinks are not followed
+        finally:
+            link.unlink()
+        with pytest.raises(PSError) as err:  # attach belongs to the session that said hello
+            c.request("attach", {"session": "another", "segment": seg.name, "token": seg.token})
+        assert err.value.code == "bad_field"
+        assert c.stats()["shm_segments"] == 0
+    finally:
+        c.close()
+
+
+def test_local_references_out_of_bounds_unattached_or_outside_pushes_are_refused(start_ps):
+    address = start_ps()
+    c, other = client(address, world=2), client(address, rank=1, world=2)
+    try:
+        c.init(model())
+        mine = buffers(c)
+        size = c._segment.size
+
+        def push(offset: int, who: PSClient = c, msg: str = "push") -> str:
+            fields = {"rank": who.rank, "base_version": 0, "seq": 99, "session": who.session}
+            with pytest.raises(PSError) as err:
+                who.request(msg, fields, {"w": np.zeros(SHAPES["w"], np.float32)}, local={"w": offset})
+            return err.value.code
+
+        assert push(size - 8) == "bad_local"  # runs past the end
+        assert push(0) == "bad_local"  # the token, not a tensor
+        assert push(HEADER_BYTES + 2) == "bad_local"  # misaligned
+        assert push(HEADER_BYTES, who=other) == "bad_local"  # another worker has no segment of its own here
+        assert push(HEADER_BYTES, msg="init") == "bad_local"
+        assert c.stats()["version"] == 0
+        assert c.push(0, mine).version == 1
+    finally:
+        c.close()
+        other.close()
+
+
+def test_a_ps_without_shared_memory_pushes_over_the_socket(start_ps):
+    c = client(start_ps("asgd", "--no-shm-pushes"))
+    try:
+        assert not c.shm_offered
+        assert c.push_buffers({"w": ((3, 5), np.float32)}) is None
+        c.shm_offered = True  # a client that asks anyway is refused, and pushes bytes
+        assert c.push_buffers({"w": ((3, 5), np.float32)}) is None
+        c.init(model())
+        reply = c.push(0, {"w": np.ones((3, 5), np.float32)})
+        assert reply.version == 1 and c.counters.push_local_bytes_up == 0
+    finally:
+        c.close()
+
+
+def test_after_a_ps_restart_the_worker_pushes_its_buffers_as_bytes(start_ps, tmp_path):
+    from plug_asgd.ps_server import embedded_command
+
+    first = start_ps("asgd", "--checkpoint-dir", str(tmp_path), "--checkpoint-every-updates", "1")
+    c = PSClient(first, rank=0, world_size=1, mode="asgd", request_timeout=20, lost_timeout=30, heartbeat_s=None)
+    try:
+        c.hello(stage=1, training=True, timeout=20)
+        c.init(model())
+        mine = buffers(c)
+        mine["w"][...] = 1.0
+        mine["b"][...] = 0.0
+        assert c.push(0, mine).version == 1
+        start_ps.stop(first)
+        start_ps.started[first] = start_ps.procs.start([*embedded_command(first, "asgd"), "--resume", str(tmp_path)])
+        mine["w"][...] = 2.0
+        reply = c.push(1, mine)  # the new PS maps nothing: refused, then sent again as bytes
+        assert reply.version == 2 and c._segment is None
+        np.testing.assert_array_equal(reply.tensors["w"], model()["w"] + np.float32(1.0) + np.float32(2.0))
+        # handed over twice (the refused push too, as refused requests count in bytes_up), read once
+        assert c.counters.pushes == 3
+        assert c.counters.push_local_bytes_up == 2 * sum(4 * int(np.prod(s)) for s in SHAPES.values())
+    finally:
+        c.close()
+
+
+def test_the_wire_carries_a_local_reference_without_a_frame():
+    from plug_asgd.wire import decode, encode
+
+    seg = PushSegment({"w": ((2, 3), np.float32), "b": ((3,), np.float32)})
+    try:
+        offset = seg.offset(seg.buffers["b"])
+        assert offset is not None and offset % 64 == 0 and offset >= HEADER_BYTES
+        assert seg.offset(np.zeros(3, np.float32)) is None  # not in the segment
+        assert seg.offset(seg.buffers["w"][:, 1]) is None  # not contiguous
+        frames = encode("push", {"rid": 1}, {"b": seg.buffers["b"], "w": np.ones((2, 3), np.float32)},
+                        local={"b": offset})
+        assert len(frames) == 2  # the header and w's bytes; b travels as a reference
+        msg = decode(frames)
+        assert msg.tensors["b"] == Local(offset, np.dtype("<f4"), (3,))
+        np.testing.assert_array_equal(msg.tensors["w"], np.ones((2, 3), np.float32))
+    finally:
+        seg.unlink()
+
+
+def test_the_ps_folds_a_shared_push_into_spare_arrays_and_reuses_them():
+    """In-process PS: a push read from a worker's memory is folded into arrays of the PS's own, the
+    replaced central arrays become the next fold's spares once no reply holds them, and nothing the
+    PS keeps is a view of the worker's segment."""
+    from plug_asgd.ps_server import ParameterServer
+
+    server = ParameterServer("tcp://127.0.0.1:*", "asgd")
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 20}, daemon=True)
+    thread.start()
+    c = client(server.address)
+    try:
+        c.init(model())
+        mine = buffers(c)
+        for n in SHAPES:
+            mine[n][...] = 0.25
+        c.push(0, mine, want_model="unless_own")
+        first = dict(server.state.tensors)
+        c.push(1, mine, want_model="unless_own")
+        assert all(server._spares[n] is first[n] for n in SHAPES)  # no reply held them: kept as spares
+        c.push(2, mine, want_model="unless_own")
+        assert all(server.state.tensors[n] is first[n] for n in SHAPES)  # two arrays, in turn
+        for t in server.state.tensors.values():
+            assert not np.shares_memory(t, mine["w"]) and not np.shares_memory(t, mine["b"])
+        quarter = np.float32(0.25)
+        np.testing.assert_array_equal(c.pull().tensors["w"], model()["w"] + quarter + quarter + quarter)
+    finally:
+        c.close()
+        server.request_stop()
+        thread.join(10)
