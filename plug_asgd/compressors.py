@@ -136,6 +136,8 @@ def decode(tensor: Tensor, dtype: np.dtype | type, *, shape: tuple[int, ...] | N
     the caller checks the decoded result as it does for dense updates.
     """
     dtype = np.dtype(dtype)
+    if type(tensor) is np.ndarray and tensor.dtype == dtype and (shape is None or tensor.shape == tuple(shape)):
+        return tensor  # a dense update as the central tensor holds it (the common case: nothing to decode)
     if dtype.kind != "f":
         raise ValueError(f"decode needs a float dtype, got {dtype}")
     if not isinstance(tensor, (np.ndarray, Sparse, Packed)):

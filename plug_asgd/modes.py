@@ -69,6 +69,21 @@ def can_fold_into(update: Tensor, target: np.ndarray) -> bool:
             and update.flags.writeable)
 
 
+def all_finite(array: np.ndarray) -> bool:
+    """No NaN or Inf in ``array``, in one pass that allocates nothing, where the data allows.
+
+    ``x . x`` is a sum of non-negative squares: NaN or Inf anywhere makes it NaN or Inf, and no
+    cancellation can hide one. It is finite, so every value is, unless a square or the sum
+    overflows (values beyond about 1e19); the exact elementwise test then decides.
+    """
+    flat = array.reshape(-1)
+    if flat.dtype in (np.float32, np.float64) and flat.size:
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.isfinite(np.dot(flat, flat)):
+                return True
+    return bool(np.isfinite(flat).all())
+
+
 def _fold_all(state: CentralState, push: Push, scale: float = 1.0) -> None:
     """``central += scale * update`` for each tensor of ``push``: in place, or into ``push.out``.
 
@@ -92,15 +107,15 @@ def _fold_all(state: CentralState, push: Push, scale: float = 1.0) -> None:
         u, c, o = update.reshape(-1), central.reshape(-1), out.reshape(-1)
 
         def fold(part: slice, u: np.ndarray = u, c: np.ndarray = c, o: np.ndarray = o) -> bool:
-            with np.errstate(over="ignore"):  # an overflow is refused just below
-                if scale != 1.0:
-                    np.multiply(u[part], scale, out=o[part])
-                    np.add(o[part], c[part], out=o[part])
-                else:
-                    np.add(u[part], c[part], out=o[part])
-            return bool(np.isfinite(o[part]).all())
+            if scale != 1.0:
+                np.multiply(u[part], scale, out=o[part])
+                np.add(o[part], c[part], out=o[part])
+            else:
+                np.add(u[part], c[part], out=o[part])
+            return all_finite(o[part])
 
-        finite = all(state.pool.map(fold, u.size)) if state.pool is not None else fold(slice(None))
+        with np.errstate(over="ignore"):  # an overflow is refused just below
+            finite = all(state.pool.map(fold, u.size)) if state.pool is not None else fold(slice(None))
         if not finite:
             raise WireError("not_finite", f"update refused: tensor {name!r} holds NaN or Inf, or would overflow "
                                           "the central tensor (has the worker's training diverged? lower the "

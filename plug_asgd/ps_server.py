@@ -48,7 +48,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.checkpoint import CheckpointError, CheckpointPolicy, read_checkpoint, resolve_checkpoint
 from plug_asgd.compressors import decode as decode_update
-from plug_asgd.modes import APPLIED, CentralState, Push, can_fold_into, get_mode
+from plug_asgd.modes import APPLIED, CentralState, Push, all_finite, can_fold_into, get_mode
 from plug_asgd.push_memory import AttachedSegments
 from plug_asgd.push_memory import available as shm_available
 from plug_asgd.security import check_bind, load_server_keys
@@ -520,7 +520,7 @@ class ParameterServer:
             for name, t in msg.tensors.items():
                 if not isinstance(t, np.ndarray) or t.dtype.name not in FLOAT_DTYPES:
                     raise WireError("bad_tensor", f"tensor {name!r}: the central model holds dense float tensors")
-                if not np.isfinite(t).all():
+                if not all_finite(t):
                     raise WireError("not_finite", f"tensor {name!r} holds NaN or Inf")
                 tensors[name] = np.array(t, copy=True)
             if not tensors:
@@ -598,7 +598,7 @@ class ParameterServer:
     @staticmethod
     def _check_finite(update: dict[str, Tensor]) -> None:
         for name, t in update.items():
-            if not np.isfinite(t.values if isinstance(t, Sparse) else t).all():
+            if not all_finite(t.values if isinstance(t, Sparse) else t):
                 raise WireError("not_finite", f"update refused: tensor {name!r} holds NaN or Inf (has the worker's "
                                               "training diverged? lower the learning rate)")
 

@@ -255,8 +255,8 @@ def encode(
             array = _le(np.asarray(tensor))
             specs.append({"name": name, "enc": "dense", "dtype": dtype_name(array.dtype), "shape": list(array.shape)})
             frame = reuse.get(name) if reuse else None
-            if frame is not None and len(_buffer(frame)) != array.nbytes:
-                raise ValueError(f"tensor {name!r}: the frame to reuse has {len(_buffer(frame))} bytes, "
+            if frame is not None and _nbytes(frame) != array.nbytes:
+                raise ValueError(f"tensor {name!r}: the frame to reuse has {_nbytes(frame)} bytes, "
                                  f"the tensor {array.nbytes}")
             frames.append(frame if frame is not None else array.reshape(-1).data if array.ndim
                           else array.reshape(1).data)
@@ -310,8 +310,16 @@ def _encode_packed(name: str, tensor: Packed) -> tuple[dict[str, Any], list[Any]
 
 def _buffer(frame: Any) -> memoryview:
     # zmq.Frame exposes .buffer; bytes and memoryview are taken as they are.
-    buf = frame.buffer if hasattr(frame, "buffer") else frame
-    return memoryview(buf).cast("B")
+    buf = getattr(frame, "buffer", frame)
+    view = buf if type(buf) is memoryview else memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _nbytes(frame: Any) -> int:
+    """A frame's size in bytes (a zmq.Frame's len is its size; a memoryview's, its first dimension)."""
+    if type(frame) is memoryview:
+        return frame.nbytes
+    return len(frame) if isinstance(frame, bytes) else _buffer(frame).nbytes
 
 
 def _shape(spec: Mapping[str, Any], name: str, limits: Limits, what: str | None = None) -> tuple[int, ...]:
@@ -337,7 +345,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         raise WireError("empty", "empty message")
     if len(frames) > limits.max_frames:
         raise WireError("too_many_frames", f"{len(frames)} frames, the limit is {limits.max_frames}")
-    total = sum(len(_buffer(f)) for f in frames)
+    total = sum(_nbytes(f) for f in frames)
     if total > limits.max_message_bytes:
         raise WireError("too_large", f"message of {total} bytes, the limit is {limits.max_message_bytes}")
     raw = _buffer(frames[0])
@@ -446,4 +454,4 @@ def _decode_packed(name: str, spec: Mapping[str, Any], frames: Sequence[Any], po
 
 def message_bytes(frames: Sequence[Any]) -> int:
     """Bytes a message occupies on the wire (the sum of its frames), for the counters."""
-    return sum(len(_buffer(f)) for f in frames)
+    return sum(_nbytes(f) for f in frames)

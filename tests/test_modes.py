@@ -223,3 +223,17 @@ def test_a_slice_pool_covers_the_range_once_in_order_and_splits_only_large_range
         pool.close()
     with pytest.raises(ValueError, match="threads"):
         SlicePool(0)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_all_finite_finds_any_nan_or_inf_and_is_not_fooled_by_squares_that_overflow(dtype):
+    from plug_asgd.modes import all_finite
+
+    big = np.finfo(dtype).max / 2
+    assert all_finite(np.array([big, -big, 1.0], dtype))  # x . x overflows, yet every value is finite
+    assert all_finite(np.zeros((3, 4), dtype)) and all_finite(np.zeros(0, dtype))
+    for bad in (np.nan, np.inf, -np.inf):
+        x = np.ones(1000, dtype)
+        x[777] = bad
+        assert not all_finite(x), bad
+        assert not all_finite(x.reshape(10, 100)), bad
