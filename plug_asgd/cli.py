@@ -137,8 +137,8 @@ def serve_ps(
     threads: Annotated[int, typer.Option(min=1, max=256, help="threads that fold each large dense update in "
                                          "(asgd, dynsgd, ssp and the modes built on them), each on a slice; "
                                          "requests are still served one at a time, in order")] = 1,
-    shm_pushes: Annotated[bool, typer.Option(help="let workers on this machine push dense updates through "
-                                             "shared memory (/dev/shm) instead of the socket")] = True,
+    shm_pushes: Annotated[bool, typer.Option(help="let workers on this machine (Linux, the same user) push "
+                                             "dense updates through shared memory instead of the socket")] = True,
 ) -> None:
     """Run a standalone parameter server until Ctrl-C / SIGTERM (or until --workers have come and gone).
 

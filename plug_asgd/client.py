@@ -287,6 +287,8 @@ class PSClient:
             self._sock.disable_monitor()
             self._monitor.close(0)
             self._sock.close(0)
+            if self._segment is not None:
+                self._segment.close()  # the buffers stay mapped while the worker holds them
 
     # -- protocol ------------------------------------------------------------------------------
 
@@ -305,27 +307,28 @@ class PSClient:
     def push_buffers(self, shapes: Mapping[str, tuple[tuple[int, ...], Any]]) -> dict[str, np.ndarray] | None:
         """Buffers (name -> shape, dtype) that :meth:`push` hands the PS through shared memory, not the socket.
 
-        None where the PS cannot take them: it is on another machine, does not offer it, or this
-        machine has no ``/dev/shm``. An update made in these buffers must not change until its
-        push has been answered; another array is sent as bytes, as always.
+        None where the PS cannot take them: it is on another machine, runs as another user, does
+        not offer it, or this system has no sealed shared memory (Linux's memfd). An update made in
+        these buffers must not change until its push has been answered; another array is sent as
+        bytes, as always.
         """
         if not (self.shm_offered and push_memory.available()):
             return None
         try:
             segment = push_memory.PushSegment(shapes)
         except OSError as exc:
-            log.info("pushing over the socket: cannot create a shared segment (%s)", exc)
+            log.info("pushing over the socket: cannot get shared memory for the updates (%s)", exc)
             return None
         if self.max_message_bytes is not None and segment.size > self.max_message_bytes:
-            segment.unlink()
+            segment.close()
             return None
         try:
-            self.request("attach", {"session": self.session, "segment": segment.name, "token": segment.token})
+            self.request("attach", {"session": self.session, "pid": os.getpid(), "fd": segment.fd,
+                                    "token": segment.token})
         except PSError as exc:
+            segment.close()
             log.info("pushing over the socket: the parameter server cannot map this worker's memory (%s)", exc)
             return None
-        finally:
-            segment.unlink()  # mapped by both now, or refused: the name is not needed any more
         self._segment = segment
         return segment.buffers
 

@@ -485,8 +485,8 @@ class ParameterServer:
             raise WireError("bad_field", "attach comes after hello, on the same connection and session")
         if self.segments is None:
             raise WireError("bad_local", "this parameter server takes pushes over its socket only (it was started "
-                                         "with --no-shm-pushes, or this machine has no /dev/shm)")
-        size = self.segments.attach(session, msg.fields.get("segment"), msg.fields.get("token"))
+                                         "with --no-shm-pushes, or this system cannot share sealed memory)")
+        size = self.segments.attach(session, msg.fields.get("pid"), msg.fields.get("fd"), msg.fields.get("token"))
         self._send(identity, rid, "attached", {"size": size})
 
     def _on_bye(self, identity: bytes, rid: Any, msg: Message) -> None:

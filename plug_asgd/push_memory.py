@@ -2,19 +2,20 @@
 
 Over TCP loopback a dense push of the recipe CNN (4.8 MB) costs two kernel copies and the
 wake-ups of four threads, which on a small machine take the cores training needs. A worker on
-the PS's machine instead computes its update straight into a segment of ``/dev/shm`` that the
-PS has mapped, and its push names only where each tensor lies (a :class:`~plug_asgd.wire.Local`
-reference): the socket carries a header of a few hundred bytes.
+the PS's machine instead computes its update straight into memory that the PS has mapped, and
+its push names only where each tensor lies (a :class:`~plug_asgd.wire.Local` reference): the
+socket carries a header of a few hundred bytes.
 
-The handshake (``attach``): the worker creates ``/dev/shm/plug_asgd_push_<32 hex digits>``
-(mode 0600, never an existing file) and writes a random token at its start; the PS opens the
-name read-only (no symlink, a regular file, no larger than its message limit), maps it and
-compares the token. A worker on another machine (whose ``/dev/shm`` the PS does not see) or a
-name that is not the sender's own is refused, and the worker pushes over the socket as before.
-Once attached the worker unlinks the name: the memory lives while either process maps it, and
-nothing is left behind when either dies.
+The memory is an anonymous ``memfd`` (Linux), sealed so that it can never shrink or grow: a
+worker cannot truncate it under the PS, whose reads would then fault. Nothing is ever named
+in a file system, so nothing is left behind whatever process dies; the memory is freed once
+neither maps it. The handshake (``attach``): the worker writes a random token at the start and
+tells the PS its pid and the descriptor; the PS opens ``/proc/PID/fd/FD`` read-only (the same
+user, or root, on the same machine and in the same pid namespace), checks the seals and the
+token, and maps it. A worker elsewhere, or one that names memory not its own, is refused, and
+pushes over the socket as before.
 
-What the PS trusts: nothing it read before it checked. The worker writes its segment only
+What the PS trusts: nothing it read before it checked. The worker writes its memory only
 between pushes (it waits for each reply), but a worker that wrote during a fold would only
 tear its own update: the PS folds ``central + update`` into buffers of its own and checks the
 result for NaN/Inf before keeping it (rules that fold otherwise get a private copy first).
@@ -22,11 +23,11 @@ result for NaN/Inf before keeping it (rules that fold otherwise get a private co
 
 from __future__ import annotations
 
+import fcntl
 import hmac
 import math
 import mmap
 import os
-import re
 import secrets
 import stat
 import weakref
@@ -37,30 +38,26 @@ import numpy as np
 
 from plug_asgd.wire import Local, WireError
 
-SEGMENT_DIR = Path("/dev/shm")
 TOKEN_BYTES = 16
 HEADER_BYTES = 64  # the token, then padding: every tensor starts 64-byte aligned
 _ALIGN = 64
-_NAME = re.compile(r"plug_asgd_push_[0-9a-f]{32}")
+_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0) | getattr(fcntl, "F_SEAL_SEAL", 0)
+_MAX_FD = 1 << 20
+_MAX_PID = 1 << 22
 
 
 def available() -> bool:
-    """Whether this machine has a ``/dev/shm`` to share segments through."""
-    return SEGMENT_DIR.is_dir() and os.access(SEGMENT_DIR, os.W_OK | os.X_OK)
-
-
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except OSError:
-        pass
+    """Whether this machine can share sealed memory between processes (Linux: memfd, /proc)."""
+    return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and Path("/proc/self/fd").is_dir()
 
 
 class PushSegment:
-    """The worker's side: one buffer per tensor, in a segment the PS maps once.
+    """The worker's side: one buffer per tensor, in sealed shared memory the PS maps once.
 
     ``shapes`` maps each tensor's name to its shape and dtype. The buffers are numpy arrays in
-    the segment (``buffers``); :meth:`offset` tells whether an array is one of them, and where.
+    the memory (``buffers``); :meth:`offset` tells whether an array is one of them, and where.
+    Raises OSError where the memory cannot be had (no memfd, or too little shared memory left:
+    it is reserved here, so that a full ``/dev/shm`` is an error now, not a fault at a write).
     """
 
     def __init__(self, shapes: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> None:
@@ -71,17 +68,14 @@ class PushSegment:
             layout[name] = (pos, tuple(shape), dtype)
             pos += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
         self.size = pos
-        self.name = f"plug_asgd_push_{secrets.token_hex(16)}"
         self.token = secrets.token_bytes(TOKEN_BYTES)
-        self.path = SEGMENT_DIR / self.name
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        # from here on the name is removed when this object goes, or at exit, whatever happens
-        self._finalizer = weakref.finalize(self, _unlink, self.path)
-        try:
-            os.ftruncate(fd, self.size)
-            self._map = mmap.mmap(fd, self.size)
-        finally:
-            os.close(fd)
+        fd = os.memfd_create("plug_asgd_push", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self._finalizer = weakref.finalize(self, os.close, fd)
+        os.ftruncate(fd, self.size)
+        os.posix_fallocate(fd, 0, self.size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        self.fd = fd  # open while this object lives: the PS opens the memory through it
+        self._map = mmap.mmap(fd, self.size)
         self._map[:TOKEN_BYTES] = self.token
         memory = np.frombuffer(self._map, dtype=np.uint8)
         self._start = memory.ctypes.data
@@ -89,19 +83,19 @@ class PushSegment:
                         for name, (o, shape, dtype) in layout.items()}
 
     def offset(self, array: np.ndarray) -> int | None:
-        """``array``'s byte offset in the segment, if it is a C-contiguous array inside it; else None."""
+        """``array``'s byte offset in the memory, if it is a C-contiguous array inside it; else None."""
         if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
             return None
         offset = array.ctypes.data - self._start
         return offset if HEADER_BYTES <= offset and offset + array.nbytes <= self.size else None
 
-    def unlink(self) -> None:
-        """Remove the name (the memory stays mapped here, and at the PS if it attached)."""
+    def close(self) -> None:
+        """Close the descriptor (the memory stays mapped here, and at the PS if it attached)."""
         self._finalizer()
 
 
 class AttachedSegments:
-    """The PS's side: the segment each worker session attached, mapped read-only."""
+    """The PS's side: the memory each worker session attached, mapped read-only."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -110,29 +104,34 @@ class AttachedSegments:
     def __len__(self) -> int:
         return len(self._maps)
 
-    def attach(self, session: str, name: object, token: object) -> int:
-        """Map the segment ``name`` for ``session`` (replacing its previous one); returns its size."""
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise WireError("bad_local", f"segment name {name!r:.80} is not one a plug_asgd worker makes")
+    def attach(self, session: str, pid: object, fd: object, token: object) -> int:
+        """Map the memory descriptor ``fd`` of process ``pid`` for ``session`` (replacing its previous); its size."""
+        if not (isinstance(pid, int) and isinstance(fd, int) and 0 < pid < _MAX_PID and 0 <= fd < _MAX_FD):
+            raise WireError("bad_local", "attach needs the worker's pid and the descriptor of its memory (integers)")
         if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
-            raise WireError("bad_local", f"the segment token must be {TOKEN_BYTES} bytes")
+            raise WireError("bad_local", f"the memory's token must be {TOKEN_BYTES} bytes")
         try:
-            fd = os.open(SEGMENT_DIR / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
-            raise WireError("bad_local", f"cannot open shared segment {name}: {exc.strerror} (is the worker on "
-                                         "another machine?)") from None
+            raise WireError("bad_local", f"cannot open the worker's memory: {exc.strerror} (is the worker on another "
+                                         "machine, or run by another user?)") from None
         try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or not HEADER_BYTES <= info.st_size <= self.max_bytes + HEADER_BYTES:
-                raise WireError("bad_local", f"shared segment {name} is not a regular file of {HEADER_BYTES} to "
+            try:
+                seals = fcntl.fcntl(handle, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0  # not a memfd
+            info = os.fstat(handle)
+            if seals & _SEALS != _SEALS or not stat.S_ISREG(info.st_mode):
+                raise WireError("bad_local", "the worker's memory must be a memfd sealed against shrinking and growing")
+            if not HEADER_BYTES <= info.st_size <= self.max_bytes + HEADER_BYTES:
+                raise WireError("bad_local", f"the worker's memory must hold {HEADER_BYTES} to "
                                              f"{self.max_bytes + HEADER_BYTES} bytes")
-            mapped = mmap.mmap(fd, info.st_size, prot=mmap.PROT_READ)
+            mapped = mmap.mmap(handle, info.st_size, prot=mmap.PROT_READ)
         finally:
-            os.close(fd)
+            os.close(handle)
         if not hmac.compare_digest(mapped[:TOKEN_BYTES], token):
             mapped.close()
-            raise WireError("bad_local", f"shared segment {name} does not hold the sender's token: it is not "
-                                         "the sender's own")
+            raise WireError("bad_local", "the memory named does not hold the sender's token: it is not the sender's")
         self._maps[session] = np.frombuffer(mapped, dtype=np.uint8)  # read-only, as the map is
         return info.st_size
 

@@ -130,10 +130,11 @@ class AsyncPSStrategy(ParallelStrategy):
             port can then read and overwrite the model).
         ps_threads: threads with which the embedded PS folds each large dense update in (``serve-ps
             --threads``); worth it only where the PS has cores the workers leave idle.
-        shm_pushes: a worker on the PS's machine writes its dense updates into shared memory that
-            the PS maps, and the socket carries only where they lie (see ``plug_asgd.push_memory``);
-            elsewhere, or where the PS does not offer it (``serve-ps --no-shm-pushes``), updates go
-            over the socket. CPU tensors, dense float32 updates (no compressor).
+        shm_pushes: a worker on the PS's machine (Linux, the same user) writes its dense updates
+            into shared memory that the PS maps, and the socket carries only where they lie (see
+            ``plug_asgd.push_memory``); elsewhere, or where the PS does not offer it (``serve-ps
+            --no-shm-pushes``), updates go over the socket. CPU tensors, dense float32 updates (no
+            compressor).
     """
 
     strategy_name = "async_ps"

@@ -1,9 +1,10 @@
-"""Pushes through shared memory: real PS processes, real sockets, real /dev/shm segments."""
+"""Pushes through shared memory: real PS processes, real sockets, real sealed memfds."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from plug_asgd.client import PSClient, PSError
 from plug_asgd.push_memory import HEADER_BYTES, PushSegment
 from plug_asgd.wire import Local
 
-pytestmark = pytest.mark.skipif(not push_memory.available(), reason="this machine has no writable /dev/shm")
+pytestmark = pytest.mark.skipif(not push_memory.available(), reason="no sealed shared memory here (memfd: Linux)")
 
 SHAPES = {"w": (3, 5), "b": (5,)}
 
@@ -33,10 +34,6 @@ def buffers(c: PSClient) -> dict[str, np.ndarray]:
     out = c.push_buffers({n: (s, np.float32) for n, s in SHAPES.items()})
     assert out is not None
     return out
-
-
-def segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("plug_asgd_push_*")}
 
 
 @pytest.mark.parametrize("mode", ["asgd", "dynsgd", "sync", "adacomp"])
@@ -79,22 +76,28 @@ def test_a_push_through_shared_memory_folds_the_bits_of_the_same_push_over_the_s
         shared.close()
 
 
-def test_a_segment_name_is_gone_once_attached_and_a_segment_never_attached_is_removed_when_dropped(start_ps):
-    before = segments()
+def test_the_memory_cannot_shrink_under_the_ps_and_its_descriptor_closes_with_the_client(start_ps):
+    """A worker that truncated its memory would make the PS fault on its next read: the seals forbid it.
+    Nothing is named in a file system, and the descriptor goes with the client."""
     c = client(start_ps())
     try:
         c.init(model())
         mine = buffers(c)
-        assert segments() == before  # unlinked: mapped by the worker and the PS, named nowhere
+        fd = c._segment.fd
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:plug_asgd_push")
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 1 << 30)
         mine["w"][...] = 1.0
+        mine["b"][...] = 0.0
         reply = c.push(0, mine)
-        np.testing.assert_array_equal(reply.tensors["w"], model()["w"] + 1.0)
+        np.testing.assert_array_equal(reply.tensors["w"], model()["w"] + np.float32(1.0))
     finally:
         c.close()
-    lone = PushSegment({"x": ((4,), np.float32)})
-    assert lone.name in segments()
-    del lone
-    assert segments() == before
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    mine["w"][...] = 2.0  # still mapped: the strategy's buffers outlive the descriptor
 
 
 def test_a_nan_in_shared_memory_is_refused_and_the_model_is_untouched(start_ps):
@@ -119,36 +122,40 @@ def test_a_nan_in_shared_memory_is_refused_and_the_model_is_untouched(start_ps):
         c.close()
 
 
-def test_attach_refuses_names_tokens_and_files_that_are_not_the_senders_segment(start_ps, tmp_path):
+def test_attach_refuses_memory_that_is_not_the_senders_own_sealed_memfd(start_ps, tmp_path):
     c = client(start_ps())
     try:
         c.init(model())
 
-        def attach(name: str, token: bytes) -> str:
+        def attach(pid: object, fd: object, token: object) -> str:
             with pytest.raises(PSError) as err:
-                c.request("attach", {"session": c.session, "segment": name, "token": token})
+                c.request("attach", {"session": c.session, "pid": pid, "fd": fd, "token": token})
             return err.value.code
 
-        assert attach("../etc/passwd", b"x" * 16) == "bad_local"
-        assert attach("plug_asgd_push_" + "0" * 32, b"x" * 16) == "bad_local"  # no such segment
         seg = PushSegment({"x": ((4,), np.float32)})
         try:
-            assert attach(seg.name, bytes(16)) == "bad_local"  # not its token: a name seen is not enough
-            assert attach(seg.name, seg.token[:8]) == "bad_local"
+            me = os.getpid()
+            assert attach(me, seg.fd, bytes(16)) == "bad_local"  # not its token: a descriptor seen is not enough
+            assert attach(me, seg.fd, seg.token[:8]) == "bad_local"
+            assert attach("1", seg.fd, seg.token) == "bad_local"
+            assert attach(me, 1 << 30, seg.token) == "bad_local"
+            with open(tmp_path / "plain", "wb") as f:  # a plain file that holds the token: not sealed memory
+                f.write(seg.token + bytes(112))
+                f.flush()
+                assert attach(me, f.fileno(), seg.token) == "bad_local"
+            unsealed = os.memfd_create("plug_asgd_push", os.MFD_CLOEXEC)
+            try:
+                os.write(unsealed, seg.token + bytes(112))
+                assert attach(me, unsealed, seg.token) == "bad_local"  # could shrink under the PS
+            finally:
+                os.close(unsealed)
+            with pytest.raises(PSError) as err:  # attach belongs to the session that said hello
+                c.request("attach", {"session": "another", "pid": me, "fd": seg.fd, "token": seg.token})
+            assert err.value.code == "bad_field"
+            assert c.stats()["shm_segments"] == 0
+            assert fcntl.fcntl(seg.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
         finally:
-            seg.unlink()
-        target = tmp_path / "secret"
-        target.write_bytes(b"\0" * 128)
-        link = Path("/dev/shm") / ("plug_asgd_push_" + "f" * 32)
-        link.symlink_to(target)
-        try:
-            assert attach(link.name, bytes(16)) == "bad_local"  # symlinks are not followed
-        finally:
-            link.unlink()
-        with pytest.raises(PSError) as err:  # attach belongs to the session that said hello
-            c.request("attach", {"session": "another", "segment": seg.name, "token": seg.token})
-        assert err.value.code == "bad_field"
-        assert c.stats()["shm_segments"] == 0
+            seg.close()
     finally:
         c.close()
 
@@ -185,7 +192,7 @@ def test_a_ps_without_shared_memory_pushes_over_the_socket(start_ps):
         assert not c.shm_offered
         assert c.push_buffers({"w": ((3, 5), np.float32)}) is None
         c.shm_offered = True  # a client that asks anyway is refused, and pushes bytes
-        assert c.push_buffers({"w": ((3, 5), np.float32)}) is None
+        assert c.push_buffers({"w": ((3, 5), np.float32)}) is None and c._segment is None
         c.init(model())
         reply = c.push(0, {"w": np.ones((3, 5), np.float32)})
         assert reply.version == 1 and c.counters.push_local_bytes_up == 0
@@ -234,7 +241,7 @@ def test_the_wire_carries_a_local_reference_without_a_frame():
         assert msg.tensors["b"] == Local(offset, np.dtype("<f4"), (3,))
         np.testing.assert_array_equal(msg.tensors["w"], np.ones((2, 3), np.float32))
     finally:
-        seg.unlink()
+        seg.close()
 
 
 def test_the_ps_folds_a_shared_push_into_spare_arrays_and_reuses_them():
