@@ -84,6 +84,14 @@ def all_finite(array: np.ndarray) -> bool:
     return bool(np.isfinite(flat).all())
 
 
+def _quiet(fold: Callable[[slice], bool]) -> Callable[[slice], bool]:
+    """``fold`` with overflow warnings off in whatever thread runs it (numpy's error state is per thread)."""
+    def run(part: slice) -> bool:
+        with np.errstate(over="ignore"):
+            return fold(part)
+    return run
+
+
 def _fold_all(state: CentralState, push: Push, scale: float = 1.0) -> None:
     """``central += scale * update`` for each tensor of ``push``: in place, or into ``push.out``.
 
@@ -115,7 +123,7 @@ def _fold_all(state: CentralState, push: Push, scale: float = 1.0) -> None:
             return all_finite(o[part])
 
         with np.errstate(over="ignore"):  # an overflow is refused just below
-            finite = all(state.pool.map(fold, u.size)) if state.pool is not None else fold(slice(None))
+            finite = all(state.pool.map(_quiet(fold), u.size)) if state.pool is not None else fold(slice(None))
         if not finite:
             raise WireError("not_finite", f"update refused: tensor {name!r} holds NaN or Inf, or would overflow "
                                           "the central tensor (has the worker's training diverged? lower the "
