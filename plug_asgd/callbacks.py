@@ -122,7 +122,8 @@ class Supervisor(Callback):
     ``every_n_updates`` updates or ``every_n_seconds`` seconds (default 10 s), loads it into a
     copy of the module and evaluates it; the training loop never waits for it. Each evaluation
     is logged to the trainer's loggers (``central/test_acc``, ``central/test_loss``,
-    ``central/version``, ``central/wall_s``, ``central/bytes_pushed``, step = PS version) and
+    ``central/version``, ``central/wall_s``, ``central/bytes_pushed``: the update bytes pushed so
+    far, over the socket or through shared memory, step = PS version) and
     appended to ``dirpath/supervisor.jsonl`` (default: the trainer's log dir), which
     ``plug-asgd plot`` draws.
 
@@ -180,7 +181,8 @@ class Supervisor(Callback):
                 reply = client.pull()
                 record = self._evaluate(model, reply.tensors)
                 record.update(version=reply.version, wall_s=round(time.monotonic() - self._start, 3),
-                              bytes_pushed=stats["push_bytes_in"], bytes_total=stats["bytes_in"] + stats["bytes_out"],
+                              bytes_pushed=stats["push_bytes_in"] + stats.get("push_local_bytes_in", 0),
+                              bytes_total=stats["bytes_in"] + stats["bytes_out"],
                               time=round(time.time(), 3))
                 last_version, last_time = reply.version, time.monotonic()
                 with open(self._file, "a") as f:

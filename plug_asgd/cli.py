@@ -321,7 +321,9 @@ def stats_table(address: str, stats: dict[str, Any]) -> Table:
         ("uptime", f"{float(stats.get('uptime_s') or 0):.1f} s"),
         ("updates/s", f"{float(stats.get('updates_per_s') or 0):.3f} (average since start)"),
         ("messages in", str(stats.get("messages_in"))),
-        ("bytes in", f"{_bytes(stats.get('bytes_in'))} (pushes {_bytes(stats.get('push_bytes_in'))})"),
+        ("bytes in", f"{_bytes(stats.get('bytes_in'))} (pushes {_bytes(stats.get('push_bytes_in'))}"
+                     + (f", + {_bytes(stats['push_local_bytes_in'])} through shared memory"
+                        if stats.get("push_local_bytes_in") else "") + ")"),
         ("bytes out", _bytes(stats.get("bytes_out"))),
         ("pushes applied", str(stats.get("pushes_applied"))),
         ("pushes dropped", str(stats.get("pushes_dropped"))),

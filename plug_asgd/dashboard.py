@@ -175,7 +175,9 @@ def _counters_table(snapshot: Snapshot, previous: Snapshot | None) -> Table:
     refused = snapshot.get("refused") or {}
     stale = staleness_buckets(snapshot.get("staleness"))
     rows = [
-        ("bytes in", f"{with_rate('bytes_in')}, pushes {human_bytes(snapshot.get('push_bytes_in'))}"),
+        ("bytes in", f"{with_rate('bytes_in')}, pushes {human_bytes(snapshot.get('push_bytes_in'))}"
+                     + (f" (+ {human_bytes(snapshot['push_local_bytes_in'])} through shared memory)"
+                        if snapshot.get("push_local_bytes_in") else "")),
         ("bytes out", with_rate("bytes_out")),
         ("pushes", f"applied {snapshot.get('pushes_applied') or 0}, dropped {snapshot.get('pushes_dropped') or 0}"
                    + (f", after stop {snapshot['pushes_after_stop']}" if snapshot.get("pushes_after_stop") else "")),

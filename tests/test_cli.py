@@ -182,6 +182,9 @@ def test_stats_table_shows_counters():
     text = console.file.getvalue()
     for expected in ("adacomp", "version", "12", "2.50 MB", "999 B", "bad_tensor: 3", "0: 7  1: 5", "ranks 0, 1"):
         assert expected in text
+    console = Console(width=200, file=io.StringIO())
+    console.print(cli.stats_table("tcp://127.0.0.1:1", {**stats, "push_local_bytes_in": 9_599_056}))
+    assert "(pushes 1.00 MB, + 9.60 MB through shared memory)" in console.file.getvalue()
 
 
 # -- real processes ----------------------------------------------------------------------------

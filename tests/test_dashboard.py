@@ -78,6 +78,12 @@ def test_render_shows_workers_and_counters():
     assert [re.findall(r"\d+", row)[0] for row in rows] == ["0", "2"]  # one row per rank, in order
 
 
+def test_update_bytes_through_shared_memory_are_shown_beside_those_on_the_socket():
+    text = text_of(render({**SNAPSHOT, "push_local_bytes_in": 4_799_528}, None, "a"))
+    assert "pushes 2.00 MB (+ 4.80 MB through shared memory)" in text, text
+    assert "shared memory" not in text_of(render(SNAPSHOT, None, "a"))
+
+
 def test_a_lost_worker_is_shown_as_lost():
     details = [*SNAPSHOT["worker_details"], {"rank": 1, "stage": 0, "training": True, "pushes": 9,
                                               "last_seen_s": 25.0, "lost": True}]
