@@ -399,16 +399,17 @@ def bench_ingest(size: dict[str, Any], work: Path) -> dict[str, Any]:
 
     work.mkdir(parents=True, exist_ok=True)
     rates: dict[str, list[float]] = {}
-    variants = (("dense", 1), ("sparse", 1), ("dense", 2))  # (update, PS fold threads)
+    # (update, PS fold threads); dense_shm: the dense update through shared memory (clients on the PS's machine)
+    variants = (("dense", 1), ("sparse", 1), ("dense", 2), ("dense_shm", 1))
     for rep in range(max(2, size["reps"])):
         for clients in size["ingest_clients"]:
-            for kind, threads in variants[rep % 3:] + variants[:rep % 3]:
-                ps, address = _ps(work, "asgd" if kind == "dense" else "adacomp", threads)
+            for kind, threads in variants[rep % len(variants):] + variants[:rep % len(variants)]:
+                mode = "adacomp" if kind == "sparse" else "asgd"
+                ps, address = _ps(work, mode, threads)
                 workers = []
                 probe = None
                 try:
-                    probe = PSClient(address, rank=63, world_size=64, mode="asgd" if kind == "dense" else "adacomp",
-                                     request_timeout=60)
+                    probe = PSClient(address, rank=63, world_size=64, mode=mode, request_timeout=60)
                     probe.hello(1, False, timeout=30)
                     probe.init(model())
                     for c in range(clients):
@@ -432,7 +433,9 @@ def bench_ingest(size: dict[str, Any], work: Path) -> dict[str, Any]:
     first = size["ingest_clients"][0]
     threaded = [t / d for t, d in zip(rates.get(f"dense/{first}/2 threads", []), rates.get(f"dense/{first}", []),
                                       strict=False)]
+    shm = [s / d for s, d in zip(rates.get(f"dense_shm/{first}", []), rates.get(f"dense/{first}", []), strict=False)]
     return {"updates_per_s": by, "ratio": summary(ratio), "dense_2_threads_over_1": summary(threaded),
+            "dense_shm_over_socket": summary(shm),
             "unit": "sparse 1% updates/s / dense updates/s "
             f"(single-threaded PS, {size['ingest_clients'][0]} clients)", "parameters": CNN_PARAMETERS,
             "multi_threaded": "serve-ps --threads N folds each large dense update in N slices on N threads "
@@ -440,7 +443,9 @@ def bench_ingest(size: dict[str, Any], work: Path) -> dict[str, Any]:
                               "are folded by the serving thread alone",
             "method": "a PS process (dense: mode asgd; sparse: mode adacomp, its top-1% encoding with 16-bit "
                       "offsets) initialised with the recipe CNN's shapes; N client processes push the same "
-                      "pre-encoded update in a loop without asking for the model back; updates/s = the PS's "
+                      "pre-encoded update in a loop without asking for the model back (dense_shm: the dense "
+                      "update in shared memory the PS maps, as a worker on its machine sends it); updates/s = the "
+                      "PS's "
                       "pushes_applied counter over a timed window after a warm-up. Clients and PS share the "
                       "machine's cores."}
 

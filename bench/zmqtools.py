@@ -65,11 +65,21 @@ def echo(address: str) -> None:
 
 
 def ingest(address: str, kind: str, rank: int) -> None:
-    """Push the same update as fast as the PS takes it, without asking for the model back."""
+    """Push the same update as fast as the PS takes it, without asking for the model back.
+
+    ``dense_shm``: the dense update, made in shared memory the PS maps (a worker on its machine).
+    """
     client = PSClient(address, rank=rank, world_size=64, mode="adacomp" if kind == "sparse" else "asgd",
                       request_timeout=30.0)
     client.hello(1, True, timeout=30.0)
-    up = update(kind, seed=rank + 1)
+    up = update("dense" if kind == "dense_shm" else kind, seed=rank + 1)
+    if kind == "dense_shm":
+        shared = client.push_buffers({n: (a.shape, a.dtype) for n, a in up.items()})
+        if shared is None:
+            raise SystemExit("the PS did not take this client's shared memory")
+        for n, a in up.items():
+            shared[n][...] = a
+        up = shared
     parent = os.getppid()
     version = 0
     while os.getppid() == parent:
