@@ -152,10 +152,13 @@ class PSClient:
 
     def request(self, msg_type: str, fields: Mapping[str, Any] | None = None,
                 tensors: Mapping[str, Tensor] | None = None, *, timeout: float | None = None,
-                alive: Callable[[], str | None] | None = None, local: Mapping[str, int] | None = None) -> Message:
+                alive: Callable[[], str | None] | None = None, local: Mapping[str, int] | None = None,
+                while_waiting: Callable[[], None] | None = None) -> Message:
         """Send one request and wait for its reply; ``alive`` may explain a silent PS (a dead process).
 
         ``local``: tensors that are in this client's shared segment, by their offset in it (pushes only).
+        ``while_waiting``: work to do once the request is sent, before its reply is awaited (its
+        time is not counted as waiting).
         """
         if self._closed:
             raise PSUnreachableError("this PSClient is closed")
@@ -175,6 +178,10 @@ class PSClient:
                 self.counters.push_local_bytes_up += sum(np.asarray(tensors[n]).nbytes for n in local)  # type: ignore[index]
         start = time.monotonic()
         self._sock.send_multipart(frames, copy=False)
+        if while_waiting is not None:
+            began = time.monotonic()
+            while_waiting()
+            start += time.monotonic() - began
         limit = self.request_timeout if timeout is None else timeout
         try:
             while True:
@@ -340,7 +347,8 @@ class PSClient:
         return self._model(self.request("pull", {"rank": self.rank}))
 
     def push(self, base_version: int, update: Mapping[str, Tensor],
-             want_model: bool | Literal["unless_own"] = True) -> ModelReply:
+             want_model: bool | Literal["unless_own"] = True,
+             while_waiting: Callable[[], None] | None = None) -> ModelReply:
         """Push an update; the reply carries the central model unless ``want_model`` is False.
 
         ``"unless_own"``: no tensors either when the PS folded the update, as sent, into a model
@@ -348,6 +356,9 @@ class PSClient:
         makes the central model itself, ``base + update`` with the same float additions as the
         PS: the same bits, without the model's bytes on the wire. Dense updates of the central
         dtype only; the PS decides, and answers with the whole model otherwise.
+
+        ``while_waiting`` runs once the push is sent, while the PS folds it (see :meth:`request`);
+        not again if the push has to be sent a second time.
         """
         if want_model not in (True, False, "unless_own"):
             raise ValueError(f"want_model must be True, False or 'unless_own', got {want_model!r}")
@@ -358,7 +369,7 @@ class PSClient:
             local = {n: o for n, t in update.items() if (o := self._segment.offset(t)) is not None} or None
         try:
             try:
-                reply = self._model(self.request("push", fields, update, local=local))
+                reply = self._model(self.request("push", fields, update, local=local, while_waiting=while_waiting))
             except PSError as exc:
                 if exc.code != "bad_local" or not local:
                     raise

@@ -678,16 +678,25 @@ class AsyncPSStrategy(ParallelStrategy):
         self._since_push = 0
         base = self._version
         want_model = self._pull_due()
-        reply = self._client.push(base, update, want_model="unless_own" if want_model and exact else want_model)
+        ask_own = want_model and exact
+        speculate = None
+        if ask_own:
+            def speculate() -> None:
+                """The model an "own" reply means (base + update), made while the PS folds the same sum.
+
+                Any other reply carries the whole model, which then replaces base and weights alike.
+                """
+                with torch.no_grad():
+                    for name, t in tensors.items():
+                        self._base[name].add_(deltas[name])
+                        t.copy_(self._base[name])
+        reply = self._client.push(base, update, want_model="unless_own" if ask_own else want_model,
+                                  while_waiting=speculate)
         if reply.status == "applied":
             staleness = reply.version - base - 1
             st = self._staleness
             st[0], st[1], st[2] = st[0] + staleness, st[1] + 1, max(st[2], staleness)
-        if reply.own:  # the central model is base + update: the same float32 additions give the same bits
-            with torch.no_grad():
-                for name, t in tensors.items():
-                    self._base[name].add_(deltas[name])
-                    t.copy_(self._base[name])
+        if reply.own:  # the central model is base + update, made by speculate: the same float32 additions
             self._based_on(reply)
         elif want_model:
             self._since_pull = 0

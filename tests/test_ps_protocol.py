@@ -371,3 +371,21 @@ def test_a_resumed_ps_never_answers_own_since_its_versions_may_name_other_models
         np.testing.assert_array_equal(reply.tensors["w"], W0["w"] + 2)
     finally:
         c.close()
+
+
+def test_work_done_while_a_push_is_folded_runs_once_before_the_reply_and_is_not_counted_as_waiting(start_ps):
+    c = client(start_ps())
+    try:
+        c.init(W0)
+        seen = []
+
+        def work() -> None:
+            seen.append(c.counters.requests)
+            time.sleep(0.5)
+
+        wait = c.counters.wait_seconds
+        reply = c.push(0, {"w": np.ones((2, 3), np.float32)}, want_model="unless_own", while_waiting=work)
+        assert reply.own and seen == [c.counters.requests]  # after the push was sent, once
+        assert c.counters.wait_seconds - wait < 0.4
+    finally:
+        c.close()

@@ -215,8 +215,10 @@ def test_after_a_ps_restart_the_worker_pushes_its_buffers_as_bytes(start_ps, tmp
         start_ps.stop(first)
         start_ps.started[first] = start_ps.procs.start([*embedded_command(first, "asgd"), "--resume", str(tmp_path)])
         mine["w"][...] = 2.0
-        reply = c.push(1, mine)  # the new PS maps nothing: refused, then sent again as bytes
-        assert reply.version == 2 and c._segment is None
+        calls = []
+        reply = c.push(1, mine, while_waiting=lambda: calls.append(1))  # the new PS maps nothing: refused,
+        assert reply.version == 2 and c._segment is None  # then sent again as bytes
+        assert calls == [1]  # the work meant for the wait ran once, not once per sending
         np.testing.assert_array_equal(reply.tensors["w"], model()["w"] + np.float32(1.0) + np.float32(2.0))
         # handed over twice (the refused push too, as refused requests count in bytes_up), read once
         assert c.counters.pushes == 3
