@@ -98,10 +98,11 @@ def test_time_to_accuracy_curves_and_ingest(quick):
         assert times == sorted(times) and all(0.0 <= a <= 1.0 for _, a in curve), name
         assert max(a for _, a in curve) > 0.3, name  # trained well above chance (0.1)
     ingest = b["ingest"]
-    assert set(ingest["updates_per_s"]) == {"dense/2", "sparse/2", "dense/2/2 threads"}
+    assert set(ingest["updates_per_s"]) == {"dense/2", "sparse/2", "dense/2/2 threads", "dense_shm/2"}
     for key, rate in ingest["updates_per_s"].items():
         assert finite_positive(rate["median"]), key
     assert finite_positive(ingest["dense_2_threads_over_1"]["median"])
+    assert finite_positive(ingest["dense_shm_over_socket"]["median"])
     rtt = b["ps_roundtrip"]
     assert rtt["push_message_bytes"] >= 4 * CNN_PARAMETERS
     for variant in ("ratio_2_threads", "ratio_own_reply"):
