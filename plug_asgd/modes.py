@@ -108,6 +108,13 @@ def _fold_all(state: CentralState, push: Push, scale: float = 1.0) -> None:
         for name, update in push.update.items():
             _add_into(state.tensors[name], update, scale)
         return
+    with np.errstate(over="ignore"):  # an overflow is refused below; pool threads quiet it themselves
+        _fold_out_of_place(state, push, scale)
+    state.tensors.update(push.out)
+
+
+def _fold_out_of_place(state: CentralState, push: Push, scale: float) -> None:
+    assert push.out is not None
     for name, update in push.update.items():
         out, central = push.out[name], state.tensors[name]
         if not (isinstance(update, np.ndarray) and update.shape == central.shape and can_fold_into(out, central)):
@@ -122,13 +129,11 @@ def _fold_all(state: CentralState, push: Push, scale: float = 1.0) -> None:
                 np.add(u[part], c[part], out=o[part])
             return all_finite(o[part])
 
-        with np.errstate(over="ignore"):  # an overflow is refused just below
-            finite = all(state.pool.map(_quiet(fold), u.size)) if state.pool is not None else fold(slice(None))
+        finite = all(state.pool.map(_quiet(fold), u.size)) if state.pool is not None else fold(slice(None))
         if not finite:
             raise WireError("not_finite", f"update refused: tensor {name!r} holds NaN or Inf, or would overflow "
                                           "the central tensor (has the worker's training diverged? lower the "
                                           "learning rate)")
-    state.tensors.update(push.out)
 
 
 class FoldRule(ABC):

@@ -627,8 +627,8 @@ class ParameterServer:
                 out = update
             elif local_bytes and all(isinstance(u, np.ndarray) for u in update.values()):
                 out = self._spare_buffers(update)
-        if out is None and local_bytes:
-            update = {n: np.array(u) if isinstance(sent[n], np.ndarray) and sent[n] is not msg.tensors[n] else u
+        if out is None and local_bytes:  # still views of the worker's memory: the PS's own copies
+            update = {n: np.array(u) if u is sent[n] and isinstance(msg.tensors[n], Local) else u
                       for n, u in update.items()}
         model = msg.fields.get("model", True)
         want_model = model is not False
@@ -643,7 +643,8 @@ class ParameterServer:
         staleness = self.state.version - base
         self._writable(in_place=out is None)
         token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all")
-        before = dict(self.state.tensors)
+        spares = out is not None and out is not update
+        before = dict(self.state.tensors) if spares else {}
         resolutions = self.rule.push(self.state, Push(token, rank, base, update, out))
         # Exactly base + this update: nothing else folded in since the base, dense values used as sent. Not
         # after a resume: versions made before the crash and after it share numbers, not contents.
@@ -660,7 +661,7 @@ class ParameterServer:
             for name, array in update.items():
                 if self.state.tensors.get(name) is array and msg.tensors.get(name) is array:
                     self._frames[name] = (array, msg.frames[name])
-        elif out is not None:
+        elif spares:
             self._recycle(before)
         self._resolve(resolutions)
 
@@ -687,8 +688,8 @@ class ParameterServer:
             if u.dtype != central.dtype or u.shape != central.shape:
                 return None
             spare = self._spares.pop(name, None)
-            out[name] = spare if spare is not None and spare.shape == central.shape and \
-                spare.dtype == central.dtype else np.empty_like(central)
+            fits = spare is not None and spare.shape == central.shape and spare.dtype == central.dtype
+            out[name] = spare if fits else np.empty_like(central)
         return out
 
     def _recycle(self, before: dict[str, np.ndarray]) -> None:

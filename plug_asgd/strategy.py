@@ -699,7 +699,6 @@ class AsyncPSStrategy(ParallelStrategy):
         if reply.own:  # the central model is base + update, made by speculate: the same float32 additions
             self._based_on(reply)
         elif want_model:
-            self._since_pull = 0
             self._load(reply)
         else:  # what was pushed is the PS's now; keep training from our own weights
             for name, t in tensors.items():
