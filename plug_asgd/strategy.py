@@ -48,6 +48,8 @@ from plug_asgd.security import check_bind
 
 log = logging.getLogger("plug_asgd.strategy")
 
+# how long a worker that failed (Ctrl-C, an error) waits on each of its goodbye requests
+_FAILED_EXIT_S = 5.0
 _REDUCE_OPS = {"sum": "sum", "mean": "mean", "avg": "mean", "max": "max", "min": "min"}
 
 
@@ -425,8 +427,10 @@ class AsyncPSStrategy(ParallelStrategy):
                 try:
                     if sender is not None and sender.is_alive():
                         raise PSUnreachableError("a push is still in flight")
-                    # rank 0 stops the embedded PS as soon as every worker has left: keep its counters
-                    self._ps_stats_at_exit = client.stats()
+                    # rank 0 stops the embedded PS as soon as every worker has left: keep its counters.
+                    # After a failure (Ctrl-C stops the embedded PS too) this is a courtesy: a PS that
+                    # went away must not hold the exit up for the client's lost_timeout.
+                    self._ps_stats_at_exit = client.stats(timeout=_FAILED_EXIT_S if self._failed else None)
                     client.bye(self._stage)
                 except (PSError, PSUnreachableError) as exc:
                     log.warning("could not say goodbye to the parameter server: %s", exc)
