@@ -8,7 +8,10 @@ alternated, without paying the interpreter and import start-up for each. A run i
 - ``single``: plain Lightning on one device (``strategy="auto"``), for ``workers == 1``;
 - ``ddp``: Lightning's DDP over gloo (``accelerator="cpu"``);
 - ``asgd``: ``AsyncPSStrategy(mode=...)`` with its embedded PS on port ``MASTER_PORT + 1 + i``
-  (the main port stays free for DDP's store).
+  (the main port stays free for DDP's store); ``options`` holds any other keyword arguments of
+  the strategy (``bits``, ``rank``, ...).
+
+``optimizer``, ``lr`` and ``momentum`` of a run go to the recipe CNN (default: Adam, 1e-3).
 
 Measured on each rank by :class:`StepClock`: the wall-clock end of every training step (after
 ``warmup`` steps), forward+backward time, and, on rank 0 where asked, snapshots of the weights
@@ -118,7 +121,7 @@ def make_strategy(run: dict[str, Any], index: int, workers: int) -> Any:
     port = int(os.environ["MASTER_PORT"]) + 1 + index
     return AsyncPSStrategy(mode=run.get("mode", "asgd"), compression=run.get("compression", 0.01),
                            compressor=run.get("compressor", "none"), overlap=run.get("overlap"), ps_port=port,
-                           shm_pushes=run.get("shm_pushes", True))
+                           shm_pushes=run.get("shm_pushes", True), **run.get("options", {}))
 
 
 def evaluate(state: dict[str, torch.Tensor], test_x: torch.Tensor, test_y: torch.Tensor) -> float:
@@ -156,7 +159,7 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
     dm = MnistDataModule(spec["data_dir"], batch_size=batch, train_subset=run.get("train_subset"),
                          test_subset=run.get("test_subset", spec.get("test_subset")), download=False,
                          seed=spec.get("seed", 0))
-    model = MnistCNN()
+    model = MnistCNN(**{k: run[k] for k in ("optimizer", "lr", "momentum") if k in run})
     strategy = make_strategy(run, index, workers)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     clock = StepClock(run, rank)

@@ -116,3 +116,12 @@ def test_time_to_accuracy_curves_and_ingest(quick):
 def test_an_unknown_benchmark_is_refused(procs):
     rc, out = procs.run([PYTHON, "-m", "bench", "nonesuch"], timeout=60)
     assert rc == 2 and "unknown benchmark" in out
+
+
+@pytest.mark.parametrize("runs", ["not json", '{"mode": "asgd"}', '["asgd"]'])
+def test_the_sweep_refuses_runs_that_are_not_a_list_of_objects(tmp_path, capsys, runs):
+    from bench.sweep import main
+
+    assert main([str(tmp_path), runs]) == 2
+    assert "JSON list of objects" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing launched
