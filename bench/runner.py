@@ -121,7 +121,7 @@ def training_runs(names: list[str], size: dict[str, Any], slow_sleep: float) -> 
     if "adacomp" in names:
         # bytes counted on the wire, as between machines: no pushes through shared memory
         # 2 epochs in the full size: top-k with residuals delays what it does not send, and in 1 epoch of
-        # 24,000 images every fraction lost 1.5-2 points; in 2 epochs 0.34% came within 1 (NOTES.md)
+        # 24,000 images every fraction lost 1.5-2 points; in 2 epochs 0.34% and 0.33% came within 1 (NOTES.md)
         common = {"bench": "adacomp", "batch_size": 32, "train_subset": size["adacomp_subset"],
                   "epochs": size["adacomp_epochs"],
                   "test": True, "shm_pushes": False}
