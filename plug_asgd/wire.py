@@ -316,7 +316,7 @@ def _buffer(frame: Any) -> memoryview:
 
 
 def _nbytes(frame: Any) -> int:
-    """A frame's size in bytes (a zmq.Frame's len is its size; a memoryview's, its first dimension)."""
+    """A frame's size in bytes, without a cast where the type tells it (a memoryview's len is its first dimension)."""
     if type(frame) is memoryview:
         return frame.nbytes
     return len(frame) if isinstance(frame, bytes) else _buffer(frame).nbytes

@@ -18,7 +18,6 @@ from tests.conftest import (
     PLUG_ASGD,
     PYTHON,
     RECIPE,
-    ROOT,
     ProcessGroups,
     free_port,
     group_members,
@@ -129,29 +128,17 @@ def scheme_runs(tmp_path_factory):
     """
     if not (FASHION / "train-images-idx3-ubyte.gz").exists():
         pytest.skip("Fashion-MNIST not installed: apt-get install dataset-fashion-mnist")
-    from bench.common import free_port_block
+    from bench.runner import launch  # the benchmarks' launcher: spec, ports, threads, a process group ended on return
 
     common = {"kind": "asgd", "batch_size": 32, "train_subset": 8000, "epochs": 1, "test": True}
     runs = [{**common, "name": mode, "mode": mode, **settings} for mode, settings, _ in SCHEMES]
     runs += [{**common, "name": name, "mode": mode, **settings}
              for name, (mode, settings, _) in zip(PAIR_IDS, PAIRS, strict=True)]
-    tmp = tmp_path_factory.mktemp("schemes")
-    spec = tmp / "spec.json"
-    spec.write_text(json.dumps({"workers": 2, "data_dir": str(FASHION), "test_subset": 1000, "runs": runs}))
-    groups = ProcessGroups()
-    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 2)), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port_block(len(runs) + 2)), "PYTHONPATH": str(ROOT)}
-    try:
-        code, out = groups.run([PYTHON, "-m", "bench.train", "--spec", str(spec), "--out", str(tmp / "out")],
-                               timeout=LAUNCH_TIMEOUT_S, env=env)
-    finally:
-        left = groups.leftovers()
-        for p in groups.procs:
-            groups.kill(p)
-    assert not left, f"processes left running: {left}"
-    path = tmp / "out" / "results.json"
-    results = {r["name"]: r for r in json.loads(path.read_text())} if path.exists() else {}
-    return results, f"launch exit code {code}; its output ends:\n{out[-4000:]}"
+    work = tmp_path_factory.mktemp("schemes")
+    records = launch(2, runs, {"test_subset": 1000, "timeout": LAUNCH_TIMEOUT_S}, work)
+    errors = [r["launch_error"] for r in records if "launch_error" in r]
+    log = (work / "train2.log").read_text()[-4000:] if errors else ""
+    return {r["name"]: r for r in records if "name" in r}, f"{errors}; the launch's log ends:\n{log}"
 
 
 def scheme_run(scheme_runs, name: str) -> dict:
