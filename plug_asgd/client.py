@@ -70,13 +70,14 @@ class CommCounters:
     requests: int = 0
     pushes: int = 0
     own_replies: int = 0  # pushes answered without the model (see PSClient.push)
+    weights_not_current: int = 0  # pushes of weights the PS did not take: not counted in pushes
     wait_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"bytes_up": self.bytes_up, "bytes_down": self.bytes_down, "push_bytes_up": self.push_bytes_up,
                 "push_local_bytes_up": self.push_local_bytes_up,
                 "requests": self.requests, "pushes": self.pushes, "own_replies": self.own_replies,
-                "wait_seconds": round(self.wait_seconds, 6)}
+                "weights_not_current": self.weights_not_current, "wait_seconds": round(self.wait_seconds, 6)}
 
 
 @dataclass
@@ -348,7 +349,7 @@ class PSClient:
 
     def push(self, base_version: int, update: Mapping[str, Tensor],
              want_model: bool | Literal["unless_own"] = True,
-             while_waiting: Callable[[], None] | None = None) -> ModelReply:
+             while_waiting: Callable[[], None] | None = None, weights: bool = False) -> ModelReply:
         """Push an update; the reply carries the central model unless ``want_model`` is False.
 
         ``"unless_own"``: no tensors either when the PS folded the update, as sent, into a model
@@ -359,11 +360,20 @@ class PSClient:
 
         ``while_waiting`` runs once the push is sent, while the PS folds it (see :meth:`request`);
         not again if the push has to be sent a second time.
+
+        ``weights``: ``update`` holds the worker's weights ``w``, not ``w - base``. If nothing else
+        changed the model since ``base_version`` (a lone worker), the PS takes them as its model:
+        ``base + (w - base)`` without the rounding of that sum, and without the two passes over
+        the model that computing it takes on each side. Otherwise it folds nothing and answers
+        ``status == "not_current"``: push ``w - base`` instead. Dense tensors of the central dtype,
+        in modes whose PS folds ``w += delta`` (asgd, dynsgd, ssp); other modes answer "not_current".
         """
         if want_model not in (True, False, "unless_own"):
             raise ValueError(f"want_model must be True, False or 'unless_own', got {want_model!r}")
         fields = {"rank": self.rank, "base_version": base_version, "seq": next(self._seq),
                   "session": self.session, "model": want_model}
+        if weights:
+            fields["weights"] = True
         local = None
         if self._segment is not None:
             local = {n: o for n, t in update.items() if (o := self._segment.offset(t)) is not None} or None
@@ -375,9 +385,14 @@ class PSClient:
                     raise
                 log.warning("the parameter server no longer maps this worker's memory (%s); pushing over the socket "
                             "from now on", exc)
-                self._segment = None
+                self._segment = local = None
                 reply = self._model(self.request("push", fields, update))
             self.counters.own_replies += reply.own
+            if reply.status == "not_current":  # sent, but neither folded nor dropped: the PS read nothing
+                self.counters.pushes -= 1
+                self.counters.weights_not_current += 1
+                if local:
+                    self.counters.push_local_bytes_up -= sum(np.asarray(update[n]).nbytes for n in local)
             return reply
         except PSError as exc:
             if exc.code != "duplicate":

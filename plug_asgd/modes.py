@@ -47,6 +47,10 @@ class Push:
     # of place: buffers nothing else holds (the push's own received buffers, or spare buffers of
     # the PS), which become the central tensors. None: the rule folds into the central tensors.
     out: dict[str, np.ndarray] | None = None
+    # ``update`` holds a worker's weights, not a delta, and the push is based on the current version:
+    # folding means taking them as they are (``w - base`` added to ``base``, without its rounding).
+    # Only with ``out`` and a scale of 1; the PS sends no other such push to a rule.
+    replace: bool = False
 
 
 Resolution = tuple[Any, str]  # (token, APPLIED | DROPPED)
@@ -103,7 +107,10 @@ def _fold_all(state: CentralState, push: Push, scale: float = 1.0) -> None:
     kept unless all are finite (a finite central tensor plus a finite update is finite unless the
     sum overflows, which is refused as well). Checking what is kept, not what was sent, also
     holds for an update read from a worker's shared memory, which its worker could still write.
+    A push of weights (``push.replace``) is copied into ``push.out`` and checked the same way.
     """
+    if push.replace and (push.out is None or scale != 1.0):
+        raise ValueError("a push of weights is taken as it is, out of place and unscaled")
     if push.out is None:
         for name, update in push.update.items():
             _add_into(state.tensors[name], update, scale)
@@ -119,10 +126,16 @@ def _fold_out_of_place(state: CentralState, push: Push, scale: float) -> None:
         out, central = push.out[name], state.tensors[name]
         if not (isinstance(update, np.ndarray) and update.shape == central.shape and can_fold_into(out, central)):
             raise ValueError(f"tensor {name!r} cannot be folded out of place")
+        if push.replace and update.dtype != central.dtype:
+            raise ValueError(f"tensor {name!r}: weights of another dtype than the central tensor's")
         u, c, o = update.reshape(-1), central.reshape(-1), out.reshape(-1)
+        copy = out is not update
 
-        def fold(part: slice, u: np.ndarray = u, c: np.ndarray = c, o: np.ndarray = o) -> bool:
-            if scale != 1.0:
+        def fold(part: slice, u: np.ndarray = u, c: np.ndarray = c, o: np.ndarray = o, copy: bool = copy) -> bool:
+            if push.replace:
+                if copy:
+                    np.copyto(o[part], u[part])
+            elif scale != 1.0:
                 np.multiply(u[part], scale, out=o[part])
                 np.add(o[part], c[part], out=o[part])
             else:
@@ -360,6 +373,11 @@ class ModeSpec:
     exchange: str = "push"
     normalize: bool = False
     defaults: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def folds_into_update(self) -> bool:
+        """Whether this mode's PS folds ``w += delta`` out of place: what "own" replies and pushes of weights need."""
+        return self.make_rule({}).folds_into_update
 
 
 # Module-level factories, not lambdas: the strategy (and its mode) is pickled to spawned workers.

@@ -116,6 +116,8 @@ class Stats:
     pushes_after_stop: int = 0
     copies_on_write: int = 0
     own_replies: int = 0
+    weights_pushes: int = 0  # pushes of weights taken as the model (see PSClient.push)
+    weights_not_current: int = 0  # ... answered "not_current" instead: nothing folded
     workers_lost: int = 0
     workers_back: int = 0
     refused: Counter = field(default_factory=Counter)
@@ -617,21 +619,35 @@ class ParameterServer:
             raise WireError("duplicate", f"push {seq} of this worker was already received")
         sent, local_bytes = self._local_tensors(session, msg.tensors)
         update = self._decode_update(sent)
+        model = msg.fields.get("model", True)
+        want_model = model is not False
+        weights = msg.fields.get("weights", False)
+        if weights not in (True, False):
+            raise WireError("bad_field", f"field 'weights' must be true or false, got {weights!r:.40}")
+        staleness = self.state.version - base
+        if weights and not self._stopped() and not (
+                staleness == 0 and self.resumed_from is None and self.rule.folds_into_update
+                and all(isinstance(u, np.ndarray) and u is sent[n] for n, u in update.items())):
+            # The model moved on since the worker's base, or this mode folds otherwise: folding
+            # ``weights - base`` would need that base, which only the worker has. It pushes that.
+            self.last_seq[session] = seq
+            self.stats.weights_not_current += 1
+            self._send_model(identity, rid, {"status": "not_current"}, False)
+            return
         # Where a rule that folds writes the new central tensors (``modes._fold_all``): into the
-        # update's own received buffers, or, for an update read from shared memory, into spare
-        # arrays of the PS; the rule checks the results. Any other update is checked here, before
-        # a fold writes in place, and one read from shared memory is copied first.
+        # update's own received buffers, or, for an update read from shared memory (or weights in
+        # read-only frames), into spare arrays of the PS; the rule checks the results. Any other
+        # update is checked here, before a fold writes in place, and one read from shared memory
+        # is copied first.
         out = None
         if self.rule.folds_into_update:
             if all(can_fold_into(u, self.state.tensors[n]) for n, u in update.items()):
                 out = update
-            elif local_bytes and all(isinstance(u, np.ndarray) for u in update.values()):
+            elif (local_bytes or weights) and all(isinstance(u, np.ndarray) for u in update.values()):
                 out = self._spare_buffers(update)
         if out is None and local_bytes:  # still views of the worker's memory: the PS's own copies
             update = {n: np.array(u) if u is sent[n] and isinstance(msg.tensors[n], Local) else u
                       for n, u in update.items()}
-        model = msg.fields.get("model", True)
-        want_model = model is not False
         if self._stopped():
             self._check_finite(update)
             self.last_seq[session] = seq
@@ -640,12 +656,12 @@ class ParameterServer:
             return
         if out is None:
             self._check_finite(update)
-        staleness = self.state.version - base
         self._writable(in_place=out is None)
         token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all")
         spares = out is not None and out is not update
         before = dict(self.state.tensors) if spares else {}
-        resolutions = self.rule.push(self.state, Push(token, rank, base, update, out))
+        resolutions = self.rule.push(self.state, Push(token, rank, base, update, out, replace=weights))
+        self.stats.weights_pushes += weights
         # Exactly base + this update: nothing else folded in since the base, dense values used as sent. Not
         # after a resume: versions made before the crash and after it share numbers, not contents.
         if (staleness == 0 and self.resumed_from is None and self.rule.folds_into_update
@@ -853,7 +869,8 @@ class ParameterServer:
             "shm_segments": len(self.segments) if self.segments is not None else None,
             "pushes_applied": s.pushes_applied,
             "pushes_dropped": s.pushes_dropped, "pushes_after_stop": s.pushes_after_stop,
-            "copies_on_write": s.copies_on_write, "own_replies": s.own_replies, "threads": self.threads,
+            "copies_on_write": s.copies_on_write, "own_replies": s.own_replies,
+            "weights_pushes": s.weights_pushes, "weights_not_current": s.weights_not_current, "threads": self.threads,
             "worker_timeout_s": self.worker_timeout,
             "lost": sorted(self.lost), "workers_lost": s.workers_lost, "workers_back": s.workers_back,
             "refused": dict(s.refused), "staleness": {str(k): v for k, v in sorted(s.staleness.items())},

@@ -288,6 +288,10 @@ class AsyncPSStrategy(ParallelStrategy):
         # answered without the model, whose worker keeps its own weights): only then may a push ask
         # the PS for an "own" reply
         self._base_is_central = False
+        # whether the next push may send the weights themselves (``PSClient.push(weights=True)``): in the
+        # modes whose PS can take them, until it answers that another push came first; again after an
+        # "own" reply
+        self._weights_ok = self.mode_spec.folds_into_update
 
     def _new_compressor(self) -> Any:
         """A fresh compressor (empty residuals) for a fit: the mode's own for adacomp, else the chosen one."""
@@ -643,8 +647,8 @@ class AsyncPSStrategy(ParallelStrategy):
         PS has replied. Sent as it is, it can be answered "your base plus this" instead of the
         model (see ``PSClient.push``).
         """
-        scale = 1.0 / self._since_push if self.mode_spec.normalize and self._since_push else 1.0
-        dense = isinstance(self._compressor, NoCompression) and all(t.dtype == torch.float32 for t in tensors.values())
+        scale = self._scale()
+        dense = self._dense(tensors)
         exact = dense and self._base_is_central and scale == 1.0
         if dense and not self._buffers_fit(tensors):
             self._delta_buffers = self._new_delta_buffers(tensors)
@@ -661,27 +665,46 @@ class AsyncPSStrategy(ParallelStrategy):
                 update[name] = self._compressor.encode(name, delta * scale if scale != 1.0 else delta)
         return update, deltas, exact
 
+    def _scale(self) -> float:
+        return 1.0 / self._since_push if self.mode_spec.normalize and self._since_push else 1.0
+
+    def _dense(self, tensors: dict[str, Tensor]) -> bool:
+        return isinstance(self._compressor, NoCompression) and all(t.dtype == torch.float32 for t in tensors.values())
+
     def _buffers_fit(self, tensors: dict[str, Tensor]) -> bool:
         buffers = self._delta_buffers
         return buffers.keys() == tensors.keys() and all(
             buffers[n].shape == t.shape and buffers[n].device == t.device for n, t in tensors.items())
 
     def _new_delta_buffers(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Buffers for dense updates: in memory the PS maps where it can (``shm_pushes``), else private."""
+        """Buffers for dense updates: in memory the PS maps where it can (``shm_pushes``), else private.
+
+        The base moves into that memory too: a push of weights (:meth:`_push_weights`) swaps the
+        two sets, so both must be where the PS can read them.
+        """
         if self.shm_pushes and self._client is not None and all(t.device.type == "cpu" for t in tensors.values()):
-            shared = self._client.push_buffers({n: (tuple(t.shape), np.float32) for n, t in tensors.items()})
+            shapes = {f"{kind}:{n}": (tuple(t.shape), np.float32) for n, t in tensors.items() for kind in "db"}
+            shared = self._client.push_buffers(shapes)
             if shared is not None:
-                return {n: torch.from_numpy(a) for n, a in shared.items()}
+                for name in tensors:
+                    base = torch.from_numpy(shared[f"b:{name}"])
+                    if name in self._base:
+                        base.copy_(self._base[name])
+                    self._base[name] = base
+                return {n: torch.from_numpy(shared[f"d:{n}"]) for n in tensors}
         return {n: torch.empty_like(t.detach()) for n, t in tensors.items()}
 
     def _push(self) -> None:
         """Send ``w - w_base`` (over the steps it spans, for agn/sagn); take the central model if a pull is due."""
         assert self._client is not None
         tensors = self._synced_tensors()
+        want_model = self._pull_due()
+        if (want_model and self._weights_ok and self._base_is_central and self._dense(tensors)
+                and self._scale() == 1.0 and self._push_weights(tensors)):
+            return
         update, deltas, exact = self._update(tensors)
         self._since_push = 0
         base = self._version
-        want_model = self._pull_due()
         ask_own = want_model and exact
         speculate = None
         if ask_own:
@@ -696,10 +719,8 @@ class AsyncPSStrategy(ParallelStrategy):
                         t.copy_(self._base[name])
         reply = self._client.push(base, update, want_model="unless_own" if ask_own else want_model,
                                   while_waiting=speculate)
-        if reply.status == "applied":
-            staleness = reply.version - base - 1
-            st = self._staleness
-            st[0], st[1], st[2] = st[0] + staleness, st[1] + 1, max(st[2], staleness)
+        self._count_staleness(reply, base)
+        self._weights_ok = reply.own  # nothing raced this push: the next may well be a lone one too
         if reply.own:  # the central model is base + update, made by speculate: the same float32 additions
             self._based_on(reply)
         elif want_model:
@@ -708,6 +729,42 @@ class AsyncPSStrategy(ParallelStrategy):
             for name, t in tensors.items():
                 self._base[name].copy_(t.detach())
             self._based_on(reply, central=False)
+
+    def _count_staleness(self, reply: ModelReply, base: int) -> None:
+        if reply.status == "applied":
+            staleness = reply.version - base - 1
+            st = self._staleness
+            st[0], st[1], st[2] = st[0] + staleness, st[1] + 1, max(st[2], staleness)
+
+    def _push_weights(self, tensors: dict[str, Tensor]) -> bool:
+        """Push ``w`` itself; False, with nothing folded, if the PS's model moved on since our base.
+
+        For a lone worker the PS's new model is then ``w``, bit for bit: no ``w - base`` to
+        compute here, no ``base + delta`` there and again here. ``w`` is copied into the update
+        buffers (the PS reads them, or the socket sends them, while ``w`` is free to change), and
+        on an "own" reply those buffers become the base: no copy back.
+        """
+        assert self._client is not None
+        if not self._buffers_fit(tensors):
+            self._delta_buffers = self._new_delta_buffers(tensors)
+        sent = self._delta_buffers
+        with torch.no_grad():
+            for name, t in tensors.items():
+                sent[name].copy_(t.detach())
+        base = self._version
+        reply = self._client.push(base, {n: _to_numpy(b) for n, b in sent.items()}, want_model="unless_own",
+                                  weights=True)
+        if reply.status == "not_current":
+            self._weights_ok = False
+            return False
+        self._since_push = 0
+        self._count_staleness(reply, base)
+        if reply.own:  # the PS's model is what we sent: it is our base now
+            self._delta_buffers, self._base = self._base, sent
+            self._based_on(reply)
+        else:  # the PS had stopped, or held the reply (ssp) while others pushed: the whole model came
+            self._load(reply)
+        return True
 
     def _pull_keeping_progress(self) -> None:
         """DOWNPOUR's fetch: ``w = central + (w - w_base)``, so steps not yet pushed are not lost."""

@@ -332,6 +332,52 @@ def test_a_push_nothing_else_raced_is_answered_without_the_model_which_the_worke
         b.close()
 
 
+@pytest.mark.parametrize("mode", ["asgd", "dynsgd", "ssp"])
+def test_weights_of_a_lone_worker_become_the_model_bit_for_bit_and_raced_weights_fold_nothing(start_ps, mode):
+    address = start_ps(mode)
+    a, b = client(address, 0, 2, mode), client(address, 1, 2, mode)
+    try:
+        w0 = {"w": np.ones((2, 3), np.float32), "b": np.full(2, 3.0, np.float32)}
+        a.init(w0)
+        # 1e-8 - 1 rounds to -1 in float32, so folding the delta would give 0: the PS keeps the weights as sent
+        w1 = {"w": np.full((2, 3), 1e-8, np.float32), "b": np.full(2, 2.5, np.float32)}
+        assert (w0["w"] + (w1["w"] - w0["w"]) == 0).all()
+        reply = a.push(0, w1, want_model="unless_own", weights=True)
+        assert (reply.status, reply.own, reply.version, reply.tensors) == ("applied", True, 1, {})
+        for n, t in a.pull().tensors.items():
+            np.testing.assert_array_equal(t.view(np.uint32), w1[n].view(np.uint32))
+        b.push(1, {"w": np.ones((2, 3), np.float32)})  # version 2: a's weights based on 1 would undo it
+        reply = a.push(1, w0, want_model="unless_own", weights=True)
+        assert (reply.status, reply.own, reply.version, reply.tensors) == ("not_current", False, 2, {})
+        np.testing.assert_array_equal(a.pull().tensors["w"], w1["w"] + 1)
+        # weights in another dtype than the central one are not the PS's bits: not taken either
+        reply = a.push(2, {"b": np.ones(2, np.float16)}, want_model="unless_own", weights=True)
+        assert reply.status == "not_current" and reply.version == 2
+        with pytest.raises(PSError) as err:  # a NaN is refused as in any push, and nothing changes
+            a.push(2, {"w": np.full((2, 3), np.nan, np.float32)}, want_model="unless_own", weights=True)
+        assert err.value.code == "not_finite"
+        stats = a.stats()
+        assert stats["version"] == 2 and stats["weights_pushes"] == 1 and stats["weights_not_current"] == 2
+        # the worker's count: what the PS folded or refused as bad (the NaN), not what it left to a delta push
+        assert a.counters.pushes == 2 and a.counters.weights_not_current == 2
+        np.testing.assert_array_equal(a.pull().tensors["w"], w1["w"] + 1)
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "adacomp"])
+def test_a_ps_that_does_not_fold_deltas_as_sent_takes_no_weights(start_ps, mode):
+    c = client(start_ps(mode), mode=mode)
+    try:
+        c.init(W0)
+        reply = c.push(0, {"w": np.ones((2, 3), np.float32)}, want_model="unless_own", weights=True)
+        assert reply.status == "not_current" and reply.version == 0
+        np.testing.assert_array_equal(c.pull().tensors["w"], W0["w"])
+    finally:
+        c.close()
+
+
 def test_a_ps_with_two_fold_threads_folds_large_tensors_exactly_and_refuses_a_nan_in_any_slice(start_ps):
     address = start_ps("asgd", "--threads", "2")
     c = client(address)
@@ -369,6 +415,9 @@ def test_a_resumed_ps_never_answers_own_since_its_versions_may_name_other_models
         reply = c.push(1, {"w": np.ones((2, 3), np.float32)}, want_model="unless_own")
         assert reply.version == 2 and not reply.own
         np.testing.assert_array_equal(reply.tensors["w"], W0["w"] + 2)
+        # nor takes weights as its model: the worker's base may not be its model of that number
+        reply = c.push(2, {"w": np.zeros((2, 3), np.float32)}, want_model="unless_own", weights=True)
+        assert reply.status == "not_current" and reply.version == 2
     finally:
         c.close()
 

@@ -100,6 +100,31 @@ def test_the_memory_cannot_shrink_under_the_ps_and_its_descriptor_closes_with_th
     mine["w"][...] = 2.0  # still mapped: the strategy's buffers outlive the descriptor
 
 
+def test_weights_in_shared_memory_become_a_copy_of_the_ps_and_later_writes_never_reach_it(start_ps):
+    c = client(start_ps())
+    try:
+        c.init(model())
+        mine = buffers(c)
+        for n, t in model(3).items():
+            mine[n][...] = t
+        sent = c.counters.push_bytes_up
+        reply = c.push(0, mine, want_model="unless_own", weights=True)
+        assert reply.own and reply.version == 1 and c.counters.push_bytes_up - sent < 300  # a header only
+        for n in SHAPES:
+            mine[n][...] = np.nan  # the worker's next weights, say: the PS keeps what it checked
+        central = c.pull().tensors
+        for n, t in model(3).items():
+            np.testing.assert_array_equal(central[n].view(np.uint32), t.view(np.uint32))
+        stats = c.stats()
+        assert stats["weights_pushes"] == 1 and stats["push_local_bytes_in"] == sum(
+            4 * int(np.prod(s)) for s in SHAPES.values())
+        with pytest.raises(PSError) as err:
+            c.push(1, mine, want_model="unless_own", weights=True)
+        assert err.value.code == "not_finite" and c.pull().version == 1
+    finally:
+        c.close()
+
+
 def test_a_nan_in_shared_memory_is_refused_and_the_model_is_untouched(start_ps):
     c = client(start_ps())
     try:

@@ -133,6 +133,62 @@ def test_pushes_through_shared_memory_train_the_bits_of_pushes_over_the_socket(m
         np.testing.assert_array_equal(finals[0][n].view(np.uint32), finals[1][n].view(np.uint32))
 
 
+def fit_tiny(strategy, callbacks=()) -> dict[str, np.ndarray]:
+    pl.seed_everything(3)
+    module = Tiny()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=list(callbacks), use_distributed_sampler=False)  # the same batches in both
+    trainer.fit(module, data())  # 20 steps, a push after each
+    return {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_a_lone_asgd_worker_pushes_its_weights_and_trains_the_bits_of_plain_lightning(shm):
+    """Nothing races a lone worker: each push sends its weights, which the PS takes as its model
+    (``w``, not ``base + (w - base)`` rounded), so the run is plain training, bit for bit."""
+    plain = fit_tiny("auto")
+    s = AsyncPSStrategy(mode="asgd", shm_pushes=shm)
+    try:
+        finals = fit_tiny(s)
+        stats = s._client.stats()
+        assert stats["weights_pushes"] == stats["own_replies"] == 20 and stats["weights_not_current"] == 0
+        assert stats["push_local_bytes_in"] == (20 * 4 * (4 * 2 + 2) if shm else 0)
+        central_now = central(s)
+    finally:
+        s._shutdown(wait_for_workers=0)
+    for n, t in plain.items():
+        np.testing.assert_array_equal(finals[n].view(np.uint32), t.view(np.uint32))
+        np.testing.assert_array_equal(central_now[n].view(np.uint32), t.view(np.uint32))
+
+
+class Racer(pl.Callback):
+    """Before the push of step 5 another push (of zeros) lands: the worker's base is no longer current."""
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        if trainer.global_step == 4:
+            strategy = trainer.strategy
+            strategy._client.push(strategy._version, {n: np.zeros(t.shape, np.float32)
+                                                      for n, t in strategy._synced_tensors().items()})
+
+
+def test_raced_weights_fold_nothing_and_the_worker_pushes_its_update_instead():
+    plain = fit_tiny("auto")
+    s = AsyncPSStrategy(mode="asgd")
+    try:
+        finals = fit_tiny(s, [Racer()])
+        stats = s._client.stats()
+        # 20 pushes of the worker + the racer's; the 5th's weights were refused, then its delta folded in
+        assert stats["pushes_applied"] == 21 and stats["version"] == 21
+        assert stats["weights_not_current"] == 1 and stats["weights_pushes"] == 18 and stats["own_replies"] == 19
+        central_now = central(s)
+    finally:
+        s._shutdown(wait_for_workers=0)
+    for n, t in plain.items():  # the zeros and one rounding of base + (w - base) apart from plain training
+        np.testing.assert_array_equal(finals[n], central_now[n])
+        np.testing.assert_allclose(finals[n], t, rtol=1e-5, atol=1e-6)
+
+
 def test_a_worker_whose_base_is_its_own_weights_never_asks_for_an_own_reply():
     """With pull_every=2 every other push takes no model: the worker then keeps its own weights as its
     base, which need not be the central model of the version it was told, so the next push must
