@@ -340,6 +340,11 @@ class PSClient:
         self._segment = segment
         return segment.buffers
 
+    @property
+    def shares_memory(self) -> bool:
+        """Whether the PS maps this client's :meth:`push_buffers` (until it loses them, in a restart)."""
+        return self._segment is not None
+
     def init(self, tensors: Mapping[str, np.ndarray]) -> bool:
         """Offer this worker's tensors as the initial central model; False if another came first."""
         return bool(self.request("init", {"rank": self.rank}, tensors).fields.get("accepted"))

@@ -284,6 +284,9 @@ class AsyncPSStrategy(ParallelStrategy):
         self._compressor = self._new_compressor()
         self._base: dict[str, Tensor] = {}
         self._delta_buffers: dict[str, Tensor] = {}
+        # whether those buffers and the base are in memory the PS maps: a push of weights the PS does not
+        # take then cost a header; over the socket, the model's bytes, so only a lone worker sends them
+        self._shared_buffers = False
         # whether _base holds the central model of version _version bit for bit (not after a push
         # answered without the model, whose worker keeps its own weights): only then may a push ask
         # the PS for an "own" reply
@@ -691,7 +694,9 @@ class AsyncPSStrategy(ParallelStrategy):
                     if name in self._base:
                         base.copy_(self._base[name])
                     self._base[name] = base
+                self._shared_buffers = True
                 return {n: torch.from_numpy(shared[f"d:{n}"]) for n in tensors}
+        self._shared_buffers = False
         return {n: torch.empty_like(t.detach()) for n, t in tensors.items()}
 
     def _push(self) -> None:
@@ -699,8 +704,10 @@ class AsyncPSStrategy(ParallelStrategy):
         assert self._client is not None
         tensors = self._synced_tensors()
         want_model = self._pull_due()
+        cheap_refusal = self._shared_buffers and self._client.shares_memory  # else a lone worker's only
         if (want_model and self._weights_ok and self._base_is_central and self._dense(tensors)
-                and self._scale() == 1.0 and self._push_weights(tensors)):
+                and self._scale() == 1.0 and (cheap_refusal or self.world_size == 1)
+                and self._push_weights(tensors)):
             return
         update, deltas, exact = self._update(tensors)
         self._since_push = 0
