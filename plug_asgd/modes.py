@@ -80,12 +80,18 @@ def all_finite(array: np.ndarray) -> bool:
     cancellation can hide one. It is finite, so every value is, unless a square or the sum
     overflows (values beyond about 1e19); the exact elementwise test then decides.
     """
-    flat = array.reshape(-1)
-    if flat.dtype in (np.float32, np.float64) and flat.size:
-        with np.errstate(over="ignore", invalid="ignore"):
-            if np.isfinite(np.dot(flat, flat)):
-                return True
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _finite(array.reshape(-1))
+
+
+def _finite(flat: np.ndarray) -> bool:
+    """:func:`all_finite` of a 1-d array, for callers that silenced numpy's overflow warnings already."""
+    if flat.dtype in _DOT_DTYPES and flat.size and np.isfinite(np.dot(flat, flat)):
+        return True
     return bool(np.isfinite(flat).all())
+
+
+_DOT_DTYPES = (np.float32, np.float64)
 
 
 def _quiet(fold: Callable[[slice], bool]) -> Callable[[slice], bool]:
@@ -121,6 +127,7 @@ def _fold_all(state: CentralState, push: Push, scale: float = 1.0) -> None:
 
 
 def _fold_out_of_place(state: CentralState, push: Push, scale: float) -> None:
+    """Called with numpy's overflow warnings off (``_fold_all``); pool threads turn them off themselves."""
     assert push.out is not None
     for name, update in push.update.items():
         out, central = push.out[name], state.tensors[name]
@@ -140,9 +147,19 @@ def _fold_out_of_place(state: CentralState, push: Push, scale: float) -> None:
                 np.add(o[part], c[part], out=o[part])
             else:
                 np.add(u[part], c[part], out=o[part])
-            return all_finite(o[part])
+            return _finite(o[part])
 
-        finite = all(state.pool.map(_quiet(fold), u.size)) if state.pool is not None else fold(slice(None))
+        if state.pool is not None and u.size >= state.pool.min_split:
+            finite = all(state.pool.map(_quiet(fold), u.size))
+        elif push.replace:  # the common cases inline: a small tensor's fold is mostly Python
+            if copy:
+                np.copyto(o, u)
+            finite = _finite(o)
+        elif scale == 1.0:
+            np.add(u, c, out=o)
+            finite = _finite(o)
+        else:
+            finite = fold(slice(None))
         if not finite:
             raise WireError("not_finite", f"update refused: tensor {name!r} holds NaN or Inf, or would overflow "
                                           "the central tensor (has the worker's training diverged? lower the "

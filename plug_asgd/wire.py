@@ -37,6 +37,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import zmq
 
 PROTOCOL_VERSION = 1
 BLOCK_BITS = 16
@@ -317,15 +318,21 @@ def _buffer(frame: Any) -> memoryview:
 
 def _nbytes(frame: Any) -> int:
     """A frame's size in bytes, without a cast where the type tells it (a memoryview's len is its first dimension)."""
-    if type(frame) is memoryview:
+    kind = type(frame)
+    if kind is memoryview:
         return frame.nbytes
-    return len(frame) if isinstance(frame, bytes) else _buffer(frame).nbytes
+    return len(frame) if kind in _LEN_IS_SIZE else _buffer(frame).nbytes
+
+
+# Frame types whose len() is their size in bytes (a received ZeroMQ frame's is, cheaply).
+_LEN_IS_SIZE = frozenset({bytes, bytearray, zmq.Frame})
+_MAX_DIM = 1 << 40
 
 
 def _shape(spec: Mapping[str, Any], name: str, limits: Limits, what: str | None = None) -> tuple[int, ...]:
     shape = spec.get("shape")
-    if (not isinstance(shape, list) or len(shape) > limits.max_ndim
-            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)):
+    if (type(shape) is not list or len(shape) > limits.max_ndim
+            or not all(type(d) is int and 0 <= d < _MAX_DIM for d in shape)):  # int, not bool
         raise WireError("bad_shape", f"{what or f'tensor {name!r}'}: shape must be a list of at most "
                                      f"{limits.max_ndim} non-negative integers below 2**40")
     return tuple(shape)
@@ -345,7 +352,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         raise WireError("empty", "empty message")
     if len(frames) > limits.max_frames:
         raise WireError("too_many_frames", f"{len(frames)} frames, the limit is {limits.max_frames}")
-    total = sum(_nbytes(f) for f in frames)
+    total = message_bytes(frames)
     if total > limits.max_message_bytes:
         raise WireError("too_large", f"message of {total} bytes, the limit is {limits.max_message_bytes}")
     raw = _buffer(frames[0])
@@ -368,21 +375,21 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     dense_frames: dict[str, Any] = {}
     pos = 1
     for spec in specs:
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        name = spec.get("name") if type(spec) is dict else None
+        if type(name) is not str:
             raise WireError("bad_tensor", "each tensor entry needs a string 'name'")
-        name = spec["name"]
         if name in tensors:
             raise WireError("bad_tensor", f"tensor {name!r} appears twice")
-        if spec.get("enc") == "packed":
+        enc = spec.get("enc")
+        if enc == "packed":
             tensors[name], pos = _decode_packed(name, spec, frames, pos, limits)
             continue
         dtype_name = spec.get("dtype")
-        if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
+        dtype = _DTYPES.get(dtype_name) if type(dtype_name) is str else None
+        if dtype is None:
             raise WireError("bad_dtype", f"tensor {name!r}: dtype {dtype_name!r} is not allowed")
-        dtype = _DTYPES[dtype_name]
         shape = _shape(spec, name, limits)
         numel = math.prod(shape)
-        enc = spec.get("enc")
         if enc == "local":
             offset = spec.get("offset")
             if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < LOCAL_MAX_OFFSET:
@@ -454,4 +461,7 @@ def _decode_packed(name: str, spec: Mapping[str, Any], frames: Sequence[Any], po
 
 def message_bytes(frames: Sequence[Any]) -> int:
     """Bytes a message occupies on the wire (the sum of its frames), for the counters."""
-    return sum(_nbytes(f) for f in frames)
+    total = 0
+    for frame in frames:
+        total += _nbytes(frame)
+    return total
