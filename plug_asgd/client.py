@@ -88,7 +88,7 @@ class ModelReply:
     status: str
     stop: bool
     tensors: dict[str, np.ndarray]
-    own: bool = False  # no tensors: the central model is exactly the worker's base plus its update
+    own: bool = False  # no tensors: the central model is exactly the worker's base plus its update (or its weights)
 
 
 class PSClient:

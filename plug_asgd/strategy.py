@@ -136,7 +136,9 @@ class AsyncPSStrategy(ParallelStrategy):
             into shared memory that the PS maps, and the socket carries only where they lie (see
             ``plug_asgd.push_memory``); elsewhere, or where the PS does not offer it (``serve-ps
             --no-shm-pushes``), updates go over the socket. CPU tensors, dense float32 updates (no
-            compressor).
+            compressor). With it, a worker that nothing raced pushes its weights instead of its
+            update (see ``PSClient.push(weights=True)``); without it only a lone worker does, since
+            a push of weights the PS does not take would have sent the model's bytes for nothing.
     """
 
     strategy_name = "async_ps"
