@@ -125,3 +125,30 @@ def test_the_sweep_refuses_runs_that_are_not_a_list_of_objects(tmp_path, capsys,
     assert main([str(tmp_path), runs]) == 2
     assert "JSON list of objects" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing launched
+
+
+@pytest.mark.parametrize("values", [2, 0])
+def test_the_ps_handler_timing_times_each_piece_of_pushes_it_folds_in(procs, values):
+    rc, out = procs.run([PYTHON, "-m", "bench.ps_handler_timing", "--values", str(values), "--pushes", "100"],
+                        timeout=120)
+    assert rc == 0, out
+    lines = [line for line in out.splitlines() if line.endswith(" us  (median of 80)")]  # 20 warm-up pushes
+    times = {line[:16].strip(): float(line[16:].split()[0]) for line in lines}
+    assert set(times) == {"whole handling", "decode", "fold and check", "reply"}
+    assert all(t > 0 for t in times.values())
+    assert times["whole handling"] > times["decode"] + times["fold and check"]
+
+
+@needs_fashion
+def test_the_push_timeline_of_a_lone_worker_shows_pushes_of_weights_only(procs):
+    from bench.common import free_port_block
+
+    cmd = [PYTHON, "-m", "bench.push_timeline", "--steps", "30", "--pairs", "1", "--port", str(free_port_block(2))]
+    rc, out = procs.run(cmd, timeout=180, env={"OMP_NUM_THREADS": "1"})
+    assert rc == 0, out[-3000:]
+    report = json.loads(out[out.index("{\n"):])
+    assert len(report["step_ms"]["plain"]) == len(report["step_ms"]["asgd"]) == 1
+    pieces = report["push_pieces"]
+    # every push of a lone worker sends its weights: no update (w - base) is ever computed
+    assert pieces["push"]["n"] == pieces["weights"]["n"] == 30 and "delta" not in pieces
+    assert 0 < pieces["weights"]["median_ms"] <= pieces["push"]["median_ms"]
