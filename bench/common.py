@@ -204,3 +204,22 @@ def payload_bytes(shapes: dict[str, tuple[int, ...]], compressor: str, *, fracti
 def write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def time_calls(owner: Any, name: str, into: list[float]) -> None:
+    """Wrap ``owner.name`` so that each call's duration (s) is appended to ``into`` (diagnostic scripts).
+
+    Nothing happens where ``owner`` has no such attribute (an older plug_asgd, in a comparison).
+    """
+    inner = getattr(owner, name, None)
+    if inner is None:
+        return
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - t)
+
+    setattr(owner, name, timed)

@@ -13,32 +13,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 import bench.zmqtools as zt
+from bench.common import time_calls
 from plug_asgd import modes, ps_server
 from plug_asgd.ps_server import ParameterServer
 from plug_asgd.wire import encode
 
 TIMES: dict[str, list[float]] = defaultdict(list)
-
-
-def _timed(owner: Any, name: str, label: str) -> None:
-    inner: Callable[..., Any] = getattr(owner, name)
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            TIMES[label].append(time.perf_counter() - t)
-
-    setattr(owner, name, timed)
 
 
 class _NoSocket:
@@ -79,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         for owner, name, label in ((ParameterServer, "_on_frames", "whole handling"), (ps_server, "decode", "decode"),
                                    (modes, "_fold_out_of_place", "fold and check"),
                                    (ParameterServer, "_send_model", "reply")):
-            _timed(owner, name, label)
+            time_calls(owner, name, TIMES[label])
         for frames in pushes[warm:]:
             server._on_frames(frames)
         if server.state.version != args.pushes or server.stats.refused:

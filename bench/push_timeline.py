@@ -18,32 +18,16 @@ import json
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import pytorch_lightning as pl
 
-from bench.common import FASHION
+from bench.common import FASHION, time_calls
 from plug_asgd.client import PSClient
 from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
 from plug_asgd.strategy import AsyncPSStrategy
 
 TIMES: dict[str, list[float]] = defaultdict(list)
-
-
-def _timed(owner: type, name: str, label: str) -> None:
-    inner: Callable[..., Any] | None = getattr(owner, name, None)
-    if inner is None:  # an older plug_asgd, for a comparison
-        return
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            TIMES[label].append(time.perf_counter() - t)
-
-    setattr(owner, name, timed)
 
 
 class _StepEnds(pl.Callback):
@@ -79,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for owner, name, label in ((AsyncPSStrategy, "_push", "push"), (AsyncPSStrategy, "_push_weights", "weights"),
                                (AsyncPSStrategy, "_update", "delta"), (PSClient, "request", "request")):
-        _timed(owner, name, label)
+        time_calls(owner, name, TIMES[label])
     steps: dict[str, list[float]] = defaultdict(list)
     for i in range(args.pairs):
         for kind in ("plain", "asgd") if i % 2 == 0 else ("asgd", "plain"):
