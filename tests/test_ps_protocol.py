@@ -360,6 +360,10 @@ def test_weights_of_a_lone_worker_become_the_model_bit_for_bit_and_raced_weights
         assert stats["version"] == 2 and stats["weights_pushes"] == 1 and stats["weights_not_current"] == 2
         # the worker's count: what the PS folded or refused as bad (the NaN), not what it left to a delta push
         assert a.counters.pushes == 2 and a.counters.weights_not_current == 2
+        with pytest.raises(PSError) as err:  # the flag is true or false, nothing else
+            a.request("push", {"rank": 0, "base_version": 2, "seq": 99, "session": a.session, "weights": "yes"},
+                      {"b": np.zeros(2, np.float32)})
+        assert err.value.code == "bad_field" and a.stats()["version"] == 2
         np.testing.assert_array_equal(a.pull().tensors["w"], w1["w"] + 1)
     finally:
         a.close()
