@@ -138,28 +138,23 @@ def _fold_out_of_place(state: CentralState, push: Push, scale: float) -> None:
         u, c, o = update.reshape(-1), central.reshape(-1), out.reshape(-1)
         copy = out is not update
 
-        def fold(part: slice, u: np.ndarray = u, c: np.ndarray = c, o: np.ndarray = o, copy: bool = copy) -> bool:
+        def fold(part: slice | None, u: np.ndarray = u, c: np.ndarray = c, o: np.ndarray = o,
+                 copy: bool = copy) -> bool:
+            """The fold of ``part`` (None: the whole tensor, without slicing: small tensors are mostly Python)."""
+            if part is not None:
+                u, c, o = u[part], c[part], o[part]
             if push.replace:
                 if copy:
-                    np.copyto(o[part], u[part])
+                    np.copyto(o, u)
             elif scale != 1.0:
-                np.multiply(u[part], scale, out=o[part])
-                np.add(o[part], c[part], out=o[part])
+                np.multiply(u, scale, out=o)
+                np.add(o, c, out=o)
             else:
-                np.add(u[part], c[part], out=o[part])
-            return _finite(o[part])
+                np.add(u, c, out=o)
+            return _finite(o)
 
-        if state.pool is not None and u.size >= state.pool.min_split:
-            finite = all(state.pool.map(_quiet(fold), u.size))
-        elif push.replace:  # the common cases inline: a small tensor's fold is mostly Python
-            if copy:
-                np.copyto(o, u)
-            finite = _finite(o)
-        elif scale == 1.0:
-            np.add(u, c, out=o)
-            finite = _finite(o)
-        else:
-            finite = fold(slice(None))
+        pool = state.pool
+        finite = all(pool.map(_quiet(fold), u.size)) if pool is not None and u.size >= pool.min_split else fold(None)
         if not finite:
             raise WireError("not_finite", f"update refused: tensor {name!r} holds NaN or Inf, or would overflow "
                                           "the central tensor (has the worker's training diverged? lower the "

@@ -625,9 +625,11 @@ class ParameterServer:
         if weights not in (True, False):
             raise WireError("bad_field", f"field 'weights' must be true or false, got {weights!r:.40}")
         staleness = self.state.version - base
-        if weights and not self._stopped() and not (
-                staleness == 0 and self.resumed_from is None and self.rule.folds_into_update
-                and all(isinstance(u, np.ndarray) and u is sent[n] for n, u in update.items())):
+        # Exactly base + this update once folded: nothing else folded in since the base, dense values used as
+        # sent. Not after a resume: versions made before the crash and after it share numbers, not contents.
+        exact = (staleness == 0 and self.resumed_from is None and self.rule.folds_into_update
+                 and all(isinstance(u, np.ndarray) and u is sent[n] for n, u in update.items()))
+        if weights and not exact and not self._stopped():
             # The model moved on since the worker's base, or this mode folds otherwise: folding
             # ``weights - base`` would need that base, which only the worker has. It pushes that.
             self.last_seq[session] = seq
@@ -662,10 +664,7 @@ class ParameterServer:
         before = dict(self.state.tensors) if spares else {}
         resolutions = self.rule.push(self.state, Push(token, rank, base, update, out, replace=weights))
         self.stats.weights_pushes += weights
-        # Exactly base + this update: nothing else folded in since the base, dense values used as sent. Not
-        # after a resume: versions made before the crash and after it share numbers, not contents.
-        if (staleness == 0 and self.resumed_from is None and self.rule.folds_into_update
-                and all(update[n] is sent[n] and isinstance(update[n], np.ndarray) for n in update)):
+        if exact:
             token.own_version = self.state.version
         self.last_seq[session] = seq
         self.stats.push_local_bytes_in += local_bytes
