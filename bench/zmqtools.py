@@ -1,8 +1,9 @@
-"""Processes of the PS benchmarks: a bare pyzmq echo server and ingest clients.
+"""Processes of the PS benchmarks: a bare pyzmq echo server, a minimal server of the protocol, ingest clients.
 
-Run as ``python -m bench.zmqtools echo ADDRESS`` or ``python -m bench.zmqtools ingest ADDRESS
-KIND RANK``. Like the embedded PS, they import ``plug_asgd.client``/``wire`` without the
-package's ``__init__`` (which imports Lightning), so they start in a fraction of a second.
+Run as ``python -m bench.zmqtools echo ADDRESS``, ``python -m bench.zmqtools minimal ADDRESS`` or
+``python -m bench.zmqtools ingest ADDRESS KIND RANK``. Like the embedded PS, they import
+``plug_asgd.client``/``wire`` without the package's ``__init__`` (which imports Lightning), so
+they start in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ if "plug_asgd" not in sys.modules:  # the bare package: no Lightning, no torch
 import zmq  # noqa: E402
 
 from plug_asgd.client import PSClient  # noqa: E402
-from plug_asgd.modes import get_mode  # noqa: E402
+from plug_asgd.modes import all_finite, get_mode  # noqa: E402
+from plug_asgd.wire import decode, encode  # noqa: E402
 
 # The recipe CNN's tensors (plug_asgd.recipes.mnist.MnistCNN): 1,199,882 float32 parameters.
 CNN_SHAPES: dict[str, tuple[int, ...]] = {
@@ -64,6 +66,44 @@ def echo(address: str) -> None:
             sock.send_multipart(frames, copy=False)
 
 
+def minimal(address: str) -> None:
+    """The least a Python PS of this protocol does with a dense push: the floor under ``serve-ps``.
+
+    It parses the push with the library's wire codec, folds each tensor into the push's own
+    buffer (``central + update``, checked for NaN/Inf as the PS checks it) and answers with the
+    whole model from those buffers, as the PS does; no sessions, version checks, statistics or
+    other modes. Any message is taken as a push, from anyone, and the central model starts at
+    zero; an update that is not finite is answered with an error and leaves it as it was.
+    """
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(address)
+    parent = os.getppid()
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    central: dict[str, np.ndarray] = {}
+    version = 0
+    while os.getppid() == parent:
+        if not poller.poll(200):
+            continue
+        identity, *frames = sock.recv_multipart(copy=False)
+        msg = decode(frames)
+        finite = True
+        for name, update in msg.tensors.items():
+            before = central.get(name)
+            np.add(update, np.zeros_like(update) if before is None else before, out=update)
+            finite = finite and all_finite(update)
+        rid = msg.fields.get("rid")
+        if finite:
+            central = dict(msg.tensors)
+            version += 1
+            reply = encode("model", {"rid": rid, "version": version, "status": "applied"}, central, reuse=msg.frames)
+        else:
+            reply = encode("error", {"rid": rid, "code": "not_finite", "message": "update refused: NaN or Inf"})
+        sock.send_multipart([identity, *reply], copy=False)
+
+
 def ingest(address: str, kind: str, rank: int) -> None:
     """Push the same update as fast as the PS takes it, without asking for the model back.
 
@@ -90,6 +130,8 @@ if __name__ == "__main__":
     what = sys.argv[1]
     if what == "echo":
         echo(sys.argv[2])
+    elif what == "minimal":
+        minimal(sys.argv[2])
     elif what == "ingest":
         ingest(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     else:

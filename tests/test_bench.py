@@ -152,3 +152,49 @@ def test_the_push_timeline_of_a_lone_worker_shows_pushes_of_weights_only(procs):
     # every push of a lone worker sends its weights: no update (w - base) is ever computed
     assert pieces["push"]["n"] == pieces["weights"]["n"] == 30 and "delta" not in pieces
     assert 0 < pieces["weights"]["median_ms"] <= pieces["push"]["median_ms"]
+
+
+def test_the_minimal_server_folds_each_push_into_the_model_it_answers_with(procs):
+    import numpy as np
+    import zmq
+
+    from bench.common import free_port_block
+    from plug_asgd.wire import decode, encode
+
+    address = f"tcp://127.0.0.1:{free_port_block(1)}"
+    server = procs.start([PYTHON, "-m", "bench.zmqtools", "minimal", address])
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        def push(rid, a, b):
+            tensors = {"a": np.array(a, np.float32), "b": np.array(b, np.float32)}
+            sock.send_multipart(encode("push", {"rid": rid}, tensors))
+            assert sock.poll(30000), "the minimal server did not answer"
+            return decode(sock.recv_multipart())
+
+        # the central model starts at zero and each push is added to it
+        reply = push(1, [1.0, 2.0], [[0.5]])
+        assert (reply.type, reply.fields["rid"], reply.fields["version"]) == ("model", 1, 1)
+        reply = push(2, [1.0, -4.0], [[0.25]])
+        assert reply.fields["version"] == 2
+        assert reply.tensors["a"].tolist() == [2.0, -2.0] and reply.tensors["b"].tolist() == [[0.75]]
+        # an update with a NaN is refused and changes nothing
+        reply = push(3, [float("nan"), 0.0], [[0.0]])
+        assert reply.type == "error" and reply.fields["code"] == "not_finite"
+        reply = push(4, [1.0, 1.0], [[1.0]])
+        assert reply.fields["version"] == 3
+        assert reply.tensors["a"].tolist() == [3.0, -1.0] and reply.tensors["b"].tolist() == [[1.75]]
+    finally:
+        sock.close(0)
+        procs.kill(server)
+
+
+def test_the_ps_floor_times_the_echo_the_minimal_server_and_the_ps(procs):
+    rc, out = procs.run([PYTHON, "-m", "bench.ps_floor", "--reps", "1", "--rounds", "5"], timeout=120)
+    assert rc == 0, out[-3000:]
+    report = json.loads(out[out.index("{\n"):])
+    assert set(report["round_trip_ms"]) == {"echo", "minimal", "ps", "ps_client"}
+    assert all(finite_positive(t) for t in report["round_trip_ms"].values())
+    assert set(report["over_echo"]) == {"minimal", "ps", "ps_client"}
+    assert finite_positive(report["ps_over_minimal"])

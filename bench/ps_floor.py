@@ -1,0 +1,132 @@
+"""The PS round trip next to its floor: a bare echo, a minimal server of the protocol, and ``serve-ps``.
+
+    OMP_NUM_THREADS=2 PYTHONPATH=. python -m bench.ps_floor [--reps 10] [--rounds 60]
+
+Benchmark 3 divides the PS's dense push + model reply by a bare pyzmq echo of the same bytes.
+This adds the server in between (``python -m bench.zmqtools minimal``): it parses each push with
+the library's codec, folds it in and checks it as the PS does, and answers with the model from
+the same frames, with nothing else (no sessions, version checks, statistics or modes). The
+minimal server over the echo is what the fold and the codec cost; the PS over the minimal server
+is what the rest of the PS costs. The same client code drives both servers (encode a push, send,
+receive, decode); a second PS is driven by :meth:`PSClient.push` itself, as in the benchmark.
+Blocks of ``--rounds`` round trips, each kind in each position of the rotation; per repetition
+the ratio of the block medians to the echo's. Diagnostic only: it prints, and keeps nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from bench.common import free_port_block, start, stop, summary
+from bench.zmqtools import model, update
+from plug_asgd.client import PSClient
+from plug_asgd.ps_server import embedded_command
+from plug_asgd.wire import decode, encode
+
+
+def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def _pusher(sock: zmq.Socket, session: str, version: int, up: dict[str, Any]) -> Callable[[], None]:
+    """One dense push and its decoded reply per call, on ``sock``, with the fields the PS checks."""
+    state = {"seq": 0, "version": version}
+
+    def push() -> None:
+        state["seq"] += 1
+        fields = {"rank": 0, "base_version": state["version"], "seq": state["seq"], "session": session,
+                  "model": True, "rid": state["seq"]}
+        sock.send_multipart(encode("push", fields, up), copy=False)
+        if not sock.poll(30000):
+            raise TimeoutError("no reply within 30 s")
+        reply = decode(sock.recv_multipart(copy=False))
+        if reply.type != "model" or len(reply.tensors) != len(up):
+            raise RuntimeError(f"unexpected reply: {reply.type} {reply.fields}")
+        state["version"] = int(reply.fields["version"])
+    return push
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=60, help="round trips per block")
+    args = parser.parse_args(argv)
+    port = free_port_block(4)
+    address = [f"tcp://127.0.0.1:{port + i}" for i in range(4)]
+    procs = [start([sys.executable, "-m", "bench.zmqtools", "echo", address[0]]),
+             start([sys.executable, "-m", "bench.zmqtools", "minimal", address[1]]),
+             *(start(embedded_command(a, "asgd", parent_pid=os.getpid())) for a in address[2:])]
+    ctx = zmq.Context.instance()
+    socks: list[zmq.Socket] = []
+    clients: list[PSClient] = []
+    try:
+        up = update("dense")
+        echo_sock, minimal_sock = _dealer(ctx, address[0]), _dealer(ctx, address[1])
+        socks += [echo_sock, minimal_sock]
+        frames = encode("push", {"rank": 0, "base_version": 0, "seq": 1, "session": "x", "model": True, "rid": 1},
+                        up)
+
+        def echo() -> None:
+            echo_sock.send_multipart(frames, copy=False)
+            if not echo_sock.poll(30000):
+                raise TimeoutError("the echo server did not answer within 30 s")
+            echo_sock.recv_multipart(copy=False)
+
+        for a in address[2:]:
+            clients.append(PSClient(a, rank=0, world_size=1, mode="asgd", request_timeout=60))
+            clients[-1].hello(1, True, timeout=30)
+            clients[-1].init(model())
+        raw, client = clients
+        versions = [client.pull().version]
+
+        def ps_client() -> None:
+            versions[0] = client.push(versions[0], up, want_model=True).version
+
+        kinds: dict[str, Callable[[], None]] = {
+            "echo": echo, "minimal": _pusher(minimal_sock, "x", 0, up),
+            "ps": _pusher(raw._sock, raw.session, raw.pull().version, up),  # noqa: SLF001 (its hello'd connection)
+            "ps_client": ps_client}
+        for fn in kinds.values():
+            for _ in range(10):
+                fn()
+        blocks: dict[str, list[float]] = {k: [] for k in kinds}
+        names = list(kinds)
+        for rep in range(args.reps):
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                times = []
+                for _ in range(args.rounds):
+                    t = time.perf_counter()
+                    kinds[name]()
+                    times.append(time.perf_counter() - t)
+                blocks[name].append(statistics.median(times))
+    finally:
+        for c in clients:
+            c.close()
+        for sock in socks:
+            sock.close(0)
+        for proc in procs:
+            stop(proc)
+    ratios = {k: summary([b / e for b, e in zip(v, blocks["echo"], strict=True)]) for k, v in blocks.items()
+              if k != "echo"}
+    print(json.dumps({"round_trip_ms": {k: round(statistics.median(v) * 1000, 3) for k, v in blocks.items()},
+                      "over_echo": {k: {"median": round(r["median"], 3), "min": round(r["min"], 3),
+                                        "max": round(r["max"], 3)} for k, r in ratios.items()},
+                      "ps_over_minimal": round(statistics.median(
+                          p / m for p, m in zip(blocks["ps"], blocks["minimal"], strict=True)), 3)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
