@@ -238,6 +238,7 @@ def analyse_adacomp(runs: list[dict[str, Any]]) -> dict[str, Any]:
         rows.append({"name": r["name"], "mode": r.get("mode"), "compressor": comp,
                      "compression": r.get("compression") if comp in ("adacomp", "topk", "randomk") else None,
                      "push_bytes": r.get("push_bytes"), "pushes": r.get("pushes"), "bytes_per_push": per_push,
+                     "weights_pushes": r.get("weights_pushes"), "weights_not_current": r.get("weights_not_current"),
                      "formula_payload_per_push": expected, "test_acc": r.get("test_acc"),
                      "asgd_bytes_over_these": asgd["push_bytes"] / r["push_bytes"] if asgd and r.get("push_bytes")
                      else None,

@@ -202,7 +202,8 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
     if ps is not None:
         result.update(push_bytes=ps["push_bytes_in"], push_local_bytes=ps["push_local_bytes_in"],
                       pushes=ps["pushes_applied"] + ps["pushes_dropped"],
-                      pushes_applied=ps["pushes_applied"], ps_version=ps["version"])
+                      pushes_applied=ps["pushes_applied"], ps_version=ps["version"],
+                      weights_pushes=ps["weights_pushes"], weights_not_current=ps["weights_not_current"])
     if clock.snapshots:
         dm.setup("test")
         test_x, test_y = dm.test_set.tensors

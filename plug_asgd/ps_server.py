@@ -563,6 +563,11 @@ class ParameterServer:
         self.socket.send_multipart([identity, *parts], copy=False)
         self._in_flight += [p.tracker for p in parts if isinstance(p, zmq.Frame) and p.tracker is not None]
 
+    def _replies_in_flight(self) -> bool:
+        """Whether ZeroMQ may still be reading a reply sent zero-copy from the PS's own arrays."""
+        self._in_flight = [t for t in self._in_flight if not t.done]
+        return bool(self._in_flight)
+
     def _writable(self, in_place: bool = True) -> None:
         """Call before the central tensors change; ``in_place``: whether they may be written in place.
 
@@ -573,12 +578,12 @@ class ParameterServer:
         that is a received buffer (see ``modes._fold_all``) cannot be tracked once resent, so it is
         copied before any write in place. Folds into the push's own buffers write nothing in place.
         """
-        self._in_flight = [t for t in self._in_flight if not t.done]
+        in_flight = self._replies_in_flight()
         if not in_place:
             return
         received = self._received_frames()
-        if self._in_flight or received:
-            self.state.tensors = {name: t.copy() if self._in_flight or name in received else t
+        if in_flight or received:
+            self.state.tensors = {name: t.copy() if in_flight or name in received else t
                                   for name, t in self.state.tensors.items()}
             self._in_flight = []
             self._frames = {}
@@ -709,8 +714,7 @@ class ParameterServer:
 
     def _recycle(self, before: dict[str, np.ndarray]) -> None:
         """Keep the central arrays a fold out of place replaced as spares, unless a reply may still read them."""
-        self._in_flight = [t for t in self._in_flight if not t.done]
-        if self._in_flight:
+        if self._replies_in_flight():
             return
         received = {id(array) for array, _ in self._frames.values()}
         for name, old in before.items():

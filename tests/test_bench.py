@@ -76,6 +76,8 @@ def test_bytes_pushed_follow_the_codec_formulas(quick):
     assert {"asgd", "adacomp 0.01", "adacomp 0.005", *COMPRESSORS} <= set(rows)
     for name, row in rows.items():
         assert row["pushes"] > 0 and row["push_bytes"] > 0, name
+        # 2 workers over the socket push updates, never their weights: a refused push would cost the model's bytes
+        assert row["weights_pushes"] == row["weights_not_current"] == 0, name
         formula = payload_bytes(CNN_SHAPES, row["compressor"], fraction=row["compression"] or 0.01)
         assert row["formula_payload_per_push"] == formula
         assert formula <= row["bytes_per_push"] <= formula + HEADER_BOUND, (name, row["bytes_per_push"], formula)
