@@ -12,7 +12,9 @@ import math
 import os
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -51,8 +53,8 @@ def update(kind: str, seed: int = 1, fraction: float = 0.01) -> dict:
     return {n: compressor.encode(n, d) for n, d in delta.items()}
 
 
-def echo(address: str) -> None:
-    """Send every message back to its sender, frames untouched (zero-copy)."""
+def _serve(address: str, answer: Callable[[list[Any]], list[Any]]) -> None:
+    """Bind a ROUTER to ``address`` and send ``answer(frames)`` back for each message, while the parent lives."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -62,8 +64,13 @@ def echo(address: str) -> None:
     poller.register(sock, zmq.POLLIN)
     while os.getppid() == parent:
         if poller.poll(200):
-            frames = sock.recv_multipart(copy=False)
-            sock.send_multipart(frames, copy=False)
+            identity, *frames = sock.recv_multipart(copy=False)
+            sock.send_multipart([identity, *answer(frames)], copy=False)
+
+
+def echo(address: str) -> None:
+    """Send every message back to its sender, frames untouched (zero-copy)."""
+    _serve(address, lambda frames: frames)
 
 
 def minimal(address: str) -> None:
@@ -75,19 +82,11 @@ def minimal(address: str) -> None:
     other modes. Any message is taken as a push, from anyone, and the central model starts at
     zero; an update that is not finite is answered with an error and leaves it as it was.
     """
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(address)
-    parent = os.getppid()
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
     central: dict[str, np.ndarray] = {}
     version = 0
-    while os.getppid() == parent:
-        if not poller.poll(200):
-            continue
-        identity, *frames = sock.recv_multipart(copy=False)
+
+    def answer(frames: list[Any]) -> list[Any]:
+        nonlocal central, version
         msg = decode(frames)
         finite = True
         for name, update in msg.tensors.items():
@@ -95,13 +94,13 @@ def minimal(address: str) -> None:
             np.add(update, np.zeros_like(update) if before is None else before, out=update)
             finite = finite and all_finite(update)
         rid = msg.fields.get("rid")
-        if finite:
-            central = dict(msg.tensors)
-            version += 1
-            reply = encode("model", {"rid": rid, "version": version, "status": "applied"}, central, reuse=msg.frames)
-        else:
-            reply = encode("error", {"rid": rid, "code": "not_finite", "message": "update refused: NaN or Inf"})
-        sock.send_multipart([identity, *reply], copy=False)
+        if not finite:
+            return encode("error", {"rid": rid, "code": "not_finite", "message": "update refused: NaN or Inf"})
+        central = dict(msg.tensors)
+        version += 1
+        return encode("model", {"rid": rid, "version": version, "status": "applied"}, central, reuse=msg.frames)
+
+    _serve(address, answer)
 
 
 def ingest(address: str, kind: str, rank: int) -> None:
