@@ -15,6 +15,7 @@ from plug_asgd.recipes.idx import (
     DatasetNotFoundError,
     IDXFormatError,
     download_mnist,
+    ensure_mnist,
     find_mnist_files,
     load_mnist,
     read_idx,
@@ -131,6 +132,20 @@ def test_label_count_mismatch(tmp_path: Path) -> None:
     write_idx(tmp_path / (MNIST_FILES["train_labels"] + ".gz"), np.zeros(5, dtype=np.uint8))
     with pytest.raises(IDXFormatError, match=r"6 images but .* 5 labels"):
         load_mnist(tmp_path, download=False)
+
+
+def test_prepare_data_finds_the_files_without_reading_them(tmp_path: Path) -> None:
+    from plug_asgd.recipes.mnist import MnistDataModule
+
+    _write_fake_mnist(tmp_path)
+    write_idx(tmp_path / (MNIST_FILES["train_labels"] + ".gz"), np.zeros(5, dtype=np.uint8))  # 6 images, 5 labels
+    assert ensure_mnist(tmp_path, download=False) == {k: tmp_path / (v + ".gz") for k, v in MNIST_FILES.items()}
+    dm = MnistDataModule(tmp_path, download=False)
+    dm.prepare_data()  # finds the four files; reading them is setup's work, on every process
+    with pytest.raises(IDXFormatError, match=r"6 images but .* 5 labels"):
+        dm.setup("fit")
+    with pytest.raises(DatasetNotFoundError, match="download is disabled"):
+        MnistDataModule(tmp_path / "empty", download=False).prepare_data()
 
 
 def test_missing_without_download(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "DatasetNotFoundError",
     "IDXFormatError",
     "download_mnist",
+    "ensure_mnist",
     "find_mnist_files",
     "load_mnist",
     "read_idx",
@@ -232,6 +233,20 @@ def download_mnist(data_dir: str | os.PathLike[str], timeout: float = 15.0) -> d
     return found
 
 
+def ensure_mnist(data_dir: str | os.PathLike[str], download: bool = True) -> dict[str, Path]:
+    """The four IDX files for ``data_dir``, downloaded if missing and allowed; nothing is read."""
+    root = Path(data_dir).expanduser()
+    files = find_mnist_files(root)
+    if files is not None:
+        return files
+    if not download:
+        raise DatasetNotFoundError(
+            f"MNIST not found in {root} (looked in {root}, {root / 'MNIST' / 'raw'} and {root / 'raw'}) "
+            "and download is disabled; " + _HOW_TO_GET_DATA.format(dir=root)
+        )
+    return download_mnist(root)
+
+
 def load_mnist(
     data_dir: str | os.PathLike[str], download: bool = True
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -240,15 +255,7 @@ def load_mnist(
     Finds the files under ``data_dir`` (downloading them if allowed) and checks that images and
     labels agree, so a mismatched pair of files is caught before training starts.
     """
-    root = Path(data_dir).expanduser()
-    files = find_mnist_files(root)
-    if files is None:
-        if not download:
-            raise DatasetNotFoundError(
-                f"MNIST not found in {root} (looked in {root}, {root / 'MNIST' / 'raw'} and {root / 'raw'}) "
-                "and download is disabled; " + _HOW_TO_GET_DATA.format(dir=root)
-            )
-        files = download_mnist(root)
+    files = ensure_mnist(data_dir, download=download)
     out: list[np.ndarray] = []
     for split in ("train", "test"):
         x = read_idx(files[f"{split}_images"])

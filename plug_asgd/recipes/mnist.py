@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from plug_asgd.recipes.data import Arrays, ImageClassifier, SplitDataModule, add_common_data_arguments
-from plug_asgd.recipes.idx import load_mnist
+from plug_asgd.recipes.idx import ensure_mnist, load_mnist
 
 __all__ = [
     "DEFAULT_DATA_DIR",
@@ -74,7 +74,7 @@ class MnistDataModule(SplitDataModule):
 
     def prepare_data(self) -> None:
         """Find (or download, on one process per node) the files; arrays are loaded in :meth:`setup`."""
-        load_mnist(self.data_dir, download=self.download)
+        ensure_mnist(self.data_dir, download=self.download)
 
     def load_arrays(self) -> Arrays:
         return load_mnist(self.data_dir, download=self.download)
