@@ -36,6 +36,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
+from plug_asgd.recipes.data import Arrays
 from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
 from plug_asgd.strategy import AsyncPSStrategy
 
@@ -152,11 +153,22 @@ def window(records: list[dict[str, Any]], batch: int) -> dict[str, Any]:
             "step_time_median_s": float(np.median(np.diff(ends)))}
 
 
+class _LoadedOnce(MnistDataModule):
+    """The recipe's data module, reading the IDX files once per process: a launch trains many runs."""
+
+    _arrays: dict[Path, Arrays] = {}
+
+    def load_arrays(self) -> Arrays:
+        if self.data_dir not in self._arrays:
+            self._arrays[self.data_dir] = super().load_arrays()
+        return self._arrays[self.data_dir]
+
+
 def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) -> dict[str, Any] | None:
     workers = spec["workers"]
     batch = run["batch_size"]
     pl.seed_everything(spec.get("seed", 0), workers=True, verbose=False)
-    dm = MnistDataModule(spec["data_dir"], batch_size=batch, train_subset=run.get("train_subset"),
+    dm = _LoadedOnce(spec["data_dir"], batch_size=batch, train_subset=run.get("train_subset"),
                          test_subset=run.get("test_subset", spec.get("test_subset")), download=False,
                          seed=spec.get("seed", 0))
     model = MnistCNN(**{k: run[k] for k in ("optimizer", "lr", "momentum") if k in run})
