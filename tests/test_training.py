@@ -174,6 +174,15 @@ def test_a_mode_and_compressor_that_do_not_go_together_are_refused(procs, mode, 
     assert f"compressor='{compressor}' does not go with mode='{mode}'" in out and "Traceback" not in out
 
 
+@pytest.mark.parametrize("recipe", ["mnist", "cifar10"])
+def test_a_missing_dataset_is_refused_before_any_worker_starts(procs, tmp_path, recipe):
+    code, out = procs.run([PLUG_ASGD, "train", recipe, "--workers", "2", "--no-download",
+                           "--data-dir", str(tmp_path / "nothing")], timeout=60)
+    assert code != 0
+    # said once, by the launching process: no worker started to fail with a traceback of its own
+    assert out.count(f"not found in {tmp_path / 'nothing'}") == 1 and "Traceback" not in out, out[-3000:]
+
+
 @pytest.mark.parametrize("mode", ["asgd", "adacomp", "sync"])
 def test_batchnorm_and_lr_scheduler_train_under_each_mode(procs, tmp_path, mode):
     code, out = procs.run([PYTHON, "tests/scripts/bn_sched.py", "--mode", mode, "--out", str(tmp_path)],

@@ -573,8 +573,6 @@ def main(argv: list[str] | None = None) -> dict | None:
     from plug_asgd.recipes.common import train_and_test
 
     args = build_parser().parse_args(argv)
-    # Find (or download) the data before any worker or PS starts, so a missing dataset fails at once.
-    ensure_cifar10(args.data_dir, download=not args.no_download)
     datamodule = Cifar10DataModule(args.data_dir, batch_size=args.batch_size, train_subset=args.train_subset,
                                    test_subset=args.test_subset, download=not args.no_download, seed=args.seed)
     model = Cifar10Classifier(arch=args.arch, lr=args.lr, optimizer=args.optimizer)

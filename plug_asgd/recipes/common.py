@@ -15,6 +15,7 @@ from plug_asgd.callbacks import CommunicationMonitor, PSCheckpoint, Supervisor
 from plug_asgd.compressors import COMPRESSORS, SPARSE_VALUES
 from plug_asgd.modes import MODES
 from plug_asgd.ps_server import DEFAULT_WORKER_TIMEOUT
+from plug_asgd.recipes.idx import DatasetNotFoundError
 from plug_asgd.strategy import AsyncPSStrategy
 
 
@@ -100,6 +101,10 @@ def train_and_test(name: str, model: pl.LightningModule, datamodule: pl.Lightnin
     try:
         strategy = make_strategy(args)
     except ValueError as exc:  # a flag the strategy refuses: say so as argparse would, no traceback
+        raise SystemExit(f"error: {exc}") from None
+    try:  # find (or download) the data here, before any worker starts, rather than fail in each of them
+        datamodule.prepare_data()
+    except DatasetNotFoundError as exc:
         raise SystemExit(f"error: {exc}") from None
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.workers, num_nodes=args.num_nodes, strategy=strategy,
