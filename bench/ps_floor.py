@@ -1,14 +1,19 @@
 """The PS round trip next to its floor: a bare echo, a minimal server of the protocol, and ``serve-ps``.
 
-    OMP_NUM_THREADS=2 PYTHONPATH=. python -m bench.ps_floor [--reps 10] [--rounds 60]
+    OMP_NUM_THREADS=2 PYTHONPATH=. python -m bench.ps_floor [--reps 10] [--rounds 60] [--parts 2,4,8]
+        [--works codec,add,check,torch]
 
 Benchmark 3 divides the PS's dense push + model reply by a bare pyzmq echo of the same bytes.
 This adds the server in between (``python -m bench.zmqtools minimal``): it parses each push with
 the library's codec, folds it in and checks it as the PS does, and answers with the model from
 the same frames, with nothing else (no sessions, version checks, statistics or modes). The
 minimal server over the echo is what the fold and the codec cost; the PS over the minimal server
-is what the rest of the PS costs. The same client code drives both servers (encode a push, send,
-receive, decode); a second PS is driven by :meth:`PSClient.push` itself, as in the benchmark.
+is what the rest of the PS costs. ``minimal_W`` takes the minimal server's work apart (see
+:func:`bench.zmqtools.minimal`): the codec alone, the add alone, the check alone, the fold and check
+in torch. The same client code drives these servers (encode a push, send, receive, decode); a
+second PS is driven by :meth:`PSClient.push` itself, as in the benchmark.
+``split_K`` sends the same push to ``python -m bench.zmqtools split`` in K messages, each folded
+as it arrives while the next are on the wire: whether that takes the fold off the critical path.
 Blocks of ``--rounds`` round trips, each kind in each position of the rotation; per repetition
 the ratio of the block medians to the echo's. Diagnostic only: it prints, and keeps nothing.
 """
@@ -27,7 +32,7 @@ from typing import Any
 import zmq
 
 from bench.common import free_port_block, start, stop, summary
-from bench.zmqtools import model, update
+from bench.zmqtools import MINIMAL_WORK, model, split_update, update
 from plug_asgd.client import PSClient
 from plug_asgd.ps_server import embedded_command
 from plug_asgd.wire import decode, encode
@@ -58,23 +63,54 @@ def _pusher(sock: zmq.Socket, session: str, version: int, up: dict[str, Any]) ->
     return push
 
 
+def _split_pusher(sock: zmq.Socket, up: dict[str, Any], parts: int) -> Callable[[], None]:
+    """One dense push in ``parts`` messages, then its decoded reply, per call."""
+    pieces = split_update(up, parts)
+    state = {"seq": 0}
+
+    def push() -> None:
+        state["seq"] += 1
+        for i, piece in enumerate(pieces):
+            fields = {"rank": 0, "seq": state["seq"], "part": i, "parts": parts, "rid": state["seq"]}
+            sock.send_multipart(encode("push", fields, piece), copy=False)
+        if not sock.poll(30000):
+            raise TimeoutError("no reply within 30 s")
+        reply = decode(sock.recv_multipart(copy=False))
+        if reply.type != "model" or len(reply.tensors) != len(up) * parts:
+            raise RuntimeError(f"unexpected reply: {reply.type} {reply.fields}")
+    return push
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=60, help="round trips per block")
+    parser.add_argument("--parts", default="2,4,8", help="messages per push for the split server, comma-separated")
+    parser.add_argument("--works", default="codec,add,check,torch",
+                        help="pieces of the minimal server's work to time alone, comma-separated (none: '')")
     args = parser.parse_args(argv)
-    port = free_port_block(4)
-    address = [f"tcp://127.0.0.1:{port + i}" for i in range(4)]
+    parts = [int(p) for p in args.parts.split(",") if p]
+    if any(p < 2 for p in parts):
+        parser.error("--parts: each count of messages must be at least 2")
+    works = [w for w in args.works.split(",") if w]
+    if unknown := set(works) - (set(MINIMAL_WORK) - {"fold"}):
+        parser.error(f"--works: unknown {', '.join(sorted(unknown))}; choose from codec, add, check, torch")
+    port = free_port_block(5 + len(works))
+    address = [f"tcp://127.0.0.1:{port + i}" for i in range(5 + len(works))]
     procs = [start([sys.executable, "-m", "bench.zmqtools", "echo", address[0]]),
              start([sys.executable, "-m", "bench.zmqtools", "minimal", address[1]]),
-             *(start(embedded_command(a, "asgd", parent_pid=os.getpid())) for a in address[2:])]
+             *(start(embedded_command(a, "asgd", parent_pid=os.getpid())) for a in address[2:4]),
+             start([sys.executable, "-m", "bench.zmqtools", "split", address[4]]),
+             *(start([sys.executable, "-m", "bench.zmqtools", "minimal", a, w]) for a, w in zip(address[5:], works,
+                                                                                            strict=True))]
     ctx = zmq.Context.instance()
     socks: list[zmq.Socket] = []
     clients: list[PSClient] = []
     try:
         up = update("dense")
-        echo_sock, minimal_sock = _dealer(ctx, address[0]), _dealer(ctx, address[1])
-        socks += [echo_sock, minimal_sock]
+        echo_sock, minimal_sock, split_sock = (_dealer(ctx, a) for a in (address[0], address[1], address[4]))
+        work_socks = [_dealer(ctx, a) for a in address[5:]]
+        socks += [echo_sock, minimal_sock, split_sock, *work_socks]
         frames = encode("push", {"rank": 0, "base_version": 0, "seq": 1, "session": "x", "model": True, "rid": 1},
                         up)
 
@@ -84,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise TimeoutError("the echo server did not answer within 30 s")
             echo_sock.recv_multipart(copy=False)
 
-        for a in address[2:]:
+        for a in address[2:4]:
             clients.append(PSClient(a, rank=0, world_size=1, mode="asgd", request_timeout=60))
             clients[-1].hello(1, True, timeout=30)
             clients[-1].init(model())
@@ -97,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         kinds: dict[str, Callable[[], None]] = {
             "echo": echo, "minimal": _pusher(minimal_sock, "x", 0, up),
             "ps": _pusher(raw._sock, raw.session, raw.pull().version, up),  # noqa: SLF001 (its hello'd connection)
-            "ps_client": ps_client}
+            "ps_client": ps_client, **{f"split_{p}": _split_pusher(split_sock, up, p) for p in parts},
+            **{f"minimal_{w}": _pusher(s, "x", 0, up) for w, s in zip(works, work_socks, strict=True)}}
         for fn in kinds.values():
             for _ in range(10):
                 fn()

@@ -1,9 +1,9 @@
-"""Processes of the PS benchmarks: a bare pyzmq echo server, a minimal server of the protocol, ingest clients.
+"""Processes of the PS benchmarks: a bare pyzmq echo server, minimal servers of the protocol, ingest clients.
 
-Run as ``python -m bench.zmqtools echo ADDRESS``, ``python -m bench.zmqtools minimal ADDRESS`` or
-``python -m bench.zmqtools ingest ADDRESS KIND RANK``. Like the embedded PS, they import
-``plug_asgd.client``/``wire`` without the package's ``__init__`` (which imports Lightning), so
-they start in a fraction of a second.
+Run as ``python -m bench.zmqtools echo ADDRESS``, ``python -m bench.zmqtools minimal ADDRESS [WORK]``,
+``python -m bench.zmqtools split ADDRESS`` or ``python -m bench.zmqtools ingest ADDRESS KIND RANK``.
+Like the embedded PS, they import ``plug_asgd.client``/``wire`` without the package's
+``__init__`` (which imports Lightning), so they start in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -53,8 +53,11 @@ def update(kind: str, seed: int = 1, fraction: float = 0.01) -> dict:
     return {n: compressor.encode(n, d) for n, d in delta.items()}
 
 
-def _serve(address: str, answer: Callable[[list[Any]], list[Any]]) -> None:
-    """Bind a ROUTER to ``address`` and send ``answer(frames)`` back for each message, while the parent lives."""
+def _serve(address: str, answer: Callable[[list[Any]], list[Any] | None]) -> None:
+    """Bind a ROUTER to ``address``; answer each message with ``answer(frames)`` (None: no reply).
+
+    It serves while the parent process lives.
+    """
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -65,7 +68,9 @@ def _serve(address: str, answer: Callable[[list[Any]], list[Any]]) -> None:
     while os.getppid() == parent:
         if poller.poll(200):
             identity, *frames = sock.recv_multipart(copy=False)
-            sock.send_multipart([identity, *answer(frames)], copy=False)
+            reply = answer(frames)
+            if reply is not None:
+                sock.send_multipart([identity, *reply], copy=False)
 
 
 def echo(address: str) -> None:
@@ -73,7 +78,10 @@ def echo(address: str) -> None:
     _serve(address, lambda frames: frames)
 
 
-def minimal(address: str) -> None:
+MINIMAL_WORK = ("fold", "codec", "add", "check", "torch")
+
+
+def minimal(address: str, work: str = "fold") -> None:
     """The least a Python PS of this protocol does with a dense push: the floor under ``serve-ps``.
 
     It parses the push with the library's wire codec, folds each tensor into the push's own
@@ -81,7 +89,15 @@ def minimal(address: str) -> None:
     whole model from those buffers, as the PS does; no sessions, version checks, statistics or
     other modes. Any message is taken as a push, from anyone, and the central model starts at
     zero; an update that is not finite is answered with an error and leaves it as it was.
+
+    ``work`` takes that apart, to see what each piece costs: ``codec`` only parses and answers
+    (the model is the last update), ``add`` folds without the check, ``check`` checks the update
+    without folding it, ``torch`` folds and checks with torch's kernels on its intra-op threads
+    (``OMP_NUM_THREADS``) instead of numpy's single thread. Diagnostics only: ``add`` keeps NaN.
     """
+    if work not in MINIMAL_WORK:
+        raise SystemExit(f"minimal: unknown work {work!r}; one of {', '.join(MINIMAL_WORK)}")
+    fold = _torch_fold() if work == "torch" else None
     central: dict[str, np.ndarray] = {}
     version = 0
 
@@ -91,14 +107,80 @@ def minimal(address: str) -> None:
         finite = True
         for name, update in msg.tensors.items():
             before = central.get(name)
-            np.add(update, np.zeros_like(update) if before is None else before, out=update)
-            finite = finite and all_finite(update)
+            if fold is not None:
+                finite = fold(update, before) and finite
+                continue
+            if work in ("fold", "add"):
+                np.add(update, np.zeros_like(update) if before is None else before, out=update)
+            if work in ("fold", "check"):
+                finite = finite and all_finite(update)
         rid = msg.fields.get("rid")
         if not finite:
             return encode("error", {"rid": rid, "code": "not_finite", "message": "update refused: NaN or Inf"})
         central = dict(msg.tensors)
         version += 1
         return encode("model", {"rid": rid, "version": version, "status": "applied"}, central, reuse=msg.frames)
+
+    _serve(address, answer)
+
+
+def _torch_fold() -> Callable[[np.ndarray, np.ndarray | None], bool]:
+    """``update += central`` and its NaN/Inf check (``x . x``, as :func:`all_finite`) in torch."""
+    import torch  # only this diagnostic pays for torch's import
+
+    def fold(update: np.ndarray, central: np.ndarray | None) -> bool:
+        u = torch.from_numpy(update).view(-1)
+        if central is not None:
+            u.add_(torch.from_numpy(central).view(-1))
+        return bool(torch.isfinite(torch.dot(u, u))) or bool(torch.isfinite(u).all())
+    return fold
+
+
+def split_update(tensors: dict[str, np.ndarray], parts: int) -> list[dict[str, np.ndarray]]:
+    """``tensors`` cut into ``parts`` messages' worth: each tensor's rows split evenly, named ``NAME#i/parts``.
+
+    The count in the name keeps the split server's central slices of different splits apart.
+    """
+    pieces: list[dict[str, np.ndarray]] = [{} for _ in range(parts)]
+    for name, array in tensors.items():
+        for i, piece in enumerate(np.array_split(array, parts)):
+            pieces[i][f"{name}#{i}/{parts}"] = piece
+    return pieces
+
+
+def split(address: str) -> None:
+    """The minimal server taking each push in several messages, folding each part as it arrives.
+
+    Whether overlapping the fold with the push's arrival takes it off the round trip's critical
+    path: the parts (fields ``part`` and ``parts``, tensors from :func:`split_update`) are folded
+    and checked one by one, as :func:`minimal` folds a whole push, while the next ones are still
+    on the wire; the whole model goes back after the last part, from the parts' own frames.
+    """
+    central: dict[str, np.ndarray] = {}
+    folded: dict[str, np.ndarray] = {}
+    frames_of: dict[str, Any] = {}
+    finite = True
+    version = 0
+
+    def answer(frames: list[Any]) -> list[Any] | None:
+        nonlocal central, folded, frames_of, finite, version
+        msg = decode(frames)
+        for name, update in msg.tensors.items():
+            before = central.get(name)
+            np.add(update, np.zeros_like(update) if before is None else before, out=update)
+            finite = finite and all_finite(update)
+        folded.update(msg.tensors)
+        frames_of.update(msg.frames)
+        if msg.fields["part"] < msg.fields["parts"] - 1:
+            return None
+        rid, ok = msg.fields.get("rid"), finite
+        model, reuse = folded, frames_of
+        folded, frames_of, finite = {}, {}, True
+        if not ok:
+            return encode("error", {"rid": rid, "code": "not_finite", "message": "update refused: NaN or Inf"})
+        central = model
+        version += 1
+        return encode("model", {"rid": rid, "version": version, "status": "applied"}, model, reuse=reuse)
 
     _serve(address, answer)
 
@@ -130,7 +212,9 @@ if __name__ == "__main__":
     if what == "echo":
         echo(sys.argv[2])
     elif what == "minimal":
-        minimal(sys.argv[2])
+        minimal(sys.argv[2], *sys.argv[3:4])
+    elif what == "split":
+        split(sys.argv[2])
     elif what == "ingest":
         ingest(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     else:

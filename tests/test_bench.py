@@ -142,6 +142,18 @@ def test_the_ps_handler_timing_times_each_piece_of_pushes_it_folds_in(procs, val
 
 
 @needs_fashion
+def test_the_fold_timing_times_each_piece_of_a_fold_on_warm_data(procs):
+    rc, out = procs.run([PYTHON, "-m", "bench.fold_timing", "--values", "300000", "--calls", "5", "--pause-ms", "0"],
+                        timeout=120)
+    assert rc == 0, out[-3000:]
+    report = json.loads(out[out.index("{\n"):])
+    assert report["values"] == 300000
+    pieces = ("add_ms", "check_ms", "fold_ms", "fold_2_threads_ms", "fold_torch_ms")
+    assert all(finite_positive(report[k]) for k in pieces), report
+    rc, out = procs.run([PYTHON, "-m", "bench.fold_timing", "--calls", "0"], timeout=60)
+    assert rc == 2 and "--values and --calls must be at least 1" in out
+
+
 def test_the_push_timeline_of_a_lone_worker_shows_pushes_of_weights_only(procs):
     from bench.common import free_port_block
 
@@ -156,7 +168,21 @@ def test_the_push_timeline_of_a_lone_worker_shows_pushes_of_weights_only(procs):
     assert 0 < pieces["weights"]["median_ms"] <= pieces["push"]["median_ms"]
 
 
-def test_the_minimal_server_folds_each_push_into_the_model_it_answers_with(procs):
+NAN = float("nan")
+# per work of the minimal server: after pushes a=[1, 2] b=[[0.5]], then a=[1, -4] b=[[0.25]], then
+# a=[NaN, 0] b=[[0]], then a=[1, 1] b=[[1]], from a central model of zeros: (version, a, b) after the
+# second push, whether the NaN push is refused, (version, a, b) after the last
+MINIMAL_WORKS = {
+    "fold": ((2, [2.0, -2.0], [[0.75]]), True, (3, [3.0, -1.0], [[1.75]])),
+    "torch": ((2, [2.0, -2.0], [[0.75]]), True, (3, [3.0, -1.0], [[1.75]])),
+    "add": ((2, [2.0, -2.0], [[0.75]]), False, (4, [NAN, -1.0], [[1.75]])),
+    "check": ((2, [1.0, -4.0], [[0.25]]), True, (3, [1.0, 1.0], [[1.0]])),
+    "codec": ((2, [1.0, -4.0], [[0.25]]), False, (4, [1.0, 1.0], [[1.0]])),
+}
+
+
+@pytest.mark.parametrize("work", list(MINIMAL_WORKS))
+def test_the_minimal_server_folds_each_push_into_the_model_it_answers_with(procs, work):
     import numpy as np
     import zmq
 
@@ -164,10 +190,16 @@ def test_the_minimal_server_folds_each_push_into_the_model_it_answers_with(procs
     from plug_asgd.wire import decode, encode
 
     address = f"tcp://127.0.0.1:{free_port_block(1)}"
-    server = procs.start([PYTHON, "-m", "bench.zmqtools", "minimal", address])
+    server = procs.start([PYTHON, "-m", "bench.zmqtools", "minimal", address, work])
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
+    second, refuses_nan, last = MINIMAL_WORKS[work]
+
+    def expect(reply, version, a, b):
+        assert (reply.type, reply.fields["version"]) == ("model", version)
+        np.testing.assert_array_equal(reply.tensors["a"], np.array(a, np.float32))
+        np.testing.assert_array_equal(reply.tensors["b"], np.array(b, np.float32))
     try:
         def push(rid, a, b):
             tensors = {"a": np.array(a, np.float32), "b": np.array(b, np.float32)}
@@ -175,28 +207,68 @@ def test_the_minimal_server_folds_each_push_into_the_model_it_answers_with(procs
             assert sock.poll(30000), "the minimal server did not answer"
             return decode(sock.recv_multipart())
 
-        # the central model starts at zero and each push is added to it
         reply = push(1, [1.0, 2.0], [[0.5]])
         assert (reply.type, reply.fields["rid"], reply.fields["version"]) == ("model", 1, 1)
-        reply = push(2, [1.0, -4.0], [[0.25]])
+        expect(push(2, [1.0, -4.0], [[0.25]]), *second)
+        reply = push(3, [NAN, 0.0], [[0.0]])
+        assert (reply.type == "error" and reply.fields["code"] == "not_finite") == refuses_nan
+        expect(push(4, [1.0, 1.0], [[1.0]]), *last)
+    finally:
+        sock.close(0)
+        procs.kill(server)
+
+
+def test_the_split_server_folds_a_push_part_by_part_and_answers_after_the_last(procs):
+    import numpy as np
+    import zmq
+
+    from bench.common import free_port_block
+    from bench.zmqtools import split_update
+    from plug_asgd.wire import decode, encode
+
+    address = f"tcp://127.0.0.1:{free_port_block(1)}"
+    server = procs.start([PYTHON, "-m", "bench.zmqtools", "split", address])
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        def push(rid, w):
+            pieces = split_update({"w": np.array(w, np.float32)}, 2)
+            assert [list(p) for p in pieces] == [["w#0/2"], ["w#1/2"]]
+            np.testing.assert_array_equal(pieces[0]["w#0/2"], np.array(w[:2], np.float32))
+            np.testing.assert_array_equal(pieces[1]["w#1/2"], np.array(w[2:], np.float32))
+            sock.send_multipart(encode("push", {"rid": rid, "part": 0, "parts": 2}, pieces[0]))
+            assert not sock.poll(300), "the split server answered before the last part"
+            sock.send_multipart(encode("push", {"rid": rid, "part": 1, "parts": 2}, pieces[1]))
+            assert sock.poll(30000), "the split server did not answer the last part"
+            return decode(sock.recv_multipart())
+
+        # the central model starts at zero; each part is added to its rows
+        reply = push(1, [1.0, 2.0, 3.0])
+        assert (reply.type, reply.fields["version"]) == ("model", 1)
+        reply = push(2, [0.5, -2.0, 1.0])
         assert reply.fields["version"] == 2
-        assert reply.tensors["a"].tolist() == [2.0, -2.0] and reply.tensors["b"].tolist() == [[0.75]]
-        # an update with a NaN is refused and changes nothing
-        reply = push(3, [float("nan"), 0.0], [[0.0]])
+        assert reply.tensors["w#0/2"].tolist() == [1.5, 0.0] and reply.tensors["w#1/2"].tolist() == [4.0]
+        # a NaN in the last part refuses the whole push: the first part's fold is not kept either
+        reply = push(3, [1.0, 1.0, float("nan")])
         assert reply.type == "error" and reply.fields["code"] == "not_finite"
-        reply = push(4, [1.0, 1.0], [[1.0]])
+        reply = push(4, [1.0, 1.0, 1.0])
         assert reply.fields["version"] == 3
-        assert reply.tensors["a"].tolist() == [3.0, -1.0] and reply.tensors["b"].tolist() == [[1.75]]
+        assert reply.tensors["w#0/2"].tolist() == [2.5, 1.0] and reply.tensors["w#1/2"].tolist() == [5.0]
     finally:
         sock.close(0)
         procs.kill(server)
 
 
 def test_the_ps_floor_times_the_echo_the_minimal_server_and_the_ps(procs):
-    rc, out = procs.run([PYTHON, "-m", "bench.ps_floor", "--reps", "1", "--rounds", "5"], timeout=120)
+    rc, out = procs.run([PYTHON, "-m", "bench.ps_floor", "--reps", "1", "--rounds", "5", "--parts", "2,3",
+                         "--works", "codec,check"], timeout=120)
     assert rc == 0, out[-3000:]
     report = json.loads(out[out.index("{\n"):])
-    assert set(report["round_trip_ms"]) == {"echo", "minimal", "ps", "ps_client"}
+    assert set(report["round_trip_ms"]) == {"echo", "minimal", "ps", "ps_client", "split_2", "split_3",
+                                            "minimal_codec", "minimal_check"}
     assert all(finite_positive(t) for t in report["round_trip_ms"].values())
-    assert set(report["over_echo"]) == {"minimal", "ps", "ps_client"}
+    assert set(report["over_echo"]) == set(report["round_trip_ms"]) - {"echo"}
     assert finite_positive(report["ps_over_minimal"])
+    rc, out = procs.run([PYTHON, "-m", "bench.ps_floor", "--works", "check,fold"], timeout=60)
+    assert rc == 2 and "--works: unknown fold; choose from codec, add, check, torch" in out
