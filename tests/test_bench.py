@@ -141,7 +141,6 @@ def test_the_ps_handler_timing_times_each_piece_of_pushes_it_folds_in(procs, val
     assert times["whole handling"] > times["decode"] + times["fold and check"]
 
 
-@needs_fashion
 def test_the_fold_timing_times_each_piece_of_a_fold_on_warm_data(procs):
     rc, out = procs.run([PYTHON, "-m", "bench.fold_timing", "--values", "300000", "--calls", "5", "--pause-ms", "0"],
                         timeout=120)
@@ -154,6 +153,7 @@ def test_the_fold_timing_times_each_piece_of_a_fold_on_warm_data(procs):
     assert rc == 2 and "--values and --calls must be at least 1" in out
 
 
+@needs_fashion
 def test_the_push_timeline_of_a_lone_worker_shows_pushes_of_weights_only(procs):
     from bench.common import free_port_block
 
