@@ -5,11 +5,12 @@
 
 ``bench.ps_floor`` times the fold inside the round trip, where the update arrives from the
 socket. This times the same pieces on arrays that stay in this process: numpy's add, the PS's
-NaN/Inf check (``modes.all_finite``), both (the fold, as ``bench.zmqtools minimal`` does it), the
-fold split over the PS's fold threads (``plug_asgd.slices.SlicePool``, 2 threads), and the fold
-in torch on its intra-op threads (``OMP_NUM_THREADS``). A pause between calls leaves the helper
-threads idle, as they are between pushes. It prints the median time of each, in ms.
-Diagnostic only.
+NaN/Inf check (``modes.all_finite``), both (``bench.zmqtools.fold_into``, the minimal server's
+fold), that fold split over the PS's fold threads (``plug_asgd.slices.SlicePool``, 2 threads),
+and the fold in torch on its intra-op threads (``bench.zmqtools.torch_fold``, ``OMP_NUM_THREADS``).
+Each folds into the same update again and again, as the PS folds into a push's buffer. A pause
+between calls leaves the helper threads idle, as they are between pushes. It prints the median
+time of each, in ms. Diagnostic only.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from plug_asgd.modes import _finite, _quiet, all_finite
+from bench.zmqtools import fold_into, torch_fold
+from plug_asgd.modes import _quiet, all_finite
 from plug_asgd.slices import SlicePool
 
 # the recipe CNN's largest tensor, 128 x 9216; the fold of the other 20K values is noise beside it
@@ -51,29 +53,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--values and --calls must be at least 1, --pause-ms at least 0")
     rng = np.random.default_rng(0)
     update, central = (rng.standard_normal(args.values).astype(np.float32) for _ in range(2))
-    out = np.empty_like(update)
-
-    def fold(part: slice | None = None) -> bool:
-        u, c, o = (update, central, out) if part is None else (update[part], central[part], out[part])
-        np.add(u, c, out=o)
-        return _finite(o)
-
     pool = SlicePool(2, min_split=1)
-    tu, tc, to = (torch.from_numpy(a) for a in (update, central, out))
-
-    def torch_fold() -> bool:
-        torch.add(tu, tc, out=to)
-        return bool(torch.isfinite(torch.dot(to, to)))
-
+    in_torch = torch_fold()
     pause = args.pause_ms / 1000
     try:
         report = {
             "values": args.values, "torch_threads": torch.get_num_threads(),
-            "add_ms": _median_ms(lambda: np.add(update, central, out=out), args.calls, pause),
-            "check_ms": _median_ms(lambda: all_finite(out), args.calls, pause),
-            "fold_ms": _median_ms(fold, args.calls, pause),
-            "fold_2_threads_ms": _median_ms(lambda: all(pool.map(_quiet(fold), args.values)), args.calls, pause),
-            "fold_torch_ms": _median_ms(torch_fold, args.calls, pause),
+            "add_ms": _median_ms(lambda: np.add(update, central, out=update), args.calls, pause),
+            "check_ms": _median_ms(lambda: all_finite(update), args.calls, pause),
+            "fold_ms": _median_ms(lambda: fold_into(update, central), args.calls, pause),
+            "fold_2_threads_ms": _median_ms(
+                lambda: all(pool.map(_quiet(lambda part: fold_into(update[part], central[part])), args.values)),
+                args.calls, pause),
+            "fold_torch_ms": _median_ms(lambda: in_torch(update, central), args.calls, pause),
         }
     finally:
         pool.close()

@@ -81,6 +81,13 @@ def echo(address: str) -> None:
 MINIMAL_WORK = ("fold", "codec", "add", "check", "torch")
 
 
+def fold_into(update: np.ndarray, central: np.ndarray | None) -> bool:
+    """``update += central`` (none yet: zeros) and whether the sum is finite, checked as the PS checks it."""
+    if central is not None:
+        np.add(update, central, out=update)
+    return all_finite(update)
+
+
 def minimal(address: str, work: str = "fold") -> None:
     """The least a Python PS of this protocol does with a dense push: the floor under ``serve-ps``.
 
@@ -97,7 +104,7 @@ def minimal(address: str, work: str = "fold") -> None:
     """
     if work not in MINIMAL_WORK:
         raise SystemExit(f"minimal: unknown work {work!r}; one of {', '.join(MINIMAL_WORK)}")
-    fold = _torch_fold() if work == "torch" else None
+    fold = torch_fold() if work == "torch" else fold_into
     central: dict[str, np.ndarray] = {}
     version = 0
 
@@ -107,13 +114,12 @@ def minimal(address: str, work: str = "fold") -> None:
         finite = True
         for name, update in msg.tensors.items():
             before = central.get(name)
-            if fold is not None:
+            if work in ("fold", "torch"):
                 finite = fold(update, before) and finite
-                continue
-            if work in ("fold", "add"):
-                np.add(update, np.zeros_like(update) if before is None else before, out=update)
-            if work in ("fold", "check"):
-                finite = finite and all_finite(update)
+            elif work == "add" and before is not None:
+                np.add(update, before, out=update)
+            elif work == "check":
+                finite = all_finite(update) and finite
         rid = msg.fields.get("rid")
         if not finite:
             return encode("error", {"rid": rid, "code": "not_finite", "message": "update refused: NaN or Inf"})
@@ -124,8 +130,8 @@ def minimal(address: str, work: str = "fold") -> None:
     _serve(address, answer)
 
 
-def _torch_fold() -> Callable[[np.ndarray, np.ndarray | None], bool]:
-    """``update += central`` and its NaN/Inf check (``x . x``, as :func:`all_finite`) in torch."""
+def torch_fold() -> Callable[[np.ndarray, np.ndarray | None], bool]:
+    """:func:`fold_into` in torch's kernels, on its intra-op threads; the check as :func:`all_finite` makes it."""
     import torch  # only this diagnostic pays for torch's import
 
     def fold(update: np.ndarray, central: np.ndarray | None) -> bool:
@@ -166,9 +172,7 @@ def split(address: str) -> None:
         nonlocal central, folded, frames_of, finite, version
         msg = decode(frames)
         for name, update in msg.tensors.items():
-            before = central.get(name)
-            np.add(update, np.zeros_like(update) if before is None else before, out=update)
-            finite = finite and all_finite(update)
+            finite = fold_into(update, central.get(name)) and finite
         folded.update(msg.tensors)
         frames_of.update(msg.frames)
         if msg.fields["part"] < msg.fields["parts"] - 1:
