@@ -35,7 +35,7 @@ from bench.common import free_port_block, start, stop, summary
 from bench.zmqtools import MINIMAL_WORK, model, split_update, update
 from plug_asgd.client import PSClient
 from plug_asgd.ps_server import embedded_command
-from plug_asgd.wire import decode, encode
+from plug_asgd.wire import Message, decode, encode
 
 
 def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
@@ -54,13 +54,18 @@ def _pusher(sock: zmq.Socket, session: str, version: int, up: dict[str, Any]) ->
         fields = {"rank": 0, "base_version": state["version"], "seq": state["seq"], "session": session,
                   "model": True, "rid": state["seq"]}
         sock.send_multipart(encode("push", fields, up), copy=False)
-        if not sock.poll(30000):
-            raise TimeoutError("no reply within 30 s")
-        reply = decode(sock.recv_multipart(copy=False))
-        if reply.type != "model" or len(reply.tensors) != len(up):
-            raise RuntimeError(f"unexpected reply: {reply.type} {reply.fields}")
-        state["version"] = int(reply.fields["version"])
+        state["version"] = int(_model_reply(sock, len(up)).fields["version"])
     return push
+
+
+def _model_reply(sock: zmq.Socket, tensors: int) -> Message:
+    """The decoded answer to a push: a model of ``tensors`` tensors, within 30 s."""
+    if not sock.poll(30000):
+        raise TimeoutError("no reply within 30 s")
+    reply = decode(sock.recv_multipart(copy=False))
+    if reply.type != "model" or len(reply.tensors) != tensors:
+        raise RuntimeError(f"unexpected reply: {reply.type} {reply.fields}")
+    return reply
 
 
 def _split_pusher(sock: zmq.Socket, up: dict[str, Any], parts: int) -> Callable[[], None]:
@@ -73,11 +78,7 @@ def _split_pusher(sock: zmq.Socket, up: dict[str, Any], parts: int) -> Callable[
         for i, piece in enumerate(pieces):
             fields = {"rank": 0, "seq": state["seq"], "part": i, "parts": parts, "rid": state["seq"]}
             sock.send_multipart(encode("push", fields, piece), copy=False)
-        if not sock.poll(30000):
-            raise TimeoutError("no reply within 30 s")
-        reply = decode(sock.recv_multipart(copy=False))
-        if reply.type != "model" or len(reply.tensors) != len(up) * parts:
-            raise RuntimeError(f"unexpected reply: {reply.type} {reply.fields}")
+        _model_reply(sock, len(up) * parts)
     return push
 
 
