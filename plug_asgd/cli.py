@@ -9,7 +9,7 @@
 
 Only typer, rich and the standard library are imported at module level besides the PS and its
 client (neither imports torch or Lightning); a recipe, which imports Lightning, is imported when
-``train`` runs, the dashboard when ``serve-ps`` shows it, matplotlib when ``plot`` draws.
+``train`` runs, the dashboard when ``serve-ps`` or ``status`` shows it, matplotlib when ``plot`` draws.
 (``import plug_asgd`` itself imports Lightning through the package ``__init__``.)
 """
 
@@ -306,6 +306,8 @@ def _histogram(counts: dict[str, Any] | None, empty: str = "none") -> str:
 
 def stats_table(address: str, stats: dict[str, Any]) -> Table:
     """A rich table of a PS's ``snapshot()`` counters."""
+    from plug_asgd.dashboard import busy_text
+
     table = Table(title=f"parameter server {address}", show_header=True, title_justify="left")
     table.add_column("counter", style="cyan", no_wrap=True)
     table.add_column("value", overflow="fold")
@@ -325,6 +327,7 @@ def stats_table(address: str, stats: dict[str, Any]) -> Table:
                      + (f", + {_bytes(stats['push_local_bytes_in'])} through shared memory"
                         if stats.get("push_local_bytes_in") else "") + ")"),
         ("bytes out", _bytes(stats.get("bytes_out"))),
+        *([("busy", busy)] if (busy := busy_text(stats)) is not None else []),
         ("pushes applied", str(stats.get("pushes_applied"))),
         ("pushes dropped", str(stats.get("pushes_dropped"))),
         ("pushes after stop", str(stats.get("pushes_after_stop"))),

@@ -73,6 +73,29 @@ def updates_per_s(snapshot: Snapshot, previous: Snapshot | None) -> tuple[float,
     return rate, True
 
 
+def busy_text(snapshot: Snapshot, previous: Snapshot | None = None) -> str | None:
+    """How much of its time the PS spends handling requests, and per push; None from a PS that does not say.
+
+    Near 100% the PS is the bottleneck: more workers will not train faster (give it ``--threads``,
+    a compressor, or fewer pushes). A push's time on a core well below its wall time means the
+    PS waits for a core: the machine is oversubscribed.
+    """
+    busy = snapshot.get("busy_s")
+    if busy is None:
+        return None
+    uptime = float(snapshot.get("uptime_s") or 0)
+    text = f"{100 * min(1.0, float(busy) / uptime):.0f}% of its time" if uptime > 0 else "0% of its time"
+    recent = recent_rate(snapshot, previous, "busy_s")
+    if recent is not None:
+        text += f" ({100 * min(1.0, recent):.0f}% recently)"
+    pushes = int(snapshot.get("push_messages") or 0)
+    if pushes:
+        text += f", {1000 * float(snapshot.get('push_busy_s') or 0) / pushes:.2f} ms a push"
+        if snapshot.get("push_busy_cpu_s") is not None:
+            text += f" ({1000 * float(snapshot['push_busy_cpu_s']) / pushes:.2f} ms on a core)"
+    return text
+
+
 def counts_text(counts: Mapping[str, Any] | None, empty: str = "none") -> str:
     """``{"bad_tensor": 3, "duplicate": 1}`` -> ``"bad_tensor:3 duplicate:1"``."""
     if not counts:
@@ -185,6 +208,9 @@ def _counters_table(snapshot: Snapshot, previous: Snapshot | None) -> Table:
         ("staleness", escape(staleness_text(snapshot.get("staleness")))
          + (f"  [magenta]{sparkline([v for _, v in stale])}[/]" if stale else "")),
     ]
+    busy = busy_text(snapshot, previous)
+    if busy is not None:
+        rows.insert(3, ("busy", busy))
     for name, value in rows:
         table.add_row(name, value)
     return table

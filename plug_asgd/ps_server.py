@@ -114,6 +114,11 @@ class Stats:
     pushes_applied: int = 0
     pushes_dropped: int = 0
     pushes_after_stop: int = 0
+    push_messages: int = 0  # every push received, whatever became of it
+    busy_s: float = 0.0  # wall time the serving thread spent handling requests (taken to answered)
+    busy_cpu_s: float = 0.0  # ... of which it ran on a core (less when it waited for one)
+    push_busy_s: float = 0.0  # wall time handling pushes
+    push_busy_cpu_s: float = 0.0  # ... of which on a core
     copies_on_write: int = 0
     own_replies: int = 0
     weights_pushes: int = 0  # pushes of weights taken as the model (see PSClient.push)
@@ -335,6 +340,19 @@ class ParameterServer:
         return False
 
     def _on_frames(self, frames: list[Any]) -> None:
+        """Handle one request, and count the time it took (``busy_s``: how loaded the PS is)."""
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        kind = self._handle(frames)
+        spent, spent_cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+        stats = self.stats
+        stats.busy_s += spent
+        stats.busy_cpu_s += spent_cpu
+        if kind == "push":
+            stats.push_busy_s += spent
+            stats.push_busy_cpu_s += spent_cpu
+
+    def _handle(self, frames: list[Any]) -> str | None:
+        """Decode, dispatch and answer one request (an error reply for a bad one); returns its type."""
         identity = frames[0].bytes
         body = frames[1:]
         self.stats.messages_in += 1
@@ -347,10 +365,10 @@ class ParameterServer:
                 self._take_back(lost)
         size = message_bytes(body)
         self.stats.bytes_in += size
-        rid = None
+        rid = kind = None
         try:
             msg = decode(body, self.limits)
-            rid = msg.fields.get("rid")
+            rid, kind = msg.fields.get("rid"), msg.type
             if msg.type != "push" and any(isinstance(t, Local) for t in msg.tensors.values()):
                 raise WireError("bad_local", f"a {msg.type!r} message cannot name shared memory: only pushes do")
             handler = getattr(self, f"_on_{msg.type}", None) if msg.type.isidentifier() else None
@@ -358,6 +376,7 @@ class ParameterServer:
                 raise WireError("unknown_type", f"unknown message type {msg.type!r}")
             if msg.type == "push":
                 self.stats.push_bytes_in += size
+                self.stats.push_messages += 1
             handler(identity, rid, msg)
         except WireError as exc:
             self.stats.refused[exc.code] += 1
@@ -366,6 +385,7 @@ class ParameterServer:
             self.stats.refused["internal"] += 1
             log.error("internal error while serving a request:\n%s", traceback.format_exc())
             self._error(identity, rid, "internal", f"internal error in the parameter server: {exc}")
+        return kind
 
     def _send(self, identity: bytes, rid: Any, msg_type: str, fields: dict[str, Any] | None = None,
               tensors: dict[str, Tensor] | None = None) -> None:
@@ -867,6 +887,9 @@ class ParameterServer:
                 for w in sorted([*self.workers.values(), *self.lost.values()], key=lambda w: w.rank)
             ],
             "uptime_s": round(elapsed, 3), "updates_per_s": round(self.state.version / elapsed, 3),
+            "busy_s": round(s.busy_s, 6), "busy_cpu_s": round(s.busy_cpu_s, 6),
+            "busy_fraction": round(min(1.0, s.busy_s / elapsed), 4), "push_messages": s.push_messages,
+            "push_busy_s": round(s.push_busy_s, 6), "push_busy_cpu_s": round(s.push_busy_cpu_s, 6),
             "messages_in": s.messages_in, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
             "push_bytes_in": s.push_bytes_in, "push_local_bytes_in": s.push_local_bytes_in,
             "shm_segments": len(self.segments) if self.segments is not None else None,

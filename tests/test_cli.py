@@ -185,6 +185,12 @@ def test_stats_table_shows_counters():
     console = Console(width=200, file=io.StringIO())
     console.print(cli.stats_table("tcp://127.0.0.1:1", {**stats, "push_local_bytes_in": 9_599_056}))
     assert "(pushes 1.00 MB, + 9.60 MB through shared memory)" in console.file.getvalue()
+    assert "busy" not in text
+    console = Console(width=200, file=io.StringIO())
+    console.print(cli.stats_table("tcp://127.0.0.1:1", {**stats, "busy_s": 0.75, "push_messages": 12,
+                                                        "push_busy_s": 0.03, "push_busy_cpu_s": 0.024}))
+    # 0.75 s of 3 s; 30 ms / 12 pushes, 24 ms / 12 on a core
+    assert "25% of its time, 2.50 ms a push (2.00 ms on a core)" in console.file.getvalue()
 
 
 # -- real processes ----------------------------------------------------------------------------

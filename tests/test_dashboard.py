@@ -84,6 +84,15 @@ def test_update_bytes_through_shared_memory_are_shown_beside_those_on_the_socket
     assert "shared memory" not in text_of(render(SNAPSHOT, None, "a"))
 
 
+def test_the_time_the_ps_spends_handling_requests_is_shown_when_the_ps_counts_it():
+    busy = {**SNAPSHOT, "busy_s": 20.875, "push_messages": 1000, "push_busy_s": 1.25, "push_busy_cpu_s": 0.75}
+    text = text_of(render(busy, None, "a"))
+    assert "busy       25% of its time, 1.25 ms a push (0.75 ms on a core)" in text, text  # 20.875 s of 83.5
+    previous = {**busy, "busy_s": 19.875, "uptime_s": 81.5}  # 1 s busy in the last 2 s
+    assert "25% of its time (50% recently), 1.25 ms a push" in text_of(render(busy, previous, "a"))
+    assert "busy" not in text_of(render(SNAPSHOT, None, "a"))  # an older PS does not say
+
+
 def test_a_lost_worker_is_shown_as_lost():
     details = [*SNAPSHOT["worker_details"], {"rank": 1, "stage": 0, "training": True, "pushes": 9,
                                               "last_seen_s": 25.0, "lost": True}]

@@ -298,6 +298,45 @@ def test_the_ps_answers_with_the_frames_a_push_came_in_and_copies_them_before_an
         thread.join(10)
 
 
+def test_the_ps_counts_the_time_it_spends_handling_requests_and_pushes():
+    """``busy_s`` / ``push_busy_s``: each push here takes at least the 50 ms its fold is made to
+    sleep, and nothing is counted that the client did not wait for; their CPU time does not hold
+    the sleeps. The PS runs in a thread so that its rule can be slowed."""
+    from plug_asgd.ps_server import ParameterServer
+
+    server = ParameterServer("tcp://127.0.0.1:*", "asgd")
+    fold = server.rule.push
+
+    def slow_fold(state, push):
+        time.sleep(0.05)
+        return fold(state, push)
+
+    server.rule.push = slow_fold
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 20}, daemon=True)
+    thread.start()
+    began = time.monotonic()
+    c = client(server.address)
+    try:
+        c.init(W0)
+        for version in range(3):
+            c.push(version, {"w": np.ones((2, 3), np.float32)})
+        with pytest.raises(PSError, match="unknown_tensor|has no tensor"):  # refused before any fold
+            c.push(3, {"nope": np.ones(2, np.float32)})
+        c.pull()
+        stats = c.stats()
+        waited = time.monotonic() - began
+        assert stats["push_messages"] == 4
+        assert 3 * 0.05 <= stats["push_busy_s"] < stats["busy_s"] <= waited  # init and pull count too
+        # a sleep takes no time on a core: the CPU time stays well below the wall time
+        assert 0 < stats["push_busy_cpu_s"] < stats["push_busy_s"] - 3 * 0.05 + 0.01
+        assert stats["push_busy_cpu_s"] < stats["busy_cpu_s"] <= stats["busy_s"]
+        assert stats["busy_fraction"] == pytest.approx(stats["busy_s"] / stats["uptime_s"], abs=0.01)
+    finally:
+        c.close()
+        server.request_stop()
+        thread.join(10)
+
+
 @pytest.mark.parametrize("mode", ["asgd", "dynsgd"])
 def test_a_push_nothing_else_raced_is_answered_without_the_model_which_the_worker_then_has_bit_for_bit(
         start_ps, mode):
