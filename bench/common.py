@@ -46,6 +46,15 @@ def machine() -> dict[str, Any]:
             "load_average_at_start": list(os.getloadavg())}
 
 
+def ps_push_ms(stats: dict[str, Any]) -> dict[str, float] | None:
+    """The PS's mean time per push (ms) from its stats, in all and on a core; None before any push."""
+    n = stats.get("push_messages")
+    if not n:
+        return None
+    return {"wall": round(1000 * stats["push_busy_s"] / n, 3),
+            "on_a_core": round(1000 * stats["push_busy_cpu_s"] / n, 3)}
+
+
 def summary(values: list[float]) -> dict[str, Any]:
     """Median and spread (min, max) of repeated measurements; None where nothing was measured."""
     vals = sorted(v for v in values if v is not None and math.isfinite(v))

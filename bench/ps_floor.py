@@ -31,7 +31,7 @@ from typing import Any
 
 import zmq
 
-from bench.common import free_port_block, start, stop, summary
+from bench.common import free_port_block, ps_push_ms, start, stop, summary
 from bench.zmqtools import MINIMAL_WORK, model, split_update, update
 from plug_asgd.client import PSClient
 from plug_asgd.ps_server import embedded_command
@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                     kinds[name]()
                     times.append(time.perf_counter() - t)
                 blocks[name].append(statistics.median(times))
+        ps_ms = {"ps": ps_push_ms(raw.stats()), "ps_client": ps_push_ms(client.stats())}
     finally:
         for c in clients:
             c.close()
@@ -162,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                       "over_echo": {k: {"median": round(r["median"], 3), "min": round(r["min"], 3),
                                         "max": round(r["max"], 3)} for k, r in ratios.items()},
                       "ps_over_minimal": round(statistics.median(
-                          p / m for p, m in zip(blocks["ps"], blocks["minimal"], strict=True)), 3)}, indent=1))
+                          p / m for p, m in zip(blocks["ps"], blocks["minimal"], strict=True)), 3),
+                      "ps_ms_per_push": ps_ms}, indent=1))
     return 0
 
 

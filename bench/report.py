@@ -41,9 +41,11 @@ def markdown(results: dict[str, Any]) -> str:
     if "overhead" in b and "by_batch" in b["overhead"]:
         o = b["overhead"]
         lines += ["", "## Overhead by batch size (asgd / plain Lightning, 1 worker)", "",
-                  "| batch | asgd (the figure) | asgd, overlap=True |", "|---|---|---|"]
-        lines += [f"| {k} | {_spread(v)} | {_spread(o.get('overlap_by_batch', {}).get(k))} |"
-                  for k, v in o["by_batch"].items()]
+                  "| batch | asgd (the figure) | asgd, overlap=True | the PS's time per asgd push, ms | "
+                  "... of which on a core, ms |", "|---|---|---|---|---|"]
+        lines += [f"| {k} | {_spread(v)} | {_spread(o.get('overlap_by_batch', {}).get(k))} | "
+                  f"{_spread(o.get('ps_ms_per_push_by_batch', {}).get(k))} | "
+                  f"{_spread(o.get('ps_cpu_ms_per_push_by_batch', {}).get(k))} |" for k, v in o["by_batch"].items()]
     if "stragglers" in b and "asgd_samples_per_s" in b["stragglers"]:
         s = b["stragglers"]
         lines += ["", "## Stragglers", "", f"asgd {_spread(s['asgd_samples_per_s'])} samples/s, DDP "

@@ -216,13 +216,21 @@ def analyse_overhead(runs: list[dict[str, Any]]) -> dict[str, Any]:
                  for b in (10, 32, 128)}
     overlap = {str(b): summary(_pairs(runs, "asgd overlap", "plain", "step_time_median_s", batch_size=b))
                for b in (10, 32, 128)}
+    def ps(key: str) -> dict[str, Any]:
+        return {str(b): summary([(r.get("ps_push_ms") or {}).get(key) for r in runs
+                                 if r["name"] == "asgd" and r.get("batch_size") == b]) for b in (10, 32, 128)}
+
     return {"ratio": per_batch["32"], "by_batch": per_batch, "ratio_overlap": overlap["32"],
-            "overlap_by_batch": overlap, "unit": "asgd / plain Lightning time per step, 1 worker",
+            "overlap_by_batch": overlap, "ps_ms_per_push_by_batch": ps("wall"),
+            "ps_cpu_ms_per_push_by_batch": ps("on_a_core"),
+            "unit": "asgd / plain Lightning time per step, 1 worker",
             "method": "one process, OMP_NUM_THREADS = cpu_count, the embedded PS in its own process beside it; "
                       "time per step: the median of the step-to-step times after 5 warm-up steps; the plain, "
                       "asgd and asgd overlap=True runs of each batch size alternate, their order rotated every "
                       "repetition. The figure is asgd's defaults; overlap=True (each push sent while the next "
-                      "step computes) is reported beside it",
+                      "step computes) is reported beside it, and so is the time the PS's serving thread spent "
+                      "handling each of asgd's pushes (its push_busy_s / push_messages; of which on a core: "
+                      "push_busy_cpu_s)",
             "runs": runs}
 
 

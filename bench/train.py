@@ -36,6 +36,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
+from bench.common import ps_push_ms
 from plug_asgd.recipes.data import Arrays
 from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
 from plug_asgd.strategy import AsyncPSStrategy
@@ -215,7 +216,8 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
         result.update(push_bytes=ps["push_bytes_in"], push_local_bytes=ps["push_local_bytes_in"],
                       pushes=ps["pushes_applied"] + ps["pushes_dropped"],
                       pushes_applied=ps["pushes_applied"], ps_version=ps["version"],
-                      weights_pushes=ps["weights_pushes"], weights_not_current=ps["weights_not_current"])
+                      weights_pushes=ps["weights_pushes"], weights_not_current=ps["weights_not_current"],
+                      ps_push_ms=ps_push_ms(ps))
     if clock.snapshots:
         dm.setup("test")
         test_x, test_y = dm.test_set.tensors

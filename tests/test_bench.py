@@ -64,6 +64,8 @@ def test_quick_runner_reports_every_benchmark(quick):
         assert ratio["min"] <= ratio["median"] <= ratio["max"]
     for batch, ratio in results["benchmarks"]["overhead"]["by_batch"].items():
         assert finite_positive(ratio["median"]), batch
+        for key in ("ps_ms_per_push_by_batch", "ps_cpu_ms_per_push_by_batch"):
+            assert finite_positive(results["benchmarks"]["overhead"][key][batch]["median"]), (key, batch)
     text = (out / "results.md").read_text()
     assert "| stragglers |" in text and "Machine:" in text
     assert (out / "ratios.png").stat().st_size > 0
@@ -166,6 +168,9 @@ def test_the_push_timeline_of_a_lone_worker_shows_pushes_of_weights_only(procs):
     # every push of a lone worker sends its weights: no update (w - base) is ever computed
     assert pieces["push"]["n"] == pieces["weights"]["n"] == 30 and "delta" not in pieces
     assert 0 < pieces["weights"]["median_ms"] <= pieces["push"]["median_ms"]
+    # the PS's own time a push (its push_busy_s / push_messages): within the step that pushed
+    (ps,) = report["ps_ms_per_push"]
+    assert 0 < ps["on_a_core"] <= ps["wall"] < report["step_ms"]["asgd"][0]
 
 
 NAN = float("nan")
@@ -270,5 +275,8 @@ def test_the_ps_floor_times_the_echo_the_minimal_server_and_the_ps(procs):
     assert all(finite_positive(t) for t in report["round_trip_ms"].values())
     assert set(report["over_echo"]) == set(report["round_trip_ms"]) - {"echo"}
     assert finite_positive(report["ps_over_minimal"])
+    # the PS's own time per push, within the round trip it is part of (10 warm-up and 5 timed pushes each)
+    for kind, ps in report["ps_ms_per_push"].items():
+        assert 0 < ps["on_a_core"] <= ps["wall"] < 10 * report["round_trip_ms"][kind], (kind, ps)
     rc, out = procs.run([PYTHON, "-m", "bench.ps_floor", "--works", "check,fold"], timeout=60)
     assert rc == 2 and "--works: unknown fold; choose from codec, add, check, torch" in out
