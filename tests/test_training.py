@@ -272,8 +272,10 @@ def test_two_nodes_through_lightnings_cluster_environment(procs, tmp_path):
 @needs_fashion
 def test_ctrl_c_stops_every_process(procs, tmp_path):
     port = free_port()  # the embedded PS listens on MASTER_PORT: the test watches it to see training going
+    # PYTHONFAULTHANDLER: a process still running after the timeout is aborted below, and prints where it was
     proc = procs.start([PYTHON, *RECIPE, "--train-subset", "60000", "--workers", "2", "--run-dir",
-                        str(tmp_path / "runs")], env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                        str(tmp_path / "runs")], env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                                      "PYTHONFAULTHANDLER": "1"})
     watcher = PSClient(f"tcp://127.0.0.1:{port}", rank=0, world_size=1, mode="asgd", heartbeat_s=None)
     deadline = time.monotonic() + 120
     while True:  # both workers past setup and pushing, whatever the load on the machine
@@ -291,6 +293,12 @@ def test_ctrl_c_stops_every_process(procs, tmp_path):
         out, _ = proc.communicate(timeout=45)
     except subprocess.TimeoutExpired:
         left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in group_members(proc.pid)}
-        pytest.fail(f"still running 45 s after Ctrl-C: {left}")
+        for pid in left:
+            os.kill(pid, signal.SIGABRT)  # faulthandler prints every thread's stack, then the process ends
+        try:
+            stacks, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            stacks = "(no stacks within 20 s)"
+        pytest.fail(f"still running 45 s after Ctrl-C: {left}; where they were:\n{stacks[-6000:]}")
     assert proc.returncode != 0, out[-3000:]
     assert procs.leftovers(grace=20) == []
