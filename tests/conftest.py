@@ -36,6 +36,14 @@ needs_fashion = pytest.mark.skipif(
 )
 
 
+# A suite started in the background without job control (`cmd &` in a script) inherits SIGINT
+# ignored, and every process it starts would too: Python then never raises KeyboardInterrupt, and
+# the Ctrl-C test's workers never stop. Take SIGINT back as a terminal gives it; the processes the
+# tests start then get it at its default (a handler, unlike "ignored", is not inherited across exec).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -275,10 +275,7 @@ def test_ctrl_c_stops_every_process(procs, tmp_path):
     # PYTHONFAULTHANDLER: a process still running after the timeout is aborted below, and prints where it was
     proc = procs.start([PYTHON, *RECIPE, "--train-subset", "60000", "--workers", "2", "--run-dir",
                         str(tmp_path / "runs")], env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                                      "PYTHONFAULTHANDLER": "1"},
-                       # as from a terminal: a suite started in the background (`cmd &` without job control)
-                       # inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
-                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                                      "PYTHONFAULTHANDLER": "1"})
     watcher = PSClient(f"tcp://127.0.0.1:{port}", rank=0, world_size=1, mode="asgd", heartbeat_s=None)
     deadline = time.monotonic() + 120
     while True:  # both workers past setup and pushing, whatever the load on the machine
