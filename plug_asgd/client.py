@@ -354,7 +354,8 @@ class PSClient:
 
     def push(self, base_version: int, update: Mapping[str, Tensor],
              want_model: bool | Literal["unless_own"] = True,
-             while_waiting: Callable[[], None] | None = None, weights: bool = False) -> ModelReply:
+             while_waiting: Callable[[], None] | None = None, weights: bool = False,
+             lend: bool = False) -> ModelReply:
         """Push an update; the reply carries the central model unless ``want_model`` is False.
 
         ``"unless_own"``: no tensors either when the PS folded the update, as sent, into a model
@@ -372,6 +373,12 @@ class PSClient:
         the model that computing it takes on each side. Otherwise it folds nothing and answers
         ``status == "not_current"``: push ``w - base`` instead. Dense tensors of the central dtype,
         in modes whose PS folds ``w += delta`` (asgd, dynsgd, ssp); other modes answer "not_current".
+
+        ``lend`` (with ``weights`` held in :meth:`push_buffers`): the PS may keep these very
+        buffers as its model, checked but not copied, until it has answered this client's next
+        push or pull. Do not write them before that answer: the next push of weights goes from
+        another set of buffers (the strategy keeps two and swaps them). A PS keeps them only when
+        it answers "own"; it copies them if it must send or change the model meanwhile.
         """
         if want_model not in (True, False, "unless_own"):
             raise ValueError(f"want_model must be True, False or 'unless_own', got {want_model!r}")
@@ -379,6 +386,8 @@ class PSClient:
                   "session": self.session, "model": want_model}
         if weights:
             fields["weights"] = True
+        if lend:
+            fields["lend"] = True
         local = None
         if self._segment is not None:
             local = {n: o for n, t in update.items() if (o := self._segment.offset(t)) is not None} or None

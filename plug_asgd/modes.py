@@ -45,7 +45,9 @@ class Push:
     update: dict[str, Tensor]
     # Where a rule that folds (``FoldRule.folds_into_update``) writes each new central tensor, out
     # of place: buffers nothing else holds (the push's own received buffers, or spare buffers of
-    # the PS), which become the central tensors. None: the rule folds into the central tensors.
+    # the PS), which become the central tensors; for weights (``replace``), ``update`` itself, even
+    # read-only (a worker's lent memory): checked, never written. None: the rule folds into the
+    # central tensors.
     out: dict[str, np.ndarray] | None = None
     # ``update`` holds a worker's weights, not a delta, and the push is based on the current version:
     # folding means taking them as they are (``w - base`` added to ``base``, without its rounding).
@@ -131,12 +133,14 @@ def _fold_out_of_place(state: CentralState, push: Push, scale: float) -> None:
     assert push.out is not None
     for name, update in push.update.items():
         out, central = push.out[name], state.tensors[name]
-        if not (isinstance(update, np.ndarray) and update.shape == central.shape and can_fold_into(out, central)):
+        copy = out is not update
+        # weights taken where they are (lent, possibly read-only) are checked, and nothing is written
+        fits = can_fold_into(out, central) if copy or not push.replace else out.dtype == central.dtype
+        if not (isinstance(update, np.ndarray) and update.shape == central.shape and fits):
             raise ValueError(f"tensor {name!r} cannot be folded out of place")
         if push.replace and update.dtype != central.dtype:
             raise ValueError(f"tensor {name!r}: weights of another dtype than the central tensor's")
         u, c, o = update.reshape(-1), central.reshape(-1), out.reshape(-1)
-        copy = out is not update
 
         def fold(part: slice | None, u: np.ndarray = u, c: np.ndarray = c, o: np.ndarray = o,
                  copy: bool = copy) -> bool:

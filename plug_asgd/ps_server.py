@@ -123,6 +123,8 @@ class Stats:
     own_replies: int = 0
     weights_pushes: int = 0  # pushes of weights taken as the model (see PSClient.push)
     weights_not_current: int = 0  # ... answered "not_current" instead: nothing folded
+    weights_lent: int = 0  # ... kept as the model in the worker's own memory, without a copy (``lend``)
+    lent_copies: int = 0  # lent weights copied after all (a model reply, a write in place, a stop)
     workers_lost: int = 0
     workers_back: int = 0
     refused: Counter = field(default_factory=Counter)
@@ -198,6 +200,10 @@ class ParameterServer:
         # holds any more, which the next fold out of a shared segment writes into
         self.segments = AttachedSegments(limits.max_message_bytes) if shm_pushes and shm_available() else None
         self._spares: dict[str, np.ndarray] = {}
+        # a lone worker's weights kept as the central tensors in its own memory (see _on_push), and its session
+        self._lent: dict[str, np.ndarray] = {}
+        self._lender: str | None = None
+        self._lent_by: tuple[bytes, Any] = (b"", None)  # (identity, rid) of the push that lent them
         self._by_identity: dict[bytes, WorkerInfo] = {}
         self.ever_joined: set[int] = set()
         self.left: dict[int, set[int]] = defaultdict(set)
@@ -266,6 +272,7 @@ class ParameterServer:
             self._monitor.close(0)
             self._monitor = None
         self.socket.close(0)
+        self._release_lent()  # the final checkpoint saves the PS's own arrays
         if self.segments is not None:
             self.segments.clear()
         if self.state.pool is not None:
@@ -394,6 +401,7 @@ class ParameterServer:
         self.socket.send_multipart([identity, *frames], copy=False)
 
     def _error(self, identity: bytes, rid: Any, code: str, text: str) -> None:
+        self._before_reply(identity, rid)
         self._send(identity, rid, "error", {"code": code, "message": text})
 
     # -- membership ----------------------------------------------------------------------------
@@ -472,6 +480,8 @@ class ParameterServer:
         if previous is not None:
             self._by_identity.pop(previous.identity, None)  # a reconnected worker has a new identity
         if previous is not None and previous.session != session and self.segments is not None:
+            if self._lender == previous.session:
+                self._release_lent()
             self.segments.drop(previous.session)
         if previous is None and rank in self.lost:
             previous = self.lost.pop(rank)  # restarted: the new process replaces the lost one
@@ -569,8 +579,10 @@ class ParameterServer:
     def _send_model(self, identity: bytes, rid: Any, fields: dict[str, Any], with_tensors: bool = True) -> None:
         fields = {**fields, "version": self.state.version, "stop": self._stopped()}
         if not with_tensors:
+            self._before_reply(identity, rid)
             self._send(identity, rid, "model", fields)
             return
+        self._release_lent()  # a reply in flight must not read memory its worker may write again
         reuse = self._received_frames()
         frames = encode("model", {**fields, "rid": rid}, self.state.tensors, reuse=reuse)
         self.stats.bytes_out += message_bytes(frames)
@@ -582,6 +594,27 @@ class ParameterServer:
                  for f in frames]
         self.socket.send_multipart([identity, *parts], copy=False)
         self._in_flight += [p.tracker for p in parts if isinstance(p, zmq.Frame) and p.tracker is not None]
+
+    def _before_reply(self, identity: bytes, rid: Any) -> None:
+        """Before answering a worker's push or pull (but the push that lent): give back what it lent.
+
+        It may write that memory as soon as it has the answer, so the PS stops using it first.
+        """
+        if self._lender is not None and (identity, rid) != self._lent_by:
+            sender = self._by_identity.get(identity)
+            if sender is not None and sender.session == self._lender:
+                self._release_lent()
+
+    def _release_lent(self) -> None:
+        """Give a worker back the memory it lent (see ``lend`` in :meth:`_on_push`), copying what is still central."""
+        if not self._lent:
+            return
+        tensors = self.state.tensors
+        kept = [name for name, array in self._lent.items() if tensors.get(name) is array]
+        for name in kept:
+            tensors[name] = np.array(tensors[name])
+        self.stats.lent_copies += bool(kept)
+        self._lent, self._lender, self._lent_by = {}, None, (b"", None)
 
     def _replies_in_flight(self) -> bool:
         """Whether ZeroMQ may still be reading a reply sent zero-copy from the PS's own arrays."""
@@ -601,6 +634,7 @@ class ParameterServer:
         in_flight = self._replies_in_flight()
         if not in_place:
             return
+        self._release_lent()
         received = self._received_frames()
         if in_flight or received:
             self.state.tensors = {name: t.copy() if in_flight or name in received else t
@@ -649,6 +683,9 @@ class ParameterServer:
         weights = msg.fields.get("weights", False)
         if weights not in (True, False):
             raise WireError("bad_field", f"field 'weights' must be true or false, got {weights!r:.40}")
+        lend = msg.fields.get("lend", False)
+        if lend not in (True, False):
+            raise WireError("bad_field", f"field 'lend' must be true or false, got {lend!r:.40}")
         staleness = self.state.version - base
         # Exactly base + this update once folded: nothing else folded in since the base, dense values used as
         # sent. Not after a resume: versions made before the crash and after it share numbers, not contents.
@@ -665,9 +702,16 @@ class ParameterServer:
         # update's own received buffers, or, for an update read from shared memory (or weights in
         # read-only frames), into spare arrays of the PS; the rule checks the results. Any other
         # update is checked here, before a fold writes in place, and one read from shared memory
-        # is copied first.
+        # is copied first. Weights that their worker lends (all of the model, in its shared memory)
+        # become the central tensors as they are, checked, without a copy: the worker leaves them
+        # alone until this PS has answered its next push or pull, and the PS gives them back by
+        # then (``_release_lent``: a copy only if they are still the model).
+        lends = (weights and lend and exact and update.keys() == self.state.tensors.keys()
+                 and all(isinstance(msg.tensors[n], Local) for n in update))
         out = None
-        if self.rule.folds_into_update:
+        if lends:
+            out = update
+        elif self.rule.folds_into_update:
             if all(can_fold_into(u, self.state.tensors[n]) for n, u in update.items()):
                 out = update
             elif (local_bytes or weights) and all(isinstance(u, np.ndarray) for u in update.values()):
@@ -689,6 +733,9 @@ class ParameterServer:
         before = dict(self.state.tensors) if spares else {}
         resolutions = self.rule.push(self.state, Push(token, rank, base, update, out, replace=weights))
         self.stats.weights_pushes += weights
+        if lends and all(self.state.tensors[n] is u for n, u in update.items()):
+            self._lent, self._lender, self._lent_by = dict(update), session, (identity, rid)
+            self.stats.weights_lent += 1
         if exact:
             token.own_version = self.state.version
         self.last_seq[session] = seq
@@ -738,7 +785,8 @@ class ParameterServer:
             return
         received = {id(array) for array, _ in self._frames.values()}
         for name, old in before.items():
-            if self.state.tensors.get(name) is not old and id(old) not in received:
+            # (a lent tensor is read-only: never a spare)
+            if self.state.tensors.get(name) is not old and id(old) not in received and old.flags.writeable:
                 self._spares[name] = old
 
     def _resolve(self, resolutions: list[tuple[Any, str]]) -> None:
@@ -896,7 +944,8 @@ class ParameterServer:
             "pushes_applied": s.pushes_applied,
             "pushes_dropped": s.pushes_dropped, "pushes_after_stop": s.pushes_after_stop,
             "copies_on_write": s.copies_on_write, "own_replies": s.own_replies,
-            "weights_pushes": s.weights_pushes, "weights_not_current": s.weights_not_current, "threads": self.threads,
+            "weights_pushes": s.weights_pushes, "weights_not_current": s.weights_not_current,
+            "weights_lent": s.weights_lent, "lent_copies": s.lent_copies, "threads": self.threads,
             "worker_timeout_s": self.worker_timeout,
             "lost": sorted(self.lost), "workers_lost": s.workers_lost, "workers_back": s.workers_back,
             "refused": dict(s.refused), "staleness": {str(k): v for k, v in sorted(s.staleness.items())},

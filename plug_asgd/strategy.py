@@ -293,6 +293,7 @@ class AsyncPSStrategy(ParallelStrategy):
         # answered without the model, whose worker keeps its own weights): only then may a push ask
         # the PS for an "own" reply
         self._base_is_central = False
+        self._base_lent = False  # the PS may hold our base buffers as its model (a lent push of weights)
         # whether the next push may send the weights themselves (``PSClient.push(weights=True)``): in the
         # modes whose PS can take them, until it answers that another push came first; again after an
         # "own" reply
@@ -636,6 +637,7 @@ class AsyncPSStrategy(ParallelStrategy):
     def _based_on(self, reply: ModelReply, central: bool = True) -> None:
         """``_base`` is now version ``reply.version``: the central model itself, unless ``central`` is False."""
         self._base_is_central = central
+        self._base_lent = False  # whatever the PS held of ours, it gave back before this reply
         self._version = reply.version
         if central:
             self._since_pull = 0
@@ -714,7 +716,8 @@ class AsyncPSStrategy(ParallelStrategy):
         update, deltas, exact = self._update(tensors)
         self._since_push = 0
         base = self._version
-        ask_own = want_model and exact
+        # not while the PS may still hold our base as its model (lent): the guess would write it during the push
+        ask_own = want_model and exact and not self._base_lent
         speculate = None
         if ask_own:
             def speculate() -> None:
@@ -761,16 +764,21 @@ class AsyncPSStrategy(ParallelStrategy):
             for name, t in tensors.items():
                 sent[name].copy_(t.detach())
         base = self._version
+        lend = self._shared_buffers
         reply = self._client.push(base, {n: _to_numpy(b) for n, b in sent.items()}, want_model="unless_own",
-                                  weights=True)
+                                  weights=True, lend=lend)
         if reply.status == "not_current":
             self._weights_ok = False
+            self._base_lent = False
             return False
         self._since_push = 0
         self._count_staleness(reply, base)
         if reply.own:  # the PS's model is what we sent: it is our base now
             self._delta_buffers, self._base = self._base, sent
             self._based_on(reply)
+            # lent: the PS may keep these buffers as its model until it answers our next push or pull;
+            # nothing writes the base before such an answer but the guess of an "own" reply, which waits
+            self._base_lent = lend
         else:  # the PS had stopped, or held the reply (ssp) while others pushed: the whole model came
             self._load(reply)
         return True

@@ -11,6 +11,7 @@ import pytest
 
 from plug_asgd import push_memory
 from plug_asgd.client import PSClient, PSError
+from plug_asgd.compressors import Sparse
 from plug_asgd.push_memory import HEADER_BYTES, PushSegment
 from plug_asgd.wire import Local
 
@@ -300,3 +301,94 @@ def test_the_ps_folds_a_shared_push_into_spare_arrays_and_reuses_them():
         c.close()
         server.request_stop()
         thread.join(10)
+
+
+def two_sets(c: PSClient) -> dict[str, dict[str, np.ndarray]]:
+    """Two sets of buffers in one segment, as the strategy keeps: it lends one while it fills the other."""
+    out = c.push_buffers({f"{k}:{n}": (s, np.float32) for n, s in SHAPES.items() for k in "ab"})
+    assert out is not None
+    return {k: {n: out[f"{k}:{n}"] for n in SHAPES} for k in "ab"}
+
+
+def fill(buffers: dict[str, np.ndarray], tensors: dict[str, np.ndarray]) -> None:
+    for n, t in tensors.items():
+        buffers[n][...] = t
+
+
+def assert_bits(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    for n, t in want.items():
+        np.testing.assert_array_equal(got[n].view(np.uint32), t.view(np.uint32))
+
+
+def test_lent_weights_are_the_model_itself_until_a_reply_has_to_carry_them(start_ps):
+    """A lent push of weights is kept where it lies, not copied: a write that the contract forbids
+    (made here on purpose, to see where the model lives) shows in the next pull, from any client,
+    which copies the model first; writes after that pull no longer reach it."""
+    address = start_ps()
+    c = client(address)
+    watcher = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=10, heartbeat_s=None)
+    try:
+        c.init(model())
+        sets = two_sets(c)
+        fill(sets["a"], model(3))
+        reply = c.push(0, sets["a"], want_model="unless_own", weights=True, lend=True)
+        stats = c.stats()
+        assert reply.own and reply.version == 1 and stats["weights_lent"] == 1 and stats["lent_copies"] == 0
+        sets["a"]["w"][0, 0] = 42.0
+        seen = watcher.pull().tensors  # a Supervisor's pull, say: it gets a copy, which the PS keeps
+        sets["a"]["w"][0, 0] = 7.0
+        want = model(3)
+        want["w"][0, 0] = 42.0
+        assert_bits(seen, want)
+        assert_bits(c.pull().tensors, want)
+        assert c.stats()["lent_copies"] == 1
+    finally:
+        watcher.close()
+        c.close()
+
+
+@pytest.mark.parametrize("then", ["lends_the_other_set", "is_refused", "meets_a_stopped_ps", "pushes_a_delta",
+                                  "another_worker_folds_in_place"])
+def test_the_ps_gives_lent_weights_back_before_it_answers_the_lenders_next_push(start_ps, then):
+    """After a lent push of weights, whatever comes next, the worker's buffers are its own again
+    once it has the answer (or as soon as the PS must write its model in place): writing NaN into
+    them then changes nothing at the PS. The model is the one the pushes make, bit for bit, and the
+    PS copied the lent buffers only where they were still its model."""
+    address = start_ps("asgd", "--max-updates", "1") if then == "meets_a_stopped_ps" else start_ps()
+    c = client(address, world=2)
+    other = client(address, rank=1, world=2)
+    try:
+        c.init(model())
+        sets = two_sets(c)
+        fill(sets["a"], model(3))
+        assert c.push(0, sets["a"], want_model="unless_own", weights=True, lend=True).own
+        want, copies = model(3), 1
+        if then == "lends_the_other_set":
+            fill(sets["b"], model(4))
+            assert c.push(1, sets["b"], want_model="unless_own", weights=True, lend=True).own
+            want, copies = model(4), 0  # the PS's model moved to the other set: nothing to copy
+        elif then == "is_refused":
+            fill(sets["b"], model(4))
+            sets["b"]["b"][2] = np.nan
+            with pytest.raises(PSError) as err:
+                c.push(1, sets["b"], want_model="unless_own", weights=True, lend=True)
+            assert err.value.code == "not_finite"
+        elif then == "meets_a_stopped_ps":
+            fill(sets["b"], model(4))
+            reply = c.push(1, sets["b"], want_model=False, weights=True, lend=True)
+            assert reply.status == "stopped" and reply.version == 1
+        elif then == "pushes_a_delta":
+            fill(sets["b"], {n: np.full(s, 0.5, np.float32) for n, s in SHAPES.items()})
+            c.push(1, sets["b"], want_model=False)
+            want = {n: t + np.float32(0.5) for n, t in want.items()}
+            copies = 0  # folded out of place into the PS's own arrays
+        else:  # a sparse update is folded in place: the PS copies the lent model before it writes
+            other.push(1, {"w": Sparse(np.array([4]), np.array([2.0], np.float32), SHAPES["w"])}, want_model=False)
+            want["w"].reshape(-1)[4] += np.float32(2.0)
+        for n in SHAPES:
+            sets["a"][n][...] = np.nan
+        assert c.stats()["lent_copies"] == copies  # (before the pull, which copies a model still lent)
+        assert_bits(other.pull().tensors, want)
+    finally:
+        other.close()
+        c.close()

@@ -154,6 +154,9 @@ def test_a_lone_asgd_worker_pushes_its_weights_and_trains_the_bits_of_plain_ligh
         stats = s._client.stats()
         assert stats["weights_pushes"] == stats["own_replies"] == 20 and stats["weights_not_current"] == 0
         assert stats["push_local_bytes_in"] == (20 * 4 * (4 * 2 + 2) if shm else 0)
+        # through shared memory the worker lends its buffers: the PS keeps them as its model, and copies
+        # them once, for the pull that ends fit (teardown)
+        assert stats["weights_lent"] == (20 if shm else 0) and stats["lent_copies"] == (1 if shm else 0)
         central_now = central(s)
     finally:
         s._shutdown(wait_for_workers=0)
