@@ -115,7 +115,9 @@ def _fold_all(state: CentralState, push: Push, scale: float = 1.0) -> None:
     kept unless all are finite (a finite central tensor plus a finite update is finite unless the
     sum overflows, which is refused as well). Checking what is kept, not what was sent, also
     holds for an update read from a worker's shared memory, which its worker could still write.
-    A push of weights (``push.replace``) is copied into ``push.out`` and checked the same way.
+    A push of weights (``push.replace``) is copied into ``push.out`` and checked the same way, or,
+    where ``push.out`` is the update itself (weights a worker lends, see ``PSClient.push``), only
+    checked: nothing is written.
     """
     if push.replace and (push.out is None or scale != 1.0):
         raise ValueError("a push of weights is taken as it is, out of place and unscaled")

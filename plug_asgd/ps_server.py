@@ -681,10 +681,10 @@ class ParameterServer:
         model = msg.fields.get("model", True)
         want_model = model is not False
         weights = msg.fields.get("weights", False)
-        if weights not in (True, False):
+        if not isinstance(weights, bool):  # (1 == True: a membership test would let 1 through)
             raise WireError("bad_field", f"field 'weights' must be true or false, got {weights!r:.40}")
         lend = msg.fields.get("lend", False)
-        if lend not in (True, False):
+        if not isinstance(lend, bool):  # (1 == True: a membership test would let 1 through)
             raise WireError("bad_field", f"field 'lend' must be true or false, got {lend!r:.40}")
         staleness = self.state.version - base
         # Exactly base + this update once folded: nothing else folded in since the base, dense values used as

@@ -137,7 +137,8 @@ class AsyncPSStrategy(ParallelStrategy):
             ``plug_asgd.push_memory``); elsewhere, or where the PS does not offer it (``serve-ps
             --no-shm-pushes``), updates go over the socket. CPU tensors, dense float32 updates (no
             compressor). With it, a worker that nothing raced pushes its weights instead of its
-            update (see ``PSClient.push(weights=True)``); without it only a lone worker does, since
+            update (see ``PSClient.push(weights=True)``), and lends them: the PS keeps them as its
+            model where they lie, without a copy (``lend=True``); without it only a lone worker does, since
             a push of weights the PS does not take would have sent the model's bytes for nothing.
     """
 

@@ -381,7 +381,8 @@ def test_weights_of_a_lone_worker_become_the_model_bit_for_bit_and_raced_weights
         # 1e-8 - 1 rounds to -1 in float32, so folding the delta would give 0: the PS keeps the weights as sent
         w1 = {"w": np.full((2, 3), 1e-8, np.float32), "b": np.full(2, 2.5, np.float32)}
         assert (w0["w"] + (w1["w"] - w0["w"]) == 0).all()
-        reply = a.push(0, w1, want_model="unless_own", weights=True)
+        # lent over the socket: the bytes that came are the PS's own already, there is nothing to lend
+        reply = a.push(0, w1, want_model="unless_own", weights=True, lend=True)
         assert (reply.status, reply.own, reply.version, reply.tensors) == ("applied", True, 1, {})
         for n, t in a.pull().tensors.items():
             np.testing.assert_array_equal(t.view(np.uint32), w1[n].view(np.uint32))
@@ -397,12 +398,17 @@ def test_weights_of_a_lone_worker_become_the_model_bit_for_bit_and_raced_weights
         assert err.value.code == "not_finite"
         stats = a.stats()
         assert stats["version"] == 2 and stats["weights_pushes"] == 1 and stats["weights_not_current"] == 2
+        assert stats["weights_lent"] == stats["lent_copies"] == 0
         # the worker's count: what the PS folded or refused as bad (the NaN), not what it left to a delta push
         assert a.counters.pushes == 2 and a.counters.weights_not_current == 2
         with pytest.raises(PSError) as err:  # the flag is true or false, nothing else
             a.request("push", {"rank": 0, "base_version": 2, "seq": 99, "session": a.session, "weights": "yes"},
                       {"b": np.zeros(2, np.float32)})
         assert err.value.code == "bad_field" and a.stats()["version"] == 2
+        with pytest.raises(PSError) as err:
+            a.request("push", {"rank": 0, "base_version": 2, "seq": 100, "session": a.session, "weights": True,
+                               "lend": 1}, {"b": np.zeros(2, np.float32)})
+        assert err.value.code == "bad_field" and "'lend'" in str(err.value) and a.stats()["version"] == 2
         np.testing.assert_array_equal(a.pull().tensors["w"], w1["w"] + 1)
     finally:
         a.close()
