@@ -377,8 +377,9 @@ class PSClient:
         ``lend`` (with ``weights`` held in :meth:`push_buffers`): the PS may keep these very
         buffers as its model, checked but not copied, until it has answered this client's next
         push or pull. Do not write them before that answer: the next push of weights goes from
-        another set of buffers (the strategy keeps two and swaps them). A PS keeps them only when
-        it answers "own"; it copies them if it must send or change the model meanwhile.
+        another set of buffers (the strategy keeps two and swaps them). The PS keeps them only if
+        it took them as its model, and copies them first if it must send or change the model
+        meanwhile.
         """
         if want_model not in (True, False, "unless_own"):
             raise ValueError(f"want_model must be True, False or 'unless_own', got {want_model!r}")

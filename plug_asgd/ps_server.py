@@ -203,7 +203,7 @@ class ParameterServer:
         # a lone worker's weights kept as the central tensors in its own memory (see _on_push), and its session
         self._lent: dict[str, np.ndarray] = {}
         self._lender: str | None = None
-        self._lent_by: tuple[bytes, Any] = (b"", None)  # (identity, rid) of the push that lent them
+        self._lent_at = -1  # the number of the request (messages_in) that lent them
         self._by_identity: dict[bytes, WorkerInfo] = {}
         self.ever_joined: set[int] = set()
         self.left: dict[int, set[int]] = defaultdict(set)
@@ -401,7 +401,7 @@ class ParameterServer:
         self.socket.send_multipart([identity, *frames], copy=False)
 
     def _error(self, identity: bytes, rid: Any, code: str, text: str) -> None:
-        self._before_reply(identity, rid)
+        self._before_reply(identity)
         self._send(identity, rid, "error", {"code": code, "message": text})
 
     # -- membership ----------------------------------------------------------------------------
@@ -579,7 +579,7 @@ class ParameterServer:
     def _send_model(self, identity: bytes, rid: Any, fields: dict[str, Any], with_tensors: bool = True) -> None:
         fields = {**fields, "version": self.state.version, "stop": self._stopped()}
         if not with_tensors:
-            self._before_reply(identity, rid)
+            self._before_reply(identity)
             self._send(identity, rid, "model", fields)
             return
         self._release_lent()  # a reply in flight must not read memory its worker may write again
@@ -595,12 +595,12 @@ class ParameterServer:
         self.socket.send_multipart([identity, *parts], copy=False)
         self._in_flight += [p.tracker for p in parts if isinstance(p, zmq.Frame) and p.tracker is not None]
 
-    def _before_reply(self, identity: bytes, rid: Any) -> None:
-        """Before answering a worker's push or pull (but the push that lent): give back what it lent.
+    def _before_reply(self, identity: bytes) -> None:
+        """Before answering a worker's push or pull (but the push that lent, as it is handled): give back what it lent.
 
         It may write that memory as soon as it has the answer, so the PS stops using it first.
         """
-        if self._lender is not None and (identity, rid) != self._lent_by:
+        if self._lender is not None and self.stats.messages_in != self._lent_at:
             sender = self._by_identity.get(identity)
             if sender is not None and sender.session == self._lender:
                 self._release_lent()
@@ -614,7 +614,7 @@ class ParameterServer:
         for name in kept:
             tensors[name] = np.array(tensors[name])
         self.stats.lent_copies += bool(kept)
-        self._lent, self._lender, self._lent_by = {}, None, (b"", None)
+        self._lent, self._lender, self._lent_at = {}, None, -1
 
     def _replies_in_flight(self) -> bool:
         """Whether ZeroMQ may still be reading a reply sent zero-copy from the PS's own arrays."""
@@ -734,7 +734,7 @@ class ParameterServer:
         resolutions = self.rule.push(self.state, Push(token, rank, base, update, out, replace=weights))
         self.stats.weights_pushes += weights
         if lends and all(self.state.tensors[n] is u for n, u in update.items()):
-            self._lent, self._lender, self._lent_by = dict(update), session, (identity, rid)
+            self._lent, self._lender, self._lent_at = dict(update), session, self.stats.messages_in
             self.stats.weights_lent += 1
         if exact:
             token.own_version = self.state.version
