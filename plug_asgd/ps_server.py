@@ -730,7 +730,8 @@ class ParameterServer:
         self._writable(in_place=out is None)
         token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all")
         spares = out is not None and out is not update
-        before = dict(self.state.tensors) if spares else {}
+        # the arrays a fold out of place replaces (lent weights replace them too) are the next fold's spares
+        before = dict(self.state.tensors) if spares or lends else {}
         resolutions = self.rule.push(self.state, Push(token, rank, base, update, out, replace=weights))
         self.stats.weights_pushes += weights
         if lends and all(self.state.tensors[n] is u for n, u in update.items()):
@@ -744,11 +745,11 @@ class ParameterServer:
         self.stats.pushes_by_rank[rank] += 1
         if rank in self.workers:
             self.workers[rank].pushes += 1
-        if out is update:  # folded into the frames it came in: the replies resend those frames
+        if out is update and not lends:  # folded into the frames it came in: the replies resend those frames
             for name, array in update.items():
                 if self.state.tensors.get(name) is array and msg.tensors.get(name) is array:
                     self._frames[name] = (array, msg.frames[name])
-        elif spares:
+        elif spares or lends:
             self._recycle(before)
         self._resolve(resolutions)
 
