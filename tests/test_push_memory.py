@@ -272,10 +272,9 @@ def test_the_wire_carries_a_local_reference_without_a_frame():
         seg.close()
 
 
-def test_the_ps_folds_a_shared_push_into_spare_arrays_and_reuses_them():
-    """In-process PS: a push read from a worker's memory is folded into arrays of the PS's own, the
-    replaced central arrays become the next fold's spares once no reply holds them, and nothing the
-    PS keeps is a view of the worker's segment."""
+@pytest.fixture
+def in_process_ps():
+    """A PS serving from a thread of this process (its arrays can be looked at), and a worker of it."""
     from plug_asgd.ps_server import ParameterServer
 
     server = ParameterServer("tcp://127.0.0.1:*", "asgd")
@@ -284,23 +283,31 @@ def test_the_ps_folds_a_shared_push_into_spare_arrays_and_reuses_them():
     c = client(server.address)
     try:
         c.init(model())
-        mine = buffers(c)
-        for n in SHAPES:
-            mine[n][...] = 0.25
-        c.push(0, mine, want_model="unless_own")
-        first = dict(server.state.tensors)
-        c.push(1, mine, want_model="unless_own")
-        assert all(server._spares[n] is first[n] for n in SHAPES)  # no reply held them: kept as spares
-        c.push(2, mine, want_model="unless_own")
-        assert all(server.state.tensors[n] is first[n] for n in SHAPES)  # two arrays, in turn
-        for t in server.state.tensors.values():  # (the PS maps the segment read-only, at its own addresses:
-            assert t.flags.writeable and t.flags.owndata  # a view of it would be neither)
-        quarter = np.float32(0.25)
-        np.testing.assert_array_equal(c.pull().tensors["w"], model()["w"] + quarter + quarter + quarter)
+        yield server, c
     finally:
         c.close()
         server.request_stop()
         thread.join(10)
+
+
+def test_the_ps_folds_a_shared_push_into_spare_arrays_and_reuses_them(in_process_ps):
+    """In-process PS: a push read from a worker's memory is folded into arrays of the PS's own, the
+    replaced central arrays become the next fold's spares once no reply holds them, and nothing the
+    PS keeps is a view of the worker's segment."""
+    server, c = in_process_ps
+    mine = buffers(c)
+    for n in SHAPES:
+        mine[n][...] = 0.25
+    c.push(0, mine, want_model="unless_own")
+    first = dict(server.state.tensors)
+    c.push(1, mine, want_model="unless_own")
+    assert all(server._spares[n] is first[n] for n in SHAPES)  # no reply held them: kept as spares
+    c.push(2, mine, want_model="unless_own")
+    assert all(server.state.tensors[n] is first[n] for n in SHAPES)  # two arrays, in turn
+    for t in server.state.tensors.values():  # (the PS maps the segment read-only, at its own addresses:
+        assert t.flags.writeable and t.flags.owndata  # a view of it would be neither)
+    quarter = np.float32(0.25)
+    np.testing.assert_array_equal(c.pull().tensors["w"], model()["w"] + quarter + quarter + quarter)
 
 
 def two_sets(c: PSClient) -> dict[str, dict[str, np.ndarray]]:
@@ -394,31 +401,20 @@ def test_the_ps_gives_lent_weights_back_before_it_answers_the_lenders_next_push(
         c.close()
 
 
-def test_lent_weights_leave_the_ps_arrays_they_replace_as_spares_for_the_next_fold():
+def test_lent_weights_leave_the_ps_arrays_they_replace_as_spares_for_the_next_fold(in_process_ps):
     """In-process PS: a lent push replaces the PS's own arrays, which the next fold out of a shared
     segment writes into, so that pushes alternating lent weights and deltas allocate nothing."""
-    from plug_asgd.ps_server import ParameterServer
-
-    server = ParameterServer("tcp://127.0.0.1:*", "asgd")
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 20}, daemon=True)
-    thread.start()
-    c = client(server.address)
-    try:
-        c.init(model())
-        sets = two_sets(c)
-        own = dict(server.state.tensors)
-        fill(sets["a"], model(3))
-        assert c.push(0, sets["a"], want_model="unless_own", weights=True, lend=True).own
-        # lent: the model is the PS's read-only map of the worker's buffers, no array of its own
-        assert all(server._lent[n] is server.state.tensors[n] and not server._lent[n].flags.writeable for n in SHAPES)
-        assert all(server._spares[n] is own[n] for n in SHAPES)
-        fill(sets["b"], {n: np.full(s, 0.5, np.float32) for n, s in SHAPES.items()})
-        c.push(1, sets["b"], want_model=False)
-        assert all(server.state.tensors[n] is own[n] for n in SHAPES)  # the delta folded into the spares
-        want = {n: t + np.float32(0.5) for n, t in model(3).items()}
-        assert_bits(c.pull().tensors, want)
-        assert c.stats()["lent_copies"] == 0  # the lent arrays were no longer the model: nothing copied
-    finally:
-        c.close()
-        server.request_stop()
-        thread.join(10)
+    server, c = in_process_ps
+    sets = two_sets(c)
+    own = dict(server.state.tensors)
+    fill(sets["a"], model(3))
+    assert c.push(0, sets["a"], want_model="unless_own", weights=True, lend=True).own
+    # lent: the model is the PS's read-only map of the worker's buffers, no array of its own
+    assert all(server._lent[n] is server.state.tensors[n] and not server._lent[n].flags.writeable for n in SHAPES)
+    assert all(server._spares[n] is own[n] for n in SHAPES)
+    fill(sets["b"], {n: np.full(s, 0.5, np.float32) for n, s in SHAPES.items()})
+    c.push(1, sets["b"], want_model=False)
+    assert all(server.state.tensors[n] is own[n] for n in SHAPES)  # the delta folded into the spares
+    want = {n: t + np.float32(0.5) for n, t in model(3).items()}
+    assert_bits(c.pull().tensors, want)
+    assert c.stats()["lent_copies"] == 0  # the lent arrays were no longer the model: nothing copied
