@@ -46,13 +46,15 @@ def machine() -> dict[str, Any]:
             "load_average_at_start": list(os.getloadavg())}
 
 
-def ps_push_ms(stats: dict[str, Any]) -> dict[str, float] | None:
+def ps_push_ms(stats: dict[str, Any]) -> dict[str, float | None] | None:
     """The PS's mean time per push (ms) from its stats, in all and on a core; None before any push."""
-    n = stats.get("push_messages")
-    if not n:
+    from plug_asgd.dashboard import push_ms  # (plug_asgd imports Lightning: not for every user of this module)
+
+    per_push = push_ms(stats)
+    if per_push is None:
         return None
-    return {"wall": round(1000 * stats["push_busy_s"] / n, 3),
-            "on_a_core": round(1000 * stats["push_busy_cpu_s"] / n, 3)}
+    wall, cpu = per_push
+    return {"wall": round(wall, 3), "on_a_core": None if cpu is None else round(cpu, 3)}
 
 
 def summary(values: list[float]) -> dict[str, Any]:

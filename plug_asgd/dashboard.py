@@ -73,6 +73,16 @@ def updates_per_s(snapshot: Snapshot, previous: Snapshot | None) -> tuple[float,
     return rate, True
 
 
+def push_ms(snapshot: Snapshot) -> tuple[float, float | None] | None:
+    """The PS's mean time per push, ms: in all, and on a core (None if the PS does not say); None before a push."""
+    pushes = int(snapshot.get("push_messages") or 0)
+    if not pushes:
+        return None
+    cpu = snapshot.get("push_busy_cpu_s")
+    return (1000 * float(snapshot.get("push_busy_s") or 0) / pushes,
+            None if cpu is None else 1000 * float(cpu) / pushes)
+
+
 def busy_text(snapshot: Snapshot, previous: Snapshot | None = None) -> str | None:
     """How much of its time the PS spends handling requests, and per push; None from a PS that does not say.
 
@@ -88,11 +98,10 @@ def busy_text(snapshot: Snapshot, previous: Snapshot | None = None) -> str | Non
     recent = recent_rate(snapshot, previous, "busy_s")
     if recent is not None:
         text += f" ({100 * min(1.0, recent):.0f}% recently)"
-    pushes = int(snapshot.get("push_messages") or 0)
-    if pushes:
-        text += f", {1000 * float(snapshot.get('push_busy_s') or 0) / pushes:.2f} ms a push"
-        if snapshot.get("push_busy_cpu_s") is not None:
-            text += f" ({1000 * float(snapshot['push_busy_cpu_s']) / pushes:.2f} ms on a core)"
+    per_push = push_ms(snapshot)
+    if per_push is not None:
+        wall, cpu = per_push
+        text += f", {wall:.2f} ms a push" + (f" ({cpu:.2f} ms on a core)" if cpu is not None else "")
     return text
 
 

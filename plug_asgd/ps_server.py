@@ -729,9 +729,9 @@ class ParameterServer:
             self._check_finite(update)
         self._writable(in_place=out is None)
         token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all")
-        spares = out is not None and out is not update
-        # the arrays a fold out of place replaces (lent weights replace them too) are the next fold's spares
-        before = dict(self.state.tensors) if spares or lends else {}
+        # the arrays a fold into spares replaces (lent weights replace them too) are the next fold's spares
+        recycle = lends or (out is not None and out is not update)
+        before = dict(self.state.tensors) if recycle else {}
         resolutions = self.rule.push(self.state, Push(token, rank, base, update, out, replace=weights))
         self.stats.weights_pushes += weights
         if lends and all(self.state.tensors[n] is u for n, u in update.items()):
@@ -749,7 +749,7 @@ class ParameterServer:
             for name, array in update.items():
                 if self.state.tensors.get(name) is array and msg.tensors.get(name) is array:
                     self._frames[name] = (array, msg.frames[name])
-        elif spares or lends:
+        elif recycle:
             self._recycle(before)
         self._resolve(resolutions)
 
