@@ -82,15 +82,21 @@ def markdown(results: dict[str, Any]) -> str:
         if g.get("dense_2_threads_over_1"):
             lines += ["", f"Dense updates/s, 2 fold threads over 1: {_spread(g['dense_2_threads_over_1'])}."]
         lines += ["", f"Multi-threaded PS: {g['multi_threaded']}. {g['method']}"]
-    if "time_to_accuracy" in b and "time_to_target_s" in b["time_to_accuracy"]:
+    if "time_to_accuracy" in b and "reps" in b["time_to_accuracy"]:
         t = b["time_to_accuracy"]
         lines += ["", f"## Time to {t['target_acc']:.0%} test accuracy", "", t["method"], "",
-                  "| run | seconds to target (snapshot time) | in snapshot intervals (the figure) | best accuracy |",
-                  "|---|---|---|---|"]
-        rounded = t.get("time_to_target_in_intervals_s", {})
-        for k, v in t["time_to_target_s"].items():
-            shown = _fmt(v) if v is not None else f"not reached in {_fmt(t.get('run_s', {}).get(k))} s"
-            lines.append(f"| {k} | {shown} | {_fmt(rounded.get(k))} | {_fmt(t['best_acc'].get(k))} |")
+                  "| run | seconds to target, in snapshot intervals | runs that missed it | best accuracy | "
+                  "samples/s |", "|---|---|---|---|---|"]
+        for k, v in t["time_to_target_in_intervals_s"].items():
+            lines.append(f"| {k} | {_spread(v)} | {t['missed'].get(k, 0)} | {_spread(t['best_acc'].get(k))} | "
+                         f"{_spread(t['samples_per_s'].get(k))} |")
+        lines += ["", "| repetition | one process (s) | asgd (s) | asgd / one process | unrounded: one process, "
+                  "asgd (s) |", "|---|---|---|---|---|"]
+        for p in t["reps"]:
+            rounded, raw = p["time_to_target_in_intervals_s"], p["time_to_target_s"]
+            ratio = _fmt(p["ratio"]) + (f" ({p['bound']} bound)" if p["bound"] else "")
+            lines.append(f"| {p['rep']} | {_fmt(rounded.get('one process'))} | {_fmt(rounded.get('asgd'))} | {ratio} | "
+                         f"{_fmt(raw.get('one process'))}, {_fmt(raw.get('asgd'))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -109,9 +115,13 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, curve in t["curves"].items():
             if curve:
-                ax.plot([c[0] for c in curve], [c[1] for c in curve], marker=".", label=name)
+                line, = ax.plot([c[0] for c in curve], [c[1] for c in curve], marker=".", label=name)
+                for other in t.get("curves_by_rep", {}).get(name, [])[1:]:  # the other repetitions, thin
+                    ax.plot([c[0] for c in other], [c[1] for c in other], color=line.get_color(), lw=0.6,
+                            alpha=0.5)
         ax.axhline(t["target_acc"], color="grey", ls="--", lw=0.8)
-        ax.set(xlabel="training wall time (s)", ylabel="test accuracy", title="Fashion-MNIST, recipe CNN")
+        ax.set(xlabel="training wall time (s)", ylabel="test accuracy",
+               title="Fashion-MNIST, recipe CNN (thin: other repetitions)")
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "time_to_accuracy.png", dpi=100)

@@ -43,12 +43,12 @@ SIZES: dict[str, dict[str, Any]] = {
     "quick": {"reps": 1, "straggler_s": 1.5, "sync_steps": 10, "overhead_steps": 10, "adacomp_subset": 640,
               "adacomp_epochs": 1,
               "tta_subset": 1920, "tta_epochs": 1, "tta_limit_s": 4.0, "snapshot_s": 2.0, "test_subset": 500,
-              "tta_test_subset": 500,
+              "tta_test_subset": 500, "tta_reps": 1,
               "rtt_rounds": 5, "ingest_s": 1.5, "ingest_clients": (2,), "timeout": 170},
     "full": {"reps": 5, "straggler_s": 15.0, "sync_steps": 100, "overhead_steps": 100, "adacomp_subset": 24000,
              "adacomp_epochs": 2,
-             "tta_subset": None, "tta_epochs": 2, "tta_limit_s": 110.0, "snapshot_s": 10.0, "test_subset": None,
-             "tta_test_subset": 5000,
+             "tta_subset": None, "tta_epochs": 2, "tta_limit_s": 75.0, "snapshot_s": 5.0, "test_subset": None,
+             "tta_test_subset": 5000, "tta_reps": 5,
              "rtt_rounds": 100, "ingest_s": 5.0, "ingest_clients": (2, 4), "timeout": 1800},
 }
 
@@ -91,8 +91,13 @@ def step_time_single_thread(batch: int, steps: int = 20) -> float:
 
 # -- the training launches -------------------------------------------------------------------------
 
-def training_runs(names: list[str], size: dict[str, Any], slow_sleep: float) -> dict[int, list[dict[str, Any]]]:
-    """The runs of each launch (by number of workers), alternated within each repetition."""
+def training_runs(names: list[str], size: dict[str, Any], slow_sleep: float) -> list[tuple[int, list[dict[str, Any]]]]:
+    """The launches, as (number of workers, runs), each launch's runs alternated within each repetition.
+
+    The benchmarks that compare runs of the same number of workers alternate them within one
+    launch. Time to accuracy compares one process with 2 workers, which are two launches: each
+    repetition is a launch of each, their order swapped every repetition.
+    """
     two: list[dict[str, Any]] = []
     one: list[dict[str, Any]] = []
     big = 100_000
@@ -130,33 +135,41 @@ def training_runs(names: list[str], size: dict[str, Any], slow_sleep: float) -> 
             two.append({**common, "name": f"adacomp {frac:g}", "kind": "asgd", "mode": "adacomp", "compression": frac})
         for comp in COMPRESSORS:
             two.append({**common, "name": comp, "kind": "asgd", "mode": "asgd", "compressor": comp})
+    launches = [(n, runs) for n, runs in ((2, two), (1, one)) if runs]
     if "time_to_accuracy" in names:
-        common = {"bench": "time_to_accuracy", "batch_size": 32, "train_subset": size["tta_subset"],
-                  "epochs": size["tta_epochs"], "snapshot_every_s": size["snapshot_s"],
-                  "test_subset": size["tta_test_subset"]}
-        one.append({**common, "name": "one process", "kind": "single", "time_limit_s": size["tta_limit_s"],
-                    "max_steps": big})
-        two.append({**common, "name": "ddp", "kind": "ddp"})
-        for mode in ("asgd", "adacomp", "sync"):
-            two.append({**common, "name": mode, "kind": "asgd", "mode": mode, "time_limit_s": size["tta_limit_s"],
-                        "max_steps": big})
-    return {n: runs for n, runs in ((2, two), (1, one)) if runs}
+        for rep in range(size["tta_reps"]):
+            common = {"bench": "time_to_accuracy", "rep": rep, "batch_size": 32, "train_subset": size["tta_subset"],
+                      "epochs": size["tta_epochs"], "snapshot_every_s": size["snapshot_s"],
+                      "test_subset": size["tta_test_subset"], "time_limit_s": size["tta_limit_s"],
+                      "max_steps": big}
+            single = [{**common, "name": "one process", "kind": "single"}]
+            workers = [{**common, "name": "asgd", "kind": "asgd", "mode": "asgd"}]
+            if rep == 0:  # the other curves of the plot, once: DDP runs its 2 epochs, untimed
+                workers += [{**{k: v for k, v in common.items() if k not in ("time_limit_s", "max_steps")},
+                             "name": "ddp", "kind": "ddp"}]
+                workers += [{**common, "name": mode, "kind": "asgd", "mode": mode} for mode in ("adacomp", "sync")]
+            pair = [(1, single), (2, workers)]
+            launches += pair if rep % 2 == 0 else pair[::-1]
+    return launches
 
 
-def launch(workers: int, runs: list[dict[str, Any]], size: dict[str, Any], work: Path) -> list[dict[str, Any]]:
-    out = work / f"train{workers}"
+def launch(workers: int, runs: list[dict[str, Any]], size: dict[str, Any], work: Path,
+           label: str = "") -> list[dict[str, Any]]:
+    """Run ``runs`` in one launch of ``workers`` ranks; ``label`` tells this launch's files from others'."""
+    name = f"{workers}{label}"
+    out = work / f"train{name}"
     # an earlier launch's files (a run killed part-way, say) must not be read as this one's: rank 0 polls
     # for the other ranks' records by name
     shutil.rmtree(out, ignore_errors=True)
     spec = {"workers": workers, "data_dir": str(FASHION), "test_subset": size["test_subset"], "runs": runs}
     work.mkdir(parents=True, exist_ok=True)
-    (work / f"spec{workers}.json").write_text(json.dumps(spec, indent=1))
+    (work / f"spec{name}.json").write_text(json.dumps(spec, indent=1))
     threads = max(1, (os.cpu_count() or 1) // workers)
     env = child_env(OMP_NUM_THREADS=str(threads), MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(free_port_block(len(runs) + 2)))
-    log = work / f"train{workers}.log"
+    log = work / f"train{name}.log"
     t = time.monotonic()
-    rc = run_module("bench.train", ["--spec", str(work / f"spec{workers}.json"), "--out", str(out)],
+    rc = run_module("bench.train", ["--spec", str(work / f"spec{name}.json"), "--out", str(out)],
                     timeout=size["timeout"], log=log, env=env)
     print(f"[bench] {workers}-worker launch: {len(runs)} runs, rc {rc}, {time.monotonic() - t:.0f} s", flush=True)
     path = out / "results.json"
@@ -275,39 +288,67 @@ def first_time_at(curve: list[list[float]], target: float, step: float | None = 
     return t if t is None or not step else round(t / step) * step
 
 
+def tta_ratio(one: float | None, asgd: float | None, one_run_s: float | None,
+              asgd_run_s: float | None) -> tuple[float | None, str | None]:
+    """asgd's time to target over one process's, in one repetition, and whether that is a bound.
+
+    A run that never got there counts with its whole length, a lower bound on its time: the
+    ratio is then an upper bound (one process missed) or a lower bound (asgd missed), and
+    nothing where both missed. Dropping such a repetition would bias the median.
+    """
+    if one and asgd:
+        return asgd / one, None
+    if asgd and one is None and one_run_s:
+        return asgd / one_run_s, "upper"
+    if one and asgd is None and asgd_run_s:
+        return asgd_run_s / one, "lower"
+    return None, None
+
+
 def analyse_time_to_accuracy(runs: list[dict[str, Any]], target: float = 0.88) -> dict[str, Any]:
     # Snapshots are taken every snapshot_every_s seconds of training, a few milliseconds late each: the
     # figure counts in snapshot intervals, its resolution, so that runs reaching the target at the same
     # snapshot tie (the unrounded times are kept in "time_to_target_s").
-    steps = {r["name"]: r.get("snapshot_every_s") for r in runs}
-    raw = {r["name"]: first_time_at(r.get("curve", []), target) for r in runs}
-    times = {r["name"]: first_time_at(r.get("curve", []), target, steps[r["name"]]) for r in runs}
-    best = {r["name"]: max((a for _, a in r.get("curve", [])), default=None) for r in runs}
-    last = {r["name"]: max((t for t, _ in r.get("curve", [])), default=None) for r in runs}
-    one, asgd = times.get("one process"), times.get("asgd")
-    bound = None
-    if one and asgd:
-        ratio = [asgd / one]
-    elif asgd and one is None and last.get("one process"):
-        # one process never got there: its whole run is a lower bound on its time, so this is an upper bound
-        ratio, bound = [asgd / last["one process"]], "upper"
-    else:
-        ratio = []
-    return {"ratio": summary(ratio), "bound": bound, "unit": f"time to {target:.0%} test accuracy, "
-            "2 asgd workers / one process" + (" (upper bound: one process never reached it in its run)"
-                                               if bound else ""),
-            "time_to_target_s": raw, "time_to_target_in_intervals_s": times, "best_acc": best, "run_s": last,
-            "target_acc": target,
+    per_rep = []
+    for rep in sorted({r.get("rep", 0) for r in runs}):
+        sel = [r for r in runs if r.get("rep", 0) == rep]
+        raw = {r["name"]: first_time_at(r.get("curve", []), target) for r in sel}
+        times = {r["name"]: first_time_at(r.get("curve", []), target, r.get("snapshot_every_s")) for r in sel}
+        last = {r["name"]: max((t for t, _ in r.get("curve", [])), default=None) for r in sel}
+        ratio, bound = tta_ratio(times.get("one process"), times.get("asgd"), last.get("one process"),
+                                 last.get("asgd"))
+        per_rep.append({"rep": rep, "ratio": ratio, "bound": bound, "time_to_target_s": raw,
+                        "time_to_target_in_intervals_s": times, "run_s": last,
+                        "best_acc": {r["name"]: max((a for _, a in r.get("curve", [])), default=None) for r in sel},
+                        "samples_per_s": {r["name"]: r.get("samples_per_s") for r in sel}})
+    names = list(dict.fromkeys(r["name"] for r in runs))
+    epochs = runs[0].get("epochs") if runs else None
+    bounds = sorted({p["bound"] for p in per_rep if p["bound"]})
+    return {"ratio": summary([p["ratio"] for p in per_rep]), "bounds": bounds,
+            "unit": f"time to {target:.0%} test accuracy, 2 asgd workers / one process, per repetition"
+                    + (f" (some repetitions are {' and '.join(bounds)} bounds: a run that missed the target "
+                       "counts with its whole length)" if bounds else ""),
+            "time_to_target_in_intervals_s": {n: summary([p["time_to_target_in_intervals_s"].get(n)
+                                                          for p in per_rep if n in p["run_s"]]) for n in names},
+            "missed": {n: sum(1 for p in per_rep if n in p["run_s"] and p["time_to_target_s"].get(n) is None)
+                       for n in names},
+            "best_acc": {n: summary([p["best_acc"].get(n) for p in per_rep if n in p["run_s"]]) for n in names},
+            "samples_per_s": {n: summary([p["samples_per_s"].get(n) for p in per_rep if n in p["run_s"]])
+                              for n in names},
+            "reps": per_rep, "target_acc": target,
             "method": "rank 0 snapshots its weights (for asgd/adacomp/sync: the central model of its last reply) "
                       "every few seconds of training, the snapshot's own time taken off the clock; the snapshots "
                       "are evaluated after the fit on a fixed half of the test set (5,000 images; 500 with "
                       "--quick), to keep the evaluation's time in bounds; the snapshot interval is the figure's "
                       "resolution: times to target are counted in snapshot intervals, so two runs that reach the "
                       "target at the same snapshot tie. One process: OMP_NUM_THREADS = cpu_count; 2 workers: "
-                      "cpu_count // 2 each; the "
-                      "asgd-family runs and the one process stop after the same training time, DDP after 2 epochs. "
-                      "One run per configuration.",
-            "curves": {r["name"]: r.get("curve", []) for r in runs}}
+                      "cpu_count // 2 each. Each repetition is a launch of one process and a launch of 2 asgd "
+                      "workers, their order swapped every repetition; the figure is the median over repetitions "
+                      "of asgd's time over one process's in the same repetition. The asgd-family runs and the "
+                      f"one process stop after the same training time (or {epochs} epoch(s)), DDP after {epochs} "
+                      "epoch(s). DDP, adacomp and sync run in the first repetition only, for the plot.",
+            "curves": {r["name"]: r.get("curve", []) for r in runs if r.get("rep", 0) == 0},
+            "curves_by_rep": {n: [r.get("curve", []) for r in runs if r["name"] == n] for n in names}}
 
 
 # -- the PS benchmarks -----------------------------------------------------------------------------
@@ -497,8 +538,8 @@ def run(names: list[str], quick: bool, out: Path, merge: bool = False) -> dict[s
     slow_sleep = 3 * base_step
     launches = training_runs(names, size, slow_sleep)
     trained: list[dict[str, Any]] = []
-    for workers, runs in launches.items():
-        trained += launch(workers, runs, size, work)
+    for i, (workers, runs) in enumerate(launches):
+        trained += launch(workers, runs, size, work, label=f"_{i}")
     failures = [r.pop("launch_error") for r in trained if "launch_error" in r]
     trained = [r for r in trained if r]
     if failures:

@@ -117,6 +117,66 @@ def test_time_to_accuracy_curves_and_ingest(quick):
     assert rtt["mean_reply_bytes"]["ps_own_reply"] < 200
 
 
+def _tta_run(name: str, rep: int, accs: list[float], every: float = 5.0) -> dict:
+    # snapshots a few milliseconds late, as the clock takes them
+    return {"name": name, "rep": rep, "snapshot_every_s": every, "samples_per_s": 1000.0 + rep,
+            "curve": [[i * every + 0.013 * i, a] for i, a in enumerate(accs)]}
+
+
+def test_time_to_accuracy_is_a_median_over_repetitions_of_paired_ratios():
+    from bench.runner import analyse_time_to_accuracy
+
+    runs = [
+        # rep 0: one process at the 3rd snapshot (10 s), asgd at the 4th (15 s): 1.5
+        _tta_run("one process", 0, [0.1, 0.85, 0.881, 0.9]), _tta_run("asgd", 0, [0.1, 0.8, 0.87, 0.88]),
+        _tta_run("ddp", 0, [0.1, 0.88]),
+        # rep 1: both at 10 s: 1.0
+        _tta_run("asgd", 1, [0.1, 0.8, 0.9]), _tta_run("one process", 1, [0.1, 0.87, 0.88]),
+        # rep 2: asgd at 5 s, one process at 20 s: 0.25
+        _tta_run("one process", 2, [0.1, 0.5, 0.6, 0.7, 0.89]), _tta_run("asgd", 2, [0.1, 0.95]),
+        # rep 3: asgd never (its run ends at 15.039 s), one process at 5 s: at least 3.0078
+        _tta_run("one process", 3, [0.1, 0.88]), _tta_run("asgd", 3, [0.1, 0.2, 0.3, 0.4]),
+    ]
+    t = analyse_time_to_accuracy(runs)
+    assert [p["ratio"] for p in t["reps"]] == pytest.approx([1.5, 1.0, 0.25, 15.039 / 5.0])
+    assert [p["bound"] for p in t["reps"]] == [None, None, None, "lower"]
+    assert t["bounds"] == ["lower"] and "lower bounds" in t["unit"]
+    # median of 0.25, 1.0, 1.5, 3.0078: (1.0 + 1.5) / 2
+    assert t["ratio"]["median"] == pytest.approx(1.25) and t["ratio"]["n"] == 4
+    assert t["ratio"]["min"] == pytest.approx(0.25) and t["ratio"]["max"] == pytest.approx(15.039 / 5.0)
+    assert t["time_to_target_in_intervals_s"]["one process"]["values"] == [10.0, 10.0, 20.0, 5.0]
+    assert t["time_to_target_in_intervals_s"]["ddp"]["values"] == [5.0]  # the first repetition only
+    assert t["missed"] == {"one process": 0, "asgd": 1, "ddp": 0}
+    assert t["reps"][0]["time_to_target_s"]["asgd"] == pytest.approx(15.039)
+    assert t["best_acc"]["asgd"]["max"] == 0.95
+    assert t["samples_per_s"]["one process"]["values"] == [1000.0, 1001.0, 1002.0, 1003.0]
+    assert set(t["curves"]) == {"one process", "asgd", "ddp"}  # the plot's: the first repetition
+    assert len(t["curves_by_rep"]["asgd"]) == 4
+
+
+@pytest.mark.parametrize(("one", "asgd", "expected"), [
+    (10.0, 20.0, (2.0, None)), (None, 20.0, (0.5, "upper")), (10.0, None, (3.0, "lower")), (None, None, (None, None))])
+def test_a_run_that_missed_the_target_counts_with_its_whole_length(one, asgd, expected):
+    from bench.runner import tta_ratio
+
+    assert tta_ratio(one, asgd, one_run_s=40.0, asgd_run_s=30.0) == expected
+
+
+def test_time_to_accuracy_alternates_a_launch_of_each_per_repetition():
+    from bench.runner import SIZES, training_runs
+
+    size = {**SIZES["full"], "tta_reps": 3}
+    launches = training_runs(["time_to_accuracy"], size, slow_sleep=0.1)
+    plan = [(workers, [(r["name"], r["rep"]) for r in runs]) for workers, runs in launches]
+    assert plan == [(1, [("one process", 0)]), (2, [("asgd", 0), ("ddp", 0), ("adacomp", 0), ("sync", 0)]),
+                    (2, [("asgd", 1)]), (1, [("one process", 1)]),
+                    (1, [("one process", 2)]), (2, [("asgd", 2)])]
+    timed = [r for _, runs in launches for r in runs if r["name"] != "ddp"]
+    assert {r["time_limit_s"] for r in timed} == {size["tta_limit_s"]}
+    ddp = next(r for _, runs in launches for r in runs if r["name"] == "ddp")
+    assert "time_limit_s" not in ddp and "max_steps" not in ddp  # DDP's ranks stop together, after the epochs
+
+
 def test_an_unknown_benchmark_is_refused(procs):
     rc, out = procs.run([PYTHON, "-m", "bench", "nonesuch"], timeout=60)
     assert rc == 2 and "unknown benchmark" in out
