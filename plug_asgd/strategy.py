@@ -284,6 +284,7 @@ class AsyncPSStrategy(ParallelStrategy):
         self._overlap_trace: list[tuple[float, float | None, float]] = []
         self._shared_map: Any = None
         self._staleness = [0, 0, 0]  # sum, count, max over this worker's applied pushes
+        self._own_guesses = [0, 0]  # models of an "own" reply made while waiting for it; of those, answered "own"
         self._compressor = self._new_compressor()
         self._base: dict[str, Tensor] = {}
         self._delta_buffers: dict[str, Tensor] = {}
@@ -538,14 +539,15 @@ class AsyncPSStrategy(ParallelStrategy):
 
     def comm_stats(self) -> dict[str, Any]:
         """This worker's counters: local steps, bytes up and down (measured on the wire), time spent
-        waiting for the PS, and the staleness of its pushes (updates of others folded in between its
-        base version and its own update)."""
+        waiting for the PS, the staleness of its pushes (updates of others folded in between its
+        base version and its own update), and its guesses of an "own" reply (CPU spent on them)."""
         if self._client is None:
             return {}
         total, count, worst = self._staleness
         return {**self._client.counters.as_dict(), "local_steps": self._local_steps, "version": self._version,
                 "staleness_mean": total / count if count else 0.0, "staleness_max": worst,
                 "overlapped_steps": self._overlapped_steps, "overlap_trace": list(self._overlap_trace),
+                "own_guesses": self._own_guesses[0], "own_guesses_right": self._own_guesses[1],
                 "reconnections": self._client.reconnections}
 
     def ps_stats(self) -> dict[str, Any]:
@@ -719,22 +721,28 @@ class AsyncPSStrategy(ParallelStrategy):
         base = self._version
         # not while the PS may still hold our base as its model (lent): the guess would write it during the push
         ask_own = want_model and exact and not self._base_lent
-        speculate = None
-        if ask_own:
-            def speculate() -> None:
-                """The model an "own" reply means (base + update), made while the PS folds the same sum.
 
-                Any other reply carries the whole model, which then replaces base and weights alike.
-                """
-                with torch.no_grad():
-                    for name, t in tensors.items():
-                        self._base[name].add_(deltas[name])
-                        t.copy_(self._base[name])
+        def own_model() -> None:
+            """The model an "own" reply means, base + update: the same float32 additions as the PS's."""
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    self._base[name].add_(deltas[name])
+                    t.copy_(self._base[name])
+
+        # Made while the PS folds the same sum, where the last push was answered "own" too. Where it was not
+        # (another worker raced it), this one will most likely not be either: the whole model comes, and
+        # replaces base and weights alike, so the guess would be two passes over the model for nothing,
+        # on cores the PS and the other workers need.
+        guess = ask_own and self._weights_ok
         reply = self._client.push(base, update, want_model="unless_own" if ask_own else want_model,
-                                  while_waiting=speculate)
+                                  while_waiting=own_model if guess else None)
         self._count_staleness(reply, base)
+        self._own_guesses[0] += guess
+        self._own_guesses[1] += guess and reply.own
         self._weights_ok = reply.own  # nothing raced this push: the next may well be a lone one too
-        if reply.own:  # the central model is base + update, made by speculate: the same float32 additions
+        if reply.own:  # the central model is base + update
+            if not guess:
+                own_model()
             self._based_on(reply)
         elif want_model:
             self._load(reply)

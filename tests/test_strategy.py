@@ -192,6 +192,27 @@ def test_raced_weights_fold_nothing_and_the_worker_pushes_its_update_instead():
         np.testing.assert_allclose(finals[n], t, rtol=1e-5, atol=1e-6)
 
 
+def test_a_worker_guesses_the_own_model_while_waiting_only_after_an_own_reply(monkeypatch):
+    """Pushes of updates only (as of a worker over the socket among others): the model an "own" reply
+    means is made while the PS folds where the last reply was "own", after the reply where it was not,
+    and thrown away where the guess was wrong; each way the worker ends on the PS's bits."""
+    s = AsyncPSStrategy(mode="asgd")
+    monkeypatch.setattr(s, "_push_weights", lambda tensors: False)
+    try:
+        finals = fit_tiny(s, [Racer()])
+        stats, comm = s._client.stats(), s.comm_stats()
+        central_now = central(s)
+    finally:
+        s._shutdown(wait_for_workers=0)
+    assert stats["pushes_applied"] == 21 and stats["weights_pushes"] == 0
+    # pushes 1-4 own; the racer's zeros land before push 5, whose guess is wrong; push 6 is not guessed
+    # (the last reply was not own) yet answered own; pushes 7-20 guessed and own
+    assert stats["own_replies"] == 4 + 1 + 14
+    assert comm["own_guesses"] == 4 + 1 + 14 and comm["own_guesses_right"] == 4 + 14
+    for n in finals:
+        np.testing.assert_array_equal(finals[n].view(np.uint32), central_now[n].view(np.uint32))
+
+
 def test_a_worker_whose_base_is_its_own_weights_never_asks_for_an_own_reply():
     """With pull_every=2 every other push takes no model: the worker then keeps its own weights as its
     base, which need not be the central model of the version it was told, so the next push must
