@@ -23,6 +23,18 @@ LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "
                       "GROUP_RANK")
 
 
+def commit() -> str | None:
+    """The code a run measured: the commit, marked ``+changes`` where the tree differs from it; None outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+changes" if changed else "")
+
+
 def machine() -> dict[str, Any]:
     import torch
 
@@ -43,7 +55,7 @@ def machine() -> dict[str, Any]:
     return {"cpu_count": os.cpu_count(), "cpu_model": model, "torch": torch.__version__,
             "python": platform.python_version(), "zmq": zmq_version, "platform": platform.platform(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "load_average_at_start": list(os.getloadavg())}
+            "load_average_at_start": list(os.getloadavg()), "commit": commit()}
 
 
 def ps_push_ms(stats: dict[str, Any]) -> dict[str, float | None] | None:

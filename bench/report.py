@@ -26,10 +26,12 @@ def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     lines = [f"# Benchmark results ({results['size']})", "",
              f"Command: `{results['command']}` (from the repository root; {results.get('wall_s', 0):.0f} s)."
-             + "".join(f" Earlier: `{e['command']}` ({e.get('wall_s', 0):.0f} s, {e['machine']['date']})."
+             + "".join(f" Earlier: `{e['command']}` ({e.get('wall_s', 0):.0f} s, {e['machine']['date']}"
+                       + (f", commit {e['machine']['commit']}" if e["machine"].get("commit") else "") + ")."
                        for e in results.get("earlier", [])) + " Each benchmark's own command is in results.json.", "",
              f"Machine: {m['cpu_count']} CPUs ({m['cpu_model']}), torch {m['torch']}, Python {m['python']}, "
-             f"ZeroMQ {m['zmq']}, {m['platform']}; {m['date']}; load average at start "
+             f"ZeroMQ {m['zmq']}, {m['platform']}; {m['date']}; commit {m.get('commit') or 'unknown'}; "
+             "load average at start "
              f"{', '.join(f'{x:.2f}' for x in m['load_average_at_start'])}.", "",
              "Each figure: median over repetitions [min .. max], alternated within the run.", "",
              "| benchmark | figure | target | measured | met |", "|---|---|---|---|---|"]

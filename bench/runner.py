@@ -3,7 +3,8 @@
 Every figure is a ratio of two things measured in the same run, alternated and repeated; the
 median is reported with its spread (min, max over the repetitions). The training benchmarks of
 one process count share one launch of Lightning worker processes (``bench.train``), which runs
-their configurations in turn; the PS benchmarks drive a PS process over pyzmq.
+their configurations in turn, except time to accuracy, which alternates a launch of one process
+with a launch of 2 workers; the PS benchmarks drive a PS process over pyzmq.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def training_runs(names: list[str], size: dict[str, Any], slow_sleep: float) -> 
                       "max_steps": big}
             single = [{**common, "name": "one process", "kind": "single"}]
             workers = [{**common, "name": "asgd", "kind": "asgd", "mode": "asgd"}]
-            if rep == 0:  # the other curves of the plot, once: DDP runs its 2 epochs, untimed
+            if rep == 0:  # the other curves of the plot, once: DDP runs its epochs, untimed
                 workers += [{**{k: v for k, v in common.items() if k not in ("time_limit_s", "max_steps")},
                              "name": "ddp", "kind": "ddp"}]
                 workers += [{**common, "name": mode, "kind": "asgd", "mode": mode} for mode in ("adacomp", "sync")]

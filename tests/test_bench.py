@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -55,6 +56,8 @@ def test_quick_runner_reports_every_benchmark(quick):
     assert set(results["benchmarks"]) == set(BENCHMARKS)
     m = results["machine"]
     assert m["cpu_count"] >= 1 and m["cpu_model"] and m["torch"] and m["date"]
+    # the code measured: this checkout's commit (None only outside a git checkout)
+    assert m["commit"] is None or re.fullmatch(r"[0-9a-f]{7,40}(\+changes)?", m["commit"]), m["commit"]
     for name, r in results["benchmarks"].items():
         assert "error" not in r, (name, r.get("error"))
         assert r["figure"]
