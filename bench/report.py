@@ -122,8 +122,12 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
                     ax.plot([c[0] for c in other], [c[1] for c in other], color=line.get_color(), lw=0.6,
                             alpha=0.5)
         ax.axhline(t["target_acc"], color="grey", ls="--", lw=0.8)
+        every = [c for reps in t.get("curves_by_rep", {}).values() for c in reps] or list(t["curves"].values())
+        trained = [a for curve in every for at, a in curve if at > 0]
+        if trained:  # the untrained start (about 0.1) would squeeze the curves into a line near the top
+            ax.set_ylim(bottom=max(0.0, min(trained) - 0.02))
         ax.set(xlabel="training wall time (s)", ylabel="test accuracy",
-               title="Fashion-MNIST, recipe CNN (thin: other repetitions)")
+               title="Fashion-MNIST, recipe CNN (thin lines: other repetitions)")
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "time_to_accuracy.png", dpi=100)
