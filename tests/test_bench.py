@@ -236,6 +236,29 @@ def test_the_push_timeline_of_a_lone_worker_shows_pushes_of_weights_only(procs):
     assert 0 < ps["on_a_core"] <= ps["wall"] < report["step_ms"]["asgd"][0]
 
 
+@needs_fashion
+def test_the_worker_push_timing_times_the_pushes_of_two_racing_workers(procs, tmp_path):
+    from bench.common import free_port_block
+
+    cmd = [PYTHON, "-m", "bench.worker_push_timing", "--seconds", "3", "--out", str(tmp_path),
+           "--port", str(free_port_block(3))]
+    rc, out = procs.run(cmd, timeout=240)
+    assert rc == 0, out[-3000:]
+    ranks = {line[5]: json.loads(line[7:]) for line in out.splitlines() if line.startswith("rank ")}
+    assert set(ranks) == {"0", "1"}, out[-3000:]
+    for r in ranks.values():
+        pieces = r["pieces"]
+        # a push after every step, each counted once by the client (refused pushes of weights are not)
+        assert pieces["_push"]["n"] == pieces["optimizer_step"]["n"] == r["pushes"] > 0
+        assert pieces["request"]["n"] >= r["pushes"]
+        assert 0 < pieces["_update"]["median_ms"] < pieces["_push"]["median_ms"] < pieces["optimizer_step"]["median_ms"]
+        assert 0 <= r["own_guesses_right"] <= min(r["own_guesses"], r["own_replies"]) <= r["pushes"]
+    (line,) = [line for line in out.splitlines() if line.startswith("samples/s ")]
+    summary = json.loads(line[len("samples/s "):])
+    ps = summary["ps_ms_per_push"]
+    assert summary["samples_per_s"] > 0 and 0 < ps["on_a_core"] <= ps["wall"]
+
+
 NAN = float("nan")
 # per work of the minimal server: after pushes a=[1, 2] b=[[0.5]], then a=[1, -4] b=[[0.25]], then
 # a=[NaN, 0] b=[[0]], then a=[1, 1] b=[[1]], from a central model of zeros: (version, a, b) after the
