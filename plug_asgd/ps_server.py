@@ -605,16 +605,20 @@ class ParameterServer:
             if sender is not None and sender.session == self._lender:
                 self._release_lent()
 
-    def _release_lent(self) -> None:
-        """Give a worker back the memory it lent (see ``lend`` in :meth:`_on_push`), copying what is still central."""
+    def _release_lent(self) -> set[str]:
+        """Give a worker back the memory it lent (see ``lend`` in :meth:`_on_push`), copying what is still central.
+
+        Returns the names of those copies: fresh arrays that no reply has sent.
+        """
         if not self._lent:
-            return
+            return set()
         tensors = self.state.tensors
-        kept = [name for name, array in self._lent.items() if tensors.get(name) is array]
+        kept = {name for name, array in self._lent.items() if tensors.get(name) is array}
         for name in kept:
             tensors[name] = np.array(tensors[name])
         self.stats.lent_copies += bool(kept)
         self._lent, self._lender, self._lent_at = {}, None, -1
+        return kept
 
     def _replies_in_flight(self) -> bool:
         """Whether ZeroMQ may still be reading a reply sent zero-copy from the PS's own arrays."""
@@ -634,14 +638,14 @@ class ParameterServer:
         in_flight = self._replies_in_flight()
         if not in_place:
             return
-        self._release_lent()
+        fresh = self._release_lent()  # copied just now: no reply in flight reads them
         received = self._received_frames()
         if in_flight or received:
-            self.state.tensors = {name: t.copy() if in_flight or name in received else t
-                                  for name, t in self.state.tensors.items()}
+            stale = {name for name in self.state.tensors if (in_flight and name not in fresh) or name in received}
+            self.state.tensors = {name: t.copy() if name in stale else t for name, t in self.state.tensors.items()}
             self._in_flight = []
             self._frames = {}
-            self.stats.copies_on_write += 1
+            self.stats.copies_on_write += bool(stale)
 
     def _decode_update(self, update: dict[str, Tensor]) -> dict[str, Tensor]:
         """What each compressor sent, decoded into the central tensor's dtype (not yet checked for NaN/Inf)."""

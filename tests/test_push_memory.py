@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -274,13 +275,13 @@ def test_the_wire_carries_a_local_reference_without_a_frame():
 
 @pytest.fixture
 def in_process_ps():
-    """A PS serving from a thread of this process (its arrays can be looked at), and a worker of it."""
+    """A PS serving from a thread of this process (its arrays can be looked at), and a worker of it (of 2)."""
     from plug_asgd.ps_server import ParameterServer
 
     server = ParameterServer("tcp://127.0.0.1:*", "asgd")
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 20}, daemon=True)
     thread.start()
-    c = client(server.address)
+    c = client(server.address, world=2)
     try:
         c.init(model())
         yield server, c
@@ -418,3 +419,27 @@ def test_lent_weights_leave_the_ps_arrays_they_replace_as_spares_for_the_next_fo
     want = {n: t + np.float32(0.5) for n, t in model(3).items()}
     assert_bits(c.pull().tensors, want)
     assert c.stats()["lent_copies"] == 0  # the lent arrays were no longer the model: nothing copied
+
+
+def test_lent_weights_given_back_for_a_fold_in_place_are_copied_once_while_a_reply_is_in_flight(in_process_ps):
+    """In-process PS: a fold in place must not write arrays that a reply still being sent reads
+    (copy-on-write), nor a lent model (copied back first). The copy that gives the lent model
+    back is read by no reply, so it is not copied a second time."""
+    server, c = in_process_ps
+    other = client(server.address, rank=1, world=2)
+    try:
+        sets = two_sets(c)
+        fill(sets["a"], model(3))
+        assert c.push(0, sets["a"], want_model="unless_own", weights=True, lend=True).own
+        before = c.stats()["copies_on_write"]
+        server._in_flight.append(SimpleNamespace(done=False))  # a reply of the model before, still being sent
+        other.push(1, {"w": Sparse(np.array([4]), np.array([2.0], np.float32), SHAPES["w"])}, want_model=False)
+        stats = c.stats()
+        assert stats["lent_copies"] == 1 and stats["copies_on_write"] == before
+        for n in SHAPES:
+            sets["a"][n][...] = np.nan  # the worker's again
+        want = model(3)
+        want["w"].reshape(-1)[4] += np.float32(2.0)
+        assert_bits(c.pull().tensors, want)
+    finally:
+        other.close()
