@@ -114,6 +114,10 @@ class TopKResidual:
         self.residuals[key] = flat
         return Sparse(indices=chosen, values=values, shape=tuple(update.shape))
 
+    def pending(self, key: str) -> np.ndarray | None:
+        """What is kept of ``key`` for a later push (flat), or None before its first."""
+        return self.residuals.get(key)
+
 
 # -- decoding --------------------------------------------------------------------------------------
 
@@ -545,6 +549,10 @@ class ErrorFeedback:
         else:
             self.residuals[key] = v - decoded
         return sent
+
+    def pending(self, key: str) -> np.ndarray | None:
+        """What is kept of ``key`` for a later push, or None before its first."""
+        return self.residuals.get(key)
 
 
 COMPRESSORS: dict[str, Callable[..., Compressor]] = {

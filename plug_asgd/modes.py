@@ -381,7 +381,8 @@ class ModeSpec:
     when ``normalize``), ``"overlap"`` (the same push, sent by a background thread while the next
     step computes), ``"elastic"`` (EASGD's exchange with the center) or ``"shared"`` (Hogwild: the
     model lives in shared memory and nothing is pushed; the PS only serves Lightning's barriers); ``defaults`` fill the
-    strategy's knobs the user left unset (``push_every``, ``pull_every``, ``tau``, ``alpha``).
+    strategy's knobs the user left unset (``push_every``, ``pull_every``, ``tau``, ``alpha``);
+    ``compensate`` says which staleness remedies its workers apply by default.
     """
 
     name: str
@@ -391,6 +392,10 @@ class ModeSpec:
     exchange: str = "push"
     normalize: bool = False
     defaults: tuple[tuple[str, Any], ...] = ()
+    # how its workers compensate staleness (``plug_asgd.staleness``): "full" (every remedy), "lookahead"
+    # (all but the scale: dynsgd's PS scales by staleness itself), "step" (the optimizer's step scaled by
+    # 1/workers: hogwild, whose workers write one shared model), "none" (no stale update is folded in)
+    compensate: str = "none"
 
     @property
     def folds_into_update(self) -> bool:
@@ -429,20 +434,21 @@ def _ssp_rule(options: dict[str, Any]) -> FoldRule:
 
 
 MODES: dict[str, ModeSpec] = {
-    "asgd": ModeSpec("asgd", "push every step, folded in at once", _dense, _asgd_rule),
+    "asgd": ModeSpec("asgd", "push every step, folded in at once", _dense, _asgd_rule, compensate="full"),
     "adacomp": ModeSpec("adacomp", "per-layer top fraction with residual, staleness-scaled fold-in", _topk,
-                        _adacomp_rule),
+                        _adacomp_rule, compensate="full"),
     "sync": ModeSpec("sync", "average of replicas_to_aggregate updates per version, stale ones dropped", _dense,
                      _sync_rule),
     "downpour": ModeSpec("downpour", "push the update of push_every local steps, pull every pull_every steps",
-                         _dense, _asgd_rule, defaults=(("push_every", 4),)),
-    "dynsgd": ModeSpec("dynsgd", "asgd, each update scaled by 1/(staleness+1) at the PS", _dense, _dynsgd_rule),
+                         _dense, _asgd_rule, defaults=(("push_every", 4),), compensate="full"),
+    "dynsgd": ModeSpec("dynsgd", "asgd, each update scaled by 1/(staleness+1) at the PS", _dense, _dynsgd_rule,
+                       compensate="lookahead"),
     "ssp": ModeSpec("ssp", "asgd, but a worker staleness_bound pushes ahead of the slowest waits", _dense,
-                    _ssp_rule),
+                    _ssp_rule, compensate="full"),
     "localsgd": ModeSpec("localsgd", "push_every local steps, then the models are averaged synchronously",
                          _dense, _sync_rule, defaults=(("push_every", 8),)),
     "agn": ModeSpec("agn", "the update of push_every local steps divided by their number, folded in at once",
-                    _dense, _asgd_rule, normalize=True, defaults=(("push_every", 4),)),
+                    _dense, _asgd_rule, normalize=True, defaults=(("push_every", 4),), compensate="full"),
     "sagn": ModeSpec("sagn", "agn's normalized updates, averaged synchronously", _dense, _sync_rule,
                      normalize=True, defaults=(("push_every", 4),)),
     "osp": ModeSpec("osp", "sync rounds, each sent in the background while the next step computes", _dense,
@@ -450,7 +456,7 @@ MODES: dict[str, ModeSpec] = {
     "losp": ModeSpec("losp", "osp with push_every local steps; progress made during a round is kept", _dense,
                      _sync_rule, exchange="overlap", defaults=(("push_every", 4),)),
     "hogwild": ModeSpec("hogwild", "workers of one machine update one shared-memory model without locks",
-                        _dense, _asgd_rule, exchange="shared"),
+                        _dense, _asgd_rule, exchange="shared", compensate="step"),
     "easgd": ModeSpec("easgd", "every tau steps worker and center move alpha*(w - center) towards each other",
                       _dense, _asgd_rule, exchange="elastic", defaults=(("tau", 4), ("alpha", 0.5))),
     "eamsgd": ModeSpec("eamsgd", "easgd with Nesterov momentum SGD on the workers", _dense, _asgd_rule,

@@ -45,6 +45,8 @@ from plug_asgd.compressors import SPARSE_VALUES, NoCompression, make_compressor
 from plug_asgd.modes import get_mode
 from plug_asgd.ps_server import DEFAULT_WORKER_TIMEOUT, embedded_command
 from plug_asgd.security import check_bind
+from plug_asgd.staleness import Compensator, StalenessCompensation, resolve, scaled_step, warn_unknown_optimizers
+from plug_asgd.wire import Sparse
 
 log = logging.getLogger("plug_asgd.strategy")
 
@@ -132,6 +134,13 @@ class AsyncPSStrategy(ParallelStrategy):
             port can then read and overwrite the model).
         ps_threads: threads with which the embedded PS folds each large dense update in (``serve-ps
             --threads``); worth it only where the PS has cores the workers leave idle.
+        staleness_compensation: what an asynchronous worker does so that staleness does not act as extra
+            momentum (``plug_asgd.staleness``, ``docs/momentum.md``): its update folded in at ``1/(1 + s)``
+            (``s``: its recent mean staleness; dynsgd's PS does this itself), its next step computed ``s``
+            versions ahead of the central model, and, for sparse codecs, the optimizer's momentum zeroed where
+            an update was sent. On by default for asgd, adacomp, downpour, dynsgd, ssp and agn, which then
+            train momentum SGD at the learning rate of one process or DDP; ``False`` turns it off; a
+            ``StalenessCompensation(...)`` picks the remedies.
         shm_pushes: a worker on the PS's machine (Linux, the same user) writes its dense updates
             into shared memory that the PS maps, and the socket carries only where they lie (see
             ``plug_asgd.push_memory``); elsewhere, or where the PS does not offer it (``serve-ps
@@ -176,6 +185,7 @@ class AsyncPSStrategy(ParallelStrategy):
         ps_insecure: bool = False,
         ps_threads: int = 1,
         shm_pushes: bool = True,
+        staleness_compensation: StalenessCompensation | bool | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -262,6 +272,8 @@ class AsyncPSStrategy(ParallelStrategy):
             raise ValueError(f"ps_threads must be between 1 and 256, got {ps_threads}")
         self.ps_threads = ps_threads
         self.shm_pushes = shm_pushes
+        self.staleness_compensation = resolve(staleness_compensation, mode, self.mode_spec.compensate)
+        self._compensator = Compensator(self.staleness_compensation, 0)
         self._start_method = start_method
         self._num_nodes = 1
         self._client: PSClient | None = None
@@ -394,6 +406,9 @@ class AsyncPSStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             self._compressor = self._new_compressor()
+            self._compensator = Compensator(self.staleness_compensation, self.world_size - 1)
+            if self.staleness_compensation.mask_momentum and not isinstance(self._compressor, NoCompression):
+                warn_unknown_optimizers(self.optimizers)
 
     def on_train_start(self) -> None:
         if self.mode == "eamsgd":
@@ -622,20 +637,32 @@ class AsyncPSStrategy(ParallelStrategy):
         self._flush()
         self._load(self._client.pull())
 
-    def _load(self, reply: ModelReply) -> None:
+    def _load(self, reply: ModelReply, ahead: bool = False) -> None:
+        """Take the reply's model as weights and base: the central one, or (``ahead``) where it is heading."""
         tensors = self._synced_tensors()
         missing = sorted(set(tensors) - set(reply.tensors))
         if missing:
             raise RuntimeError(f"the parameter server's model lacks {missing[:5]}: is it serving another model? "
                                "Restart it, or point ps_address at the PS of this run")
+        central = True
+        if ahead and self._compensator.config.active:
+            # where the model will be when our next update lands (a single local step per push only), plus
+            # what our codec still holds back
+            central = self._compensator.load(tensors, reply.tensors, reply.version,
+                                             lookahead=self.push_every == 1 and self.pull_every is None,
+                                             pending=getattr(self._compressor, "pending", None))
+        else:
+            self._compensator.forget()
+            for name, t in tensors.items():
+                _assign(t, reply.tensors[name])
         for name, t in tensors.items():
-            _assign(t, reply.tensors[name])
             base = self._base.get(name)
             if base is None or base.shape != t.shape or base.device != t.device:
                 self._base[name] = t.detach().clone()
             else:
                 base.copy_(t.detach())
         self._based_on(reply)
+        self._base_is_central = central
 
     def _based_on(self, reply: ModelReply, central: bool = True) -> None:
         """``_base`` is now version ``reply.version``: the central model itself, unless ``central`` is False."""
@@ -673,10 +700,14 @@ class AsyncPSStrategy(ParallelStrategy):
                 deltas[name] = t.detach() - self._base[name]
                 delta = _to_numpy(deltas[name])
                 update[name] = self._compressor.encode(name, delta * scale if scale != 1.0 else delta)
+                if isinstance(update[name], Sparse):
+                    self._compensator.mask(self.optimizers, t, update[name].indices)
         return update, deltas, exact
 
     def _scale(self) -> float:
-        return 1.0 / self._since_push if self.mode_spec.normalize and self._since_push else 1.0
+        """What the update is multiplied by: agn's ``1/steps`` and the staleness compensation's ``1/(1 + s)``."""
+        steps = self._since_push if self.mode_spec.normalize and self._since_push else 1
+        return self._compensator.update_scale() / steps
 
     def _dense(self, tensors: dict[str, Tensor]) -> bool:
         return isinstance(self._compressor, NoCompression) and all(t.dtype == torch.float32 for t in tensors.values())
@@ -745,7 +776,7 @@ class AsyncPSStrategy(ParallelStrategy):
                 own_model()
             self._based_on(reply)
         elif want_model:
-            self._load(reply)
+            self._load(reply, ahead=True)
         else:  # what was pushed is the PS's now; keep training from our own weights
             for name, t in tensors.items():
                 self._base[name].copy_(t.detach())
@@ -754,6 +785,7 @@ class AsyncPSStrategy(ParallelStrategy):
     def _count_staleness(self, reply: ModelReply, base: int) -> None:
         if reply.status == "applied":
             staleness = reply.version - base - 1
+            self._compensator.observe(staleness)
             st = self._staleness
             st[0], st[1], st[2] = st[0] + staleness, st[1] + 1, max(st[2], staleness)
 
@@ -887,7 +919,12 @@ class AsyncPSStrategy(ParallelStrategy):
                 self._in_flight_result["next_step_at"] = time.monotonic()
             if self._in_flight.is_alive():
                 self._overlapped_steps += 1  # this step computes while the last update is on its way
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._hogwild and self._fitting and self.staleness_compensation.scale:
+            # the workers' steps all land in one model: each at 1/workers, as DDP averages them
+            with scaled_step(optimizer, 1.0 / self.world_size):
+                out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        else:
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._local_steps += 1
         if self._joined and self._fitting and not self._hogwild:
             self._since_push += 1

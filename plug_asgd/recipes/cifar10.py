@@ -498,7 +498,8 @@ def build_model(arch: str) -> nn.Module:
 class Cifar10Classifier(ImageClassifier):
     """One of :data:`ARCHS` trained with cross-entropy, logging exactly as :class:`MnistCNN` does."""
 
-    def __init__(self, arch: str = "cnn", lr: float = 1e-3, momentum: float = 0.9, optimizer: str = "adam") -> None:
+    def __init__(self, arch: str = "cnn", lr: float | None = None, momentum: float = 0.9,
+                 optimizer: str = "adam") -> None:
         super().__init__(lr, momentum, optimizer)
         self.save_hyperparameters()
         self.net = build_model(arch)

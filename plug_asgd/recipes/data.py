@@ -81,6 +81,8 @@ class SplitDataModule(pl.LightningDataModule):
 
 
 OPTIMIZERS = ("sgd", "nesterov", "adam")
+# the learning rates the recipes train with under every mode: momentum SGD's usual one, Adam's default
+DEFAULT_LR = {"sgd": 0.05, "nesterov": 0.05, "adam": 1e-3}
 
 
 def add_common_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -89,7 +91,8 @@ def add_common_data_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
     parser.add_argument("--train-subset", type=int, default=None, help="use only this many training images")
     parser.add_argument("--test-subset", type=int, default=None, help="use only this many test images")
     parser.add_argument("--no-download", action="store_true", help="fail instead of downloading missing files")
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="learning rate (default: " + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="optimiser (default: %(default)s)")
     return parser
 
@@ -104,7 +107,7 @@ class ImageClassifier(pl.LightningModule):
 
     net: torch.nn.Module
 
-    def __init__(self, lr: float, momentum: float, optimizer: str) -> None:
+    def __init__(self, lr: float | None, momentum: float, optimizer: str) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
@@ -135,9 +138,9 @@ class ImageClassifier(pl.LightningModule):
         return self._eval_step(batch, "test")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        """SGD with momentum 0.9 needs lr <= 0.01 under adacomp: the momentum keeps growing while the
-        worker is reset to the central model after every push, and lr=0.05 diverges."""
+        """Adam, or SGD with momentum (Nesterov's or not); ``lr=None`` takes :data:`DEFAULT_LR`."""
         hp = self.hparams
+        lr = DEFAULT_LR[hp.optimizer] if hp.lr is None else hp.lr
         if hp.optimizer == "adam":
-            return torch.optim.Adam(self.parameters(), lr=hp.lr)
-        return torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, nesterov=hp.optimizer == "nesterov")
+            return torch.optim.Adam(self.parameters(), lr=lr)
+        return torch.optim.SGD(self.parameters(), lr=lr, momentum=hp.momentum, nesterov=hp.optimizer == "nesterov")

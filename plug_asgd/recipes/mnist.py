@@ -51,7 +51,7 @@ class MnistCNN(ImageClassifier):
     can be compared with published ones.
     """
 
-    def __init__(self, lr: float = 1e-3, momentum: float = 0.9, optimizer: str = "adam") -> None:
+    def __init__(self, lr: float | None = None, momentum: float = 0.9, optimizer: str = "adam") -> None:
         super().__init__(lr, momentum, optimizer)
         self.save_hyperparameters()
         self.net = nn.Sequential(

@@ -1,0 +1,125 @@
+"""Modes x optimizers x staleness compensation (on, off): test accuracy at equal samples, and the gap to DDP.
+
+    PYTHONPATH=. python -m bench.momentum [--quick] [--workers 2 4] [--out DIR]
+
+Every run trains the recipe CNN on the same Fashion-MNIST subset for one epoch with the same
+per-worker batch (32), so all see the same samples; DDP (gloo, the same optimizer and learning
+rate) is the reference of its optimizer and worker count. The runs of one worker count share
+one launch of Lightning processes (``bench.train``). Writes ``momentum.json`` and ``momentum.md``
+(the table the README shows) into ``--out`` (default: ``bench/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import FASHION, ROOT, machine, write_json
+from bench.runner import launch
+
+OPTIMIZERS = (("sgd", 0.01), ("sgd", 0.05), ("nesterov", 0.05), ("adam", 0.001))
+# (row name, strategy settings): every mode with an asynchronous fold, and asgd under each codec with error feedback
+ROWS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("asgd", {"mode": "asgd"}), ("adacomp", {"mode": "adacomp"}), ("downpour", {"mode": "downpour"}),
+    ("dynsgd", {"mode": "dynsgd"}), ("ssp", {"mode": "ssp"}), ("agn", {"mode": "agn"}),
+    ("hogwild", {"mode": "hogwild"}),
+    *((f"asgd+{codec}", {"mode": "asgd", "compressor": codec}) for codec in ("topk", "randomk", "sign", "powersgd")),
+)
+TARGET_POINTS = {2: 1.0, 4: 2.0}  # every compensated cell within this many points of DDP
+SIZES = {"full": {"train_subset": 12000, "test_subset": None, "timeout": 5400},
+         "quick": {"train_subset": 1280, "test_subset": 500, "timeout": 600}}
+QUICK_ROWS = ("asgd", "adacomp")
+QUICK_OPTIMIZERS = (("sgd", 0.05),)
+
+
+def plan(size: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
+    """The runs of one launch: DDP per optimizer, then every row with compensation on and off."""
+    common = {"bench": "momentum", "batch_size": 32, "train_subset": size["train_subset"], "epochs": 1,
+              "test": True, "momentum": 0.9}
+    optimizers = QUICK_OPTIMIZERS if quick else OPTIMIZERS
+    rows = [r for r in ROWS if r[0] in QUICK_ROWS] if quick else ROWS
+    runs = []
+    for optimizer, lr in optimizers:
+        opt = {"optimizer": optimizer, "lr": lr}
+        runs.append({**common, **opt, "name": f"ddp {optimizer} {lr:g}", "row": "ddp", "kind": "ddp"})
+        for row, settings in rows:
+            for on in (True, False):
+                options = {} if on else {"staleness_compensation": False}
+                runs.append({**common, **opt, **settings, "kind": "asgd", "options": options, "row": row,
+                             "compensation": on, "name": f"{row} {optimizer} {lr:g} {'on' if on else 'off'}"})
+    return runs
+
+
+def table(results: list[dict[str, Any]], workers: int) -> dict[str, Any]:
+    """Accuracy and gap to DDP per (row, optimizer, compensation); whether every compensated cell meets the target."""
+    ddp = {(r["optimizer"], r["lr"]): r["test_acc"] for r in results if r["row"] == "ddp"}
+    cells, worst = [], None
+    for r in results:
+        if r["row"] == "ddp" or r.get("test_acc") is None:
+            continue
+        ref = ddp.get((r["optimizer"], r["lr"]))
+        gap = None if ref is None else round(100 * (r["test_acc"] - ref), 2)
+        cells.append({"row": r["row"], "optimizer": r["optimizer"], "lr": r["lr"], "compensation": r["compensation"],
+                      "test_acc": r["test_acc"], "ddp_acc": ref, "gap_points": gap})
+        if r["compensation"] and gap is not None:
+            worst = gap if worst is None else min(worst, gap)
+    target = TARGET_POINTS.get(workers)
+    met = None if worst is None or target is None else worst >= -target
+    return {"workers": workers, "ddp": {f"{o} {lr:g}": a for (o, lr), a in ddp.items()}, "cells": cells,
+            "worst_gap_points": worst, "target_points": target, "met": met}
+
+
+def markdown(tables: list[dict[str, Any]]) -> str:
+    lines = []
+    for t in tables:
+        opts = list(t["ddp"])
+        lines += [f"### {t['workers']} workers: test accuracy, and points from DDP (compensation on / off)", "",
+                  "| | " + " | ".join(opts) + " |", "|---|" + "---|" * len(opts),
+                  "| DDP | " + " | ".join(f"{t['ddp'][o]:.4f}" for o in opts) + " |"]
+        rows = dict.fromkeys(c["row"] for c in t["cells"])
+        for row in rows:
+            out = []
+            for o in opts:
+                got = {c["compensation"]: c for c in t["cells"]
+                       if c["row"] == row and f"{c['optimizer']} {c['lr']:g}" == o}
+                out.append(" / ".join(f"{got[k]['test_acc']:.3f} ({got[k]['gap_points']:+.1f})" if k in got else "-"
+                                      for k in (True, False)))
+            lines.append(f"| {row} | " + " | ".join(out) + " |")
+        lines += ["", f"Worst compensated gap: {t['worst_gap_points']:+.2f} points; target: within "
+                      f"{t['target_points']:g} (met: {t['met']}).", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.momentum", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 rows, 1 optimizer, 1,280 images (CI size)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not (FASHION / "train-images-idx3-ubyte.gz").exists():
+        parser.error(f"needs Fashion-MNIST in {FASHION}: apt-get install dataset-fashion-mnist")
+    out = args.out or (ROOT / "runs" / "bench-momentum-quick" if args.quick else ROOT / "bench" / "results")
+    size = SIZES["quick" if args.quick else "full"]
+    started = time.monotonic()
+    tables, errors = [], []
+    for workers in args.workers:
+        results = launch(workers, plan(size, args.quick), size, out / "work", label="_momentum")
+        errors += [r.pop("launch_error") for r in results if "launch_error" in r]
+        tables.append(table([r for r in results if r], workers))
+    report = {"machine": machine(), "command": "python -m bench.momentum " + " ".join(sys.argv[1:] if argv is None
+                                                                                      else argv),
+              "size": size, "tables": tables, "errors": errors, "wall_s": round(time.monotonic() - started, 1)}
+    write_json(out / "momentum.json", report)
+    (out / "momentum.md").write_text(markdown(tables))
+    print(markdown(tables))
+    for e in errors:
+        print(f"[bench.momentum] {e}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

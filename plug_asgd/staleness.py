@@ -1,0 +1,206 @@
+"""Staleness compensation: what an asynchronous worker does so that staleness does not act as momentum.
+
+With N workers pushing asynchronously, each update lands on a central model that moved by the
+others' updates since the worker's base, which acts as extra momentum (Mitliagkas et al. 2016)
+on top of the optimizer's own; with momentum SGD the sum diverges. Three remedies, chosen by
+measurement (``docs/momentum.md``):
+
+- **scale**: each update is folded in at ``1 / (1 + s)``, ``s`` the worker's recent mean
+  staleness: N equal workers then average their updates as DDP does.
+- **look-ahead** (modes that push every step): the worker computes its next step at ``central +
+  s * v``, ``v`` the central model's change per version since its last reply: where the model
+  will be when the update lands. With several local steps per push it hurts, and is left out.
+- **local residual** (codecs with error feedback): the worker's model keeps what its codec has
+  not sent yet (``central + residual``), so its gradients see its own pending progress instead of
+  pushing the same coordinates again and again until they are sent.
+- **momentum masking** (sparse codecs only): the optimizer's momentum is zeroed where an update
+  was just sent (Deep Gradient Compression's momentum factor masking), so a coordinate's
+  momentum does not keep pushing after its delayed residual landed.
+
+The first three need no optimizer state; masking needs the optimizer's momentum under the names
+torch uses (``momentum_buffer``, ``exp_avg``). Hogwild's workers write one shared model and push
+nothing: their optimizer's step is scaled instead, through its learning rate during the step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from torch import Tensor
+
+MOMENTUM_STATE_KEYS = ("momentum_buffer", "exp_avg")
+
+
+@dataclass(frozen=True)
+class StalenessCompensation:
+    """Which remedies an asynchronous worker applies; ``window`` pushes make its staleness estimate.
+
+    ``AsyncPSStrategy(staleness_compensation=False)`` turns all off (the seeds' plain fold).
+    """
+
+    scale: bool = True
+    lookahead: bool = True
+    local_residual: bool = True
+    mask_momentum: bool = True
+    window: int = 16
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be an int >= 1, got {self.window!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.scale or self.lookahead or self.local_residual or self.mask_momentum
+
+
+OFF = StalenessCompensation(scale=False, lookahead=False, local_residual=False, mask_momentum=False)
+
+
+def resolve(value: StalenessCompensation | bool | None, mode: str, kind: str) -> StalenessCompensation:
+    """The compensation for ``mode``, by its ``ModeSpec.compensate`` (``kind``: full, lookahead, step or none).
+
+    None or True: the mode's default; False: off; an instance: as given, refused for a mode that
+    has no staleness to compensate (synchronous rounds, elastic averaging, shared memory).
+    """
+    if value is False:
+        return OFF
+    if isinstance(value, StalenessCompensation):
+        if kind == "step" and value.active and value != replace(OFF, scale=True, window=value.window):
+            raise ValueError(f"mode={mode!r} shares one model and pushes nothing: only its step can be scaled "
+                             "(StalenessCompensation(scale=True, lookahead=False, local_residual=False, "
+                             "mask_momentum=False))")
+        if kind == "none" and value.active:
+            raise ValueError(f"staleness_compensation does not go with mode={mode!r}: its workers do not fold "
+                             "stale updates into the central model (use staleness_compensation=False or leave it)")
+        return value if kind == "full" else replace(value, scale=False)
+    if value is None or value is True:
+        if kind == "none":
+            return OFF
+        if kind == "step":
+            return replace(OFF, scale=True)
+        return StalenessCompensation(scale=kind == "full")
+    raise TypeError(f"staleness_compensation must be a bool, None or a StalenessCompensation, got {value!r}")
+
+
+def momentum_state_known(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether masking can find ``optimizer``'s momentum: torch's own, or one configured with the usual names."""
+    if type(optimizer).__module__.startswith("torch.optim"):
+        return True
+    return "momentum" in optimizer.defaults or "betas" in optimizer.defaults
+
+
+class Compensator:
+    """A worker's compensation state: its staleness estimate and the central model of its last reply."""
+
+    def __init__(self, config: StalenessCompensation, prior_staleness: float) -> None:
+        self.config = config
+        self.prior = float(prior_staleness)
+        self.recent: deque[int] = deque(maxlen=config.window)
+        self._previous: dict[str, Tensor] = {}
+        self._previous_version: int | None = None
+        self.masked = 0  # momentum coordinates zeroed so far
+
+    @property
+    def staleness(self) -> float:
+        """Mean staleness of this worker's last ``window`` applied pushes (the prior before any)."""
+        return sum(self.recent) / len(self.recent) if self.recent else self.prior
+
+    def observe(self, staleness: int) -> None:
+        self.recent.append(int(staleness))
+
+    def update_scale(self) -> float:
+        """The factor the next update is pushed with."""
+        return 1.0 / (1.0 + self.staleness) if self.config.scale else 1.0
+
+    def forget(self) -> None:
+        """A new stage (or a model loaded from elsewhere): no velocity to extrapolate from."""
+        self._previous.clear()
+        self._previous_version = None
+
+    def load(self, tensors: Mapping[str, Tensor], central: Mapping[str, np.ndarray], version: int,
+             lookahead: bool = True, pending: Callable[[str], np.ndarray | None] | None = None) -> bool:
+        """Put ``central`` (version ``version``) into ``tensors``, ``staleness`` versions ahead where
+        ``lookahead``, plus ``pending(name)``, the codec's residual, where the config keeps it local.
+
+        Returns True where the model put is the central one itself.
+        """
+        previous, since = self._previous, self._previous_version
+        ahead = self.staleness if self.config.lookahead and lookahead else 0.0
+        step = ahead / (version - since) if since is not None and version > since and ahead > 0 else 0.0
+        exact = True
+        with torch.no_grad():
+            for name, t in tensors.items():
+                c = _float32(central[name], t)
+                prev = previous.get(name)
+                if step and prev is not None and prev.shape == c.shape:
+                    t.copy_(c + (c - prev) * step)
+                else:
+                    t.copy_(c)
+                if self.config.lookahead:
+                    if prev is None or prev.shape != c.shape or prev.device != c.device:
+                        previous[name] = c.clone()
+                    else:
+                        prev.copy_(c)
+                residual = pending(name) if pending is not None and self.config.local_residual else None
+                if residual is not None:
+                    t.add_(_float32(residual, t))
+                    exact = False
+        self._previous_version = version if self.config.lookahead else None
+        return exact and step == 0.0
+
+    def mask(self, optimizers: Iterable[torch.optim.Optimizer], param: Tensor, indices: np.ndarray) -> None:
+        """Zero ``param``'s momentum in every optimizer at the flat ``indices`` just sent."""
+        if not self.config.mask_momentum or indices.size == 0:
+            return
+        index = None
+        for optimizer in optimizers:
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            for key in MOMENTUM_STATE_KEYS:
+                buf = state.get(key)
+                if isinstance(buf, Tensor) and buf.shape == param.shape:
+                    if index is None:
+                        index = torch.from_numpy(indices).to(buf.device)
+                    buf.view(-1)[index] = 0
+                    self.masked += int(index.numel())
+
+
+@contextmanager
+def scaled_step(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
+    """Every param group's ``lr`` times ``factor`` during the block: a step scaled without touching its state."""
+    if factor == 1.0:
+        yield
+        return
+    saved = [group.get("lr") for group in optimizer.param_groups]
+    for group, lr in zip(optimizer.param_groups, saved, strict=True):
+        if isinstance(lr, (int, float)):
+            group["lr"] = lr * factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
+            if lr is not None:
+                group["lr"] = lr
+
+
+def _float32(array: np.ndarray, like: Tensor) -> Tensor:
+    """A float32 copy of ``array`` shaped and placed as ``like`` (replies are read-only buffers)."""
+    out = torch.empty(like.shape, dtype=torch.float32)
+    out.numpy()[...] = np.asarray(array).reshape(like.shape)
+    return out.to(like.device)
+
+
+def warn_unknown_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    """Say which optimizers masking cannot reach: their sparse updates get the state-free remedies only."""
+    for optimizer in optimizers:
+        if not momentum_state_known(optimizer):
+            warnings.warn(f"plug_asgd: {type(optimizer).__name__} keeps no momentum under the names plug_asgd knows "
+                          f"({', '.join(MOMENTUM_STATE_KEYS)}): its sparse updates are scaled and looked ahead, but "
+                          "its momentum is not masked where they were sent", stacklevel=2)

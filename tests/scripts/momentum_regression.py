@@ -1,0 +1,82 @@
+"""A small regression model trained with momentum SGD under several modes, in one Lightning launch.
+
+Two linear layers with tanh, ``SGD(lr=0.05, momentum=0.9)`` (Nesterov's for eamsgd, which needs it),
+batch 32, 3 epochs of 2,048 samples: the settings a user of one process or DDP would pick. Every
+rank runs the same sequence of fits (Lightning launches the other ranks once, at the first
+Trainer, by re-running this script); rank 0 writes ``OUT/MODE.json`` with the central model's
+validation loss before and after. ``--off`` trains with ``staleness_compensation=False``.
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from plug_asgd import AsyncPSStrategy
+
+SAMPLES = 2048
+EPOCHS = 3
+
+
+def dataset(seed: int, n: int) -> TensorDataset:
+    """A fixed teacher (tanh features, a linear term) plus noise; its targets have a variance of about 20."""
+    g = torch.Generator().manual_seed(1)
+    w1, w2 = torch.randn(8, 16, generator=g), torch.randn(16, 1, generator=g) * 1.6
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
+    noise = torch.randn(n, 1, generator=torch.Generator().manual_seed(seed + 1))
+    y = torch.tanh(x @ w1) @ w2 + 0.9 * x[:, :1] + 0.1 * noise
+    return TensorDataset(x, y)
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, nesterov: bool = False) -> None:
+        super().__init__()
+        self.nesterov = nesterov
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, nesterov=self.nesterov)
+
+
+def val_loss(model: Regression) -> float:
+    x, y = dataset(7, 1024).tensors
+    with torch.no_grad():
+        return F.mse_loss(model.net(x), y).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--modes", required=True, help="comma-separated")
+    parser.add_argument("--off", action="store_true")
+    args = parser.parse_args()
+    base_port = int(os.environ["MASTER_PORT"]) + 1
+    for i, mode in enumerate(args.modes.split(",")):
+        pl.seed_everything(0, verbose=False)
+        model = Regression(nesterov=mode == "eamsgd")
+        before = val_loss(model)
+        options = {"staleness_compensation": False} if args.off else {}
+        strategy = AsyncPSStrategy(mode=mode, ps_port=base_port + i, **options)
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=EPOCHS,
+                             logger=False, enable_checkpointing=False, enable_model_summary=False,
+                             enable_progress_bar=False, num_sanity_val_steps=0)
+        loader = DataLoader(dataset(0, SAMPLES), batch_size=32, shuffle=True)
+        trainer.fit(model, loader)  # the module ends holding the central model
+        if trainer.is_global_zero:
+            after = val_loss(model)
+            (args.out / f"{mode}.json").write_text(json.dumps({"mode": mode, "before": before, "after": after,
+                                                               "ps_version": strategy.ps_stats()["version"]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Staleness compensation: each remedy's arithmetic checked against values computed by hand."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from plug_asgd import AsyncPSStrategy, StalenessCompensation
+from plug_asgd.compressors import TopKResidual, make_compressor
+from plug_asgd.modes import MODES
+from plug_asgd.staleness import OFF, Compensator, resolve, scaled_step, warn_unknown_optimizers
+
+
+def test_the_scale_is_one_over_one_plus_the_mean_staleness_of_the_last_window_pushes():
+    comp = Compensator(StalenessCompensation(window=3), prior_staleness=1)
+    assert comp.update_scale() == 0.5  # before any push: the other worker's, as the prior says
+    for s in (0, 2, 4):
+        comp.observe(s)
+    assert comp.staleness == 2.0 and comp.update_scale() == pytest.approx(1 / 3)
+    comp.observe(0)  # the window drops the 0 seen first: (2 + 4 + 0) / 3
+    assert comp.staleness == 2.0
+    comp.observe(0), comp.observe(0)
+    assert comp.update_scale() == 1.0  # a worker nothing races pushes its update as it is
+    assert Compensator(StalenessCompensation(scale=False), 3).update_scale() == 1.0
+
+
+def test_lookahead_puts_the_central_model_staleness_versions_ahead_along_its_velocity():
+    comp = Compensator(StalenessCompensation(), prior_staleness=1)
+    t = {"w": torch.zeros(3)}
+    assert comp.load(t, {"w": np.array([1.0, 2.0, 3.0], np.float32)}, version=10)  # no velocity yet
+    assert t["w"].tolist() == [1.0, 2.0, 3.0]
+    comp.observe(2), comp.observe(1)  # staleness 1.5
+    # 4 versions later the central model moved by (2, -4, 0): 0.5, -1, 0 per version; 1.5 versions ahead
+    assert not comp.load(t, {"w": np.array([3.0, -2.0, 3.0], np.float32)}, version=14)
+    assert t["w"].tolist() == [3.75, -3.5, 3.0]
+    # lookahead=False (several local steps per push): the central model, and the velocity base moves on
+    assert comp.load(t, {"w": np.array([4.0, -2.0, 3.0], np.float32)}, version=15, lookahead=False)
+    assert t["w"].tolist() == [4.0, -2.0, 3.0]
+    comp.forget()
+    assert comp.load(t, {"w": np.array([5.0, 0.0, 0.0], np.float32)}, version=16)
+
+
+def test_the_local_residual_is_what_the_codec_holds_back_added_to_the_model():
+    codec = TopKResidual(0.25)
+    sent = codec.encode("w", np.array([1.0, -8.0, 0.5, 2.0], np.float32))
+    assert sent.indices.tolist() == [1]  # k = 1 of 4: -8 goes, 1, 0.5 and 2 wait
+    comp = Compensator(StalenessCompensation(lookahead=False), 1)
+    t = {"w": torch.zeros(4)}
+    assert not comp.load(t, {"w": np.array([10.0, 10.0, 10.0, 10.0], np.float32)}, 3, pending=codec.pending)
+    assert t["w"].tolist() == [11.0, 10.0, 10.5, 12.0]
+    off = Compensator(StalenessCompensation(lookahead=False, local_residual=False), 1)
+    assert off.load(t, {"w": np.full(4, 10.0, np.float32)}, 3, pending=codec.pending)
+    assert t["w"].tolist() == [10.0] * 4
+    ef = make_compressor("sign")  # error feedback around sign: its residual has the tensor's shape
+    ef.encode("m", np.array([[3.0, -1.0]], np.float32))
+    assert ef.pending("m").shape == (1, 2)
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+    lambda p: torch.optim.Adam(p, lr=0.1),
+    lambda p: torch.optim.AdamW(p, lr=0.1),
+    lambda p: torch.optim.RMSprop(p, lr=0.1, momentum=0.5),
+    lambda p: torch.optim.NAdam(p, lr=0.1),
+])
+def test_masking_zeroes_the_momentum_exactly_where_an_update_was_sent(make):
+    w = torch.nn.Parameter(torch.zeros(2, 3))
+    opt = make([w])
+    w.grad = torch.arange(1.0, 7.0).reshape(2, 3)
+    opt.step()
+    key = "momentum_buffer" if "momentum_buffer" in opt.state[w] else "exp_avg"
+    before = opt.state[w][key].clone()
+    assert (before != 0).all()
+    comp = Compensator(StalenessCompensation(), 1)
+    comp.mask([opt], w, np.array([1, 5]))
+    after = opt.state[w][key].reshape(-1)
+    assert after[[1, 5]].tolist() == [0.0, 0.0]
+    keep = [0, 2, 3, 4]
+    assert torch.equal(after[keep], before.reshape(-1)[keep]) and comp.masked == 2
+    Compensator(StalenessCompensation(mask_momentum=False), 1).mask([opt], w, np.array([0]))
+    assert after[0] != 0
+
+
+def test_an_optimizer_whose_momentum_cannot_be_found_is_named_in_a_warning():
+    class Lion(torch.optim.Optimizer):  # keeps its momentum under its own name
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    with pytest.warns(UserWarning, match="Lion keeps no momentum under the names plug_asgd knows"):
+        warn_unknown_optimizers([Lion([w])])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_unknown_optimizers([torch.optim.SGD([w], lr=0.1, momentum=0.9), torch.optim.Adagrad([w])])
+
+
+def test_a_scaled_step_moves_the_weights_by_the_fraction_and_restores_the_lr():
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.2, momentum=0.9)
+    w.grad = torch.tensor([1.0, -2.0])
+    with scaled_step(opt, 0.25):
+        opt.step()
+    assert w.tolist() == pytest.approx([1 - 0.05, 1 + 0.1]) and opt.param_groups[0]["lr"] == 0.2
+    assert opt.state[w]["momentum_buffer"].tolist() == [1.0, -2.0]  # the state is untouched
+
+
+def test_each_mode_gets_its_default_and_refuses_what_it_cannot_do():
+    full = {m for m, spec in MODES.items() if spec.compensate == "full"}
+    assert full == {"asgd", "adacomp", "downpour", "ssp", "agn"}
+    assert resolve(None, "dynsgd", "lookahead") == StalenessCompensation(scale=False)
+    assert resolve(None, "hogwild", "step") == StalenessCompensation(scale=True, lookahead=False,
+                                                                     local_residual=False, mask_momentum=False)
+    for mode in ("sync", "localsgd", "sagn", "osp", "losp", "easgd", "eamsgd"):
+        assert AsyncPSStrategy(mode=mode).staleness_compensation == OFF
+        with pytest.raises(ValueError, match="does not go with mode"):
+            AsyncPSStrategy(mode=mode, staleness_compensation=StalenessCompensation())
+        assert AsyncPSStrategy(mode=mode, staleness_compensation=False).staleness_compensation == OFF
+    assert AsyncPSStrategy(mode="asgd", staleness_compensation=False).staleness_compensation == OFF
+    picked = StalenessCompensation(lookahead=False, window=4)
+    assert AsyncPSStrategy(mode="asgd", staleness_compensation=picked).staleness_compensation == picked
+    with pytest.raises(ValueError, match="only its step can be scaled"):
+        AsyncPSStrategy(mode="hogwild", staleness_compensation=StalenessCompensation())
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        StalenessCompensation(window=0)
+    with pytest.raises(TypeError, match="must be a bool, None or a StalenessCompensation"):
+        AsyncPSStrategy(staleness_compensation="on")
