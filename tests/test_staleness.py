@@ -128,3 +128,19 @@ def test_each_mode_gets_its_default_and_refuses_what_it_cannot_do():
         StalenessCompensation(window=0)
     with pytest.raises(TypeError, match="must be a bool, None or a StalenessCompensation"):
         AsyncPSStrategy(staleness_compensation="on")
+
+
+def test_the_lr_scale_of_the_sgd_step_matches_a_plain_sgd_step():
+    """hogwild's scaled step is the step of a learning rate times the factor, momentum buffer and all."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(5))
+    b.data.copy_(a.data)
+    opt_a = torch.optim.SGD([a], lr=0.05, momentum=0.9, nesterov=True)
+    opt_b = torch.optim.SGD([b], lr=0.025, momentum=0.9, nesterov=True)
+    for _ in range(3):
+        g = torch.randn(5)
+        a.grad, b.grad = g.clone(), g.clone()
+        with scaled_step(opt_a, 0.5):
+            opt_a.step()
+        opt_b.step()
+    assert torch.equal(a, b)

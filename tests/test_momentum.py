@@ -1,0 +1,132 @@
+"""Momentum SGD under every mode, at the learning rate of one process and DDP, with real processes.
+
+Two cases: a small regression model (two linear layers, tanh) under every mode, and the recipe CNN
+on Fashion-MNIST against DDP. Without staleness compensation the asynchronous modes diverge on
+the first (measured: asgd 1,758, ssp 561, downpour 63,508, adacomp 4.7e10 from 57), which this
+file shows too, so the test can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from plug_asgd.modes import MODES
+from tests.conftest import HAVE_FASHION, PYTHON, ROOT, ProcessGroups, free_port, needs_fashion
+
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+from momentum_regression import EPOCHS, SAMPLES, Regression, dataset, val_loss  # noqa: E402
+
+# The regression case's bound: 1.25x the validation loss one process reaches at the same batch (6.81).
+# Measured over 5 launches of every mode (2026-11-24): the worst was downpour's 7.13 (5.04-7.13),
+# then adacomp's 4.26 and dynsgd's 4.97; the synchronous modes are deterministic (sync 2.72, localsgd 4.24).
+REGRESSION_BOUND = 1.25
+# Fashion-MNIST: every mode's central model within this many points of DDP's (the issue's target)
+FASHION_POINTS = 1.5
+ASYNCHRONOUS = ("asgd", "adacomp", "downpour", "dynsgd", "ssp", "agn", "hogwild")
+
+
+def one_process_loss() -> float:
+    """The regression model trained by one process at the same batch, learning rate and samples."""
+    pl.seed_everything(0, verbose=False)
+    model = Regression()
+    opt = model.configure_optimizers()
+    for _ in range(EPOCHS):
+        for x, y in DataLoader(dataset(0, SAMPLES), batch_size=32, shuffle=True):
+            opt.zero_grad()
+            F.mse_loss(model.net(x), y).backward()
+            opt.step()
+    return val_loss(model)
+
+
+def regression_launch(tmp: Path, modes: list[str], *extra: str) -> dict[str, dict]:
+    out = tmp / ("off" if extra else "on")
+    out.mkdir()
+    groups = ProcessGroups()
+    try:
+        code, log = groups.run([PYTHON, "tests/scripts/momentum_regression.py", "--out", str(out), "--modes",
+                                ",".join(modes), *extra], timeout=180,
+                               env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    finally:
+        left = groups.leftovers()
+        for p in groups.procs:
+            groups.kill(p)
+    assert code == 0, log[-4000:]
+    assert not left, f"processes left running: {left}"
+    return {m: json.loads((out / f"{m}.json").read_text()) for m in modes}
+
+
+@pytest.fixture(scope="module")
+def regression(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("momentum")
+    return {"one_process": one_process_loss(), "on": regression_launch(tmp, list(MODES)),
+            "off": regression_launch(tmp, ["asgd", "adacomp", "downpour", "ssp"], "--off")}
+
+
+def test_the_one_process_reference_trains(regression):
+    loss = regression["one_process"]
+    assert loss < val_loss(Regression()) / 5, loss  # seeded: 57.5 before, 6.81 after
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "losp"])
+def test_every_mode_trains_the_regression_model_with_momentum_sgd(regression, mode):
+    run = regression["on"][mode]
+    bound = REGRESSION_BOUND * regression["one_process"]
+    assert run["after"] <= bound, (run, bound)
+
+
+@pytest.mark.xfail(strict=True, reason="losp keeps each round's local progress while its sync round is in flight; "
+                                       "with momentum 0.9 at lr 0.05 that diverges (92 from 57) and no "
+                                       "compensation exists for it yet")
+def test_losp_trains_the_regression_model_with_momentum_sgd(regression):
+    run = regression["on"]["losp"]
+    assert run["after"] <= REGRESSION_BOUND * regression["one_process"], run
+
+
+@pytest.mark.parametrize("mode", ["asgd", "adacomp", "downpour", "ssp"])
+def test_without_compensation_the_asynchronous_modes_miss_the_bound(regression, mode):
+    # measured over 5 launches: asgd 97-2,479, ssp 30-669, downpour 1,331-63,508, adacomp >= 8e8
+    run = regression["off"][mode]
+    assert run["after"] > REGRESSION_BOUND * regression["one_process"], run
+
+
+# -- the recipe CNN on Fashion-MNIST ---------------------------------------------------------------
+
+SGD_ROWS = [(m, {"mode": m}) for m in MODES if m != "eamsgd"] + [
+    (f"asgd+{c}", {"mode": "asgd", "compressor": c}) for c in ("topk", "randomk", "sign", "powersgd")]
+NESTEROV_ROWS = [(m, {"mode": m}) for m in (*ASYNCHRONOUS, "eamsgd")]
+
+
+@pytest.fixture(scope="module")
+def fashion(tmp_path_factory):
+    from bench.runner import launch
+
+    if not HAVE_FASHION:
+        pytest.skip("Fashion-MNIST not installed: apt-get install dataset-fashion-mnist")
+    common = {"bench": "momentum_test", "batch_size": 32, "train_subset": 8000, "epochs": 1, "test": True,
+              "lr": 0.05, "momentum": 0.9}
+    runs = []
+    for optimizer, rows in (("sgd", SGD_ROWS), ("nesterov", NESTEROV_ROWS)):
+        runs.append({**common, "optimizer": optimizer, "kind": "ddp", "name": f"ddp {optimizer}"})
+        runs += [{**common, **settings, "optimizer": optimizer, "kind": "asgd", "name": f"{row} {optimizer}"}
+                 for row, settings in rows]
+    results = launch(2, runs, {"test_subset": None, "timeout": 900}, tmp_path_factory.mktemp("fashion"))
+    errors = [r["launch_error"] for r in results if "launch_error" in r]
+    assert not errors, errors
+    return {r["name"]: r for r in results}
+
+
+@needs_fashion
+@pytest.mark.parametrize("optimizer,row", [("sgd", r) for r, _ in SGD_ROWS] +
+                         [("nesterov", r) for r, _ in NESTEROV_ROWS])
+def test_every_mode_trains_the_recipe_cnn_within_1_5_points_of_ddp(fashion, optimizer, row):
+    ddp, run = fashion[f"ddp {optimizer}"], fashion[f"{row} {optimizer}"]
+    gap = 100 * (run["test_acc"] - ddp["test_acc"])
+    assert gap >= -FASHION_POINTS, f"{row} {optimizer}: {run['test_acc']:.4f}, DDP {ddp['test_acc']:.4f}"
+
