@@ -392,9 +392,9 @@ class ModeSpec:
     exchange: str = "push"
     normalize: bool = False
     defaults: tuple[tuple[str, Any], ...] = ()
-    # how its workers compensate staleness (``plug_asgd.staleness``): "full" (every remedy), "lookahead"
-    # (all but the scale: dynsgd's PS scales by staleness itself), "step" (the optimizer's step scaled by
-    # 1/workers: hogwild, whose workers write one shared model), "none" (no stale update is folded in)
+    # how its workers compensate staleness (``plug_asgd.staleness``): "full" (every remedy), "unscaled" (all but
+    # the scale: dynsgd's PS scales by staleness, agn divides by its steps), "step" (the optimizer's step scaled
+    # by 1/workers: hogwild, whose workers write one shared model), "none" (no stale update is folded in)
     compensate: str = "none"
 
     @property
@@ -442,13 +442,13 @@ MODES: dict[str, ModeSpec] = {
     "downpour": ModeSpec("downpour", "push the update of push_every local steps, pull every pull_every steps",
                          _dense, _asgd_rule, defaults=(("push_every", 4),), compensate="full"),
     "dynsgd": ModeSpec("dynsgd", "asgd, each update scaled by 1/(staleness+1) at the PS", _dense, _dynsgd_rule,
-                       compensate="lookahead"),
+                       compensate="unscaled"),
     "ssp": ModeSpec("ssp", "asgd, but a worker staleness_bound pushes ahead of the slowest waits", _dense,
                     _ssp_rule, compensate="full"),
     "localsgd": ModeSpec("localsgd", "push_every local steps, then the models are averaged synchronously",
                          _dense, _sync_rule, defaults=(("push_every", 8),)),
     "agn": ModeSpec("agn", "the update of push_every local steps divided by their number, folded in at once",
-                    _dense, _asgd_rule, normalize=True, defaults=(("push_every", 4),), compensate="full"),
+                    _dense, _asgd_rule, normalize=True, defaults=(("push_every", 4),), compensate="unscaled"),
     "sagn": ModeSpec("sagn", "agn's normalized updates, averaged synchronously", _dense, _sync_rule,
                      normalize=True, defaults=(("push_every", 4),)),
     "osp": ModeSpec("osp", "sync rounds, each sent in the background while the next step computes", _dense,

@@ -63,7 +63,7 @@ OFF = StalenessCompensation(scale=False, lookahead=False, local_residual=False, 
 
 
 def resolve(value: StalenessCompensation | bool | None, mode: str, kind: str) -> StalenessCompensation:
-    """The compensation for ``mode``, by its ``ModeSpec.compensate`` (``kind``: full, lookahead, step or none).
+    """The compensation for ``mode``, by its ``ModeSpec.compensate`` (``kind``: full, unscaled, step or none).
 
     None or True: the mode's default; False: off; an instance: as given, refused for a mode that
     has no staleness to compensate (synchronous rounds, elastic averaging, shared memory).

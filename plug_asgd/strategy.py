@@ -135,12 +135,13 @@ class AsyncPSStrategy(ParallelStrategy):
         ps_threads: threads with which the embedded PS folds each large dense update in (``serve-ps
             --threads``); worth it only where the PS has cores the workers leave idle.
         staleness_compensation: what an asynchronous worker does so that staleness does not act as extra
-            momentum (``plug_asgd.staleness``, ``docs/momentum.md``): its update folded in at ``1/(1 + s)``
-            (``s``: its recent mean staleness; dynsgd's PS does this itself), its next step computed ``s``
-            versions ahead of the central model, and, for sparse codecs, the optimizer's momentum zeroed where
-            an update was sent. On by default for asgd, adacomp, downpour, dynsgd, ssp and agn, which then
-            train momentum SGD at the learning rate of one process or DDP; ``False`` turns it off; a
-            ``StalenessCompensation(...)`` picks the remedies.
+            momentum (``plug_asgd.staleness``, ``docs/momentum.md``): its update folded in at ``1/(1 + s)``,
+            ``s`` its recent mean staleness (not for dynsgd, whose PS scales, nor agn, which divides by its
+            steps); its next step computed ``s`` versions ahead (modes that push every step); a codec's
+            residual kept in its model; the optimizer's momentum zeroed where a sparse update was sent;
+            hogwild's steps scaled by 1/workers. On by default for asgd, adacomp, downpour, dynsgd, ssp, agn
+            and hogwild, which then train momentum SGD at the learning rate of one process or DDP; ``False``
+            turns it off; a ``StalenessCompensation(...)`` picks the remedies.
         shm_pushes: a worker on the PS's machine (Linux, the same user) writes its dense updates
             into shared memory that the PS maps, and the socket carries only where they lie (see
             ``plug_asgd.push_memory``); elsewhere, or where the PS does not offer it (``serve-ps

@@ -110,8 +110,9 @@ def test_a_scaled_step_moves_the_weights_by_the_fraction_and_restores_the_lr():
 
 def test_each_mode_gets_its_default_and_refuses_what_it_cannot_do():
     full = {m for m, spec in MODES.items() if spec.compensate == "full"}
-    assert full == {"asgd", "adacomp", "downpour", "ssp", "agn"}
-    assert resolve(None, "dynsgd", "lookahead") == StalenessCompensation(scale=False)
+    assert full == {"asgd", "adacomp", "downpour", "ssp"}
+    assert resolve(None, "dynsgd", "unscaled") == StalenessCompensation(scale=False)
+    assert AsyncPSStrategy(mode="agn").staleness_compensation == StalenessCompensation(scale=False)
     assert resolve(None, "hogwild", "step") == StalenessCompensation(scale=True, lookahead=False,
                                                                      local_residual=False, mask_momentum=False)
     for mode in ("sync", "localsgd", "sagn", "osp", "losp", "easgd", "eamsgd"):
