@@ -133,26 +133,21 @@ class Compensator:
         previous, since = self._previous, self._previous_version
         ahead = self.staleness if self.config.lookahead and lookahead else 0.0
         step = ahead / (version - since) if since is not None and version > since and ahead > 0 else 0.0
-        exact = True
+        exact = step == 0.0
         with torch.no_grad():
             for name, t in tensors.items():
-                c = _float32(central[name], t)
+                c = np.asarray(central[name]).reshape(t.shape)
                 prev = previous.get(name)
-                if step and prev is not None and prev.shape == c.shape:
-                    t.copy_(c + (c - prev) * step)
-                else:
-                    t.copy_(c)
-                if self.config.lookahead:
-                    if prev is None or prev.shape != c.shape or prev.device != c.device:
-                        previous[name] = c.clone()
-                    else:
-                        prev.copy_(c)
+                if not (step and prev is not None and prev.shape == c.shape):
+                    prev = None
                 residual = pending(name) if pending is not None and self.config.local_residual else None
                 if residual is not None:
-                    t.add_(_float32(residual, t))
                     exact = False
+                _put(t, c, prev, step, residual)
+                if self.config.lookahead:
+                    previous[name] = c  # the reply's own array: it is never written, so no copy is needed
         self._previous_version = version if self.config.lookahead else None
-        return exact and step == 0.0
+        return exact
 
     def mask(self, optimizers: Iterable[torch.optim.Optimizer], param: Tensor, indices: np.ndarray) -> None:
         """Zero ``param``'s momentum in every optimizer at the flat ``indices`` just sent."""
@@ -190,11 +185,26 @@ def scaled_step(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[Non
                 group["lr"] = lr
 
 
-def _float32(array: np.ndarray, like: Tensor) -> Tensor:
-    """A float32 copy of ``array`` shaped and placed as ``like`` (replies are read-only buffers)."""
-    out = torch.empty(like.shape, dtype=torch.float32)
-    out.numpy()[...] = np.asarray(array).reshape(like.shape)
-    return out.to(like.device)
+def _put(t: Tensor, c: np.ndarray, prev: np.ndarray | None, step: float, residual: np.ndarray | None) -> None:
+    """``t = c + step * (c - prev) + residual`` (terms left out where None), in at most 4 passes, no allocation
+    for a float32 CPU tensor."""
+    if t.device.type == "cpu" and t.dtype == torch.float32:
+        out = t.detach().numpy()
+        if prev is None:
+            np.copyto(out, c, casting="same_kind")
+        else:
+            np.subtract(c, prev, out=out)
+            out *= np.float32(step)
+            out += c
+        if residual is not None:
+            out += np.asarray(residual).reshape(out.shape)
+        return
+    value = torch.from_numpy(np.array(c, dtype=np.float32))  # a writable copy: reply buffers are read-only
+    if prev is not None:
+        value += (value - torch.from_numpy(np.array(prev, dtype=np.float32))) * step
+    if residual is not None:
+        value += torch.from_numpy(np.array(residual, dtype=np.float32)).reshape(value.shape)
+    t.copy_(value.to(t.device))
 
 
 def warn_unknown_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None:
