@@ -58,18 +58,27 @@ def table(results: list[dict[str, Any]], workers: int) -> dict[str, Any]:
     ddp = {(r["optimizer"], r["lr"]): r["test_acc"] for r in results if r["row"] == "ddp"}
     cells, worst = [], None
     for r in results:
-        if r["row"] == "ddp" or r.get("test_acc") is None:
+        if r["row"] == "ddp":
             continue
-        ref = ddp.get((r["optimizer"], r["lr"]))
-        gap = None if ref is None else round(100 * (r["test_acc"] - ref), 2)
+        ref, acc = ddp.get((r["optimizer"], r["lr"])), r.get("test_acc")
+        gap = None if ref is None or acc is None else round(100 * (acc - ref), 2)
         cells.append({"row": r["row"], "optimizer": r["optimizer"], "lr": r["lr"], "compensation": r["compensation"],
-                      "test_acc": r["test_acc"], "ddp_acc": ref, "gap_points": gap})
-        if r["compensation"] and gap is not None:
-            worst = gap if worst is None else min(worst, gap)
+                      "test_acc": acc, "ddp_acc": ref, "gap_points": gap, "diverged": bool(r.get("diverged"))})
+        if r["compensation"]:  # a compensated run that diverged misses the target by any measure
+            value = -100.0 if gap is None else gap
+            worst = value if worst is None else min(worst, value)
     target = TARGET_POINTS.get(workers)
     met = None if worst is None or target is None else worst >= -target
     return {"workers": workers, "ddp": {f"{o} {lr:g}": a for (o, lr), a in ddp.items()}, "cells": cells,
             "worst_gap_points": worst, "target_points": target, "met": met}
+
+
+def _cell(cell: dict[str, Any] | None) -> str:
+    if cell is None:
+        return "-"
+    if cell["test_acc"] is None:
+        return "diverged" if cell["diverged"] else "failed"
+    return f"{cell['test_acc']:.3f} ({cell['gap_points']:+.1f})"
 
 
 def markdown(tables: list[dict[str, Any]]) -> str:
@@ -85,8 +94,7 @@ def markdown(tables: list[dict[str, Any]]) -> str:
             for o in opts:
                 got = {c["compensation"]: c for c in t["cells"]
                        if c["row"] == row and f"{c['optimizer']} {c['lr']:g}" == o}
-                out.append(" / ".join(f"{got[k]['test_acc']:.3f} ({got[k]['gap_points']:+.1f})" if k in got else "-"
-                                      for k in (True, False)))
+                out.append(" / ".join(_cell(got.get(k)) for k in (True, False)))
             lines.append(f"| {row} | " + " | ".join(out) + " |")
         lines += ["", f"Worst compensated gap: {t['worst_gap_points']:+.2f} points; target: within "
                       f"{t['target_points']:g} (met: {t['met']}).", ""]

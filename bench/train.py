@@ -37,6 +37,7 @@ import pytorch_lightning as pl
 import torch
 
 from bench.common import ps_push_ms
+from plug_asgd.client import PSError
 from plug_asgd.recipes.data import Arrays
 from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
 from plug_asgd.strategy import AsyncPSStrategy
@@ -180,14 +181,29 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
                          max_steps=run.get("max_steps", -1), limit_val_batches=0, num_sanity_val_steps=0,
                          logger=False, enable_checkpointing=False, enable_model_summary=False,
                          enable_progress_bar=False, callbacks=[clock])
-    trainer.fit(model, datamodule=dm)
+    diverged = None
+    try:
+        trainer.fit(model, datamodule=dm)
+    except PSError as exc:  # a run whose training diverged is a result, not the end of the launch
+        if exc.code != "not_finite":
+            raise
+        diverged = str(exc)
     rank = trainer.global_rank
     tmp = out / f"run{index}_rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(clock.record()))
-    tmp.replace(out / f"run{index}_rank{rank}.json")  # atomic: rank 0 polls for this file and reads it
-    ps = strategy.ps_stats() if isinstance(strategy, AsyncPSStrategy) else None
+    tmp.write_text(json.dumps({**clock.record(), "diverged": diverged}))
+    tmp.replace(out / f"run{index}_rank{rank}.json")  # atomic: the other ranks poll for this file and read it
+    # every rank reads every record: a test after a fit that diverged on any rank would wait for that rank forever
+    records = []
+    deadline = time.monotonic() + 900
+    for r in range(workers):
+        path = out / f"run{index}_rank{r}.json"
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        records.append(json.loads(path.read_text()))
+    failed = any(r.get("diverged") for r in records)
+    ps = strategy.ps_stats() if isinstance(strategy, AsyncPSStrategy) and not failed else None
     test_acc = None
-    if run.get("test"):
+    if run.get("test") and not failed:
         results = trainer.test(model, datamodule=dm, verbose=False)
         test_acc = results[0].get("test_acc")
     if run["kind"] == "ddp" and torch.distributed.is_initialized():
@@ -202,14 +218,8 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
         while not done.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         return None
-    records = []
-    deadline = time.monotonic() + 120
-    for r in range(workers):
-        path = out / f"run{index}_rank{r}.json"
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        records.append(json.loads(path.read_text()))
     result = {**run, "index": index, "workers": workers, **window(records, batch), "test_acc": test_acc,
+              "diverged": failed,
               "ranks": [{k: v for k, v in r.items() if k != "step_ends"} | {"steps_after_warmup": len(r["step_ends"])}
                         for r in records]}
     if ps is not None:

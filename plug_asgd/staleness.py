@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,14 +63,21 @@ class StalenessCompensation:
 OFF = StalenessCompensation(scale=False, lookahead=False, local_residual=False, mask_momentum=False)
 
 
-def resolve(value: StalenessCompensation | bool | None, mode: str, kind: str) -> StalenessCompensation:
+def resolve(value: StalenessCompensation | Mapping[str, Any] | bool | None, mode: str,
+            kind: str) -> StalenessCompensation:
     """The compensation for ``mode``, by its ``ModeSpec.compensate`` (``kind``: full, unscaled, step or none).
 
-    None or True: the mode's default; False: off; an instance: as given, refused for a mode that
-    has no staleness to compensate (synchronous rounds, elastic averaging, shared memory).
+    None or True: the mode's default; False: off; an instance (or the dict of its fields, as a YAML
+    file gives it): as given, refused for a mode that has no staleness to compensate.
     """
     if value is False:
         return OFF
+    if isinstance(value, Mapping):
+        try:
+            value = StalenessCompensation(**value)
+        except TypeError as exc:
+            raise ValueError(f"staleness_compensation: {exc} (fields: scale, lookahead, local_residual, "
+                             "mask_momentum, window)") from None
     if isinstance(value, StalenessCompensation):
         if kind == "step" and value.active and value != replace(OFF, scale=True, window=value.window):
             raise ValueError(f"mode={mode!r} shares one model and pushes nothing: only its step can be scaled "
@@ -85,7 +93,8 @@ def resolve(value: StalenessCompensation | bool | None, mode: str, kind: str) ->
         if kind == "step":
             return replace(OFF, scale=True)
         return StalenessCompensation(scale=kind == "full")
-    raise TypeError(f"staleness_compensation must be a bool, None or a StalenessCompensation, got {value!r}")
+    raise TypeError(f"staleness_compensation must be a bool, None, a StalenessCompensation or a dict of its "
+                    f"fields, got {value!r}")
 
 
 def momentum_state_known(optimizer: torch.optim.Optimizer) -> bool:

@@ -186,7 +186,7 @@ class AsyncPSStrategy(ParallelStrategy):
         ps_insecure: bool = False,
         ps_threads: int = 1,
         shm_pushes: bool = True,
-        staleness_compensation: StalenessCompensation | bool | None = None,
+        staleness_compensation: StalenessCompensation | dict[str, Any] | bool | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

@@ -134,3 +134,18 @@ def test_every_mode_trains_the_recipe_cnn_within_1_5_points_of_ddp(fashion, opti
     gap = 100 * (run["test_acc"] - ddp["test_acc"])
     assert gap >= -FASHION_POINTS, f"{row} {optimizer}: {run['test_acc']:.4f}, DDP {ddp['test_acc']:.4f}"
 
+
+
+def test_the_recipes_train_momentum_sgd_at_its_usual_learning_rate_by_default():
+    from plug_asgd.recipes.cifar10 import Cifar10Classifier
+    from plug_asgd.recipes.mnist import MnistCNN, build_parser
+
+    assert build_parser().parse_args([]).lr is None  # so that each optimizer gets its own default
+    for model in (MnistCNN, Cifar10Classifier):
+        sgd = model(optimizer="sgd").configure_optimizers().param_groups[0]
+        nesterov = model(optimizer="nesterov").configure_optimizers().param_groups[0]
+        adam = model().configure_optimizers().param_groups[0]
+        assert (sgd["lr"], sgd["momentum"], sgd["nesterov"]) == (0.05, 0.9, False)
+        assert (nesterov["lr"], nesterov["nesterov"]) == (0.05, True)
+        assert adam["lr"] == 1e-3 and "betas" in adam
+        assert model(optimizer="sgd", lr=0.2).configure_optimizers().param_groups[0]["lr"] == 0.2

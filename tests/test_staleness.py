@@ -127,8 +127,12 @@ def test_each_mode_gets_its_default_and_refuses_what_it_cannot_do():
         AsyncPSStrategy(mode="hogwild", staleness_compensation=StalenessCompensation())
     with pytest.raises(ValueError, match="window must be an int >= 1"):
         StalenessCompensation(window=0)
-    with pytest.raises(TypeError, match="must be a bool, None or a StalenessCompensation"):
+    with pytest.raises(TypeError, match="must be a bool, None, a StalenessCompensation or a dict"):
         AsyncPSStrategy(staleness_compensation="on")
+    as_dict = AsyncPSStrategy(mode="asgd", staleness_compensation={"lookahead": False, "window": 4})
+    assert as_dict.staleness_compensation == picked
+    with pytest.raises(ValueError, match="unexpected keyword argument 'momentum'.*fields: scale"):
+        AsyncPSStrategy(staleness_compensation={"momentum": 0.5})
 
 
 def test_the_lr_scale_of_the_sgd_step_matches_a_plain_sgd_step():
