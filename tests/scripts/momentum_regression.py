@@ -57,16 +57,17 @@ def val_loss(model: Regression) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--modes", required=True, help="comma-separated")
+    parser.add_argument("--modes", required=True, help="comma-separated; MODE+CODEC for a compressor")
     parser.add_argument("--off", action="store_true")
     args = parser.parse_args()
     base_port = int(os.environ["MASTER_PORT"]) + 1
-    for i, mode in enumerate(args.modes.split(",")):
+    for i, name in enumerate(args.modes.split(",")):
+        mode, _, codec = name.partition("+")
         pl.seed_everything(0, verbose=False)
         model = Regression(nesterov=mode == "eamsgd")
         before = val_loss(model)
         options = {"staleness_compensation": False} if args.off else {}
-        strategy = AsyncPSStrategy(mode=mode, ps_port=base_port + i, **options)
+        strategy = AsyncPSStrategy(mode=mode, compressor=codec or "none", ps_port=base_port + i, **options)
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=EPOCHS,
                              logger=False, enable_checkpointing=False, enable_model_summary=False,
                              enable_progress_bar=False, num_sanity_val_steps=0)
@@ -74,7 +75,7 @@ def main() -> None:
         trainer.fit(model, loader)  # the module ends holding the central model
         if trainer.is_global_zero:
             after = val_loss(model)
-            (args.out / f"{mode}.json").write_text(json.dumps({"mode": mode, "before": before, "after": after,
+            (args.out / f"{name}.json").write_text(json.dumps({"mode": name, "before": before, "after": after,
                                                                "ps_version": strategy.ps_stats()["version"]}))
 
 
