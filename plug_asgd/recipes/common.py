@@ -43,6 +43,9 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--replicas-to-aggregate", type=int, default=None,
                         help="sync: updates averaged per round (default: every worker)")
     parser.add_argument("--max-updates", type=int, default=None, help="PS-wide number of updates to stop at")
+    parser.add_argument("--no-staleness-compensation", action="store_true",
+                        help="fold stale updates in as they are (by default the asynchronous modes scale them, look "
+                             "ahead and keep codec residuals local: see docs/momentum.md)")
     parser.add_argument("--ps-address", default=None,
                         help="tcp://host:port of a PS started with `plug-asgd serve-ps` (default: embedded PS)")
     parser.add_argument("--worker-timeout", type=float, default=DEFAULT_WORKER_TIMEOUT,
@@ -78,7 +81,8 @@ def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
                            staleness_bound=args.staleness_bound,
                            replicas_to_aggregate=args.replicas_to_aggregate, max_updates=args.max_updates,
                            ps_address=args.ps_address, resume_from=args.resume, ps_keys=args.ps_keys,
-                           ps_insecure=args.ps_insecure, worker_timeout=args.worker_timeout)
+                           ps_insecure=args.ps_insecure, worker_timeout=args.worker_timeout,
+                           staleness_compensation=False if args.no_staleness_compensation else None)
 
 
 def make_callbacks(args: argparse.Namespace, datamodule: pl.LightningDataModule) -> list[pl.Callback]:
