@@ -5,7 +5,7 @@ others' updates since the worker's base, which acts as extra momentum (Mitliagka
 on top of the optimizer's own; with momentum SGD the sum diverges. Three remedies, chosen by
 measurement (``docs/momentum.md``):
 
-- **scale**: each update is folded in at ``1 / (1 + s)``, ``s`` the worker's recent mean
+- **scale**: each update is folded in at ``1 / (1 + s)``, ``s`` the worker's recent median
   staleness: N equal workers then average their updates as DDP does.
 - **look-ahead** (modes that push every step): the worker computes its next step at ``central +
   s * v``, ``v`` the central model's change per version since its last reply: where the model
@@ -24,6 +24,7 @@ nothing: their optimizer's step is scaled instead, through its learning rate dur
 
 from __future__ import annotations
 
+import statistics
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -117,8 +118,12 @@ class Compensator:
 
     @property
     def staleness(self) -> float:
-        """Mean staleness of this worker's last ``window`` applied pushes (the prior before any)."""
-        return sum(self.recent) / len(self.recent) if self.recent else self.prior
+        """Median staleness of this worker's last ``window`` applied pushes (the prior before any).
+
+        The median, not the mean: a lone worker raced once, or a worker stalled once, keeps its
+        typical staleness (and a lone worker its unscaled, exact pushes).
+        """
+        return float(statistics.median(self.recent)) if self.recent else self.prior
 
     def observe(self, staleness: int) -> None:
         self.recent.append(int(staleness))

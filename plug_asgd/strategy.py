@@ -136,7 +136,7 @@ class AsyncPSStrategy(ParallelStrategy):
             --threads``); worth it only where the PS has cores the workers leave idle.
         staleness_compensation: what an asynchronous worker does so that staleness does not act as extra
             momentum (``plug_asgd.staleness``, ``docs/momentum.md``): its update folded in at ``1/(1 + s)``,
-            ``s`` its recent mean staleness (not for dynsgd, whose PS scales, nor agn, which divides by its
+            ``s`` its recent median staleness (not for dynsgd, whose PS scales, nor agn, which divides by its
             steps); its next step computed ``s`` versions ahead (modes that push every step); a codec's
             residual kept in its model; the optimizer's momentum zeroed where a sparse update was sent;
             hogwild's steps scaled by 1/workers. On by default for asgd, adacomp, downpour, dynsgd, ssp, agn

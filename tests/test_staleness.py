@@ -14,16 +14,22 @@ from plug_asgd.modes import MODES
 from plug_asgd.staleness import OFF, Compensator, resolve, scaled_step, warn_unknown_optimizers
 
 
-def test_the_scale_is_one_over_one_plus_the_mean_staleness_of_the_last_window_pushes():
+def test_the_scale_is_one_over_one_plus_the_median_staleness_of_the_last_window_pushes():
     comp = Compensator(StalenessCompensation(window=3), prior_staleness=1)
     assert comp.update_scale() == 0.5  # before any push: the other worker's, as the prior says
-    for s in (0, 2, 4):
+    for s in (0, 2, 7):
         comp.observe(s)
     assert comp.staleness == 2.0 and comp.update_scale() == pytest.approx(1 / 3)
-    comp.observe(0)  # the window drops the 0 seen first: (2 + 4 + 0) / 3
+    comp.observe(1)  # the window drops the 0 seen first: the median of 2, 7, 1
     assert comp.staleness == 2.0
-    comp.observe(0), comp.observe(0)
+    comp.observe(0)  # 7, 1, 0
+    assert comp.staleness == 1.0 and comp.update_scale() == 0.5
+    comp.observe(0)
     assert comp.update_scale() == 1.0  # a worker nothing races pushes its update as it is
+    once = Compensator(StalenessCompensation(), prior_staleness=0)  # a lone worker raced once
+    for s in (0, 0, 0, 0, 1, 0):
+        once.observe(s)
+    assert once.update_scale() == 1.0
     assert Compensator(StalenessCompensation(scale=False), 3).update_scale() == 1.0
 
 
