@@ -85,6 +85,8 @@ class TopKResidual:
     """
 
     name = "topk"
+    # the staleness compensation keeps what it holds back in the worker's model (docs/momentum.md)
+    local_residual = True
 
     def __init__(self, fraction: float, values: str = "float32") -> None:
         if not 0.0 < fraction <= 1.0:
@@ -532,6 +534,9 @@ class ErrorFeedback:
     def __init__(self, inner: Compressor) -> None:
         self.inner = inner
         self.name = inner.name
+        # the staleness compensation keeps the residual in the worker's model, except powersgd's: measured, its
+        # workers then drift along the directions outside its rank and the central model lags (docs/momentum.md)
+        self.local_residual = not isinstance(inner, PowerSGD)
         self.residuals: dict[str, np.ndarray] = {}
 
     def encode(self, key: str, update: np.ndarray) -> Tensor:

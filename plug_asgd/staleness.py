@@ -10,9 +10,9 @@ measurement (``docs/momentum.md``):
 - **look-ahead** (modes that push every step): the worker computes its next step at ``central +
   s * v``, ``v`` the central model's change per version since its last reply: where the model
   will be when the update lands. With several local steps per push it hurts, and is left out.
-- **local residual** (codecs with error feedback): the worker's model keeps what its codec has
-  not sent yet (``central + residual``), so its gradients see its own pending progress instead of
-  pushing the same coordinates again and again until they are sent.
+- **local residual** (codecs with error feedback: adacomp, topk, randomk, sign; not powersgd): the
+  worker's model keeps what its codec has not sent yet (``central + residual``), so its gradients
+  see its own pending progress instead of pushing the same coordinates again until they are sent.
 - **momentum masking** (sparse codecs only): the optimizer's momentum is zeroed where an update
   was just sent (Deep Gradient Compression's momentum factor masking), so a coordinate's
   momentum does not keep pushing after its delayed residual landed.

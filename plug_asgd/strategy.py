@@ -138,10 +138,11 @@ class AsyncPSStrategy(ParallelStrategy):
             momentum (``plug_asgd.staleness``, ``docs/momentum.md``): its update folded in at ``1/(1 + s)``,
             ``s`` its recent median staleness (not for dynsgd, whose PS scales, nor agn, which divides by its
             steps); its next step computed ``s`` versions ahead (modes that push every step); a codec's
-            residual kept in its model; the optimizer's momentum zeroed where a sparse update was sent;
-            hogwild's steps scaled by 1/workers. On by default for asgd, adacomp, downpour, dynsgd, ssp, agn
-            and hogwild, which then train momentum SGD at the learning rate of one process or DDP; ``False``
-            turns it off; a ``StalenessCompensation(...)`` picks the remedies.
+            residual kept in its model (error feedback but powersgd); the optimizer's momentum zeroed where a
+            sparse update was sent; hogwild's steps scaled by 1/workers. On by default for asgd, adacomp,
+            downpour, dynsgd, ssp, agn and hogwild, which then train momentum SGD at the learning rate of one
+            process or DDP; ``False`` turns it off; a ``StalenessCompensation(...)`` (or a dict of its
+            fields) picks the remedies.
         shm_pushes: a worker on the PS's machine (Linux, the same user) writes its dense updates
             into shared memory that the PS maps, and the socket carries only where they lie (see
             ``plug_asgd.push_memory``); elsewhere, or where the PS does not offer it (``serve-ps
@@ -648,10 +649,10 @@ class AsyncPSStrategy(ParallelStrategy):
         central = True
         if ahead and self._compensator.config.active:
             # where the model will be when our next update lands (a single local step per push only), plus
-            # what our codec still holds back
+            # what the codec still holds back
             central = self._compensator.load(tensors, reply.tensors, reply.version,
                                              lookahead=self.push_every == 1 and self.pull_every is None,
-                                             pending=getattr(self._compressor, "pending", None))
+                                             pending=self._compressor.pending if self._local_residual else None)
         else:
             self._compensator.forget()
             for name, t in tensors.items():
@@ -704,6 +705,11 @@ class AsyncPSStrategy(ParallelStrategy):
                 if isinstance(update[name], Sparse):
                     self._compensator.mask(self.optimizers, t, update[name].indices)
         return update, deltas, exact
+
+    @property
+    def _local_residual(self) -> bool:
+        """Whether the codec's residual goes into the worker's model (error feedback, not powersgd's)."""
+        return bool(getattr(self._compressor, "local_residual", False))
 
     def _scale(self) -> float:
         """What the update is multiplied by: agn's ``1/steps`` and the staleness compensation's ``1/(1 + s)``."""

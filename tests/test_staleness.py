@@ -63,6 +63,10 @@ def test_the_local_residual_is_what_the_codec_holds_back_added_to_the_model():
     ef = make_compressor("sign")  # error feedback around sign: its residual has the tensor's shape
     ef.encode("m", np.array([[3.0, -1.0]], np.float32))
     assert ef.pending("m").shape == (1, 2)
+    # which codecs' residuals go into the model: all with error feedback but powersgd's (docs/momentum.md)
+    assert codec.local_residual and all(make_compressor(c).local_residual for c in ("topk", "randomk", "sign"))
+    assert not make_compressor("powersgd").local_residual
+    assert not hasattr(make_compressor("qsgd"), "local_residual")  # no error feedback, no residual
 
 
 @pytest.mark.parametrize("make", [
