@@ -12,6 +12,7 @@ one launch of Lightning processes (``bench.train``). Writes ``momentum.json`` an
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -35,16 +36,18 @@ QUICK_ROWS = ("asgd", "adacomp")
 QUICK_OPTIMIZERS = (("sgd", 0.05),)
 
 
-def plan(size: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
-    """The runs of one launch: DDP per optimizer, then every row with compensation on and off."""
+def plan(size: dict[str, Any], quick: bool, only: list[str] | None = None) -> list[dict[str, Any]]:
+    """The runs of one launch: DDP per optimizer, then every row with compensation on and off (``only``: those
+    rows, and no DDP: DDP is deterministic, its earlier figures stand)."""
     common = {"bench": "momentum", "batch_size": 32, "train_subset": size["train_subset"], "epochs": 1,
               "test": True, "momentum": 0.9}
     optimizers = QUICK_OPTIMIZERS if quick else OPTIMIZERS
-    rows = [r for r in ROWS if r[0] in QUICK_ROWS] if quick else ROWS
+    rows = [r for r in ROWS if r[0] in (only or (QUICK_ROWS if quick else [n for n, _ in ROWS]))]
     runs = []
     for optimizer, lr in optimizers:
         opt = {"optimizer": optimizer, "lr": lr}
-        runs.append({**common, **opt, "name": f"ddp {optimizer} {lr:g}", "row": "ddp", "kind": "ddp"})
+        if not only:
+            runs.append({**common, **opt, "name": f"ddp {optimizer} {lr:g}", "row": "ddp", "kind": "ddp"})
         for row, settings in rows:
             for on in (True, False):
                 options = {} if on else {"staleness_compensation": False}
@@ -106,20 +109,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 rows, 1 optimizer, 1,280 images (CI size)")
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--rows", nargs="+", default=None, metavar="ROW",
+                        help="rerun only these rows (" + ", ".join(n for n, _ in ROWS) + ") and merge them into the "
+                             "momentum.json already in --out")
     args = parser.parse_args(argv)
+    unknown = set(args.rows or ()) - {n for n, _ in ROWS}
+    if unknown:
+        parser.error(f"unknown row(s) {sorted(unknown)}")
     if not (FASHION / "train-images-idx3-ubyte.gz").exists():
         parser.error(f"needs Fashion-MNIST in {FASHION}: apt-get install dataset-fashion-mnist")
     out = args.out or (ROOT / "runs" / "bench-momentum-quick" if args.quick else ROOT / "bench" / "results")
     size = SIZES["quick" if args.quick else "full"]
     started = time.monotonic()
-    tables, errors = [], []
+    command = "python -m bench.momentum " + " ".join(sys.argv[1:] if argv is None else argv)
+    earlier = json.loads((out / "momentum.json").read_text()) if args.rows else None
+    runs: dict[str, list[dict[str, Any]]] = dict(earlier["runs"]) if earlier else {}
+    errors: list[str] = []
     for workers in args.workers:
-        results = launch(workers, plan(size, args.quick), size, out / "work", label="_momentum")
+        results = launch(workers, plan(size, args.quick, args.rows), size, out / "work", label="_momentum")
         errors += [r.pop("launch_error") for r in results if "launch_error" in r]
-        tables.append(table([r for r in results if r], workers))
-    report = {"machine": machine(), "command": "python -m bench.momentum " + " ".join(sys.argv[1:] if argv is None
-                                                                                      else argv),
-              "size": size, "tables": tables, "errors": errors, "wall_s": round(time.monotonic() - started, 1)}
+        fresh = {r["name"]: {**{k: v for k, v in r.items() if k != "ranks"}, "measured": machine()["commit"]}
+                 for r in results if r}
+        kept = [r for r in runs.get(str(workers), []) if r["name"] not in fresh]
+        runs[str(workers)] = kept + list(fresh.values())
+    tables = [table(runs[str(w)], int(w)) for w in sorted(runs, key=int)]
+    report = {"machine": machine(), "command": command, "size": size, "tables": tables, "runs": runs,
+              "errors": errors, "wall_s": round(time.monotonic() - started, 1),
+              "earlier": (earlier.get("earlier", []) + [{k: earlier[k] for k in ("command", "machine", "wall_s")}]
+                          if earlier else [])}
     write_json(out / "momentum.json", report)
     (out / "momentum.md").write_text(markdown(tables))
     print(markdown(tables))

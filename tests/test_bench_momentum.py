@@ -1,0 +1,31 @@
+"""bench.momentum's plan and table, on results made by hand (the launches themselves are bench.train's)."""
+
+from bench.momentum import ROWS, SIZES, markdown, plan, table
+
+
+def test_the_plan_runs_ddp_then_every_row_on_and_off_per_optimizer_with_equal_samples():
+    runs = plan(SIZES["full"], quick=False)
+    assert len(runs) == 4 * (1 + 2 * len(ROWS))
+    assert {r["train_subset"] for r in runs} == {12000} and {r["epochs"] for r in runs} == {1}
+    off = [r for r in runs if r.get("compensation") is False]
+    assert off and all(r["options"] == {"staleness_compensation": False} for r in off)
+    only = plan(SIZES["full"], quick=False, only=["asgd+sign"])
+    assert {r["row"] for r in only} == {"asgd+sign"} and len(only) == 4 * 2  # no DDP: its figures stand
+
+
+def _run(row, acc, on=True, diverged=False, opt="sgd", lr=0.05):
+    return {"row": row, "optimizer": opt, "lr": lr, "compensation": on, "test_acc": acc, "diverged": diverged}
+
+
+def test_the_table_gives_each_cell_its_gap_to_ddp_and_judges_only_the_compensated_ones():
+    results = [{"row": "ddp", "optimizer": "sgd", "lr": 0.05, "test_acc": 0.83},
+               _run("asgd", 0.8254), _run("asgd", 0.70, on=False), _run("adacomp", 0.84),
+               _run("adacomp", None, on=False, diverged=True)]
+    t = table(results, workers=2)
+    gaps = {(c["row"], c["compensation"]): c["gap_points"] for c in t["cells"]}
+    assert gaps == {("asgd", True): -0.46, ("asgd", False): -13.0, ("adacomp", True): 1.0, ("adacomp", False): None}
+    assert t["worst_gap_points"] == -0.46 and t["target_points"] == 1.0 and t["met"] is True
+    assert "diverged" in markdown([t]) and "0.825 (-0.5) / 0.700 (-13.0)" in markdown([t])
+    results.append(_run("hogwild", None, diverged=True))  # a compensated run that diverged misses any target
+    assert table(results, workers=2)["met"] is False
+    assert table(results[:3], workers=4)["met"] is True  # -0.46 is within 2 points at 4 workers
