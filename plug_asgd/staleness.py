@@ -87,7 +87,7 @@ def resolve(value: StalenessCompensation | Mapping[str, Any] | bool | None, mode
         if kind == "none" and value.active:
             raise ValueError(f"staleness_compensation does not go with mode={mode!r}: its workers do not fold "
                              "stale updates into the central model (use staleness_compensation=False or leave it)")
-        return value if kind == "full" else replace(value, scale=False)
+        return value if kind in ("full", "step") else replace(value, scale=False)
     if value is None or value is True:
         if kind == "none":
             return OFF
@@ -112,7 +112,7 @@ class Compensator:
         self.config = config
         self.prior = float(prior_staleness)
         self.recent: deque[int] = deque(maxlen=config.window)
-        self._previous: dict[str, Tensor] = {}
+        self._previous: dict[str, np.ndarray] = {}  # the central arrays of the last reply
         self._previous_version: int | None = None
         self.masked = 0  # momentum coordinates zeroed so far
 

@@ -133,6 +133,8 @@ def test_each_mode_gets_its_default_and_refuses_what_it_cannot_do():
     assert AsyncPSStrategy(mode="asgd", staleness_compensation=False).staleness_compensation == OFF
     picked = StalenessCompensation(lookahead=False, window=4)
     assert AsyncPSStrategy(mode="asgd", staleness_compensation=picked).staleness_compensation == picked
+    step_only = StalenessCompensation(scale=True, lookahead=False, local_residual=False, mask_momentum=False)
+    assert AsyncPSStrategy(mode="hogwild", staleness_compensation=step_only).staleness_compensation == step_only
     with pytest.raises(ValueError, match="only its step can be scaled"):
         AsyncPSStrategy(mode="hogwild", staleness_compensation=StalenessCompensation())
     with pytest.raises(ValueError, match="window must be an int >= 1"):
