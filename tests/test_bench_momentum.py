@@ -6,7 +6,7 @@ from bench.momentum import ROWS, SIZES, markdown, plan, table
 def test_the_plan_runs_ddp_then_every_row_on_and_off_per_optimizer_with_equal_samples():
     runs = plan(SIZES["full"], quick=False)
     assert len(runs) == 4 * (1 + 2 * len(ROWS))
-    assert {r["train_subset"] for r in runs} == {12000} and {r["epochs"] for r in runs} == {1}
+    assert {r["train_subset"] for r in runs} == {8000} and {r["epochs"] for r in runs} == {1}
     off = [r for r in runs if r.get("compensation") is False]
     assert off and all(r["options"] == {"staleness_compensation": False} for r in off)
     only = plan(SIZES["full"], quick=False, only=["asgd+sign"])
