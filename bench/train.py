@@ -227,7 +227,7 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
                       pushes=ps["pushes_applied"] + ps["pushes_dropped"],
                       pushes_applied=ps["pushes_applied"], ps_version=ps["version"],
                       weights_pushes=ps["weights_pushes"], weights_not_current=ps["weights_not_current"],
-                      weights_lent=ps["weights_lent"], lent_copies=ps["lent_copies"],
+                      weights_lent=ps["weights_lent"], lent_copies=ps["lent_copies"], staleness=ps.get("staleness"),
                       ps_push_ms=ps_push_ms(ps))
     if clock.snapshots:
         dm.setup("test")
