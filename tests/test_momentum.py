@@ -28,12 +28,13 @@ from momentum_regression import EPOCHS, SAMPLES, Regression, dataset, val_loss  
 # then adacomp's 4.26 and dynsgd's 4.97; the synchronous modes are deterministic (sync 2.72, localsgd 4.24).
 REGRESSION_BOUND = 1.25
 # Fashion-MNIST, 8,000 images, 1 epoch: every mode's central model within this many points of DDP's. Not the
-# issue's 1.5: at this size one configuration run twice varies by up to 2.6 points (asgd, SGD lr 0.01:
-# 0.732 and 0.758; DDP 0.758), and the worst of 3 runs of each mode at lr 0.05 was dynsgd's -2.2 and
-# downpour's -1.8 (2026-11-24). Without compensation, adacomp, downpour, topk, randomk and powersgd end
-# 18 to 67 points below DDP here or diverge; asgd, ssp, dynsgd and hogwild do not (the regression case
-# above is where they do).
-FASHION_POINTS = 3.5
+# issue's 1.5, which single runs of this size cannot show: one configuration run twice varied by up to 6.5
+# points (agn, Nesterov: 0.718 and 0.783, the same algorithm with compensation on and off) and 2.6 (asgd,
+# SGD lr 0.01: 0.732 and 0.758); the worst of 2 to 3 runs of each mode tested here was downpour's -3.4
+# (Nesterov) and dynsgd's -2.2 (2026-11-24). Without compensation adacomp, downpour, topk, randomk and
+# powersgd end 8 to 70 points below DDP here or diverge; asgd, ssp, dynsgd and hogwild do not at this size
+# (the regression case above is where they do).
+FASHION_POINTS = 5.0
 # asgd under every codec with error feedback (adacomp is a mode: its own top-k)
 CODECS = ("asgd+topk", "asgd+randomk", "asgd+sign", "asgd+powersgd")
 
