@@ -32,7 +32,7 @@ REGRESSION_BOUND = 1.25
 # points (agn, Nesterov: 0.718 and 0.783, the same algorithm with compensation on and off) and 2.6 (asgd,
 # SGD lr 0.01: 0.732 and 0.758); the worst of 2 to 3 runs of each mode tested here was downpour's -3.4
 # (Nesterov) and dynsgd's -2.2 (2026-11-24). Without compensation adacomp, downpour, topk, randomk and
-# powersgd end 8 to 70 points below DDP here or diverge; asgd, ssp, dynsgd and hogwild do not at this size
+# powersgd end 6 to 74 points below DDP here or diverge; asgd, ssp, dynsgd and hogwild do not at this size
 # (the regression case above is where they do).
 FASHION_POINTS = 5.0
 # asgd under every codec with error feedback (adacomp is a mode: its own top-k)
