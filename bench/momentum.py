@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 rows, 1 optimizer, 1,280 images (CI size)")
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--optimizers", nargs="+", default=None, metavar="NAME",
+                        help="rerun only these optimizers' columns (sgd, nesterov, adam), merging as --rows does")
     parser.add_argument("--rows", nargs="+", default=None, metavar="ROW",
                         help="rerun only these rows (" + ", ".join(n for n, _ in ROWS) + ") and merge them into the "
                              "momentum.json already in --out")
@@ -124,13 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     size = SIZES["quick" if args.quick else "full"]
     started = time.monotonic()
     command = "python -m bench.momentum " + " ".join(sys.argv[1:] if argv is None else argv)
-    earlier = json.loads((out / "momentum.json").read_text()) if args.rows else None
+    merging = bool(args.rows or args.optimizers)
+    earlier = json.loads((out / "momentum.json").read_text()) if merging else None
     runs: dict[str, list[dict[str, Any]]] = dict(earlier["runs"]) if earlier else {}
     errors: list[str] = []
     for workers in args.workers:
         # a launch per optimizer: a worker process that runs many fits in a row grows (about 135 MB a run
         # here), and one launch of all 92 runs was killed for memory
-        every = plan(size, args.quick, args.rows)
+        every = plan(size, args.quick, args.rows or ([n for n, _ in ROWS] if merging else None))
+        every = [r for r in every if not args.optimizers or r["optimizer"] in args.optimizers]
         results = []
         for optimizer in dict.fromkeys((r["optimizer"], r["lr"]) for r in every):
             if (workers, *optimizer) in SKIP:

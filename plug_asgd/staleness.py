@@ -6,7 +6,8 @@ on top of the optimizer's own; with momentum SGD the sum diverges. Three remedie
 measurement (``docs/momentum.md``):
 
 - **scale**: each update is folded in at ``1 / (1 + s)``, ``s`` the worker's recent median
-  staleness: N equal workers then average their updates as DDP does.
+  staleness: N equal workers then average their updates as DDP does. Not for optimizers that
+  normalize their steps (Adam and its kin): their steps stay bounded, and the scale only slowed them.
 - **look-ahead** (modes that push every step): the worker computes its next step at ``central +
   s * v``, ``v`` the central model's change per version since its last reply: where the model
   will be when the update lands. With several local steps per push it hurts, and is left out.
@@ -98,6 +99,17 @@ def resolve(value: StalenessCompensation | Mapping[str, Any] | bool | None, mode
                     f"fields, got {value!r}")
 
 
+# optimizers that divide their step by a running magnitude of the gradient: however stale the model, a step
+# stays about ``lr`` per coordinate, so the scale is left out for them (measured: it only slowed Adam)
+_NORMALIZED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax,
+               torch.optim.SparseAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta)
+
+
+def normalizes_steps(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s steps are normalized (Adam and its kin, RMSprop, Adagrad, or any with ``betas``)."""
+    return isinstance(optimizer, _NORMALIZED) or "betas" in optimizer.defaults
+
+
 def momentum_state_known(optimizer: torch.optim.Optimizer) -> bool:
     """Whether masking can find ``optimizer``'s momentum: torch's own, or one configured with the usual names."""
     if type(optimizer).__module__.startswith("torch.optim"):
@@ -108,8 +120,9 @@ def momentum_state_known(optimizer: torch.optim.Optimizer) -> bool:
 class Compensator:
     """A worker's compensation state: its staleness estimate and the central model of its last reply."""
 
-    def __init__(self, config: StalenessCompensation, prior_staleness: float) -> None:
+    def __init__(self, config: StalenessCompensation, prior_staleness: float, scale: bool | None = None) -> None:
         self.config = config
+        self.scale = config.scale if scale is None else scale  # False where every optimizer normalizes its steps
         self.prior = float(prior_staleness)
         self.recent: deque[int] = deque(maxlen=config.window)
         self._previous: dict[str, np.ndarray] = {}  # the central arrays of the last reply
@@ -130,7 +143,7 @@ class Compensator:
 
     def update_scale(self) -> float:
         """The factor the next update is pushed with."""
-        return 1.0 / (1.0 + self.staleness) if self.config.scale else 1.0
+        return 1.0 / (1.0 + self.staleness) if self.scale else 1.0
 
     def forget(self) -> None:
         """A new stage (or a model loaded from elsewhere): no velocity to extrapolate from."""

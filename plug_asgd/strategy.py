@@ -45,7 +45,14 @@ from plug_asgd.compressors import SPARSE_VALUES, NoCompression, make_compressor
 from plug_asgd.modes import get_mode
 from plug_asgd.ps_server import DEFAULT_WORKER_TIMEOUT, embedded_command
 from plug_asgd.security import check_bind
-from plug_asgd.staleness import Compensator, StalenessCompensation, resolve, scaled_step, warn_unknown_optimizers
+from plug_asgd.staleness import (
+    Compensator,
+    StalenessCompensation,
+    normalizes_steps,
+    resolve,
+    scaled_step,
+    warn_unknown_optimizers,
+)
 from plug_asgd.wire import Sparse
 
 log = logging.getLogger("plug_asgd.strategy")
@@ -408,7 +415,9 @@ class AsyncPSStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             self._compressor = self._new_compressor()
-            self._compensator = Compensator(self.staleness_compensation, self.world_size - 1)
+            normalized = bool(self.optimizers) and all(normalizes_steps(o) for o in self.optimizers)
+            self._compensator = Compensator(self.staleness_compensation, self.world_size - 1,
+                                            scale=self.staleness_compensation.scale and not normalized)
             if self.staleness_compensation.mask_momentum and not isinstance(self._compressor, NoCompression):
                 warn_unknown_optimizers(self.optimizers)
 
@@ -926,7 +935,7 @@ class AsyncPSStrategy(ParallelStrategy):
                 self._in_flight_result["next_step_at"] = time.monotonic()
             if self._in_flight.is_alive():
                 self._overlapped_steps += 1  # this step computes while the last update is on its way
-        if self._hogwild and self._fitting and self.staleness_compensation.scale:
+        if self._hogwild and self._fitting and self._compensator.scale:
             # the workers' steps all land in one model: each at 1/workers, as DDP averages them
             with scaled_step(optimizer, 1.0 / self.world_size):
                 out = super().optimizer_step(optimizer, closure, model, **kwargs)

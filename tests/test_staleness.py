@@ -161,3 +161,14 @@ def test_the_lr_scale_of_the_sgd_step_matches_a_plain_sgd_step():
             opt_a.step()
         opt_b.step()
     assert torch.equal(a, b)
+
+
+def test_the_scale_is_left_out_where_every_optimizer_normalizes_its_steps():
+    from plug_asgd.staleness import normalizes_steps
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    for opt in (torch.optim.Adam([w]), torch.optim.AdamW([w]), torch.optim.RMSprop([w]), torch.optim.Adagrad([w])):
+        assert normalizes_steps(opt)
+    assert not normalizes_steps(torch.optim.SGD([w], lr=0.1, momentum=0.9))
+    assert Compensator(StalenessCompensation(), 1, scale=False).update_scale() == 1.0
+    assert Compensator(StalenessCompensation(), 1).update_scale() == 0.5

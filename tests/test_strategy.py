@@ -437,3 +437,20 @@ def test_every_mode_and_compressor_pair_is_accepted_or_refused_by_the_stated_rul
             else:
                 s = AsyncPSStrategy(mode=mode, compressor=name)
                 assert s.compressor == name
+
+
+class TinyAdam(Tiny):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("module,scaled", [(Tiny, True), (TinyAdam, False)])
+def test_a_worker_scales_its_updates_unless_its_optimizer_normalizes_its_steps(module, scaled):
+    s = AsyncPSStrategy(mode="asgd")
+    try:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=s, max_epochs=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module(), data())
+        assert s._compensator.scale is scaled
+    finally:
+        s._shutdown(wait_for_workers=0)
