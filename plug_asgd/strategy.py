@@ -144,12 +144,12 @@ class AsyncPSStrategy(ParallelStrategy):
         staleness_compensation: what an asynchronous worker does so that staleness does not act as extra
             momentum (``plug_asgd.staleness``, ``docs/momentum.md``): its update folded in at ``1/(1 + s)``,
             ``s`` its recent median staleness (not for dynsgd, whose PS scales, nor agn, which divides by its
-            steps); its next step computed ``s`` versions ahead (modes that push every step); a codec's
-            residual kept in its model (error feedback but powersgd); the optimizer's momentum zeroed where a
-            sparse update was sent; hogwild's steps scaled by 1/workers. On by default for asgd, adacomp,
-            downpour, dynsgd, ssp, agn and hogwild, which then train momentum SGD at the learning rate of one
-            process or DDP; ``False`` turns it off; a ``StalenessCompensation(...)`` (or a dict of its
-            fields) picks the remedies.
+            steps, nor where every optimizer normalizes its steps, as Adam does); its next step computed
+            ``s`` versions ahead (modes that push every step); a codec's residual kept in its model (error
+            feedback but powersgd); the optimizer's momentum zeroed where a sparse update was sent;
+            hogwild's steps scaled by 1/workers. On by default for asgd, adacomp, downpour, dynsgd, ssp,
+            agn and hogwild, which then train momentum SGD at the learning rate of one process or DDP;
+            ``False`` turns it off; a ``StalenessCompensation(...)`` (or a dict of its fields) picks.
         shm_pushes: a worker on the PS's machine (Linux, the same user) writes its dense updates
             into shared memory that the PS maps, and the socket carries only where they lie (see
             ``plug_asgd.push_memory``); elsewhere, or where the PS does not offer it (``serve-ps
