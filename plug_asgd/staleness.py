@@ -2,7 +2,7 @@
 
 With N workers pushing asynchronously, each update lands on a central model that moved by the
 others' updates since the worker's base, which acts as extra momentum (Mitliagkas et al. 2016)
-on top of the optimizer's own; with momentum SGD the sum diverges. Three remedies, chosen by
+on top of the optimizer's own; with momentum SGD the sum diverges. Four remedies, chosen by
 measurement (``docs/momentum.md``):
 
 - **scale**: each update is folded in at ``1 / (1 + s)``, ``s`` the worker's recent median
