@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-FASHION = Path("/usr/share/datasets/fashion-mnist")
+# Debian's dataset-fashion-mnist; PLUG_ASGD_FASHION points elsewhere (a machine without the package)
+FASHION = Path(os.environ.get("PLUG_ASGD_FASHION") or "/usr/share/datasets/fashion-mnist")
 LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "WORLD_SIZE",
                       "GROUP_RANK")
 

@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,43 +39,67 @@ QUICK_ROWS = ("asgd", "adacomp")
 QUICK_OPTIMIZERS = (("sgd", 0.05),)
 
 
-def plan(size: dict[str, Any], quick: bool, only: list[str] | None = None) -> list[dict[str, Any]]:
-    """The runs of one launch: DDP per optimizer, then every row with compensation on and off (``only``: those
-    rows, and no DDP: DDP is deterministic, its earlier figures stand)."""
+def plan(size: dict[str, Any], quick: bool, only: list[str] | None = None, seeds: tuple[int, ...] = (0,),
+         compensated_only: bool = False) -> list[dict[str, Any]]:
+    """The runs: per seed, DDP per optimizer, then every row with compensation on and off (``only``: those
+    rows, and no DDP: DDP is deterministic, its earlier figures stand; ``compensated_only``: on alone)."""
     common = {"bench": "momentum", "batch_size": 32, "train_subset": size["train_subset"], "epochs": 1,
               "test": True, "momentum": 0.9}
     optimizers = QUICK_OPTIMIZERS if quick else OPTIMIZERS
     rows = [r for r in ROWS if r[0] in (only or (QUICK_ROWS if quick else [n for n, _ in ROWS]))]
     runs = []
-    for optimizer, lr in optimizers:
-        opt = {"optimizer": optimizer, "lr": lr}
-        if not only:
-            runs.append({**common, **opt, "name": f"ddp {optimizer} {lr:g}", "row": "ddp", "kind": "ddp"})
-        for row, settings in rows:
-            for on in (True, False):
-                options = {} if on else {"staleness_compensation": False}
-                runs.append({**common, **opt, **settings, "kind": "asgd", "options": options, "row": row,
-                             "compensation": on, "name": f"{row} {optimizer} {lr:g} {'on' if on else 'off'}"})
+    for seed in seeds:
+        tag = f" seed {seed}" if seed else ""  # seed 0 keeps the names of the single-seed runs
+        for optimizer, lr in optimizers:
+            opt = {"optimizer": optimizer, "lr": lr, "seed": seed}
+            if not only:
+                runs.append({**common, **opt, "name": f"ddp {optimizer} {lr:g}{tag}", "row": "ddp", "kind": "ddp"})
+            for row, settings in rows:
+                for on in (True,) if compensated_only else (True, False):
+                    options = {} if on else {"staleness_compensation": False}
+                    runs.append({**common, **opt, **settings, "kind": "asgd", "options": options, "row": row,
+                                 "compensation": on,
+                                 "name": f"{row} {optimizer} {lr:g} {'on' if on else 'off'}{tag}"})
     return runs
 
 
 def table(results: list[dict[str, Any]], workers: int) -> dict[str, Any]:
-    """Accuracy and gap to DDP per (row, optimizer, compensation); whether every compensated cell meets the target."""
-    ddp = {(r["optimizer"], r["lr"]): r["test_acc"] for r in results if r["row"] == "ddp"}
-    cells, worst = [], None
+    """Accuracy and gap to DDP per (row, optimizer, compensation), over the seeds run; whether every
+    compensated cell meets the target.
+
+    A cell's gap is the mean over seeds of its accuracy minus DDP's of the same seed (the same
+    initialization and training subset): paired, so the seed's own luck cancels.
+    """
+    ddp = {(r["optimizer"], r["lr"], r.get("seed", 0)): r["test_acc"] for r in results if r["row"] == "ddp"}
+    grouped: dict[tuple[str, str, float, bool], list[dict[str, Any]]] = {}
     for r in results:
-        if r["row"] == "ddp":
-            continue
-        ref, acc = ddp.get((r["optimizer"], r["lr"])), r.get("test_acc")
-        gap = None if ref is None or acc is None else round(100 * (acc - ref), 2)
-        cells.append({"row": r["row"], "optimizer": r["optimizer"], "lr": r["lr"], "compensation": r["compensation"],
-                      "test_acc": acc, "ddp_acc": ref, "gap_points": gap, "diverged": bool(r.get("diverged"))})
-        if r["compensation"]:  # a compensated run that diverged misses the target by any measure
+        if r["row"] != "ddp":
+            grouped.setdefault((r["row"], r["optimizer"], r["lr"], r["compensation"]), []).append(r)
+    cells, worst = [], None
+    for (row, optimizer, lr, on), runs in grouped.items():
+        accs = [r.get("test_acc") for r in runs]
+        refs = [ddp.get((optimizer, lr, r.get("seed", 0))) for r in runs]
+        gaps = [None if a is None or d is None else 100 * (a - d) for a, d in zip(accs, refs, strict=True)]
+        known = [g for g in gaps if g is not None]
+        gap = round(sum(known) / len(known), 2) if known and len(known) == len(gaps) else None
+        acc = sum(accs) / len(accs) if None not in accs else None
+        cells.append({"row": row, "optimizer": optimizer, "lr": lr, "compensation": on, "test_acc": acc,
+                      "ddp_acc": (sum(refs) / len(refs)) if None not in refs else None, "gap_points": gap,
+                      "gap_range": [round(min(known), 2), round(max(known), 2)] if len(known) > 1 else None,
+                      "seeds": [r.get("seed", 0) for r in runs],
+                      "diverged": any(r.get("diverged") for r in runs)})
+        if on:  # a compensated run that diverged misses the target by any measure
             value = -100.0 if gap is None else gap
             worst = value if worst is None else min(worst, value)
     target = TARGET_POINTS.get(workers)
     met = None if worst is None or target is None else worst >= -target
-    return {"workers": workers, "ddp": {f"{o} {lr:g}": a for (o, lr), a in ddp.items()}, "cells": cells,
+    ddp_mean: dict[str, float] = {}
+    order = {opt: i for i, opt in enumerate(OPTIMIZERS)}
+    for (o, lr) in sorted(dict.fromkeys((o, lr) for o, lr, _ in ddp), key=lambda k: order.get(k, len(order))):
+        values = [a for (o2, lr2, _), a in ddp.items() if (o2, lr2) == (o, lr) and a is not None]
+        if values:
+            ddp_mean[f"{o} {lr:g}"] = sum(values) / len(values)
+    return {"workers": workers, "ddp": ddp_mean, "seeds": sorted({s for *_, s in ddp}), "cells": cells,
             "worst_gap_points": worst, "target_points": target, "met": met}
 
 
@@ -83,14 +108,19 @@ def _cell(cell: dict[str, Any] | None) -> str:
         return "-"
     if cell["test_acc"] is None:
         return "diverged" if cell["diverged"] else "failed"
-    return f"{cell['test_acc']:.3f} ({cell['gap_points']:+.1f})"
+    spread = cell.get("gap_range")
+    tail = f" [{spread[0]:+.1f}, {spread[1]:+.1f}]" if spread else ""
+    return f"{cell['test_acc']:.3f} ({cell['gap_points']:+.1f}{tail})"
 
 
 def markdown(tables: list[dict[str, Any]]) -> str:
     lines = []
     for t in tables:
         opts = list(t["ddp"])
-        lines += [f"### {t['workers']} workers: test accuracy, and points from DDP (compensation on / off)", "",
+        seeds = t.get("seeds") or [0]
+        over = (f", means over seeds {', '.join(map(str, seeds))} (the gap paired by seed, [min, max])"
+                if len(seeds) > 1 else "")
+        lines += [f"### {t['workers']} workers: test accuracy, and points from DDP (compensation on / off){over}", "",
                   "| | " + " | ".join(opts) + " |", "|---|" + "---|" * len(opts),
                   "| DDP | " + " | ".join(f"{t['ddp'][o]:.4f}" for o in opts) + " |"]
         rows = dict.fromkeys(c["row"] for c in t["cells"])
@@ -106,6 +136,23 @@ def markdown(tables: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _launches(workers: int, every: list[dict[str, Any]], size: dict[str, Any], out: Path,
+              parallel: int, threads: int | None) -> list[dict[str, Any]]:
+    """One launch per (optimizer, seed), ``parallel`` at a time."""
+    # a launch per optimizer: a worker process that runs many fits in a row grows (about 135 MB a run
+    # here), and one launch of all 92 runs was killed for memory
+    keys = [k for k in dict.fromkeys((r["optimizer"], r["lr"], r.get("seed", 0)) for r in every)
+            if (workers, k[0], k[1]) not in SKIP]
+
+    def one(key: tuple[str, float, int]) -> list[dict[str, Any]]:
+        chunk = [r for r in every if (r["optimizer"], r["lr"], r.get("seed", 0)) == key]
+        label = f"_momentum_{key[0]}{key[1]:g}" + (f"_seed{key[2]}" if key[2] else "")
+        return launch(workers, chunk, size, out / "work", label=label, threads=threads)
+
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        return [r for chunk in pool.map(one, keys) for r in chunk]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.momentum", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 rows, 1 optimizer, 1,280 images (CI size)")
@@ -116,31 +163,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="+", default=None, metavar="ROW",
                         help="rerun only these rows (" + ", ".join(n for n, _ in ROWS) + ") and merge them into the "
                              "momentum.json already in --out")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="repeat every run with these seeds (model initialization and training subset); "
+                             "the table shows means and the gap to DDP paired by seed")
+    parser.add_argument("--train-subset", type=int, default=None, help="images per run (default 8,000)")
+    parser.add_argument("--compensated-only", action="store_true", help="leave out the runs without compensation")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="launches at a time (a machine with many cores); give --threads with it")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per rank")
+    parser.add_argument("--name", default="momentum", help="the files written: NAME.json and NAME.md")
     args = parser.parse_args(argv)
     unknown = set(args.rows or ()) - {n for n, _ in ROWS}
     if unknown:
         parser.error(f"unknown row(s) {sorted(unknown)}")
     if not (FASHION / "train-images-idx3-ubyte.gz").exists():
-        parser.error(f"needs Fashion-MNIST in {FASHION}: apt-get install dataset-fashion-mnist")
+        parser.error(f"needs Fashion-MNIST in {FASHION}: apt-get install dataset-fashion-mnist "
+                     "(or set PLUG_ASGD_FASHION to a folder with its four .gz files)")
     out = args.out or (ROOT / "runs" / "bench-momentum-quick" if args.quick else ROOT / "bench" / "results")
-    size = SIZES["quick" if args.quick else "full"]
+    size = dict(SIZES["quick" if args.quick else "full"])
+    if args.train_subset:
+        size["train_subset"] = args.train_subset
     started = time.monotonic()
     command = "python -m bench.momentum " + " ".join(sys.argv[1:] if argv is None else argv)
-    merging = bool(args.rows or args.optimizers)
-    earlier = json.loads((out / "momentum.json").read_text()) if merging else None
+    merging = bool(args.rows or args.optimizers) and (out / f"{args.name}.json").exists()
+    earlier = json.loads((out / f"{args.name}.json").read_text()) if merging else None
     runs: dict[str, list[dict[str, Any]]] = dict(earlier["runs"]) if earlier else {}
     errors: list[str] = []
     for workers in args.workers:
-        # a launch per optimizer: a worker process that runs many fits in a row grows (about 135 MB a run
-        # here), and one launch of all 92 runs was killed for memory
-        every = plan(size, args.quick, args.rows or ([n for n, _ in ROWS] if merging else None))
+        every = plan(size, args.quick, args.rows or ([n for n, _ in ROWS] if merging else None),
+                     seeds=tuple(args.seeds), compensated_only=args.compensated_only)
         every = [r for r in every if not args.optimizers or r["optimizer"] in args.optimizers]
-        results = []
-        for optimizer in dict.fromkeys((r["optimizer"], r["lr"]) for r in every):
-            if (workers, *optimizer) in SKIP:
-                continue
-            chunk = [r for r in every if (r["optimizer"], r["lr"]) == optimizer]
-            results += launch(workers, chunk, size, out / "work", label=f"_momentum_{optimizer[0]}{optimizer[1]:g}")
+        results = _launches(workers, every, size, out, args.parallel, args.threads)
         errors += [r.pop("launch_error") for r in results if "launch_error" in r]
         fresh = {r["name"]: {**{k: v for k, v in r.items() if k != "ranks"}, "measured": machine()["commit"]}
                  for r in results if r}
@@ -151,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
               "errors": errors, "wall_s": round(time.monotonic() - started, 1),
               "earlier": (earlier.get("earlier", []) + [{k: earlier[k] for k in ("command", "machine", "wall_s")}]
                           if earlier else [])}
-    write_json(out / "momentum.json", report)
-    (out / "momentum.md").write_text(markdown(tables))
+    write_json(out / f"{args.name}.json", report)
+    (out / f"{args.name}.md").write_text(markdown(tables))
     print(markdown(tables))
     for e in errors:
         print(f"[bench.momentum] {e}", file=sys.stderr)

@@ -155,8 +155,9 @@ def training_runs(names: list[str], size: dict[str, Any], slow_sleep: float) -> 
 
 
 def launch(workers: int, runs: list[dict[str, Any]], size: dict[str, Any], work: Path,
-           label: str = "") -> list[dict[str, Any]]:
-    """Run ``runs`` in one launch of ``workers`` ranks; ``label`` tells this launch's files from others'."""
+           label: str = "", threads: int | None = None) -> list[dict[str, Any]]:
+    """Run ``runs`` in one launch of ``workers`` ranks; ``label`` tells this launch's files from others';
+    ``threads``: torch threads per rank (default: the cores shared out among the ranks)."""
     name = f"{workers}{label}"
     out = work / f"train{name}"
     # an earlier launch's files (a run killed part-way, say) must not be read as this one's: rank 0 polls
@@ -165,7 +166,7 @@ def launch(workers: int, runs: list[dict[str, Any]], size: dict[str, Any], work:
     spec = {"workers": workers, "data_dir": str(FASHION), "test_subset": size["test_subset"], "runs": runs}
     work.mkdir(parents=True, exist_ok=True)
     (work / f"spec{name}.json").write_text(json.dumps(spec, indent=1))
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    threads = threads or max(1, (os.cpu_count() or 1) // workers)
     env = child_env(OMP_NUM_THREADS=str(threads), MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(free_port_block(len(runs) + 2)))
     log = work / f"train{name}.log"

@@ -169,10 +169,11 @@ class _LoadedOnce(MnistDataModule):
 def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) -> dict[str, Any] | None:
     workers = spec["workers"]
     batch = run["batch_size"]
-    pl.seed_everything(spec.get("seed", 0), workers=True, verbose=False)
+    seed = run.get("seed", spec.get("seed", 0))  # the model's initialization and the training subset
+    pl.seed_everything(seed, workers=True, verbose=False)
     dm = _LoadedOnce(spec["data_dir"], batch_size=batch, train_subset=run.get("train_subset"),
                          test_subset=run.get("test_subset", spec.get("test_subset")), download=False,
-                         seed=spec.get("seed", 0))
+                         seed=seed)
     model = MnistCNN(**{k: run[k] for k in ("optimizer", "lr", "momentum") if k in run})
     strategy = make_strategy(run, index, workers)
     rank = int(os.environ.get("LOCAL_RANK", "0"))

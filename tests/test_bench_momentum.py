@@ -29,3 +29,23 @@ def test_the_table_gives_each_cell_its_gap_to_ddp_and_judges_only_the_compensate
     results.append(_run("hogwild", None, diverged=True))  # a compensated run that diverged misses any target
     assert table(results, workers=2)["met"] is False
     assert table(results[:3], workers=4)["met"] is True  # -0.46 is within 2 points at 4 workers
+
+
+def test_with_seeds_the_gap_is_paired_by_seed_and_a_cell_diverged_in_one_seed_misses_the_target():
+    runs = plan(SIZES["full"], quick=False, seeds=(0, 1), compensated_only=True)
+    assert len(runs) == 2 * 4 * (1 + len(ROWS)) and all(r.get("compensation", True) for r in runs)
+    assert {r["seed"] for r in runs} == {0, 1} and len({r["name"] for r in runs}) == len(runs)
+    results = [{"row": "ddp", "optimizer": "sgd", "lr": 0.05, "test_acc": 0.80, "seed": 0},
+               {"row": "ddp", "optimizer": "sgd", "lr": 0.05, "test_acc": 0.84, "seed": 1},
+               {**_run("asgd", 0.79), "seed": 0}, {**_run("asgd", 0.845), "seed": 1}]
+    t = table(results, workers=2)
+    (cell,) = t["cells"]
+    # paired: (0.79 - 0.80) and (0.845 - 0.84) -> -1.0 and +0.5, mean -0.25; unpaired means would give the same
+    # mean here, but the range is the paired one
+    assert cell["gap_points"] == -0.25 and cell["gap_range"] == [-1.0, 0.5]
+    assert abs(t["ddp"]["sgd 0.05"] - 0.82) < 1e-12 and t["met"] is True and t["seeds"] == [0, 1]
+    assert "0.818 (-0.2 [-1.0, +0.5]) / -" in markdown([t])
+    results.append({**_run("adacomp", 0.84), "seed": 0})
+    results.append({**_run("adacomp", None, diverged=True), "seed": 1})
+    t = table(results, workers=2)
+    assert t["met"] is False and t["worst_gap_points"] == -100.0
