@@ -14,7 +14,7 @@ from pytorch_lightning.loggers import CSVLogger
 from plug_asgd.callbacks import CommunicationMonitor, PSCheckpoint, Supervisor
 from plug_asgd.compressors import COMPRESSORS, SPARSE_VALUES
 from plug_asgd.modes import MODES
-from plug_asgd.ps_server import DEFAULT_WORKER_TIMEOUT
+from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT
 from plug_asgd.recipes.idx import DatasetNotFoundError
 from plug_asgd.strategy import AsyncPSStrategy
 
