@@ -46,6 +46,7 @@ class Membership:
         self.ever_joined: set[int] = set()
         self.left: dict[int, set[int]] = defaultdict(set)
         self.late: dict[int, set[int]] = defaultdict(set)  # restarted mid-stage: outside its collectives
+        self._empty_since: float | None = None
 
     def trainers(self) -> frozenset[int]:
         return frozenset(r for r, w in self.workers.items() if w.training)
@@ -150,6 +151,21 @@ class Membership:
         del self.left[stage]
         self.late.pop(stage, None)
         return True
+
+    def run_over(self, expected: int | None, linger: float) -> bool:
+        """Whether ``expected`` workers have joined and all have left (or been lost) for ``linger`` seconds."""
+        if expected is None or len(self.ever_joined) < expected:
+            return False
+        if self.workers:
+            self._empty_since = None
+            return False
+        now = time.monotonic()
+        if self._empty_since is None:
+            self._empty_since = now
+        if now - self._empty_since >= linger:
+            log.info("all %d workers have left; stopping", len(self.ever_joined))
+            return True
+        return False
 
     def details(self) -> list[dict[str, Any]]:
         """Each worker, live or lost, as plain data (for ``stats``)."""

@@ -93,7 +93,6 @@ class ParameterServer:
         self.store = FastStore(config, self.stats)
         self.persistence = Persistence(config, self.store, self.members, self.stats)
         self._stop = False
-        self._empty_since: float | None = None
         if config.resume is not None:
             self.persistence.resume(config.resume)
         # a ZAP handler is one per context: a keyed PS gets its own unless one is given
@@ -185,22 +184,10 @@ class ParameterServer:
             self.on_frames(frames)
 
     def _should_exit(self) -> bool:
-        config = self.config
-        if config.parent_pid is not None and os.getppid() != config.parent_pid:
+        if self.config.parent_pid is not None and os.getppid() != self.config.parent_pid:
             log.info("the process that started the parameter server is gone; stopping")
             return True
-        if config.expected_workers is None or len(self.members.ever_joined) < config.expected_workers:
-            return False
-        if self.members.workers:
-            self._empty_since = None
-            return False
-        now = time.monotonic()
-        if self._empty_since is None:
-            self._empty_since = now
-        if now - self._empty_since >= config.linger:
-            log.info("all %d workers have left; stopping", len(self.members.ever_joined))
-            return True
-        return False
+        return self.members.run_over(self.config.expected_workers, self.config.linger)
 
     def on_frames(self, frames: list[Any]) -> None:
         """Handle one request (identity frame first), and count the time it took (how loaded the PS is)."""
