@@ -7,8 +7,10 @@ few rules between fields), and ``plug_asgd.cli`` turns the same metadata into ty
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,3 +140,26 @@ class PSConfig:
 
 _FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(PSConfig)}
 FIELD_TYPES: dict[str, Any] = typing.get_type_hints(PSConfig)
+
+
+def ps_argument(parser: argparse.ArgumentParser, name: str, flag: str | None = None) -> None:
+    """Add the flag of PSConfig field ``name`` to an argparse parser (the recipes' PS options): its type,
+    default, help and bounds come from the field; ``flag`` replaces ``--name-with-dashes``."""
+    f = _FIELDS[name]
+    flag = flag or "--" + name.replace("_", "-")
+    hint = FIELD_TYPES[name]
+    if hint is bool:
+        parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+        return
+    if isinstance(hint, types.UnionType):  # X | None
+        hint = next(t for t in typing.get_args(hint) if t is not type(None))
+
+    def convert(text: str) -> Any:
+        try:
+            return PSConfig.check(name, hint(text))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    default = "" if f.default is None else f" (default: {f.default})"
+    parser.add_argument(flag, type=convert, default=f.default, metavar=hint.__name__.upper(),
+                        help=f.metadata["help"] + default)
