@@ -49,6 +49,7 @@ class Membership:
         self._empty_since: float | None = None
 
     def trainers(self) -> frozenset[int]:
+        """The ranks training now: those a sync round or ssp's bound waits for."""
         return frozenset(r for r, w in self.workers.items() if w.training)
 
     def absent(self, stage: int) -> set[int]:

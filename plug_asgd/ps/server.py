@@ -140,6 +140,7 @@ class ParameterServer:
     # -- serving -------------------------------------------------------------------------------
 
     def request_stop(self, *_: Any) -> None:
+        """Stop serving after the request in hand (a signal handler: any arguments are ignored)."""
         self._stop = True
 
     def serve_forever(self, poll_ms: int = 200, on_tick: Callable[[ParameterServer], None] | None = None,

@@ -89,6 +89,7 @@ class Store(ABC):
 
     @property
     def version(self) -> int:
+        """The number of updates folded in so far (across a resume)."""
         return self.state.version
 
     @property
