@@ -34,7 +34,7 @@ import zmq
 from bench.common import free_port_block, ps_push_ms, start, stop, summary
 from bench.zmqtools import MINIMAL_WORK, model, split_update, update
 from plug_asgd.client import PSClient
-from plug_asgd.ps_server import embedded_command
+from plug_asgd.ps import PSConfig, embedded_command
 from plug_asgd.wire import Message, decode, encode
 
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     address = [f"tcp://127.0.0.1:{port + i}" for i in range(5 + len(works))]
     procs = [start([sys.executable, "-m", "bench.zmqtools", "echo", address[0]]),
              start([sys.executable, "-m", "bench.zmqtools", "minimal", address[1]]),
-             *(start(embedded_command(a, "asgd", parent_pid=os.getpid())) for a in address[2:4]),
+             *(start(embedded_command(PSConfig(bind=a, parent_pid=os.getpid()))) for a in address[2:4]),
              start([sys.executable, "-m", "bench.zmqtools", "split", address[4]]),
              *(start([sys.executable, "-m", "bench.zmqtools", "minimal", a, w]) for a, w in zip(address[5:], works,
                                                                                             strict=True))]

@@ -2,9 +2,9 @@
 
     PYTHONPATH=. python -m bench.ps_handler_timing [--values 2] [--pushes 3000]
 
-A :class:`~plug_asgd.ps_server.ParameterServer` in this process takes pushes of the recipe CNN's
+A :class:`~plug_asgd.ps.ParameterServer` in this process takes pushes of the recipe CNN's
 8 tensors, each cut to ``--values`` values (2: the per-message costs alone; 0: the whole CNN),
-through ``_on_frames`` called directly, its socket's sends replaced by a no-op. It prints the
+through ``on_frames`` called directly, its socket's sends replaced by a no-op. It prints the
 median time of the whole handling and of its pieces (decode, fold, reply). Diagnostic only: it
 wraps private methods, so it measures this code, not a protocol.
 """
@@ -20,8 +20,9 @@ import zmq
 
 import bench.zmqtools as zt
 from bench.common import time_calls
-from plug_asgd import modes, ps_server
-from plug_asgd.ps_server import ParameterServer
+from plug_asgd import modes
+from plug_asgd.ps import ParameterServer, PSConfig
+from plug_asgd.ps import server as serving
 from plug_asgd.wire import encode
 
 TIMES: dict[str, list[float]] = defaultdict(list)
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     shapes = zt.CNN_SHAPES if args.values == 0 else {n: (args.values,) for n in zt.CNN_SHAPES}
     zt.CNN_SHAPES = shapes  # model() and update() read it
-    server = ParameterServer("tcp://127.0.0.1:0", "asgd", shm_pushes=False)
+    server = ParameterServer(PSConfig(bind="tcp://127.0.0.1:0", shm_pushes=False))
     real = server.socket
     server.socket = _NoSocket(real.copy_threshold)  # type: ignore[assignment]
     identity = zmq.Frame(b"\x00bench")
@@ -53,22 +54,22 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         session = "s" * 32
-        server._on_frames(message("hello", {"rank": 0, "world_size": 1, "stage": 1, "training": True,
+        server.on_frames(message("hello", {"rank": 0, "world_size": 1, "stage": 1, "training": True,
                                             "session": session, "mode": "asgd", "protocol": 1}))
-        server._on_frames(message("init", {"rank": 0}, zt.model()))
+        server.on_frames(message("init", {"rank": 0}, zt.model()))
         update = zt.update("dense")
         pushes = [message("push", {"rank": 0, "base_version": i, "seq": i + 1, "session": session, "model": True},
                           update) for i in range(args.pushes)]
         warm = args.pushes // 5
         for frames in pushes[:warm]:
-            server._on_frames(frames)
-        for owner, name, label in ((ParameterServer, "_on_frames", "whole handling"), (ps_server, "decode", "decode"),
+            server.on_frames(frames)
+        for owner, name, label in ((ParameterServer, "on_frames", "whole handling"), (serving, "decode", "decode"),
                                    (modes, "_fold_out_of_place", "fold and check"),
                                    (ParameterServer, "_send_model", "reply")):
             time_calls(owner, name, TIMES[label])
         for frames in pushes[warm:]:
-            server._on_frames(frames)
-        if server.state.version != args.pushes or server.stats.refused:
+            server.on_frames(frames)
+        if server.store.version != args.pushes or server.stats.refused:
             raise SystemExit(f"the PS refused pushes: {dict(server.stats.refused)}")
     finally:
         server.socket = real

@@ -356,11 +356,11 @@ def analyse_time_to_accuracy(runs: list[dict[str, Any]], target: float = 0.88) -
 # -- the PS benchmarks -----------------------------------------------------------------------------
 
 def _ps(work: Path, mode: str, threads: int = 1) -> tuple[Any, str]:
-    from plug_asgd.ps_server import embedded_command
+    from plug_asgd.ps import PSConfig, embedded_command
 
     port = free_port_block(2)
-    proc = start(embedded_command(f"tcp://127.0.0.1:{port}", mode, parent_pid=os.getpid(), threads=threads),
-                 log=work / "ps.log")
+    config = PSConfig(bind=f"tcp://127.0.0.1:{port}", mode=mode, parent_pid=os.getpid(), threads=threads)
+    proc = start(embedded_command(config), log=work / "ps.log")
     return proc, f"tcp://127.0.0.1:{port}"
 
 

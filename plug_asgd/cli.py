@@ -15,7 +15,9 @@ client (neither imports torch or Lightning); a recipe, which imports Lightning, 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
 import json
 import logging
 import signal
@@ -30,12 +32,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from plug_asgd import ps_server
-from plug_asgd.checkpoint import CheckpointPolicy
 from plug_asgd.client import PSClient, PSError, PSUnreachableError
-from plug_asgd.modes import MODES
+from plug_asgd.ps import ParameterServer
+from plug_asgd.ps.config import FIELD_TYPES, PSConfig
 from plug_asgd.security import KeysError, generate_keys, is_loopback
-from plug_asgd.wire import DEFAULT_LIMITS, Limits
 
 # name -> (module whose ``main(argv)`` runs it, one-line description)
 RECIPES: dict[str, tuple[str, str]] = {
@@ -57,16 +57,6 @@ def _fail(message: str, code: int) -> typer.Exit:
     """Print ``message`` in red on stderr (one line, not wrapped) and return the Exit to raise."""
     err_console.print(f"[bold red]error:[/] [red]{escape(message)}[/]", soft_wrap=True, highlight=False)
     return typer.Exit(code)
-
-
-def _modes_text() -> str:
-    return ", ".join(MODES)
-
-
-def _check_mode(value: str) -> str:
-    if value not in MODES:
-        raise typer.BadParameter(f"unknown mode {value!r}; choose one of: {_modes_text()}")
-    return value
 
 
 def _check_log_level(value: str) -> str:
@@ -92,54 +82,37 @@ def _endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
 
 
-@app.command("serve-ps")
-def serve_ps(
+def _config_option(field: dataclasses.Field) -> inspect.Parameter:
+    """The ``serve-ps`` option of one PSConfig field: its flag, help text and bounds come from the field."""
+    meta = field.metadata
+
+    def check(value: Any) -> Any:
+        try:
+            return PSConfig.check(field.name, value)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+
+    bounds = {k: meta[k] for k in ("min", "max") if meta[k] is not None}
+    option = typer.Option(*meta["flags"], help=meta["help"], callback=check, **bounds)
+    return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
+                             annotation=Annotated[FIELD_TYPES[field.name], option])
+
+
+def _serve_ps_options(
+    *,
     host: Annotated[str, typer.Option(help="interface to listen on (0.0.0.0 or * for every interface)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port to listen on")] = 2223,
-    mode: Annotated[str, typer.Option(callback=_check_mode, help=f"training scheme: {_modes_text()}; workers "
-                                      "must ask for the same one")] = "asgd",
-    workers: Annotated[int | None, typer.Option(min=1, help="expected workers: once that many have joined and all "
-                                                "have left for --linger seconds, the PS exits by itself "
-                                                "(default: run until Ctrl-C / SIGTERM)")] = None,
-    linger: Annotated[float, typer.Option(min=0.0, help="seconds to wait, after the last of --workers has left, "
-                                          "for a worker to come back")] = 10.0,
-    replicas_to_aggregate: Annotated[int | None, typer.Option(min=1, help="sync: updates averaged per round "
-                                                              "(default: every training worker)")] = None,
-    max_updates: Annotated[int | None, typer.Option(min=1, help="central version at which workers are told "
-                                                    "to stop")] = None,
     log_level: Annotated[str, typer.Option(callback=_check_log_level, help="logging level of the PS (stderr)")]
     = "INFO",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no live dashboard, plain log lines only (the "
                                         "default when stdout is not a terminal)")] = False,
     log_every: Annotated[float, typer.Option(callback=_check_log_every, help="without the dashboard: seconds "
                                              "between two plain lines of counters on stdout (0: none)")] = 10.0,
-    checkpoint_dir: Annotated[Path | None, typer.Option(help="write checkpoints of the central state here "
-                                                        "(atomically; the newest --keep are kept)")] = None,
-    checkpoint_every_updates: Annotated[int | None, typer.Option(min=1, help="updates between checkpoints")] = None,
-    checkpoint_every_seconds: Annotated[float | None, typer.Option(min=0.001, help="seconds between checkpoints "
-                                                                   "(default: 60 if no other rule)")] = None,
-    keep: Annotated[int, typer.Option(min=1, help="checkpoints kept")] = 3,
-    resume: Annotated[Path | None, typer.Option(help="start from this checkpoint, or the newest in this folder; "
-                                                "a corrupt one is refused")] = None,
-    run_dir: Annotated[Path | None, typer.Option(help="where ps_metrics.jsonl (the counters, every 2 s) goes "
-                                                 "[default: runs/ps-DATE-TIME]")] = None,
-    worker_timeout: Annotated[float, typer.Option(min=0.1, help="seconds without a heartbeat after which a worker "
-                                                  "is declared lost and nothing waits for it any more; it is "
-                                                  "taken back if it speaks again")] = ps_server.DEFAULT_WORKER_TIMEOUT,
-    keys: Annotated[Path | None, typer.Option(help="CURVE keys of the PS (DIR/server of 'plug-asgd keygen DIR'): "
-                                              "encrypts traffic and admits only the authorized workers; "
-                                              "required to listen beyond 127.0.0.1")] = None,
-    insecure: Annotated[bool, typer.Option("--insecure", help="listen beyond 127.0.0.1 WITHOUT keys: anyone who "
-                                           "reaches the port can read and overwrite the model")] = False,
-    max_message_bytes: Annotated[int | None, typer.Option(min=1, help="largest request accepted, in bytes; a "
-                                                          "larger one is refused with code too_large "
-                                                          "[default: 2 GiB]")] = None,
-    threads: Annotated[int, typer.Option(min=1, max=256, help="threads that fold each large dense update in "
-                                         "(asgd, dynsgd, ssp and the modes built on them), each on a slice; "
-                                         "requests are still served one at a time, in order")] = 1,
-    shm_pushes: Annotated[bool, typer.Option(help="let workers on this machine (Linux, the same user) push "
-                                             "dense updates through shared memory instead of the socket")] = True,
 ) -> None:
+    """The options of ``serve-ps`` that are not PS options (where it listens is ``PSConfig.bind``)."""
+
+
+def serve_ps(*, host: str, port: int, log_level: str, quiet: bool, log_every: float, **options: Any) -> None:
     """Run a standalone parameter server until Ctrl-C / SIGTERM (or until --workers have come and gone).
 
     Workers reach it with --ps-address tcp://HOST:PORT. On a terminal it shows a live dashboard
@@ -157,26 +130,19 @@ def serve_ps(
     else:
         logging.basicConfig(level=log_level, stream=sys.stderr, format="[plug_asgd PS %(asctime)s] %(message)s",
                             force=True)
-    bind = _endpoint(host, port)
-    extra = f", expecting {workers} worker{'s' if workers != 1 else ''}" if workers else ""
+    options["run_dir"] = options["run_dir"] or Path("runs") / time.strftime("ps-%Y%m%d-%H%M%S")
     try:
-        policy = None
-        if checkpoint_dir is not None:
-            policy = CheckpointPolicy(checkpoint_dir, checkpoint_every_updates, checkpoint_every_seconds, keep)
-        elif checkpoint_every_updates or checkpoint_every_seconds:
-            raise ValueError("--checkpoint-every-* needs --checkpoint-dir")
-        server = ps_server.ParameterServer(
-            bind, mode, replicas_to_aggregate=replicas_to_aggregate, max_updates=max_updates,
-            expected_workers=workers, linger=linger, checkpoint=policy, resume=resume,
-            run_dir=run_dir or Path("runs") / time.strftime("ps-%Y%m%d-%H%M%S"), worker_timeout=worker_timeout,
-            keys=keys, insecure=insecure, threads=threads, shm_pushes=shm_pushes,
-            limits=Limits(max_message_bytes=max_message_bytes) if max_message_bytes else DEFAULT_LIMITS)
+        config = PSConfig(bind=_endpoint(host, port), **options)
+        server = ParameterServer(config)
     except (OSError, ValueError) as exc:  # port in use / bad interface, a refused option, a bad checkpoint
         raise _fail(str(exc), 2) from None
+    workers = config.expected_workers
+    extra = f", expecting {workers} worker{'s' if workers != 1 else ''}" if workers else ""
     security = ("CURVE keys, authorized workers only" if server.keyed else
-                "[bold red]no authentication[/]" if insecure and not is_loopback(bind) else "loopback only, no keys")
+                "[bold red]no authentication[/]" if config.insecure and not is_loopback(config.bind)
+                else "loopback only, no keys")
     console.print(f"[bold green]plug_asgd parameter server[/] listening on [bold]{escape(server.address)}[/], "
-                  f"mode [bold]{escape(mode)}[/]{extra}, {security} (Ctrl-C to stop)", soft_wrap=True,
+                  f"mode [bold]{escape(config.mode)}[/]{extra}, {security} (Ctrl-C to stop)", soft_wrap=True,
                   highlight=False)
     signal.signal(signal.SIGTERM, server.request_stop)
     signal.signal(signal.SIGINT, server.request_stop)
@@ -192,13 +158,20 @@ def serve_ps(
     raise typer.Exit(code or 0)
 
 
+# serve-ps's flags: its own, then one per PSConfig field (declared once, in plug_asgd.ps.config)
+serve_ps.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+    *inspect.signature(_serve_ps_options, eval_str=True).parameters.values(),
+    *(_config_option(f) for f in dataclasses.fields(PSConfig) if f.metadata["cli"])])
+app.command("serve-ps")(serve_ps)
+
+
 class _StatsLines:
     """``on_tick`` of a PS without the dashboard: one plain line of counters per tick on stdout."""
 
     def __init__(self) -> None:
         self.previous: dict[str, Any] | None = None
 
-    def __call__(self, server: ps_server.ParameterServer) -> None:
+    def __call__(self, server: ParameterServer) -> None:
         from plug_asgd.dashboard import log_line
 
         snapshot = server.snapshot()

@@ -43,7 +43,7 @@ from plug_asgd import shared
 from plug_asgd.client import DEFAULT_HEARTBEAT_S, ModelReply, PSClient, PSError, PSUnreachableError
 from plug_asgd.compressors import SPARSE_VALUES, NoCompression, make_compressor
 from plug_asgd.modes import get_mode
-from plug_asgd.ps_server import DEFAULT_WORKER_TIMEOUT, embedded_command
+from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT, PSConfig, embedded_command
 from plug_asgd.security import check_bind
 from plug_asgd.staleness import (
     Compensator,
@@ -516,21 +516,17 @@ class AsyncPSStrategy(ParallelStrategy):
         return found[0] if found else None
 
     def _start_embedded_ps(self, bind: str) -> None:
-        options: dict[str, Any] = {"parent_pid": os.getpid(), "max_updates": self.max_updates,
-                                   "replicas_to_aggregate": self.replicas_to_aggregate, "resume": self.resume_from,
-                                   "staleness_bound": self.staleness_bound, "worker_timeout": self.worker_timeout}
         checkpoint = self._ps_checkpoint_callback()
-        if checkpoint is not None:
-            options.update(checkpoint.ps_options())
         run_dir = self.ps_run_dir
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if run_dir is None and trainer is not None and trainer.loggers and trainer.log_dir is not None:
             run_dir = os.path.join(trainer.log_dir, "ps")
-        options["run_dir"] = run_dir
-        options["keys"] = self.ps_keys
-        options["insecure"] = self.ps_insecure
-        options["threads"] = self.ps_threads if self.ps_threads > 1 else None
-        self._ps_proc = subprocess.Popen(embedded_command(bind, self.mode, **options), stdin=subprocess.DEVNULL)
+        config = PSConfig(bind=bind, mode=self.mode, parent_pid=os.getpid(), max_updates=self.max_updates,
+                          replicas_to_aggregate=self.replicas_to_aggregate, staleness_bound=self.staleness_bound,
+                          resume=self.resume_from, worker_timeout=self.worker_timeout, run_dir=run_dir,
+                          keys=self.ps_keys, insecure=self.ps_insecure, threads=self.ps_threads,
+                          **(checkpoint.ps_options() if checkpoint is not None else {}))
+        self._ps_proc = subprocess.Popen(embedded_command(config), stdin=subprocess.DEVNULL)
 
     def _ps_gone(self) -> str | None:
         if self._ps_proc is not None and self._ps_proc.poll() is not None:

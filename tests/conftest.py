@@ -140,10 +140,10 @@ def fault_report(request):
 
 
 class PSProcesses:
-    """PS processes a test starts: ``start_ps(mode, *flags)`` -> address; ``stop(address)`` -> its output.
+    """PS processes a test starts: ``start_ps(mode, **options)`` -> address; ``stop(address)`` -> its output.
 
-    ``options`` are :func:`plug_asgd.ps_server.embedded_command` options every PS gets (a test module
-    may set some, ``worker_timeout`` say); ``env`` is added to their environment.
+    ``options`` are :class:`plug_asgd.ps.PSConfig` fields; ``self.options`` those every PS gets (a test
+    module may set some, ``worker_timeout`` say); ``env`` is added to their environment.
     """
 
     def __init__(self, procs: ProcessGroups) -> None:
@@ -152,12 +152,13 @@ class PSProcesses:
         self.env: dict[str, str] = {}
         self.started: dict[str, subprocess.Popen] = {}
 
-    def __call__(self, mode: str = "asgd", *extra: str, host: str = "127.0.0.1", prefix: tuple[str, ...] = ()) -> str:
-        from plug_asgd.ps_server import embedded_command
+    def __call__(self, mode: str = "asgd", *, host: str = "127.0.0.1", prefix: tuple[str, ...] = (),
+                 **options) -> str:
+        from plug_asgd.ps import PSConfig, embedded_command
 
         address = f"tcp://{host}:{free_port()}"
-        self.started[address] = self.procs.start(
-            [*prefix, *embedded_command(address, mode, **self.options), *extra], env=self.env)
+        config = PSConfig(bind=address, mode=mode, **{**self.options, **options})
+        self.started[address] = self.procs.start([*prefix, *embedded_command(config)], env=self.env)
         return address
 
     def stop(self, address: str) -> str:

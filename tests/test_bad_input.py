@@ -24,7 +24,7 @@ W0 = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(2, np.flo
 
 @pytest.fixture
 def ps(start_ps):
-    good, raw = serving_pair(start_ps("asgd", "--max-message-bytes", str(LIMIT)), W0)
+    good, raw = serving_pair(start_ps("asgd", max_message_bytes=LIMIT), W0)
     yield good, raw
     raw.close(0)
     good.close()
@@ -102,7 +102,7 @@ CASES = {
                                                         "mode": "asgd", "session": "x", "heartbeat_s": -1}),
                                        "bad_field"),
     "heartbeat without a session": (encode("heartbeat", {"rank": 0}), "bad_field"),
-    # oversized (checked by the PS on the whole message: see ps_server.frame_cap)
+    # oversized (checked by the PS on the whole message: see plug_asgd.ps.server.frame_cap)
     "message over the limit in many frames": (
         _push(1, {f"t{i}": np.zeros(300, np.float32) for i in range(4)}), "too_large"),
     "one frame over the limit": (_push(1, {"w": np.zeros(LIMIT // 4 + 10, np.float32)}), "too_large"),

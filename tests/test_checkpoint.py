@@ -21,7 +21,7 @@ from plug_asgd.checkpoint import (
 )
 from plug_asgd.client import PSClient
 from plug_asgd.modes import AdaCompRule, CentralState, Push
-from plug_asgd.ps_server import embedded_command
+from plug_asgd.ps import PSConfig, embedded_command
 from plug_asgd.wire import Sparse
 from tests.conftest import free_port
 
@@ -83,9 +83,9 @@ def test_adacomp_history_survives_a_checkpoint():
     np.testing.assert_array_equal(again.staleness(0, "w", idx), [1, 2, 2, 1, 1, 1, 1, 1])
 
 
-def _ps(procs, address, ckdir, *extra):
-    return procs.start([*embedded_command(address, "adacomp"), "--checkpoint-dir", str(ckdir),
-                        "--checkpoint-every-updates", "4", *extra])
+def _ps(procs, address, ckdir, **options):
+    return procs.start(embedded_command(PSConfig(bind=address, mode="adacomp", checkpoint_dir=ckdir,
+                                                 checkpoint_every_updates=4, **options)))
 
 
 def _wait_for(predicate, timeout=20.0):
@@ -117,7 +117,7 @@ def test_a_killed_ps_resumes_from_its_checkpoint_and_clients_carry_on(procs, tmp
     t.start()
     time.sleep(1.0)
     assert t.is_alive()
-    resumed = _ps(procs, address, ckdir, "--resume", str(ckdir))
+    resumed = _ps(procs, address, ckdir, resume=ckdir)
     t.join(30)
     assert not t.is_alive()
     r = result["r"]
@@ -133,8 +133,7 @@ def test_a_killed_ps_resumes_from_its_checkpoint_and_clients_carry_on(procs, tmp
 def test_resume_refuses_a_corrupt_checkpoint_with_a_clear_message(procs, tmp_path):
     path = write_checkpoint(tmp_path / "ps-v0000000003.ckpt", {"version": 3, "mode": "asgd"}, W)
     path.write_bytes(path.read_bytes()[:-10])
-    code, out = procs.run([*embedded_command(f"tcp://127.0.0.1:{free_port()}", "asgd"), "--resume", str(path)],
-                          timeout=30)
+    code, out = procs.run(embedded_command(PSConfig(bind=f"tcp://127.0.0.1:{free_port()}", resume=path)), timeout=30)
     assert code == 2
     assert "corrupt or truncated" in out and str(path) in out
 
@@ -143,7 +142,7 @@ def test_a_worker_whose_ps_vanishes_stops_after_lost_timeout_naming_it(procs):
     from plug_asgd.client import PSUnreachableError
 
     address = f"tcp://127.0.0.1:{free_port()}"
-    ps = procs.start(embedded_command(address, "asgd"))
+    ps = procs.start(embedded_command(PSConfig(bind=address)))
     c = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=60, lost_timeout=1.0)
     c.hello(stage=1, training=True, timeout=20)
     c.init({"w": np.zeros(3, np.float32)})

@@ -221,7 +221,7 @@ def test_workers_on_another_host_survive_a_cut_link(procs, start_ps, tmp_path, t
     ps_host, worker_host, cut, heal = two_hosts
     keys = tmp_path / "keys"
     generate_keys(keys)  # beyond loopback the PS needs them; CURVE then carries every message
-    address = start_ps("asgd", "--keys", str(keys / "server"), host="10.77.0.1", prefix=ps_host)
+    address = start_ps("asgd", keys=keys / "server", host="10.77.0.1", prefix=ps_host)
     logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
     workers = [start_worker(procs, address, r, logs[r], mode="asgd", pushes=120, delta=r + 1.0, prefix=worker_host,
                             keys=keys / "worker") for r in (0, 1)]

@@ -102,28 +102,29 @@ def test_unknown_mode_lists_the_modes():
         get_mode("nope")
 
 
-def test_the_ps_folds_into_a_copy_while_a_zero_copy_reply_is_in_flight():
-    from plug_asgd.ps_server import ParameterServer
+def test_the_store_folds_into_a_copy_while_a_zero_copy_reply_is_in_flight():
+    from plug_asgd.ps import PSConfig
+    from plug_asgd.ps.fast_store import FastStore
+    from plug_asgd.ps.store import PushIn
 
-    server = ParameterServer("tcp://127.0.0.1:*", "asgd")
-    try:
-        sent = np.zeros(4, np.float32)
-        server.state.tensors = {"w": sent}
+    store = FastStore(PSConfig(), copy_threshold=0)  # (every frame of a reply tracked, however small)
+    store.init({"w": np.zeros(4, np.float32)})
+    sent = store.state.tensors["w"]
+    reply = store.reply_payload({"rid": 1})  # not sent yet: ZeroMQ may still read its frames
+    one = Sparse(np.array([1]), np.ones(1, np.float32), (4,))  # a sparse update is folded in place
 
-        class InFlight:
-            done = False
+    def push(seq: int) -> None:
+        folded = store.fold(PushIn("token", 0, "session", seq, store.version, {"w": one}))
+        assert folded.resolutions == [("token", APPLIED)]
 
-        server._in_flight = [InFlight()]
-        server._writable()
-        assert server.state.tensors["w"] is not sent and server.stats.copies_on_write == 1
-        server.state.tensors["w"] += 1  # the fold
-        assert not sent.any()  # what the in-flight reply references is untouched
-        now = server.state.tensors["w"]
-        server._in_flight = [type("Sent", (), {"done": True})()]
-        server._writable()  # nothing in flight any more: fold in place
-        assert server.state.tensors["w"] is now and server.stats.copies_on_write == 1
-    finally:
-        server.socket.close(0)
+    push(0)
+    assert store.state.tensors["w"] is not sent and store.stats.copies_on_write == 1
+    assert not sent.any()  # what the reply in flight references is untouched
+    now = store.state.tensors["w"]
+    del reply  # its frames released: nothing in flight any more, so the next fold writes in place
+    push(1)
+    assert store.state.tensors["w"] is now and store.stats.copies_on_write == 1
+    np.testing.assert_array_equal(now, [0, 2, 0, 0])
 
 
 @pytest.mark.parametrize("threads", [1, 3])

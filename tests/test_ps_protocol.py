@@ -10,6 +10,7 @@ import pytest
 import zmq
 
 from plug_asgd.client import PSClient, PSError
+from plug_asgd.ps import ParameterServer, PSConfig
 from plug_asgd.wire import PROTOCOL_VERSION, Sparse, decode, encode
 
 BEAT = 0.25  # heartbeat of the clients in the liveness tests, whose PSes time out after 1 s
@@ -133,7 +134,7 @@ def test_sync_workers_wait_for_the_round_then_get_the_average(start_ps):
 
 
 def test_an_ssp_worker_ahead_of_the_bound_blocks_until_the_slow_one_pushes(start_ps):
-    address = start_ps("ssp", "--staleness-bound", "1")
+    address = start_ps("ssp", staleness_bound=1)
     fast, slow = client(address, 0, 2, "ssp"), client(address, 1, 2, "ssp")
     fast.init(W0)
     one = {"w": np.ones((2, 3), np.float32)}
@@ -152,7 +153,7 @@ def test_an_ssp_worker_ahead_of_the_bound_blocks_until_the_slow_one_pushes(start
 
 
 def test_an_ssp_worker_held_for_a_slow_one_is_released_when_the_slow_one_is_lost(start_ps):
-    address = start_ps("ssp", "--staleness-bound", "0", "--worker-timeout", "1")
+    address = start_ps("ssp", staleness_bound=0, worker_timeout=1)
     fast, slow = (client(address, r, 2, "ssp", heartbeat_s=BEAT) for r in (0, 1))
     fast.init(W0)
     slow.close()  # dies before its first push: its heartbeats stop
@@ -184,7 +185,7 @@ def test_collectives_complete_when_every_rank_present_contributes(start_ps):
 
 
 def test_a_lost_worker_is_not_waited_for_and_its_restart_gets_what_it_missed(start_ps):
-    address = start_ps("asgd", "--worker-timeout", "1")
+    address = start_ps("asgd", worker_timeout=1)
 
     def member(rank: int) -> PSClient:
         return client(address, rank, 2, heartbeat_s=BEAT)
@@ -258,7 +259,7 @@ def test_ranks_that_disagree_on_a_collective_get_an_error_not_a_wrong_pairing(st
 
 
 def test_max_updates_tells_workers_to_stop_and_freezes_the_model(start_ps):
-    c = client(start_ps("asgd", "--max-updates", "2"))
+    c = client(start_ps("asgd", max_updates=2))
     c.init(W0)
     assert not c.push(0, {"w": np.ones((2, 3), np.float32)}).stop
     r = c.push(1, {"w": np.ones((2, 3), np.float32)})
@@ -272,9 +273,7 @@ def test_the_ps_answers_with_the_frames_a_push_came_in_and_copies_them_before_an
     """The asgd PS folds a dense push into its own received buffers and resends those frames; a
     later fold that writes in place (a sparse update) must first copy them, since a frame already
     resent cannot be tracked. The PS runs in a thread here so the test can hold its frames."""
-    from plug_asgd.ps_server import ParameterServer
-
-    server = ParameterServer("tcp://127.0.0.1:*", "asgd")
+    server = ParameterServer(PSConfig(bind="tcp://127.0.0.1:*"))
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 20}, daemon=True)
     thread.start()
     c = client(server.address)
@@ -283,13 +282,13 @@ def test_the_ps_answers_with_the_frames_a_push_came_in_and_copies_them_before_an
         delta = {"w": np.full((2, 3), 0.5, np.float32), "b": np.ones(2, np.float32)}
         reply = c.push(0, delta)
         np.testing.assert_array_equal(reply.tensors["w"], W0["w"] + 0.5)
-        frames = server._received_frames()
+        frames = server.store.resent_frames()
         assert set(frames) == {"w", "b"} and server.stats.copies_on_write == 0
         resent = {n: f.bytes for n, f in frames.items()}
         assert resent["w"] == (W0["w"] + 0.5).astype("<f4").tobytes()
         reply = c.push(1, {"w": Sparse(np.array([4]), np.array([2.0], np.float32), (2, 3))})
         np.testing.assert_array_equal(reply.tensors["w"].reshape(-1), (W0["w"] + 0.5).reshape(-1) + [0, 0, 0, 0, 2, 0])
-        assert server.stats.copies_on_write == 1 and server._received_frames() == {}
+        assert server.stats.copies_on_write == 1 and server.store.resent_frames() == {}
         assert {n: f.bytes for n, f in frames.items()} == resent  # what was resent was never written
         np.testing.assert_array_equal(c.pull().tensors["b"], W0["b"] + 1)
     finally:
@@ -302,16 +301,14 @@ def test_the_ps_counts_the_time_it_spends_handling_requests_and_pushes():
     """``busy_s`` / ``push_busy_s``: each push here takes at least the 50 ms its fold is made to
     sleep, and nothing is counted that the client did not wait for; their CPU time does not hold
     the sleeps. The PS runs in a thread so that its rule can be slowed."""
-    from plug_asgd.ps_server import ParameterServer
-
-    server = ParameterServer("tcp://127.0.0.1:*", "asgd")
-    fold = server.rule.push
+    server = ParameterServer(PSConfig(bind="tcp://127.0.0.1:*"))
+    fold = server.store.rule.push
 
     def slow_fold(state, push):
         time.sleep(0.05)
         return fold(state, push)
 
-    server.rule.push = slow_fold
+    server.store.rule.push = slow_fold
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 20}, daemon=True)
     thread.start()
     began = time.monotonic()
@@ -428,7 +425,7 @@ def test_a_ps_that_does_not_fold_deltas_as_sent_takes_no_weights(start_ps, mode)
 
 
 def test_a_ps_with_two_fold_threads_folds_large_tensors_exactly_and_refuses_a_nan_in_any_slice(start_ps):
-    address = start_ps("asgd", "--threads", "2")
+    address = start_ps("asgd", threads=2)
     c = client(address)
     try:
         rng = np.random.default_rng(9)
@@ -452,13 +449,13 @@ def test_a_ps_with_two_fold_threads_folds_large_tensors_exactly_and_refuses_a_na
 def test_a_resumed_ps_never_answers_own_since_its_versions_may_name_other_models(start_ps, tmp_path):
     """Versions made after a resume reuse the numbers of versions lost in the crash: a worker's base
     of "version 2" may be another model than the resumed PS's version 2, so only whole models go back."""
-    first = start_ps("asgd", "--checkpoint-dir", str(tmp_path), "--checkpoint-every-updates", "1")
+    first = start_ps("asgd", checkpoint_dir=tmp_path, checkpoint_every_updates=1)
     c = client(first)
     c.init(W0)
     assert c.push(0, {"w": np.ones((2, 3), np.float32)}, want_model="unless_own").own
     c.close()
     start_ps.stop(first)
-    second = start_ps("asgd", "--resume", str(tmp_path))
+    second = start_ps("asgd", resume=tmp_path)
     c = client(second)
     try:
         reply = c.push(1, {"w": np.ones((2, 3), np.float32)}, want_model="unless_own")

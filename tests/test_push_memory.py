@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from plug_asgd import push_memory
 from plug_asgd.client import PSClient, PSError
 from plug_asgd.compressors import Sparse
+from plug_asgd.ps import ParameterServer, PSConfig, embedded_command
 from plug_asgd.push_memory import HEADER_BYTES, PushSegment
 from plug_asgd.wire import Local
 
@@ -214,7 +214,7 @@ def test_local_references_out_of_bounds_unattached_or_outside_pushes_are_refused
 
 
 def test_a_ps_without_shared_memory_pushes_over_the_socket(start_ps):
-    c = client(start_ps("asgd", "--no-shm-pushes"))
+    c = client(start_ps("asgd", shm_pushes=False))
     try:
         assert not c.shm_offered
         assert c.push_buffers({"w": ((3, 5), np.float32)}) is None
@@ -228,9 +228,7 @@ def test_a_ps_without_shared_memory_pushes_over_the_socket(start_ps):
 
 
 def test_after_a_ps_restart_the_worker_pushes_its_buffers_as_bytes(start_ps, tmp_path):
-    from plug_asgd.ps_server import embedded_command
-
-    first = start_ps("asgd", "--checkpoint-dir", str(tmp_path), "--checkpoint-every-updates", "1")
+    first = start_ps("asgd", checkpoint_dir=tmp_path, checkpoint_every_updates=1)
     c = PSClient(first, rank=0, world_size=1, mode="asgd", request_timeout=20, lost_timeout=30, heartbeat_s=None)
     try:
         c.hello(stage=1, training=True, timeout=20)
@@ -240,7 +238,7 @@ def test_after_a_ps_restart_the_worker_pushes_its_buffers_as_bytes(start_ps, tmp
         mine["b"][...] = 0.0
         assert c.push(0, mine).version == 1
         start_ps.stop(first)
-        start_ps.started[first] = start_ps.procs.start([*embedded_command(first, "asgd"), "--resume", str(tmp_path)])
+        start_ps.started[first] = start_ps.procs.start(embedded_command(PSConfig(bind=first, resume=tmp_path)))
         mine["w"][...] = 2.0
         calls = []
         reply = c.push(1, mine, while_waiting=lambda: calls.append(1))  # the new PS maps nothing: refused,
@@ -276,9 +274,7 @@ def test_the_wire_carries_a_local_reference_without_a_frame():
 @pytest.fixture
 def in_process_ps():
     """A PS serving from a thread of this process (its arrays can be looked at), and a worker of it (of 2)."""
-    from plug_asgd.ps_server import ParameterServer
-
-    server = ParameterServer("tcp://127.0.0.1:*", "asgd")
+    server = ParameterServer(PSConfig(bind="tcp://127.0.0.1:*"))
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 20}, daemon=True)
     thread.start()
     c = client(server.address, world=2)
@@ -300,12 +296,12 @@ def test_the_ps_folds_a_shared_push_into_spare_arrays_and_reuses_them(in_process
     for n in SHAPES:
         mine[n][...] = 0.25
     c.push(0, mine, want_model="unless_own")
-    first = dict(server.state.tensors)
+    first = dict(server.store.state.tensors)
     c.push(1, mine, want_model="unless_own")
-    assert all(server._spares[n] is first[n] for n in SHAPES)  # no reply held them: kept as spares
-    c.push(2, mine, want_model="unless_own")
-    assert all(server.state.tensors[n] is first[n] for n in SHAPES)  # two arrays, in turn
-    for t in server.state.tensors.values():  # (the PS maps the segment read-only, at its own addresses:
+    assert all(server.store.state.tensors[n] is not first[n] for n in SHAPES)
+    c.push(2, mine, want_model="unless_own")  # no reply held the first arrays: kept as spares, and used
+    assert all(server.store.state.tensors[n] is first[n] for n in SHAPES)  # two arrays, in turn
+    for t in server.store.state.tensors.values():  # (the PS maps the segment read-only, at its own addresses:
         assert t.flags.writeable and t.flags.owndata  # a view of it would be neither)
     quarter = np.float32(0.25)
     np.testing.assert_array_equal(c.pull().tensors["w"], model()["w"] + quarter + quarter + quarter)
@@ -362,7 +358,7 @@ def test_the_ps_gives_lent_weights_back_before_it_answers_the_lenders_next_push(
     once it has the answer (or as soon as the PS must write its model in place): writing NaN into
     them then changes nothing at the PS. The model is the one the pushes make, bit for bit, and the
     PS copied the lent buffers only where they were still its model."""
-    address = start_ps("asgd", "--max-updates", "1") if then == "meets_a_stopped_ps" else start_ps()
+    address = start_ps("asgd", max_updates=1) if then == "meets_a_stopped_ps" else start_ps()
     c = client(address, world=2)
     other = client(address, rank=1, world=2)
     try:
@@ -407,15 +403,15 @@ def test_lent_weights_leave_the_ps_arrays_they_replace_as_spares_for_the_next_fo
     segment writes into, so that pushes alternating lent weights and deltas allocate nothing."""
     server, c = in_process_ps
     sets = two_sets(c)
-    own = dict(server.state.tensors)
+    own = dict(server.store.state.tensors)
     fill(sets["a"], model(3))
     assert c.push(0, sets["a"], want_model="unless_own", weights=True, lend=True).own
     # lent: the model is the PS's read-only map of the worker's buffers, no array of its own
-    assert all(server._lent[n] is server.state.tensors[n] and not server._lent[n].flags.writeable for n in SHAPES)
-    assert all(server._spares[n] is own[n] for n in SHAPES)
+    assert c.stats()["weights_lent"] == 1
+    assert all(not server.store.state.tensors[n].flags.writeable for n in SHAPES)
     fill(sets["b"], {n: np.full(s, 0.5, np.float32) for n, s in SHAPES.items()})
     c.push(1, sets["b"], want_model=False)
-    assert all(server.state.tensors[n] is own[n] for n in SHAPES)  # the delta folded into the spares
+    assert all(server.store.state.tensors[n] is own[n] for n in SHAPES)  # the delta folded into the spares
     want = {n: t + np.float32(0.5) for n, t in model(3).items()}
     assert_bits(c.pull().tensors, want)
     assert c.stats()["lent_copies"] == 0  # the lent arrays were no longer the model: nothing copied
@@ -429,13 +425,15 @@ def test_lent_weights_given_back_for_a_fold_in_place_are_copied_once_while_a_rep
     other = client(server.address, rank=1, world=2)
     try:
         sets = two_sets(c)
+        server.store.copy_threshold = 0  # (every frame of a reply tracked, however small)
+        in_flight = server.store.reply_payload({"rid": None})  # a reply of the model before, still being sent
         fill(sets["a"], model(3))
         assert c.push(0, sets["a"], want_model="unless_own", weights=True, lend=True).own
         before = c.stats()["copies_on_write"]
-        server._in_flight.append(SimpleNamespace(done=False))  # a reply of the model before, still being sent
         other.push(1, {"w": Sparse(np.array([4]), np.array([2.0], np.float32), SHAPES["w"])}, want_model=False)
         stats = c.stats()
         assert stats["lent_copies"] == 1 and stats["copies_on_write"] == before
+        del in_flight
         for n in SHAPES:
             sets["a"][n][...] = np.nan  # the worker's again
         want = model(3)

@@ -9,6 +9,7 @@ loopback without keys refuses to start.
 
 from __future__ import annotations
 
+import json
 import re
 import stat
 import sys
@@ -21,7 +22,7 @@ from typer.testing import CliRunner
 
 from plug_asgd import cli
 from plug_asgd.client import PSClient, PSUnreachableError
-from plug_asgd.ps_server import ParameterServer, embedded_command
+from plug_asgd.ps import ParameterServer, PSConfig, embedded_command
 from plug_asgd.security import InsecureBindError, KeysError, generate_keys, is_loopback, load_worker_keys
 from tests.conftest import PLUG_ASGD, free_port
 
@@ -72,7 +73,7 @@ def keyed_ps(procs, tmp_path):
     keys = tmp_path / "keys"
     generate_keys(keys)
     address = f"tcp://127.0.0.1:{free_port()}"
-    procs.start([*embedded_command(address, "asgd"), "--keys", str(keys / "server")])
+    procs.start(embedded_command(PSConfig(bind=address, keys=keys / "server")))
     yield address, keys
     for p in procs.procs:
         p.terminate()
@@ -173,23 +174,25 @@ def test_loopback_is_recognised(endpoint, local):
 
 def test_a_ps_beyond_loopback_without_keys_refuses_to_start(procs, tmp_path):
     with pytest.raises(InsecureBindError, match="plug-asgd keygen"):
-        ParameterServer("tcp://0.0.0.0:*")
+        ParameterServer(PSConfig(bind="tcp://0.0.0.0:*"))
     result = runner.invoke(cli.app, ["serve-ps", "--host", "0.0.0.0", "--port", str(free_port()), "--quiet"],
                            env={"COLUMNS": "300", "NO_COLOR": "1"})
     assert result.exit_code == 2
     assert re.search(r"refusing to listen on tcp://0\.0\.0\.0:\d+ without authentication.*plug-asgd keygen",
                      " ".join(result.output.split())), result.output
-    code, out = procs.run(embedded_command(f"tcp://0.0.0.0:{free_port()}", "asgd"), timeout=60)
+    command = embedded_command(PSConfig())
+    command[-1] = json.dumps({"bind": f"tcp://0.0.0.0:{free_port()}"})  # (PSConfig refuses it here too)
+    code, out = procs.run(command, timeout=60)
     assert code == 2 and "without authentication" in out, out
 
 
 def test_insecure_and_keys_each_allow_a_non_loopback_bind(tmp_path):
-    server = ParameterServer("tcp://0.0.0.0:*", insecure=True)
-    server._close_sockets()
+    server = ParameterServer(PSConfig(bind="tcp://0.0.0.0:*", insecure=True))
+    server.close()
     generate_keys(tmp_path / "k")
-    server = ParameterServer("tcp://0.0.0.0:*", keys=tmp_path / "k")
+    server = ParameterServer(PSConfig(bind="tcp://0.0.0.0:*", keys=tmp_path / "k"))
     assert server.keyed
-    server._close_sockets()
+    server.close()
 
 
 def test_the_strategy_refuses_an_embedded_ps_beyond_loopback_without_keys(monkeypatch):

@@ -14,7 +14,7 @@ from pytorch_lightning.loggers import CSVLogger
 from plug_asgd.callbacks import CommunicationMonitor, PSCheckpoint, Supervisor
 from plug_asgd.compressors import COMPRESSORS, SPARSE_VALUES
 from plug_asgd.modes import MODES
-from plug_asgd.ps_server import DEFAULT_WORKER_TIMEOUT
+from plug_asgd.ps.config import ps_argument
 from plug_asgd.recipes.idx import DatasetNotFoundError
 from plug_asgd.strategy import AsyncPSStrategy
 
@@ -39,22 +39,18 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--pull-every", type=int, default=None, help="local steps between pulls (default: at push)")
     parser.add_argument("--tau", type=int, default=None, help="easgd/eamsgd: steps between elastic exchanges")
     parser.add_argument("--alpha", type=float, default=None, help="easgd/eamsgd: elastic step (default 0.5)")
-    parser.add_argument("--staleness-bound", type=int, default=None, help="ssp: pushes ahead allowed (default 2)")
-    parser.add_argument("--replicas-to-aggregate", type=int, default=None,
-                        help="sync: updates averaged per round (default: every worker)")
-    parser.add_argument("--max-updates", type=int, default=None, help="PS-wide number of updates to stop at")
+    ps_argument(parser, "staleness_bound")
+    ps_argument(parser, "replicas_to_aggregate")
+    ps_argument(parser, "max_updates")
     parser.add_argument("--no-staleness-compensation", action="store_true",
                         help="fold stale updates in as they are (by default the asynchronous modes scale them, look "
                              "ahead and keep codec residuals local: see docs/momentum.md)")
     parser.add_argument("--ps-address", default=None,
                         help="tcp://host:port of a PS started with `plug-asgd serve-ps` (default: embedded PS)")
-    parser.add_argument("--worker-timeout", type=float, default=DEFAULT_WORKER_TIMEOUT,
-                        help="embedded PS: seconds without a heartbeat before a worker is declared lost and not "
-                             f"waited for (default: {DEFAULT_WORKER_TIMEOUT:g})")
+    ps_argument(parser, "worker_timeout")
     parser.add_argument("--ps-keys", type=Path, default=None,
                         help="CURVE keys of `plug-asgd keygen DIR`: DIR (embedded PS) or DIR/worker (external PS)")
-    parser.add_argument("--ps-insecure", action="store_true",
-                        help="let the embedded PS listen beyond loopback without keys (unsafe)")
+    ps_argument(parser, "insecure", "--ps-insecure")
     parser.add_argument("--epochs", type=int, default=1, help="epochs per worker (default: 1)")
     parser.add_argument("--max-steps", type=int, default=-1, help="local steps per worker (default: no limit)")
     parser.add_argument("--no-val", action="store_true", help="skip validation during training")
@@ -64,10 +60,9 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--supervise-every", type=int, default=None, metavar="N",
                         help="evaluate the central model on the test set every N PS updates while training")
-    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="the PS checkpoints its state here")
-    parser.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
-                        help="updates between PS checkpoints (default: every 60 s)")
-    parser.add_argument("--resume", type=Path, default=None, help="start the embedded PS from this checkpoint")
+    ps_argument(parser, "checkpoint_dir")
+    ps_argument(parser, "checkpoint_every_updates", "--checkpoint-every")
+    ps_argument(parser, "resume")
     parser.add_argument("--comm-monitor", type=int, default=None, metavar="N",
                         help="record each worker's steps, bytes, times and staleness every N local steps")
     return parser

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 # The client without plug_asgd/__init__ (which imports Lightning to register the strategy): this
-# worker starts in 0.2 s instead of 3.5, as the embedded PS does (ps_server.embedded_command).
+# worker starts in 0.2 s instead of 3.5, as the embedded PS does (plug_asgd.ps.embedded_command).
 _package = types.ModuleType("plug_asgd")
 _package.__path__ = [str(Path(__file__).resolve().parents[2] / "plug_asgd")]
 sys.modules.setdefault("plug_asgd", _package)

@@ -1,0 +1,19 @@
+"""The parameter server, in parts (the picture: ``docs/design.md``, "The parameter server").
+
+- :mod:`~plug_asgd.ps.config`: :class:`PSConfig`, every option of a PS;
+- :mod:`~plug_asgd.ps.server`: the serving loop (socket, CURVE, dispatch, error replies);
+- :mod:`~plug_asgd.ps.membership`: hello and bye, heartbeats, lost and taken back;
+- :mod:`~plug_asgd.ps.collectives`: the gather behind barriers, broadcasts and reductions;
+- :mod:`~plug_asgd.ps.store` and :mod:`~plug_asgd.ps.fast_store`: the central tensors, their fold and
+  who owns each buffer (the reference store, and the one that serves);
+- :mod:`~plug_asgd.ps.persistence` and :mod:`~plug_asgd.ps.stats`: checkpoints, metrics, counters;
+- :mod:`~plug_asgd.ps.embedded`: the PS as a process of its own.
+
+The PS knows nothing of torch or Lightning: it holds named float arrays.
+"""
+
+from plug_asgd.ps.config import DEFAULT_WORKER_TIMEOUT, PSConfig
+from plug_asgd.ps.embedded import embedded_command
+from plug_asgd.ps.server import ParameterServer
+
+__all__ = ["DEFAULT_WORKER_TIMEOUT", "PSConfig", "ParameterServer", "embedded_command"]

@@ -1,0 +1,165 @@
+"""Every option of a parameter server, in one dataclass: ``serve-ps``'s flags, the embedded PS's
+command line, the recipes and the strategy are all made from :class:`PSConfig`.
+
+Each field's metadata holds its help text and bounds; :meth:`PSConfig.check` applies them (and the
+few rules between fields), and ``plug_asgd.cli`` turns the same metadata into typer options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plug_asgd.checkpoint import CheckpointPolicy
+from plug_asgd.modes import MODES, get_mode
+from plug_asgd.security import check_bind
+from plug_asgd.wire import DEFAULT_LIMITS, Limits
+
+DEFAULT_WORKER_TIMEOUT = 20.0  # seconds of silence (no heartbeat, no request) before a worker is lost
+
+
+def _option(default: Any, help: str = "", *, min: float | None = None, max: float | None = None,
+            flags: tuple[str, ...] = (), cli: bool = True) -> Any:
+    """A field with its help text, its bounds and its flag names (``cli=False``: no ``serve-ps`` flag)."""
+    return field(default=default, metadata={"help": help, "min": min, "max": max, "flags": flags, "cli": cli})
+
+
+_PATHS = ("checkpoint_dir", "resume", "run_dir", "keys")
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    """What a parameter server is told at start; checked when made, so a bad option fails at once."""
+
+    bind: str = _option("tcp://127.0.0.1:2223", "the endpoint to listen on (serve-ps: --host and --port)",
+                        cli=False)
+    mode: str = _option("asgd", f"training scheme: {', '.join(MODES)}; workers must ask for the same one")
+    expected_workers: int | None = _option(
+        None, "expected workers: once that many have joined and all have left for --linger seconds, the PS "
+        "exits by itself (default: run until Ctrl-C / SIGTERM)", min=1, flags=("--workers",))
+    linger: float = _option(10.0, "seconds to wait, after the last of --workers has left, for a worker to come "
+                            "back", min=0.0)
+    replicas_to_aggregate: int | None = _option(None, "sync: updates averaged per round (default: every "
+                                                "training worker)", min=1)
+    staleness_bound: int | None = _option(None, "ssp: pushes a worker may be ahead of the slowest (default 2)",
+                                          min=0)
+    max_updates: int | None = _option(None, "central version at which workers are told to stop", min=1)
+    checkpoint_dir: Path | None = _option(None, "write checkpoints of the central state here (atomically; the "
+                                          "newest --keep are kept)")
+    checkpoint_every_updates: int | None = _option(None, "updates between checkpoints", min=1)
+    checkpoint_every_seconds: float | None = _option(None, "seconds between checkpoints (default: 60 if no "
+                                                     "other rule)", min=0.001)
+    keep: int = _option(3, "checkpoints kept", min=1)
+    resume: Path | None = _option(None, "start from this checkpoint, or the newest in this folder; a corrupt one "
+                                  "is refused")
+    run_dir: Path | None = _option(None, "where ps_metrics.jsonl (the counters, every --metrics-every s) goes "
+                                   "[default: runs/ps-DATE-TIME]")
+    metrics_every: float = _option(2.0, "seconds between two lines of ps_metrics.jsonl", min=0.01)
+    worker_timeout: float = _option(DEFAULT_WORKER_TIMEOUT, "seconds without a heartbeat after which a worker "
+                                    "is declared lost and nothing waits for it any more; it is taken back if "
+                                    "it speaks again", min=0.1)
+    keys: Path | None = _option(None, "CURVE keys of the PS (DIR/server of 'plug-asgd keygen DIR'): encrypts "
+                                "traffic and admits only the authorized workers; required to listen beyond "
+                                "127.0.0.1")
+    insecure: bool = _option(False, "listen beyond 127.0.0.1 WITHOUT keys: anyone who reaches the port can read "
+                             "and overwrite the model", flags=("--insecure",))
+    max_message_bytes: int | None = _option(None, "largest request accepted, in bytes; a larger one is refused "
+                                            "with code too_large [default: 2 GiB]", min=1)
+    threads: int = _option(1, "threads that fold each large dense update in (asgd, dynsgd, ssp and the modes "
+                           "built on them), each on a slice; requests are still served one at a time, in order",
+                           min=1, max=256)
+    shm_pushes: bool = _option(True, "let workers on this machine (Linux, the same user) push dense updates "
+                               "through shared memory instead of the socket")
+    parent_pid: int | None = _option(None, "stop when the process of this pid is no longer the parent",
+                                     min=1, cli=False)
+
+    def __post_init__(self) -> None:
+        for name in _PATHS:  # paths arrive as str from JSON and from callers: hold them as Path
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                object.__setattr__(self, name, Path(value))
+        for f in dataclasses.fields(self):
+            self.check(f.name, getattr(self, f.name))
+        if self.checkpoint_dir is None and (self.checkpoint_every_updates or self.checkpoint_every_seconds):
+            raise ValueError("checkpoint_every_updates / checkpoint_every_seconds (--checkpoint-every-*) need "
+                             "checkpoint_dir (--checkpoint-dir): say where the checkpoints go")
+        check_bind(self.bind, self.keys is not None, self.insecure)
+
+    @classmethod
+    def check(cls, name: str, value: Any) -> Any:
+        """``value`` if field ``name`` may hold it, else a ValueError that says what it may hold."""
+        meta = _FIELDS[name].metadata
+        if name == "mode":
+            get_mode(value)  # the error lists the modes
+        elif value is not None and not isinstance(value, bool) and isinstance(value, int | float):
+            low, high = meta["min"], meta["max"]
+            if (low is not None and value < low) or (high is not None and value > high):
+                bounds = f"between {low:g} and {high:g}" if high is not None else f">= {low:g}"
+                raise ValueError(f"{name} must be {bounds}, got {value:g}")
+        return value
+
+    def limits(self) -> Limits:
+        """The wire's limits for this PS's requests."""
+        if self.max_message_bytes is None:
+            return DEFAULT_LIMITS
+        return Limits(max_message_bytes=self.max_message_bytes)
+
+    def checkpoint_policy(self) -> CheckpointPolicy | None:
+        """When and where checkpoints are written; None without ``checkpoint_dir``."""
+        if self.checkpoint_dir is None:
+            return None
+        return CheckpointPolicy(self.checkpoint_dir, self.checkpoint_every_updates, self.checkpoint_every_seconds,
+                                self.keep)
+
+    def to_json(self) -> str:
+        """The fields that differ from their defaults, as one JSON object (the embedded PS's ``--config``)."""
+        changed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                   if getattr(self, f.name) != f.default}
+        return json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in changed.items()}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> PSConfig:
+        """The config :meth:`to_json` wrote; unknown names are refused, naming the known ones."""
+        try:
+            values = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"the PS's --config is not JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise ValueError("the PS's --config must be a JSON object of PSConfig fields")
+        unknown = set(values) - set(_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown PS option(s) {', '.join(sorted(unknown))}; known: {', '.join(_FIELDS)}")
+        return cls(**values)
+
+
+_FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(PSConfig)}
+FIELD_TYPES: dict[str, Any] = typing.get_type_hints(PSConfig)
+
+
+def ps_argument(parser: argparse.ArgumentParser, name: str, flag: str | None = None) -> None:
+    """Add the flag of PSConfig field ``name`` to an argparse parser (the recipes' PS options): its type,
+    default, help and bounds come from the field; ``flag`` replaces ``--name-with-dashes``."""
+    f = _FIELDS[name]
+    flag = flag or "--" + name.replace("_", "-")
+    hint = FIELD_TYPES[name]
+    if hint is bool:
+        parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+        return
+    if isinstance(hint, types.UnionType):  # X | None
+        hint = next(t for t in typing.get_args(hint) if t is not type(None))
+
+    def convert(text: str) -> Any:
+        try:
+            return PSConfig.check(name, hint(text))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    default = "" if f.default is None else f" (default: {f.default})"
+    parser.add_argument(flag, type=convert, default=f.default, metavar=hint.__name__.upper(),
+                        help=f.metadata["help"] + default)

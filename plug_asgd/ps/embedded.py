@@ -1,0 +1,54 @@
+"""The PS as a process of its own: the command rank 0 starts for the embedded PS, and its entry point.
+
+The command carries the whole :class:`~plug_asgd.ps.config.PSConfig` as one JSON argument
+(``--config``), and imports this package without running ``plug_asgd/__init__`` (which registers the
+strategy with Lightning): the PS never imports Lightning, and starts in 0.2 s, not 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from plug_asgd.ps.config import PSConfig
+from plug_asgd.ps.server import ParameterServer
+
+_BARE_PACKAGE = (
+    "import sys, types; pkg = types.ModuleType('plug_asgd'); pkg.__path__ = [{path!r}]; "
+    "sys.modules['plug_asgd'] = pkg; from plug_asgd.ps.embedded import main; sys.exit(main())"
+)
+
+
+def serve(config: PSConfig) -> int:
+    """Run a parameter server in this process until it ends; SIGINT and SIGTERM stop it cleanly."""
+    server = ParameterServer(config)
+    signal.signal(signal.SIGTERM, server.request_stop)
+    signal.signal(signal.SIGINT, server.request_stop)
+    return server.serve_forever()
+
+
+def embedded_command(config: PSConfig) -> list[str]:
+    """The command that runs a PS with ``config`` in a fresh interpreter, as rank 0 starts the embedded one."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return [sys.executable, "-c", _BARE_PACKAGE.format(path=package), "--config", config.to_json()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the embedded PS process (see :func:`embedded_command`); 2 for a refused config."""
+    parser = argparse.ArgumentParser(description="plug_asgd parameter server (embedded)")
+    parser.add_argument("--config", required=True, help="a PSConfig as JSON (PSConfig.to_json)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("PLUG_ASGD_LOG", "WARNING"), stream=sys.stderr,
+                        format="[plug_asgd PS %(asctime)s] %(message)s")
+    try:
+        return serve(PSConfig.from_json(args.config))
+    except (OSError, ValueError) as exc:
+        print(f"plug_asgd parameter server: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The store the PS runs: the reference's bits, without the copies that measurably cost.
+
+Four ways of not copying, with their figures from ``bench/results/NOTES.md`` (and which have
+none of their own) in ``docs/design.md``, "The parameter server":
+
+- a dense push is folded into its own received buffers, and replies resend those very frames
+  (the PS round trip over an echo: 1.50-1.60 -> 1.28-1.40);
+- the model goes out zero-copy from the store's own arrays; a write while such a reply may still
+  be read copies first (copy-on-write, the frames tracked; pyzmq copies small frames anyway);
+- a push read from a worker's shared memory is folded into spare arrays of the store's own, the
+  replaced ones becoming the next spares (part of shared-memory pushes: the request 3.2 -> 1.5 ms);
+- a lone worker's weights in its shared memory are kept as the model where they lie (lent) until
+  that worker is next answered (``bench.push_timeline``: the PS's time on a core per push
+  1.07-1.17 -> 0.55-0.57 ms, the request 1.5 -> 0.9 ms).
+
+``tests/test_store.py`` holds it to :class:`~plug_asgd.ps.store.ReferenceStore`'s bits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import zmq
+
+from plug_asgd.modes import can_fold_into
+from plug_asgd.ps.config import PSConfig
+from plug_asgd.ps.stats import Stats
+from plug_asgd.ps.store import PushIn, Store
+from plug_asgd.wire import Local, Tensor, encode
+
+
+class FastStore(Store):
+    """Lends, reuses received frames and spare arrays, and copies on write only while a reply may read."""
+
+    def __init__(self, config: PSConfig, stats: Stats | None = None, copy_threshold: int = zmq.COPY_THRESHOLD) -> None:
+        """``copy_threshold``: the socket's; pyzmq copies smaller frames itself, so those are not tracked."""
+        super().__init__(config, stats)
+        self.copy_threshold = copy_threshold
+        self._in_flight: list[zmq.MessageTracker] = []  # replies sent zero-copy from the store's arrays
+        self._frames: dict[str, tuple[np.ndarray, Any]] = {}  # central tensors that are a push's received frame
+        self._spares: dict[str, np.ndarray] = {}  # arrays no reply holds, which the next fold may write into
+        self._lent: dict[str, np.ndarray] = {}  # a worker's weights kept as the model in its own memory
+        self._lender: str | None = None  # ... its session
+        self._lent_at = -1  # ... the request that lent them
+
+    def resent_frames(self) -> dict[str, Any]:
+        """The central tensors that are still the received frames they were folded into: replies resend them."""
+        tensors = self.state.tensors
+        return {name: frame for name, (array, frame) in self._frames.items() if tensors.get(name) is array}
+
+    def reply_payload(self, fields: dict[str, Any]) -> list[Any]:
+        self.release()  # a reply in flight must not read memory its worker may write again
+        frames = encode("model", fields, self.state.tensors, reuse=self.resent_frames())
+        # received frames go out as they are (pyzmq shares their memory); the store's own arrays go out
+        # zero-copy and tracked, so that a write knows when they are free again
+        parts = [f if isinstance(f, zmq.Frame) or memoryview(f).nbytes < self.copy_threshold
+                 else zmq.Frame(f, track=True, copy=False) for f in frames]
+        self._in_flight += [p.tracker for p in parts if isinstance(p, zmq.Frame) and p.tracker is not None]
+        return parts
+
+    def release(self, session: str | None = None) -> None:
+        if self._lender is not None and (session is None or session == self._lender):
+            self._release_lent()
+
+    def before_answer(self, session: str, request: int) -> None:
+        if request != self._lent_at:
+            self.release(session)
+
+    def _release_lent(self) -> set[str]:
+        """Stop using lent memory, copying what is still central; the names of those copies (no reply sent them)."""
+        if not self._lent:
+            return set()
+        tensors = self.state.tensors
+        kept = {name for name, array in self._lent.items() if tensors.get(name) is array}
+        for name in kept:
+            tensors[name] = np.array(tensors[name])
+        self.stats.lent_copies += bool(kept)
+        self._lent, self._lender, self._lent_at = {}, None, -1
+        return kept
+
+    def _replies_in_flight(self) -> bool:
+        """Whether ZeroMQ may still be reading a reply sent zero-copy from the store's own arrays."""
+        self._in_flight = [t for t in self._in_flight if not t.done]
+        return bool(self._in_flight)
+
+    def _before_write(self, in_place: bool) -> None:
+        """Copy-on-write: while a reply may read the central arrays, or one is a frame already resent (which
+        cannot be tracked), a write in place goes to fresh copies. Folds out of place write nothing in place."""
+        in_flight = self._replies_in_flight()
+        if not in_place:
+            return
+        fresh = self._release_lent()  # copied just now: no reply in flight reads them
+        received = self.resent_frames()
+        if in_flight or received:
+            stale = {name for name in self.state.tensors if (in_flight and name not in fresh) or name in received}
+            self.state.tensors = {name: t.copy() if name in stale else t for name, t in self.state.tensors.items()}
+            self._in_flight = []
+            self._frames = {}
+            self.stats.copies_on_write += bool(stale)
+
+    def _place(self, push: PushIn, update: dict[str, Tensor], exact: bool,
+               local_bytes: int) -> tuple[dict[str, Tensor], dict[str, np.ndarray] | None, bool]:
+        """Weights a worker lends (all of the model, in its shared memory) become the model as they are,
+        checked, without a copy. A rule that folds writes into the update's own received buffers or, for an
+        update read from shared memory (or weights in read-only frames), into spare arrays; anything else
+        read from shared memory is copied."""
+        tensors = self.state.tensors
+        lends = (push.weights and push.lend and exact and update.keys() == tensors.keys()
+                 and all(isinstance(push.tensors[n], Local) for n in update))
+        out = None
+        if lends:
+            out = update
+        elif self.rule.folds_into_update:
+            if all(can_fold_into(u, tensors[n]) for n, u in update.items()):
+                out = update
+            elif (local_bytes or push.weights) and all(isinstance(u, np.ndarray) for u in update.values()):
+                out = self._spare_buffers(update)
+        if out is None and local_bytes:  # still views of the worker's memory: the store's own copies
+            update = {n: np.array(u) if isinstance(push.tensors[n], Local) else u for n, u in update.items()}
+        return update, out, bool(lends)
+
+    def _after_fold(self, push: PushIn, update: dict[str, Tensor], out: dict[str, np.ndarray] | None, lends: bool,
+                    before: dict[str, np.ndarray]) -> None:
+        tensors = self.state.tensors
+        if lends and all(tensors[n] is u for n, u in update.items()):
+            self._lent, self._lender, self._lent_at = dict(update), push.session, push.request  # type: ignore[arg-type]
+            self.stats.weights_lent += 1
+        if out is update and not lends:  # folded into the frames it came in: replies resend those frames
+            for name, array in update.items():
+                if tensors.get(name) is array and push.tensors.get(name) is array:
+                    self._frames[name] = (array, push.frames[name])
+        elif lends or out is not None:  # the arrays a fold into spares (or a lend) replaced are the next spares
+            self._recycle(before)
+
+    def _spare_buffers(self, update: dict[str, Tensor]) -> dict[str, np.ndarray] | None:
+        """Arrays like the central ones to fold ``update`` into; None if a tensor cannot be (dtype, shape)."""
+        out = {}
+        for name, u in update.items():
+            central = self.state.tensors[name]
+            if u.dtype != central.dtype or u.shape != central.shape:
+                return None
+            spare = self._spares.pop(name, None)
+            fits = spare is not None and spare.shape == central.shape and spare.dtype == central.dtype
+            out[name] = spare if fits else np.empty_like(central)
+        return out
+
+    def _recycle(self, before: dict[str, np.ndarray]) -> None:
+        """Keep the central arrays a fold out of place replaced as spares, unless a reply may still read them."""
+        if self._replies_in_flight():
+            return
+        received = {id(array) for array, _ in self._frames.values()}
+        for name, old in before.items():
+            # (a lent tensor is read-only: never a spare)
+            if self.state.tensors.get(name) is not old and id(old) not in received and old.flags.writeable:
+                self._spares[name] = old

@@ -1,0 +1,375 @@
+"""The serving loop: one ZeroMQ ROUTER socket, CURVE authentication, dispatch, error replies.
+
+Requests are answered in the order they are resolved: most at once, a ``sync`` push when its
+round completes, a collective when every rank still in the stage has contributed. A request
+that breaks the protocol gets an ``error`` reply and a counter; the PS keeps serving and its
+tensors are untouched. What each request does lives in the parts this loop holds: the store
+(:mod:`plug_asgd.ps.store`), membership, collectives and persistence.
+
+It listens on loopback unless given keys (CURVE, see :mod:`plug_asgd.security`) or told
+``insecure``; a peer refused in the CURVE handshake is counted as ``refused["auth"]``. It ends by
+itself on :meth:`ParameterServer.request_stop` (SIGINT/SIGTERM), when the process that started
+it dies (``parent_pid``), or once ``expected_workers`` have joined and all have left (or been
+lost) for ``linger`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from plug_asgd.modes import APPLIED
+from plug_asgd.ps.collectives import Collectives
+from plug_asgd.ps.config import PSConfig
+from plug_asgd.ps.fast_store import FastStore
+from plug_asgd.ps.membership import Membership
+from plug_asgd.ps.persistence import Persistence
+from plug_asgd.ps.stats import Stats
+from plug_asgd.ps.store import FOLDED, NOT_CURRENT, PushIn
+from plug_asgd.security import load_server_keys
+from plug_asgd.wire import Limits, Local, Message, Tensor, WireError, decode, encode, message_bytes
+
+log = logging.getLogger("plug_asgd.ps")
+
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_TYPES = ("hello", "bye", "attach", "heartbeat", "init", "pull", "push", "gather", "stats")
+
+
+def frame_cap(limits: Limits) -> int:
+    """ZeroMQ's MAXMSGSIZE for the PS's socket: twice ``limits.max_message_bytes``.
+
+    libzmq applies MAXMSGSIZE to each frame and drops the sender's connection without a word, which
+    the PS could neither answer nor count; so the PS checks ``max_message_bytes`` itself on the whole
+    message (an ``error`` reply ``too_large``), and libzmq only bounds memory.
+    """
+    return min(2 * limits.max_message_bytes, (1 << 63) - 1)
+
+
+def _authenticate(ctx: zmq.Context, socket: zmq.Socket, keys: Any) -> tuple[Any, zmq.Socket]:
+    """CURVE on the ROUTER; a ZAP thread accepts only the authorized workers' public keys. A refused peer
+    never reaches the ROUTER; the returned monitor's HANDSHAKE_FAILED_* events count it (each attempt)."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("plug_asgd.ps.auth"))
+    auth.start()
+    auth.configure_curve(domain="*", location=str(keys.authorized_dir))
+    socket.curve_server = True
+    socket.curve_publickey = keys.public
+    socket.curve_secretkey = keys.secret
+    return auth, socket.get_monitor_socket(_HANDSHAKE_FAILED)
+
+
+@dataclass
+class _Reply:
+    """Where a push's answer goes, and what it should carry (``want``: all, none or unless_own)."""
+
+    identity: bytes
+    rid: Any
+    want: str
+    own_version: int | None = None  # the version this push alone made, when it was folded in exactly
+
+
+class ParameterServer:
+    """Serves one central model to the workers of a run, as ``config`` says."""
+
+    def __init__(self, config: PSConfig | None = None, *, context: zmq.Context | None = None) -> None:
+        config = config if config is not None else PSConfig()
+        server_keys = load_server_keys(config.keys) if config.keys is not None else None
+        self.config = config
+        self.mode = config.mode
+        self.limits = config.limits()
+        self.stats = Stats()
+        self.members = Membership(config.worker_timeout, self.stats)
+        self.collectives = Collectives(self.members, self.stats, self._send, self._error)
+        self.store = FastStore(config, self.stats)
+        self.persistence = Persistence(config, self.store, self.members, self.stats)
+        self._stop = False
+        if config.resume is not None:
+            self.persistence.resume(config.resume)
+        # a ZAP handler is one per context: a keyed PS gets its own unless one is given
+        self._own_ctx = context is None and server_keys is not None
+        self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
+        self.socket = self._ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, frame_cap(self.limits))
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.store.copy_threshold = self.socket.copy_threshold
+        self._auth: Any = None
+        self._monitor: zmq.Socket | None = None
+        if server_keys is not None:
+            self._auth, self._monitor = _authenticate(self._ctx, self.socket, server_keys)
+        try:
+            self.socket.bind(config.bind)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise OSError(f"the parameter server cannot listen on {config.bind}: {exc} (is another process "
+                          "using that port? choose another with --port)") from None
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.keyed = server_keys is not None
+
+    def _on_monitor(self) -> None:
+        assert self._monitor is not None
+        while self._monitor.poll(0):
+            if recv_monitor_message(self._monitor)["event"] & _HANDSHAKE_FAILED:
+                self.stats.refused["auth"] += 1
+
+    def close(self) -> None:
+        """Close the socket and give back what the store holds of workers' memory; the PS serves no more."""
+        if self._monitor is not None:
+            self.socket.disable_monitor()
+            self._monitor.close(0)
+            self._monitor = None
+        self.socket.close(0)
+        self.store.close()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._own_ctx:
+            self._ctx.term()
+            self._own_ctx = False
+
+    # -- serving -------------------------------------------------------------------------------
+
+    def request_stop(self, *_: Any) -> None:
+        """Stop serving after the request in hand (a signal handler: any arguments are ignored)."""
+        self._stop = True
+
+    def serve_forever(self, poll_ms: int = 200, on_tick: Callable[[ParameterServer], None] | None = None,
+                      tick_s: float = 0.5) -> int:
+        """Serve until told to stop or until the run is over; returns a process exit code. ``on_tick(server)``
+        runs every ``tick_s`` seconds in the serving thread, between requests (the dashboard uses it)."""
+        log.info("parameter server listening on %s, mode %s", self.address, self.mode)
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        next_tick = time.monotonic()
+        try:
+            while not self._stop:
+                if on_tick is not None and time.monotonic() >= next_tick:
+                    on_tick(self)
+                    next_tick = time.monotonic() + tick_s
+                ready = dict(poller.poll(min(poll_ms, int(tick_s * 1000)) if on_tick else poll_ms))
+                if self._monitor is not None and self._monitor in ready:
+                    self._on_monitor()
+                if self.socket in ready:
+                    self._drain()
+                self.check_liveness()
+                self.persistence.housekeeping()
+                if self._should_exit():
+                    break
+        finally:
+            if self._monitor is not None:
+                self._on_monitor()
+            self.close()
+            self.persistence.housekeeping(final=True)
+        log.info("parameter server stopped at version %d", self.store.version)
+        return 0
+
+    def _drain(self) -> None:
+        """Handle every request waiting on the socket."""
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.on_frames(frames)
+
+    def _should_exit(self) -> bool:
+        if self.config.parent_pid is not None and os.getppid() != self.config.parent_pid:
+            log.info("the process that started the parameter server is gone; stopping")
+            return True
+        return self.members.run_over(self.config.expected_workers, self.config.linger)
+
+    def on_frames(self, frames: list[Any]) -> None:
+        """Handle one request (identity frame first), and count the time it took (how loaded the PS is)."""
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        kind = self._handle(frames)
+        spent, spent_cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+        stats = self.stats
+        stats.busy_s += spent
+        stats.busy_cpu_s += spent_cpu
+        if kind == "push":
+            stats.push_busy_s += spent
+            stats.push_busy_cpu_s += spent_cpu
+
+    def _handle(self, frames: list[Any]) -> str | None:
+        """Decode, dispatch and answer one request (an error reply for a bad one); returns its type."""
+        identity = frames[0].bytes
+        body = frames[1:]
+        self.stats.messages_in += 1
+        if self.members.seen(identity):
+            self._update_trainers()
+        size = message_bytes(body)
+        self.stats.bytes_in += size
+        rid = kind = None
+        try:
+            msg = decode(body, self.limits)
+            rid, kind = msg.fields.get("rid"), msg.type
+            if msg.type != "push" and any(isinstance(t, Local) for t in msg.tensors.values()):
+                raise WireError("bad_local", f"a {msg.type!r} message cannot name shared memory: only pushes do")
+            if msg.type not in _TYPES:
+                raise WireError("unknown_type", f"unknown message type {msg.type!r}")
+            if msg.type == "push":
+                self.stats.push_bytes_in += size
+                self.stats.push_messages += 1
+            getattr(self, f"_on_{msg.type}")(identity, rid, msg)
+        except WireError as exc:
+            self.stats.refused[exc.code] += 1
+            self._error(identity, rid, exc.code, str(exc))
+        except Exception as exc:  # a bug must not take the PS down with it
+            self.stats.refused["internal"] += 1
+            log.error("internal error while serving a request:\n%s", traceback.format_exc())
+            self._error(identity, rid, "internal", f"internal error in the parameter server: {exc}")
+        return kind
+
+    def _send(self, identity: bytes, rid: Any, msg_type: str, fields: dict[str, Any] | None = None,
+              tensors: dict[str, Tensor] | None = None) -> None:
+        self._send_frames(identity, encode(msg_type, {**(fields or {}), "rid": rid}, tensors))
+
+    def _send_frames(self, identity: bytes, frames: list[Any]) -> None:
+        self.stats.bytes_out += message_bytes(frames)
+        self.socket.send_multipart([identity, *frames], copy=False)
+
+    def _before_reply(self, identity: bytes) -> None:
+        """Before a reply to a worker's request: it may write the memory it lent once it has the answer."""
+        sender = self.members.by_identity.get(identity)
+        if sender is not None:
+            self.store.before_answer(sender.session, self.stats.messages_in)
+
+    def _error(self, identity: bytes, rid: Any, code: str, text: str) -> None:
+        self._before_reply(identity)
+        self._send(identity, rid, "error", {"code": code, "message": text})
+
+    def _send_model(self, identity: bytes, rid: Any, fields: dict[str, Any], with_tensors: bool = True) -> None:
+        fields = {**fields, "version": self.store.version, "stop": self.store.stopped, "rid": rid}
+        if with_tensors:
+            self._send_frames(identity, self.store.reply_payload(fields))
+        else:
+            self._before_reply(identity)
+            self._send_frames(identity, encode("model", fields))
+
+    def _resolve(self, resolutions: list[tuple[Any, str]]) -> None:
+        for token, status in resolutions:
+            applied = status == APPLIED
+            self.stats.pushes_applied += applied
+            self.stats.pushes_dropped += not applied
+            if applied and token.want == "unless_own" and token.own_version == self.store.version:
+                # nothing but this push changed the model since the worker's base: it adds its update to
+                # its base itself (same float additions, same bits); the model stays here
+                self.stats.own_replies += 1
+                self._send_model(token.identity, token.rid, {"status": status, "own": True}, False)
+            else:
+                self._send_model(token.identity, token.rid, {"status": status}, token.want != "none" or not applied)
+
+    # -- membership and collectives ------------------------------------------------------------
+
+    def _update_trainers(self) -> None:
+        self._resolve(self.store.set_trainers(self.members.trainers()))
+
+    def check_liveness(self, now: float | None = None) -> list[int]:
+        """Declare lost the heartbeating workers silent for ``worker_timeout`` s; returns their ranks."""
+        gone = self.members.check_liveness(now)
+        if gone:
+            self._update_trainers()
+            self.collectives.recheck()
+        return gone
+
+    def _on_heartbeat(self, identity: bytes, rid: Any, msg: Message) -> None:
+        if self.members.heartbeat(msg):  # no reply: it comes from the worker's heartbeat socket
+            self._update_trainers()
+
+    def _on_hello(self, identity: bytes, rid: Any, msg: Message) -> None:
+        mode = msg.str_field("mode")
+        if mode != self.mode:
+            raise WireError("mode_mismatch", f"this parameter server runs mode {self.mode!r} but the worker "
+                                             f"asked for {mode!r}: start the PS with --mode {mode} or "
+                                             f"give the strategy mode={self.mode!r}")
+        worker, replaced = self.members.hello(identity, msg, self.store.version)
+        if replaced is not None:
+            self.store.forget(replaced)
+        self.collectives.joined(worker.rank, worker.stage)
+        self._update_trainers()
+        self._send(identity, rid, "welcome", {
+            "initialized": self.store.initialized, "version": self.store.version, "mode": self.mode,
+            "stop": self.store.stopped, "max_message_bytes": self.limits.max_message_bytes,
+            "shm": self.store.segments is not None,
+        })
+
+    def _on_attach(self, identity: bytes, rid: Any, msg: Message) -> None:
+        """A worker on this machine offers its push segment (see :mod:`plug_asgd.push_memory`)."""
+        session = msg.str_field("session")
+        worker = self.members.by_identity.get(identity)
+        if worker is None or worker.session != session:
+            raise WireError("bad_field", "attach comes after hello, on the same connection and session")
+        size = self.store.attach(session, msg.fields.get("pid"), msg.fields.get("fd"), msg.fields.get("token"))
+        self._send(identity, rid, "attached", {"size": size})
+
+    def _on_bye(self, identity: bytes, rid: Any, msg: Message) -> None:
+        rank = msg.int_field("rank", minimum=0)
+        stage = msg.int_field("stage", minimum=0)
+        self.members.bye(rank, stage)
+        self._update_trainers()
+        self.collectives.recheck(stage)
+        if self.members.stage_done(stage):
+            self.collectives.forget_stage(stage)
+        self._send(identity, rid, "ok")
+
+    def _on_gather(self, identity: bytes, rid: Any, msg: Message) -> None:
+        self.collectives.gather(identity, rid, msg)
+
+    # -- the model -----------------------------------------------------------------------------
+
+    def _on_init(self, identity: bytes, rid: Any, msg: Message) -> None:
+        accepted = self.store.init(msg.tensors)
+        if accepted:
+            log.info("central model initialised by rank %s: %d tensors, %d values", msg.fields.get("rank"),
+                     len(msg.tensors), sum(t.size for t in self.store.state.tensors.values()))
+        self._send(identity, rid, "init_ok", {"accepted": accepted, "version": self.store.version})
+
+    def _on_pull(self, identity: bytes, rid: Any, msg: Message) -> None:
+        self.store.require_init()
+        self._send_model(identity, rid, {"status": "pulled"})
+
+    def _on_push(self, identity: bytes, rid: Any, msg: Message) -> None:
+        self.store.require_init()
+        rank = msg.int_field("rank", minimum=0)
+        base = msg.int_field("base_version", minimum=0)
+        seq = msg.int_field("seq", minimum=0)
+        session = msg.str_field("session")
+        model = msg.fields.get("model", True)
+        flags = {name: msg.fields.get(name, False) for name in ("weights", "lend")}
+        for name, value in flags.items():
+            if not isinstance(value, bool):  # (1 == True: a membership test would let 1 through)
+                raise WireError("bad_field", f"field {name!r} must be true or false, got {value!r:.40}")
+        token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all")
+        folded = self.store.fold(PushIn(token, rank, session, seq, base, msg.tensors, msg.frames,
+                                        request=self.stats.messages_in, **flags))
+        if folded.status != FOLDED:  # not_current, or stopped
+            self._send_model(identity, rid, {"status": folded.status}, folded.status != NOT_CURRENT
+                             and model is not False)
+            return
+        token.own_version = folded.own_version
+        self.stats.staleness[folded.staleness] += 1
+        self.stats.pushes_by_rank[rank] += 1
+        if rank in self.members.workers:
+            self.members.workers[rank].pushes += 1
+        self._resolve(folded.resolutions)
+
+    # -- introspection -------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counters, as plain data (what ``plug-asgd status`` shows)."""
+        return self.persistence.counters()
+
+    def _on_stats(self, identity: bytes, rid: Any, msg: Message) -> None:
+        self._send(identity, rid, "stats", {"stats": self.snapshot()})

@@ -1,0 +1,54 @@
+"""The PS's counters: what the ``stats`` request, ``plug-asgd status``, the dashboard and the metrics file show."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    """Global counters of one PS; the store counts its buffers' fates here, the serving loop the rest."""
+
+    started: float = field(default_factory=time.time)
+    messages_in: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    push_bytes_in: int = 0
+    push_local_bytes_in: int = 0  # read from workers' shared memory instead of the socket
+    pushes_applied: int = 0
+    pushes_dropped: int = 0
+    pushes_after_stop: int = 0
+    push_messages: int = 0  # every push received, whatever became of it
+    busy_s: float = 0.0  # wall time the serving thread spent handling requests (taken to answered)
+    busy_cpu_s: float = 0.0  # ... of which it ran on a core (less when it waited for one)
+    push_busy_s: float = 0.0  # wall time handling pushes
+    push_busy_cpu_s: float = 0.0  # ... of which on a core
+    copies_on_write: int = 0
+    own_replies: int = 0
+    weights_pushes: int = 0  # pushes of weights taken as the model (see PSClient.push)
+    weights_not_current: int = 0  # ... answered "not_current" instead: nothing folded
+    weights_lent: int = 0  # ... kept as the model in the worker's own memory, without a copy (``lend``)
+    lent_copies: int = 0  # lent weights copied after all (a model reply, a write in place, a stop)
+    workers_lost: int = 0
+    workers_back: int = 0
+    refused: Counter = field(default_factory=Counter)
+    staleness: Counter = field(default_factory=Counter)
+    pushes_by_rank: Counter = field(default_factory=Counter)
+
+    # the counters a checkpoint keeps (the others describe one process's life)
+    SAVED = ("pushes_applied", "pushes_dropped", "push_bytes_in", "bytes_in", "bytes_out")
+
+    def saved(self) -> dict[str, object]:
+        """What a checkpoint keeps of these counters."""
+        return {**{name: getattr(self, name) for name in self.SAVED},
+                "staleness": {str(k): v for k, v in self.staleness.items()},
+                "pushes_by_rank": {str(k): v for k, v in self.pushes_by_rank.items()}}
+
+    def restore(self, saved: dict[str, object]) -> None:
+        """Take back :meth:`saved` (from a checkpoint)."""
+        for name in self.SAVED:
+            setattr(self, name, int(saved.get(name, 0)))  # type: ignore[call-overload]
+        self.staleness.update({int(k): v for k, v in saved.get("staleness", {}).items()})  # type: ignore[union-attr]
+        self.pushes_by_rank.update({int(k): v for k, v in saved.get("pushes_by_rank", {}).items()})  # type: ignore[union-attr]

@@ -1,0 +1,292 @@
+"""The central store: the tensors, their version, the mode's fold, and who owns every buffer.
+
+:class:`Store` does what every store must (check and decode a push, decide whether weights can be
+taken, stop at ``max_updates``, fold through the mode's rule from :mod:`plug_asgd.modes`); its two
+kinds differ only in where buffers come from and who may still read them.
+:class:`ReferenceStore` always copies: the plain meaning, against which
+``tests/test_store.py`` checks :class:`~plug_asgd.ps.fast_store.FastStore` bit for bit.
+Neither needs a socket.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from plug_asgd.compressors import decode as decode_update
+from plug_asgd.modes import CentralState, FoldRule, Push, Resolution, all_finite, get_mode
+from plug_asgd.ps.config import PSConfig
+from plug_asgd.ps.stats import Stats
+from plug_asgd.push_memory import AttachedSegments
+from plug_asgd.push_memory import available as shm_available
+from plug_asgd.slices import SlicePool
+from plug_asgd.wire import FLOAT_DTYPES, Local, Sparse, Tensor, WireError, encode
+
+NOT_CURRENT = "not_current"  # weights based on an older model: nothing folded (see PSClient.push)
+STOPPED = "stopped"  # the PS reached max_updates: nothing folded
+FOLDED = "folded"  # handed to the mode's rule, which resolved it now or will later
+
+
+@dataclass
+class PushIn:
+    """One push as received. ``seq``: its number in ``session`` (each is folded at most once); ``tensors`` may
+    name a worker's shared memory (:class:`Local`); ``frames``: the received frames of its dense tensors;
+    ``request``: the number of the request it came in."""
+
+    token: Any
+    rank: int
+    session: str
+    seq: int
+    base_version: int
+    tensors: dict[str, Tensor | Local]
+    frames: dict[str, Any] = field(default_factory=dict)
+    weights: bool = False
+    lend: bool = False
+    request: int = 0
+
+
+@dataclass
+class Folded:
+    """What became of a push: ``status``; the pushes resolved now; ``own_version``: the version this
+    push alone made (it was folded in exactly); its staleness and the bytes read from shared memory."""
+
+    status: str
+    resolutions: list[Resolution] = field(default_factory=list)
+    own_version: int | None = None
+    staleness: int = 0
+    local_bytes: int = 0
+
+
+@dataclass
+class Snapshot:
+    """The state a checkpoint keeps: the tensors (read them before the store serves another request)."""
+
+    version: int
+    tensors: dict[str, np.ndarray]
+    last_seq: dict[str, int]
+    rule_fields: dict[str, Any]
+    rule_arrays: dict[str, np.ndarray]
+
+
+class Store(ABC):
+    """The central model and its fold; ``fold`` takes a push, ``reply_payload`` makes a model reply."""
+
+    def __init__(self, config: PSConfig, stats: Stats | None = None) -> None:
+        self.rule: FoldRule = get_mode(config.mode).make_rule(
+            {"replicas_to_aggregate": config.replicas_to_aggregate, "staleness_bound": config.staleness_bound})
+        pool = SlicePool(config.threads) if config.threads > 1 else None
+        self.state = CentralState(tensors={}, pool=pool)
+        self.initialized = False
+        self.resumed = False  # versions before a resume and after it share numbers, not contents
+        self.max_updates = config.max_updates
+        self.last_seq: dict[str, int] = {}  # the last push number of each session: a push sent again is refused
+        self.stats = stats if stats is not None else Stats()
+        use_shm = config.shm_pushes and shm_available()
+        self.segments = AttachedSegments(config.limits().max_message_bytes) if use_shm else None
+
+    @property
+    def version(self) -> int:
+        """The number of updates folded in so far (across a resume)."""
+        return self.state.version
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the run reached ``max_updates``: pushes are then answered, not folded."""
+        return self.max_updates is not None and self.state.version >= self.max_updates
+
+    # -- life ----------------------------------------------------------------------------------
+
+    def init(self, tensors: dict[str, Tensor]) -> bool:
+        """Take the first worker's model (copied); False if the model is set already."""
+        if self.initialized:
+            return False
+        own: dict[str, np.ndarray] = {}
+        for name, t in tensors.items():
+            if not isinstance(t, np.ndarray) or t.dtype.name not in FLOAT_DTYPES:
+                raise WireError("bad_tensor", f"tensor {name!r}: the central model holds dense float tensors")
+            if not all_finite(t):
+                raise WireError("not_finite", f"tensor {name!r} holds NaN or Inf")
+            own[name] = np.array(t, copy=True)
+        if not own:
+            raise WireError("bad_tensor", "init carries no tensors")
+        self.state.tensors = own
+        self.initialized = True
+        return True
+
+    def snapshot(self) -> Snapshot:
+        """The state to checkpoint, read in place."""
+        fields, arrays = self.rule.state()
+        return Snapshot(self.state.version, dict(self.state.tensors), dict(self.last_seq), fields, arrays)
+
+    def restore(self, snap: Snapshot) -> None:
+        """Start from a checkpoint's state (copied)."""
+        self.state = CentralState(tensors={n: np.array(t) for n, t in snap.tensors.items()}, version=snap.version,
+                                  pool=self.state.pool)
+        self.last_seq = dict(snap.last_seq)
+        self.rule.restore(snap.rule_fields, snap.rule_arrays)
+        self.initialized = True
+        self.resumed = True
+
+    def attach(self, session: str, pid: object, fd: object, token: object) -> int:
+        """Map ``session``'s push segment (see :mod:`plug_asgd.push_memory`); its size."""
+        if self.segments is None:
+            raise WireError("bad_local", "this parameter server takes pushes over its socket only (it was started "
+                                         "with --no-shm-pushes, or this system cannot share sealed memory)")
+        return self.segments.attach(session, pid, fd, token)
+
+    def forget(self, session: str) -> None:
+        """``session`` is replaced by another process: give back what it lent, unmap its segment."""
+        self.release(session)
+        if self.segments is not None:
+            self.segments.drop(session)
+
+    def close(self) -> None:
+        """Give every worker's memory back (the final checkpoint then reads the store's own arrays)."""
+        self.release()
+        if self.segments is not None:
+            self.segments.clear()
+        if self.state.pool is not None:
+            self.state.pool.close()
+
+    def set_trainers(self, ranks: frozenset[int]) -> list[Resolution]:
+        """Workers began or stopped training: a waiting push may now be resolved (a sync round may fold)."""
+        self._before_write(in_place=not self.rule.folds_into_update)
+        return self.rule.set_trainers(self.state, ranks)
+
+    def require_init(self) -> None:
+        """Refuse to serve the model before a worker has sent it."""
+        if not self.initialized:
+            raise WireError("not_initialized", "the central model is not initialised yet: a worker sends it first")
+
+    # -- a push --------------------------------------------------------------------------------
+
+    def fold(self, push: PushIn) -> Folded:
+        """Check ``push`` and hand it to the mode's rule; a WireError says why it is refused (nothing changed)."""
+        self.require_init()
+        base = push.base_version
+        if base > self.state.version:
+            if not self.resumed:
+                raise WireError("bad_field", f"base_version {base} is ahead of the central version "
+                                             f"{self.state.version}")
+            base = self.state.version  # based on updates this PS lost in its crash: fold in as fresh
+        if push.seq <= self.last_seq.get(push.session, -1):
+            raise WireError("duplicate", f"push {push.seq} of this worker was already received")
+        sent, local_bytes = self._read_local(push.session, push.tensors)
+        update = self._decode(sent)
+        staleness = self.state.version - base
+        # Exactly base + this update once folded: nothing else folded in since the base, dense values used as sent.
+        exact = (staleness == 0 and not self.resumed and self.rule.folds_into_update
+                 and all(isinstance(u, np.ndarray) and u is sent[n] for n, u in update.items()))
+        if self.stopped:
+            check_finite(update)
+            self.last_seq[push.session] = push.seq
+            self.stats.pushes_after_stop += 1
+            return Folded(STOPPED)
+        if push.weights and not exact:
+            # the model moved on since the worker's base, or this mode folds otherwise: folding
+            # ``weights - base`` would need that base, which only the worker has; it pushes that
+            self.last_seq[push.session] = push.seq
+            self.stats.weights_not_current += 1
+            return Folded(NOT_CURRENT)
+        update, out, lends = self._place(push, update, exact, local_bytes)
+        if out is None:
+            check_finite(update)
+        self._before_write(in_place=out is None)
+        before = dict(self.state.tensors)
+        resolutions = self.rule.push(self.state, Push(push.token, push.rank, base, update, out,
+                                                      replace=push.weights))
+        self.last_seq[push.session] = push.seq
+        self.stats.weights_pushes += push.weights
+        self.stats.push_local_bytes_in += local_bytes
+        self._after_fold(push, update, out, lends, before)
+        return Folded(FOLDED, resolutions, self.state.version if exact else None, staleness, local_bytes)
+
+    def _read_local(self, session: str, tensors: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """``tensors`` with each :class:`Local` reference read (as a view) from ``session``'s segment; its bytes."""
+        if not any(isinstance(t, Local) for t in tensors.values()):
+            return tensors, 0
+        if self.segments is None:
+            raise WireError("bad_local", "this parameter server takes pushes over its socket only: push the "
+                                         "update's bytes")
+        out, nbytes = {}, 0
+        for name, t in tensors.items():
+            if isinstance(t, Local):
+                t = self.segments.resolve(session, t)
+                nbytes += t.nbytes
+            out[name] = t
+        return out, nbytes
+
+    def _decode(self, update: dict[str, Tensor]) -> dict[str, Tensor]:
+        """What each compressor sent, decoded into the central tensor's dtype (not yet checked for NaN/Inf)."""
+        out: dict[str, Tensor] = {}
+        for name, t in update.items():
+            central = self.state.tensors.get(name)
+            if central is None:
+                raise WireError("unknown_tensor", f"the central model has no tensor {name!r}")
+            if tuple(t.shape) != central.shape:
+                raise WireError("bad_tensor", f"tensor {name!r}: got shape {list(t.shape)}, the central model "
+                                              f"holds {central.dtype.name}{list(central.shape)}")
+            out[name] = decode_update(t, central.dtype, shape=central.shape)
+        return out
+
+    # -- where buffers come from: what the two stores do differently ---------------------------
+
+    @abstractmethod
+    def _place(self, push: PushIn, update: dict[str, Tensor], exact: bool,
+               local_bytes: int) -> tuple[dict[str, Tensor], dict[str, np.ndarray] | None, bool]:
+        """The update to fold (nothing in it a worker may write), where the rule writes (``Push.out``), and
+        whether the store keeps the pushed weights where they lie (lends)."""
+
+    @abstractmethod
+    def _before_write(self, in_place: bool) -> None:
+        """Called before the central tensors change; ``in_place``: whether the rule writes into them."""
+
+    @abstractmethod
+    def _after_fold(self, push: PushIn, update: dict[str, Tensor], out: dict[str, np.ndarray] | None, lends: bool,
+                    before: dict[str, np.ndarray]) -> None:
+        """The fold is done: note what the new central tensors are made of (``before``: the old ones)."""
+
+    @abstractmethod
+    def reply_payload(self, fields: dict[str, Any]) -> list[Any]:
+        """The frames of a ``model`` reply with ``fields`` and the central tensors, ready to send zero-copy."""
+
+    def release(self, session: str | None = None) -> None:  # noqa: B027 (a hook: only a lending store lends)
+        """Stop using memory a worker lent (``session``'s only, if given), copying what is still the model."""
+
+    def before_answer(self, session: str, request: int) -> None:  # noqa: B027 (a hook, as release)
+        """Called before ``session`` is answered in request number ``request``: once it has the answer, the
+        worker may write the memory it lent, unless it lent it in this very request."""
+
+def check_finite(update: dict[str, Tensor]) -> None:
+    """Refuse an update with NaN or Inf, before any of it is folded in."""
+    for name, t in update.items():
+        if not all_finite(t.values if isinstance(t, Sparse) else t):
+            raise WireError("not_finite", f"update refused: tensor {name!r} holds NaN or Inf (has the worker's "
+                                          "training diverged? lower the learning rate)")
+
+
+class ReferenceStore(Store):
+    """The plain store: it copies every update, every model before a write, every reply; it never lends or
+    reuses a buffer. Slower, and the definition of what :class:`FastStore` must compute."""
+
+    def _place(self, push: PushIn, update: dict[str, Tensor], exact: bool,
+               local_bytes: int) -> tuple[dict[str, Tensor], dict[str, np.ndarray] | None, bool]:
+        own = {n: np.array(u) if isinstance(u, np.ndarray) else u for n, u in update.items()}
+        if push.weights:  # taken as they are: copied into fresh arrays by the rule, and checked there
+            return own, {n: np.empty_like(self.state.tensors[n]) for n in own}, False
+        return own, None, False
+
+    def _before_write(self, in_place: bool) -> None:
+        if in_place:
+            self.state.tensors = {n: t.copy() for n, t in self.state.tensors.items()}
+            self.stats.copies_on_write += 1
+
+    def _after_fold(self, push: PushIn, update: dict[str, Tensor], out: dict[str, np.ndarray] | None, lends: bool,
+                    before: dict[str, np.ndarray]) -> None:
+        pass
+
+    def reply_payload(self, fields: dict[str, Any]) -> list[Any]:
+        return encode("model", fields, {n: t.copy() for n, t in self.state.tensors.items()})
