@@ -48,7 +48,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.checkpoint import CheckpointError, CheckpointPolicy, read_checkpoint, resolve_checkpoint
 from plug_asgd.compressors import decode as decode_update
-from plug_asgd.modes import APPLIED, CentralState, Push, all_finite, can_fold_into, get_mode
+from plug_asgd.modes import APPLIED, CentralState, Push, all_finite, can_fold_into
+from plug_asgd.modes import get as get_mode
 from plug_asgd.push_memory import AttachedSegments
 from plug_asgd.push_memory import available as shm_available
 from plug_asgd.security import check_bind, load_server_keys
