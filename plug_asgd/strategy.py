@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-import msgpack
 import numpy as np
 import pytorch_lightning as pl
 import torch
@@ -36,88 +35,56 @@ from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _Su
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
-from torch.distributed import ReduceOp
 
 from plug_asgd import compressors, modes
 from plug_asgd.client import DEFAULT_HEARTBEAT_S, PSClient, PSError, PSUnreachableError
-from plug_asgd.compressors import Codec, Compressor, NoCompression
-from plug_asgd.exchange import Link, make_exchange, to_numpy
+from plug_asgd.collectives import Collectives
+from plug_asgd.compressors import Codec
+from plug_asgd.exchange import Link, make_exchange
 from plug_asgd.modes import Mode
 from plug_asgd.ps_server import DEFAULT_WORKER_TIMEOUT, embedded_command
 from plug_asgd.security import check_bind
-from plug_asgd.staleness import Compensator, StalenessCompensation, normalizes_steps, resolve, warn_unknown_optimizers
+from plug_asgd.staleness import StalenessCompensation, resolve
 
 log = logging.getLogger("plug_asgd.strategy")
 
 # how long a worker that failed (Ctrl-C, an error) waits on each of its goodbye requests
 _FAILED_EXIT_S = 5.0
-_REDUCE_OPS = {"sum": "sum", "mean": "mean", "avg": "mean", "max": "max", "min": "min"}
-
-
-def _op_name(reduce_op: Any) -> str:
-    if isinstance(reduce_op, ReduceOp.RedOpType) or isinstance(reduce_op, ReduceOp):
-        name = {ReduceOp.SUM: "sum", ReduceOp.AVG: "mean", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}.get(reduce_op)
-    else:
-        name = _REDUCE_OPS.get(str(reduce_op or "mean").lower())
-    if name is None:
-        raise ValueError(f"reduce_op {reduce_op!r} is not supported by AsyncPSStrategy (sum, mean, max, min)")
-    return name
 
 
 class AsyncPSStrategy(ParallelStrategy):
     """Train any LightningModule with asynchronous, compressed or synchronous parameter-server SGD.
 
     Args:
-        mode: the training scheme: a name of ``plug_asgd.modes.MODES`` (``"asgd"``, ``"adacomp"``,
-            ``"sync"``, ...: its defaults), a configured mode (``SSP(staleness_bound=3)``,
-            ``Downpour(push_every=4, pull_every=8)``, ``AdaComp(fraction=0.01)``) or a dict
-            ``{"name": ..., **knobs}``. Its knobs (push and pull periods, overlap, the elastic step,
-            the PS's staleness bound or round size) are the mode's, checked where it is built.
-        compressor: how pushed updates are encoded: a name of ``plug_asgd.compressors.COMPRESSORS``,
-            a configured codec (``TopK(0.01)``, ``PowerSGD(rank=4)``, ``QSGD(bits=4, error_feedback=True)``)
-            or a dict. The mode refuses the codecs it cannot take (adacomp, which has its own top-k;
-            hogwild, which sends nothing; easgd/eamsgd, whose exchange must move worker and center by
-            the same amount).
+        mode: the training scheme (``plug_asgd.modes``): a name (``"asgd"``, ``"adacomp"``, ...: its
+            defaults), a configured mode (``SSP(staleness_bound=3)``, ``Downpour(push_every=4)``) or a dict
+            ``{"name": ..., **knobs}``. Push and pull periods, overlap, the elastic step and the PS's
+            staleness bound or round size are the mode's knobs, checked where it is built.
+        compressor: how pushed updates are encoded (``plug_asgd.compressors``): a name, a configured
+            codec (``TopK(0.01)``, ``PowerSGD(rank=4)``) or a dict; the mode refuses those it cannot take.
         staleness_compensation: what an asynchronous worker does so that staleness does not act as extra
-            momentum (``plug_asgd.staleness``, ``docs/momentum.md``): its update folded in at ``1/(1 + s)``,
-            ``s`` its recent median staleness (not for dynsgd, whose PS scales, nor agn, which divides by its
-            steps, nor where every optimizer normalizes its steps, as Adam does); its next step computed
-            ``s`` versions ahead (modes that push every step); a codec's residual kept in its model (error
-            feedback but powersgd); the optimizer's momentum zeroed where a sparse update was sent;
-            hogwild's steps scaled by 1/workers. On by default for asgd, adacomp, downpour, dynsgd, ssp,
-            agn and hogwild, which then train momentum SGD at the learning rate of one process or DDP;
-            ``False`` turns it off; a ``StalenessCompensation(...)`` (or a dict of its fields) picks.
+            momentum (``plug_asgd.staleness``, ``docs/momentum.md``): on by default for the modes that fold
+            stale updates in, ``False`` turns it off, a ``StalenessCompensation`` (or a dict of it) picks.
         ps_address: ``tcp://host:port`` of a PS started with ``plug-asgd serve-ps``; by default global
             rank 0 starts an embedded PS on the cluster's main address, port ``ps_port``.
         ps_port: port of the embedded PS (default: the cluster's main port, + 1 under torchrun).
         connect_timeout: seconds to wait for the PS to answer the first time.
         request_timeout: seconds to wait for any reply (a sync round or a barrier included).
         lost_timeout: seconds a worker waits for a PS whose connection dropped to come back.
-        heartbeat_s: seconds between two heartbeats of each worker (a thread of its own, so a long
-            step is not silence); ``"auto"``: ``min(2, worker_timeout / 4)``; None sends none, and the
-            PS then never declares this worker lost.
+        heartbeat_s: seconds between two heartbeats of each worker; ``"auto"``: ``min(2, worker_timeout / 4)``;
+            None sends none, and the PS then never declares this worker lost.
         max_updates: the PS stops every worker once it has folded in this many updates.
         worker_timeout: the embedded PS declares a heartbeating worker lost after this many seconds
-            of silence, and stops waiting for it (sync rounds, ssp, barriers); an external PS takes
-            ``plug-asgd serve-ps --worker-timeout``.
+            of silence, and stops waiting for it (an external PS takes ``serve-ps --worker-timeout``).
         start_method: ``"popen"`` (re-run the script, as DDP's default) or ``"spawn"``/``"fork"``.
         resume_from: a PS checkpoint file or folder the embedded PS starts from (see ``PSCheckpoint``).
         ps_run_dir: where the embedded PS writes ``ps_metrics.jsonl`` (default: the trainer's log dir).
-        ps_keys: CURVE keys made by ``plug-asgd keygen DIR``: ``DIR`` (both sides: the embedded PS uses
-            ``DIR/server``, the workers ``DIR/worker``) or ``DIR/worker`` for an external PS. Required
-            when the embedded PS would listen beyond loopback (``MASTER_ADDR`` not 127.0.0.1).
-        ps_insecure: let the embedded PS listen beyond loopback without keys (anyone who reaches the
-            port can then read and overwrite the model).
-        ps_threads: threads with which the embedded PS folds each large dense update in (``serve-ps
-            --threads``); worth it only where the PS has cores the workers leave idle.
-        shm_pushes: a worker on the PS's machine (Linux, the same user) writes its dense updates
-            into shared memory that the PS maps, and the socket carries only where they lie (see
-            ``plug_asgd.push_memory``); elsewhere, or where the PS does not offer it (``serve-ps
-            --no-shm-pushes``), updates go over the socket. CPU tensors, dense float32 updates (no
-            compressor). With it, a worker that nothing raced pushes its weights instead of its
-            update (see ``PSClient.push(weights=True)``), and lends them: the PS keeps them as its
-            model where they lie, without a copy (``lend=True``); without it only a lone worker does, since
-            a push of weights the PS does not take would have sent the model's bytes for nothing.
+        ps_keys: CURVE keys made by ``plug-asgd keygen DIR``: ``DIR`` (embedded PS) or ``DIR/worker``
+            (external PS); required when the embedded PS would listen beyond loopback.
+        ps_insecure: let the embedded PS listen beyond loopback without keys (unsafe).
+        ps_threads: threads with which the embedded PS folds each large dense update in.
+        shm_pushes: a worker on the PS's machine writes its dense float32 updates (or lends its weights)
+            in shared memory the PS maps, the socket carrying only where they lie (``plug_asgd.push_memory``).
     """
 
     strategy_name = "async_ps"
@@ -192,12 +159,8 @@ class AsyncPSStrategy(ParallelStrategy):
         self._fitting = False
         self._failed = False
         self._ps_stats_at_exit: dict[str, Any] | None = None
-        self._exchange = make_exchange(self.mode, shm_pushes=shm_pushes, encoder=self._new_encoder(),
-                                       compensator=Compensator(self.staleness_compensation, 0))
-
-    def _new_encoder(self) -> Compressor:
-        """A fresh encoder (empty residuals) for a fit: the mode's, from the chosen codec."""
-        return self.mode.encoder(self.compressor, self.global_rank if self.cluster_environment else 0)
+        self._exchange = make_exchange(self.mode, codec=self.compressor, compensation=self.staleness_compensation,
+                                       shm_pushes=shm_pushes)
 
     # -- Lightning plumbing (as DDP) ---------------------------------------------------------------
 
@@ -295,13 +258,8 @@ class AsyncPSStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            encoder = self._new_encoder()
-            normalized = bool(self.optimizers) and all(normalizes_steps(o) for o in self.optimizers)
-            compensator = Compensator(self.staleness_compensation, self.world_size - 1,
-                                      scale=self.staleness_compensation.scale and not normalized)
-            self._exchange.start_fit(encoder, compensator, self.optimizers)
-            if self.staleness_compensation.mask_momentum and not isinstance(encoder, NoCompression):
-                warn_unknown_optimizers(self.optimizers)
+            self._exchange.start_fit(self.optimizers, self.global_rank if self.cluster_environment else 0,
+                                     self.world_size)
 
     def on_train_start(self) -> None:
         self.mode.check_optimizers(self.optimizers)
@@ -487,8 +445,9 @@ class AsyncPSStrategy(ParallelStrategy):
 
     # -- collectives through the PS --------------------------------------------------------------
 
-    def _collectives_active(self) -> bool:
-        return self._client is not None and self._in_stage and self.world_size > 1
+    def _collectives(self) -> Collectives:
+        active = self._client is not None and self._in_stage and self.world_size > 1
+        return Collectives(self._gather if active else None)
 
     def _gather(self, kind: str, obj: Any = None, tensors: dict[str, np.ndarray] | None = None) -> list[Any]:
         self._exchange.finish()  # one request at a time on the socket
@@ -498,51 +457,18 @@ class AsyncPSStrategy(ParallelStrategy):
         return self._client.gather(self._stage, seq, obj, tensors, kind=kind)
 
     def barrier(self, name: str | None = None) -> None:
-        if self._collectives_active():
-            self._gather(f"barrier:{name or ''}")
+        self._collectives().barrier(name)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not self._collectives_active():
-            return obj
-        mine = None
-        if self.global_rank == src:
-            try:
-                msgpack.packb(obj, use_bin_type=True)
-                mine = {"value": obj}
-            except (TypeError, ValueError) as exc:
-                mine = {"error": f"AsyncPSStrategy.broadcast sends msgpack data only (str, numbers, lists, "
-                                 f"dicts, bytes, None); got {type(obj).__name__}: {exc}"}
-        for rank, payload, _ in self._gather("broadcast", mine):
-            if rank == src:
-                if payload is None or "error" in payload:
-                    raise TypeError(payload["error"] if payload else f"broadcast source rank {src} sent nothing")
-                return payload["value"]
-        raise RuntimeError(f"broadcast source rank {src} has left the stage")
+        return self._collectives().broadcast(obj, src, self.global_rank)
 
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-        if sync_grads:
-            raise RuntimeError("all_gather(sync_grads=True) needs autograd across processes, which "
-                               "AsyncPSStrategy does not provide")
-        if not self._collectives_active():
-            return tensor.unsqueeze(0)
-        parts = [t["x"] for _, _, t in self._gather("all_gather", tensors={"x": to_numpy(tensor)})]
-        return torch.tensor(np.stack(parts), dtype=tensor.dtype, device=tensor.device)
+        return self._collectives().all_gather(tensor, sync_grads)
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce across workers during evaluation; during training the local value is returned."""
-        if not isinstance(tensor, Tensor) or not self._collectives_active():
-            return tensor
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
-            return tensor
-        op = _op_name(reduce_op)
-        parts = np.stack([t["x"] for _, _, t in self._gather(f"reduce:{op}", tensors={"x": to_numpy(tensor)})])
-        if op == "mean":
-            result = parts.astype(np.float64).mean(axis=0)
-        else:
-            result = getattr(parts, op)(axis=0)
-        return torch.tensor(result, dtype=tensor.dtype if op != "mean" or tensor.is_floating_point()
-                            else torch.float32, device=tensor.device)
-
+        training = trainer is not None and trainer.state.stage == RunningStage.TRAINING
+        return self._collectives().reduce(tensor, reduce_op, training)
 
 AsyncPSStrategy.register_strategies(StrategyRegistry)

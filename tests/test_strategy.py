@@ -14,8 +14,8 @@ from torch.distributed import ReduceOp
 from torch.utils.data import DataLoader, TensorDataset
 
 from plug_asgd import AsyncPSStrategy
+from plug_asgd.collectives import op_name
 from plug_asgd.modes import AGN, EASGD, OSP, SSP, AdaComp, Asgd, Downpour, Sync
-from plug_asgd.strategy import _op_name
 from tests.conftest import group_members
 
 
@@ -301,10 +301,10 @@ def test_bad_arguments_are_refused_at_construction():
 
 
 def test_reduce_ops_of_torch_and_lightning_are_understood():
-    assert _op_name(ReduceOp.SUM) == "sum" and _op_name("mean") == "mean" and _op_name("avg") == "mean"
-    assert _op_name(ReduceOp.MAX) == "max" and _op_name(None) == "mean"
+    assert op_name(ReduceOp.SUM) == "sum" and op_name("mean") == "mean" and op_name("avg") == "mean"
+    assert op_name(ReduceOp.MAX) == "max" and op_name(None) == "mean"
     with pytest.raises(ValueError):
-        _op_name("product")
+        op_name("product")
 
 
 def test_a_process_group_that_would_lockstep_the_workers_is_warned_about():

@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 
 from plug_asgd.client import ModelReply, PSClient
-from plug_asgd.compressors import Compressor, NoCompression
+from plug_asgd.compressors import Codec, Compressor, NoCompression
 from plug_asgd.modes import Mode
-from plug_asgd.staleness import OFF, Compensator
+from plug_asgd.staleness import OFF, Compensator, StalenessCompensation, normalizes_steps, warn_unknown_optimizers
 
 
 def to_numpy(t: Tensor) -> np.ndarray:
@@ -56,12 +56,14 @@ class Exchange:
     a flush sends (:meth:`send`).
     """
 
-    def __init__(self, mode: Mode, *, shm_pushes: bool = True, encoder: Compressor | None = None,
-                 compensator: Compensator | None = None) -> None:
+    def __init__(self, mode: Mode, *, codec: Codec | None = None, compensation: StalenessCompensation = OFF,
+                 shm_pushes: bool = True) -> None:
         self.mode = mode
+        self.codec = codec if codec is not None else NoCompression()
+        self.compensation = compensation
         self.shm_pushes = shm_pushes
-        self.encoder: Compressor = encoder if encoder is not None else NoCompression()
-        self.compensator = compensator if compensator is not None else Compensator(OFF, 0)
+        self.encoder: Compressor = mode.encoder(self.codec, 0)
+        self.compensator = Compensator(compensation, 0)
         self.optimizers: list[Any] = []
         self.link: Link | None = None
         self.joined = False
@@ -82,9 +84,15 @@ class Exchange:
         """Start of a stage: the client and the worker's side of Lightning for it."""
         self.link = link
 
-    def start_fit(self, encoder: Compressor, compensator: Compensator, optimizers: list[Any]) -> None:
+    def start_fit(self, optimizers: list[Any], rank: int, world_size: int) -> None:
         """A fit begins: a fresh encoder (no residuals) and compensator, and the optimizers it steps."""
-        self.encoder, self.compensator, self.optimizers = encoder, compensator, optimizers
+        self.optimizers = optimizers
+        self.encoder = self.mode.encoder(self.codec, rank)
+        normalized = bool(optimizers) and all(normalizes_steps(o) for o in optimizers)
+        self.compensator = Compensator(self.compensation, world_size - 1,
+                                       scale=self.compensation.scale and not normalized)
+        if self.compensation.mask_momentum and not isinstance(self.encoder, NoCompression):
+            warn_unknown_optimizers(optimizers)
 
     def join(self, init: bool) -> None:
         """Start of a stage: offer our weights if the PS has none yet (``init``), then take the central ones."""
