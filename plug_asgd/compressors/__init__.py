@@ -50,12 +50,12 @@ def get(codec: CodecLike) -> Codec:
 
 
 def codec_table() -> str:
-    """The registered codecs as a Markdown table (the README's): name, knobs, what is sent, its bytes."""
-    rows = ["| compressor | knobs (defaults) | what is sent | frame bytes | error feedback by default |",
-            "|---|---|---|---|---|"]
+    """The registered codecs as a Markdown table (the README's): name, class, knobs, what is sent, its bytes."""
+    rows = ["| compressor | class | knobs (defaults) | what is sent | frame bytes | error feedback by default |",
+            "|---|---|---|---|---|---|"]
     for name, cls in COMPRESSORS.items():
         knobs = ", ".join(f"`{k}` ({'auto' if p.default is None else repr(p.default)})"
                           for k, p in inspect.signature(cls).parameters.items() if k != "error_feedback")
-        rows.append(f"| `{name}` | {knobs or 'none'} | {cls.sends} | `{cls.wire_formula}` | "
+        rows.append(f"| `{name}` | `{cls.__name__}` | {knobs or 'none'} | {cls.sends} | `{cls.wire_formula}` | "
                     f"{'yes' if cls.error_feedback_by_default else 'no'} |")
     return "\n".join(rows) + "\n"

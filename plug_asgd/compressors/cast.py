@@ -20,7 +20,7 @@ class FP16(Codec):
     """
 
     name = "fp16"
-    sends = "dense float16"
+    sends = "dense float16 (finite values saturate at +-65504)"
     wire_formula = "2 * numel"
 
     def encode(self, key: str, update: np.ndarray) -> Tensor:
@@ -40,7 +40,7 @@ class BF16(Codec):
     """
 
     name = "bf16"
-    sends = "Packed: upper 16 bits of each float32"
+    sends = "Packed: bfloat16, each float32 rounded to nearest even"
     wire_formula = "2 * numel"
 
     def encode(self, key: str, update: np.ndarray) -> Tensor:

@@ -27,7 +27,8 @@ class PowerSGD(Codec):
     """
 
     name = "powersgd"
-    sends = "Packed: factors P [n, r] and Q [m, r]"
+    sends = ("Packed: factors P [n, rank] and Q [m, rank] of the tensor seen as n x m, one warm-started power "
+             "iteration (Vogels et al. 2019)")
     wire_formula = "4 * rank * (n + m) (float32), else dense"
     error_feedback_by_default = True
     # measured: with its residual in the model, workers drift along the directions outside its rank (docs/momentum.md)

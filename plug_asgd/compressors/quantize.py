@@ -33,7 +33,7 @@ class QSGD(Codec):
     """
 
     name = "qsgd"
-    sends = "Packed: sign + level, bits + 1 bits"
+    sends = "Packed: `bits`-bit stochastic levels and signs, the norm in the header (Alistarh et al. 2017); unbiased"
     wire_formula = "ceil(numel * (bits + 1) / 8)"
 
     def __init__(self, bits: int = 8, seed: int = 0, *, error_feedback: bool | None = None) -> None:
@@ -88,7 +88,7 @@ class Sign(Codec):
     """
 
     name = "sign"
-    sends = "Packed: one sign bit per coordinate"
+    sends = "Packed: one sign bit per coordinate, the mean magnitude in the header"
     wire_formula = "ceil(numel / 8)"
     error_feedback_by_default = True
 

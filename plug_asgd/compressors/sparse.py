@@ -94,7 +94,7 @@ class TopK(Codec):
     """
 
     name = "topk"
-    sends = "Sparse: the top fraction by magnitude"
+    sends = "Sparse: the `fraction` of coordinates of largest magnitude, per tensor"
     wire_formula = "4 * max(1, ceil(numel / 65536)) + (2 + itemsize) * nnz"
     error_feedback_by_default = True
 
@@ -127,7 +127,7 @@ class RandomK(Codec):
     """
 
     name = "randomk"
-    sends = "Sparse: k random coordinates"
+    sends = "Sparse: k random coordinates (scaled by numel / k when unbiased)"
     wire_formula = "4 * max(1, ceil(numel / 65536)) + (2 + itemsize) * k"
     error_feedback_by_default = True
 
