@@ -440,7 +440,6 @@ class AsyncPSStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The state dict with the central tensors: a checkpoint holds the central model."""
         state = super().lightning_module_state_dict()
-        self._exchange.finish()
         return self._exchange.central_state(state) if self._client is not None else state
 
     # -- collectives through the PS --------------------------------------------------------------

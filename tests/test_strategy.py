@@ -466,3 +466,18 @@ def test_a_worker_scales_its_updates_unless_its_optimizer_normalizes_its_steps(m
         assert s._exchange.compensator.scale is scaled
     finally:
         s._shutdown(wait_for_workers=0)
+
+
+def test_the_recipes_flags_map_onto_the_mode_and_the_codec():
+    from plug_asgd.compressors import NoCompression, RandomK
+    from plug_asgd.recipes.common import mode_and_codec
+
+    assert mode_and_codec("asgd", compression=0.01) == (Asgd(), NoCompression())  # --compression: unused here
+    assert mode_and_codec("adacomp", compression=0.02, values="float16") == (
+        AdaComp(fraction=0.02, values="float16"), NoCompression())
+    assert mode_and_codec("asgd", "randomk", compression=0.25, push_every=None) == (Asgd(), RandomK(0.25))
+    assert mode_and_codec("easgd", tau=3, alpha=0.25)[0] == EASGD(tau=3, alpha=0.25)
+    with pytest.raises(ValueError, match="tau does not apply to mode='asgd'"):
+        mode_and_codec("asgd", tau=3)
+    with pytest.raises(ValueError, match="bits does not apply"):
+        mode_and_codec("asgd", "topk", bits=4)

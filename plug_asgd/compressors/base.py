@@ -55,6 +55,7 @@ class Codec:
         self.error_feedback = self.error_feedback_by_default if error_feedback is None else bool(error_feedback)
 
     def encode(self, key: str, update: np.ndarray) -> Tensor:
+        """The wire form of ``update``, the update of the tensor called ``key``."""
         raise NotImplementedError
 
     def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:

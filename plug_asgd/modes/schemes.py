@@ -49,6 +49,7 @@ class Mode:
 
     @property
     def exchange(self) -> str:
+        """The worker's exchange with the PS: ``"push"``, ``"overlap"``, ``"elastic"`` or ``"shared"``."""
         return "push"
 
     @property
