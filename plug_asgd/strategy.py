@@ -216,8 +216,6 @@ class AsyncPSStrategy(ParallelStrategy):
 
     # -- stage life cycle ------------------------------------------------------------------------
 
-    # -- stage life cycle ------------------------------------------------------------------------
-
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
@@ -242,10 +240,10 @@ class AsyncPSStrategy(ParallelStrategy):
 
     def _link(self, client: PSClient) -> Link:
         """What the exchange needs of this worker for the stage that starts."""
-        assert self.cluster_environment is not None
+        port = self.cluster_environment.main_port if self.cluster_environment is not None else 0
         return Link(client=client, tensors=self._synced_tensors, rank=self.global_rank, world_size=self.world_size,
                     stage=self._stage, fitting=self._fitting, barrier=self.barrier, stop=self._request_stop,
-                    shared_tag=f"{self.cluster_environment.main_port}_{self._stage}",
+                    shared_tag=f"{port}_{self._stage}",
                     one_cpu_machine=self.num_nodes == 1 and self.root_device.type == "cpu")
 
     def setup(self, trainer: pl.Trainer) -> None:
