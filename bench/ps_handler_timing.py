@@ -20,7 +20,8 @@ import zmq
 
 import bench.zmqtools as zt
 from bench.common import time_calls
-from plug_asgd import modes, ps_server
+from plug_asgd import ps_server
+from plug_asgd.modes import rules
 from plug_asgd.ps_server import ParameterServer
 from plug_asgd.wire import encode
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         for frames in pushes[:warm]:
             server._on_frames(frames)
         for owner, name, label in ((ParameterServer, "_on_frames", "whole handling"), (ps_server, "decode", "decode"),
-                                   (modes, "_fold_out_of_place", "fold and check"),
+                                   (rules, "_fold_out_of_place", "fold and check"),
                                    (ParameterServer, "_send_model", "reply")):
             time_calls(owner, name, TIMES[label])
         for frames in pushes[warm:]:
