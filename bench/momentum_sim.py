@@ -25,8 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from plug_asgd.compressors import decode, make_compressor
-from plug_asgd.modes import CentralState, Push, get_mode
+from plug_asgd import compressors, modes
+from plug_asgd.compressors import TopKResidual, decode
+from plug_asgd.modes import CentralState, Push
 from plug_asgd.recipes.idx import load_mnist
 from plug_asgd.recipes.mnist import MnistCNN, normalize
 from plug_asgd.staleness import MOMENTUM_STATE_KEYS
@@ -102,16 +103,17 @@ def lower_momentum(opt: torch.optim.Optimizer, workers: int) -> None:
 
 def simulate(args: argparse.Namespace, model: nn.Module, tx: torch.Tensor, ty: torch.Tensor) -> nn.Module | None:
     treat = set(args.treat.split("+")) - {"none"}
-    n, spec = args.workers, get_mode(args.mode)
+    n, spec = args.workers, modes.get(args.mode)
     rule = spec.make_rule({})
     rule.training_ranks = frozenset(range(n))
     state = CentralState({k: p.detach().numpy().copy() for k, p in model.named_parameters()})
-    push_every = dict(spec.defaults).get("push_every", 1)
+    push_every = getattr(spec, "push_every", 1)
     workers = []
     for k in range(n):
         m = copy.deepcopy(model)
-        codec = spec.make_compressor(args.fraction) if args.mode == "adacomp" else make_compressor(
-            args.codec, fraction=args.fraction, seed=k)
+        knobs = {"fraction": args.fraction} if args.codec in ("topk", "randomk") else {}
+        codec = TopKResidual(args.fraction) if args.mode == "adacomp" else compressors.get(
+            {"name": args.codec, **knobs}).encoder(k)
         workers.append({"m": m, "opt": make_opt(args.opt, m.parameters(), args.lr), "codec": codec, "version": 0,
                         "since": 0, "base": {a: p.detach().clone() for a, p in m.named_parameters()},
                         "prev": {a: p.detach().clone() for a, p in m.named_parameters()}})

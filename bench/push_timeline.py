@@ -5,8 +5,8 @@
 One process trains the recipe CNN on Fashion-MNIST (batch 32), alternating plain Lightning and
 ``AsyncPSStrategy(mode="asgd")`` with its embedded PS, and prints per run the median time per
 step, and over the asgd runs the median time of each piece of a push: the whole
-``AsyncPSStrategy._push``, the push of weights (:meth:`~AsyncPSStrategy._push_weights`), the
-delta (``_update``) where one was pushed, and the client's request (send to reply); and per asgd
+``PushExchange.send``, the push of weights (``PushExchange.push_weights``), the
+delta (``PushExchange.update``) where one was pushed, and the client's request (send to reply); and per asgd
 run, the time the PS's serving thread spent on each push, in all and on a core (its stats'
 ``push_busy_s`` and ``push_busy_cpu_s`` over ``push_messages``: the PS's part of the request,
 and how much of that it waited for a core). The
@@ -27,6 +27,7 @@ import pytorch_lightning as pl
 
 from bench.common import FASHION, ps_push_ms, time_calls
 from plug_asgd.client import PSClient
+from plug_asgd.exchange import PushExchange
 from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
 from plug_asgd.strategy import AsyncPSStrategy
 
@@ -67,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     if not FASHION.is_dir():
         print(f"Fashion-MNIST is not at {FASHION}: install Debian's dataset-fashion-mnist (scripts/setup.sh)")
         return 2
-    for owner, name, label in ((AsyncPSStrategy, "_push", "push"), (AsyncPSStrategy, "_push_weights", "weights"),
-                               (AsyncPSStrategy, "_update", "delta"), (PSClient, "request", "request")):
+    for owner, name, label in ((PushExchange, "send", "push"), (PushExchange, "push_weights", "weights"),
+                               (PushExchange, "update", "delta"), (PSClient, "request", "request")):
         time_calls(owner, name, TIMES[label])
     steps: dict[str, list[float]] = defaultdict(list)
     ps_ms: list[dict[str, float] | None] = []

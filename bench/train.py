@@ -26,6 +26,7 @@ scale DDP's all-reduce, which runs inside its backward pass).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import time
@@ -38,6 +39,7 @@ import torch
 
 from bench.common import ps_push_ms
 from plug_asgd.client import PSError
+from plug_asgd.recipes.common import mode_and_codec
 from plug_asgd.recipes.data import Arrays
 from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
 from plug_asgd.strategy import AsyncPSStrategy
@@ -122,9 +124,13 @@ def make_strategy(run: dict[str, Any], index: int, workers: int) -> Any:
 
         return DDPStrategy(process_group_backend="gloo")
     port = int(os.environ["MASTER_PORT"]) + 1 + index
-    return AsyncPSStrategy(mode=run.get("mode", "asgd"), compression=run.get("compression", 0.01),
-                           compressor=run.get("compressor", "none"), overlap=run.get("overlap"), ps_port=port,
-                           shm_pushes=run.get("shm_pushes", True), **run.get("options", {}))
+    # "options": the strategy's own arguments, and knobs of the mode or the codec
+    options = run.get("options", {})
+    own = {k: v for k, v in options.items() if k in inspect.signature(AsyncPSStrategy).parameters}
+    mode, codec = mode_and_codec(run.get("mode", "asgd"), run.get("compressor", "none"),
+                                 compression=run.get("compression"), overlap=run.get("overlap"),
+                                 **{k: v for k, v in options.items() if k not in own})
+    return AsyncPSStrategy(mode=mode, compressor=codec, ps_port=port, shm_pushes=run.get("shm_pushes", True), **own)
 
 
 def evaluate(state: dict[str, torch.Tensor], test_x: torch.Tensor, test_y: torch.Tensor) -> float:

@@ -6,7 +6,7 @@
 the time-to-accuracy benchmark) train the recipe CNN on Fashion-MNIST for ``--seconds`` under
 ``AsyncPSStrategy(mode="asgd")`` with its embedded PS, launched by :mod:`bench.train`. Each rank
 prints, as one JSON line, the calls and median milliseconds of the pieces of its pushes: the
-whole ``AsyncPSStrategy._push``, the update (``_update``), loading a reply's model (``_load``), the
+whole push (``PushExchange.send``), the update (``update``), loading a reply's model (``load``), the
 client's request (send to reply, with whatever the worker does while it waits), and the whole
 optimizer step (forward, backward and the push); and the guesses of an "own" reply it made
 (``comm_stats``). Rank 0 then prints the run's samples/s and the PS's time per push.
@@ -26,8 +26,8 @@ from typing import Any
 
 from bench.common import FASHION, ROOT, time_calls
 
-PIECES = (("AsyncPSStrategy", "_push"), ("AsyncPSStrategy", "_update"), ("AsyncPSStrategy", "_load"),
-          ("PSClient", "request"), ("AsyncPSStrategy", "optimizer_step"))
+PIECES = (("PushExchange", "send"), ("PushExchange", "update"), ("Exchange", "load"), ("PSClient", "request"),
+          ("AsyncPSStrategy", "optimizer_step"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,9 +53,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench import train
     from plug_asgd.client import PSClient
+    from plug_asgd.exchange import Exchange, PushExchange
     from plug_asgd.strategy import AsyncPSStrategy
 
-    owners = {"AsyncPSStrategy": AsyncPSStrategy, "PSClient": PSClient}
+    owners = {"AsyncPSStrategy": AsyncPSStrategy, "PSClient": PSClient, "Exchange": Exchange,
+              "PushExchange": PushExchange}
     times: dict[str, list[float]] = defaultdict(list)
     for owner, name in PIECES:
         time_calls(owners[owner], name, times[name])

@@ -26,7 +26,8 @@ if "plug_asgd" not in sys.modules:  # the bare package: no Lightning, no torch
 import zmq  # noqa: E402
 
 from plug_asgd.client import PSClient  # noqa: E402
-from plug_asgd.modes import all_finite, get_mode  # noqa: E402
+from plug_asgd.compressors import TopKResidual  # noqa: E402
+from plug_asgd.modes import all_finite  # noqa: E402
 from plug_asgd.wire import decode, encode  # noqa: E402
 
 # The recipe CNN's tensors (plug_asgd.recipes.mnist.MnistCNN): 1,199,882 float32 parameters.
@@ -49,7 +50,7 @@ def update(kind: str, seed: int = 1, fraction: float = 0.01) -> dict:
     delta = model(seed, scale=1e-4)
     if kind == "dense":
         return delta
-    compressor = get_mode("adacomp").make_compressor(fraction)
+    compressor = TopKResidual(fraction)
     return {n: compressor.encode(n, d) for n, d in delta.items()}
 
 

@@ -29,7 +29,8 @@ from torch import Tensor
 
 from plug_asgd.checkpoint import central_tensors, read_checkpoint, resolve_checkpoint
 from plug_asgd.client import PSClient, PSError, PSUnreachableError
-from plug_asgd.strategy import AsyncPSStrategy, _assign
+from plug_asgd.exchange import assign
+from plug_asgd.strategy import AsyncPSStrategy
 
 log = logging.getLogger("plug_asgd.callbacks")
 
@@ -70,7 +71,7 @@ def load_central_weights(module: torch.nn.Module, path: str | os.PathLike[str], 
         if name in central:
             if tuple(central[name].shape) != tuple(t.shape):
                 raise ValueError(f"{name}: checkpoint shape {central[name].shape}, module shape {tuple(t.shape)}")
-            _assign(t, central[name])
+            assign(t, central[name])
     return int(msg.fields["version"])
 
 
@@ -162,7 +163,7 @@ class Supervisor(Callback):
         address = strategy._endpoint()[0]
         self._start = time.monotonic()
         self._stop.clear()
-        self._thread = threading.Thread(target=self._watch, args=(model, address, strategy.mode, strategy.ps_keys),
+        self._thread = threading.Thread(target=self._watch, args=(model, address, strategy.mode.name, strategy.ps_keys),
                                         name="plug_asgd-supervisor", daemon=True)
         self._thread.start()
 
@@ -201,7 +202,7 @@ class Supervisor(Callback):
     def _evaluate(self, model: torch.nn.Module, tensors: Mapping[str, Any]) -> dict[str, Any]:
         for name, t in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers()
                                                           if b.is_floating_point()]:
-            _assign(t, tensors[name])
+            assign(t, tensors[name])
         sums: dict[str, float] = {}
         for batch in self.dataloader:
             for key, value in self.evaluate(model, batch).items():

@@ -67,7 +67,7 @@ OFF = StalenessCompensation(scale=False, lookahead=False, local_residual=False, 
 
 def resolve(value: StalenessCompensation | Mapping[str, Any] | bool | None, mode: str,
             kind: str) -> StalenessCompensation:
-    """The compensation for ``mode``, by its ``ModeSpec.compensate`` (``kind``: full, unscaled, step or none).
+    """The compensation for ``mode``, by its ``Mode.compensate`` (``kind``: full, unscaled, step or none).
 
     None or True: the mode's default; False: off; an instance (or the dict of its fields, as a YAML
     file gives it): as given, refused for a mode that has no staleness to compensate.

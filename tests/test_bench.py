@@ -249,9 +249,9 @@ def test_the_worker_push_timing_times_the_pushes_of_two_racing_workers(procs, tm
     for r in ranks.values():
         pieces = r["pieces"]
         # a push after every step, each counted once by the client (refused pushes of weights are not)
-        assert pieces["_push"]["n"] == pieces["optimizer_step"]["n"] == r["pushes"] > 0
+        assert pieces["send"]["n"] == pieces["optimizer_step"]["n"] == r["pushes"] > 0
         assert pieces["request"]["n"] >= r["pushes"]
-        assert 0 < pieces["_update"]["median_ms"] < pieces["_push"]["median_ms"] < pieces["optimizer_step"]["median_ms"]
+        assert 0 < pieces["update"]["median_ms"] < pieces["send"]["median_ms"] < pieces["optimizer_step"]["median_ms"]
         assert 0 <= r["own_guesses_right"] <= min(r["own_guesses"], r["own_replies"]) <= r["pushes"]
     (line,) = [line for line in out.splitlines() if line.startswith("samples/s ")]
     summary = json.loads(line[len("samples/s "):])

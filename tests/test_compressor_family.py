@@ -1,15 +1,20 @@
 """The compressor family: each codec's stated error, unbiasedness, error feedback, wire sizes, and refusals."""
 
+import inspect
 import math
+from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
 
+from plug_asgd import compressors
 from plug_asgd.compressors import (
+    BF16,
     COMPRESSORS,
+    FP16,
     QSGD,
-    Cast16,
+    Codec,
     ErrorFeedback,
     NoCompression,
     PowerSGD,
@@ -18,7 +23,6 @@ from plug_asgd.compressors import (
     TopK,
     TopKResidual,
     decode,
-    make_compressor,
 )
 from plug_asgd.wire import PROTOCOL_VERSION, Packed, Sparse, WireError, encode
 from plug_asgd.wire import decode as wire_decode
@@ -39,6 +43,12 @@ def _through_wire(tensor):
 def _dense(tensor, dtype=np.float32) -> np.ndarray:
     out = decode(tensor, dtype)
     return out.to_dense() if isinstance(out, Sparse) else out
+
+
+def _codec(name: str, **knobs) -> Codec:
+    """The codec called ``name`` with those of ``knobs`` it takes (the family's tests share one set)."""
+    accepted = inspect.signature(COMPRESSORS[name]).parameters
+    return compressors.get({"name": name, **{k: v for k, v in knobs.items() if k in accepted}})
 
 
 def _blocks(numel: int) -> int:
@@ -176,7 +186,7 @@ def test_decode_casts_dense_and_sparse_and_checks_the_shape():
 
 def _valid_payloads():
     x = np.random.default_rng(5).standard_normal((6, 5)).astype(np.float32)
-    return {"bf16": Cast16("bf16").encode("w", x), "qsgd": QSGD(3).encode("w", x),
+    return {"bf16": BF16().encode("w", x), "qsgd": QSGD(3).encode("w", x),
             "sign": Sign().encode("w", x), "powersgd": PowerSGD(2).encode("w", x)}
 
 
@@ -271,13 +281,13 @@ def _magnitudes(rng, low_exp, high_exp, size):
 
 def test_fp16_relative_error_on_normal_range_values_and_saturation():
     x = _magnitudes(np.random.default_rng(1), -14, 15.99, 5000)  # half's normal range
-    sent = Cast16("fp16").encode("w", x)
+    sent = FP16().encode("w", x)
     assert isinstance(sent, np.ndarray) and sent.dtype == np.float16
     got = _dense(_through_wire(sent))
     assert np.all(np.abs(got - x) <= 1e-3 * np.abs(x))
     assert np.all(np.abs(got.astype(np.float64) - x) <= 2.0 ** -11 * np.abs(x))  # half an ulp of 11 bits
     special = np.array([1e5, -1e6, np.inf, -np.inf, np.nan, 0.0], np.float32)
-    got = _dense(Cast16("fp16").encode("w", special))
+    got = _dense(FP16().encode("w", special))
     np.testing.assert_array_equal(got, [65504, -65504, np.inf, -np.inf, np.nan, 0.0])
 
 
@@ -295,16 +305,16 @@ def _bf16_reference(x):
 
 def test_bf16_is_round_to_nearest_even_within_two_to_the_minus_8():
     x = _magnitudes(np.random.default_rng(2), -100, 100, 20000)
-    sent = Cast16("bf16").encode("w", x)
+    sent = BF16().encode("w", x)
     assert isinstance(sent, Packed) and sent.codec == "bf16" and sent.arrays[0].dtype == np.uint16
     got = _dense(_through_wire(sent))
     assert np.all(np.abs(got.astype(np.float64) - x) <= 2.0 ** -8 * np.abs(x))
     np.testing.assert_array_equal(got, _bf16_reference(x))
     # 1 + 2**-8 lies halfway between 1 (even) and 1 + 2**-7 (odd); 1 + 3 * 2**-8 between odd and even.
     ties = np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1 + 2 ** -8 + 2 ** -20], np.float32)
-    np.testing.assert_array_equal(_dense(Cast16("bf16").encode("w", ties)), [1, 1 + 2 ** -6, -1, 1 + 2 ** -7])
+    np.testing.assert_array_equal(_dense(BF16().encode("w", ties)), [1, 1 + 2 ** -6, -1, 1 + 2 ** -7])
     special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0], np.float32)
-    got = _dense(Cast16("bf16").encode("w", special))
+    got = _dense(BF16().encode("w", special))
     np.testing.assert_array_equal(got, special)
     assert np.signbit(got[4]) and not np.signbit(got[3])
 
@@ -354,7 +364,7 @@ def test_randomk_is_unbiased_with_the_stated_variance():
     k = math.ceil(fraction * d)  # 10
     samples = np.empty((N_DRAWS, d), np.float32)
     for seed in range(N_DRAWS):
-        sent = RandomK(fraction, seed=seed).encode("w", x)
+        sent = RandomK(fraction, seed=seed, error_feedback=False).encode("w", x)
         assert isinstance(sent, Sparse) and sent.nnz == k
         np.testing.assert_array_equal(sent.values, x[sent.indices] * np.float32(d / k))
         samples[seed] = _dense(sent)
@@ -466,7 +476,7 @@ _EXACT = {"none", "fp16", "bf16", "topk", "randomk"}  # decoded values are copie
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name", list(COMPRESSORS))
 def test_error_feedback_keeps_exactly_what_was_not_sent(name, dtype):
-    comp = make_compressor(name, fraction=0.1, bits=4, rank=2, error_feedback=True, seed=1)
+    comp = _codec(name, fraction=0.1, bits=4, rank=2, error_feedback=True, seed=1).encoder()
     assert isinstance(comp, ErrorFeedback) and comp.name == name
     unit = 2.0 ** -24 if dtype == np.float32 else 2.0 ** -53  # unit roundoff of one operation
     rng = np.random.default_rng(9)
@@ -497,7 +507,7 @@ def test_error_feedback_keeps_exactly_what_was_not_sent(name, dtype):
 
 def test_error_feedback_around_topk_is_adacomps_topk_residual():
     rng = np.random.default_rng(10)
-    ef, adacomp = make_compressor("topk", fraction=0.02), TopKResidual(0.02)
+    ef, adacomp = TopK(0.02).encoder(), TopKResidual(0.02)
     for _ in range(4):
         update = rng.standard_normal((30, 40)).astype(np.float32)
         a, b = ef.encode("w", update), adacomp.encode("w", update)
@@ -509,7 +519,7 @@ def test_error_feedback_around_topk_is_adacomps_topk_residual():
 def test_error_feedback_residual_stays_bounded_with_unscaled_randomk():
     # Scaled (unbiased) values would make the expected squared residual grow by numel/k - 1 = 9x a step.
     rng = np.random.default_rng(11)
-    comp = make_compressor("randomk", fraction=0.1, seed=2)
+    comp = RandomK(0.1, seed=2).encoder()
     assert not comp.inner.unbiased
     for _ in range(30):
         update = rng.standard_normal(1000).astype(np.float32)
@@ -520,113 +530,131 @@ def test_error_feedback_residual_stays_bounded_with_unscaled_randomk():
     assert np.linalg.norm(comp.residuals["w"]) < 2 * steady
 
 
-# -- wire sizes: the docstring formulas -------------------------------------------------------------------
+# -- wire sizes: each codec's own formula (``wire_bytes``), for every registered codec ----------------
 
 _SHAPES = [(300, 70), (70001,), (16, 3, 5, 5)]
 
 
-def _expected_bytes(name, shape, x, *, fraction, bits, rank):
-    numel = math.prod(shape)
-    k = min(numel, max(1, math.ceil(fraction * numel)))
-    if name == "none":
-        return 4 * numel
-    if name in ("fp16", "bf16"):
-        return 2 * numel
-    if name == "topk":
-        return 4 * _blocks(numel) + (2 + 4) * min(k, int(np.count_nonzero(x)))
-    if name == "randomk":
-        return 4 * _blocks(numel) + (2 + 4) * k
-    if name == "qsgd":
-        return math.ceil(numel * (bits + 1) / 8)
-    if name == "sign":
-        return math.ceil(numel / 8)
-    assert name == "powersgd"
-    n = shape[0]
-    m = numel // n
-    if len(shape) < 2 or rank * (n + m) >= n * m:
-        return 4 * numel
-    return 4 * rank * (n + m)
+def _variants(name):
+    """The registered codec ``name`` at its defaults and at the edges of its knobs, error feedback off and on."""
+    for fraction in (0.01, 1.0):
+        for bits in (1, 3, 8, 16):
+            for error_feedback in (False, True):
+                yield _codec(name, fraction=fraction, bits=bits, rank=3, error_feedback=error_feedback)
 
 
 @pytest.mark.parametrize("shape", _SHAPES)
 @pytest.mark.parametrize("name", list(COMPRESSORS))
-def test_wire_bytes_match_the_docstring_formulas(name, shape):
+def test_wire_bytes_match_each_codecs_formula(name, shape):
     x = np.random.default_rng(12).standard_normal(shape).astype(np.float32)
     x.reshape(-1)[:5] = 0.0  # topk does not send exact zeros; with a fraction of 1 they would be in the top k
-    for fraction in (0.01, 1.0):
-        for bits in (1, 3, 8, 16) if name == "qsgd" else (8,):
-            for error_feedback in (False, True):
-                comp = make_compressor(name, fraction=fraction, bits=bits, rank=3, error_feedback=error_feedback)
-                sent = comp.encode("w", x)
-                assert _frame_bytes(sent) == _expected_bytes(name, shape, x, fraction=fraction, bits=bits, rank=3)
+    nonzero = int(np.count_nonzero(x))
+    for codec in _variants(name):
+        for comp in (codec, codec.encoder()):  # the codec itself, and as a worker encodes (with error feedback)
+            assert _frame_bytes(comp.encode("w", x)) == codec.wire_bytes(shape, 4, nonzero), codec
 
 
 def test_wire_bytes_worked_examples():
     # the figures the docstrings promise, by hand, for a 9216 x 128 float32 layer (1,179,648 values)
     x = np.random.default_rng(13).standard_normal((9216, 128)).astype(np.float32)
     numel = 9216 * 128
-    assert _frame_bytes(make_compressor("sign").encode("w", x)) == numel // 8 == 147_456
-    assert _frame_bytes(make_compressor("qsgd", bits=8).encode("w", x)) == numel * 9 // 8 == 1_327_104
-    assert _frame_bytes(make_compressor("powersgd", rank=4).encode("w", x)) == 4 * 4 * (9216 + 128) == 149_504
-    assert _frame_bytes(make_compressor("randomk", fraction=0.01).encode("w", x)) == 4 * 18 + 6 * 11_797
-    assert _frame_bytes(make_compressor("bf16").encode("w", x)) == 2 * numel
+    assert _frame_bytes(Sign().encoder().encode("w", x)) == numel // 8 == 147_456
+    assert _frame_bytes(QSGD(bits=8).encoder().encode("w", x)) == numel * 9 // 8 == 1_327_104
+    assert _frame_bytes(PowerSGD(rank=4).encoder().encode("w", x)) == 4 * 4 * (9216 + 128) == 149_504
+    assert _frame_bytes(RandomK(0.01).encoder().encode("w", x)) == 4 * 18 + 6 * 11_797
+    assert _frame_bytes(BF16().encoder().encode("w", x)) == 2 * numel
+    assert TopK(0.01).wire_bytes((9216, 128)) == 4 * 18 + 6 * 11_797
 
 
-# -- make_compressor --------------------------------------------------------------------------------------
+def test_the_readme_codec_table_is_the_registry():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert compressors.codec_table() in readme
 
-_INNER = {"none": NoCompression, "fp16": Cast16, "bf16": Cast16, "topk": TopK, "randomk": RandomK, "qsgd": QSGD,
+
+# -- the registry, get and encoder --------------------------------------------------------------------
+
+_INNER = {"none": NoCompression, "fp16": FP16, "bf16": BF16, "topk": TopK, "randomk": RandomK, "qsgd": QSGD,
           "sign": Sign, "powersgd": PowerSGD}
 
 
-def test_make_compressor_builds_each_by_name_with_error_feedback_where_biased():
-    assert set(COMPRESSORS) == set(_INNER)
+def test_get_builds_each_by_name_and_the_encoder_adds_error_feedback_where_biased():
+    assert COMPRESSORS == _INNER
     for name, cls in _INNER.items():
-        default = make_compressor(name)
+        default = compressors.get(name).encoder()
         wrapped = name in {"sign", "topk", "randomk", "powersgd"}
         assert isinstance(default, ErrorFeedback) == wrapped, name
         assert default.name == name
         assert isinstance(default.inner if wrapped else default, cls)
-        assert isinstance(make_compressor(name, error_feedback=True), ErrorFeedback)
-        plain = make_compressor(name, error_feedback=False)
+        assert isinstance(compressors.get({"name": name, "error_feedback": True}).encoder(), ErrorFeedback)
+        plain = cls(error_feedback=False).encoder()
         assert isinstance(plain, cls) and plain.name == name
-    assert make_compressor("topk", fraction=0.2).inner.fraction == 0.2
-    assert make_compressor("qsgd", bits=3).bits == 3
-    assert make_compressor("powersgd", rank=2).inner.rank == 2
-    assert make_compressor("randomk", error_feedback=False).unbiased
-    assert not make_compressor("randomk").inner.unbiased
+        assert compressors.get(default.inner if wrapped else default) is (default.inner if wrapped else default)
+    assert compressors.get({"name": "topk", "fraction": 0.2}).encoder().inner.fraction == 0.2
+    assert QSGD(bits=3).encoder().bits == 3
+    assert PowerSGD(rank=2).encoder().inner.rank == 2
+    assert RandomK(error_feedback=False).encoder().unbiased
+    assert not RandomK().encoder().inner.unbiased
+    assert TopK(0.2) == compressors.get({"name": "topk", "fraction": 0.2}) != TopK(0.3)
+    assert repr(QSGD(bits=3)) == "QSGD(bits=3, seed=0, error_feedback=False)"
 
 
-def test_make_compressor_seeds_make_the_stochastic_ones_reproducible():
+def test_a_new_codec_is_one_class_and_nothing_else():
+    class Halves(Codec):
+        name = "test_halves"
+        sends = "every other coordinate"
+        wire_formula = "itemsize * ceil(numel / 2)"
+
+        def encode(self, key, update):
+            return np.asarray(update).reshape(-1)[::2].copy()
+
+        def wire_bytes(self, shape, itemsize=4, nonzero=None):
+            return itemsize * -(-math.prod(shape) // 2)
+
+    try:
+        assert compressors.get("test_halves") == Halves()
+        assert "`test_halves`" in compressors.codec_table()
+        x = np.ones(7, np.float32)
+        assert _frame_bytes(Halves().encode("w", x)) == Halves().wire_bytes(x.shape)
+        with pytest.raises(TypeError, match="two codecs are called 'test_halves'"):
+            type("Again", (Codec,), {"name": "test_halves"})
+    finally:
+        del COMPRESSORS["test_halves"]
+
+
+def test_the_encoders_seeds_make_the_stochastic_ones_reproducible_and_differ_by_rank():
     x = np.random.default_rng(14).standard_normal((20, 30)).astype(np.float32)
     for name in ("randomk", "qsgd", "powersgd"):
-        def frames(seed, name=name):
-            return [bytes(f) for f in _frames(make_compressor(name, fraction=0.1, seed=seed).encode("w", x))]
-        assert frames(3) == frames(3), name
+        def frames(seed, rank=0, name=name):
+            codec = _codec(name, fraction=0.1, seed=seed)
+            return [bytes(f) for f in _frames(codec.encoder(rank).encode("w", x))]
+        assert frames(3) == frames(3) == frames(2, rank=1), name
         assert frames(3) != frames(4), name
 
 
-def test_make_compressor_refuses_unknown_names_and_bad_parameters():
+def test_get_refuses_unknown_names_and_bad_parameters():
     with pytest.raises(ValueError) as err:
-        make_compressor("gzip")
+        compressors.get("gzip")
     for name in _INNER:
         assert name in str(err.value)
-    for kwargs in ({"bits": 0}, {"bits": 17}, {"bits": 2.5}, {"bits": True}):
-        with pytest.raises(ValueError):
-            make_compressor("qsgd", **kwargs)
+    for bits in (0, 17, 2.5, True):
+        with pytest.raises(ValueError, match="bits must be an integer"):
+            QSGD(bits=bits)
     for fraction in (0.0, 1.5, -0.1):
-        with pytest.raises(ValueError):
-            make_compressor("topk", fraction=fraction)
-        with pytest.raises(ValueError):
-            make_compressor("randomk", fraction=fraction)
-    with pytest.raises(ValueError):
-        make_compressor("powersgd", rank=0)
-    with pytest.raises(ValueError):
-        Cast16("fp8")
+        with pytest.raises(ValueError, match="fraction"):
+            TopK(fraction)
+        with pytest.raises(ValueError, match="fraction"):
+            RandomK(fraction)
+    with pytest.raises(ValueError, match="rank"):
+        PowerSGD(rank=0)
+    with pytest.raises(ValueError, match="compressor 'fp16'.*unexpected keyword argument 'bits'"):
+        compressors.get({"name": "fp16", "bits": 8})
+    with pytest.raises(TypeError):
+        compressors.get(8)
 
 
 def test_empty_and_scalar_tensors_go_through_every_compressor():
     for name in COMPRESSORS:
-        comp = make_compressor(name)
+        comp = compressors.get(name).encoder()
         for x in (np.zeros((0, 3), np.float32), np.array(1.5, np.float32), np.zeros(10, np.float32)):
             got = _dense(_through_wire(comp.encode("w", x)))
             assert got.shape == x.shape, name

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from plug_asgd.modes import APPLIED, DROPPED, AdaCompRule, AsgdRule, CentralState, Push, SyncRule, get_mode
+from plug_asgd import modes
+from plug_asgd.modes import APPLIED, DROPPED, AdaCompRule, AsgdRule, CentralState, Push, SyncRule
 from plug_asgd.wire import Sparse
 
 
@@ -98,8 +99,8 @@ def test_sync_refuses_a_second_update_from_the_same_worker_in_one_round():
 
 
 def test_unknown_mode_lists_the_modes():
-    with pytest.raises(ValueError, match="asgd, adacomp, sync"):
-        get_mode("nope")
+    with pytest.raises(ValueError, match="asgd, adacomp, .*sync"):
+        modes.get("nope")
 
 
 def test_the_store_folds_into_a_copy_while_a_zero_copy_reply_is_in_flight():
@@ -144,7 +145,7 @@ def test_folding_out_of_place_gives_the_same_bits_and_never_writes_the_old_model
     in_place = CentralState({n: t.copy() for n, t in w0.items()})
     # a pool of 3 threads splits every tensor of more than 4 values in 3 slices
     folded = CentralState({n: t.copy() for n, t in w0.items()}, pool=SlicePool(threads, min_split=4))
-    rule_a, rule_b = MODES[rule_name].make_rule({}), MODES[rule_name].make_rule({})
+    rule_a, rule_b = MODES[rule_name]().make_rule(), MODES[rule_name]().make_rule()
     assert rule_b.folds_into_update
     rule_a.set_trainers(in_place, frozenset({0, 1}))
     rule_b.set_trainers(folded, frozenset({0, 1}))
@@ -238,3 +239,103 @@ def test_all_finite_finds_any_nan_or_inf_and_is_not_fooled_by_squares_that_overf
         x[777] = bad
         assert not all_finite(x), bad
         assert not all_finite(x.reshape(10, 100)), bad
+
+
+# -- the modes as objects -----------------------------------------------------------------------------
+
+
+def test_get_takes_a_name_an_instance_or_a_dict():
+    from plug_asgd.modes import MODES, SSP, Downpour
+
+    ssp = SSP(staleness_bound=3)
+    assert modes.get(ssp) is ssp
+    assert modes.get({"name": "ssp", "staleness_bound": 3}) == ssp == modes.get(ssp.config())
+    assert modes.get("downpour") == Downpour() and Downpour().push_every == 4
+    for name, cls in MODES.items():
+        assert type(modes.get(name)) is cls and cls.name == name
+    with pytest.raises(ValueError, match="mode 'asgd': .*unexpected keyword argument 'tau'"):
+        modes.get({"name": "asgd", "tau": 3})
+    with pytest.raises(TypeError, match="mode must be a name"):
+        modes.get(3)
+
+
+@pytest.mark.parametrize("mode, knobs, match", [
+    ("asgd", {"push_every": 0}, "push_every must be an integer >= 1"),
+    ("asgd", {"pull_every": 0}, "pull_every must be an integer >= 1"),  # passed before: `pull_every or 1`
+    ("downpour", {"push_every": 2.5}, "push_every must be an integer"),
+    ("asgd", {"overlap": True, "pull_every": 2}, "does not go with pull_every"),
+    ("ssp", {"staleness_bound": -1}, "staleness_bound must be an integer >= 0"),
+    ("sync", {"replicas_to_aggregate": 0}, "replicas_to_aggregate must be an integer >= 1"),
+    ("easgd", {"tau": 0}, "tau must be an integer >= 1"),
+    ("eamsgd", {"alpha": 0.0}, r"alpha must be in \(0, 1\)"),
+    ("adacomp", {"fraction": 0.0}, "fraction must be"),
+    ("adacomp", {"values": "int8"}, "values must be one of"),
+    ("losp", {"overlap": False}, "use mode='localsgd'"),
+])
+def test_each_mode_checks_its_own_knobs(mode, knobs, match):
+    with pytest.raises(ValueError, match=match):
+        modes.get({"name": mode, **knobs})
+
+
+def test_a_modes_server_knobs_make_its_rule_and_go_to_the_ps_unless_the_ps_sets_its_own():
+    from plug_asgd.modes import SSP, LocalSGD, Sync
+
+    assert SSP(staleness_bound=3).server_options() == {"staleness_bound": 3}
+    assert SSP(staleness_bound=3).make_rule().staleness_bound == 3
+    assert SSP(staleness_bound=3).make_rule({"staleness_bound": 1, "replicas_to_aggregate": None}).staleness_bound == 1
+    assert SSP().make_rule({"staleness_bound": None}).staleness_bound == 2
+    assert LocalSGD(replicas_to_aggregate=2).make_rule().replicas_to_aggregate == 2
+    assert Sync().server_options() == {"replicas_to_aggregate": None}
+    assert modes.get("asgd").server_options() == {}
+
+
+def test_modes_refuse_the_codecs_they_cannot_take_and_adacomp_encodes_with_its_own():
+    from plug_asgd.compressors import NoCompression, TopK, TopKResidual
+    from plug_asgd.modes import AdaComp
+
+    for name in ("adacomp", "hogwild", "easgd", "eamsgd"):
+        with pytest.raises(ValueError, match=f"compressor='topk' does not go with mode='{name}'"):
+            modes.get(name).check_compressor(TopK())
+        modes.get(name).check_compressor(NoCompression())
+    modes.get("sync").check_compressor(TopK())
+    encoder = AdaComp(fraction=0.05, values="float16").encoder(NoCompression(), rank=1)
+    assert isinstance(encoder, TopKResidual) and encoder.fraction == 0.05 and encoder.values == "float16"
+
+
+def test_a_new_mode_is_one_class_and_nothing_else():
+    from dataclasses import dataclass
+
+    from plug_asgd.modes import MODES, PushMode
+
+    @dataclass(frozen=True, kw_only=True)
+    class Halved(PushMode):
+        name = "test_halved"
+        summary = "asgd at half the rate"
+        push_every: int = 2
+
+    try:
+        assert modes.get("test_halved") == Halved() and Halved().exchange == "push"
+        assert "`test_halved`" in modes.mode_table()
+        with pytest.raises(TypeError, match="two modes are called 'test_halved'"):
+            type("Again", (PushMode,), {"name": "test_halved"})
+    finally:
+        del MODES["test_halved"]
+
+
+def test_the_readme_mode_table_is_the_registry():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert modes.mode_table() in readme
+
+
+def test_modes_and_codecs_import_neither_torch_nor_lightning():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pkg = Path(__file__).resolve().parent.parent / "plug_asgd"
+    code = (f"import sys, types; pkg = types.ModuleType('plug_asgd'); pkg.__path__ = [{str(pkg)!r}]; "
+            "sys.modules['plug_asgd'] = pkg; import plug_asgd.modes, plug_asgd.compressors; "
+            "assert not {'torch', 'pytorch_lightning', 'lightning'} & set(sys.modules), 'imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

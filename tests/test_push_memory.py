@@ -11,10 +11,9 @@ import pytest
 
 from plug_asgd import push_memory
 from plug_asgd.client import PSClient, PSError
-from plug_asgd.compressors import Sparse
 from plug_asgd.ps import ParameterServer, PSConfig, embedded_command
 from plug_asgd.push_memory import HEADER_BYTES, PushSegment
-from plug_asgd.wire import Local
+from plug_asgd.wire import Local, Sparse
 
 pytestmark = pytest.mark.skipif(not push_memory.available(), reason="no sealed shared memory here (memfd: Linux)")
 

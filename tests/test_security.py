@@ -219,13 +219,14 @@ def test_a_keyed_run_trains_on_an_embedded_ps_listening_beyond_loopback(monkeypa
     from torch.utils.data import DataLoader, TensorDataset
 
     from plug_asgd import AsyncPSStrategy
+    from plug_asgd.modes import Asgd
     from tests.conftest import group_members
     from tests.test_strategy import Tiny
 
     generate_keys(tmp_path / "keys")
     monkeypatch.setenv("MASTER_ADDR", "0.0.0.0")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    strategy = AsyncPSStrategy(mode="asgd", push_every=5, ps_keys=tmp_path / "keys")
+    strategy = AsyncPSStrategy(mode=Asgd(push_every=5), ps_keys=tmp_path / "keys")
     x = torch.randn(320, 4, generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False,

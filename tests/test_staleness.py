@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from plug_asgd import AsyncPSStrategy, StalenessCompensation
-from plug_asgd.compressors import TopKResidual, make_compressor
+from plug_asgd import AsyncPSStrategy, StalenessCompensation, compressors
+from plug_asgd.compressors import TopKResidual
 from plug_asgd.modes import MODES
 from plug_asgd.staleness import OFF, Compensator, resolve, scaled_step, warn_unknown_optimizers
 
@@ -60,13 +60,14 @@ def test_the_local_residual_is_what_the_codec_holds_back_added_to_the_model():
     off = Compensator(StalenessCompensation(lookahead=False, local_residual=False), 1)
     assert off.load(t, {"w": np.full(4, 10.0, np.float32)}, 3, pending=codec.pending)
     assert t["w"].tolist() == [10.0] * 4
-    ef = make_compressor("sign")  # error feedback around sign: its residual has the tensor's shape
+    ef = compressors.get("sign").encoder()  # error feedback around sign: its residual has the tensor's shape
     ef.encode("m", np.array([[3.0, -1.0]], np.float32))
     assert ef.pending("m").shape == (1, 2)
     # which codecs' residuals go into the model: all with error feedback but powersgd's (docs/momentum.md)
-    assert codec.local_residual and all(make_compressor(c).local_residual for c in ("topk", "randomk", "sign"))
-    assert not make_compressor("powersgd").local_residual
-    assert not hasattr(make_compressor("qsgd"), "local_residual")  # no error feedback, no residual
+    assert codec.local_residual
+    assert all(compressors.get(c).encoder().local_residual for c in ("topk", "randomk", "sign"))
+    assert not compressors.get("powersgd").encoder().local_residual
+    assert not hasattr(compressors.get("qsgd").encoder(), "local_residual")  # no error feedback, no residual
 
 
 @pytest.mark.parametrize("make", [
@@ -119,7 +120,7 @@ def test_a_scaled_step_moves_the_weights_by_the_fraction_and_restores_the_lr():
 
 
 def test_each_mode_gets_its_default_and_refuses_what_it_cannot_do():
-    full = {m for m, spec in MODES.items() if spec.compensate == "full"}
+    full = {m for m, cls in MODES.items() if cls.compensate == "full"}
     assert full == {"asgd", "adacomp", "downpour", "ssp"}
     assert resolve(None, "dynsgd", "unscaled") == StalenessCompensation(scale=False)
     assert AsyncPSStrategy(mode="agn").staleness_compensation == StalenessCompensation(scale=False)

@@ -231,7 +231,7 @@ def test_both_stores_end_every_push_sequence_on_the_same_bits(mode, max_updates)
         snaps = [run.store.snapshot() for run in runs]
         assert snaps[0].version == snaps[1].version and snaps[0].last_seq == snaps[1].last_seq
         assert all(np.array_equal(snaps[0].tensors[n], snaps[1].tensors[n]) for n in SHAPES)
-        if MODES[mode].folds_into_update and max_updates is None:  # the sequences reached the fast paths
+        if MODES[mode]().folds_into_update and max_updates is None:  # the sequences reached the fast paths
             stats = runs[1].store.stats
             assert stats.weights_lent > 0 and stats.weights_pushes > 0 and stats.weights_not_current > 0
     finally:

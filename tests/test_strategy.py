@@ -14,7 +14,8 @@ from torch.distributed import ReduceOp
 from torch.utils.data import DataLoader, TensorDataset
 
 from plug_asgd import AsyncPSStrategy
-from plug_asgd.strategy import _op_name
+from plug_asgd.collectives import op_name
+from plug_asgd.modes import AGN, EASGD, OSP, SSP, AdaComp, Asgd, Downpour, Sync
 from tests.conftest import group_members
 
 
@@ -56,17 +57,17 @@ class Probe(pl.Callback):
         if batch_idx == 6 and "ckpt" not in self.seen:  # 7 local steps: pushed at 5, 2 not yet pushed
             trainer.save_checkpoint(self.save_to)
             self.seen["ckpt"] = (central(trainer.strategy), module.layer.weight.detach().clone(),
-                                 trainer.strategy._version)
+                                 trainer.strategy._exchange.version)
 
     def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
         if "val" not in self.seen:
             self.seen["val"] = (central(trainer.strategy), module.layer.weight.detach().clone(),
-                                trainer.strategy._version)
+                                trainer.strategy._exchange.version)
 
 
 @pytest.fixture
 def strategy():
-    s = AsyncPSStrategy(mode="asgd", push_every=5)
+    s = AsyncPSStrategy(mode=Asgd(push_every=5))
     yield s
     proc = s._ps_proc
     s._shutdown(wait_for_workers=0)
@@ -90,7 +91,7 @@ def test_checkpoints_and_validation_see_the_central_model(strategy, tmp_path):
     assert version == 3
     np.testing.assert_array_equal(local.numpy(), ps_weights["layer.weight"])
     # fit leaves the module holding the final central model: 20 steps = 4 pushes + 1 at validation
-    assert strategy._version == 5
+    assert strategy._exchange.version == 5
     np.testing.assert_array_equal(trainer.lightning_module.layer.weight.detach().numpy(),
                                   central(strategy)["layer.weight"])
 
@@ -171,7 +172,7 @@ class Racer(pl.Callback):
     def on_before_optimizer_step(self, trainer, module, optimizer):
         if trainer.global_step == 4:
             strategy = trainer.strategy
-            strategy._client.push(strategy._version, {n: np.zeros(t.shape, np.float32)
+            strategy._client.push(strategy._exchange.version, {n: np.zeros(t.shape, np.float32)
                                                       for n, t in strategy._synced_tensors().items()})
 
 
@@ -197,7 +198,7 @@ def test_a_worker_guesses_the_own_model_while_waiting_only_after_an_own_reply(mo
     means is made while the PS folds where the last reply was "own", after the reply where it was not,
     and thrown away where the guess was wrong; each way the worker ends on the PS's bits."""
     s = AsyncPSStrategy(mode="asgd")
-    monkeypatch.setattr(s, "_push_weights", lambda tensors: False)
+    monkeypatch.setattr(s._exchange, "push_weights", lambda tensors: False)
     try:
         finals = fit_tiny(s, [Racer()])
         stats, comm = s._client.stats(), s.comm_stats()
@@ -217,7 +218,7 @@ def test_a_worker_whose_base_is_its_own_weights_never_asks_for_an_own_reply():
     """With pull_every=2 every other push takes no model: the worker then keeps its own weights as its
     base, which need not be the central model of the version it was told, so the next push must
     get the whole model back."""
-    s = AsyncPSStrategy(mode="asgd", pull_every=2)
+    s = AsyncPSStrategy(mode=Asgd(pull_every=2))
     try:
         trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=s, max_epochs=1, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -235,7 +236,7 @@ def test_overlapped_pushes_of_a_lone_worker_lose_no_step(tmp_path):
     for overlap in (False, True):
         pl.seed_everything(3)
         module = Tiny()
-        s = AsyncPSStrategy(mode="asgd", overlap=overlap)
+        s = AsyncPSStrategy(mode=Asgd(overlap=overlap))
         try:
             trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=s, max_epochs=2, logger=False,
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -259,41 +260,51 @@ def test_overlapped_pushes_of_a_lone_worker_lose_no_step(tmp_path):
                                         ("async_ps_sync", "sync")])
 def test_strategy_names_are_registered_with_lightning(name, mode):
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
-    assert isinstance(trainer.strategy, AsyncPSStrategy) and trainer.strategy.mode == mode
+    assert isinstance(trainer.strategy, AsyncPSStrategy) and trainer.strategy.mode.name == mode
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
 
 
 def test_bad_arguments_are_refused_at_construction():
     with pytest.raises(ValueError, match="unknown mode"):
         AsyncPSStrategy(mode="nope")
-    with pytest.raises(ValueError, match="compression"):
-        AsyncPSStrategy(mode="adacomp", compression=2.0)
+    with pytest.raises(ValueError, match="fraction"):
+        AsyncPSStrategy(mode={"name": "adacomp", "fraction": 2.0})
     with pytest.raises(ValueError, match="push_every"):
-        AsyncPSStrategy(push_every=0)
+        AsyncPSStrategy(mode=Asgd(push_every=0))
+    with pytest.raises(ValueError, match="pull_every"):
+        AsyncPSStrategy(mode=Downpour(pull_every=0))
     with pytest.raises(ValueError, match="tcp://"):
         AsyncPSStrategy(ps_address="localhost:2223")
-    with pytest.raises(ValueError, match="sparse_values must be one of"):
-        AsyncPSStrategy(mode="adacomp", sparse_values="int8")
-    with pytest.raises(ValueError, match="sets how adacomp sends its values"):
-        AsyncPSStrategy(mode="asgd", sparse_values="float16")
+    with pytest.raises(ValueError, match="values must be one of"):
+        AsyncPSStrategy(mode=AdaComp(values="int8"))
+    with pytest.raises(ValueError, match="unexpected keyword argument 'values'"):
+        AsyncPSStrategy(mode={"name": "asgd", "values": "float16"})
     with pytest.raises(ValueError, match="heartbeat_s must be in"):
         AsyncPSStrategy(heartbeat_s=15.0, worker_timeout=20.0)
     with pytest.raises(ValueError, match="ps_threads"):
         AsyncPSStrategy(ps_threads=0)
-    with pytest.raises(ValueError, match="is not a push"):
-        AsyncPSStrategy(mode="easgd", overlap=True)
+    with pytest.raises(ValueError, match="unexpected keyword argument 'overlap'"):
+        AsyncPSStrategy(mode={"name": "easgd", "overlap": True})
     with pytest.raises(ValueError, match="use mode='sync'"):
-        AsyncPSStrategy(mode="osp", overlap=False)
+        AsyncPSStrategy(mode=OSP(overlap=False))
     with pytest.raises(ValueError, match="pull_every"):
-        AsyncPSStrategy(mode="downpour", overlap=True, pull_every=8)
-    assert AsyncPSStrategy(mode="losp").overlap and not AsyncPSStrategy(mode="asgd").overlap
+        AsyncPSStrategy(mode=Downpour(overlap=True, pull_every=8))
+    with pytest.raises(ValueError, match="alpha must be in"):
+        AsyncPSStrategy(mode=EASGD(alpha=1.0))
+    with pytest.raises(ValueError, match="staleness_bound must be"):
+        AsyncPSStrategy(mode=SSP(staleness_bound=-1))
+    with pytest.raises(ValueError, match="replicas_to_aggregate must be"):
+        AsyncPSStrategy(mode=Sync(replicas_to_aggregate=0))
+    with pytest.raises(ValueError, match="unknown compressor"):
+        AsyncPSStrategy(compressor="gzip")
+    assert AsyncPSStrategy(mode="losp").mode.overlap and not AsyncPSStrategy(mode="asgd").mode.overlap
 
 
 def test_reduce_ops_of_torch_and_lightning_are_understood():
-    assert _op_name(ReduceOp.SUM) == "sum" and _op_name("mean") == "mean" and _op_name("avg") == "mean"
-    assert _op_name(ReduceOp.MAX) == "max" and _op_name(None) == "mean"
+    assert op_name(ReduceOp.SUM) == "sum" and op_name("mean") == "mean" and op_name("avg") == "mean"
+    assert op_name(ReduceOp.MAX) == "max" and op_name(None) == "mean"
     with pytest.raises(ValueError):
-        _op_name("product")
+        op_name("product")
 
 
 def test_a_process_group_that_would_lockstep_the_workers_is_warned_about():
@@ -354,7 +365,7 @@ def test_downpour_pushes_every_push_every_and_loses_nothing_when_pulling(push_ev
 
     model = Tiny()
     expected = plain_sgd(copy.deepcopy(model), 12)
-    s = AsyncPSStrategy(mode="downpour", push_every=push_every, pull_every=pull_every)
+    s = AsyncPSStrategy(mode=Downpour(push_every=push_every, pull_every=pull_every))
     try:
         run_one_worker(s, model, 12)
         assert s.ps_stats()["pushes_applied"] == 12 // push_every  # exactly every push_every steps
@@ -371,7 +382,7 @@ def test_overlapped_rounds_keep_the_progress_made_while_in_flight(mode, push_eve
 
     model = Tiny()
     expected = plain_sgd(copy.deepcopy(model), 12)
-    s = AsyncPSStrategy(mode=mode, push_every=push_every)
+    s = AsyncPSStrategy(mode={"name": mode, "push_every": push_every})
     try:
         run_one_worker(s, model, 12)
         assert s.ps_stats()["version"] == 12 // push_every
@@ -387,7 +398,7 @@ def test_easgd_center_after_one_exchange_is_the_elastic_step():
     model = Tiny()
     w0 = [p.detach().clone() for p in model.parameters()]
     w3 = plain_sgd(copy.deepcopy(model), 3)
-    s = AsyncPSStrategy(mode="easgd", tau=3, alpha=0.25)
+    s = AsyncPSStrategy(mode=EASGD(tau=3, alpha=0.25))
     try:
         run_one_worker(s, model, 3)
         center = central(s)
@@ -405,7 +416,7 @@ def test_agn_folds_in_the_accumulated_update_divided_by_the_steps():
     model = Tiny()
     w0 = [p.detach().clone() for p in model.parameters()]
     w3 = plain_sgd(copy.deepcopy(model), 3)
-    s = AsyncPSStrategy(mode="agn", push_every=3)
+    s = AsyncPSStrategy(mode=AGN(push_every=3))
     try:
         run_one_worker(s, model, 3)
         center = central(s)
@@ -425,6 +436,7 @@ def test_eamsgd_refuses_an_optimizer_without_nesterov_momentum():
 
 
 def test_every_mode_and_compressor_pair_is_accepted_or_refused_by_the_stated_rule():
+    from plug_asgd import compressors
     from plug_asgd.compressors import COMPRESSORS
     from plug_asgd.modes import MODES
 
@@ -436,7 +448,7 @@ def test_every_mode_and_compressor_pair_is_accepted_or_refused_by_the_stated_rul
                     AsyncPSStrategy(mode=mode, compressor=name)
             else:
                 s = AsyncPSStrategy(mode=mode, compressor=name)
-                assert s.compressor == name
+                assert s.compressor == compressors.get(name)
 
 
 class TinyAdam(Tiny):
@@ -451,6 +463,21 @@ def test_a_worker_scales_its_updates_unless_its_optimizer_normalizes_its_steps(m
         trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=s, max_epochs=1, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(module(), data())
-        assert s._compensator.scale is scaled
+        assert s._exchange.compensator.scale is scaled
     finally:
         s._shutdown(wait_for_workers=0)
+
+
+def test_the_recipes_flags_map_onto_the_mode_and_the_codec():
+    from plug_asgd.compressors import NoCompression, RandomK
+    from plug_asgd.recipes.common import mode_and_codec
+
+    assert mode_and_codec("asgd", compression=0.01) == (Asgd(), NoCompression())  # --compression: unused here
+    assert mode_and_codec("adacomp", compression=0.02, values="float16") == (
+        AdaComp(fraction=0.02, values="float16"), NoCompression())
+    assert mode_and_codec("asgd", "randomk", compression=0.25, push_every=None) == (Asgd(), RandomK(0.25))
+    assert mode_and_codec("easgd", tau=3, alpha=0.25)[0] == EASGD(tau=3, alpha=0.25)
+    with pytest.raises(ValueError, match="tau does not apply to mode='asgd'"):
+        mode_and_codec("asgd", tau=3)
+    with pytest.raises(ValueError, match="bits does not apply"):
+        mode_and_codec("asgd", "topk", bits=4)

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from plug_asgd.checkpoint import CheckpointPolicy
-from plug_asgd.modes import MODES, get_mode
+from plug_asgd.modes import MODES
+from plug_asgd.modes import get as get_mode
 from plug_asgd.security import check_bind
 from plug_asgd.wire import DEFAULT_LIMITS, Limits
 

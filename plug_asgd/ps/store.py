@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from plug_asgd.compressors import decode as decode_update
-from plug_asgd.modes import CentralState, FoldRule, Push, Resolution, all_finite, get_mode
+from plug_asgd.modes import CentralState, FoldRule, Push, Resolution, all_finite
+from plug_asgd.modes import get as get_mode
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.stats import Stats
 from plug_asgd.push_memory import AttachedSegments

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning.loggers import CSVLogger
 
+from plug_asgd import compressors, modes
 from plug_asgd.callbacks import CommunicationMonitor, PSCheckpoint, Supervisor
-from plug_asgd.compressors import COMPRESSORS, SPARSE_VALUES
-from plug_asgd.modes import MODES
+from plug_asgd.compressors import COMPRESSORS, SPARSE_VALUES, Codec
+from plug_asgd.modes import MODES, Mode
 from plug_asgd.ps.config import ps_argument
 from plug_asgd.recipes.idx import DatasetNotFoundError
 from plug_asgd.strategy import AsyncPSStrategy
@@ -23,17 +26,17 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     """Flags of AsyncPSStrategy and of the run, spelled the same by every recipe and the CLI."""
     parser.add_argument("--workers", type=int, default=2, help="worker processes on this machine (default: 2)")
     parser.add_argument("--num-nodes", type=int, default=1, help="machines (launched by torchrun/SLURM)")
-    schemes = "; ".join(f"{name}: {spec.summary}" for name, spec in MODES.items())
+    schemes = "; ".join(f"{name}: {cls.summary}" for name, cls in MODES.items())
     parser.add_argument("--mode", choices=sorted(MODES), default="asgd",
                         help=f"training scheme (default: asgd): {schemes}")
-    parser.add_argument("--compression", type=float, default=0.01,
-                        help="adacomp: fraction of each layer's update sent per push (default: 0.01)")
+    parser.add_argument("--compression", type=float, default=None,
+                        help="adacomp, topk, randomk: fraction of each layer's update sent per push (default: 0.01)")
     parser.add_argument("--compressor", choices=sorted(COMPRESSORS), default="none",
                         help="how pushed updates are encoded (default: none); topk/randomk use --compression")
-    parser.add_argument("--sparse-values", choices=SPARSE_VALUES, default="float32",
+    parser.add_argument("--sparse-values", dest="values", choices=SPARSE_VALUES, default=None,
                         help="adacomp: dtype of the values sent (float16: 4 bytes per coordinate, not 6)")
-    parser.add_argument("--bits", type=int, default=8, help="qsgd: bits per coordinate (default: 8)")
-    parser.add_argument("--rank", type=int, default=4, help="powersgd: rank (default: 4)")
+    parser.add_argument("--bits", type=int, default=None, help="qsgd: bits per coordinate (default: 8)")
+    parser.add_argument("--rank", type=int, default=None, help="powersgd: rank (default: 4)")
     parser.add_argument("--push-every", type=int, default=None,
                         help="local steps between pushes (default: the mode's; 1 for asgd)")
     parser.add_argument("--pull-every", type=int, default=None, help="local steps between pulls (default: at push)")
@@ -68,13 +71,32 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     return parser
 
 
+def mode_and_codec(mode: str, compressor: str = "none", *, compression: float | None = None,
+                   **knobs: Any) -> tuple[Mode, Codec]:
+    """The mode and codec named, each built with the knobs it takes (None: left at its default).
+
+    ``compression`` is adacomp's fraction, else the codec's (topk, randomk), else unused; any other
+    knob that neither takes is refused.
+    """
+    mode_knobs = {f.name for f in fields(modes.get(mode))}
+    codec_knobs = set(inspect.signature(type(compressors.get(compressor))).parameters)
+    given = {k: v for k, v in knobs.items() if v is not None}
+    if compression is not None and "fraction" in mode_knobs | codec_knobs:
+        given["fraction"] = compression
+    unknown = sorted(set(given) - mode_knobs - codec_knobs)
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)} does not apply to mode={mode!r} with compressor={compressor!r}")
+    return (modes.get({"name": mode, **{k: v for k, v in given.items() if k in mode_knobs}}),
+            compressors.get({"name": compressor, **{k: v for k, v in given.items() if k in codec_knobs - mode_knobs}}))
+
+
 def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
-    return AsyncPSStrategy(mode=args.mode, compression=args.compression, compressor=args.compressor,
-                           sparse_values=args.sparse_values,
-                           bits=args.bits, rank=args.rank, push_every=args.push_every,
-                           pull_every=args.pull_every, tau=args.tau, alpha=args.alpha,
-                           staleness_bound=args.staleness_bound,
-                           replicas_to_aggregate=args.replicas_to_aggregate, max_updates=args.max_updates,
+    mode, codec = mode_and_codec(args.mode, args.compressor, compression=args.compression, values=args.values,
+                                 bits=args.bits, rank=args.rank, push_every=args.push_every,
+                                 pull_every=args.pull_every, tau=args.tau, alpha=args.alpha,
+                                 staleness_bound=args.staleness_bound,
+                                 replicas_to_aggregate=args.replicas_to_aggregate)
+    return AsyncPSStrategy(mode=mode, compressor=codec, max_updates=args.max_updates,
                            ps_address=args.ps_address, resume_from=args.resume, ps_keys=args.ps_keys,
                            ps_insecure=args.ps_insecure, worker_timeout=args.worker_timeout,
                            staleness_compensation=False if args.no_staleness_compensation else None)
@@ -122,7 +144,7 @@ def train_and_test(name: str, model: pl.LightningModule, datamodule: pl.Lightnin
         return None
     summary = {
         "recipe": name, "mode": args.mode, "workers": args.workers * args.num_nodes,
-        "compression": args.compression if args.mode == "adacomp" else None,
+        "compression": getattr(strategy.mode, "fraction", None),
         "test_acc": results[0].get("test_acc"), "test_loss": results[0].get("test_loss"),
         "ps_version": ps["version"], "pushes_applied": ps["pushes_applied"], "pushes_dropped": ps["pushes_dropped"],
         "push_bytes": ps["push_bytes_in"], "push_local_bytes": ps.get("push_local_bytes_in", 0),

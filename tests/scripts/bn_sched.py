@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from plug_asgd import AsyncPSStrategy
+from plug_asgd.recipes.common import mode_and_codec
 
 
 class BNNet(pl.LightningModule):
@@ -57,7 +58,8 @@ def main() -> None:
     args = parser.parse_args()
     pl.seed_everything(0, verbose=False)
     model = BNNet()
-    strategy = AsyncPSStrategy(mode=args.mode, compression=0.1, start_method=args.start_method)
+    mode, _ = mode_and_codec(args.mode, compression=0.1)  # adacomp sends 10%
+    strategy = AsyncPSStrategy(mode=mode, start_method=args.start_method)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, loader(1280, 0, True))

@@ -1,11 +1,10 @@
-"""The training schemes: when a worker pushes, what it sends, and how the PS folds it in.
+"""The server half of the modes: the fold rules, which fold workers' pushes into the central tensors.
 
-Each mode is two halves. The worker half (:class:`ModeSpec`) says how often the worker pushes
-and which compressor shapes its update. The server half (a :class:`FoldRule`) folds pushes
-into the central tensors. A rule answers every push with a *resolution*: applied, dropped as
-stale, or (for ``sync``) nothing yet, in which case the push is resolved later, when its round
-completes. The PS replies to a push only once it is resolved, which is what makes ``sync``
-workers wait. Everything here works on numpy arrays: the PS never imports torch or Lightning.
+A mode (:mod:`plug_asgd.modes.schemes`) makes its rule with ``Mode.make_rule``. A rule answers every
+push with a *resolution*: applied, dropped as stale, or (for ``sync``) nothing yet, in which case the
+push is resolved later, when its round completes. The PS replies to a push only once it is resolved,
+which is what makes ``sync`` workers wait. Everything here works on numpy arrays: the PS never
+imports torch or Lightning.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from plug_asgd.compressors import Compressor, NoCompression, TopKResidual
 from plug_asgd.slices import SlicePool
 from plug_asgd.wire import Sparse, Tensor, WireError
 
@@ -371,102 +369,3 @@ class SSPRule(FoldRule):
                 or self.clocks[r] - slowest <= self.staleness_bound]
         self.waiting = [w for w in self.waiting if w not in free]
         return [(t, APPLIED) for t, _ in free]
-
-
-@dataclass(frozen=True)
-class ModeSpec:
-    """A mode's worker half and the factory of its server half.
-
-    The worker half: ``exchange`` is ``"push"`` (send ``w - w_base``, scaled by ``1/push_every``
-    when ``normalize``), ``"overlap"`` (the same push, sent by a background thread while the next
-    step computes), ``"elastic"`` (EASGD's exchange with the center) or ``"shared"`` (Hogwild: the
-    model lives in shared memory and nothing is pushed; the PS only serves Lightning's barriers); ``defaults`` fill the
-    strategy's knobs the user left unset (``push_every``, ``pull_every``, ``tau``, ``alpha``);
-    ``compensate`` says which staleness remedies its workers apply by default.
-    """
-
-    name: str
-    summary: str
-    make_compressor: Callable[..., Compressor]  # (compression, values="float32")
-    make_rule: Callable[[dict[str, Any]], FoldRule]
-    exchange: str = "push"
-    normalize: bool = False
-    defaults: tuple[tuple[str, Any], ...] = ()
-    # how its workers compensate staleness (``plug_asgd.staleness``): "full" (every remedy), "unscaled" (all but
-    # the scale: dynsgd's PS scales by staleness, agn divides by its steps), "step" (the optimizer's step scaled
-    # by 1/workers: hogwild, whose workers write one shared model), "none" (no stale update is folded in)
-    compensate: str = "none"
-
-    @property
-    def folds_into_update(self) -> bool:
-        """Whether this mode's PS folds ``w += delta`` out of place: what "own" replies and pushes of weights need."""
-        return self.make_rule({}).folds_into_update
-
-
-# Module-level factories, not lambdas: the strategy (and its mode) is pickled to spawned workers.
-def _dense(compression: float, values: str = "float32") -> Compressor:
-    return NoCompression()
-
-
-def _topk(compression: float, values: str = "float32") -> Compressor:
-    return TopKResidual(compression, values)
-
-
-def _asgd_rule(options: dict[str, Any]) -> FoldRule:
-    return AsgdRule()
-
-
-def _adacomp_rule(options: dict[str, Any]) -> FoldRule:
-    return AdaCompRule(options.get("history", 256))
-
-
-def _sync_rule(options: dict[str, Any]) -> FoldRule:
-    return SyncRule(options.get("replicas_to_aggregate"))
-
-
-def _dynsgd_rule(options: dict[str, Any]) -> FoldRule:
-    return DynSGDRule()
-
-
-def _ssp_rule(options: dict[str, Any]) -> FoldRule:
-    bound = options.get("staleness_bound")
-    return SSPRule(2 if bound is None else bound)
-
-
-MODES: dict[str, ModeSpec] = {
-    "asgd": ModeSpec("asgd", "push every step, folded in at once", _dense, _asgd_rule, compensate="full"),
-    "adacomp": ModeSpec("adacomp", "per-layer top fraction with residual, staleness-scaled fold-in", _topk,
-                        _adacomp_rule, compensate="full"),
-    "sync": ModeSpec("sync", "average of replicas_to_aggregate updates per version, stale ones dropped", _dense,
-                     _sync_rule),
-    "downpour": ModeSpec("downpour", "push the update of push_every local steps, pull every pull_every steps",
-                         _dense, _asgd_rule, defaults=(("push_every", 4),), compensate="full"),
-    "dynsgd": ModeSpec("dynsgd", "asgd, each update scaled by 1/(staleness+1) at the PS", _dense, _dynsgd_rule,
-                       compensate="unscaled"),
-    "ssp": ModeSpec("ssp", "asgd, but a worker staleness_bound pushes ahead of the slowest waits", _dense,
-                    _ssp_rule, compensate="full"),
-    "localsgd": ModeSpec("localsgd", "push_every local steps, then the models are averaged synchronously",
-                         _dense, _sync_rule, defaults=(("push_every", 8),)),
-    "agn": ModeSpec("agn", "the update of push_every local steps divided by their number, folded in at once",
-                    _dense, _asgd_rule, normalize=True, defaults=(("push_every", 4),), compensate="unscaled"),
-    "sagn": ModeSpec("sagn", "agn's normalized updates, averaged synchronously", _dense, _sync_rule,
-                     normalize=True, defaults=(("push_every", 4),)),
-    "osp": ModeSpec("osp", "sync rounds, each sent in the background while the next step computes", _dense,
-                    _sync_rule, exchange="overlap"),
-    "losp": ModeSpec("losp", "osp with push_every local steps; progress made during a round is kept", _dense,
-                     _sync_rule, exchange="overlap", defaults=(("push_every", 4),)),
-    "hogwild": ModeSpec("hogwild", "workers of one machine update one shared-memory model without locks",
-                        _dense, _asgd_rule, exchange="shared", compensate="step"),
-    "easgd": ModeSpec("easgd", "every tau steps worker and center move alpha*(w - center) towards each other",
-                      _dense, _asgd_rule, exchange="elastic", defaults=(("tau", 4), ("alpha", 0.5))),
-    "eamsgd": ModeSpec("eamsgd", "easgd with Nesterov momentum SGD on the workers", _dense, _asgd_rule,
-                       exchange="elastic", defaults=(("tau", 4), ("alpha", 0.5))),
-}
-
-
-def get_mode(name: str) -> ModeSpec:
-    """The mode called ``name``, or a ValueError that lists the modes that exist."""
-    try:
-        return MODES[name]
-    except KeyError:
-        raise ValueError(f"unknown mode {name!r}; choose one of: {', '.join(MODES)}") from None

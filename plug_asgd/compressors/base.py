@@ -1,0 +1,253 @@
+"""The codec base class and its registry, error feedback, and what the parameter server decodes.
+
+A :class:`Codec` subclass with a ``name`` registers itself in :data:`COMPRESSORS`: adding a codec
+is writing that one class (its ``encode``, its ``wire_bytes``, and, for a ``Packed`` wire form, its
+``decode_packed``); :func:`plug_asgd.compressors.decode`, :func:`plug_asgd.compressors.get`, the
+README's codec table and the byte tests all read the registry.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from plug_asgd.wire import FLOAT_DTYPES, Packed, Sparse, Tensor, WireError, dtype_name
+
+
+class Compressor(Protocol):
+    """Turns a tensor's update into its wire form; may keep per-tensor state between calls."""
+
+    name: str
+
+    def encode(self, key: str, update: np.ndarray) -> Tensor: ...
+
+
+COMPRESSORS: dict[str, type[Codec]] = {}
+
+
+class Codec:
+    """A configured update codec: ``encode`` turns one tensor's update into its wire form.
+
+    The instance a user configures (``TopK(0.01)``) is also the codec itself; a worker encodes with
+    :meth:`encoder`, a fresh copy of it (no state from another fit) wrapped in :class:`ErrorFeedback`
+    when ``error_feedback`` (by default: the class's ``error_feedback_by_default``).
+    """
+
+    name: ClassVar[str]
+    sends: ClassVar[str]  # what goes on the wire, for the codec table
+    wire_formula: ClassVar[str]  # its frame bytes, for the codec table
+    error_feedback_by_default: ClassVar[bool] = False
+    # with error feedback, the staleness compensation may keep the residual in the worker's model
+    residual_in_model: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if name is not None:
+            if name in COMPRESSORS:
+                raise TypeError(f"two codecs are called {name!r}: {COMPRESSORS[name].__name__} and {cls.__name__}")
+            COMPRESSORS[name] = cls
+
+    def __init__(self, *, error_feedback: bool | None = None) -> None:
+        self.error_feedback = self.error_feedback_by_default if error_feedback is None else bool(error_feedback)
+
+    def encode(self, key: str, update: np.ndarray) -> Tensor:
+        """The wire form of ``update``, the update of the tensor called ``key``."""
+        raise NotImplementedError
+
+    def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
+        """The frame bytes ``encode`` sends for an update of ``shape`` (``nonzero`` coordinates not zero: all)."""
+        raise NotImplementedError
+
+    @classmethod
+    def decode_packed(cls, packed: Packed, dtype: np.dtype) -> np.ndarray:
+        """The dense tensor a ``Packed`` of this codec stands for; only codecs that send one define it."""
+        raise bad_payload(f"codec {packed.codec!r} sends no Packed tensors")
+
+    def config(self) -> dict[str, Any]:
+        """The knobs this codec was built with, by name (what ``get({"name": ..., **knobs})`` takes)."""
+        return {p: getattr(self, p) for p in inspect.signature(type(self)).parameters}
+
+    def encoder(self, rank: int = 0) -> Compressor:
+        """A fresh copy for a worker (its seed, if any, offset by ``rank``), in error feedback if configured."""
+        knobs = self.config()
+        if "seed" in knobs:
+            knobs["seed"] += rank
+        codec = type(self)(**knobs)
+        return ErrorFeedback(codec) if self.error_feedback else codec
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.config().items())})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.config() == self.config()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(self.config().items())))
+
+
+class NoCompression(Codec):
+    """Sends the update as it is (dense): ``itemsize * numel`` bytes, 4 per float32 coordinate."""
+
+    name = "none"
+    sends = "the update, dense"
+    wire_formula = "itemsize * numel"
+
+    def encode(self, key: str, update: np.ndarray) -> Tensor:
+        return update
+
+    def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
+        return itemsize * math.prod(shape)
+
+
+# -- error feedback ---------------------------------------------------------------------------------
+
+
+class ErrorFeedback:
+    """Error feedback around a codec: what it does not send now is added to the next update.
+
+    Per key it encodes ``v = update + residual`` with ``inner`` and keeps ``residual = v -
+    decode(sent)``, both computed in the update's float dtype (float32 at least), so that
+    ``decode(sent) + residual`` is ``v``: exactly for codecs whose decoded values are either
+    copied from ``v`` or zero (topk, randomk unscaled) or within a factor 2 of them (fp16, bf16,
+    by Sterbenz's lemma), and to within the rounding of that one subtraction (``2**-24 *
+    |residual|`` in float32) for the others. Nothing is lost, only delayed. The inner codec
+    should be a contraction (``||v - decoded|| < ||v||``: topk, unscaled randomk, sign, powersgd,
+    the casts); with an unbiased high-variance one (scaled randomk, qsgd with few bits on a large
+    tensor) the residual can grow without bound. Wire sizes are the inner codec's.
+    """
+
+    def __init__(self, inner: Codec) -> None:
+        self.inner = inner
+        self.name = inner.name
+        # whether the staleness compensation keeps the residual in the worker's model (docs/momentum.md)
+        self.local_residual = inner.residual_in_model
+        self.residuals: dict[str, np.ndarray] = {}
+
+    def encode(self, key: str, update: np.ndarray) -> Tensor:
+        update = np.asarray(update)
+        v = update.astype(np.result_type(update.dtype, np.float32), copy=True)
+        residual = self.residuals.get(key)
+        if residual is not None and residual.shape == v.shape:
+            v += residual
+        sent = self.inner.encode(key, v)
+        decoded = decode(sent, v.dtype, shape=v.shape)
+        if isinstance(decoded, Sparse):
+            left = v.reshape(-1).copy()
+            left[decoded.indices] -= decoded.values
+            self.residuals[key] = left.reshape(v.shape)
+        else:
+            self.residuals[key] = v - decoded
+        return sent
+
+    def pending(self, key: str) -> np.ndarray | None:
+        """What is kept of ``key`` for a later push, or None before its first."""
+        return self.residuals.get(key)
+
+
+# -- decoding -------------------------------------------------------------------------------------------
+
+
+def decode(tensor: Tensor, dtype: np.dtype | type, *, shape: tuple[int, ...] | None = None) -> np.ndarray | Sparse:
+    """What the parameter server folds in for a tensor a compressor sent: a dense array or a Sparse of ``dtype``.
+
+    Dense arrays are cast to ``dtype``, Sparse values are cast to ``dtype``, and a
+    :class:`~plug_asgd.wire.Packed` is decoded by the registered codec of its name
+    (:meth:`Codec.decode_packed`). Anything that cannot be what one of the codecs sent (an unknown
+    codec, arrays of the wrong number, dtype or shape, out-of-range indices or parameters, a
+    non-finite scale) raises ``WireError("bad_payload", ...)``; so does a tensor whose shape is
+    not ``shape`` when one is given. Pass ``shape`` (the central tensor's) on the parameter
+    server: it bounds the work before any decoding, which matters for codecs whose decoded size
+    is not backed by frames (PowerSGD's ``P @ Q.T``). Values are not checked for NaN or Inf here:
+    the caller checks the decoded result as it does for dense updates.
+    """
+    dtype = np.dtype(dtype)
+    if type(tensor) is np.ndarray and tensor.dtype == dtype and (shape is None or tensor.shape == tuple(shape)):
+        return tensor  # a dense update as the central tensor holds it (the common case: nothing to decode)
+    if dtype.kind != "f":
+        raise ValueError(f"decode needs a float dtype, got {dtype}")
+    if not isinstance(tensor, (np.ndarray, Sparse, Packed)):
+        raise bad_payload(f"a payload must be an array, a Sparse or a Packed, got {type(tensor).__name__}")
+    got = tuple(tensor.shape)
+    if shape is not None and got != tuple(shape):
+        raise bad_payload(f"payload of shape {list(got)} for a tensor of shape {list(shape)}")
+    with np.errstate(over="ignore"):  # a float64 value beyond float32 becomes Inf; the caller refuses it
+        if isinstance(tensor, np.ndarray):
+            if dtype_name(tensor.dtype) not in FLOAT_DTYPES:
+                raise bad_payload(f"a dense update must hold floats, got {tensor.dtype.name}")
+            return tensor.astype(dtype, copy=False)
+        if isinstance(tensor, Sparse):
+            return _decode_sparse(tensor, dtype)
+        packed = packed_codecs()
+        codec = packed.get(tensor.codec)
+        if codec is None:
+            raise bad_payload(f"unknown codec {tensor.codec!r}; this side decodes {', '.join(sorted(packed))}")
+        return codec.decode_packed(tensor, dtype)
+
+
+def packed_codecs() -> dict[str, type[Codec]]:
+    """The registered codecs that send ``Packed`` tensors (those that define ``decode_packed``), by name."""
+    return {n: c for n, c in COMPRESSORS.items() if c.decode_packed.__func__ is not Codec.decode_packed.__func__}
+
+
+def _decode_sparse(tensor: Sparse, dtype: np.dtype) -> Sparse:
+    indices, values = np.asarray(tensor.indices), np.asarray(tensor.values)
+    if dtype_name(values.dtype) not in FLOAT_DTYPES:
+        raise bad_payload(f"sparse values must be floats, got {values.dtype.name}")
+    if indices.dtype.kind not in "iu" or indices.ndim != 1 or values.shape != indices.shape:
+        raise bad_payload(f"a sparse update needs as many integer indices ({indices.shape}) as values "
+                          f"({values.shape})")
+    if indices.size and (int(indices[0]) < 0 or int(indices[-1]) >= tensor.numel
+                         or not bool(np.all(indices[1:] > indices[:-1]))):
+        raise bad_payload(f"sparse indices must be ascending, unique and in [0, {tensor.numel})")
+    return Sparse(indices=indices.astype(np.int64, copy=False), values=values.astype(dtype, copy=False),
+                  shape=tuple(tensor.shape))
+
+
+# -- checking what arrives (the decoders of the codecs) --------------------------------------------
+
+
+def bad_payload(message: str) -> WireError:
+    return WireError("bad_payload", message)
+
+
+def check_meta(p: Packed, *keys: str) -> None:
+    if set(p.meta) != set(keys):
+        raise bad_payload(f"codec {p.codec!r} takes meta {sorted(keys)}, got {sorted(p.meta)}")
+
+
+def meta_int(p: Packed, key: str, low: int, high: int) -> int:
+    value = p.meta[key]
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise bad_payload(f"codec {p.codec!r}: {key} must be an integer in {low}..{high}, got {value!r}")
+    return value
+
+
+def meta_scale(p: Packed, key: str) -> float:
+    value = p.meta[key]
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise bad_payload(f"codec {p.codec!r}: {key} must be a finite number >= 0, got {value!r} (has the "
+                          "worker's training diverged?)")
+    return float(value)
+
+
+def packed_arrays(p: Packed, count: int) -> tuple[np.ndarray, ...]:
+    if len(p.arrays) != count:
+        raise bad_payload(f"codec {p.codec!r} sends {count} array(s), got {len(p.arrays)}")
+    return tuple(np.asarray(a) for a in p.arrays)
+
+
+def expect(p: Packed, what: str, array: np.ndarray, dtypes: frozenset[str] | set[str], shape: tuple[int, ...]) -> None:
+    if array.dtype.name not in dtypes or array.shape != shape:
+        raise bad_payload(f"codec {p.codec!r}: {what} must be {'|'.join(sorted(dtypes))}{list(shape)}, got "
+                          f"{array.dtype.name}{list(array.shape)}")
+
+
+def check_int(what: str, value: int, low: int, high: int | None = None) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low or (
+            high is not None and value > high):
+        raise ValueError(f"{what} must be an integer in [{low}, {high if high is not None else 'inf'}], got {value!r}")
+    return int(value)

@@ -1,0 +1,95 @@
+"""Low-rank codecs: a tensor seen as a matrix, sent as two thin factors."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+
+from plug_asgd.compressors.base import Codec, bad_payload, check_int, check_meta, expect, packed_arrays
+from plug_asgd.wire import FLOAT_DTYPES, Packed, Tensor
+
+
+class PowerSGD(Codec):
+    """Rank-``rank`` approximation by one warm-started power iteration (Vogels et al., NeurIPS 2019).
+
+    The update is viewed as a matrix ``M`` of ``[n, m] = [shape[0], numel / shape[0]]``. Per key, a
+    factor ``Q [m, r]`` (first drawn from a normal distribution seeded with ``seed`` and the key,
+    then the previous step's) gives ``P = orthonormalise(M @ Q)`` (numpy's QR) and the new ``Q =
+    M.T @ P``; ``Packed("powersgd", shape, {}, (P, Q))`` decodes to ``P @ Q.T``, the projection of
+    ``M`` on the span of ``P``: exact (up to rounding) when ``M`` has rank ``<= r``, and
+    converging to the best rank-``r`` approximation over the steps when ``M`` changes slowly.
+    Factors are float32 (float64 for a float64 update): ``itemsize * r * (n + m)`` bytes. A
+    tensor of fewer than 2 dimensions, or one where that would not be smaller than dense
+    (``r * (n + m) >= n * m``, which includes ``r >= min(n, m)``), or holding NaN or Inf, is sent
+    dense: ``itemsize * numel`` bytes. Biased: error feedback is on by default.
+    """
+
+    name = "powersgd"
+    sends = ("Packed: factors P [n, rank] and Q [m, rank] of the tensor seen as n x m, one warm-started power "
+             "iteration (Vogels et al. 2019)")
+    wire_formula = "4 * rank * (n + m) (float32), else dense"
+    error_feedback_by_default = True
+    # measured: with its residual in the model, workers drift along the directions outside its rank (docs/momentum.md)
+    residual_in_model = False
+
+    def __init__(self, rank: int = 4, seed: int = 0, *, error_feedback: bool | None = None) -> None:
+        super().__init__(error_feedback=error_feedback)
+        self.rank = check_int("rank", rank, 1)
+        self.seed = seed
+        self.q: dict[str, np.ndarray] = {}
+
+    def _factored(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """``(n, m)`` where a tensor of ``shape`` is sent as factors, None where it is sent dense."""
+        if len(shape) < 2:
+            return None
+        n = shape[0]
+        m = math.prod(shape) // n if n else 0
+        return (n, m) if self.rank * (n + m) < n * m else None
+
+    def encode(self, key: str, update: np.ndarray) -> Tensor:
+        x = np.asarray(update)
+        factored = self._factored(x.shape)
+        if factored is None:
+            return x
+        (n, m), r = factored, self.rank
+        ct = np.result_type(x.dtype, np.float32)
+        matrix = x.reshape(n, m).astype(ct, copy=False)
+        if not np.isfinite(matrix).all():
+            return x
+        q = self.q.get(key)
+        if q is None or q.shape != (m, r) or q.dtype != ct or not np.isfinite(q).all():
+            rng = np.random.default_rng([self.seed, zlib.crc32(key.encode())])
+            q = rng.standard_normal((m, r)).astype(ct)
+        p, _ = np.linalg.qr(matrix @ q)
+        q = matrix.T @ p
+        self.q[key] = q
+        return Packed("powersgd", tuple(x.shape), {}, (np.ascontiguousarray(p), q))
+
+    def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
+        factored = self._factored(shape)
+        if factored is None:
+            return itemsize * math.prod(shape)
+        return max(itemsize, 4) * self.rank * sum(factored)
+
+    @classmethod
+    def decode_packed(cls, packed: Packed, dtype: np.dtype) -> np.ndarray:
+        check_meta(packed)
+        if len(packed.shape) < 2:
+            raise bad_payload(f"codec 'powersgd' needs a tensor of 2 or more dimensions, got shape "
+                              f"{list(packed.shape)}")
+        n = packed.shape[0]
+        m = packed.numel // n if n else 0
+        left, right = packed_arrays(packed, 2)
+        if left.ndim != 2 or right.ndim != 2:
+            raise bad_payload(f"codec 'powersgd': P and Q must be matrices, got {list(left.shape)} and "
+                              f"{list(right.shape)}")
+        rank = left.shape[1]
+        if not 1 <= rank < min(n, m):
+            raise bad_payload(f"codec 'powersgd': rank {rank} must be in [1, {min(n, m)}) for a [{n}, {m}] matrix")
+        expect(packed, "P", left, FLOAT_DTYPES, (n, rank))
+        expect(packed, "Q", right, FLOAT_DTYPES, (m, rank))
+        ct = np.result_type(left.dtype, right.dtype, np.float32)
+        return (left.astype(ct, copy=False) @ right.astype(ct, copy=False).T).reshape(packed.shape).astype(
+            dtype, copy=False)

@@ -1,0 +1,158 @@
+"""Sparse codecs: a few coordinates per tensor, sent as a :class:`~plug_asgd.wire.Sparse`."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from plug_asgd.compressors.base import Codec
+from plug_asgd.wire import Sparse, Tensor, sparse_wire_bytes
+
+SPARSE_VALUES = ("float32", "float16")
+FP16_MAX = float(np.finfo(np.float16).max)  # 65504
+
+
+def largest_magnitudes(flat: np.ndarray, k: int) -> np.ndarray:
+    """Ascending int64 indices of the ``k`` largest ``|flat|`` (exact zeros left out: sending them changes nothing)."""
+    if k < flat.size:
+        chosen = np.argpartition(np.abs(flat), flat.size - k)[flat.size - k:]
+    else:
+        chosen = np.arange(flat.size)
+    return np.sort(chosen[flat[chosen] != 0]).astype(np.int64)
+
+
+def check_fraction(fraction: float) -> float:
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be a fraction of the coordinates in (0, 1], got {fraction!r} "
+                         "(0.01 sends 1% of each tensor)")
+    return float(fraction)
+
+
+def k_for(fraction: float, numel: int) -> int:
+    return min(numel, max(1, math.ceil(fraction * numel)))
+
+
+class TopKResidual:
+    """Per tensor, the ``fraction`` of coordinates with the largest magnitude; the rest is kept.
+
+    This is AdaComp's worker side (Hardy, Le Merrer, Sericola, NCA 2017): of ``v = update +
+    residual`` it sends the ``k = ceil(fraction * numel)`` largest ``|v_i|`` (exact zeros among them
+    are not sent: they would change nothing) and keeps the remainder as the residual that is
+    added to the next update, so ``sent + residual == v`` exactly and nothing is lost, only
+    delayed. On the wire a float32 tensor costs
+    ``4 * ceil(numel / 65536) + 6 * nnz`` bytes (:func:`plug_asgd.wire.sparse_wire_bytes`).
+
+    ``values="float16"`` sends the chosen values as IEEE halves (clipped to +-65504) and keeps
+    what the rounding lost in the residual too: ``4 * ceil(numel / 65536) + 4 * nnz`` bytes, and
+    ``sent + residual == v`` still holds exactly for ``|v| <= 131008`` (the difference of a value
+    and its rounding is exact in float32 there).
+    """
+
+    name = "topk"
+    # the staleness compensation keeps what it holds back in the worker's model (docs/momentum.md)
+    local_residual = True
+
+    def __init__(self, fraction: float, values: str = "float32") -> None:
+        if values not in SPARSE_VALUES:
+            raise ValueError(f"values must be one of {SPARSE_VALUES}, got {values!r}")
+        self.fraction = check_fraction(fraction)
+        self.values = values
+        self.residuals: dict[str, np.ndarray] = {}
+
+    def k_for(self, numel: int) -> int:
+        return k_for(self.fraction, numel)
+
+    def encode(self, key: str, update: np.ndarray) -> Tensor:
+        residual = self.residuals.get(key)
+        flat = update.reshape(-1).astype(update.dtype, copy=True)
+        if residual is not None:
+            flat += residual
+        chosen = largest_magnitudes(flat, self.k_for(flat.size))
+        values = flat[chosen]  # fancy indexing copies, so changing flat below keeps them intact
+        if self.values == "float16" and values.dtype != np.float16:
+            sent = np.clip(values, -FP16_MAX, FP16_MAX).astype(np.float16)
+            flat[chosen] = values - sent.astype(flat.dtype)  # what the half could not carry waits
+            values = sent
+        else:
+            flat[chosen] = 0
+        self.residuals[key] = flat
+        return Sparse(indices=chosen, values=values, shape=tuple(update.shape))
+
+    def pending(self, key: str) -> np.ndarray | None:
+        """What is kept of ``key`` for a later push (flat), or None before its first."""
+        return self.residuals.get(key)
+
+
+class TopK(Codec):
+    """Per tensor, the exact top ``fraction`` of coordinates by magnitude, as a Sparse; no residual of its own.
+
+    Sends the ``k = min(numel, max(1, ceil(fraction * numel)))`` largest ``|x_i|`` exactly, except
+    exact zeros (they change nothing), so ``nnz = min(k, count_nonzero(x))``. On the wire:
+    ``4 * max(1, ceil(numel / 65536)) + (2 + itemsize) * nnz`` bytes (6 per sent float32
+    coordinate). Biased: error feedback is on by default, which makes it AdaComp's :class:`TopKResidual`.
+    """
+
+    name = "topk"
+    sends = "Sparse: the `fraction` of coordinates of largest magnitude, per tensor"
+    wire_formula = "4 * max(1, ceil(numel / 65536)) + (2 + itemsize) * nnz"
+    error_feedback_by_default = True
+
+    def __init__(self, fraction: float = 0.01, *, error_feedback: bool | None = None) -> None:
+        super().__init__(error_feedback=error_feedback)
+        self.fraction = check_fraction(fraction)
+
+    def k_for(self, numel: int) -> int:
+        return k_for(self.fraction, numel)
+
+    def encode(self, key: str, update: np.ndarray) -> Tensor:
+        flat = np.asarray(update).reshape(-1)
+        chosen = largest_magnitudes(flat, self.k_for(flat.size))
+        return Sparse(indices=chosen, values=flat[chosen], shape=tuple(update.shape))
+
+    def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
+        numel = math.prod(shape)
+        return sparse_wire_bytes(numel, min(self.k_for(numel), numel if nonzero is None else nonzero), itemsize)
+
+
+class RandomK(Codec):
+    """Per tensor, ``k = min(numel, max(1, ceil(fraction * numel)))`` coordinates drawn uniformly without replacement.
+
+    Sent as a Sparse of exactly ``k`` values: ``4 * max(1, ceil(numel / 65536)) + (2 + itemsize)
+    * k`` bytes. Unbiased (``unbiased``, by default where there is no error feedback), the values
+    are scaled by ``numel / k``, so the expectation of the decoded tensor is the update; its
+    variance is ``x_i**2 * (numel / k - 1)`` per coordinate. Error feedback (on by default) needs
+    the unscaled values (a contraction: scaled ones make the residual grow by about ``numel / k -
+    1`` in squared norm per step). The coordinates come from one generator seeded with ``seed``.
+    """
+
+    name = "randomk"
+    sends = "Sparse: k random coordinates (scaled by numel / k when unbiased)"
+    wire_formula = "4 * max(1, ceil(numel / 65536)) + (2 + itemsize) * k"
+    error_feedback_by_default = True
+
+    def __init__(self, fraction: float = 0.01, seed: int = 0, *, unbiased: bool | None = None,
+                 error_feedback: bool | None = None) -> None:
+        super().__init__(error_feedback=error_feedback)
+        self.fraction = check_fraction(fraction)
+        self.seed = seed
+        self.unbiased = not self.error_feedback if unbiased is None else bool(unbiased)
+        self.rng = np.random.default_rng(seed)
+
+    def k_for(self, numel: int) -> int:
+        return k_for(self.fraction, numel)
+
+    def encode(self, key: str, update: np.ndarray) -> Tensor:
+        flat = np.asarray(update).reshape(-1)
+        k = self.k_for(flat.size)
+        if k < flat.size:
+            chosen = np.sort(self.rng.choice(flat.size, size=k, replace=False))
+            values = flat[chosen] * (flat.size / k) if self.unbiased else flat[chosen]
+        else:
+            chosen, values = np.arange(flat.size), flat.copy()
+        return Sparse(indices=chosen.astype(np.int64), values=values.astype(flat.dtype, copy=False),
+                      shape=tuple(update.shape))
+
+    def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
+        numel = math.prod(shape)
+        return sparse_wire_bytes(numel, self.k_for(numel), itemsize)

@@ -1,0 +1,228 @@
+"""What every exchange shares: the central model a worker is based on, and how it takes a reply's model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from plug_asgd.client import ModelReply, PSClient
+from plug_asgd.compressors import Codec, Compressor, NoCompression
+from plug_asgd.modes import Mode
+from plug_asgd.staleness import OFF, Compensator, StalenessCompensation, normalizes_steps, warn_unknown_optimizers
+
+
+def to_numpy(t: Tensor) -> np.ndarray:
+    t = t.detach()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: bf16 tensors travel as float32
+        t = t.float()
+    return t.cpu().numpy()
+
+
+def assign(target: Tensor, array: np.ndarray) -> None:
+    """Copy ``array`` into ``target`` in place (parameters keep their identity for the optimizer)."""
+    with torch.no_grad():
+        if target.device.type == "cpu" and target.dtype != torch.bfloat16:
+            target.detach().numpy()[...] = array.reshape(target.shape)
+        else:
+            target.copy_(torch.tensor(array).reshape(target.shape))
+
+
+@dataclass
+class Link:
+    """What the strategy hands an exchange for one stage: the PS client and the worker's side of Lightning."""
+
+    client: PSClient
+    tensors: Callable[[], dict[str, Tensor]]  # the floating-point parameters and buffers the PS holds
+    rank: int
+    world_size: int
+    stage: int
+    fitting: bool
+    barrier: Callable[[str], None]  # a barrier of every worker, through the PS
+    stop: Callable[[], None]  # ask Lightning to stop this fit (the PS said so)
+    shared_tag: str = ""  # names hogwild's shared-memory file, one per stage
+    one_cpu_machine: bool = True  # every worker on this machine's CPU (what hogwild needs)
+
+
+class Exchange:
+    """How a worker trades its model with the PS: joining a stage, after each local step, and at its end.
+
+    The base keeps the model the worker is based on (``base``, central version ``version``) and
+    takes a reply's model; a subclass says what happens after a step (:meth:`after_step`) and what
+    a flush sends (:meth:`send`).
+    """
+
+    def __init__(self, mode: Mode, *, codec: Codec | None = None, compensation: StalenessCompensation = OFF,
+                 shm_pushes: bool = True) -> None:
+        self.mode = mode
+        self.codec = codec if codec is not None else NoCompression()
+        self.compensation = compensation
+        self.shm_pushes = shm_pushes
+        self.encoder: Compressor = mode.encoder(self.codec, 0)
+        self.compensator = Compensator(compensation, 0)
+        self.optimizers: list[Any] = []
+        self.link: Link | None = None
+        self.joined = False
+        self.version = 0
+        self.since_push = 0
+        self.since_pull = 0
+        self.local_steps = 0
+        self.staleness = [0, 0, 0]  # sum, count, max over this worker's applied pushes
+        self.base: dict[str, Tensor] = {}
+        # whether base holds the central model of version ``version`` bit for bit (not after a push answered
+        # without the model, whose worker keeps its own weights): only then may a push ask for an "own" reply
+        self.base_is_central = False
+        self.base_lent = False  # the PS may hold our base buffers as its model (a lent push of weights)
+
+    # -- what the strategy calls ---------------------------------------------------------------------
+
+    def attach(self, link: Link) -> None:
+        """Start of a stage: the client and the worker's side of Lightning for it."""
+        self.link = link
+
+    def start_fit(self, optimizers: list[Any], rank: int, world_size: int) -> None:
+        """A fit begins: a fresh encoder (no residuals) and compensator, and the optimizers it steps."""
+        self.optimizers = optimizers
+        self.encoder = self.mode.encoder(self.codec, rank)
+        normalized = bool(optimizers) and all(normalizes_steps(o) for o in optimizers)
+        self.compensator = Compensator(self.compensation, world_size - 1,
+                                       scale=self.compensation.scale and not normalized)
+        if self.compensation.mask_momentum and not isinstance(self.encoder, NoCompression):
+            warn_unknown_optimizers(optimizers)
+
+    def join(self, init: bool) -> None:
+        """Start of a stage: offer our weights if the PS has none yet (``init``), then take the central ones."""
+        client = self._link.client
+        if init:
+            client.init({n: to_numpy(t) for n, t in self._link.tensors().items()})
+        self.load(client.pull())
+        self.joined = True
+
+    def refresh(self) -> None:
+        """Before evaluating: send what is pending, then take the central model."""
+        self.flush()
+        self.load(self._link.client.pull())
+
+    def step(self, run: Callable[[], Any], optimizer: Any) -> Any:
+        """Run the local optimizer step ``run``, then exchange with the PS if one is due."""
+        out = run()
+        self.local_steps += 1
+        if self.joined and self._link.fitting:
+            self.since_push += 1
+            self.since_pull += 1
+            self.after_step()
+        return out
+
+    def flush(self) -> None:
+        """Send the steps not pushed yet (end of a fit, before evaluating)."""
+        self.finish()
+        if self._link.fitting and self.joined and self.since_push:
+            self.send()
+
+    def finish(self) -> None:
+        """Wait for the request in flight, if any: the socket then serves one request at a time again."""
+
+    def leave(self) -> None:
+        """End of a fit that went well: everything pushed, no round waits for us, the final central model taken."""
+        link = self._link
+        self.flush()
+        link.client.hello(link.stage, training=False)  # no sync round waits for us any more
+        link.barrier("plug_asgd.fit_end")  # the final central model includes every worker
+        self.load(link.client.pull())
+
+    def let_go(self) -> None:
+        """End of a stage, also after a failure: nothing of ours may be left using the socket."""
+
+    def close(self) -> None:
+        """At exit: release what the exchange holds outside this process."""
+
+    def central_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (a state dict) with the central tensors in place of this worker's."""
+        self.finish()
+        if self.joined:
+            central = self._link.client.pull().tensors
+            for name, t in self._link.tensors().items():
+                state[name] = torch.tensor(central[name], dtype=t.dtype).reshape(t.shape)
+        return state
+
+    def stats(self) -> dict[str, Any]:
+        """This worker's counters of the exchange (see ``AsyncPSStrategy.comm_stats``)."""
+        total, count, worst = self.staleness
+        return {"local_steps": self.local_steps, "version": self.version,
+                "staleness_mean": total / count if count else 0.0, "staleness_max": worst,
+                "overlapped_steps": 0, "overlap_trace": [], "own_guesses": 0, "own_guesses_right": 0}
+
+    # -- what subclasses define -------------------------------------------------------------------
+
+    def after_step(self) -> None:
+        """After a local step of a fit (``since_push``/``since_pull`` counted): push or pull if due."""
+        raise NotImplementedError
+
+    def send(self) -> None:
+        """Send the steps made since the last push now."""
+        raise NotImplementedError
+
+    # -- the model the worker is based on -------------------------------------------------------------
+
+    @property
+    def _link(self) -> Link:
+        if self.link is None:
+            raise RuntimeError("the exchange is not attached to a stage yet")
+        return self.link
+
+    @property
+    def lookahead(self) -> bool:
+        """Whether the compensation may compute the next step where the model is heading."""
+        return False
+
+    @property
+    def local_residual(self) -> bool:
+        """Whether the codec's residual goes into the worker's model (error feedback, not powersgd's)."""
+        return bool(getattr(self.encoder, "local_residual", False))
+
+    def load(self, reply: ModelReply, ahead: bool = False) -> None:
+        """Take the reply's model as weights and base: the central one, or (``ahead``) where it is heading."""
+        tensors = self._link.tensors()
+        missing = sorted(set(tensors) - set(reply.tensors))
+        if missing:
+            raise RuntimeError(f"the parameter server's model lacks {missing[:5]}: is it serving another model? "
+                               "Restart it, or point ps_address at the PS of this run")
+        central = True
+        if ahead and self.compensator.config.active:
+            # where the model will be when our next update lands (a single local step per push only), plus
+            # what the codec still holds back
+            central = self.compensator.load(tensors, reply.tensors, reply.version, lookahead=self.lookahead,
+                                            pending=self.encoder.pending if self.local_residual else None)
+        else:
+            self.compensator.forget()
+            for name, t in tensors.items():
+                assign(t, reply.tensors[name])
+        for name, t in tensors.items():
+            base = self.base.get(name)
+            if base is None or base.shape != t.shape or base.device != t.device:
+                self.base[name] = t.detach().clone()
+            else:
+                base.copy_(t.detach())
+        self.based_on(reply)
+        self.base_is_central = central
+
+    def based_on(self, reply: ModelReply, central: bool = True) -> None:
+        """``base`` is now version ``reply.version``: the central model itself, unless ``central`` is False."""
+        self.base_is_central = central
+        self.base_lent = False  # whatever the PS held of ours, it gave back before this reply
+        self.version = reply.version
+        if central:
+            self.since_pull = 0
+        if reply.stop:
+            self._link.stop()
+
+    def count_staleness(self, reply: ModelReply, base: int) -> None:
+        if reply.status == "applied":
+            staleness = reply.version - base - 1
+            self.compensator.observe(staleness)
+            st = self.staleness
+            st[0], st[1], st[2] = st[0] + staleness, st[1] + 1, max(st[2], staleness)

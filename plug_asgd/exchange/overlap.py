@@ -1,0 +1,101 @@
+"""The overlapped push: each update sent by a background thread while the next step computes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from plug_asgd.client import PSUnreachableError
+from plug_asgd.exchange.base import assign
+from plug_asgd.exchange.push import PushExchange
+from plug_asgd.modes import PushMode
+
+_LET_GO_S = 5.0  # how long a stage's end waits for a push in flight after a failure
+
+
+class OverlapExchange(PushExchange):
+    """``overlap``: the push of ``push_every`` steps goes out from a thread; its reply is merged when the
+    next push is due, keeping the progress made meanwhile (``w = central + (w - w_at_send)``)."""
+
+    def __init__(self, mode: PushMode, **kwargs: Any) -> None:
+        super().__init__(mode, **kwargs)
+        self.in_flight: threading.Thread | None = None
+        self.result: dict[str, Any] = {}
+        self.overlapped_steps = 0
+        self.trace: list[tuple[float, float | None, float]] = []
+
+    def step(self, run: Callable[[], Any], optimizer: Any) -> Any:
+        if self.in_flight is not None:
+            if self.result.get("next_step_at") is None:
+                self.result["next_step_at"] = time.monotonic()
+            if self.in_flight.is_alive():
+                self.overlapped_steps += 1  # this step computes while the last update is on its way
+        return super().step(run, optimizer)
+
+    def after_step(self) -> None:
+        if self.since_push >= self.mode.push_every:
+            self.push_overlapped()
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "overlapped_steps": self.overlapped_steps, "overlap_trace": list(self.trace)}
+
+    def push_overlapped(self) -> None:
+        """Finish the push in flight, then send this update from a background thread."""
+        self.finish()
+        tensors = self._link.tensors()
+        update, deltas, exact = self.update(tensors)
+        # what the reply's model is merged with: the weights sent, unless the PS answers "own"
+        sent = None if exact else {n: t.detach().clone() for n, t in tensors.items()}
+        client, base, result = self._link.client, self.version, self.result
+        result.clear()
+
+        def send() -> None:
+            try:
+                result["reply"] = client.push(base, update, want_model="unless_own" if exact else True)
+            except BaseException as exc:  # re-raised in the training thread
+                result["error"] = exc
+            result["done_at"] = time.monotonic()
+
+        result["sent"], result["deltas"] = sent, deltas
+        result["sent_at"], result["next_step_at"] = time.monotonic(), None
+        self.since_push = 0
+        self.in_flight = threading.Thread(target=send, name="plug_asgd-sender", daemon=True)
+        self.in_flight.start()
+
+    def finish(self) -> None:
+        """Take the reply of the push in flight: ``w = central + (w - w_at_send)`` keeps the steps made since."""
+        thread, self.in_flight = self.in_flight, None
+        if thread is None:
+            return
+        thread.join()
+        result = self.result
+        if "error" in result:
+            raise result["error"]
+        reply, sent = result["reply"], result["sent"]
+        if len(self.trace) < 20:  # (sent, next step started, reply received): the overlap, measured
+            self.trace.append((result["sent_at"], result["next_step_at"], result["done_at"]))
+        if reply.own:  # central = base + what was sent: the weights sent plus the progress are the weights now
+            with torch.no_grad():
+                for name, delta in result["deltas"].items():
+                    self.base[name].add_(delta)
+        else:
+            if sent is None:  # an "own" push raced, or duplicate: merge with the weights sent, base + delta
+                sent = {n: self.base[n] + d for n, d in result["deltas"].items()}
+            for name, t in self._link.tensors().items():
+                progress = t.detach() - sent[name]
+                assign(self.base[name], reply.tensors[name])
+                with torch.no_grad():
+                    t.copy_(self.base[name] + progress)
+        self.based_on(reply)
+
+    def let_go(self) -> None:
+        """After a failure the socket is the sender's until it is done: wait a little, then give up on it."""
+        sender, self.in_flight = self.in_flight, None
+        if sender is not None:
+            sender.join(_LET_GO_S)
+            if sender.is_alive():
+                raise PSUnreachableError("a push is still in flight")

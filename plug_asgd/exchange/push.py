@@ -1,0 +1,200 @@
+"""The push exchange: ``w - w_base`` every ``push_every`` local steps, the central model in the reply."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from plug_asgd.compressors import NoCompression
+from plug_asgd.exchange.base import Exchange, assign, to_numpy
+from plug_asgd.modes import PushMode
+from plug_asgd.wire import Sparse
+
+
+class PushExchange(Exchange):
+    """Pushes the update (encoded by the mode's codec) and takes the central model, or its own "own" reply.
+
+    A dense float32 update is made in buffers kept across pushes (in memory the PS maps, where it
+    offers that: ``shm_pushes``); a worker that nothing raced pushes its weights instead (see
+    ``PSClient.push(weights=True)``). Between pushes, a pull every ``pull_every`` steps keeps the
+    progress not yet pushed (DOWNPOUR's fetch).
+    """
+
+    mode: PushMode
+
+    def __init__(self, mode: PushMode, **kwargs: Any) -> None:
+        super().__init__(mode, **kwargs)
+        self.delta_buffers: dict[str, Tensor] = {}
+        # whether those buffers and the base are in memory the PS maps: a push of weights the PS does not
+        # take then cost a header; over the socket, the model's bytes, so only a lone worker sends them
+        self.shared_buffers = False
+        # whether the next push may send the weights themselves: in the modes whose PS can take them, until
+        # it answers that another push came first; again after an "own" reply
+        self.weights_ok = mode.folds_into_update
+        self.own_guesses = [0, 0]  # models of an "own" reply made while waiting for it; of those, answered "own"
+
+    def after_step(self) -> None:
+        if self.since_push >= self.mode.push_every:
+            self.send()
+        elif self.mode.pull_every is not None and self.since_pull >= self.mode.pull_every:
+            self.pull_keeping_progress()
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "own_guesses": self.own_guesses[0], "own_guesses_right": self.own_guesses[1]}
+
+    @property
+    def lookahead(self) -> bool:
+        return self.mode.push_every == 1 and self.mode.pull_every is None
+
+    def send(self) -> None:
+        """Send ``w - w_base`` (over the steps it spans, for agn/sagn); take the central model if a pull is due."""
+        link = self._link
+        tensors = link.tensors()
+        want_model = self.mode.pull_every is None or self.since_pull >= self.mode.pull_every
+        cheap_refusal = self.shared_buffers and link.client.shares_memory  # else a lone worker's only
+        if (want_model and self.weights_ok and self.base_is_central and self.dense(tensors)
+                and self.scale() == 1.0 and (cheap_refusal or link.world_size == 1)
+                and self.push_weights(tensors)):
+            return
+        update, deltas, exact = self.update(tensors)
+        self.since_push = 0
+        base = self.version
+        # not while the PS may still hold our base as its model (lent): the guess would write it during the push
+        ask_own = want_model and exact and not self.base_lent
+
+        def own_model() -> None:
+            """The model an "own" reply means, base + update: the same float32 additions as the PS's."""
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    self.base[name].add_(deltas[name])
+                    t.copy_(self.base[name])
+
+        # Made while the PS folds the same sum, where the last push was answered "own" too. Where it was not
+        # (another worker raced it), this one will most likely not be either: the whole model comes, and
+        # replaces base and weights alike, so the guess would be two passes over the model for nothing,
+        # on cores the PS and the other workers need.
+        guess = ask_own and self.weights_ok
+        reply = link.client.push(base, update, want_model="unless_own" if ask_own else want_model,
+                                 while_waiting=own_model if guess else None)
+        self.count_staleness(reply, base)
+        self.own_guesses[0] += guess
+        self.own_guesses[1] += guess and reply.own
+        self.weights_ok = reply.own  # nothing raced this push: the next may well be a lone one too
+        if reply.own:  # the central model is base + update
+            if not guess:
+                own_model()
+            self.based_on(reply)
+        elif want_model:
+            self.load(reply, ahead=True)
+        else:  # what was pushed is the PS's now; keep training from our own weights
+            for name, t in tensors.items():
+                self.base[name].copy_(t.detach())
+            self.based_on(reply, central=False)
+
+    def push_weights(self, tensors: dict[str, Tensor]) -> bool:
+        """Push ``w`` itself; False, with nothing folded, if the PS's model moved on since our base.
+
+        For a lone worker the PS's new model is then ``w``, bit for bit: no ``w - base`` to
+        compute here, no ``base + delta`` there and again here. ``w`` is copied into the update
+        buffers (the PS reads them, or the socket sends them, while ``w`` is free to change), and
+        on an "own" reply those buffers become the base: no copy back.
+        """
+        if not self.buffers_fit(tensors):
+            self.delta_buffers = self.new_delta_buffers(tensors)
+        sent = self.delta_buffers
+        with torch.no_grad():
+            for name, t in tensors.items():
+                sent[name].copy_(t.detach())
+        base = self.version
+        lend = self.shared_buffers
+        reply = self._link.client.push(base, {n: to_numpy(b) for n, b in sent.items()}, want_model="unless_own",
+                                       weights=True, lend=lend)
+        if reply.status == "not_current":
+            self.weights_ok = False
+            self.base_lent = False
+            return False
+        self.since_push = 0
+        self.count_staleness(reply, base)
+        if reply.own:  # the PS's model is what we sent: it is our base now
+            self.delta_buffers, self.base = self.base, sent
+            self.based_on(reply)
+            # lent: the PS may keep these buffers as its model until it answers our next push or pull;
+            # nothing writes the base before such an answer but the guess of an "own" reply, which waits
+            self.base_lent = lend
+        else:  # the PS had stopped, or held the reply (ssp) while others pushed: the whole model came
+            self.load(reply)
+        return True
+
+    def pull_keeping_progress(self) -> None:
+        """DOWNPOUR's fetch: ``w = central + (w - w_base)``, so steps not yet pushed are not lost."""
+        reply = self._link.client.pull()
+        for name, t in self._link.tensors().items():
+            pending = t.detach() - self.base[name]
+            assign(self.base[name], reply.tensors[name])
+            with torch.no_grad():
+                t.copy_(self.base[name] + pending)
+        self.based_on(reply)
+
+    def update(self, tensors: dict[str, Tensor]) -> tuple[dict[str, Any], dict[str, Tensor], bool]:
+        """The update to push (``w - w_base``, encoded), the deltas, and whether the PS may answer "own".
+
+        A dense float32 update is made in buffers kept across pushes (no 4.8 MB allocation per
+        step for the recipe CNN; in memory the PS maps, when it offers that), free again once the
+        PS has replied. Sent as it is, it can be answered "your base plus this" instead of the
+        model (see ``PSClient.push``).
+        """
+        scale = self.scale()
+        dense = self.dense(tensors)
+        exact = dense and self.base_is_central and scale == 1.0
+        if dense and not self.buffers_fit(tensors):
+            self.delta_buffers = self.new_delta_buffers(tensors)
+        update, deltas = {}, {}
+        for name, t in tensors.items():
+            if dense:
+                deltas[name] = torch.sub(t.detach(), self.base[name], out=self.delta_buffers[name])
+                if scale != 1.0:
+                    deltas[name].mul_(scale)
+                update[name] = to_numpy(deltas[name])
+            else:
+                deltas[name] = t.detach() - self.base[name]
+                delta = to_numpy(deltas[name])
+                update[name] = self.encoder.encode(name, delta * scale if scale != 1.0 else delta)
+                if isinstance(update[name], Sparse):
+                    self.compensator.mask(self.optimizers, t, update[name].indices)
+        return update, deltas, exact
+
+    def scale(self) -> float:
+        """What the update is multiplied by: agn's ``1/steps`` and the staleness compensation's ``1/(1 + s)``."""
+        steps = self.since_push if self.mode.normalize and self.since_push else 1
+        return self.compensator.update_scale() / steps
+
+    def dense(self, tensors: dict[str, Tensor]) -> bool:
+        return isinstance(self.encoder, NoCompression) and all(t.dtype == torch.float32 for t in tensors.values())
+
+    def buffers_fit(self, tensors: dict[str, Tensor]) -> bool:
+        buffers = self.delta_buffers
+        return buffers.keys() == tensors.keys() and all(
+            buffers[n].shape == t.shape and buffers[n].device == t.device for n, t in tensors.items())
+
+    def new_delta_buffers(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Buffers for dense updates: in memory the PS maps where it can (``shm_pushes``), else private.
+
+        The base moves into that memory too: a push of weights (:meth:`push_weights`) swaps the
+        two sets, so both must be where the PS can read them.
+        """
+        if self.shm_pushes and all(t.device.type == "cpu" for t in tensors.values()):
+            shapes = {f"{kind}:{n}": (tuple(t.shape), np.float32) for n, t in tensors.items() for kind in "db"}
+            shared = self._link.client.push_buffers(shapes)
+            if shared is not None:
+                for name in tensors:
+                    base = torch.from_numpy(shared[f"b:{name}"])
+                    if name in self.base:
+                        base.copy_(self.base[name])
+                    self.base[name] = base
+                self.shared_buffers = True
+                return {n: torch.from_numpy(shared[f"d:{n}"]) for n in tensors}
+        self.shared_buffers = False
+        return {n: torch.empty_like(t.detach()) for n, t in tensors.items()}

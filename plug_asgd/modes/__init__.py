@@ -1,0 +1,89 @@
+"""The training schemes: when a worker pushes, what it sends, and how the PS folds it in.
+
+A mode is an object (:class:`Mode`, e.g. ``SSP(staleness_bound=3)``) with a name in :data:`MODES`;
+:func:`get` takes a name, a configured mode or a dict. Its worker half is in
+:mod:`plug_asgd.modes.schemes`, its server half (the fold rules) in :mod:`plug_asgd.modes.rules`.
+Everything here works on numpy arrays: the PS never imports torch or Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import MISSING, fields
+from typing import Any
+
+from plug_asgd.modes.rules import (
+    APPLIED,
+    DROPPED,
+    AdaCompRule,
+    AsgdRule,
+    CentralState,
+    DynSGDRule,
+    FoldRule,
+    Push,
+    Resolution,
+    SSPRule,
+    SyncRule,
+    all_finite,
+    can_fold_into,
+)
+from plug_asgd.modes.schemes import (
+    AGN,
+    EAMSGD,
+    EASGD,
+    LOSP,
+    MODES,
+    OSP,
+    SAGN,
+    SSP,
+    AdaComp,
+    Asgd,
+    Downpour,
+    DynSGD,
+    Hogwild,
+    LocalSGD,
+    Mode,
+    PushMode,
+    Sync,
+)
+
+__all__ = ["AGN", "APPLIED", "DROPPED", "EAMSGD", "EASGD", "LOSP", "MODES", "OSP", "SAGN", "SSP", "AdaComp",
+           "AdaCompRule", "Asgd", "AsgdRule", "CentralState", "Downpour", "DynSGD", "DynSGDRule", "FoldRule",
+           "Hogwild", "LocalSGD", "Mode", "Push", "PushMode", "Resolution", "SSPRule", "Sync", "SyncRule",
+           "all_finite", "can_fold_into", "get", "mode_table"]
+
+ModeLike = str | Mode | Mapping[str, Any]
+
+
+def get(mode: ModeLike) -> Mode:
+    """The mode ``mode`` stands for: a name of :data:`MODES` (its defaults), a configured instance
+    (itself), or a dict ``{"name": ..., **knobs}`` (as a YAML file gives it)."""
+    if isinstance(mode, Mode):
+        return mode
+    if isinstance(mode, str):
+        name, knobs = mode, {}
+    elif isinstance(mode, Mapping):
+        knobs = dict(mode)
+        name = knobs.pop("name", None)
+    else:
+        raise TypeError(f"mode must be a name, a Mode or a dict with a 'name', got {mode!r}")
+    cls = MODES.get(name)  # type: ignore[arg-type]
+    if cls is None:
+        raise ValueError(f"unknown mode {name!r}; choose one of: {', '.join(MODES)}")
+    try:
+        return cls(**knobs)
+    except TypeError as exc:
+        raise ValueError(f"mode {name!r}: {exc}") from None
+
+
+def mode_table() -> str:
+    """The registered modes as a Markdown table (the README's): name, class, knobs with defaults, summary."""
+    rows = ["| mode | class | knobs (defaults) | what it does |", "|---|---|---|---|"]
+    for name, cls in MODES.items():
+        knobs = ", ".join(f"`{f.name}` ({_NONE_MEANS.get(f.name) if f.default is None else repr(f.default)})"
+                          for f in fields(cls) if f.default is not MISSING)
+        rows.append(f"| `{name}` | `{cls.__name__}` | {knobs or 'none'} | {cls.summary} |")
+    return "\n".join(rows) + "\n"
+
+
+_NONE_MEANS = {"pull_every": "with each push", "replicas_to_aggregate": "every training worker"}

@@ -1,0 +1,304 @@
+"""The modes as objects: each a configured training scheme whose knobs are checked where they are defined.
+
+A :class:`Mode` is the worker half of a scheme (how often it pushes or pulls, which exchange it
+uses, which codecs it takes, how its workers compensate staleness) and the factory of its server
+half (:meth:`Mode.make_rule`). A subclass with a ``name`` registers itself in :data:`MODES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from plug_asgd.compressors import Codec, Compressor, NoCompression, TopKResidual
+from plug_asgd.modes.rules import AdaCompRule, AsgdRule, DynSGDRule, FoldRule, SSPRule, SyncRule
+
+MODES: dict[str, type[Mode]] = {}
+
+
+def _check_steps(name: str, value: int | None, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 (local optimizer steps), got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mode:
+    """A training scheme. Class attributes say what it is; instance fields are its knobs.
+
+    ``exchange`` names the worker's exchange (:mod:`plug_asgd.exchange`): ``"push"``, ``"overlap"``,
+    ``"elastic"`` or ``"shared"``. ``compensate`` says which staleness remedies its workers apply by
+    default (:func:`plug_asgd.staleness.resolve`): ``"full"``, ``"unscaled"``, ``"step"`` or ``"none"``.
+    """
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    rule: ClassVar[type[FoldRule]] = AsgdRule
+    normalize: ClassVar[bool] = False  # the update is divided by the local steps it spans (agn, sagn)
+    compensate: ClassVar[str] = "none"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if name is not None:
+            if name in MODES:
+                raise TypeError(f"two modes are called {name!r}: {MODES[name].__name__} and {cls.__name__}")
+            MODES[name] = cls
+
+    @property
+    def exchange(self) -> str:
+        """The worker's exchange with the PS: ``"push"``, ``"overlap"``, ``"elastic"`` or ``"shared"``."""
+        return "push"
+
+    @property
+    def folds_into_update(self) -> bool:
+        """Whether this mode's PS folds ``w += delta`` out of place: what "own" replies and pushes of weights need."""
+        return self.rule.folds_into_update
+
+    def make_rule(self, options: Mapping[str, Any] | None = None) -> FoldRule:
+        """The PS's fold rule; ``options`` (the PS's own flags, None where unset) override this mode's knobs."""
+        return self.rule()
+
+    def server_options(self) -> dict[str, Any]:
+        """The knobs the PS must be given (the embedded PS's flags), by name."""
+        return {}
+
+    def check_compressor(self, codec: Codec) -> None:
+        """Raise a ValueError if this mode cannot send its updates through ``codec``."""
+
+    def check_optimizers(self, optimizers: list[Any]) -> None:
+        """Raise a ValueError if this mode's workers cannot train with these optimizers."""
+
+    def encoder(self, codec: Codec, rank: int) -> Compressor:
+        """What worker ``rank`` encodes its updates with, fresh for a fit."""
+        return codec.encoder(rank)
+
+    def config(self) -> dict[str, Any]:
+        """``{"name": ..., **knobs}``: what :func:`plug_asgd.modes.get` takes to rebuild this mode."""
+        return {"name": self.name, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+    def _refuse_codecs(self, codec: Codec, why: str) -> None:
+        if not isinstance(codec, NoCompression):
+            raise ValueError(f"compressor={codec.name!r} does not go with mode={self.name!r}: {why}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushMode(Mode):
+    """A mode whose workers push ``w - w_base`` every ``push_every`` local steps and take the central model.
+
+    ``pull_every``: local steps between two pulls (default: with every push), a pull keeping the
+    progress not yet pushed (DOWNPOUR's n_fetch). ``overlap``: send each push from a background
+    thread while the next step computes, and merge the reply when the next push is due.
+    """
+
+    push_every: int = 1
+    pull_every: int | None = None
+    overlap: bool = False
+
+    def __post_init__(self) -> None:
+        _check_steps("push_every", self.push_every)
+        _check_steps("pull_every", self.pull_every, optional=True)
+        if self.overlap and self.pull_every is not None:
+            raise ValueError("overlap=True takes the model with every push's reply: it does not go with pull_every")
+
+    @property
+    def exchange(self) -> str:
+        return "overlap" if self.overlap else "push"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Asgd(PushMode):
+    name = "asgd"
+    summary = "push every step, folded in at once"
+    compensate = "full"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdaComp(PushMode):
+    """AdaComp: per tensor, the top ``fraction`` of ``|delta + residual|`` with its residual, sent as
+    ``values`` (``"float16"``: 4 bytes per coordinate instead of 6); the PS scales by staleness."""
+
+    name = "adacomp"
+    summary = "per-layer top fraction with residual, staleness-scaled fold-in"
+    rule = AdaCompRule
+    compensate = "full"
+    fraction: float = 0.01
+    values: str = "float32"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        TopKResidual(self.fraction, self.values)  # checks both
+
+    def check_compressor(self, codec: Codec) -> None:
+        self._refuse_codecs(codec, "adacomp is top-k selection paired with the PS's staleness scaling; for "
+                                   "another codec use mode='asgd' with that compressor")
+
+    def encoder(self, codec: Codec, rank: int) -> Compressor:
+        return TopKResidual(self.fraction, self.values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Downpour(PushMode):
+    name = "downpour"
+    summary = "push the update of push_every local steps, pull every pull_every steps"
+    compensate = "full"
+    push_every: int = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class DynSGD(PushMode):
+    name = "dynsgd"
+    summary = "asgd, each update scaled by 1/(staleness+1) at the PS"
+    rule = DynSGDRule
+    compensate = "unscaled"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SSP(PushMode):
+    """Stale synchronous parallel: a worker more than ``staleness_bound`` pushes ahead of the slowest waits."""
+
+    name = "ssp"
+    summary = "asgd, but a worker staleness_bound pushes ahead of the slowest waits"
+    rule = SSPRule
+    compensate = "full"
+    staleness_bound: int = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.staleness_bound, bool) or not isinstance(self.staleness_bound, int) \
+                or self.staleness_bound < 0:
+            raise ValueError(f"staleness_bound must be an integer >= 0 (pushes ahead of the slowest worker), "
+                             f"got {self.staleness_bound!r}")
+
+    def make_rule(self, options: Mapping[str, Any] | None = None) -> FoldRule:
+        bound = (options or {}).get("staleness_bound")
+        return SSPRule(self.staleness_bound if bound is None else bound)
+
+    def server_options(self) -> dict[str, Any]:
+        return {"staleness_bound": self.staleness_bound}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AGN(PushMode):
+    name = "agn"
+    summary = "the update of push_every local steps divided by their number, folded in at once"
+    normalize = True
+    compensate = "unscaled"
+    push_every: int = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sync(PushMode):
+    """Synchronous rounds: ``replicas_to_aggregate`` updates based on the current version averaged
+    (default: every training worker); older ones are dropped."""
+
+    name = "sync"
+    summary = "average of replicas_to_aggregate updates per version, stale ones dropped"
+    rule = SyncRule
+    replicas_to_aggregate: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.replicas_to_aggregate is not None and (
+                isinstance(self.replicas_to_aggregate, bool) or not isinstance(self.replicas_to_aggregate, int)
+                or self.replicas_to_aggregate < 1):
+            raise ValueError(f"replicas_to_aggregate must be an integer >= 1 (updates averaged per round) or "
+                             f"None (every training worker), got {self.replicas_to_aggregate!r}")
+
+    def make_rule(self, options: Mapping[str, Any] | None = None) -> FoldRule:
+        replicas = (options or {}).get("replicas_to_aggregate")
+        return SyncRule(self.replicas_to_aggregate if replicas is None else replicas)
+
+    def server_options(self) -> dict[str, Any]:
+        return {"replicas_to_aggregate": self.replicas_to_aggregate}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalSGD(Sync):
+    name = "localsgd"
+    summary = "push_every local steps, then the models are averaged synchronously"
+    push_every: int = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class SAGN(Sync):
+    name = "sagn"
+    summary = "agn's normalized updates, averaged synchronously"
+    normalize = True
+    push_every: int = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class OSP(Sync):
+    name = "osp"
+    summary = "sync rounds, each sent in the background while the next step computes"
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.overlap:
+            raise ValueError(f"mode={self.name!r} is defined by its overlap: for the same rounds without it, use "
+                             f"mode={'sync' if self.name == 'osp' else 'localsgd'!r}")
+        super().__post_init__()
+
+
+@dataclass(frozen=True, kw_only=True)
+class LOSP(OSP):
+    name = "losp"
+    summary = "osp with push_every local steps; progress made during a round is kept"
+    push_every: int = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hogwild(Mode):
+    """Hogwild: the workers of one machine step one shared-memory model without locks; nothing is pushed."""
+
+    name = "hogwild"
+    summary = "workers of one machine update one shared-memory model without locks"
+    compensate = "step"
+
+    @property
+    def exchange(self) -> str:
+        return "shared"
+
+    def check_compressor(self, codec: Codec) -> None:
+        self._refuse_codecs(codec, "its workers share memory and send nothing")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EASGD(Mode):
+    """Elastic averaging: every ``tau`` local steps worker and center move ``alpha * (w - center)`` towards
+    each other (the worker pulls the center, steps, and pushes what the center must move)."""
+
+    name = "easgd"
+    summary = "every tau steps worker and center move alpha*(w - center) towards each other"
+    tau: int = 4
+    alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check_steps("tau", self.tau)
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0.0 < self.alpha < 1.0:
+            raise ValueError(f"alpha must be in (0, 1) (the elastic step), got {self.alpha!r}")
+
+    @property
+    def exchange(self) -> str:
+        return "elastic"
+
+    def check_compressor(self, codec: Codec) -> None:
+        self._refuse_codecs(codec, f"{self.name}'s elastic exchange moves the worker by exactly what the center "
+                                   "receives, which a lossy codec would break")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EAMSGD(EASGD):
+    name = "eamsgd"
+    summary = "easgd with Nesterov momentum SGD on the workers"
+
+    def check_optimizers(self, optimizers: list[Any]) -> None:
+        for opt in optimizers:
+            group = opt.param_groups[0] if opt.param_groups else {}
+            sgd = any(c.__name__ == "SGD" and c.__module__.startswith("torch.optim") for c in type(opt).__mro__)
+            if not (sgd and group.get("nesterov") and group.get("momentum", 0) > 0):
+                raise ValueError("mode='eamsgd' is EASGD with Nesterov momentum on the workers: configure "
+                                 "torch.optim.SGD(..., momentum=0.9, nesterov=True), or use mode='easgd'")
