@@ -21,21 +21,14 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import msgpack
 import numpy as np
-import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
-from pytorch_lightning.accelerators import Accelerator
-from pytorch_lightning.plugins import CheckpointIO, ClusterEnvironment, Precision
-from pytorch_lightning.plugins.environments import TorchElasticEnvironment
-from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
-from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from pytorch_lightning.trainer.states import RunningStage, TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
 
@@ -43,6 +36,7 @@ from plug_asgd import shared
 from plug_asgd.client import DEFAULT_HEARTBEAT_S, ModelReply, PSClient, PSError, PSUnreachableError
 from plug_asgd.compressors import SPARSE_VALUES, NoCompression, make_compressor
 from plug_asgd.modes import get_mode
+from plug_asgd.namespaces import LightningBound
 from plug_asgd.ps_server import DEFAULT_WORKER_TIMEOUT, embedded_command
 from plug_asgd.security import check_bind
 from plug_asgd.staleness import (
@@ -53,13 +47,21 @@ from plug_asgd.staleness import (
     scaled_step,
     warn_unknown_optimizers,
 )
+from plug_asgd.tensors import assign
 from plug_asgd.wire import Sparse
+
+if TYPE_CHECKING:  # either namespace's classes (plug_asgd.namespaces); pytorch_lightning's names them here
+    import pytorch_lightning as pl
+    from pytorch_lightning.accelerators import Accelerator
+    from pytorch_lightning.plugins import CheckpointIO, ClusterEnvironment, Precision
 
 log = logging.getLogger("plug_asgd.strategy")
 
 # how long a worker that failed (Ctrl-C, an error) waits on each of its goodbye requests
 _FAILED_EXIT_S = 5.0
 _REDUCE_OPS = {"sum": "sum", "mean": "mean", "avg": "mean", "max": "max", "min": "min"}
+# TrainerFn.FITTING and RunningStage.TRAINING of either namespace (str enums, equal to their values)
+_FITTING, _TRAINING = "fit", "train"
 
 
 def _op_name(reduce_op: Any) -> str:
@@ -79,17 +81,19 @@ def _to_numpy(t: Tensor) -> np.ndarray:
     return t.cpu().numpy()
 
 
-def _assign(target: Tensor, array: np.ndarray) -> None:
-    """Copy ``array`` into ``target`` in place (parameters keep their identity for the optimizer)."""
-    with torch.no_grad():
-        if target.device.type == "cpu" and target.dtype != torch.bfloat16:
-            target.detach().numpy()[...] = array.reshape(target.shape)
-        else:
-            target.copy_(torch.tensor(array).reshape(target.shape))
+@runtime_checkable
+class ConfiguresPS(Protocol):
+    """A callback that sets options of the embedded PS (``PSCheckpoint``: its checkpoint policy)."""
+
+    def ps_options(self) -> dict[str, Any]: ...
 
 
-class AsyncPSStrategy(ParallelStrategy):
+class AsyncPSStrategy(LightningBound):
     """Train any LightningModule with asynchronous, compressed or synchronous parameter-server SGD.
+
+    Written once for both Lightning namespaces: ``AsyncPSStrategy(...)`` is a
+    ``pytorch_lightning`` or a ``lightning.pytorch`` ``ParallelStrategy``, whichever the program
+    imported (``plug_asgd.pytorch_lightning`` and ``plug_asgd.lightning`` hold the two classes).
 
     Args:
         mode: a scheme of ``plug_asgd.modes.MODES``: ``asgd``, ``adacomp``, ``sync``, ``downpour``,
@@ -161,6 +165,10 @@ class AsyncPSStrategy(ParallelStrategy):
     """
 
     strategy_name = "async_ps"
+    # the namespace's launchers and torchrun environment, set by plug_asgd.pytorch_lightning / plug_asgd.lightning
+    script_launcher: Any
+    process_launcher: Any
+    elastic_environment: Any
 
     def __init__(
         self,
@@ -359,9 +367,9 @@ class AsyncPSStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = self.script_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = self.process_launcher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -394,7 +402,7 @@ class AsyncPSStrategy(ParallelStrategy):
                            "step over it, so AsyncPSStrategy's workers cannot run ahead of each other. Call "
                            "torch.distributed.destroy_process_group() before fitting with it.")
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        self._fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        self._fitting = trainer is not None and trainer.state.fn == _FITTING
         self._stage += 1
         self._collective_seq = 0
         self._failed = False
@@ -409,10 +417,10 @@ class AsyncPSStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == _FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == _FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             self._compressor = self._new_compressor()
             normalized = bool(self.optimizers) and all(normalizes_steps(o) for o in self.optimizers)
@@ -477,6 +485,11 @@ class AsyncPSStrategy(ParallelStrategy):
 
     # -- the parameter server --------------------------------------------------------------------
 
+    @property
+    def ps_endpoint(self) -> str:
+        """The PS's address, ``tcp://host:port``, that the workers connect to (the embedded PS's or ``ps_address``)."""
+        return self._endpoint()[0]
+
     def _endpoint(self) -> tuple[str, str | None]:
         """The address workers connect to, and the one rank 0 binds (None: an external PS)."""
         if self.ps_address is not None:
@@ -486,7 +499,7 @@ class AsyncPSStrategy(ParallelStrategy):
         host = env.main_address
         # Without torch.distributed the main port is free for the PS (Lightning chose it free), except
         # under torchrun, whose agent serves its store there.
-        port = self.ps_port or env.main_port + (1 if isinstance(env, TorchElasticEnvironment) else 0)
+        port = self.ps_port or env.main_port + (1 if isinstance(env, self.elastic_environment) else 0)
         address = f"tcp://{host}:{port}"
         return address, f"tcp://{socket.gethostbyname(host)}:{port}"
 
@@ -509,10 +522,8 @@ class AsyncPSStrategy(ParallelStrategy):
         return self._client
 
     def _ps_checkpoint_callback(self) -> Any:
-        from plug_asgd.callbacks import PSCheckpoint  # callbacks import this module
-
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        found = [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, PSCheckpoint)]
+        found = [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, ConfiguresPS)]
         return found[0] if found else None
 
     def _start_embedded_ps(self, bind: str) -> None:
@@ -665,7 +676,7 @@ class AsyncPSStrategy(ParallelStrategy):
         else:
             self._compensator.forget()
             for name, t in tensors.items():
-                _assign(t, reply.tensors[name])
+                assign(t, reply.tensors[name])
         for name, t in tensors.items():
             base = self._base.get(name)
             if base is None or base.shape != t.shape or base.device != t.device:
@@ -846,7 +857,7 @@ class AsyncPSStrategy(ParallelStrategy):
         reply = self._client.pull()
         for name, t in self._synced_tensors().items():
             pending = t.detach() - self._base[name]
-            _assign(self._base[name], reply.tensors[name])
+            assign(self._base[name], reply.tensors[name])
             with torch.no_grad():
                 t.copy_(self._base[name] + pending)
         self._based_on(reply)
@@ -912,7 +923,7 @@ class AsyncPSStrategy(ParallelStrategy):
                 sent = {n: self._base[n] + d for n, d in result["deltas"].items()}
             for name, t in self._synced_tensors().items():
                 progress = t.detach() - sent[name]
-                _assign(self._base[name], reply.tensors[name])
+                assign(self._base[name], reply.tensors[name])
                 with torch.no_grad():
                     t.copy_(self._base[name] + progress)
         self._based_on(reply)
@@ -1015,7 +1026,7 @@ class AsyncPSStrategy(ParallelStrategy):
         if not isinstance(tensor, Tensor) or not self._collectives_active():
             return tensor
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
+        if trainer is not None and trainer.state.stage == _TRAINING:
             return tensor
         op = _op_name(reduce_op)
         parts = np.stack([t["x"] for _, _, t in self._gather(f"reduce:{op}", tensors={"x": _to_numpy(tensor)})])
@@ -1026,5 +1037,3 @@ class AsyncPSStrategy(ParallelStrategy):
         return torch.tensor(result, dtype=tensor.dtype if op != "mean" or tensor.is_floating_point()
                             else torch.float32, device=tensor.device)
 
-
-AsyncPSStrategy.register_strategies(StrategyRegistry)
