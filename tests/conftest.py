@@ -1,9 +1,18 @@
 """Process helpers: every process a test starts lives in its own process group, which must be
-empty when the test ends; anything left is killed and the test fails."""
+empty when the test ends; anything left is killed and the test fails.
+
+Tiers: a test that starts a process or opens a socket is ``integration``; every other test is
+``quick`` (pure logic: ``pytest -m quick``). The marking is automatic: a test using the ``procs`` or
+``start_ps`` fixture (directly or through another fixture) is integration; other modules and tests
+say so with ``pytestmark = pytest.mark.integration`` or ``@pytest.mark.integration``. A quick test
+that starts a process or opens a socket anyway (in its fixtures too) fails, saying to mark it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing.process
 import os
 import signal
 import socket
@@ -42,6 +51,51 @@ needs_fashion = pytest.mark.skipif(
 # tests start then get it at its default (a handler, unlike "ignored", is not inherited across exec).
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# fixtures that start processes or open sockets: a test using one, even through another fixture, is integration
+INTEGRATION_FIXTURES = {"procs", "start_ps"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("integration") is None and INTEGRATION_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.integration)
+        if item.get_closest_marker("integration") is None:
+            item.add_marker(pytest.mark.quick)
+
+
+@contextlib.contextmanager
+def _no_processes_or_sockets(item):
+    """Within a quick test (its fixtures included), starting a process or opening a socket fails."""
+    if item.get_closest_marker("quick") is None:
+        yield
+        return
+    import zmq
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{item.nodeid} is a quick test (no processes, no sockets) but started a process or "
+                           "opened a socket: mark it @pytest.mark.integration (tests/conftest.py)")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess.Popen, "_execute_child", refuse)
+        mp.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        mp.setattr(socket.socket, "bind", refuse)
+        mp.setattr(socket.socket, "connect", refuse)
+        mp.setattr(zmq.Context, "socket", refuse)
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _no_processes_or_sockets(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _no_processes_or_sockets(item):
+        yield
 
 
 def free_port() -> int:

@@ -14,6 +14,8 @@ from plug_asgd.checkpoint import list_checkpoints
 from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
 from tests.conftest import FASHION, PLUG_ASGD, PYTHON, RECIPE, ProcessGroups
 
+pytestmark = pytest.mark.integration  # every test trains in processes
+
 STEPS = 125  # 8000 images / 2 workers / batch 32
 
 

@@ -102,6 +102,7 @@ def test_unknown_mode_lists_the_modes():
         get_mode("nope")
 
 
+@pytest.mark.integration
 def test_the_ps_folds_into_a_copy_while_a_zero_copy_reply_is_in_flight():
     from plug_asgd.ps_server import ParameterServer
 

@@ -77,6 +77,7 @@ def regression(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)  # the fixture's two launches, when this test is the first to need them
+@pytest.mark.integration
 def test_the_one_process_reference_trains(regression):
     loss = regression["one_process"]
     assert loss < val_loss(Regression()) / 5, loss  # seeded: 57.5 before, 6.81 after
@@ -84,6 +85,7 @@ def test_the_one_process_reference_trains(regression):
 
 @pytest.mark.timeout(300)  # the fixture's two launches
 @pytest.mark.parametrize("mode", [m for m in MODES if m != "losp"])
+@pytest.mark.integration
 def test_every_mode_trains_the_regression_model_with_momentum_sgd(regression, mode):
     run = regression["on"][mode]
     bound = REGRESSION_BOUND * regression["one_process"]
@@ -92,6 +94,7 @@ def test_every_mode_trains_the_regression_model_with_momentum_sgd(regression, mo
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.integration
 def test_every_codec_trains_the_regression_model_without_diverging(regression, codec):
     # 1% of this 321-parameter model is 1 to 3 coordinates per tensor and push: the central model gets each
     # coordinate about twice in the 192 pushes, so it lags the workers (measured: topk 2.4, powersgd 3.4,
@@ -110,6 +113,7 @@ def test_losp_trains_the_regression_model_with_momentum_sgd(regression):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["asgd", "adacomp", "downpour", "ssp", *CODECS])
+@pytest.mark.integration
 def test_without_compensation_the_asynchronous_modes_miss_the_bound(regression, mode):
     # measured over 5 launches: asgd 97-2,479, ssp 30-669, downpour 1,331-63,508, adacomp >= 8e8; the codecs
     # over 1: 2e4 (powersgd) to 2e9 (randomk)
@@ -147,6 +151,7 @@ def fashion(tmp_path_factory):
 @pytest.mark.timeout(900)  # the fixture's launch: 25 runs, about 8 s each on 2 idle cores
 @pytest.mark.parametrize("optimizer,row", [("sgd", r) for r, _ in SGD_ROWS] +
                          [("nesterov", r) for r, _ in NESTEROV_ROWS])
+@pytest.mark.integration
 def test_every_mode_trains_the_recipe_cnn_close_to_ddp(fashion, optimizer, row):
     ddp, run = fashion[f"ddp {optimizer}"], fashion[f"{row} {optimizer}"]
     gap = 100 * (run["test_acc"] - ddp["test_acc"])

@@ -24,6 +24,8 @@ from tests.conftest import (
     needs_fashion,
 )
 
+pytestmark = pytest.mark.integration  # every test trains in processes
+
 
 def run_recipe(groups: ProcessGroups, tmp: Path, *args: str, timeout: float = 150, env=None) -> dict:
     metrics = tmp / f"metrics-{time.monotonic_ns()}.json"
