@@ -1,9 +1,10 @@
-"""A 2-worker fit on the embedded PS, with the three callbacks, under one Lightning namespace only.
+"""Two 2-worker fits on the embedded PS, with the three callbacks, under one Lightning namespace only.
 
-``namespace_fit.py NAMESPACE HOW OUT``: NAMESPACE is ``lightning`` (``import lightning as L``) or
-``pytorch_lightning``; HOW is ``object`` (``strategy=AsyncPSStrategy(...)``, Lightning imported
-first) or ``name`` (``strategy="async_ps"``, plug_asgd imported before Lightning, so the name is
-registered when Lightning is). Rank 0 writes OUT/result.json.
+``namespace_fit.py NAMESPACE PS_PORT OUT``: NAMESPACE is ``lightning`` (``import lightning as L``)
+or ``pytorch_lightning``. plug_asgd is imported before Lightning, so the strategy names are
+registered when Lightning is. The first fit names the strategy (``strategy="async_ps"``), the
+second passes ``AsyncPSStrategy(ps_port=PS_PORT)`` (the first one's PS serves until the end).
+Rank 0 writes OUT/name/result.json and OUT/object/result.json.
 """
 
 import importlib
@@ -12,14 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-namespace, how, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-if how == "name":
-    import plug_asgd
+import plug_asgd
+
+namespace, ps_port, root = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
 L = importlib.import_module(namespace)  # lightning or pytorch_lightning, and nothing of the other
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-import plug_asgd  # noqa: E402,F811
 from plug_asgd import AsyncPSStrategy, CommunicationMonitor, PSCheckpoint, Supervisor  # noqa: E402
 
 
@@ -51,11 +51,10 @@ class Classifier(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-if __name__ == "__main__":
+def fit(how: str, strategy, out: Path) -> None:
     callbacks = [Supervisor(DataLoader(blobs(256, 1), batch_size=64), every_n_updates=10, dirpath=out / "sup"),
                  PSCheckpoint(out / "ckpt", every_n_updates=20), CommunicationMonitor(every_n_steps=10,
                                                                                       dirpath=out / "comm")]
-    strategy = "async_ps" if how == "name" else AsyncPSStrategy(mode="asgd")
     trainer = L.Trainer(accelerator="cpu", devices=2, max_epochs=2, strategy=strategy, callbacks=callbacks,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(out))
@@ -74,3 +73,8 @@ if __name__ == "__main__":
             "test_acc": metrics[0]["test_acc"],
             "supervised": len(callbacks[0].records),
         }))
+
+
+if __name__ == "__main__":
+    fit("name", "async_ps", root / "name")
+    fit("object", AsyncPSStrategy(mode="asgd", ps_port=ps_port), root / "object")
