@@ -230,6 +230,31 @@ def start_ps(procs):
         processes.stop(address)
 
 
+@pytest.fixture(scope="session")
+def recipe_run(tmp_path_factory):
+    """The MNIST recipe on Fashion-MNIST, asgd, 2 workers, with the Supervisor, PSCheckpoint and
+    CommunicationMonitor on: (folder, Lightning log dir, the recipe's summary). test_callbacks checks
+    the callbacks; test_training checks the asgd run itself (what the callbacks leave unchanged:
+    accuracy, versions, pushes and their bytes)."""
+    if not HAVE_FASHION:
+        pytest.skip("Fashion-MNIST not installed: apt-get install dataset-fashion-mnist")
+    tmp = tmp_path_factory.mktemp("recipe")
+    groups = ProcessGroups()
+    try:
+        code, out = groups.run([PYTHON, *RECIPE, "--workers", "2", "--mode", "asgd", "--run-dir", str(tmp / "runs"),
+                                "--metrics-json", str(tmp / "m.json"), "--supervise-every", "40",
+                                "--checkpoint-dir", str(tmp / "ck"), "--checkpoint-every", "50",
+                                "--comm-monitor", "25"], timeout=170)
+    finally:
+        left = groups.leftovers()
+        for p in groups.procs:
+            groups.kill(p)
+    assert code == 0, out[-4000:]
+    assert not left
+    summary = json.loads((tmp / "m.json").read_text())
+    return tmp, Path(summary["log_dir"]), summary
+
+
 def serving_pair(address: str, tensors: dict) -> tuple:
     """A worker that initialised the PS at ``address`` with ``tensors``, and a raw DEALER socket to it."""
     import zmq

@@ -1,10 +1,10 @@
 """Two 2-worker fits on the embedded PS, with the three callbacks, under one Lightning namespace only.
 
-``namespace_fit.py NAMESPACE PS_PORT OUT``: NAMESPACE is ``lightning`` (``import lightning as L``)
-or ``pytorch_lightning``. plug_asgd is imported before Lightning, so the strategy names are
-registered when Lightning is. The first fit names the strategy (``strategy="async_ps"``), the
-second passes ``AsyncPSStrategy(ps_port=PS_PORT)`` (the first one's PS serves until the end).
-Rank 0 writes OUT/name/result.json and OUT/object/result.json.
+``namespace_fit.py NAMESPACE PS_PORT OUT [HOW ...]``: NAMESPACE is ``lightning`` (``import
+lightning as L``) or ``pytorch_lightning``. plug_asgd is imported before Lightning, so the
+strategy names are registered when Lightning is. HOW ``name`` (the default, with ``object``) names
+the strategy (``strategy="async_ps"``); ``object`` passes ``AsyncPSStrategy(ps_port=PS_PORT)``
+(the first fit's PS serves until the end). Rank 0 writes OUT/HOW/result.json.
 """
 
 import importlib
@@ -76,5 +76,5 @@ def fit(how: str, strategy, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    fit("name", "async_ps", root / "name")
-    fit("object", AsyncPSStrategy(mode="asgd", ps_port=ps_port), root / "object")
+    for how in sys.argv[4:] or ["name", "object"]:
+        fit(how, "async_ps" if how == "name" else AsyncPSStrategy(mode="asgd", ps_port=ps_port), root / how)
