@@ -109,6 +109,7 @@ def test_every_codec_trains_the_regression_model_without_diverging(regression, c
 @pytest.mark.xfail(strict=True, reason="losp keeps each round's local progress while its sync round is in flight; "
                                        "with momentum 0.9 at lr 0.05 that diverges (92 from 57) and no "
                                        "compensation exists for it yet")
+@pytest.mark.integration
 def test_losp_trains_the_regression_model_with_momentum_sgd(regression):
     run = regression["on"]["losp"]
     assert run["after"] <= REGRESSION_BOUND * regression["one_process"], run
