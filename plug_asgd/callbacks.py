@@ -5,7 +5,8 @@
 - :class:`PSCheckpoint` has the PS write its whole state (not a worker's copy) atomically.
 - :class:`CommunicationMonitor` records, per worker, what it computed and what it sent.
 
-They work with :class:`~plug_asgd.strategy.AsyncPSStrategy` only.
+They work with :class:`~plug_asgd.strategy.AsyncPSStrategy` only. Written once for both Lightning
+namespaces, as the strategy (``plug_asgd.namespaces``): each is a ``Callback`` of the namespace in use.
 """
 
 from __future__ import annotations
@@ -19,18 +20,20 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.callbacks import Callback
 from torch import Tensor
 
 from plug_asgd.checkpoint import central_tensors, read_checkpoint, resolve_checkpoint
 from plug_asgd.client import PSClient, PSError, PSUnreachableError
-from plug_asgd.exchange import assign
+from plug_asgd.namespaces import LightningBound
 from plug_asgd.strategy import AsyncPSStrategy
+from plug_asgd.tensors import assign
+
+if TYPE_CHECKING:  # either namespace's classes (plug_asgd.namespaces); pytorch_lightning's names them here
+    import pytorch_lightning as pl
 
 log = logging.getLogger("plug_asgd.callbacks")
 
@@ -75,7 +78,7 @@ def load_central_weights(module: torch.nn.Module, path: str | os.PathLike[str], 
     return int(msg.fields["version"])
 
 
-class PSCheckpoint(Callback):
+class PSCheckpoint(LightningBound):
     """Has the embedded PS write its central state to ``dirpath`` while training runs.
 
     What is written: the central tensors, the version, the PS's duplicate-push table, the mode's
@@ -116,7 +119,7 @@ def classification_metrics(module: torch.nn.Module, batch: Any) -> dict[str, flo
             "correct": float((logits.argmax(dim=1) == y).sum()), "count": float(y.numel())}
 
 
-class Supervisor(Callback):
+class Supervisor(LightningBound):
     """Evaluates the central model on ``dataloader`` while training runs, as the seeds' Supervisor node.
 
     On global rank 0, a thread with its own connection to the PS pulls the central model every
@@ -160,7 +163,7 @@ class Supervisor(Callback):
             return
         self._file.parent.mkdir(parents=True, exist_ok=True)
         model = copy.deepcopy(pl_module).cpu().eval()
-        address = strategy._endpoint()[0]
+        address = strategy.ps_endpoint
         self._start = time.monotonic()
         self._stop.clear()
         self._thread = threading.Thread(target=self._watch, args=(model, address, strategy.mode.name, strategy.ps_keys),
@@ -238,7 +241,7 @@ class Supervisor(Callback):
         self._stop.set()
 
 
-class CommunicationMonitor(Callback):
+class CommunicationMonitor(LightningBound):
     """Per worker: local steps, mean training loss, bytes up and down, compute vs communication time,
     and the staleness of its pushes, every ``every_n_steps`` local steps and at the end of training.
 

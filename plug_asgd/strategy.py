@@ -20,20 +20,13 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
-from pytorch_lightning.accelerators import Accelerator
-from pytorch_lightning.plugins import CheckpointIO, ClusterEnvironment, Precision
-from pytorch_lightning.plugins.environments import TorchElasticEnvironment
-from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
-from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from pytorch_lightning.trainer.states import RunningStage, TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
 
 from plug_asgd import compressors, modes
@@ -42,9 +35,15 @@ from plug_asgd.collectives import Collectives
 from plug_asgd.compressors import Codec
 from plug_asgd.exchange import Link, make_exchange
 from plug_asgd.modes import Mode
+from plug_asgd.namespaces import LightningBound
 from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT, PSConfig, embedded_command
 from plug_asgd.security import check_bind
 from plug_asgd.staleness import StalenessCompensation, resolve
+
+if TYPE_CHECKING:  # either namespace's classes (plug_asgd.namespaces); pytorch_lightning's names them here
+    import pytorch_lightning as pl
+    from pytorch_lightning.accelerators import Accelerator
+    from pytorch_lightning.plugins import CheckpointIO, ClusterEnvironment, Precision
 
 log = logging.getLogger("plug_asgd.strategy")
 
@@ -52,8 +51,23 @@ log = logging.getLogger("plug_asgd.strategy")
 _FAILED_EXIT_S = 5.0
 
 
-class AsyncPSStrategy(ParallelStrategy):
+# TrainerFn.FITTING and RunningStage.TRAINING of either namespace (str enums, equal to their values)
+_FITTING, _TRAINING = "fit", "train"
+
+
+@runtime_checkable
+class ConfiguresPS(Protocol):
+    """A callback that sets options of the embedded PS (``PSCheckpoint``: its checkpoint policy)."""
+
+    def ps_options(self) -> dict[str, Any]: ...
+
+
+class AsyncPSStrategy(LightningBound):
     """Train any LightningModule with asynchronous, compressed or synchronous parameter-server SGD.
+
+    Written once for both Lightning namespaces: ``AsyncPSStrategy(...)`` is a
+    ``pytorch_lightning`` or a ``lightning.pytorch`` ``ParallelStrategy``, whichever the program
+    imported (``plug_asgd.pytorch_lightning`` and ``plug_asgd.lightning`` hold the two classes).
 
     Args:
         mode: the training scheme (``plug_asgd.modes``): a name (``"asgd"``, ``"adacomp"``, ...: its
@@ -88,6 +102,10 @@ class AsyncPSStrategy(ParallelStrategy):
     """
 
     strategy_name = "async_ps"
+    # the namespace's launchers and torchrun environment, set by plug_asgd.pytorch_lightning / plug_asgd.lightning
+    script_launcher: Any
+    process_launcher: Any
+    elastic_environment: Any
 
     def __init__(
         self,
@@ -192,9 +210,9 @@ class AsyncPSStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = self.script_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = self.process_launcher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -227,7 +245,7 @@ class AsyncPSStrategy(ParallelStrategy):
                            "step over it, so AsyncPSStrategy's workers cannot run ahead of each other. Call "
                            "torch.distributed.destroy_process_group() before fitting with it.")
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        self._fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        self._fitting = trainer is not None and trainer.state.fn == _FITTING
         self._stage += 1
         self._collective_seq = 0
         self._failed = False
@@ -251,10 +269,10 @@ class AsyncPSStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == _FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == _FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             self._exchange.start_fit(self.optimizers, self.global_rank if self.cluster_environment else 0,
                                      self.world_size)
@@ -297,6 +315,11 @@ class AsyncPSStrategy(ParallelStrategy):
 
     # -- the parameter server --------------------------------------------------------------------
 
+    @property
+    def ps_endpoint(self) -> str:
+        """The PS's address, ``tcp://host:port``, that the workers connect to (the embedded PS's or ``ps_address``)."""
+        return self._endpoint()[0]
+
     def _endpoint(self) -> tuple[str, str | None]:
         """The address workers connect to, and the one rank 0 binds (None: an external PS)."""
         if self.ps_address is not None:
@@ -306,7 +329,7 @@ class AsyncPSStrategy(ParallelStrategy):
         host = env.main_address
         # Without torch.distributed the main port is free for the PS (Lightning chose it free), except
         # under torchrun, whose agent serves its store there.
-        port = self.ps_port or env.main_port + (1 if isinstance(env, TorchElasticEnvironment) else 0)
+        port = self.ps_port or env.main_port + (1 if isinstance(env, self.elastic_environment) else 0)
         address = f"tcp://{host}:{port}"
         return address, f"tcp://{socket.gethostbyname(host)}:{port}"
 
@@ -329,10 +352,8 @@ class AsyncPSStrategy(ParallelStrategy):
         return self._client
 
     def _ps_checkpoint_callback(self) -> Any:
-        from plug_asgd.callbacks import PSCheckpoint  # callbacks import this module
-
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        found = [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, PSCheckpoint)]
+        found = [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, ConfiguresPS)]
         return found[0] if found else None
 
     def _start_embedded_ps(self, bind: str) -> None:
@@ -461,7 +482,5 @@ class AsyncPSStrategy(ParallelStrategy):
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce across workers during evaluation; during training the local value is returned."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        training = trainer is not None and trainer.state.stage == RunningStage.TRAINING
+        training = trainer is not None and trainer.state.stage == _TRAINING
         return self._collectives().reduce(tensor, reduce_op, training)
-
-AsyncPSStrategy.register_strategies(StrategyRegistry)

@@ -1,9 +1,18 @@
 """Process helpers: every process a test starts lives in its own process group, which must be
-empty when the test ends; anything left is killed and the test fails."""
+empty when the test ends; anything left is killed and the test fails.
+
+Tiers: a test that starts a process or opens a socket is ``integration``; every other test is
+``quick`` (pure logic: ``pytest -m quick``). The marking is automatic: a test using the ``procs`` or
+``start_ps`` fixture (directly or through another fixture) is integration; other modules and tests
+say so with ``pytestmark = pytest.mark.integration`` or ``@pytest.mark.integration``. A quick test
+that starts a process or opens a socket anyway (in its fixtures too) fails, saying to mark it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing.process
 import os
 import signal
 import socket
@@ -42,6 +51,58 @@ needs_fashion = pytest.mark.skipif(
 # tests start then get it at its default (a handler, unlike "ignored", is not inherited across exec).
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# fixtures that start processes or open sockets: a test using one, even through another fixture, is integration
+INTEGRATION_FIXTURES = {"procs", "start_ps"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("integration") is None and INTEGRATION_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.integration)
+        if item.get_closest_marker("integration") is None:
+            item.add_marker(pytest.mark.quick)
+
+
+@contextlib.contextmanager
+def _no_processes_or_sockets(item):
+    """Within a quick test (its fixtures included), starting a process or opening a socket fails."""
+    if item.get_closest_marker("quick") is None:
+        yield
+        return
+    import zmq
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{item.nodeid} is a quick test (no processes, no sockets) but started a process or "
+                           "opened a socket: mark it @pytest.mark.integration (tests/conftest.py)")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess.Popen, "_execute_child", refuse)
+        mp.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        mp.setattr(socket.socket, "bind", refuse)
+        mp.setattr(socket.socket, "connect", refuse)
+        original_socket = zmq.Context.socket
+
+        def zmq_socket(ctx, *args, **kwargs):  # pyzmq's own in-process socket that tracks zero-copy frames is no I/O
+            if sys._getframe(1).f_globals.get("__name__") == "zmq.utils.garbage":
+                return original_socket(ctx, *args, **kwargs)
+            return refuse()
+
+        mp.setattr(zmq.Context, "socket", zmq_socket)
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _no_processes_or_sockets(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _no_processes_or_sockets(item):
+        yield
 
 
 def free_port() -> int:
@@ -175,6 +236,31 @@ def start_ps(procs):
     yield processes
     for address in list(processes.started):
         processes.stop(address)
+
+
+@pytest.fixture(scope="session")
+def recipe_run(tmp_path_factory):
+    """The MNIST recipe on Fashion-MNIST, asgd, 2 workers, with the Supervisor, PSCheckpoint and
+    CommunicationMonitor on: (folder, Lightning log dir, the recipe's summary). test_callbacks checks
+    the callbacks; test_training checks the asgd run itself (what the callbacks leave unchanged:
+    accuracy, versions, pushes and their bytes)."""
+    if not HAVE_FASHION:
+        pytest.skip("Fashion-MNIST not installed: apt-get install dataset-fashion-mnist")
+    tmp = tmp_path_factory.mktemp("recipe")
+    groups = ProcessGroups()
+    try:
+        code, out = groups.run([PYTHON, *RECIPE, "--workers", "2", "--mode", "asgd", "--run-dir", str(tmp / "runs"),
+                                "--metrics-json", str(tmp / "m.json"), "--supervise-every", "40",
+                                "--checkpoint-dir", str(tmp / "ck"), "--checkpoint-every", "50",
+                                "--comm-monitor", "25"], timeout=170)
+    finally:
+        left = groups.leftovers()
+        for p in groups.procs:
+            groups.kill(p)
+    assert code == 0, out[-4000:]
+    assert not left
+    summary = json.loads((tmp / "m.json").read_text())
+    return tmp, Path(summary["log_dir"]), summary
 
 
 def serving_pair(address: str, tensors: dict) -> tuple:

@@ -51,6 +51,7 @@ def quick(tmp_path_factory):
 
 
 @needs_fashion
+@pytest.mark.integration
 def test_quick_runner_reports_every_benchmark(quick):
     results, out, _ = quick
     assert set(results["benchmarks"]) == set(BENCHMARKS)
@@ -76,6 +77,7 @@ def test_quick_runner_reports_every_benchmark(quick):
 
 
 @needs_fashion
+@pytest.mark.integration
 def test_bytes_pushed_follow_the_codec_formulas(quick):
     rows = {row["name"]: row for row in quick[0]["benchmarks"]["adacomp"]["rows"]}
     assert {"asgd", "adacomp 0.01", "adacomp 0.005", *COMPRESSORS} <= set(rows)
@@ -95,6 +97,7 @@ def test_bytes_pushed_follow_the_codec_formulas(quick):
 
 
 @needs_fashion
+@pytest.mark.integration
 def test_time_to_accuracy_curves_and_ingest(quick):
     b = quick[0]["benchmarks"]
     curves = b["time_to_accuracy"]["curves"]

@@ -14,6 +14,8 @@ from plug_asgd.checkpoint import list_checkpoints
 from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
 from tests.conftest import FASHION, PLUG_ASGD, PYTHON, RECIPE, ProcessGroups
 
+pytestmark = pytest.mark.integration  # every test trains in processes
+
 STEPS = 125  # 8000 images / 2 workers / batch 32
 
 
@@ -22,24 +24,9 @@ def jsonl(path: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    if not (FASHION / "train-images-idx3-ubyte.gz").exists():
-        pytest.skip("Fashion-MNIST not installed: apt-get install dataset-fashion-mnist")
-    tmp = tmp_path_factory.mktemp("callbacks")
-    groups = ProcessGroups()
-    try:
-        code, out = groups.run([PYTHON, *RECIPE, "--workers", "2", "--mode", "asgd", "--run-dir", str(tmp / "runs"),
-                                "--metrics-json", str(tmp / "m.json"), "--supervise-every", "40",
-                                "--checkpoint-dir", str(tmp / "ck"), "--checkpoint-every", "50",
-                                "--comm-monitor", "25"], timeout=170)
-    finally:
-        left = groups.leftovers()
-        for p in groups.procs:
-            groups.kill(p)
-    assert code == 0, out[-4000:]
-    assert not left
-    summary = json.loads((tmp / "m.json").read_text())
-    return tmp, Path(summary["log_dir"]), summary
+def run(recipe_run):
+    """The recipe's asgd run with the three callbacks on (tests/conftest.py: test_training reads it too)."""
+    return recipe_run
 
 
 def test_supervisor_records_a_rising_central_accuracy_while_workers_train(run):

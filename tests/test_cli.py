@@ -109,6 +109,7 @@ def test_no_args_shows_help():
     assert "serve-ps" in result.output and "status" in result.output
 
 
+@pytest.mark.integration
 def test_module_entry_point_help(cli_procs):
     result = cli_procs.run("--help")
     assert result.returncode == 0, result.stderr
@@ -196,6 +197,7 @@ def test_stats_table_shows_counters():
 # -- real processes ----------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_serve_ps_status_and_sigterm(cli_procs):
     port = free_port()
     ps, out, err = cli_procs.start("serve-ps", "--port", str(port), "--mode", "adacomp", name="ps")
@@ -211,6 +213,7 @@ def test_serve_ps_status_and_sigterm(cli_procs):
     assert "mode adacomp" in out.read_text()
 
 
+@pytest.mark.integration
 def test_serve_ps_exits_when_workers_have_left(cli_procs):
     port = free_port()
     ps, out, err = cli_procs.start("serve-ps", "--port", str(port), "--workers", "1", "--linger", "0.5", name="ps")
@@ -226,6 +229,7 @@ def test_serve_ps_exits_when_workers_have_left(cli_procs):
     assert "Traceback" not in err.read_text()
 
 
+@pytest.mark.integration
 def test_serve_ps_port_in_use(cli_procs):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("127.0.0.1", 0))
@@ -239,6 +243,7 @@ def test_serve_ps_port_in_use(cli_procs):
     assert "Traceback" not in output
 
 
+@pytest.mark.integration
 def test_status_unreachable(cli_procs):
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
@@ -251,6 +256,7 @@ def test_status_unreachable(cli_procs):
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.integration
 def test_status_malformed_address(cli_procs):
     result = cli_procs.run("status", "tcp://nohost", "--timeout", "1")
     assert result.returncode == 2
@@ -259,6 +265,7 @@ def test_status_malformed_address(cli_procs):
 
 
 @pytest.mark.skipif(not FASHION_DIR.is_dir(), reason=f"no dataset at {FASHION_DIR}")
+@pytest.mark.integration
 def test_train_mnist_two_workers(cli_procs, tmp_path):
     """Lightning re-runs the command line for the second worker: the CLI must survive that."""
     metrics = tmp_path / "metrics.json"

@@ -163,6 +163,7 @@ def test_log_every_is_checked():
 # -- real processes ----------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_serve_ps_quiet_prints_plain_log_lines(tmp_path):
     port = free_port()
     out_path, err_path = tmp_path / "ps.out", tmp_path / "ps.err"
@@ -203,6 +204,7 @@ def _read_available(fd: int, timeout: float) -> bytes:
         raise EOFError from None
 
 
+@pytest.mark.integration
 def test_serve_ps_dashboard_on_a_terminal(tmp_path):
     port = free_port()
     master, slave = pty.openpty()

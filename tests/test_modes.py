@@ -329,6 +329,7 @@ def test_the_readme_mode_table_is_the_registry():
     assert modes.mode_table() in readme
 
 
+@pytest.mark.integration  # a fresh interpreter
 def test_modes_and_codecs_import_neither_torch_nor_lightning():
     import subprocess
     import sys

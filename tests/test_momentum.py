@@ -17,8 +17,9 @@ import pytorch_lightning as pl
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from bench.common import free_port_block
 from plug_asgd.modes import MODES
-from tests.conftest import HAVE_FASHION, PYTHON, ROOT, ProcessGroups, free_port, needs_fashion
+from tests.conftest import HAVE_FASHION, PYTHON, ROOT, ProcessGroups, needs_fashion
 
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 from momentum_regression import EPOCHS, SAMPLES, Regression, dataset, val_loss  # noqa: E402
@@ -52,38 +53,42 @@ def one_process_loss() -> float:
     return val_loss(model)
 
 
-def regression_launch(tmp: Path, modes: list[str], *extra: str) -> dict[str, dict]:
-    out = tmp / ("off" if extra else "on")
-    out.mkdir()
+def regression_launch(out: Path, modes: list[str], off_modes: list[str]) -> dict[str, dict[str, dict]]:
+    """Every mode with compensation, then ``off_modes`` without, in one launch: {"on": {mode: run}, "off": ...}."""
     groups = ProcessGroups()
     try:
         code, log = groups.run([PYTHON, "tests/scripts/momentum_regression.py", "--out", str(out), "--modes",
-                                ",".join(modes), *extra], timeout=180,
-                               env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+                                ",".join(modes), "--off-modes", ",".join(off_modes)], timeout=240,
+                               # MASTER_PORT + 1 + i for the i-th fit: a block below the ephemeral range
+                               env={"MASTER_ADDR": "127.0.0.1",
+                                    "MASTER_PORT": str(free_port_block(len(modes) + len(off_modes) + 2))})
     finally:
         left = groups.leftovers()
         for p in groups.procs:
             groups.kill(p)
     assert code == 0, log[-4000:]
     assert not left, f"processes left running: {left}"
-    return {m: json.loads((out / f"{m}.json").read_text()) for m in modes}
+    return {side: {m: json.loads((out / side / f"{m}.json").read_text()) for m in names}
+            for side, names in (("on", modes), ("off", off_modes))}
 
 
 @pytest.fixture(scope="module")
 def regression(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("momentum")
-    return {"one_process": one_process_loss(), "on": regression_launch(tmp, [*MODES, *CODECS]),
-            "off": regression_launch(tmp, ["asgd", "adacomp", "downpour", "ssp", *CODECS], "--off")}
+    return {"one_process": one_process_loss(),
+            **regression_launch(tmp, [*MODES, *CODECS], ["asgd", "adacomp", "downpour", "ssp", *CODECS])}
 
 
-@pytest.mark.timeout(300)  # the fixture's two launches, when this test is the first to need them
+@pytest.mark.timeout(300)  # the fixture's launch, when this test is the first to need it
+@pytest.mark.integration
 def test_the_one_process_reference_trains(regression):
     loss = regression["one_process"]
     assert loss < val_loss(Regression()) / 5, loss  # seeded: 57.5 before, 6.81 after
 
 
-@pytest.mark.timeout(300)  # the fixture's two launches
+@pytest.mark.timeout(300)  # the fixture's launch
 @pytest.mark.parametrize("mode", [m for m in MODES if m != "losp"])
+@pytest.mark.integration
 def test_every_mode_trains_the_regression_model_with_momentum_sgd(regression, mode):
     run = regression["on"][mode]
     bound = REGRESSION_BOUND * regression["one_process"]
@@ -92,6 +97,7 @@ def test_every_mode_trains_the_regression_model_with_momentum_sgd(regression, mo
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.integration
 def test_every_codec_trains_the_regression_model_without_diverging(regression, codec):
     # 1% of this 321-parameter model is 1 to 3 coordinates per tensor and push: the central model gets each
     # coordinate about twice in the 192 pushes, so it lags the workers (measured: topk 2.4, powersgd 3.4,
@@ -103,6 +109,7 @@ def test_every_codec_trains_the_regression_model_without_diverging(regression, c
 @pytest.mark.xfail(strict=True, reason="losp keeps each round's local progress while its sync round is in flight; "
                                        "with momentum 0.9 at lr 0.05 that diverges (92 from 57) and no "
                                        "compensation exists for it yet")
+@pytest.mark.integration
 def test_losp_trains_the_regression_model_with_momentum_sgd(regression):
     run = regression["on"]["losp"]
     assert run["after"] <= REGRESSION_BOUND * regression["one_process"], run
@@ -110,6 +117,7 @@ def test_losp_trains_the_regression_model_with_momentum_sgd(regression):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["asgd", "adacomp", "downpour", "ssp", *CODECS])
+@pytest.mark.integration
 def test_without_compensation_the_asynchronous_modes_miss_the_bound(regression, mode):
     # measured over 5 launches: asgd 97-2,479, ssp 30-669, downpour 1,331-63,508, adacomp >= 8e8; the codecs
     # over 1: 2e4 (powersgd) to 2e9 (randomk)
@@ -147,6 +155,7 @@ def fashion(tmp_path_factory):
 @pytest.mark.timeout(900)  # the fixture's launch: 25 runs, about 8 s each on 2 idle cores
 @pytest.mark.parametrize("optimizer,row", [("sgd", r) for r, _ in SGD_ROWS] +
                          [("nesterov", r) for r, _ in NESTEROV_ROWS])
+@pytest.mark.integration
 def test_every_mode_trains_the_recipe_cnn_close_to_ddp(fashion, optimizer, row):
     ddp, run = fashion[f"ddp {optimizer}"], fashion[f"{row} {optimizer}"]
     gap = 100 * (run["test_acc"] - ddp["test_acc"])

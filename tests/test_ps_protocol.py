@@ -269,6 +269,7 @@ def test_max_updates_tells_workers_to_stop_and_freezes_the_model(start_ps):
     np.testing.assert_array_equal(r.tensors["w"], W0["w"] + 2)
 
 
+@pytest.mark.integration
 def test_the_ps_answers_with_the_frames_a_push_came_in_and_copies_them_before_any_write_in_place():
     """The asgd PS folds a dense push into its own received buffers and resends those frames; a
     later fold that writes in place (a sparse update) must first copy them, since a frame already
@@ -297,6 +298,7 @@ def test_the_ps_answers_with_the_frames_a_push_came_in_and_copies_them_before_an
         thread.join(10)
 
 
+@pytest.mark.integration
 def test_the_ps_counts_the_time_it_spends_handling_requests_and_pushes():
     """``busy_s`` / ``push_busy_s``: each push here takes at least the 50 ms its fold is made to
     sleep, and nothing is counted that the client did not wait for; their CPU time does not hold

@@ -286,6 +286,7 @@ def in_process_ps():
         thread.join(10)
 
 
+@pytest.mark.integration
 def test_the_ps_folds_a_shared_push_into_spare_arrays_and_reuses_them(in_process_ps):
     """In-process PS: a push read from a worker's memory is folded into arrays of the PS's own, the
     replaced central arrays become the next fold's spares once no reply holds them, and nothing the
@@ -397,6 +398,7 @@ def test_the_ps_gives_lent_weights_back_before_it_answers_the_lenders_next_push(
         c.close()
 
 
+@pytest.mark.integration
 def test_lent_weights_leave_the_ps_arrays_they_replace_as_spares_for_the_next_fold(in_process_ps):
     """In-process PS: a lent push replaces the PS's own arrays, which the next fold out of a shared
     segment writes into, so that pushes alternating lent weights and deltas allocate nothing."""
@@ -416,6 +418,7 @@ def test_lent_weights_leave_the_ps_arrays_they_replace_as_spares_for_the_next_fo
     assert c.stats()["lent_copies"] == 0  # the lent arrays were no longer the model: nothing copied
 
 
+@pytest.mark.integration
 def test_lent_weights_given_back_for_a_fold_in_place_are_copied_once_while_a_reply_is_in_flight(in_process_ps):
     """In-process PS: a fold in place must not write arrays that a reply still being sent reads
     (copy-on-write), nor a lent model (copied back first). The copy that gives the lent model

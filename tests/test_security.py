@@ -186,6 +186,7 @@ def test_a_ps_beyond_loopback_without_keys_refuses_to_start(procs, tmp_path):
     assert code == 2 and "without authentication" in out, out
 
 
+@pytest.mark.integration
 def test_insecure_and_keys_each_allow_a_non_loopback_bind(tmp_path):
     server = ParameterServer(PSConfig(bind="tcp://0.0.0.0:*", insecure=True))
     server.close()
@@ -195,6 +196,7 @@ def test_insecure_and_keys_each_allow_a_non_loopback_bind(tmp_path):
     server.close()
 
 
+@pytest.mark.integration
 def test_the_strategy_refuses_an_embedded_ps_beyond_loopback_without_keys(monkeypatch):
     from lightning_fabric.plugins.environments import LightningEnvironment
 
@@ -212,6 +214,7 @@ if sys.platform == "win32":  # pragma: no cover
     pytest.skip("file modes", allow_module_level=True)
 
 
+@pytest.mark.integration
 def test_a_keyed_run_trains_on_an_embedded_ps_listening_beyond_loopback(monkeypatch, tmp_path):
     """MASTER_ADDR 0.0.0.0: rank 0's embedded PS listens on every interface, so it needs (and gets) the keys."""
     import pytorch_lightning as pl

@@ -75,6 +75,7 @@ def strategy():
         assert proc.poll() is not None and not group_members(proc.pid)
 
 
+@pytest.mark.integration
 def test_checkpoints_and_validation_see_the_central_model(strategy, tmp_path):
     probe = Probe(tmp_path / "mid.ckpt")
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, val_check_interval=12,
@@ -96,6 +97,7 @@ def test_checkpoints_and_validation_see_the_central_model(strategy, tmp_path):
                                   central(strategy)["layer.weight"])
 
 
+@pytest.mark.integration
 def test_a_lone_asgd_worker_gets_no_model_back_yet_holds_the_central_model_bit_for_bit(strategy):
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -108,6 +110,7 @@ def test_a_lone_asgd_worker_gets_no_model_back_yet_holds_the_central_model_bit_f
 
 
 @pytest.mark.parametrize("mode", ["asgd", "sync"])
+@pytest.mark.integration
 def test_pushes_through_shared_memory_train_the_bits_of_pushes_over_the_socket(mode):
     """The embedded PS is on this machine: a worker's dense updates go through shared memory, the
     socket carries headers only, and the run ends on the same bits as one that pushed the bytes."""
@@ -145,6 +148,7 @@ def fit_tiny(strategy, callbacks=()) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("shm", [True, False])
+@pytest.mark.integration
 def test_a_lone_asgd_worker_pushes_its_weights_and_trains_the_bits_of_plain_lightning(shm):
     """Nothing races a lone worker: each push sends its weights, which the PS takes as its model
     (``w``, not ``base + (w - base)`` rounded), so the run is plain training, bit for bit."""
@@ -176,6 +180,7 @@ class Racer(pl.Callback):
                                                       for n, t in strategy._synced_tensors().items()})
 
 
+@pytest.mark.integration
 def test_raced_weights_fold_nothing_and_the_worker_pushes_its_update_instead():
     plain = fit_tiny("auto")
     s = AsyncPSStrategy(mode="asgd")
@@ -193,6 +198,7 @@ def test_raced_weights_fold_nothing_and_the_worker_pushes_its_update_instead():
         np.testing.assert_allclose(finals[n], t, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.integration
 def test_a_worker_guesses_the_own_model_while_waiting_only_after_an_own_reply(monkeypatch):
     """Pushes of updates only (as of a worker over the socket among others): the model an "own" reply
     means is made while the PS folds where the last reply was "own", after the reply where it was not,
@@ -214,6 +220,7 @@ def test_a_worker_guesses_the_own_model_while_waiting_only_after_an_own_reply(mo
         np.testing.assert_array_equal(finals[n].view(np.uint32), central_now[n].view(np.uint32))
 
 
+@pytest.mark.integration
 def test_a_worker_whose_base_is_its_own_weights_never_asks_for_an_own_reply():
     """With pull_every=2 every other push takes no model: the worker then keeps its own weights as its
     base, which need not be the central model of the version it was told, so the next push must
@@ -229,6 +236,7 @@ def test_a_worker_whose_base_is_its_own_weights_never_asks_for_an_own_reply():
         s._shutdown(wait_for_workers=0)
 
 
+@pytest.mark.integration
 def test_overlapped_pushes_of_a_lone_worker_lose_no_step(tmp_path):
     """A lone worker's model is the central one either way: overlapping its pushes with its next
     steps must end where pushing after each step ends, up to float rounding."""
@@ -307,6 +315,7 @@ def test_reduce_ops_of_torch_and_lightning_are_understood():
         op_name("product")
 
 
+@pytest.mark.integration
 def test_a_process_group_that_would_lockstep_the_workers_is_warned_about():
     from tests.conftest import free_port
 
@@ -322,6 +331,7 @@ def test_a_process_group_that_would_lockstep_the_workers_is_warned_about():
 
 
 @pytest.mark.faults
+@pytest.mark.integration
 def test_an_unreachable_ps_is_reported_with_its_address_not_a_hang(fault_report):
     s = AsyncPSStrategy(ps_address="tcp://127.0.0.1:9", connect_timeout=1.5)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=s, max_epochs=1, logger=False,
@@ -360,6 +370,7 @@ def run_one_worker(strategy: AsyncPSStrategy, model: Tiny, steps: int) -> None:
 
 
 @pytest.mark.parametrize("push_every, pull_every", [(3, 2), (2, 5)])
+@pytest.mark.integration
 def test_downpour_pushes_every_push_every_and_loses_nothing_when_pulling(push_every, pull_every):
     import copy
 
@@ -377,6 +388,7 @@ def test_downpour_pushes_every_push_every_and_loses_nothing_when_pulling(push_ev
 
 
 @pytest.mark.parametrize("mode, push_every", [("osp", 1), ("losp", 3)])
+@pytest.mark.integration
 def test_overlapped_rounds_keep_the_progress_made_while_in_flight(mode, push_every):
     import copy
 
@@ -392,6 +404,7 @@ def test_overlapped_rounds_keep_the_progress_made_while_in_flight(mode, push_eve
         s._shutdown(wait_for_workers=0)
 
 
+@pytest.mark.integration
 def test_easgd_center_after_one_exchange_is_the_elastic_step():
     import copy
 
@@ -410,6 +423,7 @@ def test_easgd_center_after_one_exchange_is_the_elastic_step():
         s._shutdown(wait_for_workers=0)
 
 
+@pytest.mark.integration
 def test_agn_folds_in_the_accumulated_update_divided_by_the_steps():
     import copy
 
@@ -426,6 +440,7 @@ def test_agn_folds_in_the_accumulated_update_divided_by_the_steps():
         s._shutdown(wait_for_workers=0)
 
 
+@pytest.mark.integration
 def test_eamsgd_refuses_an_optimizer_without_nesterov_momentum():
     s = AsyncPSStrategy(mode="eamsgd")
     try:
@@ -457,6 +472,7 @@ class TinyAdam(Tiny):
 
 
 @pytest.mark.parametrize("module,scaled", [(Tiny, True), (TinyAdam, False)])
+@pytest.mark.integration
 def test_a_worker_scales_its_updates_unless_its_optimizer_normalizes_its_steps(module, scaled):
     s = AsyncPSStrategy(mode="asgd")
     try:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import free_port_block
 from plug_asgd.client import PSClient, PSError, PSUnreachableError
 from tests.conftest import (
     ACCURACY_THRESHOLD,
@@ -23,6 +24,8 @@ from tests.conftest import (
     group_members,
     needs_fashion,
 )
+
+pytestmark = pytest.mark.integration  # every test trains in processes
 
 
 def run_recipe(groups: ProcessGroups, tmp: Path, *args: str, timeout: float = 150, env=None) -> dict:
@@ -40,47 +43,9 @@ def rank_results(out_dir: Path, output: str) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
-@pytest.fixture(scope="module")
-def core_runs(tmp_path_factory):
-    """One run of each core mode, 2 workers, shared by the tests below."""
-    if not (FASHION / "train-images-idx3-ubyte.gz").exists():
-        pytest.skip("Fashion-MNIST not installed: apt-get install dataset-fashion-mnist")
-    groups = ProcessGroups()
-    tmp = tmp_path_factory.mktemp("core")
-    try:
-        runs = {mode: run_recipe(groups, tmp, "--workers", "2", "--mode", mode, "--compression", "0.01")
-                for mode in ("asgd", "adacomp", "sync")}
-    finally:
-        left = groups.leftovers()
-        for p in groups.procs:
-            groups.kill(p)
-    assert not left, f"processes left running: {left}"
-    return runs
-
-
-@needs_fashion
-@pytest.mark.parametrize("mode", ["asgd", "adacomp", "sync"])
-def test_each_mode_trains_the_central_model_well_above_chance(core_runs, mode):
-    run = core_runs[mode]
-    assert run["test_acc"] >= ACCURACY_THRESHOLD, run
-    # 8000 images / 2 workers / batch 32 = 125 steps per worker
-    if mode == "sync":
-        assert run["ps_version"] == 125 and run["pushes_applied"] == 250
-    else:
-        assert run["ps_version"] == 250
-
-
-@needs_fashion
-def test_adacomp_pushes_at_least_30x_fewer_bytes_than_asgd(core_runs):
-    asgd, ada = core_runs["asgd"], core_runs["adacomp"]
-    assert asgd["pushes_applied"] == ada["pushes_applied"] == 250
-    # dense: 1,199,882 float32 = 4,799,528 bytes per push, through shared memory (the PS is on this
-    # machine) with a header on the socket; adacomp's sparse updates all go over the socket
-    assert asgd["push_local_bytes"] == 250 * 4_799_528 and ada["push_local_bytes"] == 0
-    dense = asgd["push_bytes"] + asgd["push_local_bytes"]
-    assert dense / ada["push_bytes"] >= 30, (dense, ada["push_bytes"])
-
-
+# the core modes, as the recipe runs them (8,000 images, 1,000 test images, batch 32, Adam 1e-3, 1%): asgd
+# is the recipe's own run with the callbacks on (recipe_run, tests/conftest.py), the others join the launch below
+CORE = ["asgd", "adacomp", "sync"]
 # 125 local steps per worker: versions follow from each scheme's push cadence (the last, partial
 # accumulation is flushed at the end of fit). Each entry: the run's settings over the defaults of
 # the recipe's test runs (8,000 images, 1,000 test images, batch 32, Adam 1e-3), the PS version.
@@ -113,13 +78,13 @@ PAIRS = [  # (mode, compressor settings, the most bytes its 250 pushes may take,
     ("sync", {"compressor": "powersgd", "options": {"rank": 4}}, 0.034),
 ]
 PAIR_IDS = [f"{m}-{settings['compressor']}" for m, settings, _ in PAIRS]
-# the 18 runs' launch takes about 3 minutes on 2 idle cores; the first test using it sets it up
+# the 20 runs' launch takes about 2 minutes on 2 idle cores; the first test using it sets it up
 LAUNCH_TIMEOUT_S = 840
 
 
 @pytest.fixture(scope="module")
 def scheme_runs(tmp_path_factory):
-    """Every scheme and every compressor trained in one launch of 2 Lightning workers.
+    """Every mode (the core ones too) and every compressor trained in one launch of 2 Lightning workers.
 
     ``bench.train`` runs them one after another in the same two processes (a fresh Trainer,
     strategy and embedded PS each, on a port of its own), so the suite pays the start of Python,
@@ -131,7 +96,8 @@ def scheme_runs(tmp_path_factory):
     from bench.runner import launch  # the benchmarks' launcher: spec, ports, threads, a process group ended on return
 
     common = {"kind": "asgd", "batch_size": 32, "train_subset": 8000, "epochs": 1, "test": True}
-    runs = [{**common, "name": mode, "mode": mode, **settings} for mode, settings, _ in SCHEMES]
+    runs = [{**common, "name": mode, "mode": mode, "compression": 0.01} for mode in CORE if mode != "asgd"]
+    runs += [{**common, "name": mode, "mode": mode, **settings} for mode, settings, _ in SCHEMES]
     runs += [{**common, "name": name, "mode": mode, **settings}
              for name, (mode, settings, _) in zip(PAIR_IDS, PAIRS, strict=True)]
     work = tmp_path_factory.mktemp("schemes")
@@ -145,6 +111,38 @@ def scheme_run(scheme_runs, name: str) -> dict:
     results, failure = scheme_runs
     assert name in results, f"the run {name!r} has no result: {failure}"
     return results[name]
+
+
+def core_run(request, mode: str) -> dict:
+    """A core mode's run: asgd's is the recipe's (a launch of its own, shared with test_callbacks)."""
+    if mode == "asgd":
+        return request.getfixturevalue("recipe_run")[2]
+    return scheme_run(request.getfixturevalue("scheme_runs"), mode)
+
+
+@needs_fashion
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)  # the launch, when this test is the first to need it
+@pytest.mark.parametrize("mode", CORE)
+def test_each_mode_trains_the_central_model_well_above_chance(request, mode):
+    run = core_run(request, mode)
+    assert run["test_acc"] >= ACCURACY_THRESHOLD, run
+    # 8000 images / 2 workers / batch 32 = 125 steps per worker
+    if mode == "sync":
+        assert run["ps_version"] == 125 and run["pushes_applied"] == 250
+    else:
+        assert run["ps_version"] == 250
+
+
+@needs_fashion
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+def test_adacomp_pushes_at_least_30x_fewer_bytes_than_asgd(request):
+    asgd, ada = core_run(request, "asgd"), core_run(request, "adacomp")
+    assert asgd["pushes_applied"] == ada["pushes_applied"] == 250
+    # dense: 1,199,882 float32 = 4,799,528 bytes per push, through shared memory (the PS is on this
+    # machine) with a header on the socket; adacomp's sparse updates all go over the socket
+    assert asgd["push_local_bytes"] == 250 * 4_799_528 and ada["push_local_bytes"] == 0
+    dense = asgd["push_bytes"] + asgd["push_local_bytes"]
+    assert dense / ada["push_bytes"] >= 30, (dense, ada["push_bytes"])
 
 
 @needs_fashion
@@ -183,12 +181,36 @@ def test_a_missing_dataset_is_refused_before_any_worker_starts(procs, tmp_path, 
     assert out.count(f"not found in {tmp_path / 'nothing'}") == 1 and "Traceback" not in out, out[-3000:]
 
 
+BN_MODES = ["asgd", "adacomp", "sync", "osp"]
+
+
+@pytest.fixture(scope="module")
+def bn_runs(tmp_path_factory):
+    """tests/scripts/bn_sched.py under each of BN_MODES, one fit after another in one launch of 2 workers."""
+    out = tmp_path_factory.mktemp("bn_sched")
+    groups = ProcessGroups()
+    try:
+        base = free_port_block(len(BN_MODES))  # ports below the ephemeral range, which no connection takes meanwhile
+        code, log = groups.run([PYTHON, "tests/scripts/bn_sched.py", "--modes", ",".join(BN_MODES), "--ps-ports",
+                                ",".join(str(base + i) for i in range(len(BN_MODES))), "--out", str(out)], timeout=240)
+    finally:
+        left = groups.leftovers()
+        for p in groups.procs:
+            groups.kill(p)
+    assert not left, f"processes left running: {left}"
+    return out, code, log
+
+
+def bn_results(bn_runs, mode: str) -> list[dict]:
+    out, code, log = bn_runs
+    assert code == 0, log[-4000:]
+    return rank_results(out / mode, log)
+
+
+@pytest.mark.timeout(300)  # the launch, when this test is the first to need it
 @pytest.mark.parametrize("mode", ["asgd", "adacomp", "sync"])
-def test_batchnorm_and_lr_scheduler_train_under_each_mode(procs, tmp_path, mode):
-    code, out = procs.run([PYTHON, "tests/scripts/bn_sched.py", "--mode", mode, "--out", str(tmp_path)],
-                          timeout=120)
-    assert code == 0, out[-4000:]
-    ranks = rank_results(tmp_path, out)
+def test_batchnorm_and_lr_scheduler_train_under_each_mode(bn_runs, mode):
+    ranks = bn_results(bn_runs, mode)
     for r in ranks:
         # 1280 samples / 2 workers / batch 32 = 20 steps per epoch, 2 epochs; StepLR(10, 0.5) per step
         assert r["steps"] == 40 and r["lr"] == pytest.approx(0.1 * 0.5**4)
@@ -222,10 +244,9 @@ def test_hogwild_workers_update_one_shared_tensor(procs, tmp_path):
     assert not list(Path("/dev/shm").glob("plug_asgd_hogwild_*"))  # the shared file is gone
 
 
-def test_osp_sends_while_the_next_step_computes(procs, tmp_path):
-    code, out = procs.run([PYTHON, "tests/scripts/bn_sched.py", "--mode", "osp", "--out", str(tmp_path)], timeout=120)
-    assert code == 0, out[-4000:]
-    for r in rank_results(tmp_path, out):
+@pytest.mark.timeout(300)
+def test_osp_sends_while_the_next_step_computes(bn_runs):
+    for r in bn_results(bn_runs, "osp"):
         comm = r["comm"]
         assert comm["overlapped_steps"] > 0
         # timestamps of the first pushes: (sent, next step started, reply received)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plug_asgd.exchange.base import Exchange, Link, assign, to_numpy
+from plug_asgd.exchange.base import Exchange, Link, to_numpy
 from plug_asgd.exchange.elastic import ElasticExchange
 from plug_asgd.exchange.overlap import OverlapExchange
 from plug_asgd.exchange.push import PushExchange

@@ -14,6 +14,7 @@ from plug_asgd.client import ModelReply, PSClient
 from plug_asgd.compressors import Codec, Compressor, NoCompression
 from plug_asgd.modes import Mode
 from plug_asgd.staleness import OFF, Compensator, StalenessCompensation, normalizes_steps, warn_unknown_optimizers
+from plug_asgd.tensors import assign
 
 
 def to_numpy(t: Tensor) -> np.ndarray:
@@ -21,15 +22,6 @@ def to_numpy(t: Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: bf16 tensors travel as float32
         t = t.float()
     return t.cpu().numpy()
-
-
-def assign(target: Tensor, array: np.ndarray) -> None:
-    """Copy ``array`` into ``target`` in place (parameters keep their identity for the optimizer)."""
-    with torch.no_grad():
-        if target.device.type == "cpu" and target.dtype != torch.bfloat16:
-            target.detach().numpy()[...] = array.reshape(target.shape)
-        else:
-            target.copy_(torch.tensor(array).reshape(target.shape))
 
 
 @dataclass

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from plug_asgd.client import PSUnreachableError
-from plug_asgd.exchange.base import assign
 from plug_asgd.exchange.push import PushExchange
 from plug_asgd.modes import PushMode
+from plug_asgd.tensors import assign
 
 _LET_GO_S = 5.0  # how long a stage's end waits for a push in flight after a failure
 

@@ -2,6 +2,8 @@
 
 Each rank writes what it ends with to OUT/rank{r}.json, for tests/test_training.py to compare.
 The data are generated here on purpose: this script tests the strategy's mechanics, not a model.
+``--modes asgd,sync --ps-ports P1,P2`` trains one fresh model under each mode in turn, in the same
+processes (each with its embedded PS on its own port), and writes OUT/MODE/rank{r}.json.
 """
 
 import argparse
@@ -53,24 +55,34 @@ def loader(n: int, seed: int, shuffle: bool) -> DataLoader:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", default="asgd")
+    parser.add_argument("--modes", default=None, help="comma-separated: one fit each, results in OUT/MODE/")
+    parser.add_argument("--ps-ports", default=None, help="with --modes: the embedded PS's port of each fit")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--start-method", default="popen")
     args = parser.parse_args()
+    if args.modes is None:
+        train(args.mode, None, args.out, args.start_method)
+        return
+    for mode, port in zip(args.modes.split(","), args.ps_ports.split(","), strict=True):
+        train(mode, int(port), args.out / mode, args.start_method)
+
+
+def train(mode: str, ps_port: int | None, out_dir: Path, start_method: str) -> None:
     pl.seed_everything(0, verbose=False)
     model = BNNet()
-    mode, _ = mode_and_codec(args.mode, compression=0.1)  # adacomp sends 10%
-    strategy = AsyncPSStrategy(mode=mode, start_method=args.start_method)
+    mode_obj, _ = mode_and_codec(mode, compression=0.1)  # adacomp sends 10%
+    strategy = AsyncPSStrategy(mode=mode_obj, start_method=start_method, ps_port=ps_port)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, loader(1280, 0, True))
     after_fit = float(sum(p.double().sum() for p in model.parameters()))  # what fit leaves in the module
     threads = torch.get_num_threads()
     results = trainer.test(model, loader(512, 1, False), verbose=False)
-    if args.start_method != "popen":
+    if start_method != "popen":
         # Lightning's multiprocessing launcher trains in child processes and hands rank 0's results
         # back to this one; the per-rank checks below need the popen launcher's own ranks.
-        (args.out / "parent.json").parent.mkdir(parents=True, exist_ok=True)
-        (args.out / "parent.json").write_text(json.dumps({"test_acc": results[0]["test_acc"]}))
+        (out_dir / "parent.json").parent.mkdir(parents=True, exist_ok=True)
+        (out_dir / "parent.json").write_text(json.dumps({"test_acc": results[0]["test_acc"]}))
         return
     bn = model.net[1]
     out = {
@@ -86,8 +98,8 @@ def main() -> None:
         "threads": threads,
         "comm": strategy.comm_stats(),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 Two linear layers with tanh, ``SGD(lr=0.05, momentum=0.9)`` (Nesterov's for eamsgd, which needs it),
 batch 32, 3 epochs of 2,048 samples: the settings a user of one process or DDP would pick. Every
 rank runs the same sequence of fits (Lightning launches the other ranks once, at the first
-Trainer, by re-running this script); rank 0 writes ``OUT/MODE.json`` with the central model's
-validation loss before and after. ``--off`` trains with ``staleness_compensation=False``.
+Trainer, by re-running this script); rank 0 writes ``OUT/on/MODE.json`` with the central model's
+validation loss before and after. ``--off-modes``, trained after ``--modes`` in the same launch with
+``staleness_compensation=False``, write ``OUT/off/MODE.json``.
 """
 
 import argparse
@@ -58,15 +59,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--modes", required=True, help="comma-separated; MODE+CODEC for a compressor")
-    parser.add_argument("--off", action="store_true")
+    parser.add_argument("--off-modes", default="", help="the same, trained with staleness_compensation=False")
     args = parser.parse_args()
     base_port = int(os.environ["MASTER_PORT"]) + 1
-    for i, name in enumerate(args.modes.split(",")):
+    runs = [(name, False) for name in args.modes.split(",")] + [(name, True) for name in args.off_modes.split(",")
+                                                                if name]
+    for i, (name, off) in enumerate(runs):
         mode, _, codec = name.partition("+")
         pl.seed_everything(0, verbose=False)
         model = Regression(nesterov=mode == "eamsgd")
         before = val_loss(model)
-        options = {"staleness_compensation": False} if args.off else {}
+        options = {"staleness_compensation": False} if off else {}
         strategy = AsyncPSStrategy(mode=mode, compressor=codec or "none", ps_port=base_port + i, **options)
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=EPOCHS,
                              logger=False, enable_checkpointing=False, enable_model_summary=False,
@@ -75,8 +78,10 @@ def main() -> None:
         trainer.fit(model, loader)  # the module ends holding the central model
         if trainer.is_global_zero:
             after = val_loss(model)
-            (args.out / f"{name}.json").write_text(json.dumps({"mode": name, "before": before, "after": after,
-                                                               "ps_version": strategy.ps_stats()["version"]}))
+            out = args.out / ("off" if off else "on")
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{name}.json").write_text(json.dumps({"mode": name, "before": before, "after": after,
+                                                          "ps_version": strategy.ps_stats()["version"]}))
 
 
 if __name__ == "__main__":
