@@ -16,28 +16,25 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
-import subprocess
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
-from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from plug_asgd import compressors, modes
-from plug_asgd.client import DEFAULT_HEARTBEAT_S, PSClient, PSError, PSUnreachableError
+from plug_asgd.client import PSClient, PSError, PSUnreachableError
 from plug_asgd.collectives import Collectives
 from plug_asgd.compressors import Codec
+from plug_asgd.embedded_ps import EmbeddedPS, check_arguments, check_placement, configurer, endpoint, ps_config
 from plug_asgd.exchange import Link, make_exchange
 from plug_asgd.modes import Mode
-from plug_asgd.namespaces import LightningBound
-from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT, PSConfig, embedded_command
-from plug_asgd.security import check_bind
+from plug_asgd.plumbing import DDPPlumbing
+from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT
 from plug_asgd.staleness import StalenessCompensation, resolve
 
 if TYPE_CHECKING:  # either namespace's classes (plug_asgd.namespaces); pytorch_lightning's names them here
@@ -54,15 +51,15 @@ _FAILED_EXIT_S = 5.0
 # TrainerFn.FITTING and RunningStage.TRAINING of either namespace (str enums, equal to their values)
 _FITTING, _TRAINING = "fit", "train"
 
+def synced_tensors(module: Any) -> dict[str, Tensor]:
+    """``module``'s floating-point parameters and buffers (BatchNorm statistics): what the PS holds."""
+    assert module is not None
+    tensors = {n: p for n, p in module.named_parameters() if p.is_floating_point()}
+    tensors.update((n, b) for n, b in module.named_buffers() if b.is_floating_point())
+    return tensors
 
-@runtime_checkable
-class ConfiguresPS(Protocol):
-    """A callback that sets options of the embedded PS (``PSCheckpoint``: its checkpoint policy)."""
 
-    def ps_options(self) -> dict[str, Any]: ...
-
-
-class AsyncPSStrategy(LightningBound):
+class AsyncPSStrategy(DDPPlumbing):
     """Train any LightningModule with asynchronous, compressed or synchronous parameter-server SGD.
 
     Written once for both Lightning namespaces: ``AsyncPSStrategy(...)`` is a
@@ -102,10 +99,6 @@ class AsyncPSStrategy(LightningBound):
     """
 
     strategy_name = "async_ps"
-    # the namespace's launchers and torchrun environment, set by plug_asgd.pytorch_lightning / plug_asgd.lightning
-    script_launcher: Any
-    process_launcher: Any
-    elastic_environment: Any
 
     def __init__(
         self,
@@ -140,89 +133,23 @@ class AsyncPSStrategy(LightningBound):
         self.mode = modes.get(mode)
         self.compressor = compressors.get(compressor)
         self.mode.check_compressor(self.compressor)
-        if max_updates is not None and max_updates < 1:
-            raise ValueError(f"max_updates must be >= 1, got {max_updates}")
-        if heartbeat_s == "auto":
-            heartbeat_s = min(DEFAULT_HEARTBEAT_S, worker_timeout / 4)
-        if heartbeat_s is not None and not 0 < heartbeat_s <= worker_timeout / 2:
-            raise ValueError(f"heartbeat_s must be in (0, worker_timeout / 2 = {worker_timeout / 2:g}] so that one "
-                             f"late beat does not make a live worker lost, got {heartbeat_s}")
-        if ps_address is not None and not ps_address.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"ps_address must look like tcp://host:port, got {ps_address!r}")
-        self.max_updates = max_updates
-        self.ps_address = ps_address
-        self.ps_port = ps_port
-        self.connect_timeout = connect_timeout
-        self.request_timeout = request_timeout
-        self.lost_timeout = lost_timeout
-        self.heartbeat_s = heartbeat_s
-        self.worker_timeout = worker_timeout
-        self.resume_from = resume_from
-        self.ps_run_dir = ps_run_dir
-        self.ps_keys = ps_keys
-        self.ps_insecure = ps_insecure
-        if not 1 <= ps_threads <= 256:
-            raise ValueError(f"ps_threads must be between 1 and 256, got {ps_threads}")
-        self.ps_threads = ps_threads
+        self.heartbeat_s = check_arguments(max_updates=max_updates, heartbeat_s=heartbeat_s,
+                                           worker_timeout=worker_timeout, ps_address=ps_address, ps_threads=ps_threads)
+        self.max_updates, self.ps_address, self.ps_port = max_updates, ps_address, ps_port
+        self.connect_timeout, self.request_timeout, self.lost_timeout = connect_timeout, request_timeout, lost_timeout
+        self.worker_timeout, self.resume_from, self.ps_run_dir = worker_timeout, resume_from, ps_run_dir
+        self.ps_keys, self.ps_insecure, self.ps_threads = ps_keys, ps_insecure, ps_threads
         self.shm_pushes = shm_pushes
         self.staleness_compensation = resolve(staleness_compensation, self.mode.name, self.mode.compensate)
         self._start_method = start_method
         self._num_nodes = 1
         self._client: PSClient | None = None
-        self._ps_proc: subprocess.Popen | None = None
-        self._ps_initialized = False
-        self._stage = 0
-        self._collective_seq = 0
-        self._in_stage = False
-        self._fitting = False
-        self._failed = False
+        self._embedded_ps = EmbeddedPS()
+        self._stage = self._collective_seq = 0
+        self._ps_initialized = self._in_stage = self._fitting = self._failed = False
         self._ps_stats_at_exit: dict[str, Any] | None = None
         self._exchange = make_exchange(self.mode, codec=self.compressor, compensation=self.staleness_compensation,
                                        shm_pushes=shm_pushes)
-
-    # -- Lightning plumbing (as DDP) ---------------------------------------------------------------
-
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def is_distributed(self) -> bool:
-        return True
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = self.script_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = self.process_launcher(self, start_method=self._start_method)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
-
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -244,14 +171,14 @@ class AsyncPSStrategy(LightningBound):
             rank_zero_warn("a torch.distributed process group exists: Lightning synchronises every training "
                            "step over it, so AsyncPSStrategy's workers cannot run ahead of each other. Call "
                            "torch.distributed.destroy_process_group() before fitting with it.")
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._trainer()
         self._fitting = trainer is not None and trainer.state.fn == _FITTING
         self._stage += 1
         self._collective_seq = 0
         self._failed = False
         self._exchange.joined = False
         client = self._connect()
-        welcome = client.hello(self._stage, self._fitting, timeout=self.connect_timeout, alive=self._ps_gone)
+        welcome = client.hello(self._stage, self._fitting, timeout=self.connect_timeout, alive=self._embedded_ps.gone)
         self._ps_initialized = bool(welcome.get("initialized"))
         self._exchange.attach(self._link(client))
         self._in_stage = True
@@ -259,9 +186,9 @@ class AsyncPSStrategy(LightningBound):
     def _link(self, client: PSClient) -> Link:
         """What the exchange needs of this worker for the stage that starts."""
         port = self.cluster_environment.main_port if self.cluster_environment is not None else 0
-        return Link(client=client, tensors=self._synced_tensors, rank=self.global_rank, world_size=self.world_size,
-                    stage=self._stage, fitting=self._fitting, barrier=self.barrier, stop=self._request_stop,
-                    shared_tag=f"{port}_{self._stage}",
+        return Link(client=client, tensors=lambda: synced_tensors(self.lightning_module), rank=self.global_rank,
+                    world_size=self.world_size, stage=self._stage, fitting=self._fitting, barrier=self.barrier,
+                    stop=self._request_stop, shared_tag=f"{port}_{self._stage}",
                     one_cpu_machine=self.num_nodes == 1 and self.root_device.type == "cpu")
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -322,82 +249,34 @@ class AsyncPSStrategy(LightningBound):
 
     def _endpoint(self) -> tuple[str, str | None]:
         """The address workers connect to, and the one rank 0 binds (None: an external PS)."""
-        if self.ps_address is not None:
-            return self.ps_address, None
-        assert self.cluster_environment is not None
         env = self.cluster_environment
-        host = env.main_address
-        # Without torch.distributed the main port is free for the PS (Lightning chose it free), except
-        # under torchrun, whose agent serves its store there.
-        port = self.ps_port or env.main_port + (1 if isinstance(env, self.elastic_environment) else 0)
-        address = f"tcp://{host}:{port}"
-        return address, f"tcp://{socket.gethostbyname(host)}:{port}"
+        return endpoint(self.ps_address, self.ps_port, env, isinstance(env, self.elastic_environment))
 
     def _connect(self) -> PSClient:
         if self._client is not None:
             return self._client
         address, bind = self._endpoint()
-        if bind is None and (self.resume_from is not None or self._ps_checkpoint_callback() is not None):
-            raise ValueError(f"the PS at {address} is external: PSCheckpoint and resume_from configure the "
-                             "embedded PS only; give the external one `plug-asgd serve-ps --checkpoint-dir DIR` "
-                             "or `--resume DIR` instead")
-        if bind is not None:  # every rank refuses alike, instead of waiting for a PS that never starts
-            check_bind(bind, self.ps_keys is not None, self.ps_insecure)
+        check_placement(address, bind, embedded_options=self.resume_from is not None or configurer(self._trainer()),
+                        keys=self.ps_keys, insecure=self.ps_insecure)
         if bind is not None and self.global_rank == 0:
-            self._start_embedded_ps(bind)
+            self._embedded_ps.start(ps_config(self, bind, self._trainer()))
         self._client = PSClient(address, rank=self.global_rank, world_size=self.world_size, mode=self.mode.name,
                                 request_timeout=self.request_timeout, lost_timeout=self.lost_timeout,
                                 heartbeat_s=self.heartbeat_s, keys=self.ps_keys)
         atexit.register(self._shutdown)
         return self._client
 
-    def _ps_checkpoint_callback(self) -> Any:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        found = [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, ConfiguresPS)]
-        return found[0] if found else None
-
-    def _start_embedded_ps(self, bind: str) -> None:
-        checkpoint = self._ps_checkpoint_callback()
-        run_dir = self.ps_run_dir
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if run_dir is None and trainer is not None and trainer.loggers and trainer.log_dir is not None:
-            run_dir = os.path.join(trainer.log_dir, "ps")
-        config = PSConfig(bind=bind, mode=self.mode.name, parent_pid=os.getpid(), max_updates=self.max_updates,
-                          **self.mode.server_options(),
-                          resume=self.resume_from, worker_timeout=self.worker_timeout, run_dir=run_dir,
-                          keys=self.ps_keys, insecure=self.ps_insecure, threads=self.ps_threads,
-                          **(checkpoint.ps_options() if checkpoint is not None else {}))
-        self._ps_proc = subprocess.Popen(embedded_command(config), stdin=subprocess.DEVNULL)
-
-    def _ps_gone(self) -> str | None:
-        if self._ps_proc is not None and self._ps_proc.poll() is not None:
-            return (f"the embedded parameter server exited with code {self._ps_proc.returncode} before "
-                    "answering (its message is above); if the port is taken, pass ps_port=")
-        return None
+    def _trainer(self) -> Any:
+        return self.lightning_module.trainer if self.lightning_module is not None else None
 
     def _shutdown(self, wait_for_workers: float = 30.0) -> None:
         """At exit: let the other workers finish with the PS, then stop it (rank 0) and close."""
         self._exchange.close()
         client, self._client = self._client, None
         if client is not None:
-            if self._ps_proc is not None and self._ps_proc.poll() is None:
-                deadline = time.monotonic() + wait_for_workers
-                while time.monotonic() < deadline:
-                    try:
-                        if not client.stats(timeout=2.0)["workers"]:
-                            break
-                    except (PSError, PSUnreachableError):
-                        break
-                    time.sleep(0.1)
+            self._embedded_ps.wait_for_workers(client, wait_for_workers)
             client.close()
-        if self._ps_proc is not None:
-            self._ps_proc.terminate()
-            try:
-                self._ps_proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._ps_proc.kill()
-                self._ps_proc.wait()
-            self._ps_proc = None
+        self._embedded_ps.stop()
 
     def comm_stats(self) -> dict[str, Any]:
         """This worker's counters: local steps, bytes up and down (measured on the wire), time spent
@@ -421,14 +300,6 @@ class AsyncPSStrategy(LightningBound):
         return self._client.stats()
 
     # -- synchronising the model with the PS -----------------------------------------------------
-
-    def _synced_tensors(self) -> dict[str, Tensor]:
-        """Floating-point parameters and buffers (BatchNorm statistics): what the PS holds."""
-        module = self.lightning_module
-        assert module is not None
-        tensors = {n: p for n, p in module.named_parameters() if p.is_floating_point()}
-        tensors.update((n, b) for n, b in module.named_buffers() if b.is_floating_point())
-        return tensors
 
     def _join(self) -> None:
         """Start of a stage: offer our weights if the PS has none yet, then take the central ones."""
@@ -481,6 +352,6 @@ class AsyncPSStrategy(LightningBound):
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce across workers during evaluation; during training the local value is returned."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._trainer()
         training = trainer is not None and trainer.state.stage == _TRAINING
         return self._collectives().reduce(tensor, reduce_op, training)

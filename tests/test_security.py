@@ -207,7 +207,7 @@ def test_the_strategy_refuses_an_embedded_ps_beyond_loopback_without_keys(monkey
     strategy = AsyncPSStrategy(cluster_environment=LightningEnvironment())
     with pytest.raises(InsecureBindError, match="ps_keys|--ps-keys"):
         strategy._connect()
-    assert strategy._ps_proc is None, "no PS may have been started"
+    assert strategy._embedded_ps.process is None, "no PS may have been started"
 
 
 if sys.platform == "win32":  # pragma: no cover
@@ -242,7 +242,7 @@ def test_a_keyed_run_trains_on_an_embedded_ps_listening_beyond_loopback(monkeypa
         central = strategy._client.pull().tensors["layer.weight"]
         np.testing.assert_array_equal(trainer.lightning_module.layer.weight.detach().numpy(), central)
     finally:
-        proc = strategy._ps_proc
+        proc = strategy._embedded_ps.process
         strategy._shutdown(wait_for_workers=0)
         if proc is not None:
             assert proc.poll() is not None and not group_members(proc.pid)

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from plug_asgd import AsyncPSStrategy
 from plug_asgd.collectives import op_name
 from plug_asgd.modes import AGN, EASGD, OSP, SSP, AdaComp, Asgd, Downpour, Sync
+from plug_asgd.strategy import synced_tensors
 from tests.conftest import group_members
 
 
@@ -69,7 +70,7 @@ class Probe(pl.Callback):
 def strategy():
     s = AsyncPSStrategy(mode=Asgd(push_every=5))
     yield s
-    proc = s._ps_proc
+    proc = s._embedded_ps.process
     s._shutdown(wait_for_workers=0)
     if proc is not None:
         assert proc.poll() is not None and not group_members(proc.pid)
@@ -177,7 +178,7 @@ class Racer(pl.Callback):
         if trainer.global_step == 4:
             strategy = trainer.strategy
             strategy._client.push(strategy._exchange.version, {n: np.zeros(t.shape, np.float32)
-                                                      for n, t in strategy._synced_tensors().items()})
+                                                      for n, t in synced_tensors(module).items()})
 
 
 @pytest.mark.integration
@@ -255,7 +256,7 @@ def test_overlapped_pushes_of_a_lone_worker_lose_no_step(tmp_path):
             for n, p in module.named_parameters():  # teardown leaves the central model in the module
                 np.testing.assert_array_equal(p.detach().numpy(), center[n])
         finally:
-            proc = s._ps_proc
+            proc = s._embedded_ps.process
             s._shutdown(wait_for_workers=0)
             assert proc is None or proc.poll() is not None
     for st in stats:

@@ -1,0 +1,131 @@
+"""The embedded parameter server: the PS that global rank 0 of an ``AsyncPSStrategy`` starts in a process of its own.
+
+Its :class:`~plug_asgd.ps.PSConfig` is made from the strategy's arguments and the trainer's
+callbacks (:class:`ConfiguresPS`); :class:`EmbeddedPS` starts it, watches it and stops it.
+Imports neither Lightning namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from typing import Any, Protocol, runtime_checkable
+
+from plug_asgd.client import DEFAULT_HEARTBEAT_S, PSClient, PSError, PSUnreachableError
+from plug_asgd.ps import PSConfig, embedded_command
+from plug_asgd.security import check_bind
+
+
+@runtime_checkable
+class ConfiguresPS(Protocol):
+    """A callback that sets options of the embedded PS (``PSCheckpoint``: its checkpoint policy)."""
+
+    def ps_options(self) -> dict[str, Any]: ...
+
+
+def configurer(trainer: Any) -> ConfiguresPS | None:
+    """The first of ``trainer``'s callbacks that sets options of the embedded PS; None if none does."""
+    found = [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, ConfiguresPS)]
+    return found[0] if found else None
+
+
+def check_arguments(*, max_updates: int | None, heartbeat_s: float | str | None, worker_timeout: float,
+                    ps_address: str | None, ps_threads: int) -> float | None:
+    """Refuses the strategy's PS arguments that are out of range; returns ``heartbeat_s`` with ``"auto"`` resolved."""
+    if max_updates is not None and max_updates < 1:
+        raise ValueError(f"max_updates must be >= 1, got {max_updates}")
+    if heartbeat_s == "auto":
+        heartbeat_s = min(DEFAULT_HEARTBEAT_S, worker_timeout / 4)
+    if heartbeat_s is not None and not 0 < heartbeat_s <= worker_timeout / 2:  # type: ignore[operator]
+        raise ValueError(f"heartbeat_s must be in (0, worker_timeout / 2 = {worker_timeout / 2:g}] so that one "
+                         f"late beat does not make a live worker lost, got {heartbeat_s}")
+    if ps_address is not None and not ps_address.startswith(("tcp://", "ipc://")):
+        raise ValueError(f"ps_address must look like tcp://host:port, got {ps_address!r}")
+    if not 1 <= ps_threads <= 256:
+        raise ValueError(f"ps_threads must be between 1 and 256, got {ps_threads}")
+    return heartbeat_s  # type: ignore[return-value]
+
+
+def endpoint(ps_address: str | None, ps_port: int | None, env: Any, elastic: bool) -> tuple[str, str | None]:
+    """The address workers connect to, and the one rank 0 binds (None: an external PS at ``ps_address``).
+
+    Without torch.distributed the cluster's main port is free for the PS (Lightning chose it free),
+    except under torchrun (``elastic``), whose agent serves its store there: the PS takes the next one."""
+    if ps_address is not None:
+        return ps_address, None
+    assert env is not None
+    host = env.main_address
+    port = ps_port or env.main_port + (1 if elastic else 0)
+    return f"tcp://{host}:{port}", f"tcp://{socket.gethostbyname(host)}:{port}"
+
+
+def check_placement(address: str, bind: str | None, *, embedded_options: Any, keys: Any, insecure: bool) -> None:
+    """Refuses options of the embedded PS (``embedded_options`` true) for an external one (``bind`` None), and
+    an embedded PS listening beyond loopback without keys; every rank refuses alike, none waits for a PS."""
+    if bind is None and embedded_options:
+        raise ValueError(f"the PS at {address} is external: PSCheckpoint and resume_from configure the "
+                         "embedded PS only; give the external one `plug-asgd serve-ps --checkpoint-dir DIR` "
+                         "or `--resume DIR` instead")
+    if bind is not None:
+        check_bind(bind, keys is not None, insecure)
+
+
+def ps_config(strategy: Any, bind: str, trainer: Any) -> PSConfig:
+    """The embedded PS's config: ``strategy``'s arguments, the options of ``trainer``'s :class:`ConfiguresPS`."""
+    checkpoint = configurer(trainer)
+    run_dir = strategy.ps_run_dir
+    if run_dir is None and trainer is not None and trainer.loggers and trainer.log_dir is not None:
+        run_dir = os.path.join(trainer.log_dir, "ps")
+    return PSConfig(bind=bind, mode=strategy.mode.name, parent_pid=os.getpid(), max_updates=strategy.max_updates,
+                    **strategy.mode.server_options(),
+                    resume=strategy.resume_from, worker_timeout=strategy.worker_timeout, run_dir=run_dir,
+                    keys=strategy.ps_keys, insecure=strategy.ps_insecure, threads=strategy.ps_threads,
+                    **(checkpoint.ps_options() if checkpoint is not None else {}))
+
+
+class EmbeddedPS:
+    """The embedded PS's process: started from a config, watched while workers wait, stopped at exit."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+
+    def start(self, config: PSConfig) -> None:
+        """Starts the PS in a fresh interpreter (:func:`~plug_asgd.ps.embedded_command`)."""
+        self.process = subprocess.Popen(embedded_command(config), stdin=subprocess.DEVNULL)
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def gone(self) -> str | None:
+        """Why a worker must stop waiting for it: it exited; None while it runs (or was never started)."""
+        if self.process is not None and self.process.poll() is not None:
+            return (f"the embedded parameter server exited with code {self.process.returncode} before "
+                    "answering (its message is above); if the port is taken, pass ps_port=")
+        return None
+
+    def wait_for_workers(self, client: PSClient, seconds: float) -> None:
+        """While it runs, waits up to ``seconds`` for every worker to have left it (asked through ``client``)."""
+        if not self.running:
+            return
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                if not client.stats(timeout=2.0)["workers"]:
+                    break
+            except (PSError, PSUnreachableError):
+                break
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """Terminates it (killed if it takes over 10 s) and forgets it; nothing if it was not started."""
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+            self.process = None
