@@ -1,8 +1,8 @@
 """The PS as a process of its own: the command rank 0 starts for the embedded PS, and its entry point.
 
 The command carries the whole :class:`~plug_asgd.ps.config.PSConfig` as one JSON argument
-(``--config``), and imports this package without running ``plug_asgd/__init__`` (which registers the
-strategy with Lightning): the PS never imports Lightning, and starts in 0.2 s, not 3.
+(``--config``) and runs the parent's own plug_asgd (its folder first on ``sys.path``); ``import
+plug_asgd`` imports neither torch nor Lightning, so the PS starts fast.
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ import sys
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.server import ParameterServer
 
-_BARE_PACKAGE = (
-    "import sys, types; pkg = types.ModuleType('plug_asgd'); pkg.__path__ = [{path!r}]; "
-    "sys.modules['plug_asgd'] = pkg; from plug_asgd.ps.embedded import main; sys.exit(main())"
-)
+_RUN_MAIN = "import sys; sys.path.insert(0, {path!r}); from plug_asgd.ps.embedded import main; sys.exit(main())"
 
 
 def serve(config: PSConfig) -> int:
@@ -32,8 +29,8 @@ def serve(config: PSConfig) -> int:
 
 def embedded_command(config: PSConfig) -> list[str]:
     """The command that runs a PS with ``config`` in a fresh interpreter, as rank 0 starts the embedded one."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return [sys.executable, "-c", _BARE_PACKAGE.format(path=package), "--config", config.to_json()]
+    parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return [sys.executable, "-c", _RUN_MAIN.format(path=parent), "--config", config.to_json()]
 
 
 def main(argv: list[str] | None = None) -> int:
