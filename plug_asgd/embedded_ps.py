@@ -61,7 +61,7 @@ def endpoint(ps_address: str | None, ps_port: int | None, env: Any, elastic: boo
     return f"tcp://{host}:{port}", f"tcp://{socket.gethostbyname(host)}:{port}"
 
 
-def check_placement(address: str, bind: str | None, *, embedded_options: Any, keys: Any, insecure: bool) -> None:
+def check_placement(address: str, bind: str | None, *, embedded_options: bool, keys: Any, insecure: bool) -> None:
     """Refuses options of the embedded PS (``embedded_options`` true) for an external one (``bind`` None), and
     an embedded PS listening beyond loopback without keys; every rank refuses alike, none waits for a PS."""
     if bind is None and embedded_options:

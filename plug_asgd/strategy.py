@@ -256,8 +256,8 @@ class AsyncPSStrategy(DDPPlumbing):
         if self._client is not None:
             return self._client
         address, bind = self._endpoint()
-        check_placement(address, bind, embedded_options=self.resume_from is not None or configurer(self._trainer()),
-                        keys=self.ps_keys, insecure=self.ps_insecure)
+        embedded_options = self.resume_from is not None or configurer(self._trainer()) is not None
+        check_placement(address, bind, embedded_options=embedded_options, keys=self.ps_keys, insecure=self.ps_insecure)
         if bind is not None and self.global_rank == 0:
             self._embedded_ps.start(ps_config(self, bind, self._trainer()))
         self._client = PSClient(address, rank=self.global_rank, world_size=self.world_size, mode=self.mode.name,
