@@ -25,190 +25,64 @@ their arrays' ``nbytes``. The wire checks the layout (every frame's size against
 shape, the meta map, the codec name, the number of arrays) but never interprets a codec: that is
 :func:`plug_asgd.compressors.decode`'s job.
 
-This module imports nothing else of plug_asgd.
+The message's types, dtypes and limits are in :mod:`plug_asgd.wire_schema` (its names are
+re-exported here); this module encodes and decodes. Neither imports anything else of plug_asgd.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import numpy as np
 import zmq
 
-PROTOCOL_VERSION = 1
-BLOCK_BITS = 16
-BLOCK_SIZE = 1 << BLOCK_BITS
+from plug_asgd.wire_schema import (
+    BLOCK_BITS,
+    BLOCK_SIZE,
+    CODEC_CHARS,
+    DEFAULT_LIMITS,
+    DTYPE_NAMES,
+    DTYPES,
+    FLOAT_DTYPES,
+    LOCAL_MAX_OFFSET,
+    PACKED_MAX_ARRAYS,
+    PACKED_MAX_META,
+    PACKED_MAX_NAME,
+    PACKED_MAX_STR,
+    PROTOCOL_VERSION,
+    Limits,
+    Local,
+    Message,
+    Packed,
+    Sparse,
+    Tensor,
+    WireError,
+    dtype_name,
+    num_blocks,
+    sparse_wire_bytes,
+)
 
-# Dtypes a tensor frame may carry. Central model tensors are restricted further (floats only)
-# by the parameter server; the rest serve collectives (metric counts, flags).
-_DTYPES: dict[str, np.dtype] = {
-    name: np.dtype(name).newbyteorder("<")
-    for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "bool")
-}
-FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
-# numpy computes ``dtype.name`` in Python (microseconds a call, several calls a tensor); a dict
-# lookup of the dtype itself is what the per-message hot paths use instead.
-_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
-
-# Bounds on a packed tensor's header entry (the frames are bounded by Limits like any other).
-PACKED_MAX_ARRAYS = 16
-PACKED_MAX_META = 32
-PACKED_MAX_NAME = 32  # characters of the codec name and of each meta key
-PACKED_MAX_STR = 256  # characters of a string meta value
-_CODEC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.+")
-
-
-class WireError(ValueError):
-    """A message that does not follow the protocol. ``code`` is a short machine-readable tag."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Upper bounds a receiver enforces before it trusts a message."""
-
-    max_header_bytes: int = 1 << 20
-    max_frames: int = 1 << 16
-    max_message_bytes: int = 1 << 31
-    max_ndim: int = 8
-
-
-DEFAULT_LIMITS = Limits()
-
-
-@dataclass(frozen=True)
-class Sparse:
-    """A sparse tensor: ascending unique flat ``indices`` into a tensor of ``shape``, and ``values``."""
-
-    indices: np.ndarray
-    values: np.ndarray
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nnz(self) -> int:
-        return int(self.indices.size)
-
-    def to_dense(self) -> np.ndarray:
-        out = np.zeros(self.numel, dtype=self.values.dtype)
-        out[self.indices] = self.values
-        return out.reshape(self.shape)
-
-
-@dataclass(frozen=True)
-class Packed:
-    """A tensor in a codec's own form: the wire carries it, :func:`plug_asgd.compressors.decode` reads it.
-
-    ``codec`` names the codec (``"qsgd"``, ``"powersgd"``, ...), ``shape`` is the shape of the
-    tensor it decodes to, ``meta`` holds small scalars (int, float or str; they travel in the
-    header) and ``arrays`` the codec's arrays (each travels as one raw frame, with its dtype and
-    shape in the header; the dtypes allowed are those of dense tensors).
-    """
-
-    codec: str
-    shape: tuple[int, ...]
-    meta: dict[str, int | float | str] = field(default_factory=dict)
-    arrays: tuple[np.ndarray, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        object.__setattr__(self, "meta", dict(self.meta))
-        object.__setattr__(self, "arrays", tuple(self.arrays))
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of its frames on the wire."""
-        return sum(int(np.asarray(a).nbytes) for a in self.arrays)
-
-
-@dataclass(frozen=True)
-class Local:
-    """A dense tensor the receiver reads from the sender's shared segment: where it is, not its bytes."""
-
-    offset: int
-    dtype: np.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-Tensor = np.ndarray | Sparse | Packed
-LOCAL_MAX_OFFSET = 1 << 48
-
-
-@dataclass
-class Message:
-    """A decoded message: its type, its header fields, and its tensors by name (in wire order)."""
-
-    type: str
-    fields: dict[str, Any] = field(default_factory=dict)
-    tensors: dict[str, Tensor] = field(default_factory=dict)
-    # The frame that holds each dense tensor's bytes: a receiver that keeps a tensor as it came
-    # can send it on as this frame (see ``encode``'s ``reuse``) instead of as a new buffer.
-    frames: dict[str, Any] = field(default_factory=dict)
-
-    def int_field(self, name: str, *, minimum: int | None = None, optional: bool = False) -> int | None:
-        """A header integer, validated; a missing or mistyped one is a protocol error."""
-        value = self.fields.get(name)
-        if value is None and optional:
-            return None
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise WireError("bad_field", f"message {self.type!r} needs an integer field {name!r}")
-        if minimum is not None and value < minimum:
-            raise WireError("bad_field", f"field {name!r} of message {self.type!r} must be >= {minimum}")
-        return value
-
-    def str_field(self, name: str, *, optional: bool = False) -> str | None:
-        value = self.fields.get(name)
-        if value is None and optional:
-            return None
-        if not isinstance(value, str):
-            raise WireError("bad_field", f"message {self.type!r} needs a string field {name!r}")
-        return value
-
-
-def sparse_wire_bytes(numel: int, nnz: int, itemsize: int = 4) -> int:
-    """Bytes of a sparse tensor's frames: block counts, 16-bit offsets and values."""
-    return 4 * _num_blocks(numel) + 2 * nnz + itemsize * nnz
-
-
-def _num_blocks(numel: int) -> int:
-    return max(1, -(-numel // BLOCK_SIZE))
-
-
-def dtype_name(dtype: np.dtype) -> str:
-    """``dtype.name``, fast for the dtypes that travel (little-endian ones are looked up, not computed)."""
-    return _NAMES.get(dtype) or dtype.name
+__all__ = ["BLOCK_BITS", "BLOCK_SIZE", "CODEC_CHARS", "DEFAULT_LIMITS", "DTYPES", "DTYPE_NAMES", "FLOAT_DTYPES",
+           "LOCAL_MAX_OFFSET", "Limits", "Local", "Message", "PACKED_MAX_ARRAYS", "PACKED_MAX_META",
+           "PACKED_MAX_NAME", "PACKED_MAX_STR", "PROTOCOL_VERSION", "Packed", "Sparse", "Tensor", "WireError",
+           "decode", "dtype_name", "encode", "message_bytes", "num_blocks", "sparse_wire_bytes"]
 
 
 def _dtype_name(array: np.ndarray) -> str:
     name = dtype_name(array.dtype)
-    if name not in _DTYPES:
-        raise WireError("bad_dtype", f"dtype {name} cannot travel on the wire (allowed: {sorted(_DTYPES)})")
+    if name not in DTYPES:
+        raise WireError("bad_dtype", f"dtype {name} cannot travel on the wire (allowed: {sorted(DTYPES)})")
     return name
 
 
 def _le(array: np.ndarray) -> np.ndarray:
     """A C-contiguous little-endian view or copy, so its buffer is the wire bytes."""
-    if array.dtype in _NAMES and array.flags.c_contiguous:
+    if array.dtype in DTYPE_NAMES and array.flags.c_contiguous:
         return array
-    out = np.asarray(array, dtype=_DTYPES[_dtype_name(array)])
+    out = np.asarray(array, dtype=DTYPES[_dtype_name(array)])
     return out if out.flags.c_contiguous else out.copy(order="C")  # ascontiguousarray would make 0-d 1-d
 
 
@@ -237,7 +111,7 @@ def encode(
             indices = np.asarray(tensor.indices, dtype=np.int64).reshape(-1)
             if indices.size != values.size:
                 raise WireError("bad_sparse", f"sparse tensor {name!r}: {indices.size} indices, {values.size} values")
-            counts = np.bincount(indices >> BLOCK_BITS, minlength=_num_blocks(tensor.numel)).astype("<u4")
+            counts = np.bincount(indices >> BLOCK_BITS, minlength=num_blocks(tensor.numel)).astype("<u4")
             offsets = (indices & (BLOCK_SIZE - 1)).astype("<u2")
             specs.append({"name": name, "enc": "sparse", "dtype": dtype_name(values.dtype),
                           "shape": list(tensor.shape), "nnz": int(indices.size)})
@@ -248,7 +122,7 @@ def encode(
             frames += packed_frames
         elif local and name in local:
             array = np.asarray(tensor)
-            if array.dtype not in _NAMES or not array.flags.c_contiguous:
+            if array.dtype not in DTYPE_NAMES or not array.flags.c_contiguous:
                 raise ValueError(f"tensor {name!r}: a local tensor is a C-contiguous little-endian array")
             specs.append({"name": name, "enc": "local", "dtype": dtype_name(array.dtype), "shape": list(array.shape),
                           "offset": int(local[name])})
@@ -266,7 +140,7 @@ def encode(
 
 
 def _check_codec(name: str, codec: Any) -> str:
-    if not (isinstance(codec, str) and 0 < len(codec) <= PACKED_MAX_NAME and set(codec) <= _CODEC_CHARS):
+    if not (isinstance(codec, str) and 0 < len(codec) <= PACKED_MAX_NAME and set(codec) <= CODEC_CHARS):
         raise WireError("bad_packed", f"packed tensor {name!r}: the codec must be a name of 1 to {PACKED_MAX_NAME} "
                                       f"letters, digits or '_-.+', got {codec!r:.60}")
     return codec
@@ -348,6 +222,31 @@ def _frame_array(frame: Any, dtype: np.dtype, count: int, what: str) -> np.ndarr
 
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     """Parse and validate a message; any departure from the protocol raises :class:`WireError`."""
+    msg_type, fields, specs = _header(frames, limits)
+    tensors: dict[str, Tensor] = {}
+    dense_frames: dict[str, Any] = {}
+    pos = 1
+    for spec in specs:
+        name = spec.get("name") if type(spec) is dict else None
+        if type(name) is not str:
+            raise WireError("bad_tensor", "each tensor entry needs a string 'name'")
+        if name in tensors:
+            raise WireError("bad_tensor", f"tensor {name!r} appears twice")
+        enc = spec.get("enc")
+        if enc == "packed":
+            tensors[name], pos = _decode_packed(name, spec, frames, pos, limits)
+            continue
+        tensors[name], after = _decode_plain(name, enc, spec, frames, pos, limits)
+        if enc == "dense":
+            dense_frames[name] = frames[pos]
+        pos = after
+    if pos != len(frames):
+        raise WireError("frame_count", f"header describes {pos} frames, the message has {len(frames)}")
+    return Message(type=msg_type, fields=fields, tensors=tensors, frames=dense_frames)
+
+
+def _header(frames: Sequence[Any], limits: Limits) -> tuple[str, dict[str, Any], list[Any]]:
+    """A message's type, fields and tensor entries, from its header frame, once its sizes are within ``limits``."""
     if not frames:
         raise WireError("empty", "empty message")
     if len(frames) > limits.max_frames:
@@ -371,46 +270,32 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     msg_type, fields, specs = header.get("type"), header.get("fields", {}), header.get("tensors", [])
     if not isinstance(msg_type, str) or not isinstance(fields, dict) or not isinstance(specs, list):
         raise WireError("bad_header", "header needs 'type' (str), 'fields' (map) and 'tensors' (list)")
-    tensors: dict[str, Tensor] = {}
-    dense_frames: dict[str, Any] = {}
-    pos = 1
-    for spec in specs:
-        name = spec.get("name") if type(spec) is dict else None
-        if type(name) is not str:
-            raise WireError("bad_tensor", "each tensor entry needs a string 'name'")
-        if name in tensors:
-            raise WireError("bad_tensor", f"tensor {name!r} appears twice")
-        enc = spec.get("enc")
-        if enc == "packed":
-            tensors[name], pos = _decode_packed(name, spec, frames, pos, limits)
-            continue
-        dtype_name = spec.get("dtype")
-        dtype = _DTYPES.get(dtype_name) if type(dtype_name) is str else None
-        if dtype is None:
-            raise WireError("bad_dtype", f"tensor {name!r}: dtype {dtype_name!r} is not allowed")
-        shape = _shape(spec, name, limits)
-        numel = math.prod(shape)
-        if enc == "local":
-            offset = spec.get("offset")
-            if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < LOCAL_MAX_OFFSET:
-                raise WireError("bad_local", f"local tensor {name!r}: offset must be an integer in "
-                                             f"[0, {LOCAL_MAX_OFFSET})")
-            tensors[name] = Local(offset, dtype, shape)
-            continue
-        need = 1 if enc == "dense" else 3 if enc == "sparse" else None
-        if need is None:
-            raise WireError("bad_tensor", f"tensor {name!r}: unknown encoding {enc!r}")
-        if pos + need > len(frames):
-            raise WireError("frame_count", f"tensor {name!r} needs {need} frame(s), the message ends first")
-        if enc == "dense":
-            tensors[name] = _frame_array(frames[pos], dtype, numel, f"tensor {name!r}").reshape(shape)
-            dense_frames[name] = frames[pos]
-        else:
-            tensors[name] = _decode_sparse(name, spec, frames[pos:pos + 3], dtype, shape, numel)
-        pos += need
-    if pos != len(frames):
-        raise WireError("frame_count", f"header describes {pos} frames, the message has {len(frames)}")
-    return Message(type=msg_type, fields=fields, tensors=tensors, frames=dense_frames)
+    return msg_type, fields, specs
+
+
+def _decode_plain(name: str, enc: Any, spec: Mapping[str, Any], frames: Sequence[Any], pos: int,
+                  limits: Limits) -> tuple[Tensor | Local, int]:
+    """A dense, sparse or local tensor's entry and its frames from ``pos``; returns it and the position after it."""
+    dtype_spec = spec.get("dtype")
+    dtype = DTYPES.get(dtype_spec) if type(dtype_spec) is str else None
+    if dtype is None:
+        raise WireError("bad_dtype", f"tensor {name!r}: dtype {dtype_spec!r} is not allowed")
+    shape = _shape(spec, name, limits)
+    numel = math.prod(shape)
+    if enc == "local":
+        offset = spec.get("offset")
+        if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < LOCAL_MAX_OFFSET:
+            raise WireError("bad_local", f"local tensor {name!r}: offset must be an integer in "
+                                         f"[0, {LOCAL_MAX_OFFSET})")
+        return Local(offset, dtype, shape), pos
+    need = 1 if enc == "dense" else 3 if enc == "sparse" else None
+    if need is None:
+        raise WireError("bad_tensor", f"tensor {name!r}: unknown encoding {enc!r}")
+    if pos + need > len(frames):
+        raise WireError("frame_count", f"tensor {name!r} needs {need} frame(s), the message ends first")
+    if enc == "dense":
+        return _frame_array(frames[pos], dtype, numel, f"tensor {name!r}").reshape(shape), pos + 1
+    return _decode_sparse(name, spec, frames[pos:pos + 3], dtype, shape, numel), pos + 3
 
 
 def _decode_sparse(name: str, spec: Mapping[str, Any], frames: Sequence[Any], dtype: np.dtype,
@@ -418,7 +303,7 @@ def _decode_sparse(name: str, spec: Mapping[str, Any], frames: Sequence[Any], dt
     nnz = spec.get("nnz")
     if not isinstance(nnz, int) or isinstance(nnz, bool) or not 0 <= nnz <= numel:
         raise WireError("bad_sparse", f"sparse tensor {name!r}: nnz must be an integer in [0, {numel}]")
-    nblocks = _num_blocks(numel)
+    nblocks = num_blocks(numel)
     counts = _frame_array(frames[0], np.dtype("<u4"), nblocks, f"sparse tensor {name!r} counts")
     offsets = _frame_array(frames[1], np.dtype("<u2"), nnz, f"sparse tensor {name!r} offsets")
     values = _frame_array(frames[2], dtype, nnz, f"sparse tensor {name!r} values")
@@ -451,11 +336,11 @@ def _decode_packed(name: str, spec: Mapping[str, Any], frames: Sequence[Any], po
         what = f"packed tensor {name!r} array {i}"
         if not isinstance(entry, dict):
             raise WireError("bad_packed", f"{what}: each array entry must be a map with 'dtype' and 'shape'")
-        if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in _DTYPES:
+        if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in DTYPES:
             raise WireError("bad_dtype", f"{what}: dtype {entry.get('dtype')!r} is not allowed")
         array_shape = _shape(entry, name, limits, what)
         count = math.prod(array_shape)
-        arrays.append(_frame_array(frames[pos + i], _DTYPES[entry["dtype"]], count, what).reshape(array_shape))
+        arrays.append(_frame_array(frames[pos + i], DTYPES[entry["dtype"]], count, what).reshape(array_shape))
     return Packed(codec=codec, shape=shape, meta=meta, arrays=tuple(arrays)), pos + len(entries)
 
 
