@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from plug_asgd.recipes import cifar10
+from plug_asgd.recipes import cifar10, cifar10_files
 from plug_asgd.recipes.cifar10 import (
     CIFAR10_FOLDER,
     TEST_BATCH,
@@ -254,7 +254,7 @@ def test_download_refuses_members_outside_the_folder(cifar_root, tmp_path, evil)
 
 
 def test_failed_download_is_dataset_not_found(tmp_path, monkeypatch):
-    monkeypatch.setattr(cifar10, "CIFAR10_URL", (tmp_path / "no-such-archive.tar.gz").as_uri())
+    monkeypatch.setattr(cifar10_files, "CIFAR10_URL", (tmp_path / "no-such-archive.tar.gz").as_uri())
     data_dir = tmp_path / "data"
     with pytest.raises(DatasetNotFoundError, match="download of .* failed") as info:
         load_cifar10(data_dir, download=True)
