@@ -6,7 +6,7 @@ Every run trains the recipe CNN on the same Fashion-MNIST subset for one epoch w
 per-worker batch (32), so all see the same samples; DDP (gloo, the same optimizer and learning
 rate) is the reference of its optimizer and worker count. The runs of one worker count share
 one launch of Lightning processes (``bench.train``). Writes ``momentum.json`` and ``momentum.md``
-(the table the README shows) into ``--out`` (default: ``bench/results``).
+(the table bench/results/README.md links) into ``--out`` (default: ``bench/results``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Run the fault tests and write their figures into the README's fault table.
+"""Run the fault tests and write their figures into the fault table of docs/faults.md.
 
     .venv/bin/python scripts/fault_table.py    # runs `pytest -m faults`, then rewrites the table
 
@@ -45,26 +45,27 @@ def render(rows: list[dict]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    parser.add_argument("--doc", "--readme", dest="doc", type=Path, default=ROOT / "docs" / "faults.md",
+                        help="the Markdown file whose fault-table block is rewritten (default: docs/faults.md)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "faults.jsonl"
         code = run_fault_tests(report)
         if code != 0:
-            print(f"the fault tests failed (pytest exit code {code}): the README's table is left as it was",
+            print(f"the fault tests failed (pytest exit code {code}): the table in {args.doc} is left as it was",
                   file=sys.stderr)
             return code
         rows = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
     if not rows:
         print("no fault test recorded a row: is PLUG_ASGD_FAULT_REPORT reaching the tests?", file=sys.stderr)
         return 1
-    text = args.readme.read_text()
+    text = args.doc.read_text()
     if BEGIN not in text or END not in text:
-        print(f"{args.readme} has no {BEGIN} ... {END} block to fill", file=sys.stderr)
+        print(f"{args.doc} has no {BEGIN} ... {END} block to fill", file=sys.stderr)
         return 1
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    args.readme.write_text(f"{head}{BEGIN}\n{render(rows)}\n{END}{tail}")
+    args.doc.write_text(f"{head}{BEGIN}\n{render(rows)}\n{END}{tail}")
     print(render(rows))
     return 0
 

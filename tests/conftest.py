@@ -189,7 +189,7 @@ def procs():
 
 @pytest.fixture
 def fault_report(request):
-    """``record(**row)``: one line of the README's fault table (scripts/fault_table.py sets the file)."""
+    """``record(**row)``: one line of the fault table in docs/faults.md (scripts/fault_table.py sets the file)."""
     path = os.environ.get("PLUG_ASGD_FAULT_REPORT")
 
     def record(**row) -> None:
