@@ -2,8 +2,8 @@
 
 Run as ``python -m bench.zmqtools echo ADDRESS``, ``python -m bench.zmqtools minimal ADDRESS [WORK]``,
 ``python -m bench.zmqtools split ADDRESS`` or ``python -m bench.zmqtools ingest ADDRESS KIND RANK``.
-Like the embedded PS, they import ``plug_asgd.client``/``wire`` without the package's
-``__init__`` (which imports Lightning), so they start in a fraction of a second.
+Like the embedded PS, they import only ``plug_asgd.client``/``wire`` (``import plug_asgd`` imports
+neither torch nor Lightning), so they start in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -11,24 +11,16 @@ from __future__ import annotations
 import math
 import os
 import sys
-import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+import zmq
 
-if "plug_asgd" not in sys.modules:  # the bare package: no Lightning, no torch
-    _pkg = types.ModuleType("plug_asgd")
-    _pkg.__path__ = [str(Path(__file__).resolve().parent.parent / "plug_asgd")]
-    sys.modules["plug_asgd"] = _pkg
-
-import zmq  # noqa: E402
-
-from plug_asgd.client import PSClient  # noqa: E402
-from plug_asgd.compressors import TopKResidual  # noqa: E402
-from plug_asgd.modes import all_finite  # noqa: E402
-from plug_asgd.wire import decode, encode  # noqa: E402
+from plug_asgd.client import PSClient
+from plug_asgd.compressors import TopKResidual
+from plug_asgd.modes import all_finite
+from plug_asgd.wire import decode, encode
 
 # The recipe CNN's tensors (plug_asgd.recipes.mnist.MnistCNN): 1,199,882 float32 parameters.
 CNN_SHAPES: dict[str, tuple[int, ...]] = {
