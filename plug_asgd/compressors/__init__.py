@@ -15,6 +15,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from plug_asgd import registry
 from plug_asgd.compressors.base import COMPRESSORS, Codec, Compressor, ErrorFeedback, NoCompression, decode
 from plug_asgd.compressors.cast import BF16, FP16, bf16_bits
 from plug_asgd.compressors.lowrank import PowerSGD
@@ -31,22 +32,7 @@ CodecLike = str | Codec | Mapping[str, Any]
 def get(codec: CodecLike) -> Codec:
     """The codec ``codec`` stands for: a name of :data:`COMPRESSORS` (its defaults), a configured
     instance (itself), or a dict ``{"name": ..., **knobs}`` (as a YAML file gives it)."""
-    if isinstance(codec, Codec):
-        return codec
-    if isinstance(codec, str):
-        name, knobs = codec, {}
-    elif isinstance(codec, Mapping):
-        knobs = dict(codec)
-        name = knobs.pop("name", None)
-    else:
-        raise TypeError(f"compressor must be a name, a Codec or a dict with a 'name', got {codec!r}")
-    cls = COMPRESSORS.get(name)  # type: ignore[arg-type]
-    if cls is None:
-        raise ValueError(f"unknown compressor {name!r}; choose one of: {', '.join(COMPRESSORS)}")
-    try:
-        return cls(**knobs)
-    except TypeError as exc:
-        raise ValueError(f"compressor {name!r}: {exc}") from None
+    return registry.get(codec, Codec, COMPRESSORS, "compressor")
 
 
 def codec_table() -> str:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from typing import Any
 
+from plug_asgd import registry
 from plug_asgd.modes.rules import (
     APPLIED,
     DROPPED,
@@ -58,22 +59,7 @@ ModeLike = str | Mode | Mapping[str, Any]
 def get(mode: ModeLike) -> Mode:
     """The mode ``mode`` stands for: a name of :data:`MODES` (its defaults), a configured instance
     (itself), or a dict ``{"name": ..., **knobs}`` (as a YAML file gives it)."""
-    if isinstance(mode, Mode):
-        return mode
-    if isinstance(mode, str):
-        name, knobs = mode, {}
-    elif isinstance(mode, Mapping):
-        knobs = dict(mode)
-        name = knobs.pop("name", None)
-    else:
-        raise TypeError(f"mode must be a name, a Mode or a dict with a 'name', got {mode!r}")
-    cls = MODES.get(name)  # type: ignore[arg-type]
-    if cls is None:
-        raise ValueError(f"unknown mode {name!r}; choose one of: {', '.join(MODES)}")
-    try:
-        return cls(**knobs)
-    except TypeError as exc:
-        raise ValueError(f"mode {name!r}: {exc}") from None
+    return registry.get(mode, Mode, MODES, "mode")
 
 
 def mode_table() -> str:
