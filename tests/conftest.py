@@ -175,6 +175,20 @@ class ProcessGroups:
             time.sleep(0.2)
 
 
+def run_to_end(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> str:
+    """Run ``cmd`` in a new session to its end; fail unless it exits 0 and leaves no process behind. Its output."""
+    groups = ProcessGroups()
+    try:
+        code, out = groups.run(cmd, timeout=timeout, env=env)
+    finally:
+        left = groups.leftovers()
+        for p in groups.procs:
+            groups.kill(p)
+    assert code == 0, out[-4000:]
+    assert not left, f"processes left running: {left}"
+    return out
+
+
 @pytest.fixture
 def procs():
     groups = ProcessGroups()
@@ -247,18 +261,9 @@ def recipe_run(tmp_path_factory):
     if not HAVE_FASHION:
         pytest.skip("Fashion-MNIST not installed: apt-get install dataset-fashion-mnist")
     tmp = tmp_path_factory.mktemp("recipe")
-    groups = ProcessGroups()
-    try:
-        code, out = groups.run([PYTHON, *RECIPE, "--workers", "2", "--mode", "asgd", "--run-dir", str(tmp / "runs"),
-                                "--metrics-json", str(tmp / "m.json"), "--supervise-every", "40",
-                                "--checkpoint-dir", str(tmp / "ck"), "--checkpoint-every", "50",
-                                "--comm-monitor", "25"], timeout=170)
-    finally:
-        left = groups.leftovers()
-        for p in groups.procs:
-            groups.kill(p)
-    assert code == 0, out[-4000:]
-    assert not left
+    run_to_end([PYTHON, *RECIPE, "--workers", "2", "--mode", "asgd", "--run-dir", str(tmp / "runs"),
+                "--metrics-json", str(tmp / "m.json"), "--supervise-every", "40",
+                "--checkpoint-dir", str(tmp / "ck"), "--checkpoint-every", "50", "--comm-monitor", "25"], timeout=170)
     summary = json.loads((tmp / "m.json").read_text())
     return tmp, Path(summary["log_dir"]), summary
 

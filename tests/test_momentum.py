@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from bench.common import free_port_block
 from plug_asgd.modes import MODES
-from tests.conftest import HAVE_FASHION, PYTHON, ROOT, ProcessGroups, needs_fashion
+from tests.conftest import HAVE_FASHION, PYTHON, ROOT, needs_fashion, run_to_end
 
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 from momentum_regression import EPOCHS, SAMPLES, Regression, dataset, val_loss  # noqa: E402
@@ -55,19 +55,10 @@ def one_process_loss() -> float:
 
 def regression_launch(out: Path, modes: list[str], off_modes: list[str]) -> dict[str, dict[str, dict]]:
     """Every mode with compensation, then ``off_modes`` without, in one launch: {"on": {mode: run}, "off": ...}."""
-    groups = ProcessGroups()
-    try:
-        code, log = groups.run([PYTHON, "tests/scripts/momentum_regression.py", "--out", str(out), "--modes",
-                                ",".join(modes), "--off-modes", ",".join(off_modes)], timeout=240,
-                               # MASTER_PORT + 1 + i for the i-th fit: a block below the ephemeral range
-                               env={"MASTER_ADDR": "127.0.0.1",
-                                    "MASTER_PORT": str(free_port_block(len(modes) + len(off_modes) + 2))})
-    finally:
-        left = groups.leftovers()
-        for p in groups.procs:
-            groups.kill(p)
-    assert code == 0, log[-4000:]
-    assert not left, f"processes left running: {left}"
+    run_to_end([PYTHON, "tests/scripts/momentum_regression.py", "--out", str(out), "--modes", ",".join(modes),
+                "--off-modes", ",".join(off_modes)], timeout=240,
+               # MASTER_PORT + 1 + i for the i-th fit: a block below the ephemeral range
+               env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port_block(len(modes) + len(off_modes) + 2))})
     return {side: {m: json.loads((out / side / f"{m}.json").read_text()) for m in names}
             for side, names in (("on", modes), ("off", off_modes))}
 

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from plug_asgd import namespaces
-from tests.conftest import PYTHON, ROOT, ProcessGroups, free_port
+from tests.conftest import PYTHON, ROOT, free_port, run_to_end
 
 STEPS = 2 * 2 * 16  # 2 workers x 2 epochs x 16 batches
 
@@ -23,16 +23,8 @@ FITS = {"lightning": ["name", "object"], "pytorch_lightning": ["name"]}
 def fits(request, tmp_path_factory):
     """The fits of FITS[namespace], one after another, in one launch that imports only this namespace."""
     out = tmp_path_factory.mktemp(request.param)
-    groups = ProcessGroups()
-    try:
-        code, log = groups.run([PYTHON, "tests/scripts/namespace_fit.py", request.param, str(free_port()), str(out),
-                                *FITS[request.param]], timeout=150)
-    finally:
-        left = groups.leftovers()
-        for p in groups.procs:
-            groups.kill(p)
-    assert code == 0, log[-4000:]
-    assert not left, f"processes left running: {left}"
+    run_to_end([PYTHON, "tests/scripts/namespace_fit.py", request.param, str(free_port()), str(out),
+                *FITS[request.param]], timeout=150)
     return request.param, out
 
 
