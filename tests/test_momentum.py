@@ -24,10 +24,15 @@ from tests.conftest import HAVE_FASHION, PYTHON, ROOT, needs_fashion, run_to_end
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 from momentum_regression import EPOCHS, SAMPLES, Regression, dataset, val_loss  # noqa: E402
 
-# The regression case's bound: 1.25x the validation loss one process reaches at the same batch (6.81).
-# Measured over 5 launches of every mode (2026-11-24): the worst was downpour's 7.13 (5.04-7.13),
-# then adacomp's 4.26 and dynsgd's 4.97; the synchronous modes are deterministic (sync 2.72, localsgd 4.24).
-REGRESSION_BOUND = 1.25
+# The regression case's bound: the median of 3 fits of each mode at most 2x the validation loss one process
+# reaches at the same batch (6.81). Single fits of the asynchronous modes have a heavy tail on 2 cores: over
+# 12 launches of asgd, downpour, dynsgd and ssp (2026-11-24, quiet machine, 6 of them at 49fe200, before
+# this bound was set) they ended at 1.2 to 13.9, 6 of the 48 above the 1.25x (8.51) first set from 5
+# launches, which made this test fail about one run in three. Diverging, they end at 97 to 63,508 (asgd, ssp,
+# downpour) and beyond 1e8 (adacomp, the codecs). Tightening the tail is issue 17's open work
+# (docs/momentum.md); the synchronous modes are deterministic (sync 2.72, localsgd 4.24).
+REGRESSION_BOUND = 2.0
+REPEATS = 3  # fits of each mode with compensation: the bound holds for their median
 # Fashion-MNIST, 8,000 images, 1 epoch: every mode's central model within this many points of DDP's. Not the
 # issue's 1.5, which single runs of this size cannot show: one configuration run twice varied by up to 6.5
 # points (agn, Nesterov: 0.718 and 0.783, the same algorithm with compensation on and off) and 2.6 (asgd,
@@ -56,9 +61,10 @@ def one_process_loss() -> float:
 def regression_launch(out: Path, modes: list[str], off_modes: list[str]) -> dict[str, dict[str, dict]]:
     """Every mode with compensation, then ``off_modes`` without, in one launch: {"on": {mode: run}, "off": ...}."""
     run_to_end([PYTHON, "tests/scripts/momentum_regression.py", "--out", str(out), "--modes", ",".join(modes),
-                "--off-modes", ",".join(off_modes)], timeout=240,
+                "--off-modes", ",".join(off_modes), "--repeats", str(REPEATS)], timeout=280,
                # MASTER_PORT + 1 + i for the i-th fit: a block below the ephemeral range
-               env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port_block(len(modes) + len(off_modes) + 2))})
+               env={"MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(free_port_block(REPEATS * len(modes) + len(off_modes) + 2))})
     return {side: {m: json.loads((out / side / f"{m}.json").read_text()) for m in names}
             for side, names in (("on", modes), ("off", off_modes))}
 

@@ -4,13 +4,15 @@ Two linear layers with tanh, ``SGD(lr=0.05, momentum=0.9)`` (Nesterov's for eams
 batch 32, 3 epochs of 2,048 samples: the settings a user of one process or DDP would pick. Every
 rank runs the same sequence of fits (Lightning launches the other ranks once, at the first
 Trainer, by re-running this script); rank 0 writes ``OUT/on/MODE.json`` with the central model's
-validation loss before and after. ``--off-modes``, trained after ``--modes`` in the same launch with
-``staleness_compensation=False``, write ``OUT/off/MODE.json``.
+validation loss before and after (``--repeats``: the median of that many fits, each in ``runs``).
+``--off-modes``, trained after ``--modes`` in the same launch with ``staleness_compensation=False``,
+write ``OUT/off/MODE.json``.
 """
 
 import argparse
 import json
 import os
+import statistics
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -60,10 +62,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--modes", required=True, help="comma-separated; MODE+CODEC for a compressor")
     parser.add_argument("--off-modes", default="", help="the same, trained with staleness_compensation=False")
+    parser.add_argument("--repeats", type=int, default=1, help="fits of each of --modes; the median is 'after'")
     args = parser.parse_args()
     base_port = int(os.environ["MASTER_PORT"]) + 1
-    runs = [(name, False) for name in args.modes.split(",")] + [(name, True) for name in args.off_modes.split(",")
-                                                                if name]
+    runs = [(name, False) for name in args.modes.split(",") for _ in range(args.repeats)]
+    runs += [(name, True) for name in args.off_modes.split(",") if name]
+    afters: dict[tuple[str, bool], list[float]] = {}
     for i, (name, off) in enumerate(runs):
         mode, _, codec = name.partition("+")
         pl.seed_everything(0, verbose=False)
@@ -77,10 +81,13 @@ def main() -> None:
         loader = DataLoader(dataset(0, SAMPLES), batch_size=32, shuffle=True)
         trainer.fit(model, loader)  # the module ends holding the central model
         if trainer.is_global_zero:
-            after = val_loss(model)
+            runs_after = afters.setdefault((name, off), [])
+            runs_after.append(val_loss(model))
             out = args.out / ("off" if off else "on")
             out.mkdir(parents=True, exist_ok=True)
-            (out / f"{name}.json").write_text(json.dumps({"mode": name, "before": before, "after": after,
+            (out / f"{name}.json").write_text(json.dumps({"mode": name, "before": before,
+                                                          "after": statistics.median(runs_after),
+                                                          "runs": runs_after,
                                                           "ps_version": strategy.ps_stats()["version"]}))
 
 
