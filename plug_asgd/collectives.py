@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ReduceOp
 
-from plug_asgd.exchange import to_numpy
+from plug_asgd.tensors import to_numpy
 
 _REDUCE_OPS = {"sum": "sum", "mean": "mean", "avg": "mean", "max": "max", "min": "min"}
 Gather = Callable[..., list[Any]]  # (kind, obj=None, tensors=None) -> [(rank, obj, tensors)] of every worker

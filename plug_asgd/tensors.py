@@ -1,10 +1,18 @@
-"""Copying central arrays into a module's tensors, shared by the strategy, the callbacks and checkpoints."""
+"""Copying between a module's tensors and the PS's numpy arrays, for the strategy, the exchanges, the callbacks."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 from torch import Tensor
+
+
+def to_numpy(t: Tensor) -> np.ndarray:
+    """``t``'s values as a numpy array on the CPU (bfloat16, which numpy lacks, as float32)."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.cpu().numpy()
 
 
 def assign(target: Tensor, array: np.ndarray) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -28,7 +29,7 @@ class Compressor(Protocol):
 COMPRESSORS: dict[str, type[Codec]] = {}
 
 
-class Codec:
+class Codec(ABC):
     """A configured update codec: ``encode`` turns one tensor's update into its wire form.
 
     The instance a user configures (``TopK(0.01)``) is also the codec itself; a worker encodes with
@@ -54,13 +55,13 @@ class Codec:
     def __init__(self, *, error_feedback: bool | None = None) -> None:
         self.error_feedback = self.error_feedback_by_default if error_feedback is None else bool(error_feedback)
 
+    @abstractmethod
     def encode(self, key: str, update: np.ndarray) -> Tensor:
         """The wire form of ``update``, the update of the tensor called ``key``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
         """The frame bytes ``encode`` sends for an update of ``shape`` (``nonzero`` coordinates not zero: all)."""
-        raise NotImplementedError
 
     @classmethod
     def decode_packed(cls, packed: Packed, dtype: np.dtype) -> np.ndarray:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plug_asgd.exchange.base import Exchange, Link, to_numpy
+from plug_asgd.exchange.base import Exchange, Link
 from plug_asgd.exchange.elastic import ElasticExchange
 from plug_asgd.exchange.overlap import OverlapExchange
 from plug_asgd.exchange.push import PushExchange
@@ -17,7 +17,7 @@ from plug_asgd.exchange.shared import SharedExchange
 from plug_asgd.modes import Mode
 
 __all__ = ["EXCHANGES", "ElasticExchange", "Exchange", "Link", "OverlapExchange", "PushExchange", "SharedExchange",
-           "assign", "make_exchange", "to_numpy"]
+           "assign", "make_exchange"]
 
 EXCHANGES: dict[str, type[Exchange]] = {"push": PushExchange, "overlap": OverlapExchange,
                                         "elastic": ElasticExchange, "shared": SharedExchange}

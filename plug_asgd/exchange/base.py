@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -14,14 +14,7 @@ from plug_asgd.client import ModelReply, PSClient
 from plug_asgd.compressors import Codec, Compressor, NoCompression
 from plug_asgd.modes import Mode
 from plug_asgd.staleness import OFF, Compensator, StalenessCompensation, normalizes_steps, warn_unknown_optimizers
-from plug_asgd.tensors import assign
-
-
-def to_numpy(t: Tensor) -> np.ndarray:
-    t = t.detach()
-    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: bf16 tensors travel as float32
-        t = t.float()
-    return t.cpu().numpy()
+from plug_asgd.tensors import assign, to_numpy
 
 
 @dataclass
@@ -40,7 +33,7 @@ class Link:
     one_cpu_machine: bool = True  # every worker on this machine's CPU (what hogwild needs)
 
 
-class Exchange:
+class Exchange(ABC):
     """How a worker trades its model with the PS: joining a stage, after each local step, and at its end.
 
     The base keeps the model the worker is based on (``base``, central version ``version``) and
@@ -115,7 +108,7 @@ class Exchange:
         if self._link.fitting and self.joined and self.since_push:
             self.send()
 
-    def finish(self) -> None:
+    def finish(self) -> None:  # noqa: B027 (a hook: only an overlapping exchange has a request in flight)
         """Wait for the request in flight, if any: the socket then serves one request at a time again."""
 
     def leave(self) -> None:
@@ -126,10 +119,10 @@ class Exchange:
         link.barrier("plug_asgd.fit_end")  # the final central model includes every worker
         self.load(link.client.pull())
 
-    def let_go(self) -> None:
+    def let_go(self) -> None:  # noqa: B027 (a hook, as finish)
         """End of a stage, also after a failure: nothing of ours may be left using the socket."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a hook: only hogwild holds memory outside the process)
         """At exit: release what the exchange holds outside this process."""
 
     def central_state(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -150,13 +143,13 @@ class Exchange:
 
     # -- what subclasses define -------------------------------------------------------------------
 
+    @abstractmethod
     def after_step(self) -> None:
         """After a local step of a fit (``since_push``/``since_pull`` counted): push or pull if due."""
-        raise NotImplementedError
 
+    @abstractmethod
     def send(self) -> None:
         """Send the steps made since the last push now."""
-        raise NotImplementedError
 
     # -- the model the worker is based on -------------------------------------------------------------
 

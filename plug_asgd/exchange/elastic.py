@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from plug_asgd.exchange.base import Exchange, to_numpy
+from plug_asgd.exchange.base import Exchange
 from plug_asgd.modes import EASGD
+from plug_asgd.tensors import to_numpy
 
 
 class ElasticExchange(Exchange):

@@ -9,9 +9,9 @@ import torch
 from torch import Tensor
 
 from plug_asgd.compressors import NoCompression
-from plug_asgd.exchange.base import Exchange, to_numpy
+from plug_asgd.exchange.base import Exchange
 from plug_asgd.modes import PushMode
-from plug_asgd.tensors import assign
+from plug_asgd.tensors import assign, to_numpy
 from plug_asgd.wire import Sparse
 
 

@@ -27,6 +27,12 @@ class SharedExchange(Exchange):
     def refresh(self) -> None:
         """The module already is the shared, central model."""
 
+    def after_step(self) -> None:
+        """Nothing to push: the step landed in the shared model itself (``step`` is this exchange's own)."""
+
+    def send(self) -> None:
+        """Nothing to send, as for :meth:`after_step`."""
+
     def step(self, run: Callable[[], Any], optimizer: Any) -> Any:
         if self._link.fitting and self.compensator.scale:
             # the workers' steps all land in one model: each at 1/workers, as DDP averages them
