@@ -17,11 +17,14 @@ from plug_asgd.modes.rules import AdaCompRule, AsgdRule, DynSGDRule, FoldRule, S
 MODES: dict[str, type[Mode]] = {}
 
 
-def _check_steps(name: str, value: int | None, *, optional: bool = False) -> None:
-    if optional and value is None:
+def _check_count(name: str, value: int | None, meaning: str = "local optimizer steps", *, low: int = 1,
+                 none: str | None = None) -> None:
+    """Refuse a knob that is not an integer >= ``low`` (``none``: what None means, where None is allowed)."""
+    if none is not None and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1 (local optimizer steps), got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        allowed = f" or None ({none})" if none is not None else ""
+        raise ValueError(f"{name} must be an integer >= {low} ({meaning}){allowed}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,8 +101,8 @@ class PushMode(Mode):
     overlap: bool = False
 
     def __post_init__(self) -> None:
-        _check_steps("push_every", self.push_every)
-        _check_steps("pull_every", self.pull_every, optional=True)
+        _check_count("push_every", self.push_every)
+        _check_count("pull_every", self.pull_every, none="with each push")
         if self.overlap and self.pull_every is not None:
             raise ValueError("overlap=True takes the model with every push's reply: it does not go with pull_every")
 
@@ -167,10 +170,7 @@ class SSP(PushMode):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.staleness_bound, bool) or not isinstance(self.staleness_bound, int) \
-                or self.staleness_bound < 0:
-            raise ValueError(f"staleness_bound must be an integer >= 0 (pushes ahead of the slowest worker), "
-                             f"got {self.staleness_bound!r}")
+        _check_count("staleness_bound", self.staleness_bound, "pushes ahead of the slowest worker", low=0)
 
     def make_rule(self, options: Mapping[str, Any] | None = None) -> FoldRule:
         bound = (options or {}).get("staleness_bound")
@@ -201,11 +201,8 @@ class Sync(PushMode):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.replicas_to_aggregate is not None and (
-                isinstance(self.replicas_to_aggregate, bool) or not isinstance(self.replicas_to_aggregate, int)
-                or self.replicas_to_aggregate < 1):
-            raise ValueError(f"replicas_to_aggregate must be an integer >= 1 (updates averaged per round) or "
-                             f"None (every training worker), got {self.replicas_to_aggregate!r}")
+        _check_count("replicas_to_aggregate", self.replicas_to_aggregate, "updates averaged per round",
+                     none="every training worker")
 
     def make_rule(self, options: Mapping[str, Any] | None = None) -> FoldRule:
         replicas = (options or {}).get("replicas_to_aggregate")
@@ -277,7 +274,7 @@ class EASGD(Mode):
     alpha: float = 0.5
 
     def __post_init__(self) -> None:
-        _check_steps("tau", self.tau)
+        _check_count("tau", self.tau)
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0.0 < self.alpha < 1.0:
             raise ValueError(f"alpha must be in (0, 1) (the elastic step), got {self.alpha!r}")
 
