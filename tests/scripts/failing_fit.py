@@ -1,0 +1,76 @@
+"""A 2-worker fit on the embedded PS in which something goes wrong, for tests/test_worker_failures.py.
+
+``failing_fit.py OUT PS_PORT [--lost-timeout S] [--raise-on RANK:STEP] [--nan-on RANK:STEP]``: Lightning's
+own launcher (``devices=2``), a linear classifier on generated data, ``AsyncPSStrategy(lost_timeout=S)``. Each
+rank writes its pid and every finished step to OUT/rank{r}.log, so a test knows who is who and
+how far each came. ``--raise-on 1:20``: rank 1's training_step raises at its step 20.
+``--nan-on 1:20``: rank 1's loss is NaN from its step 20 on (a fit that diverges).
+"""
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from plug_asgd import AsyncPSStrategy
+
+
+class Failing(pl.LightningModule):
+    def __init__(self, out: Path, raise_on: tuple[int, int] | None, nan_on: tuple[int, int] | None) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 2)
+        self.out, self.raise_on, self.nan_on = out, raise_on, nan_on
+
+    def on_train_start(self) -> None:
+        self._log(f"pid {os.getpid()}")
+
+    def training_step(self, batch, batch_idx):
+        step = (self.global_rank, self.global_step)
+        if self.raise_on == step:
+            raise RuntimeError(f"rank {self.global_rank} fails at step {self.global_step} on purpose")
+        time.sleep(0.02)
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.layer(x), y)
+        if self.nan_on is not None and step[0] == self.nan_on[0] and step[1] >= self.nan_on[1]:
+            loss = loss * float("nan")
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self._log(f"step {self.global_step}")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def _log(self, line: str) -> None:
+        with open(self.out / f"rank{self.global_rank}.log", "a") as f:
+            f.write(line + "\n")
+
+
+def rank_step(text: str | None) -> tuple[int, int] | None:
+    return None if text is None else tuple(int(v) for v in text.split(":"))  # type: ignore[return-value]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("ps_port", type=int)
+    parser.add_argument("--lost-timeout", type=float, default=60.0, help="seconds to wait for a PS that went away")
+    parser.add_argument("--raise-on", default=None)
+    parser.add_argument("--nan-on", default=None)
+    args = parser.parse_args()
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 2, (4096,), generator=g)
+    x = torch.randn(4096, 8, generator=g) + (2 * y[:, None] - 1)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, max_epochs=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(args.out),
+                         strategy=AsyncPSStrategy(mode="asgd", ps_port=args.ps_port, lost_timeout=args.lost_timeout))
+    model = Failing(args.out, rank_step(args.raise_on), rank_step(args.nan_on))
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
+
+
+if __name__ == "__main__":
+    main()
