@@ -186,6 +186,7 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
     clock = StepClock(run, rank)
     trainer = pl.Trainer(accelerator="cpu", devices=workers, strategy=strategy, max_epochs=run.get("epochs", 1),
                          max_steps=run.get("max_steps", -1), limit_val_batches=0, num_sanity_val_steps=0,
+                         max_time={"seconds": run["max_time_s"]} if run.get("max_time_s") else None,
                          logger=False, enable_checkpointing=False, enable_model_summary=False,
                          enable_progress_bar=False, callbacks=[clock])
     diverged = None

@@ -22,6 +22,7 @@ import numpy as np
 import zmq
 
 from plug_asgd import push_memory
+from plug_asgd.notices import Notices
 from plug_asgd.transport import DEFAULT_HEARTBEAT_S, CommCounters, PSError, PSUnreachableError, Transport
 from plug_asgd.wire import DEFAULT_LIMITS, Limits, Message, Tensor
 
@@ -66,12 +67,21 @@ class PSClient(Transport):
         self._seq = itertools.count(1)
         self.shm_offered = False  # the PS takes pushes through shared memory (its hello reply says)
         self._segment: push_memory.PushSegment | None = None
+        self._notices: Notices | None = None
 
     def close(self) -> None:
         if not self._closed:
+            if self._notices is not None:
+                self._notices.close()
             super().close()
             if self._segment is not None:
                 self._segment.close()  # the buffers stay mapped while the worker holds them
+
+    def notices(self) -> Notices:
+        """This worker's broadcasts inside the training loop, answered without waiting (:mod:`plug_asgd.notices`)."""
+        if self._notices is None:
+            self._notices = Notices(self.side_socket(hwm=16), self.rank, self.session, self.limits)
+        return self._notices
 
     # -- protocol ------------------------------------------------------------------------------
 

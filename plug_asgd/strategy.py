@@ -147,6 +147,7 @@ class AsyncPSStrategy(DDPPlumbing):
         self._embedded_ps = EmbeddedPS()
         self._stage = self._collective_seq = 0
         self._ps_initialized = self._in_stage = self._fitting = self._failed = False
+        self._in_batches, self._batches = False, 0  # in the training loop's batches: broadcasts are notices
         self._ps_stats_at_exit: dict[str, Any] | None = None
         self._exchange = make_exchange(self.mode, codec=self.compressor, compensation=self.staleness_compensation,
                                        shm_pushes=shm_pushes)
@@ -173,6 +174,7 @@ class AsyncPSStrategy(DDPPlumbing):
                            "torch.distributed.destroy_process_group() before fitting with it.")
         trainer = self._trainer()
         self._fitting = trainer is not None and trainer.state.fn == _FITTING
+        self._in_batches = False
         self._stage += 1
         self._collective_seq = 0
         self._failed = False
@@ -208,7 +210,14 @@ class AsyncPSStrategy(DDPPlumbing):
         self.mode.check_optimizers(self.optimizers)
         self._join()
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._in_batches, self._batches = True, self._batches + 1
+
+    def on_train_end(self) -> None:
+        self._in_batches = False
+
     def on_validation_start(self) -> None:
+        self._in_batches = False
         self._refresh()
 
     def on_test_start(self) -> None:
@@ -345,7 +354,13 @@ class AsyncPSStrategy(DDPPlumbing):
         self._collectives().barrier(name)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self._collectives().broadcast(obj, src, self.global_rank)
+        """Among the training loop's batches (the ``Timer``'s stop flag, every batch), answered without waiting for
+        the other workers (:mod:`plug_asgd.notices`); elsewhere a collective through the PS."""
+        collectives = self._collectives()
+        if collectives.gather is not None and self._in_batches:
+            assert self._client is not None
+            return self._client.notices().broadcast(obj, src, self._stage, self._batches)
+        return collectives.broadcast(obj, src, self.global_rank)
 
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
         return self._collectives().all_gather(tensor, sync_grads)

@@ -232,15 +232,22 @@ class Transport:
         self._heartbeat = threading.Thread(target=self._beat, name=f"plug_asgd-heartbeat-{self.rank}", daemon=True)
         self._heartbeat.start()
 
+    def side_socket(self, hwm: int) -> zmq.Socket:
+        """Another connection to the PS, for messages that must not wait behind a request (heartbeats,
+        notices): at most ``hwm`` messages queue either way while the PS is away or slow."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        self._secure(sock)
+        sock.connect(self.address)
+        return sock
+
     def _beat(self) -> None:
         """Fire and forget: no reply is awaited, and at most one beat waits while the PS is away."""
-        sock = self._ctx.socket(zmq.DEALER)
+        sock = self.side_socket(hwm=1)
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 1)
-            sock.setsockopt(zmq.RCVHWM, 1)
-            self._secure(sock)
-            sock.connect(self.address)
             frames = encode("heartbeat", {"rank": self.rank, "session": self.session})
             while not self._heartbeat_stop.wait(self.heartbeat_s):
                 try:

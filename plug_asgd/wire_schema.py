@@ -32,6 +32,9 @@ PACKED_MAX_ARRAYS = 16
 PACKED_MAX_META = 32
 PACKED_MAX_NAME = 32  # characters of the codec name and of each meta key
 PACKED_MAX_STR = 256  # characters of a string meta value
+# Broadcasts inside the training loop (notices, plug_asgd/notices.py): calls per batch, bytes per value.
+NOTICE_KEYS = 64  # Lightning's own code makes one a batch (the Timer's)
+NOTICE_BYTES = 4096  # a decision, not a payload
 CODEC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.+")
 
 

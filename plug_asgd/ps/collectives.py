@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from plug_asgd.ps.board import Board
 from plug_asgd.ps.membership import Membership
 from plug_asgd.ps.stats import Stats
 from plug_asgd.wire import Message, Tensor, WireError
@@ -30,6 +31,7 @@ class Collectives:
         self._error = error
         self.gathers: dict[tuple[int, int], dict[int, tuple[bytes, Message, Any]]] = {}
         self.completed: dict[tuple[int, int], tuple[dict[str, Any], dict[str, Tensor]]] = {}
+        self.board = Board()  # broadcasts inside the training loop: nothing waits for them
 
     def gather(self, identity: bytes, rid: Any, msg: Message) -> None:
         """One rank's contribution; answered now if it completes the gather (or was completed already)."""
@@ -64,6 +66,11 @@ class Collectives:
         entries[rank] = (identity, msg, rid)
         self._maybe_finish(key)
 
+    def notice(self, identity: bytes, rid: Any, msg: Message) -> None:
+        """A broadcast inside the training loop: the source's value posted, or the latest one read, at once."""
+        rank = self.members.sender(msg)
+        self._send(identity, rid, "noticed", self.board.notice(rank, self.members.world_size, msg), {})
+
     def recheck(self, stage: int | None = None) -> None:
         """Fewer ranks to wait for (of ``stage``, or of every stage): finish the gathers now complete."""
         for key in [k for k in self.gathers if stage is None or k[0] == stage]:
@@ -79,6 +86,7 @@ class Collectives:
         """Every rank is done with ``stage``: its results are needed no more."""
         for key in [k for k in self.completed if k[0] == stage]:
             del self.completed[key]
+        self.board.forget_stage(stage)
 
     def _maybe_finish(self, key: tuple[int, int]) -> None:
         entries = self.gathers.get(key)

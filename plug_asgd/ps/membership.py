@@ -79,6 +79,14 @@ class Membership:
             return True
         return False
 
+    def sender(self, msg: Message) -> int:
+        """The rank of a message from one of a worker's other sockets (heartbeat, notices): its session's."""
+        rank = msg.int_field("rank", minimum=0)
+        worker = self.workers.get(rank) or self.lost.get(rank)
+        if worker is None or worker.session != msg.str_field("session"):
+            raise WireError("bad_field", f"no worker of rank {rank} with this session: say hello first")
+        return rank
+
     def _take_back(self, worker: WorkerInfo) -> None:
         """A lost worker spoke again: it rejoins as it was."""
         del self.lost[worker.rank]

@@ -41,7 +41,7 @@ log = logging.getLogger("plug_asgd.ps")
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-_TYPES = ("hello", "bye", "attach", "heartbeat", "init", "pull", "push", "gather", "stats")
+_TYPES = ("hello", "bye", "attach", "heartbeat", "init", "pull", "push", "gather", "notice", "stats")
 
 
 def frame_cap(limits: Limits) -> int:
@@ -326,6 +326,9 @@ class ParameterServer:
 
     def _on_gather(self, identity: bytes, rid: Any, msg: Message) -> None:
         self.collectives.gather(identity, rid, msg)
+
+    def _on_notice(self, identity: bytes, rid: Any, msg: Message) -> None:
+        self.collectives.notice(identity, rid, msg)
 
     # -- the model -----------------------------------------------------------------------------
 
