@@ -200,7 +200,7 @@ def checkpoint_candidates(path: str | os.PathLike[str], run_id: str | None = Non
     if len(runs) > 1:
         listed = "; ".join(f"{r or 'no run id'}: newest {files[-1].name}" for r, files in runs.items())
         raise CheckpointError(f"{path} holds checkpoints of {len(runs)} runs ({listed}): say which to load "
-                              "with --run-id RUN (or name a file)")
+                              "(--run-id RUN; run_id= in Python) or name a file")
     return next(iter(runs.values()))[::-1]
 
 

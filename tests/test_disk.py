@@ -227,3 +227,15 @@ def test_the_new_run_ids_are_distinct_file_names():
     assert len(ids) == 50 and all(checkpoint.RUN_ID.match(i) for i in ids)
     with pytest.raises(ValueError, match="a run id is 1 to 64 letters"):
         PSConfig(run_id="../x")
+
+
+def test_a_folder_of_several_runs_resolves_only_with_a_run_named(tmp_path):
+    mine = [write_checkpoint(tmp_path / checkpoint_name(v, "mine"), {"version": v}, W) for v in (4, 8)]
+    write_checkpoint(tmp_path / checkpoint_name(100, "theirs"), {"version": 100}, W)
+    assert checkpoint.resolve_checkpoint(tmp_path, "mine") == mine[-1]
+    assert checkpoint.checkpoint_candidates(tmp_path, "mine") == mine[::-1]
+    with pytest.raises(CheckpointError, match="holds checkpoints of 2 runs .*mine: newest ps-v0000000008-mine.ckpt; "
+                                              "theirs: newest ps-v0000000100-theirs.ckpt.*--run-id RUN"):
+        checkpoint.resolve_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match=r"no checkpoint of run other in .* \(runs there: mine, theirs\)"):
+        checkpoint.resolve_checkpoint(tmp_path, "other")
