@@ -55,13 +55,15 @@ def _run_dir(trainer: pl.Trainer, dirpath: str | os.PathLike[str] | None, leaf: 
     return Path(log_dir if trainer.loggers and log_dir is not None else trainer.default_root_dir) / leaf
 
 
-def load_central_weights(module: torch.nn.Module, path: str | os.PathLike[str], strict: bool = True) -> int:
-    """Load a PS checkpoint (a file, or the newest in a folder) into ``module``; returns its version.
+def load_central_weights(module: torch.nn.Module, path: str | os.PathLike[str], strict: bool = True,
+                         run_id: str | None = None) -> int:
+    """Load a PS checkpoint (a file, or the newest in a folder: of run ``run_id`` if it holds several runs')
+    into ``module``; returns its version.
 
     For inference from what :class:`PSCheckpoint` or ``plug-asgd serve-ps --checkpoint-dir`` wrote.
     The file is checked (magic, checksum, every frame) before a byte is used; nothing is unpickled.
     """
-    msg = read_checkpoint(resolve_checkpoint(path))
+    msg = read_checkpoint(resolve_checkpoint(path, run_id))
     central = central_tensors(msg)
     targets = dict(module.named_parameters())
     targets.update((n, b) for n, b in module.named_buffers() if b.is_floating_point())

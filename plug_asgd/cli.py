@@ -33,7 +33,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from plug_asgd.client import PSClient, PSError, PSUnreachableError
-from plug_asgd.ps import ParameterServer
+from plug_asgd.ps import ParameterServer, raise_fd_limit
 from plug_asgd.ps.config import FIELD_TYPES, PSConfig
 from plug_asgd.security import KeysError, generate_keys, is_loopback
 
@@ -133,6 +133,7 @@ def serve_ps(*, host: str, port: int, log_level: str, quiet: bool, log_every: fl
     options["run_dir"] = options["run_dir"] or Path("runs") / time.strftime("ps-%Y%m%d-%H%M%S")
     try:
         config = PSConfig(bind=_endpoint(host, port), **options)
+        raise_fd_limit()  # idle connections hold file descriptors: leave room for the checkpoints
         server = ParameterServer(config)
     except (OSError, ValueError) as exc:  # port in use / bad interface, a refused option, a bad checkpoint
         raise _fail(str(exc), 2) from None
@@ -279,7 +280,7 @@ def _histogram(counts: dict[str, Any] | None, empty: str = "none") -> str:
 
 def stats_table(address: str, stats: dict[str, Any]) -> Table:
     """A rich table of a PS's ``snapshot()`` counters."""
-    from plug_asgd.dashboard import busy_text
+    from plug_asgd.dashboard import busy_text, disk_text
 
     table = Table(title=f"parameter server {address}", show_header=True, title_justify="left")
     table.add_column("counter", style="cyan", no_wrap=True)
@@ -307,6 +308,7 @@ def stats_table(address: str, stats: dict[str, Any]) -> Table:
         ("refused by code", _histogram(stats.get("refused"))),
         ("staleness histogram", _histogram(stats.get("staleness"))),
         ("pushes by rank", _histogram(stats.get("pushes_by_rank"))),
+        *([("disk", disk)] if (disk := disk_text(stats)) is not None else []),
     ]
     for name, value in rows:
         table.add_row(name, escape(value))

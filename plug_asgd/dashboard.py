@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
+from pathlib import PurePath
 from typing import Any
 
 from rich.console import Console, Group, RenderableType
@@ -103,6 +104,20 @@ def busy_text(snapshot: Snapshot, previous: Snapshot | None = None) -> str | Non
         wall, cpu = per_push
         text += f", {wall:.2f} ms a push" + (f" ({cpu:.2f} ms on a core)" if cpu is not None else "")
     return text
+
+
+def disk_text(snapshot: Snapshot) -> str | None:
+    """The PS's failed writes (``checkpoint ENOSPC:2``) and the last error; None while none failed.
+
+    A failed checkpoint or metrics write does not stop the PS: it is counted and tried again, and
+    the updates since the last checkpoint written (``last_checkpoint``) are at risk until one is.
+    """
+    errors = snapshot.get("io_errors")
+    if not errors:
+        return None
+    last = snapshot.get("last_checkpoint")
+    return (f"failed writes {counts_text(errors)}; last: {snapshot.get('io_last_error')}; newest checkpoint "
+            + (PurePath(last).name if last else "none"))
 
 
 def counts_text(counts: Mapping[str, Any] | None, empty: str = "none") -> str:
@@ -220,6 +235,9 @@ def _counters_table(snapshot: Snapshot, previous: Snapshot | None) -> Table:
     busy = busy_text(snapshot, previous)
     if busy is not None:
         rows.insert(3, ("busy", busy))
+    disk = disk_text(snapshot)
+    if disk is not None:
+        rows.append(("disk", f"[bold red]{escape(disk)}[/]"))
     for name, value in rows:
         table.add_row(name, value)
     return table

@@ -106,7 +106,7 @@ def test_a_killed_ps_resumes_from_its_checkpoint_and_clients_carry_on(procs, tmp
     for v in range(4):
         c.push(v, {"w": one})
     # every 4 updates: versions 1..5 have one checkpoint, at 4, whenever the PS gets to write it
-    _wait_for(lambda: [p.name for p in list_checkpoints(ckdir)] == ["ps-v0000000004.ckpt"])
+    _wait_for(lambda: [p.name[:15] for p in list_checkpoints(ckdir)] == ["ps-v0000000004-"])
     assert c.push(4, {"w": one}).version == 5
     os.killpg(ps.pid, signal.SIGKILL)  # the fifth update came after the checkpoint: lost, the stated bound
     ps.wait(10)
@@ -124,7 +124,9 @@ def test_a_killed_ps_resumes_from_its_checkpoint_and_clients_carry_on(procs, tmp
     assert r.status == "applied" and r.version == 5  # checkpoint's version 4, plus this push
     assert r.tensors["w"][3] == 5.0  # 4 from the checkpoint + 1; the fifth update was lost with the PS
     assert c.reconnections == 1
-    assert c.stats()["resumed_from"].endswith("ps-v0000000004.ckpt")
+    stats = c.stats()
+    assert stats["resumed_from"] == str(list_checkpoints(ckdir)[0])
+    assert stats["resumed_from"].endswith(f"ps-v0000000004-{stats['run_id']}.ckpt")  # the run continued
     c.close()
     resumed.terminate()
     assert resumed.wait(10) == 0

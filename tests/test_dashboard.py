@@ -67,6 +67,23 @@ def text_of(renderable, width: int = 120) -> str:
 # -- rendering (pure) --------------------------------------------------------------------------
 
 
+def test_failed_writes_show_in_the_dashboard_and_in_status_only_once_there_are_some():
+    failing = {**SNAPSHOT, "io_errors": {"checkpoint ENOSPC": 2, "metrics EROFS": 1},
+               "io_last_error": "checkpoint: [Errno 28] No space left on device (08:51:02)",
+               "last_checkpoint": "/ck/ps-v0000000016-r1.ckpt"}
+    expected = ("failed writes checkpoint ENOSPC:2 metrics EROFS:1; last: checkpoint: [Errno 28] No space left on "
+                "device (08:51:02); newest checkpoint ps-v0000000016-r1.ckpt")
+    assert expected in " ".join(text_of(render(failing), width=400).split())
+    console = Console(width=400, file=io.StringIO())
+    console.print(cli.stats_table("tcp://127.0.0.1:1", failing))
+    assert expected in console.file.getvalue()
+    for snapshot in (SNAPSHOT, {**SNAPSHOT, "io_errors": {}}):
+        assert "failed writes" not in text_of(render(snapshot), width=400)
+        console = Console(width=400, file=io.StringIO())
+        console.print(cli.stats_table("tcp://127.0.0.1:1", snapshot))
+        assert " disk " not in console.file.getvalue()
+
+
 def test_render_shows_workers_and_counters():
     text = text_of(render(SNAPSHOT, None, "tcp://127.0.0.1:2223"))
     for expected in ("tcp://127.0.0.1:2223", "adacomp", "version 1234", "2 workers", "2 training", "world size 3",

@@ -7,13 +7,15 @@
 - :mod:`~plug_asgd.ps.store` and :mod:`~plug_asgd.ps.fast_store`: the central tensors, their fold and
   who owns each buffer (the reference store, and the one that serves);
 - :mod:`~plug_asgd.ps.persistence` and :mod:`~plug_asgd.ps.stats`: checkpoints, metrics, counters;
+- :mod:`~plug_asgd.ps.disk`: failed writes counted and retried, the file-descriptor limit;
 - :mod:`~plug_asgd.ps.embedded`: the PS as a process of its own.
 
 The PS knows nothing of torch or Lightning: it holds named float arrays.
 """
 
 from plug_asgd.ps.config import DEFAULT_WORKER_TIMEOUT, PSConfig
+from plug_asgd.ps.disk import raise_fd_limit
 from plug_asgd.ps.embedded import embedded_command
 from plug_asgd.ps.server import ParameterServer
 
-__all__ = ["DEFAULT_WORKER_TIMEOUT", "PSConfig", "ParameterServer", "embedded_command"]
+__all__ = ["DEFAULT_WORKER_TIMEOUT", "PSConfig", "ParameterServer", "embedded_command", "raise_fd_limit"]

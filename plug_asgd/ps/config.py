@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plug_asgd.checkpoint import CheckpointPolicy
+from plug_asgd.checkpoint import CheckpointPolicy, check_run_id
 from plug_asgd.modes import MODES
 from plug_asgd.modes import get as get_mode
 from plug_asgd.security import check_bind
@@ -57,11 +57,20 @@ class PSConfig:
     checkpoint_every_seconds: float | None = _option(None, "seconds between checkpoints (default: 60 if no "
                                                      "other rule)", min=0.001)
     keep: int = _option(3, "checkpoints kept", min=1)
-    resume: Path | None = _option(None, "start from this checkpoint, or the newest in this folder; a corrupt one "
-                                  "is refused")
+    resume: Path | None = _option(None, "start from this checkpoint, or the newest of this folder's run (--run-id "
+                                  "if it holds several): a corrupt file named is refused, a corrupt newest one "
+                                  "of a folder is skipped for the next, saying so")
+    run_id: str | None = _option(None, "the run this PS's checkpoints belong to (in their names; letters, digits, "
+                                 "'_.-'); default: a new one, or with --resume the resumed checkpoint's. Without "
+                                 "--resume, a --checkpoint-dir holding other runs' files is refused unless this is "
+                                 "given (each run's files are then kept and pruned apart)")
     run_dir: Path | None = _option(None, "where ps_metrics.jsonl (the counters, every --metrics-every s) goes "
                                    "[default: runs/ps-DATE-TIME]")
     metrics_every: float = _option(2.0, "seconds between two lines of ps_metrics.jsonl", min=0.01)
+    io_retry_seconds: float = _option(2.0, "seconds before a failed checkpoint or metrics write (full or read-only "
+                                      "disk, no file descriptor left: counted, the PS serves on) is tried again, "
+                                      "doubled after each failure in a row up to 300 s; a checkpoint is also tried "
+                                      "at each point of --checkpoint-every-*", min=0.01)
     worker_timeout: float = _option(DEFAULT_WORKER_TIMEOUT, "seconds without a heartbeat after which a worker "
                                     "is declared lost and nothing waits for it any more; it is taken back if "
                                     "it speaks again", min=0.1)
@@ -98,6 +107,8 @@ class PSConfig:
         meta = _FIELDS[name].metadata
         if name == "mode":
             get_mode(value)  # the error lists the modes
+        elif name == "run_id" and value is not None:
+            check_run_id(value)
         elif value is not None and not isinstance(value, bool) and isinstance(value, int | float):
             low, high = meta["min"], meta["max"]
             if (low is not None and value < low) or (high is not None and value > high):

@@ -14,6 +14,7 @@ import signal
 import sys
 
 from plug_asgd.ps.config import PSConfig
+from plug_asgd.ps.disk import raise_fd_limit
 from plug_asgd.ps.server import ParameterServer
 
 _RUN_MAIN = "import sys; sys.path.insert(0, {path!r}); from plug_asgd.ps.embedded import main; sys.exit(main())"
@@ -21,6 +22,7 @@ _RUN_MAIN = "import sys; sys.path.insert(0, {path!r}); from plug_asgd.ps.embedde
 
 def serve(config: PSConfig) -> int:
     """Run a parameter server in this process until it ends; SIGINT and SIGTERM stop it cleanly."""
+    raise_fd_limit()  # an idle connection holds a file descriptor: leave room for the checkpoints
     server = ParameterServer(config)
     signal.signal(signal.SIGTERM, server.request_stop)
     signal.signal(signal.SIGINT, server.request_stop)

@@ -1,8 +1,12 @@
 """What outlives a request: checkpoints (save, resume), the metrics file, and the counters as plain data.
 
 A checkpoint holds the store's :class:`~plug_asgd.ps.store.Snapshot` (tensors, version, the
-dedupe table, the rule's state), the world size and the counters worth keeping; stage
-membership is not saved: it belongs to a run, and a resumed PS may serve a new one.
+dedupe table, the rule's state), the world size, the run id and the counters worth keeping;
+stage membership is not saved: it belongs to a run, and a resumed PS may serve a new one.
+
+A checkpoint folder belongs to runs: a fresh PS takes a new run id (or ``--run-id``), a resumed
+one its checkpoint's, and it lists, prunes and resumes only that run's files. Housekeeping never
+stops the PS: a failed write is counted and retried (:mod:`plug_asgd.ps.disk`).
 """
 
 from __future__ import annotations
@@ -10,14 +14,25 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 
-from plug_asgd.checkpoint import CheckpointError, read_checkpoint, resolve_checkpoint
+from plug_asgd.checkpoint import (
+    CheckpointError,
+    HeaderTooLarge,
+    checkpoint_candidates,
+    read_checkpoint,
+    run_of,
+    runs_in,
+)
 from plug_asgd.ps.config import PSConfig
+from plug_asgd.ps.disk import Retry, append_line
 from plug_asgd.ps.membership import Membership
 from plug_asgd.ps.stats import Stats
 from plug_asgd.ps.store import Snapshot, Store
@@ -26,48 +41,119 @@ from plug_asgd.wire import FLOAT_DTYPES
 log = logging.getLogger("plug_asgd.ps")
 
 
+def new_run_id() -> str:
+    """A fresh run's id: when it started, and 6 random hex digits (``20261124-085012-3fa2c1``)."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def check_folder(dirpath: Path, run_id: str, *, named: bool, continued: bool) -> None:
+    """Refuse a checkpoint folder that holds another run's files, unless this run was ``named`` (--run-id: the
+    runs' files are kept apart) or ``continued`` from this folder; and a fresh named run whose files are there."""
+    runs = runs_in(dirpath)
+    if run_id in runs and not continued:
+        raise CheckpointError(f"{dirpath} already holds checkpoints of run {run_id} (newest {runs[run_id][-1].name}): "
+                              f"continue it with --resume {dirpath} --run-id {run_id}, or name this run otherwise")
+    others = {r: files for r, files in runs.items() if r != run_id}
+    if others and not named and not continued:
+        listed = "; ".join(f"run {r or '(older plug_asgd, no run id)'}: newest {files[-1].name}"
+                           for r, files in others.items())
+        raise CheckpointError(
+            f"{dirpath} holds checkpoints of another run ({listed}). Continue that run with --resume {dirpath} "
+            "(AsyncPSStrategy(resume_from=...)); or give this run a --checkpoint-dir of its own; or, to keep both "
+            "runs' files in this folder, name this one with --run-id NAME")
+
+
 class Persistence:
     """Writes the checkpoints and the metrics lines of one PS when due; resumes it from a checkpoint."""
 
-    def __init__(self, config: PSConfig, store: Store, members: Membership, stats: Stats) -> None:
+    def __init__(self, config: PSConfig, store: Store, members: Membership, stats: Stats,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.policy = config.checkpoint_policy()
         self.store = store
         self.members = members
         self.stats = stats
+        self.clock = clock
         self.resumed_from: Path | None = None
+        self.resume_skipped: list[str] = []  # corrupt newer files a resume fell back past
+        self.last_checkpoint: Path | None = None
+        self.sessions_left_out = 0  # dedupe entries a checkpoint left out to stay readable
+        self.checkpoint_retry = Retry("checkpoint", stats, config.io_retry_seconds, clock)
+        self.metrics_retry = Retry("metrics", stats, config.io_retry_seconds, clock)
         self._next_metrics = 0.0
+        self.run_id = config.run_id or new_run_id()
+        if config.resume is None:
+            self._start_run(self.run_id, continued=False)
 
-    def housekeeping(self, final: bool = False) -> None:
-        """Checkpoint and metrics line when due (and at exit); called between requests."""
-        policy, version = self.policy, self.store.version
-        if policy is not None and self.store.initialized and (policy.due(version)
-                                                              or (final and policy.unsaved(version))):
-            self.save_checkpoint()
-        run_dir = self.config.run_dir
-        if run_dir is not None and (final or time.monotonic() >= self._next_metrics):
-            self._next_metrics = time.monotonic() + self.config.metrics_every
-            run_dir.mkdir(parents=True, exist_ok=True)
-            with open(run_dir / "ps_metrics.jsonl", "a") as f:
-                f.write(json.dumps({"time": round(time.time(), 3), **self.counters()}) + "\n")
+    def _start_run(self, run_id: str, continued: bool) -> None:
+        self.run_id = run_id
+        if self.policy is not None:
+            self.policy.run_id = run_id
+            check_folder(self.policy.dirpath, run_id, named=self.config.run_id is not None, continued=continued)
+
+    def housekeeping(self, final: bool = False) -> int:
+        """Checkpoint and metrics line when due (and at exit); called between requests. A failed write is
+        counted and retried, never raised; returns 1 if the checkpoint at exit failed (its updates are lost)."""
+        policy, version, retry = self.policy, self.store.version, self.checkpoint_retry
+        code = 0
+        if policy is not None and self.store.initialized and (
+                policy.due(version) or (retry.failing and not retry.waiting())
+                or (final and policy.unsaved(version))):
+            try:
+                self.save_checkpoint()
+                retry.succeeded()
+            except Exception as exc:  # a full disk, or anything else: the state in memory is worth more
+                policy.failed(version)
+                retry.failed(exc, final)
+                code = 1
+        run_dir, now = self.config.run_dir, self.clock()
+        if run_dir is not None and (final or (now >= self._next_metrics and not self.metrics_retry.waiting())):
+            self._next_metrics = now + self.config.metrics_every
+            try:
+                append_line(run_dir / "ps_metrics.jsonl", json.dumps({"time": round(time.time(), 3),
+                                                                      **self.counters()}) + "\n")
+                self.metrics_retry.succeeded()
+            except Exception as exc:
+                self.metrics_retry.failed(exc, final)
+        return code if final else 0
 
     def save_checkpoint(self) -> Path:
-        """Write the central state now."""
+        """Write the central state now (OSError, HeaderTooLarge: nothing written, the files there untouched)."""
         assert self.policy is not None
         snap = self.store.snapshot()
         fields = {"mode": self.config.mode, "version": snap.version, "world_size": self.members.world_size,
-                  "last_seq": snap.last_seq, "rule": snap.rule_fields, "saved_at": time.time(),
-                  "stats": self.stats.saved()}
+                  "run_id": self.run_id, "last_seq": snap.last_seq, "rule": snap.rule_fields,
+                  "saved_at": time.time(), "stats": self.stats.saved()}
         tensors = {f"model/{n}": t for n, t in snap.tensors.items()}
         tensors.update((f"rule/{n}", a) for n, a in snap.rule_arrays.items())
-        path = self.policy.save(snap.version, fields, tensors)
+        try:
+            path = self.policy.save(snap.version, fields, tensors)
+        except HeaderTooLarge as exc:  # the dedupe table grew past what a checkpoint may hold
+            fields["last_seq"] = self._trim(snap.last_seq, exc.excess)
+            path = self.policy.save(snap.version, fields, tensors)
+        self.last_checkpoint = path
         log.info("checkpoint %s written (version %d)", path, snap.version)
         return path
 
+    def _trim(self, last_seq: dict[str, int], excess: int) -> dict[str, int]:
+        """The dedupe table less its longest session names, at least ``excess`` bytes of it (each entry's
+        msgpack bytes: the header shrinks by at least their sum). A push of a session left out, resent after
+        a resume from this checkpoint, could be applied twice: logged, and counted in the counters."""
+        kept, dropped = dict(last_seq), 0
+        for session in sorted(last_seq, key=len, reverse=True):
+            if excess <= 0:
+                break
+            excess -= len(msgpack.packb(session)) + len(msgpack.packb(kept.pop(session)))
+            dropped += 1
+        self.sessions_left_out += dropped
+        log.warning("a checkpoint would exceed the header size a checkpoint may have: %d of %d sessions (the "
+                    "longest names) left out of its duplicate-push table", dropped, len(last_seq))
+        return kept
+
     def resume(self, where: str | os.PathLike[str]) -> None:
-        """Start from the checkpoint ``where`` (a file, or the newest in a folder); CheckpointError if unusable."""
-        path = resolve_checkpoint(where)
-        msg = read_checkpoint(path)
+        """Start from the checkpoint ``where`` (a file; in a folder, the newest readable one of its run, a corrupt
+        newer one skipped with a warning); CheckpointError if unusable."""
+        path, msg = self._read_newest(where)
         f = msg.fields
         mode = self.config.mode
         if f.get("mode") != mode:
@@ -85,7 +171,25 @@ class Persistence:
         if self.policy is not None:
             self.policy.saved_version(self.store.version)
         self.resumed_from = path
-        log.info("resumed from %s at version %d", path, self.store.version)
+        file_run = f.get("run_id") if isinstance(f.get("run_id"), str) else run_of(path)
+        folder = Path(where) if Path(where).is_dir() else path.parent  # continued there: its runs' files are known
+        continued = self.policy is not None and folder.resolve() == self.policy.dirpath.resolve()
+        self._start_run(self.config.run_id or file_run or new_run_id(), continued=continued)
+        log.info("resumed from %s at version %d (run %s)", path, self.store.version, self.run_id)
+
+    def _read_newest(self, where: str | os.PathLike[str]) -> tuple[Path, Any]:
+        candidates = checkpoint_candidates(where, self.config.run_id)
+        errors = []
+        for path in candidates:
+            try:
+                return path, read_checkpoint(path)
+            except CheckpointError as exc:
+                if len(candidates) == 1:
+                    raise
+                errors.append(str(exc))
+                self.resume_skipped.append(path.name)
+                log.warning("%s: falling back to the next newest checkpoint of its run", exc)
+        raise CheckpointError(f"no readable checkpoint of the run in {where}: " + "; ".join(errors))
 
     def counters(self) -> dict[str, Any]:
         """The counters, as plain data (what ``stats`` answers and ``plug-asgd status`` shows)."""
@@ -113,4 +217,13 @@ class Persistence:
             "lost": sorted(members.lost), "workers_lost": s.workers_lost, "workers_back": s.workers_back,
             "refused": dict(s.refused), "staleness": {str(k): v for k, v in sorted(s.staleness.items())},
             "pushes_by_rank": {str(k): v for k, v in sorted(s.pushes_by_rank.items())},
+            **self.disk_counters(),
         }
+
+    def disk_counters(self) -> dict[str, Any]:
+        """The run and its writes: failed ones by kind (``"checkpoint ENOSPC": 2``), the last error, the
+        newest checkpoint written, what a resume skipped, dedupe entries a checkpoint left out."""
+        return {"run_id": self.run_id, "io_errors": dict(self.stats.io_errors),
+                "io_last_error": self.stats.io_last_error,
+                "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+                "resume_skipped": list(self.resume_skipped), "checkpoint_sessions_left_out": self.sessions_left_out}

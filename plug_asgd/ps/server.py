@@ -145,8 +145,8 @@ class ParameterServer:
 
     def serve_forever(self, poll_ms: int = 200, on_tick: Callable[[ParameterServer], None] | None = None,
                       tick_s: float = 0.5) -> int:
-        """Serve until told to stop or until the run is over; returns a process exit code. ``on_tick(server)``
-        runs every ``tick_s`` seconds in the serving thread, between requests (the dashboard uses it)."""
+        """Serve until told to stop or the run is over; returns an exit code (1: the checkpoint at exit failed).
+        ``on_tick(server)`` runs every ``tick_s`` s in the serving thread, between requests (the dashboard's)."""
         log.info("parameter server listening on %s, mode %s", self.address, self.mode)
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
@@ -171,9 +171,9 @@ class ParameterServer:
             if self._monitor is not None:
                 self._on_monitor()
             self.close()
-            self.persistence.housekeeping(final=True)
+            code = self.persistence.housekeeping(final=True)  # 1: the last checkpoint could not be written
         log.info("parameter server stopped at version %d", self.store.version)
-        return 0
+        return code
 
     def _drain(self) -> None:
         """Handle every request waiting on the socket."""

@@ -36,6 +36,8 @@ class Stats:
     refused: Counter = field(default_factory=Counter)
     staleness: Counter = field(default_factory=Counter)
     pushes_by_rank: Counter = field(default_factory=Counter)
+    io_errors: Counter = field(default_factory=Counter)  # failed writes, "checkpoint ENOSPC": n (ps/disk.py)
+    io_last_error: str | None = None
 
     # the counters a checkpoint keeps (the others describe one process's life)
     SAVED = ("pushes_applied", "pushes_dropped", "push_bytes_in", "bytes_in", "bytes_out")
