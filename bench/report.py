@@ -51,7 +51,9 @@ def markdown(results: dict[str, Any]) -> str:
     if "stragglers" in b and "asgd_samples_per_s" in b["stragglers"]:
         s = b["stragglers"]
         lines += ["", "## Stragglers", "", f"asgd {_spread(s['asgd_samples_per_s'])} samples/s, DDP "
-                  f"{_spread(s['ddp_samples_per_s'])} samples/s. {s['method']}"]
+                  f"{_spread(s['ddp_samples_per_s'])} samples/s. With `Trainer(max_time=...)` stopping both "
+                  f"(Lightning's Timer, a broadcast after every batch): asgd / DDP "
+                  f"{_spread(s.get('ratio_max_time'))}. {s['method']}"]
     if "adacomp" in b and "rows" in b["adacomp"]:
         a = b["adacomp"]
         lines += ["", "## Bytes pushed and accuracy", "", a["method"], "",
