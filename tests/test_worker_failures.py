@@ -75,7 +75,7 @@ def test_rank0_killed_takes_its_embedded_ps_down_and_the_other_rank_stops_with_a
     assert f"did not come back within {LOST_TIMEOUT:g} s" in out, out[-3000:]
     assert not group_members(job.pid)
     fault_report(fault="rank 0 SIGKILLed while it hosts the embedded PS", injected=1, handled=1,
-                 recovery_s=round(rank1_gone, 2),
+                 pushes_lost="all since the last checkpoint", recovery_s=round(rank1_gone, 2),
                  detail=f"the PS stopped {ps_gone:.1f} s after (parent check), rank 1 {rank1_gone:.1f} s after "
                         f"(lost_timeout {LOST_TIMEOUT:g} s) naming the PS's address")
 
@@ -93,4 +93,6 @@ def test_a_worker_that_raises_or_diverges_mid_fit_ends_the_job_saying_why(procs,
     assert steps(tmp_path, 1) == 20  # rank 1 went no further
     assert not procs.leftovers(), "the job left processes behind"
     fault_report(fault=f"a worker {'raises' if fault == 'raise' else 'diverges (NaN loss)'} mid-fit", injected=1,
-                 handled=1, detail="the job stops non-zero with the rank's error; no process is left")
+                 handled=1, pushes_lost="all since the last checkpoint",
+                 detail="the job stops non-zero with the rank's error (Lightning's launcher ends the others); "
+                        "the embedded PS stops with its parent; no process is left")
