@@ -78,7 +78,7 @@ def flood(address: str, idle: int, rate: float, slow_rate: float) -> None:
     slow, stranger, member = dealer(rcvhwm=1), dealer(), dealer()
     member.send_multipart(encode("hello", {"rid": 0, "rank": 1, "world_size": 2, "stage": 1, "session": "flood",
                                            "mode": "asgd", "training": False}))
-    w = {"conv1.weight": update("dense")["conv1.weight"]}
+    w = dict([next(iter(update("dense").items()))])  # one tensor of a real update
     forged = itertools.cycle([
         (stranger, encode("push", {"rid": 1, "rank": 0, "base_version": 0, "seq": 1, "session": "x"}, w)),
         (stranger, encode("bye", {"rid": 1, "rank": 0, "stage": 1})),
@@ -160,11 +160,14 @@ def main(argv: list[str] | None = None) -> int:
         flooder = start([sys.executable, "-m", "bench.flood", "--flood", address, "--idle", str(args.idle),
                          "--rate", str(args.rate), "--slow-rate", str(args.slow_rate)])
         result["during"] = phase(client, ps.pid, args.seconds, up)
+        if flooder.poll() is not None:
+            raise RuntimeError(f"the flooding process ended early (exit code {flooder.returncode})")
         stop(flooder)
         flooder = None
         result["after"] = phase(client, ps.pid, args.seconds, up)
         stats = client.stats()
-        result.update(refused=stats["refused"], replies_dropped=stats["replies_dropped"],
+        result.update(refused=stats["refused"], forged_refused=sum(stats["refused"].values()),
+                      replies_dropped=stats["replies_dropped"],
                       version=stats["version"], workers=stats["workers"])
     finally:
         client.close()
