@@ -37,7 +37,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from bench.common import commit, free_port_block, machine, start, stop, write_json
+from bench.common import ROOT, commit, free_port_block, machine, start, stop, write_json
 from bench.zmqtools import model, update
 from plug_asgd.client import PSClient
 from plug_asgd.ps import PSConfig, embedded_command
@@ -139,18 +139,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow-rate", type=float, default=20.0, help="model requests a second never read")
     parser.add_argument("--seconds", type=float, default=10.0, help="of each phase")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--ps-code", type=Path, help="run the PS from this folder's plug_asgd (another commit's, "
+                        "from `git archive`), to compare")
     parser.add_argument("--flood", help=argparse.SUPPRESS)  # the flooding process: the PS's address
     args = parser.parse_args(argv)
     if args.flood:
         flood(args.flood, args.idle, args.rate, args.slow_rate)
         return 0
     address = f"tcp://127.0.0.1:{free_port_block(1)}"
-    ps = start(embedded_command(PSConfig(bind=address, worker_timeout=60)))
+    cmd = embedded_command(PSConfig(bind=address, worker_timeout=60))
+    if args.ps_code is not None:  # the command puts this checkout first on sys.path: that one instead
+        cmd[2] = cmd[2].replace(repr(str(ROOT)), repr(str(args.ps_code.resolve())))
+    ps = start(cmd)
     client = PSClient(address, rank=0, world_size=2, mode="asgd", request_timeout=60)
     flooder = None
     result: dict[str, Any] = {"command": " ".join(["python -m bench.flood", *(argv or sys.argv[1:])]),
                               "commit": commit(), "machine": machine(), "idle": args.idle, "rate": args.rate,
-                              "slow_rate": args.slow_rate, "seconds": args.seconds}
+                              "slow_rate": args.slow_rate, "seconds": args.seconds,
+                              "ps_code": str(args.ps_code) if args.ps_code else None}
     try:
         client.hello(1, True, timeout=30)
         client.init(model())
@@ -167,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         result["after"] = phase(client, ps.pid, args.seconds, up)
         stats = client.stats()
         result.update(refused=stats["refused"], forged_refused=sum(stats["refused"].values()),
-                      replies_dropped=stats["replies_dropped"],
+                      replies_dropped=stats.get("replies_dropped", {}),
                       version=stats["version"], workers=stats["workers"])
     finally:
         client.close()
