@@ -237,7 +237,7 @@ def test_a_gather_whose_reply_could_not_be_encoded_is_refused_and_the_collective
     assert [r for r, _, _ in results[0]] == [0, 1, 2] and results[0] == results[1]
     assert refused(honest[0]) - before == Counter(limit=3)
     honest_push_moves_the_model_by_itself(run)
-    fault_report(fault="gather objects nested 1,022 deep, of 256 kB, kinds of 300 characters", injected=3,
+    fault_report(fault="gather objects nested 1,022 deep or over 256 KiB, kinds of 300 characters", injected=3,
                  handled=3, pushes_lost=0, recovery_s=None,
                  detail="refused on arrival (limit, 3 counted); the collective of all 3 ranks then completed")
 
@@ -286,8 +286,9 @@ def test_a_client_that_never_reads_its_replies_costs_a_bounded_queue_and_nothing
         slow.close()
     fault_report(fault="a client that never reads its replies (200 pulls of a 1 MB model)", injected=sent,
                  handled=sent, pushes_lost=0, recovery_s=None,
-                 detail=f"{received} delivered once it read (the PS queues {limits.REPLY_HWM}), {dropped} dropped and "
-                        "counted; the honest worker served meanwhile")
+                 detail=f"of the {sent + 1} replies (the pulls, then one refusal) {received} were delivered once "
+                        f"it read (the PS queues {limits.REPLY_HWM}), {dropped} dropped and counted; the honest "
+                        "worker served meanwhile")
 
 
 @pytest.mark.faults
