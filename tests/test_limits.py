@@ -51,3 +51,19 @@ def test_completed_collectives_are_kept_by_bytes(monkeypatch):
     one = (1 << 20) + 2  # the tensor's bytes, and [None] packed
     assert len(sent) == 5 and list(collectives.completed) == [(1, 3), (1, 4)]
     assert collectives.completed_bytes == 2 * one
+
+
+def test_objects_that_would_make_a_gather_reply_too_large_to_read_are_refused():
+    members = Membership(60.0, Stats())
+    sent = []
+    collectives = Collectives(members, members.stats, lambda *a: sent.append(a), lambda *a: sent.append(a))
+    for rank in range(3):
+        members.hello(b"%d" % rank, Message("hello", {"rank": rank, "world_size": 3, "stage": 1, "session": "s"}), 0)
+    big = "x" * (limits.MAX_GATHER_OBJ_BYTES // 2 - 8)  # two fit, a third would pass the bound
+    for rank in (0, 1):
+        collectives.gather(b"%d" % rank, rank, Message("gather", {"rank": rank, "stage": 1, "seq": 0, "obj": big}))
+    with pytest.raises(WireError) as err:
+        collectives.gather(b"2", 2, Message("gather", {"rank": 2, "stage": 1, "seq": 0, "obj": big}))
+    assert err.value.code == "limit" and sent == []
+    collectives.gather(b"2", 2, Message("gather", {"rank": 2, "stage": 1, "seq": 0, "obj": None}))
+    assert [s[0] for s in sent] == [b"0", b"1", b"2"]

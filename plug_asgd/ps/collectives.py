@@ -46,7 +46,7 @@ class Collectives:
         rank = self.members.member(identity, msg).rank
         stage = msg.int_field("stage", minimum=0)
         seq = msg.int_field("seq", minimum=0)
-        obj, _ = limits.gather_obj(msg)
+        obj, obj_bytes = limits.gather_obj(msg)
         assert stage is not None and seq is not None
         if rank in self.members.left.get(stage, ()):
             raise WireError("bad_field", f"rank {rank} has already left stage {stage}")
@@ -60,6 +60,7 @@ class Collectives:
                        {f"{rank}/{n}": t for n, t in msg.tensors.items()})
             return
         self._withdraw(rank, key)
+        self._check_objects(key, rank, obj_bytes)
         entries = self.gathers.setdefault(key, {})
         kind = str(msg.fields.get("kind", ""))
         other = next(((r, e[1].fields.get("kind", "")) for r, e in entries.items()
@@ -76,6 +77,16 @@ class Collectives:
         # a contribution sent again (after a reconnection) replaces the first: the reply goes to the latest
         entries[rank] = (identity, msg, rid)
         self._maybe_finish(key)
+
+    def _check_objects(self, key: tuple[int, int], rank: int, obj_bytes: int) -> None:
+        """Refuse (``limit``) an object that would take the gather's objects past what its reply may carry."""
+        if obj_bytes <= 1:  # None, or an empty container: the common case
+            return
+        others = sum(len(msgpack.packb(e[1].fields.get("obj"))) for r, e in self.gathers.get(key, {}).items()
+                     if r != rank)
+        if obj_bytes + others > limits.MAX_GATHER_OBJ_BYTES:
+            raise WireError("limit", f"the objects of collective {key[1]} of stage {key[0]} would pass "
+                                     f"{limits.MAX_GATHER_OBJ_BYTES} bytes packed: a reply too large to read")
 
     def _withdraw(self, rank: int, key: tuple[int, int]) -> None:
         """``rank`` now waits on ``key``: its contributions to other gathers were abandoned."""

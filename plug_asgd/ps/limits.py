@@ -23,6 +23,7 @@ TOKEN_CHARS = (16, 128)  # the membership token a hello may carry back (the PS g
 MAX_KIND_CHARS = 256  # a gather's ``kind`` ("barrier:NAME", ...): it is quoted in error replies to other ranks
 MAX_OBJ_DEPTH = 64  # nesting of a gather's object (the reply adds 3 levels; msgpack stops at 1,024)
 MAX_OBJ_BYTES = 256 << 10  # a gather's object, packed
+MAX_GATHER_OBJ_BYTES = 512 << 10  # all ranks' objects of one gather: its reply's header (a client reads 1 MiB)
 SESSIONS_PER_RANK = 4  # sessions whose last push number the PS keeps per rank (a checkpoint holds them)
 COMPLETED_KEPT = 1024  # completed collectives kept for a rank that comes back late ...
 COMPLETED_MAX_BYTES = 64 << 20  # ... and their bytes at most (the oldest go first)
