@@ -32,7 +32,7 @@ class _NoSocket:
     def __init__(self, copy_threshold: int) -> None:
         self.copy_threshold = copy_threshold
 
-    def send_multipart(self, parts: Any, copy: bool = True) -> None:
+    def send_multipart(self, parts: Any, flags: int = 0, copy: bool = True) -> None:
         pass
 
 

@@ -306,6 +306,7 @@ def stats_table(address: str, stats: dict[str, Any]) -> Table:
         ("pushes dropped", str(stats.get("pushes_dropped"))),
         ("pushes after stop", str(stats.get("pushes_after_stop"))),
         ("refused by code", _histogram(stats.get("refused"))),
+        *([("replies dropped", _histogram(dropped))] if (dropped := stats.get("replies_dropped")) else []),
         ("staleness histogram", _histogram(stats.get("staleness"))),
         ("pushes by rank", _histogram(stats.get("pushes_by_rank"))),
         *([("disk", disk)] if (disk := disk_text(stats)) is not None else []),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -80,17 +81,35 @@ class PSClient(Transport):
     def notices(self) -> Notices:
         """This worker's broadcasts inside the training loop, answered without waiting (:mod:`plug_asgd.notices`)."""
         if self._notices is None:
-            self._notices = Notices(self.side_socket(hwm=16), self.rank, self.session, self.limits)
+            self._notices = Notices(self.side_socket(hwm=16), self.rank, self.session, self.token, self.limits)
+        self._notices.token = self.token  # the rank's proof, which a hello after a reconnection may have renewed
         return self._notices
 
     # -- protocol ------------------------------------------------------------------------------
 
     def hello(self, stage: int, training: bool, *, timeout: float | None = None,
               alive: Callable[[], str | None] | None = None) -> dict[str, Any]:
+        """Join (or rejoin) the run as this rank. The PS's token is kept and sent with every later hello
+        and heartbeat: it proves this is the worker that holds the rank. A rank still held by a live
+        worker (a restarted process whose predecessor is not yet declared lost) is asked for again,
+        every half second, until ``timeout``."""
         fields = {"rank": self.rank, "world_size": self.world_size, "stage": stage, "training": training,
                   "mode": self.mode, "session": self.session, "heartbeat_s": self.heartbeat_s}
-        reply = self.request("hello", fields, timeout=timeout, alive=alive)
-        self._hello_fields = fields
+        if self.token is not None:
+            fields["token"] = self.token
+        deadline = time.monotonic() + (self.request_timeout if timeout is None else timeout)
+        while True:
+            try:
+                reply = self.request("hello", fields, timeout=max(0.001, deadline - time.monotonic()), alive=alive)
+                break
+            except PSError as exc:
+                if exc.code != "rank_taken" or time.monotonic() + 0.5 > deadline:
+                    raise
+                log.info("rank %d is still held by a live worker; asking again (%s)", self.rank, exc)
+                time.sleep(0.5)
+        token = reply.fields.get("token")
+        self.token = token if isinstance(token, str) else None
+        self._hello_fields = {**fields, "token": self.token} if self.token else fields
         self._start_heartbeat()
         limit = reply.fields.get("max_message_bytes")
         self.max_message_bytes = limit if isinstance(limit, int) and limit > 0 else None
@@ -135,7 +154,8 @@ class PSClient(Transport):
         return bool(self.request("init", {"rank": self.rank}, tensors).fields.get("accepted"))
 
     def pull(self) -> ModelReply:
-        return self._model(self.request("pull", {"rank": self.rank}))
+        """The central model; as this rank once it said hello, else as a bystander (a Supervisor, a test)."""
+        return self._model(self.request("pull", {"rank": self.rank} if self._hello_fields is not None else {}))
 
     def push(self, base_version: int, update: Mapping[str, Tensor],
              want_model: bool | Literal["unless_own"] = True,
@@ -222,7 +242,10 @@ class PSClient(Transport):
         return out
 
     def bye(self, stage: int, timeout: float = 5.0) -> None:
+        """Leave ``stage``: the PS no longer counts this connection as the rank's (a later pull is a bystander's,
+        and a reconnection says no hello) until :meth:`hello` again."""
         self.request("bye", {"rank": self.rank, "stage": stage}, timeout=timeout)
+        self._hello_fields = None
 
     def stats(self, timeout: float | None = None) -> dict[str, Any]:
         return dict(self.request("stats", timeout=timeout).fields["stats"])

@@ -229,6 +229,8 @@ def _counters_table(snapshot: Snapshot, previous: Snapshot | None) -> Table:
         ("pushes", f"applied {snapshot.get('pushes_applied') or 0}, dropped {snapshot.get('pushes_dropped') or 0}"
                    + (f", after stop {snapshot['pushes_after_stop']}" if snapshot.get("pushes_after_stop") else "")),
         ("refused", f"[red]{escape(counts_text(refused))}[/]" if refused else "none"),
+        *([("replies dropped", f"[red]{escape(counts_text(dropped))}[/]")]  # to clients that do not read them
+          if (dropped := snapshot.get("replies_dropped")) else []),
         ("staleness", escape(staleness_text(snapshot.get("staleness")))
          + (f"  [magenta]{sparkline([v for _, v in stale])}[/]" if stale else "")),
     ]

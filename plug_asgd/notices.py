@@ -31,10 +31,11 @@ from plug_asgd.wire_schema import NOTICE_BYTES, NOTICE_KEYS
 class Notices:
     """One worker's training-loop broadcasts, over ``socket`` (a DEALER of its own to the PS)."""
 
-    def __init__(self, socket: zmq.Socket, rank: int, session: str, limits: Limits) -> None:
+    def __init__(self, socket: zmq.Socket, rank: int, session: str, token: str | None, limits: Limits) -> None:
+        """``session`` and ``token``: what the PS knows this worker by (its hello's), as on its heartbeats."""
         self.socket = socket
         self.rank = rank
-        self.session = session
+        self.session, self.token = session, token
         self.limits = limits
         self.latest: dict[tuple[int, int, int], Any] = {}  # (stage, src, key) -> the source's latest value
         self.sent = self.received = 0
@@ -51,8 +52,8 @@ class Notices:
             raise RuntimeError(f"more than {NOTICE_KEYS} broadcasts in one training batch: AsyncPSStrategy answers "
                                "those inside the training loop without waiting, and keeps that many per batch")
         self._take_replies()
-        fields: dict[str, Any] = {"rank": self.rank, "session": self.session, "stage": stage, "src": src,
-                                  "key": key}
+        fields: dict[str, Any] = {"rank": self.rank, "session": self.session, "token": self.token, "stage": stage,
+                                  "src": src, "key": key}
         if self.rank == src:
             try:
                 size = len(msgpack.packb(obj, use_bin_type=True))

@@ -90,6 +90,7 @@ class Transport:
         self._heartbeat: threading.Thread | None = None
         self._heartbeat_stop = threading.Event()
         self.session = uuid.uuid4().hex
+        self.token: str | None = None  # the PS's proof that this worker holds its rank (from the hello reply)
         self.counters = CommCounters()
         self._rids = itertools.count(1)
         self._ctx = context or zmq.Context.instance()
@@ -158,6 +159,7 @@ class Transport:
     def _await(self, rid: int, msg_type: str, frames: list[Any], limit: float, start: float,
                alive: Callable[[], str | None] | None) -> Message:
         """The reply to request ``rid``, sent at ``start``; ``frames`` are sent again after a reconnection."""
+        rejoins = 0
         while True:
             left = limit - (time.monotonic() - start)
             if left <= 0:
@@ -176,6 +178,9 @@ class Transport:
             reply = decode(reply_frames, self.limits)
             if reply.fields.get("rid") != rid:
                 continue  # the late answer to a request that timed out
+            if reply.type == "error" and self._rejoin(msg_type, reply, frames, rejoins):
+                rejoins += 1
+                continue
             if reply.type == "error":
                 raise PSError(str(reply.fields.get("code")), f"parameter server at {self.address}: "
                                                              f"{reply.fields.get('message')}")
@@ -211,12 +216,26 @@ class Transport:
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._lost:
                 self._lost = False
                 self.reconnections += 1
-                if self._hello_fields is not None and msg_type != "hello":
-                    hello = encode("hello", {**self._hello_fields, "rid": 0})
-                    self.counters.bytes_up += message_bytes(hello)
-                    self._sock.send_multipart(hello, copy=False)
-                self.counters.bytes_up += message_bytes(frames)
-                self._sock.send_multipart(frames, copy=False)
+                self._resend(msg_type, frames)
+
+    def _resend(self, msg_type: str, frames: list[Any]) -> None:
+        """Hello again (its reply, rid 0, is not awaited), then the request in flight: the PS takes them in order."""
+        if self._hello_fields is not None and msg_type != "hello":
+            hello = encode("hello", {**self._hello_fields, "rid": 0})
+            self.counters.bytes_up += message_bytes(hello)
+            self._sock.send_multipart(hello, copy=False)
+        self.counters.bytes_up += message_bytes(frames)
+        self._sock.send_multipart(frames, copy=False)
+
+    def _rejoin(self, msg_type: str, reply: Message, frames: list[Any], rejoins: int) -> bool:
+        """After ``not_member`` (a restarted PS got the request before this worker's hello, sent on reconnection),
+        hello and send it again, twice at most; False to raise the error."""
+        if reply.fields.get("code") != "not_member" or self._hello_fields is None or msg_type == "hello":
+            return False
+        if rejoins >= 2:
+            return False
+        self._resend(msg_type, frames)
+        return True
 
     def _secure(self, sock: zmq.Socket) -> None:
         """CURVE on one of this worker's sockets, when it has keys (the heartbeat's too)."""
@@ -248,7 +267,7 @@ class Transport:
         """Fire and forget: no reply is awaited, and at most one beat waits while the PS is away."""
         sock = self.side_socket(hwm=1)
         try:
-            frames = encode("heartbeat", {"rank": self.rank, "session": self.session})
+            frames = encode("heartbeat", {"rank": self.rank, "session": self.session, "token": self.token})
             while not self._heartbeat_stop.wait(self.heartbeat_s):
                 try:
                     sock.send_multipart(frames, zmq.NOBLOCK)

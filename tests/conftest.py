@@ -268,16 +268,21 @@ def recipe_run(tmp_path_factory):
     return tmp, Path(summary["log_dir"]), summary
 
 
-def serving_pair(address: str, tensors: dict) -> tuple:
-    """A worker that initialised the PS at ``address`` with ``tensors``, and a raw DEALER socket to it."""
+def serving_pair(address: str, tensors: dict, session: str = "raw") -> tuple:
+    """A worker (rank 0 of 2) that initialised the PS at ``address`` with ``tensors``, and a raw DEALER socket
+    to it that said hello as rank 1 in ``session``: the PS checks what it sends, not whether it may send."""
     import zmq
 
     from plug_asgd.client import PSClient
+    from plug_asgd.wire import decode, encode
 
-    good = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=10)
+    good = PSClient(address, rank=0, world_size=2, mode="asgd", request_timeout=10)
     good.hello(stage=1, training=True, timeout=20)
     assert good.init(tensors)
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(address)
+    raw.send_multipart(encode("hello", {"rid": 0, "rank": 1, "world_size": 2, "stage": 1, "session": session,
+                                        "mode": "asgd", "training": True}))
+    assert raw.poll(20_000) and decode(raw.recv_multipart()).type == "welcome"
     return good, raw

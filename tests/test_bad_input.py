@@ -31,7 +31,7 @@ def ps(start_ps):
 
 
 def _push(seq: int, tensors: dict, **fields) -> list:
-    return encode("push", {"rid": 1, "rank": 0, "base_version": 0, "seq": seq, "session": "raw", **fields}, tensors)
+    return encode("push", {"rid": 1, "rank": 1, "base_version": 0, "seq": seq, "session": "raw", **fields}, tensors)
 
 
 def _header(**overrides) -> bytes:
@@ -44,7 +44,7 @@ def _sparse_frames(counts, offsets, numel=6, values=None, seq=1) -> list:
     values = np.ones(len(offsets), "<f4") if values is None else np.asarray(values, "<f4")
     spec = {"name": "b" if numel == 2 else "w", "enc": "sparse", "dtype": "float32",
             "shape": [numel] if numel == 2 else [2, 3], "nnz": len(offsets)}
-    fields = {"rid": 1, "rank": 0, "base_version": 0, "seq": seq, "session": "raw"}
+    fields = {"rid": 1, "rank": 1, "base_version": 0, "seq": seq, "session": "raw"}
     return [_header(fields=fields, tensors=[spec]), np.asarray(counts, "<u4").tobytes(),
             np.asarray(offsets, "<u2").tobytes(), values.tobytes()]
 
@@ -98,11 +98,11 @@ CASES = {
     "base_version not an int": (_push(1, OK, base_version="0"), "bad_field"),
     "negative seq": (_push(-1, OK), "bad_field"),
     "base_version from the future": (_push(1, OK, base_version=10**6), "bad_field"),
-    "hello with a heartbeat of -1 s": (encode("hello", {"rid": 1, "rank": 0, "world_size": 1, "stage": 1,
-                                                        "mode": "asgd", "session": "x", "heartbeat_s": -1}),
+    "hello with a heartbeat of -1 s": (encode("hello", {"rid": 1, "rank": 1, "world_size": 2, "stage": 1,
+                                                        "mode": "asgd", "session": "raw", "heartbeat_s": -1}),
                                        "bad_field"),
     "heartbeat without a session": (encode("heartbeat", {"rank": 0}), "bad_field"),
-    # oversized (checked by the PS on the whole message: see plug_asgd.ps.server.frame_cap)
+    # oversized (checked by the PS on the whole message: see plug_asgd.ps.limits.frame_cap)
     "message over the limit in many frames": (
         _push(1, {f"t{i}": np.zeros(300, np.float32) for i in range(4)}), "too_large"),
     "one frame over the limit": (_push(1, {"w": np.zeros(LIMIT // 4 + 10, np.float32)}), "too_large"),

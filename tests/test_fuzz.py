@@ -33,10 +33,11 @@ REAL_TYPES = ("hello", "push", "pull", "init", "bye", "gather", "stats")
 REQUIRED = {"hello": ("rank", "world_size", "stage", "session", "mode"),
             "push": ("rank", "base_version", "seq", "session"),
             "gather": ("rank", "stage", "seq"), "bye": ("rank", "stage")}
-VALID = {"hello": {"rank": 0, "world_size": 1, "stage": 1, "session": "fuzz", "mode": "asgd", "training": True},
-         "push": {"rank": 0, "base_version": 0, "seq": 1, "session": "fuzz"},
-         "gather": {"rank": 0, "stage": 1, "seq": 0, "kind": "barrier:"},
-         "bye": {"rank": 0, "stage": 1}}
+# the raw socket holds rank 1 of 2 in session "fuzz" (tests.conftest.serving_pair)
+VALID = {"hello": {"rank": 1, "world_size": 2, "stage": 1, "session": "fuzz", "mode": "asgd", "training": True},
+         "push": {"rank": 1, "base_version": 0, "seq": 1, "session": "fuzz"},
+         "gather": {"rank": 1, "stage": 1, "seq": 0, "kind": "barrier:"},
+         "bye": {"rank": 1, "stage": 1}}
 
 ints = st.integers(-(1 << 63), (1 << 64) - 1)  # what msgpack can carry
 scalars = st.one_of(st.none(), st.booleans(), ints, st.floats(),
@@ -207,7 +208,7 @@ messages = st.one_of(random_frames(), mutated_fields(), corrupted_push(), random
 
 @pytest.mark.faults
 def test_thousands_of_bad_messages_leave_the_ps_serving_and_its_model_untouched(start_ps, fault_report):
-    good, raw = serving_pair(start_ps("asgd"), W0)
+    good, raw = serving_pair(start_ps("asgd"), W0, session="fuzz")
     sent = [0]
     codes: dict[str, int] = {}
 

@@ -83,7 +83,7 @@ class BoardSocket:
 def test_each_rank_gets_the_sources_value_a_batch_later_and_its_own_until_then():
     board = Board()
     sockets = {r: BoardSocket(board, r) for r in (0, 1)}
-    notices = {r: Notices(sockets[r], r, "s", DEFAULT_LIMITS) for r in (0, 1)}
+    notices = {r: Notices(sockets[r], r, "s", None, DEFAULT_LIMITS) for r in (0, 1)}
     seen = []
     for batch in range(4):
         stop = batch >= 1  # rank 0 decides to stop after its batch 1; rank 1's own clock says no
@@ -99,7 +99,7 @@ def test_each_rank_gets_the_sources_value_a_batch_later_and_its_own_until_then()
 def test_calls_within_a_batch_are_told_apart_and_the_limits_are_said():
     board = Board()
     sock = BoardSocket(board, 0)
-    notices = Notices(sock, 0, "s", DEFAULT_LIMITS)
+    notices = Notices(sock, 0, "s", None, DEFAULT_LIMITS)
     assert notices.broadcast("a", 0, 1, batch=7) == "a" and notices.broadcast("b", 0, 1, batch=7) == "b"
     assert {w: v for w, v in board.posted.items()} == {(1, 0, 0): "a", (1, 0, 1): "b"}
     notices.broadcast("c", 0, 1, batch=8)  # a new batch: its first call is key 0 again

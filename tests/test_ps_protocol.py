@@ -54,7 +54,7 @@ def test_a_compressed_push_is_decoded_into_the_central_dtype_before_the_fold(sta
 
 def test_malformed_messages_get_error_replies_and_the_model_is_untouched(start_ps):
     address = start_ps()
-    good = client(address)
+    good = client(address, 0, 2)
     good.init(W0)
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.DEALER)
@@ -66,6 +66,9 @@ def test_malformed_messages_get_error_replies_and_the_model_is_untouched(start_p
         assert raw.poll(10_000), "the PS did not answer"
         return decode(raw.recv_multipart())
 
+    assert ask(encode("hello", {"rid": 1, "rank": 1, "world_size": 2, "stage": 1, "session": "x",
+                                "mode": "asgd"})).type == "welcome"  # the PS checks what rank 1 sends
+
     bad_version = encode("pull", {"rid": 1})
     bad_version[0] = bad_version[0].replace(bytes([0xA1, 0x76, PROTOCOL_VERSION]), bytes([0xA1, 0x76, 99]))
     cases = {
@@ -73,13 +76,13 @@ def test_malformed_messages_get_error_replies_and_the_model_is_untouched(start_p
         "bad_version": bad_version,
         "unknown_type": encode("steal", {"rid": 1}),
         "frame_count": encode("push", {"rid": 1}, {"w": np.zeros(6, np.float32)})[:1],
-        "bad_tensor": encode("push", {"rid": 1, "rank": 0, "base_version": 0, "seq": 1, "session": "x"},
+        "bad_tensor": encode("push", {"rid": 1, "rank": 1, "base_version": 0, "seq": 1, "session": "x"},
                              {"w": np.zeros(5, np.float32)}),
-        "unknown_tensor": encode("push", {"rid": 1, "rank": 0, "base_version": 0, "seq": 2, "session": "x"},
+        "unknown_tensor": encode("push", {"rid": 1, "rank": 1, "base_version": 0, "seq": 2, "session": "x"},
                                  {"nope": np.zeros(5, np.float32)}),
-        "not_finite": encode("push", {"rid": 1, "rank": 0, "base_version": 0, "seq": 3, "session": "x"},
+        "not_finite": encode("push", {"rid": 1, "rank": 1, "base_version": 0, "seq": 3, "session": "x"},
                              {"w": np.full((2, 3), np.nan, np.float32)}),
-        "bad_field": encode("push", {"rid": 1, "rank": 0, "base_version": "zero", "seq": 4, "session": "x"},
+        "bad_field": encode("push", {"rid": 1, "rank": 1, "base_version": "zero", "seq": 4, "session": "x"},
                             {"w": np.zeros((2, 3), np.float32)}),
     }
     for code, frames in cases.items():

@@ -4,16 +4,27 @@ A worker whose hello announced heartbeats and that is silent for ``worker_timeou
 declared lost: no sync round, staleness bound or collective waits for it any more. If it speaks
 again it is taken back as it is (its late pushes meet the mode's rule like any stale push); a
 new session for the same rank (a restarted process) replaces the lost one.
+
+A rank belongs to the connection (ZeroMQ identity) and session that said hello for it: bye,
+push, pull, gather and attach from any other connection are refused (``not_member``: it never
+said hello, or no longer holds a rank; ``not_owner``: it names a rank or session not its own), and
+so are heartbeats (they come from the worker's heartbeat socket) that do not carry the rank's
+session and token. The hello reply gives the worker a token; a live rank passes to another
+connection only with that token (the same worker, reconnected), otherwise only once it is lost
+(``rank_taken`` until then). The world size is fixed by ``--workers``, or by the first hello once
+a worker of it heartbeats; until then a hello with another world size replaces it.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from plug_asgd.ps import limits
 from plug_asgd.ps.stats import Stats
 from plug_asgd.wire import Message, WireError
 
@@ -30,23 +41,37 @@ class WorkerInfo:
     last_seen: float
     pushes: int = 0
     heartbeat_s: float | None = None  # announced in hello; None: never declared lost
+    token: str = ""  # given in the hello reply: a hello that carries it may take the rank over
 
 
 class Membership:
     """The workers of a run by rank, and by the identity of their connection; the methods that change
     who trains return what the serving loop must then tell the store (``trainers``)."""
 
-    def __init__(self, worker_timeout: float, stats: Stats) -> None:
+    def __init__(self, worker_timeout: float, stats: Stats, world_size: int | None = None) -> None:
         self.worker_timeout = worker_timeout
         self.stats = stats
-        self.world_size: int | None = None
+        self._world_size = world_size
+        self.world_fixed = world_size is not None  # by --workers, or by a heartbeat of a worker of this world
         self.workers: dict[int, WorkerInfo] = {}
         self.lost: dict[int, WorkerInfo] = {}  # declared dead; taken back if they speak again
         self.by_identity: dict[bytes, WorkerInfo] = {}
         self.ever_joined: set[int] = set()
         self.left: dict[int, set[int]] = defaultdict(set)
         self.late: dict[int, set[int]] = defaultdict(set)  # restarted mid-stage: outside its collectives
+        self.sessions: dict[int, list[str]] = defaultdict(list)  # per rank, its latest sessions (oldest first)
+        self.forgotten: list[str] = []  # sessions past limits.SESSIONS_PER_RANK: the store forgets their numbers
         self._empty_since: float | None = None
+
+    @property
+    def world_size(self) -> int | None:
+        return self._world_size
+
+    @world_size.setter
+    def world_size(self, value: int | None) -> None:
+        """Set by a resumed checkpoint: kept unless the run fixed it (``--workers``)."""
+        if not self.world_fixed:
+            self._world_size = value
 
     def trainers(self) -> frozenset[int]:
         """The ranks training now: those a sync round or ssp's bound waits for."""
@@ -55,6 +80,19 @@ class Membership:
     def absent(self, stage: int) -> set[int]:
         """Ranks a collective of ``stage`` does not wait for: those that left it and those lost."""
         return self.left.get(stage, set()) | self.late.get(stage, set()) | set(self.lost)
+
+    def member(self, identity: bytes, msg: Message, *, session: bool = False) -> WorkerInfo:
+        """The worker that said hello on this connection; the message's rank (and ``session``) must be its own."""
+        worker = self.by_identity.get(identity)
+        if worker is None:
+            raise WireError("not_member", f"a {msg.type!r} from a connection that holds no rank (it has not said "
+                                          "hello, left, or its rank passed to another connection): say hello first")
+        rank = msg.int_field("rank", minimum=0, optional=msg.type == "pull")
+        if rank is not None and rank != worker.rank:
+            raise WireError("not_owner", f"this connection holds rank {worker.rank}, not rank {rank}")
+        if session and limits.session(msg) != worker.session:
+            raise WireError("not_owner", f"this connection's session for rank {worker.rank} is another one")
+        return worker
 
     def seen(self, identity: bytes) -> bool:
         """A request came from ``identity``; True if that took a lost worker back."""
@@ -68,23 +106,33 @@ class Membership:
         return lost is not None
 
     def heartbeat(self, msg: Message) -> bool:
-        """From a worker's heartbeat socket (another identity): keeps it alive; True if taken back."""
+        """From a worker's heartbeat socket (another identity): keeps it alive if it carries the rank's session
+        and token; True if it took a lost worker back. One for a rank held (live or lost) by another session or
+        token is counted as ``not_member``, with no reply (that socket never reads); one for a rank nobody
+        holds (a worker that said bye, a PS restarted before the hello) is ignored."""
         rank = msg.int_field("rank", minimum=0)
-        session = msg.str_field("session")
+        session = limits.session(msg)
+        token = msg.fields.get("token")
         worker = self.workers.get(rank)
-        if worker is not None and worker.session == session:
+        if worker is not None and worker.session == session and worker.token == token:
             worker.last_seen = time.time()
-        elif rank in self.lost and self.lost[rank].session == session:
-            self._take_back(self.lost[rank])
+            self.world_fixed = True  # a worker of this world is alive: a hello cannot change it any more
+            return False
+        lost = self.lost.get(rank)
+        if lost is not None and lost.session == session and lost.token == token:
+            self._take_back(lost)
             return True
+        if worker is not None or lost is not None:
+            self.stats.refused["not_member"] += 1
         return False
 
     def sender(self, msg: Message) -> int:
-        """The rank of a message from one of a worker's other sockets (heartbeat, notices): its session's."""
+        """The rank of a notice, which comes from a worker's other socket: it must carry the rank's session and
+        token (as a heartbeat does), else ``not_member``."""
         rank = msg.int_field("rank", minimum=0)
         worker = self.workers.get(rank) or self.lost.get(rank)
-        if worker is None or worker.session != msg.str_field("session"):
-            raise WireError("bad_field", f"no worker of rank {rank} with this session: say hello first")
+        if worker is None or worker.session != limits.session(msg) or worker.token != msg.fields.get("token"):
+            raise WireError("not_member", f"no worker of rank {rank} with this session and token: say hello first")
         return rank
 
     def _take_back(self, worker: WorkerInfo) -> None:
@@ -111,19 +159,46 @@ class Membership:
                         "now", w.rank, now - w.last_seen, self.worker_timeout)
         return [w.rank for w in gone]
 
-    def hello(self, identity: bytes, msg: Message, version: int) -> tuple[WorkerInfo, str | None]:
-        """A worker (re)joins; the worker, and the session it replaces (a restarted process), if any."""
+    def _check_claim(self, identity: bytes, msg: Message) -> tuple[int, int, str | None]:
+        """The hello's rank and world size, refused beyond the limits, against a fixed world, or for a live
+        rank held by another connection without its token; and the token it carries."""
         rank = msg.int_field("rank", minimum=0)
-        world_size = msg.int_field("world_size", minimum=1)
-        stage = msg.int_field("stage", minimum=0)
-        session = msg.str_field("session")
-        if self.world_size is not None and world_size != self.world_size and self.workers:
-            raise WireError("world_mismatch", f"worker says world_size={world_size}, the workers already "
-                                              f"connected say {self.world_size}")
+        world_size = limits.world_size(msg)
+        token = limits.token(msg)
+        assert rank is not None
+        if self.world_fixed and world_size != self._world_size:
+            raise WireError("world_mismatch", f"worker says world_size={world_size}, this run's is "
+                                              f"{self._world_size}")
         if rank >= world_size:
             raise WireError("bad_field", f"rank {rank} is not below world_size {world_size}")
+        held = self.by_identity.get(identity)
+        if held is not None and held.rank != rank:
+            raise WireError("not_owner", f"this connection holds rank {held.rank}; it cannot say hello as {rank}")
+        live = self.workers.get(rank)
+        if live is not None and live.identity != identity and token != live.token:
+            raise WireError("rank_taken", f"rank {rank} is held by a live worker; a restarted worker can take it "
+                                          f"once the PS declares that one lost (worker_timeout "
+                                          f"{self.worker_timeout:g} s)")
+        return rank, world_size, token
+
+    def _set_world(self, world_size: int) -> None:
+        """A world not yet fixed takes the latest hello's size; workers beyond it are dropped."""
+        if world_size == self._world_size:
+            return
+        for w in [w for w in self.workers.values() if w.rank >= world_size]:
+            log.warning("rank %d dropped: a hello says the world has %d ranks", w.rank, world_size)
+            del self.workers[w.rank]
+            self.by_identity.pop(w.identity, None)
+        self._world_size = world_size
+
+    def hello(self, identity: bytes, msg: Message, version: int) -> tuple[WorkerInfo, str | None]:
+        """A worker (re)joins; the worker, and the session it replaces (a restarted process), if any."""
+        rank, world_size, token = self._check_claim(identity, msg)
+        stage = msg.int_field("stage", minimum=0)
+        session = limits.session(msg)
         heartbeat = _heartbeat(msg.fields.get("heartbeat_s"))
-        self.world_size = world_size
+        assert stage is not None
+        self._set_world(world_size)
         previous = self.workers.get(rank)
         if previous is not None:
             self.by_identity.pop(previous.identity, None)  # a reconnected worker has a new identity
@@ -136,22 +211,38 @@ class Membership:
             # a restarted process in a stage whose collectives the others have begun: it cannot take
             # part in them in step, so it trains alongside and its collectives are its own
             self.late[stage].add(rank)
+        kept = previous.token if previous is not None and rank in self.workers else None
         worker = WorkerInfo(rank, identity, session, stage, bool(msg.fields.get("training")), time.time(),
-                            previous.pushes if previous is not None else 0, heartbeat)
+                            previous.pushes if previous is not None else 0, heartbeat,
+                            token or kept or secrets.token_hex(16))
         self.workers[rank] = worker
         self.by_identity[identity] = worker
         self.ever_joined.add(rank)
-        self.left[stage].discard(rank)
+        if stage in self.left:
+            self.left[stage].discard(rank)
+        self._keep_session(rank, session)
         return worker, replaced
 
-    def bye(self, rank: int, stage: int) -> None:
-        """``rank`` has left ``stage`` (for good, or to begin the next one)."""
-        worker = self.workers.get(rank)
-        if worker is not None and worker.stage == stage:
-            del self.workers[rank]
-            self.by_identity.pop(worker.identity, None)
-        self.lost.pop(rank, None)
-        self.left[stage].add(rank)
+    def _keep_session(self, rank: int, session: str) -> None:
+        """``rank``'s latest sessions, at most limits.SESSIONS_PER_RANK; older ones go to ``forgotten``."""
+        owned = self.sessions[rank]
+        if session in owned:
+            owned.remove(session)
+        owned.append(session)
+        while len(owned) > limits.SESSIONS_PER_RANK:
+            self.forgotten.append(owned.pop(0))
+
+    def bye(self, identity: bytes, msg: Message) -> int:
+        """The connection's own rank leaves its stage (for good, or to begin the next one); returns the stage."""
+        worker = self.member(identity, msg)
+        stage = msg.int_field("stage", minimum=0)
+        assert stage is not None
+        if stage != worker.stage:
+            raise WireError("bad_field", f"rank {worker.rank} is in stage {worker.stage}, not {stage}")
+        del self.workers[worker.rank]
+        self.by_identity.pop(identity, None)
+        self.left[stage].add(worker.rank)
+        return stage
 
     def stage_done(self, stage: int) -> bool:
         """Whether every rank has left ``stage``; if so, forget who left it."""

@@ -27,6 +27,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.modes import APPLIED
+from plug_asgd.ps import limits as bounds
 from plug_asgd.ps.collectives import Collectives
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.fast_store import FastStore
@@ -35,23 +36,13 @@ from plug_asgd.ps.persistence import Persistence
 from plug_asgd.ps.stats import Stats
 from plug_asgd.ps.store import FOLDED, NOT_CURRENT, PushIn
 from plug_asgd.security import load_server_keys
-from plug_asgd.wire import Limits, Local, Message, Tensor, WireError, decode, encode, message_bytes
+from plug_asgd.wire import Local, Message, Tensor, WireError, decode, encode, message_bytes
 
 log = logging.getLogger("plug_asgd.ps")
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _TYPES = ("hello", "bye", "attach", "heartbeat", "init", "pull", "push", "gather", "notice", "stats")
-
-
-def frame_cap(limits: Limits) -> int:
-    """ZeroMQ's MAXMSGSIZE for the PS's socket: twice ``limits.max_message_bytes``.
-
-    libzmq applies MAXMSGSIZE to each frame and drops the sender's connection without a word, which
-    the PS could neither answer nor count; so the PS checks ``max_message_bytes`` itself on the whole
-    message (an ``error`` reply ``too_large``), and libzmq only bounds memory.
-    """
-    return min(2 * limits.max_message_bytes, (1 << 63) - 1)
 
 
 def _authenticate(ctx: zmq.Context, socket: zmq.Socket, keys: Any) -> tuple[Any, zmq.Socket]:
@@ -88,20 +79,19 @@ class ParameterServer:
         self.mode = config.mode
         self.limits = config.limits()
         self.stats = Stats()
-        self.members = Membership(config.worker_timeout, self.stats)
+        self.members = Membership(config.worker_timeout, self.stats, config.expected_workers)
         self.collectives = Collectives(self.members, self.stats, self._send, self._error)
         self.store = FastStore(config, self.stats)
         self.persistence = Persistence(config, self.store, self.members, self.stats)
         self._stop = False
         if config.resume is not None:
             self.persistence.resume(config.resume)
+            bounds.trim_sessions(self.store.last_seq, self.members.world_size)
         # a ZAP handler is one per context: a keyed PS gets its own unless one is given
         self._own_ctx = context is None and server_keys is not None
         self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         self.socket = self._ctx.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, frame_cap(self.limits))
-        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        bounds.configure_router(self.socket, self.limits)
         self.store.copy_threshold = self.socket.copy_threshold
         self._auth: Any = None
         self._monitor: zmq.Socket | None = None
@@ -214,7 +204,7 @@ class ParameterServer:
         rid = kind = None
         try:
             msg = decode(body, self.limits)
-            rid, kind = msg.fields.get("rid"), msg.type
+            rid, kind = bounds.rid(msg.fields), msg.type
             if msg.type != "push" and any(isinstance(t, Local) for t in msg.tensors.values()):
                 raise WireError("bad_local", f"a {msg.type!r} message cannot name shared memory: only pushes do")
             if msg.type not in _TYPES:
@@ -237,8 +227,13 @@ class ParameterServer:
         self._send_frames(identity, encode(msg_type, {**(fields or {}), "rid": rid}, tensors))
 
     def _send_frames(self, identity: bytes, frames: list[Any]) -> None:
+        """Send a reply; one to a connection with REPLY_HWM unread replies, or gone, is dropped and counted."""
+        try:
+            self.socket.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:  # Again: its queue is full; EHOSTUNREACH: it is gone (ROUTER_MANDATORY)
+            self.stats.replies_dropped["queue_full" if isinstance(exc, zmq.Again) else "gone"] += 1
+            return
         self.stats.bytes_out += message_bytes(frames)
-        self.socket.send_multipart([identity, *frames], copy=False)
 
     def _before_reply(self, identity: bytes) -> None:
         """Before a reply to a worker's request: it may write the memory it lent once it has the answer."""
@@ -297,12 +292,14 @@ class ParameterServer:
         worker, replaced = self.members.hello(identity, msg, self.store.version)
         if replaced is not None:
             self.store.forget(replaced)
+        while self.members.forgotten:  # past limits.SESSIONS_PER_RANK: they can push no more
+            self.store.last_seq.pop(self.members.forgotten.pop(), None)
         self.collectives.joined(worker.rank, worker.stage)
         self._update_trainers()
         self._send(identity, rid, "welcome", {
             "initialized": self.store.initialized, "version": self.store.version, "mode": self.mode,
             "stop": self.store.stopped, "max_message_bytes": self.limits.max_message_bytes,
-            "shm": self.store.segments is not None,
+            "shm": self.store.segments is not None, "token": worker.token,
         })
 
     def _on_attach(self, identity: bytes, rid: Any, msg: Message) -> None:
@@ -315,13 +312,9 @@ class ParameterServer:
         self._send(identity, rid, "attached", {"size": size})
 
     def _on_bye(self, identity: bytes, rid: Any, msg: Message) -> None:
-        rank = msg.int_field("rank", minimum=0)
-        stage = msg.int_field("stage", minimum=0)
-        self.members.bye(rank, stage)
+        stage = self.members.bye(identity, msg)
         self._update_trainers()
-        self.collectives.recheck(stage)
-        if self.members.stage_done(stage):
-            self.collectives.forget_stage(stage)
+        self.collectives.left(stage)
         self._send(identity, rid, "ok")
 
     def _on_gather(self, identity: bytes, rid: Any, msg: Message) -> None:
@@ -340,15 +333,19 @@ class ParameterServer:
         self._send(identity, rid, "init_ok", {"accepted": accepted, "version": self.store.version})
 
     def _on_pull(self, identity: bytes, rid: Any, msg: Message) -> None:
+        if "rank" in msg.fields or identity in self.members.by_identity:  # else a bystander's (a Supervisor's)
+            self.members.member(identity, msg)
         self.store.require_init()
         self._send_model(identity, rid, {"status": "pulled"})
 
     def _on_push(self, identity: bytes, rid: Any, msg: Message) -> None:
+        worker = self.members.member(identity, msg, session=True)
+        if not msg.tensors:
+            raise WireError("empty", "a push must carry at least one tensor")
         self.store.require_init()
-        rank = msg.int_field("rank", minimum=0)
+        rank, session = worker.rank, worker.session
         base = msg.int_field("base_version", minimum=0)
         seq = msg.int_field("seq", minimum=0)
-        session = msg.str_field("session")
         model = msg.fields.get("model", True)
         flags = {name: msg.fields.get(name, False) for name in ("weights", "lend")}
         for name, value in flags.items():
@@ -364,15 +361,16 @@ class ParameterServer:
         token.own_version = folded.own_version
         self.stats.staleness[folded.staleness] += 1
         self.stats.pushes_by_rank[rank] += 1
-        if rank in self.members.workers:
-            self.members.workers[rank].pushes += 1
+        worker.pushes += 1
+        self.store.last_seq[session] = self.store.last_seq.pop(session)  # most recent last: see trim_sessions
         self._resolve(folded.resolutions)
 
     # -- introspection -------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
         """The counters, as plain data (what ``plug-asgd status`` shows)."""
-        return self.persistence.counters()
+        return {**self.persistence.counters(), **self.collectives.counters(), "world_fixed": self.members.world_fixed,
+                "sessions_kept": len(self.store.last_seq), "replies_dropped": dict(self.stats.replies_dropped)}
 
     def _on_stats(self, identity: bytes, rid: Any, msg: Message) -> None:
         self._send(identity, rid, "stats", {"stats": self.snapshot()})

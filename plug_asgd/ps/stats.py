@@ -34,6 +34,7 @@ class Stats:
     workers_lost: int = 0
     workers_back: int = 0
     refused: Counter = field(default_factory=Counter)
+    replies_dropped: Counter = field(default_factory=Counter)  # queue_full (a connection not reading), gone
     staleness: Counter = field(default_factory=Counter)
     pushes_by_rank: Counter = field(default_factory=Counter)
     io_errors: Counter = field(default_factory=Counter)  # failed writes, "checkpoint ENOSPC": n (ps/disk.py)
