@@ -85,7 +85,9 @@ def test_communication_monitor_counts_each_worker_on_the_wire(run):
         # the central model comes back with each push, but for those nothing else raced (answered "own")
         assert 0 <= rec["own_replies"] < STEPS
         assert rec["bytes_down"] >= (STEPS - rec["own_replies"]) * 4_799_528
-        assert rec["comm_s"] + rec["compute_s"] == pytest.approx(rec["wall_s"], abs=0.01)
+        # the split itself is checked on injected clocks (test_callback_clocks.py); here: the monitor's
+        # window lies within the recipe's own measure of fit, and some of it, not all, was spent waiting
+        assert 0 < rec["comm_s"] < rec["wall_s"] <= summary["fit_seconds"]
     assert sum(r["push_bytes_up"] for r in last) == summary["push_bytes"]  # both sides of the wire agree
     assert sum(r["push_local_bytes_up"] for r in last) == summary["push_local_bytes"]
     assert max(r["staleness_mean"] for r in last) > 0  # the two workers really overlapped
