@@ -12,9 +12,11 @@ import torch
 from plug_asgd import load_central_weights
 from plug_asgd.checkpoint import list_checkpoints
 from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
-from tests.conftest import FASHION, PLUG_ASGD, PYTHON, RECIPE, ProcessGroups
+from tests.conftest import FASHION, PLUG_ASGD, PYTHON, RECIPE, RECIPE_RUN_TIMEOUT_S, ProcessGroups
 
-pytestmark = pytest.mark.integration  # every test trains in processes
+# every test trains in processes; the first sets up recipe_run, and a test starts at most one run of its own
+# (the resume, 120 s; the plot, 60 s)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(RECIPE_RUN_TIMEOUT_S + 120 + 60)]
 
 STEPS = 125  # 8000 images / 2 workers / batch 32
 
