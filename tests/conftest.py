@@ -32,14 +32,37 @@ FASHION = Path("/usr/share/datasets/fashion-mnist")
 PYTHON = sys.executable
 PLUG_ASGD = str(Path(sys.executable).with_name("plug-asgd"))
 
+# what the session fixture recipe_run lets its launch take: every test requesting it has a timeout above this
+RECIPE_RUN_TIMEOUT_S = 170
+
 HAVE_FASHION = (FASHION / "train-images-idx3-ubyte.gz").exists()
 if not HAVE_FASHION and os.environ.get("PLUG_ASGD_REQUIRE_DATA") == "1":
     raise RuntimeError(f"PLUG_ASGD_REQUIRE_DATA=1 but {FASHION} holds no Fashion-MNIST: "
                        "apt-get install dataset-fashion-mnist")
 # The MNIST recipe on a Fashion-MNIST subset, as the training tests run it
-ACCURACY_THRESHOLD = 0.75  # chance is 0.10; 250 updates of 2 workers on 8000 images
+# The one accuracy threshold of the training tests (every mode, every compressor, the callbacks' run, the
+# fault tests' finished runs), at the settings of RECIPE. Chance is 0.10. Measured at a8e4da4 on 2 loaded
+# cores (h23, 2026-11-24): one launch of all 20 mode and codec cases gave 0.779 (dynsgd) to 0.814; the
+# cases once given special settings, at these: downpour 0.782-0.810 over 9 runs, randomk (1%) 0.786-0.801
+# over 5. The threshold is about 3 points under the lowest of those, for the run-to-run scatter of
+# 1-2 points that this many runs show. A case that cannot reach it fails (or is marked xfail with its
+# numbers); it gets no settings of its own. Do not move it without a note here saying why.
+ACCURACY_THRESHOLD = 0.75
 RECIPE = ["recipes/mnist.py", "--data-dir", str(FASHION), "--no-download", "--quiet", "--no-val",
           "--train-subset", "8000", "--test-subset", "1000"]
+# CI (.ci/run) sets PLUG_ASGD_REQUIRE_DATA=1: there, a test that would skip for want of something the
+# machine should have (the dataset, network namespaces as root) fails instead, so no row of the fault
+# table or real-data check silently drops out of a CI run.
+REQUIRE_ALL = "PLUG_ASGD_REQUIRE_DATA"
+
+
+def skip_unless_required(reason: str) -> None:
+    """Skip with ``reason``; fail with it where CI asked for every test to run (``PLUG_ASGD_REQUIRE_DATA=1``)."""
+    if os.environ.get(REQUIRE_ALL) == "1":
+        pytest.fail(f"{reason} ({REQUIRE_ALL}=1, as .ci/run sets: this test must run here, not skip)", pytrace=False)
+    pytest.skip(reason)
+
+
 needs_fashion = pytest.mark.skipif(
     not HAVE_FASHION, reason="Fashion-MNIST not installed: apt-get install dataset-fashion-mnist"
 )
@@ -58,7 +81,12 @@ INTEGRATION_FIXTURES = {"procs", "start_ps"}
 
 
 def pytest_collection_modifyitems(config, items):
+    backstop = float(config.getini("timeout") or 0)
     for item in items:
+        marker = item.get_closest_marker("timeout")
+        if backstop and marker is not None and marker.args and float(marker.args[0]) >= backstop:
+            raise pytest.UsageError(f"{item.nodeid}: timeout {marker.args[0]} s is not below the global {backstop:g} s "
+                                    "(pyproject.toml), which must stay above every per-test timeout")
         if item.get_closest_marker("integration") is None and INTEGRATION_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.integration)
         if item.get_closest_marker("integration") is None:
@@ -263,7 +291,8 @@ def recipe_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("recipe")
     run_to_end([PYTHON, *RECIPE, "--workers", "2", "--mode", "asgd", "--run-dir", str(tmp / "runs"),
                 "--metrics-json", str(tmp / "m.json"), "--supervise-every", "40",
-                "--checkpoint-dir", str(tmp / "ck"), "--checkpoint-every", "50", "--comm-monitor", "25"], timeout=170)
+                "--checkpoint-dir", str(tmp / "ck"), "--checkpoint-every", "50", "--comm-monitor", "25"],
+               timeout=RECIPE_RUN_TIMEOUT_S)
     summary = json.loads((tmp / "m.json").read_text())
     return tmp, Path(summary["log_dir"]), summary
 

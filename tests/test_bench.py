@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 
 import pytest
 
@@ -14,10 +15,46 @@ from bench.zmqtools import CNN_PARAMETERS, CNN_SHAPES
 from tests.conftest import PYTHON, needs_fashion
 
 HEADER_BOUND = 4096  # bytes of msgpack header a push may add to its tensor frames
+BENCH_QUICK_TIMEOUT_S = 420  # the quick fixture's run of every benchmark; its first test waits for it
+QUICK_TEST_TIMEOUT_S = BENCH_QUICK_TIMEOUT_S + 60
+# Accuracy of the quick size's short runs (chance 0.10), measured at a8e4da4 on 2 cores over 3 runs (h23,
+# 2026-11-24: 2 of `python -m bench adacomp time_to_accuracy --quick`, 1 of this file's fixture): the adacomp
+# rows (10 steps per worker) 0.366-0.676, the lowest randomk (0.366, 0.41, 0.402), then powersgd (0.55,
+# 0.532, 0.474); each time-to-accuracy curve's best 0.642-0.782, the lowest one process (0.654, 0.654,
+# 0.642). Thresholds: about 0.07 under the lowest row, and 0.09 under the lowest curve (its 4 s window
+# makes it depend on the load). Not to be moved without a note here.
+BENCH_ROW_ACCURACY_MIN = 0.30
+BENCH_CURVE_ACCURACY_MIN = 0.55
 
 
 def finite_positive(x) -> bool:
     return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def paired_median(runs: list[dict], num: str, den: str, key: str, **match) -> float:
+    """The median over repetitions of run ``num``'s ``key`` over run ``den``'s, both of that repetition."""
+    ratios = []
+    for rep in {r["rep"] for r in runs}:
+        mine = {r["name"]: r[key] for r in runs if r["rep"] == rep and all(r.get(k) == v for k, v in match.items())}
+        ratios.append(mine[num] / mine[den])
+    return statistics.median(ratios)
+
+
+def frame_bytes(compressor: str, fraction: float) -> int:
+    """One push's tensor frames for the recipe CNN's float32 tensors, by the README's codec table (its
+    defaults: qsgd 8 bits, powersgd rank 4), written out here from the shapes."""
+    total = 0
+    for shape in CNN_SHAPES.values():
+        n = math.prod(shape)
+        if compressor in ("topk", "randomk", "adacomp"):  # 16-bit offsets per 65,536-block, float32 values
+            k = min(n, max(1, math.ceil(fraction * n)))
+            total += 4 * max(1, math.ceil(n / 65536)) + 6 * k
+        elif compressor == "powersgd" and len(shape) >= 2 and 4 * (shape[0] + n // shape[0]) < n:
+            total += 4 * 4 * (shape[0] + n // shape[0])
+        else:
+            total += {"none": 4 * n, "powersgd": 4 * n, "fp16": 2 * n, "bf16": 2 * n,
+                      "qsgd": math.ceil(n * 9 / 8), "sign": math.ceil(n / 8)}[compressor]
+    return total
 
 
 def test_the_shapes_are_the_recipe_cnns():
@@ -35,13 +72,27 @@ def test_payload_formulas_match_the_readme():
     assert 70_000 < payload_bytes(CNN_SHAPES, "adacomp", fraction=0.01) < 74_000
 
 
+@pytest.mark.parametrize("compressor", [*COMPRESSORS, "none", "adacomp"])
+def test_the_runners_formula_is_the_readme_table_and_the_codecs_own_wire_bytes(compressor):
+    from plug_asgd.compressors import get
+    from plug_asgd.compressors.sparse import k_for
+    from plug_asgd.wire import sparse_wire_bytes
+
+    if compressor == "adacomp":  # its TopKResidual has no codec class: the wire's own sparse formula
+        wire = sum(sparse_wire_bytes(math.prod(s), k_for(0.01, math.prod(s))) for s in CNN_SHAPES.values())
+    else:
+        wire = sum(get(compressor).wire_bytes(shape) for shape in CNN_SHAPES.values())
+    assert payload_bytes(CNN_SHAPES, compressor, fraction=0.01) == frame_bytes(compressor, 0.01) == wire
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     from tests.conftest import ProcessGroups
 
     groups = ProcessGroups()
     out = tmp_path_factory.mktemp("bench")
-    rc, output = groups.run([PYTHON, "-m", "bench", "all", "--quick", "--out", str(out)], timeout=420)
+    rc, output = groups.run([PYTHON, "-m", "bench", "all", "--quick", "--out", str(out)],
+                            timeout=BENCH_QUICK_TIMEOUT_S)
     left = groups.leftovers()
     for p in groups.procs:
         groups.kill(p)
@@ -52,6 +103,7 @@ def quick(tmp_path_factory):
 
 @needs_fashion
 @pytest.mark.integration
+@pytest.mark.timeout(QUICK_TEST_TIMEOUT_S)
 def test_quick_runner_reports_every_benchmark(quick):
     results, out, _ = quick
     assert set(results["benchmarks"]) == set(BENCHMARKS)
@@ -66,8 +118,16 @@ def test_quick_runner_reports_every_benchmark(quick):
         ratio = results["benchmarks"][name]["ratio"]
         assert ratio["n"] >= 1 and finite_positive(ratio["median"]), (name, ratio)
         assert ratio["min"] <= ratio["median"] <= ratio["max"]
-    for batch, ratio in results["benchmarks"]["overhead"]["by_batch"].items():
-        assert finite_positive(ratio["median"]), batch
+    # the ratios, recomputed here from the runs each benchmark stored: a repetition's two runs paired
+    b = results["benchmarks"]
+    assert b["stragglers"]["ratio"]["median"] == pytest.approx(
+        paired_median(b["stragglers"]["runs"], "asgd", "ddp", "samples_per_s"), rel=1e-9)
+    assert b["sync"]["ratio"]["median"] == pytest.approx(
+        paired_median(b["sync"]["runs"], "sync", "ddp", "step_time_median_s"), rel=1e-9)
+    assert set(b["overhead"]["by_batch"]) == {"10", "32", "128"}
+    for batch, ratio in b["overhead"]["by_batch"].items():
+        assert ratio["median"] == pytest.approx(paired_median(b["overhead"]["runs"], "asgd", "plain",
+                                                              "step_time_median_s", batch_size=int(batch)), rel=1e-9)
         for key in ("ps_ms_per_push_by_batch", "ps_cpu_ms_per_push_by_batch"):
             assert finite_positive(results["benchmarks"]["overhead"][key][batch]["median"]), (key, batch)
     text = (out / "results.md").read_text()
@@ -78,6 +138,7 @@ def test_quick_runner_reports_every_benchmark(quick):
 
 @needs_fashion
 @pytest.mark.integration
+@pytest.mark.timeout(QUICK_TEST_TIMEOUT_S)
 def test_bytes_pushed_follow_the_codec_formulas(quick):
     rows = {row["name"]: row for row in quick[0]["benchmarks"]["adacomp"]["rows"]}
     assert {"asgd", "adacomp 0.01", "adacomp 0.005", *COMPRESSORS} <= set(rows)
@@ -85,19 +146,20 @@ def test_bytes_pushed_follow_the_codec_formulas(quick):
         assert row["pushes"] > 0 and row["push_bytes"] > 0, name
         # 2 workers over the socket push updates, never their weights: a refused push would cost the model's bytes
         assert row["weights_pushes"] == row["weights_not_current"] == 0, name
-        formula = payload_bytes(CNN_SHAPES, row["compressor"], fraction=row["compression"] or 0.01)
-        assert row["formula_payload_per_push"] == formula
+        formula = frame_bytes(row["compressor"], row["compression"] or 0.01)
+        assert row["formula_payload_per_push"] == formula, name
         assert formula <= row["bytes_per_push"] <= formula + HEADER_BOUND, (name, row["bytes_per_push"], formula)
-        assert 0.0 <= row["test_acc"] <= 1.0
-        assert finite_positive(row["asgd_bytes_over_these"])
+        assert row["test_acc"] >= BENCH_ROW_ACCURACY_MIN, (name, row["test_acc"])
+        assert row["asgd_bytes_over_these"] == rows["asgd"]["push_bytes"] / row["push_bytes"], name
     # the ratio to asgd is what the formulas predict, within the headers
     for name in ("adacomp 0.01", "adacomp 0.005", "fp16", "sign"):
-        predicted = 4 * CNN_PARAMETERS / rows[name]["formula_payload_per_push"]
+        predicted = frame_bytes("none", 0) / frame_bytes(rows[name]["compressor"], rows[name]["compression"] or 0.01)
         assert rows[name]["asgd_bytes_over_these"] == pytest.approx(predicted, rel=0.05), name
 
 
 @needs_fashion
 @pytest.mark.integration
+@pytest.mark.timeout(QUICK_TEST_TIMEOUT_S)
 def test_time_to_accuracy_curves_and_ingest(quick):
     b = quick[0]["benchmarks"]
     curves = b["time_to_accuracy"]["curves"]
@@ -106,7 +168,7 @@ def test_time_to_accuracy_curves_and_ingest(quick):
         assert len(curve) >= 2, name
         times = [t for t, _ in curve]
         assert times == sorted(times) and all(0.0 <= a <= 1.0 for _, a in curve), name
-        assert max(a for _, a in curve) > 0.3, name  # trained well above chance (0.1)
+        assert max(a for _, a in curve) >= BENCH_CURVE_ACCURACY_MIN, name
     ingest = b["ingest"]
     assert set(ingest["updates_per_s"]) == {"dense/2", "sparse/2", "dense/2/2 threads", "dense_shm/2"}
     for key, rate in ingest["updates_per_s"].items():

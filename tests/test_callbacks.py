@@ -12,9 +12,11 @@ import torch
 from plug_asgd import load_central_weights
 from plug_asgd.checkpoint import list_checkpoints
 from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
-from tests.conftest import FASHION, PLUG_ASGD, PYTHON, RECIPE, ProcessGroups
+from tests.conftest import ACCURACY_THRESHOLD, FASHION, PLUG_ASGD, PYTHON, RECIPE, RECIPE_RUN_TIMEOUT_S, ProcessGroups
 
-pytestmark = pytest.mark.integration  # every test trains in processes
+# every test trains in processes; the first sets up recipe_run, and a test starts at most one run of its own
+# (the resume, 120 s; the plot, 60 s)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(RECIPE_RUN_TIMEOUT_S + 120 + 60)]
 
 STEPS = 125  # 8000 images / 2 workers / batch 32
 
@@ -38,11 +40,15 @@ def test_supervisor_records_a_rising_central_accuracy_while_workers_train(run):
     assert [r["wall_s"] for r in records] == sorted(r["wall_s"] for r in records)
     assert [r["bytes_pushed"] for r in records] == sorted(r["bytes_pushed"] for r in records)
     # The first evaluation lands some updates in (the thread pulls 0.2 s after the start while the
-    # other worker already trains): 0.28 to 0.48 at versions 6-8 here, 0.625 on a CI machine. So the
-    # rise is asserted over whatever the first record is, provided it came early in training.
+    # other worker already trains): 0.28 to 0.48 at versions 6-8 (909791b), 0.217 at version 2
+    # (h23), 0.625 on a CI machine. A fixed rise over it (once +0.2, which CI's 0.625 failed) would
+    # be a bound on timing, not on training: the rise is asserted over whatever the first record is,
+    # provided it came early, and the end level is the common threshold of every training test
+    # (tests/conftest.py; it was 0.7 here): the last evaluation comes late in training (248 of 250 updates,
+    # 0.810, in h23's run). The cadence itself is tested exactly in test_callback_clocks.py.
     accs = [r["test_acc"] for r in records]
     assert versions[0] < summary["ps_version"] / 2
-    assert accs[-1] >= 0.7 and accs[-1] > accs[0]
+    assert accs[-1] >= ACCURACY_THRESHOLD and accs[-1] > accs[0]
     # the same evaluations reached the Lightning logger (CSV), keyed by PS version
     with open(log_dir / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("central/test_acc")]
@@ -85,7 +91,9 @@ def test_communication_monitor_counts_each_worker_on_the_wire(run):
         # the central model comes back with each push, but for those nothing else raced (answered "own")
         assert 0 <= rec["own_replies"] < STEPS
         assert rec["bytes_down"] >= (STEPS - rec["own_replies"]) * 4_799_528
-        assert rec["comm_s"] + rec["compute_s"] == pytest.approx(rec["wall_s"], abs=0.01)
+        # the split itself is checked on injected clocks (test_callback_clocks.py); here: the monitor's
+        # window lies within the recipe's own measure of fit, and some of it, not all, was spent waiting
+        assert 0 < rec["comm_s"] < rec["wall_s"] <= summary["fit_seconds"]
     assert sum(r["push_bytes_up"] for r in last) == summary["push_bytes"]  # both sides of the wire agree
     assert sum(r["push_local_bytes_up"] for r in last) == summary["push_local_bytes"]
     assert max(r["staleness_mean"] for r in last) > 0  # the two workers really overlapped

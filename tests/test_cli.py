@@ -266,12 +266,13 @@ def test_status_malformed_address(cli_procs):
 
 @pytest.mark.skipif(not FASHION_DIR.is_dir(), reason=f"no dataset at {FASHION_DIR}")
 @pytest.mark.integration
+@pytest.mark.timeout(240)  # a whole 2-worker launch (Lightning's import twice, on a loaded 2-core machine)
 def test_train_mnist_two_workers(cli_procs, tmp_path):
     """Lightning re-runs the command line for the second worker: the CLI must survive that."""
     metrics = tmp_path / "metrics.json"
     result = cli_procs.run("train", "mnist", "--workers", "2", "--max-steps", "2", "--train-subset", "64",
                        "--test-subset", "32", "--no-val", "--quiet", "--no-download", "--data-dir", str(FASHION_DIR),
-                       "--run-dir", str(tmp_path / "runs"), "--metrics-json", str(metrics), timeout=50)
+                       "--run-dir", str(tmp_path / "runs"), "--metrics-json", str(metrics), timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "central model test accuracy" in result.stdout
     summary = json.loads(metrics.read_text())

@@ -5,7 +5,7 @@ and a checkpoint be written again once the disk is back.
 
 The checkpoint points are ``every 4 updates`` and the retry backoff is 600 s: every try in these
 tests happens at a point the test's pushes reach, so the counts are exact. The mounts need root
-(the tests are skipped, saying so, where mounting is refused).
+(the tests skip, saying so, where mounting is refused; with PLUG_ASGD_REQUIRE_DATA=1, as in CI, they fail).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import zmq
 from plug_asgd.checkpoint import CheckpointError, central_tensors, checkpoint_name, read_checkpoint, write_checkpoint
 from plug_asgd.client import PSClient
 from plug_asgd.ps import PSConfig, embedded_command
-from tests.conftest import free_port
+from tests.conftest import free_port, skip_unless_required
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]
 
@@ -46,9 +46,9 @@ def tmpfs(path: Path, size: str):
     try:
         done = _run("mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path))
     except FileNotFoundError:
-        pytest.skip("no `mount` command here: these tests need util-linux's mount and root")
+        skip_unless_required("no `mount` command here: these tests need util-linux's mount and root")
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}): these tests need root")
+        skip_unless_required(f"cannot mount a tmpfs here ({done.stderr.strip()}): these tests need root")
     try:
         yield path
     finally:

@@ -14,6 +14,12 @@ from plug_asgd.ps import ParameterServer, PSConfig
 from plug_asgd.wire import PROTOCOL_VERSION, Sparse, decode, encode
 
 BEAT = 0.25  # heartbeat of the clients in the liveness tests, whose PSes time out after 1 s
+# A worker lost after 1 s of silence releases what waits for it no sooner than about 1 s (the PS checks
+# liveness every few tenths) and, on a loaded machine, some seconds later: the bound is only that it comes
+# well before the clients' 10 s request timeout, which is what a PS that never released would run into.
+# The exact rule (silent > worker_timeout, heartbeats keep an idle worker) is tested on an injected clock
+# in test_liveness_clock.py.
+RELEASED_WITHIN_S = (0.7, 8.0)
 
 
 def client(address: str, rank: int = 0, world: int = 1, mode: str = "asgd", training: bool = True,
@@ -162,7 +168,7 @@ def test_an_ssp_worker_held_for_a_slow_one_is_released_when_the_slow_one_is_lost
     slow.close()  # dies before its first push: its heartbeats stop
     start = time.monotonic()
     reply = fast.push(0, {"w": np.ones((2, 3), np.float32)})  # 1 ahead with bound 0: held until then
-    assert reply.status == "applied" and 0.7 <= time.monotonic() - start <= 1.0 + 1.5
+    assert reply.status == "applied" and RELEASED_WITHIN_S[0] <= time.monotonic() - start <= RELEASED_WITHIN_S[1]
     assert fast.stats()["lost"] == [1]
     fast.close()
 
@@ -199,12 +205,11 @@ def test_a_lost_worker_is_not_waited_for_and_its_restart_gets_what_it_missed(sta
     t.start()
     b.gather(1, 0, None, kind="broadcast")
     t.join(10)
-    time.sleep(1.5)  # heartbeats keep an idle rank 1 a member
-    assert a.stats()["lost"] == []
+    assert a.stats()["lost"] == []  # that heartbeats keep an idle rank a member: test_liveness_clock.py
     b.close()  # gone without a bye: its heartbeats stop, as when its process dies
     start = time.monotonic()
     assert [r for r, _, _ in a.gather(1, 1, kind="barrier:x")] == [0]  # not waited for past the timeout
-    assert 0.7 <= time.monotonic() - start <= 1.0 + 1.5
+    assert RELEASED_WITHIN_S[0] <= time.monotonic() - start <= RELEASED_WITHIN_S[1]
     assert a.stats()["lost"] == [1]
     c = member(1)  # restarted: a new session for rank 1, in a stage the others are well into
     assert a.stats()["lost"] == []
@@ -214,7 +219,8 @@ def test_a_lost_worker_is_not_waited_for_and_its_restart_gets_what_it_missed(sta
     assert [r for r, _, _ in c.gather(1, 7, kind="barrier:y")] == [1]
     start = time.monotonic()
     assert [r for r, _, _ in a.gather(1, 2, kind="barrier:z")] == [0]
-    assert time.monotonic() - start < 0.7
+    # waiting for the restarted rank 1 (alive: forever) would end in the 10 s request timeout
+    assert time.monotonic() - start < RELEASED_WITHIN_S[1]
     a.close()
     c.close()
 

@@ -153,6 +153,7 @@ def test_the_top_level_keygen_folder_works_for_both_sides(keyed_ps):
     good.close()
 
 
+@pytest.mark.timeout(180)  # two CLI runs of up to 60 s each, and the PS of keyed_ps
 def test_status_needs_the_keys_of_a_keyed_ps(keyed_ps, procs):
     address, keys = keyed_ps
     code, out = procs.run([PLUG_ASGD, "status", address, "--keys", str(keys / "worker"), "--json"], timeout=60,
