@@ -9,7 +9,9 @@ stale, as between racing processes, and a candidate costs seconds instead of a l
 joins any of: ``scale`` (update times 1/workers), ``la`` (look-ahead by workers - 1 versions),
 ``localres`` (the codec's residual kept in the worker's model), ``mask`` (momentum zeroed where a
 sparse update was sent), ``mcomp`` (the momentum of each worker lowered to ``1 - N (1 - mu)``,
-so that with the implicit momentum of asynchrony the total is the optimizer's); or ``none``.
+so that with the implicit momentum of asynchrony the total is the optimizer's), ``lrscale`` (each
+worker's learning rate divided by the workers, its update pushed whole: hogwild's scaled step); or
+``none``. ``--mode downpour:push_every=2`` sets a mode's integer knobs.
 ``--mode ddp`` and ``--mode single`` are the references. Prints one JSON line.
 """
 
@@ -33,7 +35,7 @@ from plug_asgd.recipes.mnist import MnistCNN, normalize
 from plug_asgd.staleness import MOMENTUM_STATE_KEYS
 from plug_asgd.wire import Sparse
 
-TREATMENTS = ("scale", "la", "localres", "mask", "mcomp")
+TREATMENTS = ("scale", "la", "localres", "mask", "mcomp", "lrscale")
 
 
 def data(kind: str, n_train: int) -> tuple[torch.Tensor, ...]:
@@ -101,9 +103,15 @@ def lower_momentum(opt: torch.optim.Optimizer, workers: int) -> None:
                         opt.state[p][key].mul_(factor)
 
 
+def mode_spec(text: str) -> str | dict[str, Any]:
+    """``downpour`` or ``downpour:push_every=2,pull_every=2``: a mode's name, with integer knobs after a colon."""
+    name, _, knobs = text.partition(":")
+    return {"name": name, **{k: int(v) for k, v in (kv.split("=") for kv in knobs.split(","))}} if knobs else name
+
+
 def simulate(args: argparse.Namespace, model: nn.Module, tx: torch.Tensor, ty: torch.Tensor) -> nn.Module | None:
     treat = set(args.treat.split("+")) - {"none"}
-    n, spec = args.workers, modes.get(args.mode)
+    n, spec = args.workers, modes.get(mode_spec(args.mode))
     rule = spec.make_rule({})
     rule.training_ranks = frozenset(range(n))
     state = CentralState({k: p.detach().numpy().copy() for k, p in model.named_parameters()})
@@ -114,7 +122,8 @@ def simulate(args: argparse.Namespace, model: nn.Module, tx: torch.Tensor, ty: t
         knobs = {"fraction": args.fraction} if args.codec in ("topk", "randomk") else {}
         codec = TopKResidual(args.fraction) if args.mode == "adacomp" else compressors.get(
             {"name": args.codec, **knobs}).encoder(k)
-        workers.append({"m": m, "opt": make_opt(args.opt, m.parameters(), args.lr), "codec": codec, "version": 0,
+        lr = args.lr / (n if "lrscale" in treat else 1)
+        workers.append({"m": m, "opt": make_opt(args.opt, m.parameters(), lr), "codec": codec, "version": 0,
                         "since": 0, "base": {a: p.detach().clone() for a, p in m.named_parameters()},
                         "prev": {a: p.detach().clone() for a, p in m.named_parameters()}})
     rng = np.random.default_rng(args.seed)
@@ -172,7 +181,8 @@ def simulate(args: argparse.Namespace, model: nn.Module, tx: torch.Tensor, ty: t
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.momentum_sim", description=__doc__.splitlines()[0])
     ap.add_argument("--kind", choices=("fashion", "regression"), default="regression")
-    ap.add_argument("--mode", default="asgd", help="a mode with a fold rule, or ddp / single (the references)")
+    ap.add_argument("--mode", default="asgd", help="a mode with a fold rule (knobs after a colon: "
+                    "downpour:push_every=2), or ddp / single (the references)")
     ap.add_argument("--opt", choices=("sgd", "nesterov", "adam"), default="sgd")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--workers", type=int, default=2)
