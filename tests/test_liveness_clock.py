@@ -15,6 +15,7 @@ from plug_asgd.ps.stats import Stats
 from plug_asgd.wire import decode, encode
 
 TIMEOUT = 1.0
+TOKENS: dict[int, str] = {}
 
 
 @pytest.fixture
@@ -27,11 +28,13 @@ def clock(monkeypatch):
 def hello(members: Membership, rank: int, heartbeat_s: float | None, session: str = "s") -> None:
     msg = decode(encode("hello", {"rid": 1, "rank": rank, "world_size": 2, "stage": 1, "training": True,
                                   "mode": "asgd", "session": f"{session}{rank}", "heartbeat_s": heartbeat_s}))
-    members.hello(f"id{rank}".encode(), msg, version=0)
+    worker, _ = members.hello(f"id{rank}".encode(), msg, version=0)
+    TOKENS[rank] = worker.token  # what the hello reply gives the worker, and its heartbeats carry
 
 
 def beat(members: Membership, rank: int, session: str = "s") -> bool:
-    return members.heartbeat(decode(encode("heartbeat", {"rank": rank, "session": f"{session}{rank}"})))
+    fields = {"rank": rank, "session": f"{session}{rank}", "token": TOKENS[rank]}
+    return members.heartbeat(decode(encode("heartbeat", fields)))
 
 
 def test_an_idle_worker_that_heartbeats_stays_a_member_and_one_that_stops_is_lost_after_the_timeout(clock):
