@@ -88,8 +88,12 @@ class Exchange(ABC):
         self.joined = True
 
     def refresh(self) -> None:
-        """Before evaluating: send what is pending, then take the central model."""
+        """Before evaluating: send what is pending, then take the central model. During a fit every worker takes
+        the same one (a barrier between the pushes and the pulls): the metrics reduced across workers, and the
+        checkpoint they rank, are then those of one model, as under DDP."""
         self.flush()
+        if self._link.fitting and self.joined:
+            self._link.barrier("plug_asgd.evaluate")
         self.load(self._link.client.pull())
 
     def step(self, run: Callable[[], Any], optimizer: Any) -> Any:
