@@ -1,7 +1,7 @@
-"""Lightning's Trainer features under one mode, 2 workers: ``feature_fit.py MODE OUT PS_PORT``.
+"""Lightning's Trainer features under each mode, 2 workers: ``feature_fit.py MODE[,MODE...] OUT PS_PORT``.
 
-One launch (Lightning's own launcher, ``devices=2``) runs, in the same two processes, one fit after
-another, each on its own embedded PS (``PS_PORT + i``):
+One launch (Lightning's own launcher, ``devices=2``) runs, in the same two processes, for each mode
+in turn, one fit after another, each on its own embedded PS (``PS_PORT + 5 i + j``):
 
 1. ``fit``: a LightningDataModule; SGD with momentum and two LR schedulers (StepLR per step,
    ReduceLROnPlateau per epoch on ``val_loss``); ``accumulate_grad_batches=2``,
@@ -11,10 +11,10 @@ another, each on its own embedded PS (``PS_PORT + i``):
 2. ``resume``: ``trainer.fit(ckpt_path=last.ckpt)`` one epoch further.
 3. ``validate``, ``test`` and ``predict`` of the resumed model.
 4. ``max_steps``: a fit stopped by ``max_steps=7``.
-5. ``max_time``: a fit stopped by ``max_time`` (3 s), rank 1 slowed, no validation (a collective).
+5. ``max_time``: a fit stopped by ``max_time`` (2 s), rank 1 slowed, no validation (a collective).
 6. ``manual``: manual optimization with two optimizers.
 
-Each rank writes what it saw to OUT/rank{r}.json; tests/test_features.py asserts on it.
+Each rank writes what it saw to OUT/MODE/rank{r}.json; tests/test_features.py asserts on it.
 """
 
 import json
@@ -32,6 +32,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from plug_asgd import AsyncPSStrategy
 
 BATCH = 16
+PORTS = 5  # embedded PS ports a mode's fits use
+MAX_TIME = 2  # seconds of the max_time fit
 TRAIN, HELD_OUT = 512, 128
 
 
@@ -136,8 +138,8 @@ def weights(module: torch.nn.Module) -> list[list[float]]:
     return [p.detach().float().flatten().tolist() for p in module.parameters()]
 
 
-def main() -> None:
-    mode, out, port = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+def features(mode: str, out: Path, port: int) -> None:
+    """The fits of one mode, on the ports from ``port`` to ``port + 4``; each rank writes OUT/rank{r}.json."""
     nesterov = mode == "eamsgd"  # its workers run Nesterov momentum (EAMSGD), and it refuses other optimizers
     seen: dict = {}
     pl.seed_everything(0, verbose=False)
@@ -157,7 +159,7 @@ def main() -> None:
                    "csv": t.loggers[0].log_dir, "tb": t.loggers[1].log_dir}
     last = Path(checkpoint.last_model_path)
 
-    t = trainer(mode, port + 1, out, max_epochs=4)
+    t = trainer(mode, port + 1, out, max_epochs=3)
     model = Net(nesterov=nesterov)
     t.fit(model, datamodule=Blobs(), ckpt_path=str(last))
     seen["resume"] = {"global_step": t.global_step, "epoch": t.current_epoch, "started": model.started}
@@ -171,7 +173,7 @@ def main() -> None:
     t.fit(Net(nesterov=nesterov), datamodule=Blobs())
     seen["max_steps"] = t.global_step
 
-    t = trainer(mode, port + 3, out, max_time={"seconds": 3}, max_epochs=1000, limit_val_batches=0)
+    t = trainer(mode, port + 3, out, max_time={"seconds": MAX_TIME}, max_epochs=1000, limit_val_batches=0)
     began = time.monotonic()
     t.fit(Net(slow_rank=1, plateau=False, nesterov=nesterov), datamodule=Blobs())
     seen["max_time"] = {"global_step": t.global_step, "seconds": time.monotonic() - began}
@@ -184,4 +186,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    modes, root, first = sys.argv[1].split(","), Path(sys.argv[2]), int(sys.argv[3])
+    for i, name in enumerate(modes):  # one launch for all: the processes start once (seconds each)
+        (root / name).mkdir(parents=True, exist_ok=True)
+        features(name, root / name, first + PORTS * i)
