@@ -31,6 +31,11 @@ def finite_positive(x) -> bool:
     return isinstance(x, int | float) and math.isfinite(x) and x > 0
 
 
+def paired_values(num: dict, den: dict) -> float:
+    """The median over repetitions of ``num``'s value over ``den``'s, from two summaries' per-repetition values."""
+    return statistics.median(n / d for n, d in zip(num["values"], den["values"], strict=True))
+
+
 def paired_median(runs: list[dict], num: str, den: str, key: str, **match) -> float:
     """The median over repetitions of run ``num``'s ``key`` over run ``den``'s, both of that repetition."""
     ratios = []
@@ -170,15 +175,19 @@ def test_time_to_accuracy_curves_and_ingest(quick):
         assert times == sorted(times) and all(0.0 <= a <= 1.0 for _, a in curve), name
         assert max(a for _, a in curve) >= BENCH_CURVE_ACCURACY_MIN, name
     ingest = b["ingest"]
-    assert set(ingest["updates_per_s"]) == {"dense/2", "sparse/2", "dense/2/2 threads", "dense_shm/2"}
-    for key, rate in ingest["updates_per_s"].items():
+    rates = ingest["updates_per_s"]
+    assert set(rates) == {"dense/2", "sparse/2", "dense/2/2 threads", "dense_shm/2"}
+    for key, rate in rates.items():
         assert finite_positive(rate["median"]), key
-    assert finite_positive(ingest["dense_2_threads_over_1"]["median"])
-    assert finite_positive(ingest["dense_shm_over_socket"]["median"])
+    # each ratio recomputed from the stored rates of each repetition (rounded to 6 digits: hence rel=1e-3)
+    for figure, num in (("ratio", "sparse/2"), ("dense_2_threads_over_1", "dense/2/2 threads"),
+                        ("dense_shm_over_socket", "dense_shm/2")):
+        assert ingest[figure]["median"] == pytest.approx(paired_values(rates[num], rates["dense/2"]), rel=1e-3)
     rtt = b["ps_roundtrip"]
     assert rtt["push_message_bytes"] >= 4 * CNN_PARAMETERS
-    for variant in ("ratio_2_threads", "ratio_own_reply"):
-        assert finite_positive(rtt[variant]["median"]), variant
+    for figure, key in (("ratio", "ps_roundtrip_s"), ("ratio_2_threads", "ps_2_threads_roundtrip_s"),
+                        ("ratio_own_reply", "ps_own_reply_roundtrip_s")):
+        assert rtt[figure]["median"] == pytest.approx(paired_values(rtt[key], rtt["echo_roundtrip_s"]), rel=1e-3)
     # the whole model comes back (its bytes and a header), except to a lone worker that asked for "unless_own"
     assert 4 * CNN_PARAMETERS < rtt["mean_reply_bytes"]["ps"] < 4 * CNN_PARAMETERS + 2000
     assert 4 * CNN_PARAMETERS < rtt["mean_reply_bytes"]["ps_2_threads"] < 4 * CNN_PARAMETERS + 2000

@@ -163,7 +163,8 @@ def test_an_ssp_worker_ahead_of_the_bound_blocks_until_the_slow_one_pushes(start
 
 def test_an_ssp_worker_held_for_a_slow_one_is_released_when_the_slow_one_is_lost(start_ps):
     address = start_ps("ssp", staleness_bound=0, worker_timeout=1)
-    fast, slow = (client(address, r, 2, "ssp", heartbeat_s=BEAT) for r in (0, 1))
+    # the rank that waits announces no heartbeat, so that its own thread's timing cannot get it declared lost
+    fast, slow = client(address, 0, 2, "ssp"), client(address, 1, 2, "ssp", heartbeat_s=BEAT)
     fast.init(W0)
     slow.close()  # dies before its first push: its heartbeats stop
     start = time.monotonic()
@@ -199,7 +200,8 @@ def test_a_lost_worker_is_not_waited_for_and_its_restart_gets_what_it_missed(sta
     def member(rank: int) -> PSClient:
         return client(address, rank, 2, heartbeat_s=BEAT)
 
-    a, b = member(0), member(1)
+    # rank 0, which waits, announces no heartbeat: nothing in this process's timing can get it declared lost
+    a, b = client(address, 0, 2), member(1)
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("a", a.gather(1, 0, "log_dir", kind="broadcast")))
     t.start()
