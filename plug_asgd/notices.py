@@ -38,7 +38,7 @@ class Notices:
         self.session, self.token = session, token
         self.limits = limits
         self.latest: dict[tuple[int, int, int], Any] = {}  # (stage, src, key) -> the source's latest value
-        self.sent = self.received = 0
+        self.sent = self.received = self.dropped = 0
         self._batch: Any = None
         self._key = 0
 
@@ -67,8 +67,8 @@ class Notices:
         try:
             self.socket.send_multipart(encode("notice", fields), zmq.NOBLOCK)
             self.sent += 1
-        except zmq.Again:
-            pass  # the PS is away or slow: the next batch asks again
+        except zmq.Again:  # the PS is away or slow: this notice is dropped, and the next batch asks again
+            self.dropped += 1
         return obj if self.rank == src else self.latest.get((stage, src, key), obj)
 
     def _take_replies(self) -> None:

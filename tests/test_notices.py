@@ -113,7 +113,7 @@ def test_calls_within_a_batch_are_told_apart_and_the_limits_are_said():
     with pytest.raises(RuntimeError, match=f"more than {NOTICE_KEYS} broadcasts"):
         notices.broadcast(1, 0, 1, batch=11)
     sock.full = True  # the PS is away: the notice is dropped, nothing waits
-    assert notices.broadcast(2, 0, 1, batch=12) == 2
+    assert notices.broadcast(2, 0, 1, batch=12) == 2 and notices.dropped == 1
 
 
 @pytest.mark.integration

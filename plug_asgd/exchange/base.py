@@ -92,9 +92,13 @@ class Exchange(ABC):
         the same one (a barrier between the pushes and the pulls): the metrics reduced across workers, and the
         checkpoint they rank, are then those of one model, as under DDP."""
         self.flush()
+        self.wait_for_the_others()
+        self.load(self._link.client.pull())
+
+    def wait_for_the_others(self) -> None:
+        """During a fit, before evaluating: every worker has stopped training (and pushed what it had)."""
         if self._link.fitting and self.joined:
             self._link.barrier("plug_asgd.evaluate")
-        self.load(self._link.client.pull())
 
     def step(self, run: Callable[[], Any], optimizer: Any) -> Any:
         """Run the local optimizer step ``run``, then exchange with the PS if one is due."""

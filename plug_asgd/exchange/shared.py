@@ -28,8 +28,7 @@ class SharedExchange(Exchange):
         """The module already is the shared, central model. During a fit every worker first stops stepping it
         (a barrier): all then evaluate, and a checkpoint holds, the same model (without it, a worker still
         training moved the model under another's validation: tests/test_features.py saw it)."""
-        if self._link.fitting and self.joined:
-            self._link.barrier("plug_asgd.evaluate")
+        self.wait_for_the_others()
 
     def after_step(self) -> None:
         """Nothing to push: the step landed in the shared model itself (``step`` is this exchange's own)."""

@@ -111,15 +111,13 @@ class Membership:
         token is counted as ``not_member``, with no reply (that socket never reads); one for a rank nobody
         holds (a worker that said bye, a PS restarted before the hello) is ignored."""
         rank = msg.int_field("rank", minimum=0)
-        session = limits.session(msg)
-        token = msg.fields.get("token")
         worker = self.workers.get(rank)
-        if worker is not None and worker.session == session and worker.token == token:
+        if _proves(worker, msg):
             worker.last_seen = time.time()
             self.world_fixed = True  # a worker of this world is alive: a hello cannot change it any more
             return False
         lost = self.lost.get(rank)
-        if lost is not None and lost.session == session and lost.token == token:
+        if _proves(lost, msg):
             self._take_back(lost)
             return True
         if worker is not None or lost is not None:
@@ -131,7 +129,7 @@ class Membership:
         token (as a heartbeat does), else ``not_member``."""
         rank = msg.int_field("rank", minimum=0)
         worker = self.workers.get(rank) or self.lost.get(rank)
-        if worker is None or worker.session != limits.session(msg) or worker.token != msg.fields.get("token"):
+        if not _proves(worker, msg):
             raise WireError("not_member", f"no worker of rank {rank} with this session and token: say hello first")
         return rank
 
@@ -279,3 +277,9 @@ def _heartbeat(value: Any) -> float | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 3600):
         raise WireError("bad_field", f"heartbeat_s must be a number of seconds in (0, 3600), got {value!r}")
     return float(value) if value is not None else None
+
+
+def _proves(worker: WorkerInfo | None, msg: Message) -> bool:
+    """Whether ``msg``, from one of a worker's other sockets (heartbeat, notices), carries that worker's session and
+    token: the only proof such a socket has, since its identity is not the one that said hello."""
+    return worker is not None and worker.session == limits.session(msg) and worker.token == msg.fields.get("token")
