@@ -59,12 +59,17 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", "## Bytes pushed and accuracy", "", a["method"], "",
                   f"191x fewer bytes than dense needs a fraction of at most 4 / (6 x 191) = "
                   f"{a['needed_fraction_for_191x']:.4f} with 16-bit offsets and float32 values.", "",
+                  "Both ways: every byte the PS received (up) and sent (down), as a link between machines "
+                  "would carry them; replies carry only what changed where that is less (delta replies).", "",
                   "| run | bytes pushed | pushes | bytes/push | formula payload/push | asgd bytes / these | "
-                  "test acc | vs asgd |", "|---|---|---|---|---|---|---|---|"]
+                  "bytes up | bytes down | down / up | asgd up+down / these | test acc | vs asgd |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in a["rows"]:
             lines.append(f"| {row['name']} | {_fmt(row['push_bytes'])} | {_fmt(row['pushes'])} | "
                          f"{_fmt(row['bytes_per_push'], 6)} | {row['formula_payload_per_push']} | "
-                         f"{_fmt(row['asgd_bytes_over_these'])} | {_fmt(row['test_acc'])} | "
+                         f"{_fmt(row['asgd_bytes_over_these'])} | {_fmt(row.get('bytes_in'))} | "
+                         f"{_fmt(row.get('bytes_out'))} | {_fmt(row.get('down_over_up'))} | "
+                         f"{_fmt(row.get('asgd_total_over_these'))} | {_fmt(row['test_acc'])} | "
                          f"{_fmt(row['acc_minus_asgd'], 2)} |")
     if "ps_roundtrip" in b and "ps_roundtrip_s" in b["ps_roundtrip"]:
         p = b["ps_roundtrip"]

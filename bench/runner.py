@@ -272,6 +272,12 @@ def analyse_adacomp(runs: list[dict[str, Any]]) -> dict[str, Any]:
                      "formula_payload_per_push": expected, "test_acc": r.get("test_acc"),
                      "asgd_bytes_over_these": asgd["push_bytes"] / r["push_bytes"] if asgd and r.get("push_bytes")
                      else None,
+                     # both ways, every message (init, pulls, collectives included), as a link would carry them
+                     "bytes_in": r.get("bytes_in"), "bytes_out": r.get("bytes_out"),
+                     "model_bytes_out": r.get("model_bytes_out"), "delta_replies": r.get("delta_replies"),
+                     "down_over_up": r["bytes_out"] / r["bytes_in"] if r.get("bytes_in") else None,
+                     "asgd_total_over_these": (asgd["bytes_in"] + asgd["bytes_out"]) / (r["bytes_in"] + r["bytes_out"])
+                     if asgd and asgd.get("bytes_in") and r.get("bytes_in") else None,
                      "acc_minus_asgd": (r["test_acc"] - asgd["test_acc"]) if asgd and r.get("test_acc") is not None
                      and asgd.get("test_acc") is not None else None})
     best = [row for row in rows if row["mode"] == "adacomp" and row["acc_minus_asgd"] is not None
@@ -280,7 +286,10 @@ def analyse_adacomp(runs: list[dict[str, Any]]) -> dict[str, Any]:
     within = ratio is not None
     if ratio is None:  # no adacomp run kept the accuracy: report the 1% one, and say so
         ratio = next((row["asgd_bytes_over_these"] for row in rows if row["name"] == "adacomp 0.01"), None)
-    return {"ratio": summary([ratio] if ratio else []), "unit": "asgd bytes / adacomp bytes: the smallest adacomp "
+    total = max((row["asgd_total_over_these"] or 0 for row in best), default=None) or None
+    down_up = next((row["down_over_up"] for row in rows if row["name"] == f"adacomp {ADACOMP_191:g}"), None)
+    return {"ratio": summary([ratio] if ratio else []), "total_ratio": total, "adacomp_down_over_up": down_up,
+            "unit": "asgd bytes / adacomp bytes: the smallest adacomp "
             "fraction whose test accuracy is within 1 point of asgd's, else adacomp 1%", "rows": rows,
             "accuracy_within_1_point": within,
             "needed_fraction_for_191x": 4 / (6 * 191),

@@ -25,9 +25,10 @@ import zmq
 from plug_asgd import push_memory
 from plug_asgd.notices import Notices
 from plug_asgd.transport import DEFAULT_HEARTBEAT_S, CommCounters, PSError, PSUnreachableError, Transport
-from plug_asgd.wire import DEFAULT_LIMITS, Limits, Message, Tensor
+from plug_asgd.wire import DEFAULT_LIMITS, Limits, Message, Sparse, Tensor
 
-__all__ = ["DEFAULT_HEARTBEAT_S", "CommCounters", "ModelReply", "PSClient", "PSError", "PSUnreachableError"]
+__all__ = ["DEFAULT_HEARTBEAT_S", "CommCounters", "HeldModel", "ModelReply", "PSClient", "PSError",
+           "PSUnreachableError"]
 
 log = logging.getLogger("plug_asgd.client")
 
@@ -59,8 +60,12 @@ class PSClient(Transport):
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context | None = None,
         keys: str | os.PathLike[str] | None = None,
+        delta_replies: bool = True,
     ) -> None:
-        """``keys``: the worker's CURVE keys (``DIR/worker`` or ``DIR`` of ``plug-asgd keygen``), for a keyed PS."""
+        """``keys``: the worker's CURVE keys (``DIR/worker`` or ``DIR`` of ``plug-asgd keygen``), for a keyed PS.
+
+        ``delta_replies``: keep the last central model received, and ask the PS for only what changed since
+        (see :class:`HeldModel`); off, every model reply carries the whole model."""
         super().__init__(address, rank=rank, request_timeout=request_timeout, lost_timeout=lost_timeout,
                          heartbeat_s=heartbeat_s, limits=limits, context=context, keys=keys)
         self.world_size = world_size
@@ -69,6 +74,7 @@ class PSClient(Transport):
         self.shm_offered = False  # the PS takes pushes through shared memory (its hello reply says)
         self._segment: push_memory.PushSegment | None = None
         self._notices: Notices | None = None
+        self.held = HeldModel() if delta_replies else None
 
     def close(self) -> None:
         if not self._closed:
@@ -155,7 +161,8 @@ class PSClient(Transport):
 
     def pull(self) -> ModelReply:
         """The central model; as this rank once it said hello, else as a bystander (a Supervisor, a test)."""
-        return self._model(self.request("pull", {"rank": self.rank} if self._hello_fields is not None else {}))
+        fields = {"rank": self.rank} if self._hello_fields is not None else {}
+        return self._model(self.request("pull", self._with_have(fields)))
 
     def push(self, base_version: int, update: Mapping[str, Tensor],
              want_model: bool | Literal["unless_own"] = True,
@@ -194,6 +201,8 @@ class PSClient(Transport):
             fields["weights"] = True
         if lend:
             fields["lend"] = True
+        if want_model is not False:
+            fields = self._with_have(fields)
         try:
             return self._send_push(fields, update, while_waiting)
         except PSError as exc:
@@ -250,8 +259,70 @@ class PSClient(Transport):
     def stats(self, timeout: float | None = None) -> dict[str, Any]:
         return dict(self.request("stats", timeout=timeout).fields["stats"])
 
-    @staticmethod
-    def _model(reply: Message) -> ModelReply:
-        return ModelReply(version=int(reply.fields["version"]), status=str(reply.fields.get("status")),
-                          stop=bool(reply.fields.get("stop")), tensors=dict(reply.tensors),  # type: ignore[arg-type]
-                          own=reply.fields.get("own") is True)
+    def _with_have(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """``fields`` with the model this client holds, if any: the PS may then send only what changed since."""
+        have = self.held.have if self.held is not None else None
+        return {**fields, "have": list(have)} if have is not None else fields
+
+    def _model(self, reply: Message) -> ModelReply:
+        version = int(reply.fields["version"])
+        tensors: dict[str, np.ndarray] = dict(reply.tensors)  # type: ignore[arg-type]
+        if reply.fields.get("delta") is True:
+            if self.held is None:
+                raise PSError("bad_reply", "the parameter server sent part of the model to a client that keeps none")
+            tensors = self.held.patch(tensors, version)
+            self.counters.delta_replies += 1
+        elif tensors and self.held is not None:
+            self.held.keep(reply.fields.get("model_id"), version, tensors)
+        return ModelReply(version=version, status=str(reply.fields.get("status")),
+                          stop=bool(reply.fields.get("stop")), tensors=tensors, own=reply.fields.get("own") is True)
+
+
+class HeldModel:
+    """The last central model a client received, which the PS may bring up to date with only what changed.
+
+    A worker that trains with a sparse codec (AdaComp, top-k, random-k) changes a few coordinates per
+    push; once the PS knows the worker holds version ``v`` of its model (``have``), it answers with the
+    current values of the coordinates changed since, or with the tensors that changed whole
+    (``plug_asgd.ps.changes``). The patched arrays are the central model of the reply's version, bit for
+    bit. An array a reply returned is never written afterwards (a change goes into a copy), so a caller
+    may keep it, as the staleness compensation keeps the last central model.
+    """
+
+    def __init__(self) -> None:
+        self.model_id: str | None = None
+        self.version = -1
+        self.tensors: dict[str, np.ndarray] = {}
+
+    @property
+    def have(self) -> tuple[str, int] | None:
+        return (self.model_id, self.version) if self.model_id is not None else None
+
+    def keep(self, model_id: Any, version: int, tensors: dict[str, np.ndarray]) -> None:
+        """A whole model arrived (the received arrays are kept as they are: no copy)."""
+        if isinstance(model_id, str) and model_id:
+            self.model_id, self.version, self.tensors = model_id, version, dict(tensors)
+        else:  # a PS that does not send deltas
+            self.model_id, self.version, self.tensors = None, -1, {}
+
+    def patch(self, delta: dict[str, Tensor], version: int) -> dict[str, np.ndarray]:
+        """Apply what changed (sparse: current values at the changed coordinates; dense: whole tensors)."""
+        for name, part in delta.items():
+            held = self.tensors.get(name)
+            if held is None:
+                raise PSError("bad_reply", f"the parameter server sent a change of tensor {name!r}, which this "
+                                           "client does not hold")
+            if isinstance(part, Sparse):
+                if part.shape != held.shape:
+                    raise PSError("bad_reply", f"tensor {name!r}: a change of shape {part.shape}, held {held.shape}")
+                held = self.tensors[name] = held.copy()  # never written once handed out (the look-ahead keeps it)
+                held.reshape(-1)[part.indices] = part.values
+            else:
+                self.tensors[name] = np.asarray(part)
+        self.version = version
+        out = {}
+        for name, array in self.tensors.items():
+            view = array.view()
+            view.flags.writeable = False
+            out[name] = view
+        return out

@@ -96,6 +96,8 @@ class AsyncPSStrategy(DDPPlumbing):
         ps_threads: threads with which the embedded PS folds each large dense update in.
         shm_pushes: a worker on the PS's machine writes its dense float32 updates (or lends its weights)
             in shared memory the PS maps, the socket carrying only where they lie (``plug_asgd.push_memory``).
+        delta_replies: the PS answers with only what changed since the model the worker holds, where that is
+            less (sparse codecs: ``plug_asgd.ps.changes``); off, every reply carries the whole model.
     """
 
     strategy_name = "async_ps"
@@ -121,6 +123,7 @@ class AsyncPSStrategy(DDPPlumbing):
         ps_insecure: bool = False,
         ps_threads: int = 1,
         shm_pushes: bool = True,
+        delta_replies: bool = True,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -139,7 +142,7 @@ class AsyncPSStrategy(DDPPlumbing):
         self.connect_timeout, self.request_timeout, self.lost_timeout = connect_timeout, request_timeout, lost_timeout
         self.worker_timeout, self.resume_from, self.ps_run_dir = worker_timeout, resume_from, ps_run_dir
         self.ps_keys, self.ps_insecure, self.ps_threads = ps_keys, ps_insecure, ps_threads
-        self.shm_pushes = shm_pushes
+        self.shm_pushes, self.delta_replies = shm_pushes, delta_replies
         self.staleness_compensation = resolve(staleness_compensation, self.mode.name, self.mode.compensate)
         self._start_method = start_method
         self._num_nodes = 1
@@ -271,7 +274,7 @@ class AsyncPSStrategy(DDPPlumbing):
             self._embedded_ps.start(ps_config(self, bind, self._trainer()))
         self._client = PSClient(address, rank=self.global_rank, world_size=self.world_size, mode=self.mode.name,
                                 request_timeout=self.request_timeout, lost_timeout=self.lost_timeout,
-                                heartbeat_s=self.heartbeat_s, keys=self.ps_keys)
+                                heartbeat_s=self.heartbeat_s, keys=self.ps_keys, delta_replies=self.delta_replies)
         atexit.register(self._shutdown)
         return self._client
 

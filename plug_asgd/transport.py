@@ -61,6 +61,7 @@ class CommCounters:
     requests: int = 0
     pushes: int = 0
     own_replies: int = 0  # pushes answered without the model (see PSClient.push)
+    delta_replies: int = 0  # model replies that carried only what changed since the model held (HeldModel)
     weights_not_current: int = 0  # pushes of weights the PS did not take: not counted in pushes
     wait_seconds: float = 0.0
 
@@ -68,6 +69,7 @@ class CommCounters:
         return {"bytes_up": self.bytes_up, "bytes_down": self.bytes_down, "push_bytes_up": self.push_bytes_up,
                 "push_local_bytes_up": self.push_local_bytes_up,
                 "requests": self.requests, "pushes": self.pushes, "own_replies": self.own_replies,
+                "delta_replies": self.delta_replies,
                 "weights_not_current": self.weights_not_current, "wait_seconds": round(self.wait_seconds, 6)}
 
 

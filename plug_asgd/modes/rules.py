@@ -171,6 +171,10 @@ class FoldRule(ABC):
     # True when a rule's only change to the central model is ``_fold_all`` of a push's tensors:
     # the PS then gives it buffers to fold into (``Push.out``) and copies nothing on write.
     folds_into_update = False
+    # True when each version is made by folding one push's tensors in, and changes no coordinate its
+    # update does not name (a sparse update: only its indices): the PS can then send a worker only
+    # what changed since its base (``plug_asgd.ps.changes``).
+    changes_only_pushed = False
 
     def __init__(self) -> None:
         self.training_ranks: frozenset[int] = frozenset()
@@ -200,6 +204,7 @@ class AsgdRule(FoldRule):
     """``w += delta`` at once, whatever the staleness (Dean et al.'s and the seeds' ASGD)."""
 
     folds_into_update = True
+    changes_only_pushed = True
 
     def push(self, state: CentralState, push: Push) -> list[Resolution]:
         _fold_all(state, push)
@@ -214,6 +219,8 @@ class AdaCompRule(FoldRule):
     update touches all). A push based on a version older than that memory is scaled by what
     is remembered, a lower bound of its staleness; ``truncated`` counts such pushes.
     """
+
+    changes_only_pushed = True
 
     def __init__(self, history: int = 256) -> None:
         super().__init__()
@@ -326,6 +333,7 @@ class DynSGDRule(FoldRule):
     """``w += delta / (staleness + 1)``, staleness = updates folded in since the base (Jiang et al., SIGMOD 2017)."""
 
     folds_into_update = True
+    changes_only_pushed = True
 
     def push(self, state: CentralState, push: Push) -> list[Resolution]:
         scale = 1.0 / (state.version - push.base_version + 1)
@@ -343,6 +351,7 @@ class SSPRule(FoldRule):
     """
 
     folds_into_update = True
+    changes_only_pushed = True
 
     def __init__(self, staleness_bound: int = 2) -> None:
         super().__init__()

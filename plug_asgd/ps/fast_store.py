@@ -27,7 +27,7 @@ from plug_asgd.modes import can_fold_into
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.stats import Stats
 from plug_asgd.ps.store import PushIn, Store
-from plug_asgd.wire import Local, Tensor, encode
+from plug_asgd.wire import Local, Sparse, Tensor, encode
 
 
 class FastStore(Store):
@@ -49,13 +49,14 @@ class FastStore(Store):
         tensors = self.state.tensors
         return {name: frame for name, (array, frame) in self._frames.items() if tensors.get(name) is array}
 
-    def reply_payload(self, fields: dict[str, Any]) -> list[Any]:
-        self.release()  # a reply in flight must not read memory its worker may write again
-        frames = encode("model", fields, self.state.tensors, reuse=self.resent_frames())
+    def _encode_reply(self, fields: dict[str, Any], tensors: dict[str, Tensor]) -> list[Any]:
+        frames = encode("model", fields, tensors, reuse=self.resent_frames())
         # received frames go out as they are (pyzmq shares their memory); the store's own arrays go out
-        # zero-copy and tracked, so that a write knows when they are free again
-        parts = [f if isinstance(f, zmq.Frame) or memoryview(f).nbytes < self.copy_threshold
-                 else zmq.Frame(f, track=True, copy=False) for f in frames]
+        # zero-copy and tracked, so that a write knows when they are free again; a delta's sparse frames
+        # are gathered copies that nothing writes
+        store_owned = [False] + [o for t in tensors.values() for o in ([False] * 3 if isinstance(t, Sparse) else [1])]
+        parts = [f if not owned or isinstance(f, zmq.Frame) or memoryview(f).nbytes < self.copy_threshold
+                 else zmq.Frame(f, track=True, copy=False) for f, owned in zip(frames, store_owned, strict=True)]
         self._in_flight += [p.tracker for p in parts if isinstance(p, zmq.Frame) and p.tracker is not None]
         return parts
 

@@ -211,6 +211,8 @@ class Persistence:
             "pushes_applied": s.pushes_applied,
             "pushes_dropped": s.pushes_dropped, "pushes_after_stop": s.pushes_after_stop,
             "copies_on_write": s.copies_on_write, "own_replies": s.own_replies,
+            "model_replies": s.model_replies, "delta_replies": s.delta_replies, "model_bytes_out": s.model_bytes_out,
+            "bytes_out_by_rank": {str(k): v for k, v in sorted(s.bytes_out_by_rank.items())},
             "weights_pushes": s.weights_pushes, "weights_not_current": s.weights_not_current,
             "weights_lent": s.weights_lent, "lent_copies": s.lent_copies, "threads": config.threads,
             "worker_timeout_s": config.worker_timeout,

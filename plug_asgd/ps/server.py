@@ -28,6 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.modes import APPLIED
 from plug_asgd.ps import limits as bounds
+from plug_asgd.ps.changes import parse_have
 from plug_asgd.ps.collectives import Collectives
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.fast_store import FastStore
@@ -67,6 +68,7 @@ class _Reply:
     rid: Any
     want: str
     own_version: int | None = None  # the version this push alone made, when it was folded in exactly
+    have: tuple[str, int] | None = None  # the central model its worker holds (ps/changes.py)
 
 
 class ParameterServer:
@@ -233,7 +235,10 @@ class ParameterServer:
         except zmq.ZMQError as exc:  # Again: its queue is full; EHOSTUNREACH: it is gone (ROUTER_MANDATORY)
             self.stats.replies_dropped["queue_full" if isinstance(exc, zmq.Again) else "gone"] += 1
             return
-        self.stats.bytes_out += message_bytes(frames)
+        size = message_bytes(frames)
+        self.stats.bytes_out += size
+        if (worker := self.members.by_identity.get(identity)) is not None:
+            self.stats.bytes_out_by_rank[worker.rank] += size
 
     def _before_reply(self, identity: bytes) -> None:
         """Before a reply to a worker's request: it may write the memory it lent once it has the answer."""
@@ -245,10 +250,13 @@ class ParameterServer:
         self._before_reply(identity)
         self._send(identity, rid, "error", {"code": code, "message": text})
 
-    def _send_model(self, identity: bytes, rid: Any, fields: dict[str, Any], with_tensors: bool = True) -> None:
+    def _send_model(self, identity: bytes, rid: Any, fields: dict[str, Any], with_tensors: bool = True,
+                    have: tuple[str, int] | None = None) -> None:
         fields = {**fields, "version": self.store.version, "stop": self.store.stopped, "rid": rid}
         if with_tensors:
-            self._send_frames(identity, self.store.reply_payload(fields))
+            frames = self.store.reply_payload(fields, have)
+            self.stats.model_bytes_out += message_bytes(frames)
+            self._send_frames(identity, frames)
         else:
             self._before_reply(identity)
             self._send_frames(identity, encode("model", fields))
@@ -264,7 +272,8 @@ class ParameterServer:
                 self.stats.own_replies += 1
                 self._send_model(token.identity, token.rid, {"status": status, "own": True}, False)
             else:
-                self._send_model(token.identity, token.rid, {"status": status}, token.want != "none" or not applied)
+                self._send_model(token.identity, token.rid, {"status": status}, token.want != "none" or not applied,
+                                 token.have)
 
     # -- membership and collectives ------------------------------------------------------------
 
@@ -336,7 +345,7 @@ class ParameterServer:
         if "rank" in msg.fields or identity in self.members.by_identity:  # else a bystander's (a Supervisor's)
             self.members.member(identity, msg)
         self.store.require_init()
-        self._send_model(identity, rid, {"status": "pulled"})
+        self._send_model(identity, rid, {"status": "pulled"}, have=parse_have(msg.fields.get("have")))
 
     def _on_push(self, identity: bytes, rid: Any, msg: Message) -> None:
         worker = self.members.member(identity, msg, session=True)
@@ -351,12 +360,13 @@ class ParameterServer:
         for name, value in flags.items():
             if not isinstance(value, bool):  # (1 == True: a membership test would let 1 through)
                 raise WireError("bad_field", f"field {name!r} must be true or false, got {value!r:.40}")
-        token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all")
+        token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all",
+                       have=parse_have(msg.fields.get("have")))
         folded = self.store.fold(PushIn(token, rank, session, seq, base, msg.tensors, msg.frames,
                                         request=self.stats.messages_in, **flags))
         if folded.status != FOLDED:  # not_current, or stopped
             self._send_model(identity, rid, {"status": folded.status}, folded.status != NOT_CURRENT
-                             and model is not False)
+                             and model is not False, token.have)
             return
         token.own_version = folded.own_version
         self.stats.staleness[folded.staleness] += 1

@@ -27,6 +27,9 @@ class Stats:
     push_busy_cpu_s: float = 0.0  # ... of which on a core
     copies_on_write: int = 0
     own_replies: int = 0
+    model_replies: int = 0  # replies that carried model tensors ...
+    delta_replies: int = 0  # ... of which only what their worker lacked (plug_asgd.ps.changes)
+    model_bytes_out: int = 0  # ... their bytes
     weights_pushes: int = 0  # pushes of weights taken as the model (see PSClient.push)
     weights_not_current: int = 0  # ... answered "not_current" instead: nothing folded
     weights_lent: int = 0  # ... kept as the model in the worker's own memory, without a copy (``lend``)
@@ -37,6 +40,7 @@ class Stats:
     replies_dropped: Counter = field(default_factory=Counter)  # queue_full (a connection not reading), gone
     staleness: Counter = field(default_factory=Counter)
     pushes_by_rank: Counter = field(default_factory=Counter)
+    bytes_out_by_rank: Counter = field(default_factory=Counter)  # every reply to a worker's connection
     io_errors: Counter = field(default_factory=Counter)  # failed writes, "checkpoint ENOSPC": n (ps/disk.py)
     io_last_error: str | None = None
 

@@ -19,6 +19,7 @@ import numpy as np
 from plug_asgd.compressors import decode as decode_update
 from plug_asgd.modes import CentralState, FoldRule, Push, Resolution, all_finite
 from plug_asgd.modes import get as get_mode
+from plug_asgd.ps.changes import ChangeLog
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.stats import Stats
 from plug_asgd.push_memory import AttachedSegments
@@ -87,6 +88,7 @@ class Store(ABC):
         self.stats = stats if stats is not None else Stats()
         use_shm = config.shm_pushes and shm_available()
         self.segments = AttachedSegments(config.limits().max_message_bytes) if use_shm else None
+        self.changes = ChangeLog()  # what each version changed: replies carry only what a worker lacks
 
     @property
     def version(self) -> int:
@@ -115,6 +117,7 @@ class Store(ABC):
             raise WireError("bad_tensor", "init carries no tensors")
         self.state.tensors = own
         self.initialized = True
+        self.changes.reset(self.state.version)
         return True
 
     def snapshot(self) -> Snapshot:
@@ -130,6 +133,7 @@ class Store(ABC):
         self.rule.restore(snap.rule_fields, snap.rule_arrays)
         self.initialized = True
         self.resumed = True
+        self.changes.reset(snap.version)
 
     def attach(self, session: str, pid: object, fd: object, token: object) -> int:
         """Map ``session``'s push segment (see :mod:`plug_asgd.push_memory`); its size."""
@@ -155,7 +159,11 @@ class Store(ABC):
     def set_trainers(self, ranks: frozenset[int]) -> list[Resolution]:
         """Workers began or stopped training: a waiting push may now be resolved (a sync round may fold)."""
         self._before_write(in_place=not self.rule.folds_into_update)
-        return self.rule.set_trainers(self.state, ranks)
+        version = self.state.version
+        resolutions = self.rule.set_trainers(self.state, ranks)
+        if self.state.version != version:  # a round completed: it may have changed anything
+            self.changes.everything(self.state.version)
+        return resolutions
 
     def require_init(self) -> None:
         """Refuse to serve the model before a worker has sent it."""
@@ -196,9 +204,13 @@ class Store(ABC):
         if out is None:
             check_finite(update)
         self._before_write(in_place=out is None)
-        before = dict(self.state.tensors)
+        before, version = dict(self.state.tensors), self.state.version
         resolutions = self.rule.push(self.state, Push(push.token, push.rank, base, update, out,
                                                       replace=push.weights))
+        if self.state.version == version + 1 and self.rule.changes_only_pushed:
+            self.changes.record(self.state.version, update)
+        elif self.state.version != version:
+            self.changes.everything(self.state.version)
         self.last_seq[push.session] = push.seq
         self.stats.weights_pushes += push.weights
         self.stats.push_local_bytes_in += local_bytes
@@ -250,9 +262,23 @@ class Store(ABC):
                     before: dict[str, np.ndarray]) -> None:
         """The fold is done: note what the new central tensors are made of (``before``: the old ones)."""
 
+    def reply_payload(self, fields: dict[str, Any], have: tuple[str, int] | None = None) -> list[Any]:
+        """The frames of a ``model`` reply with ``fields`` and the central tensors, ready to send zero-copy: only
+        those the worker lacks where it holds version ``have`` and that is less (``delta``, ``ps/changes.py``)."""
+        self.release()  # a reply in flight must not read memory its worker may write again
+        fields = {**fields, "model_id": self.changes.model_id}
+        tensors: dict[str, Tensor] | None = self.changes.delta(have, self.state.version, self.state.tensors)
+        if tensors is None:
+            tensors = dict(self.state.tensors)
+        else:
+            fields["delta"] = True
+            self.stats.delta_replies += 1
+        self.stats.model_replies += 1
+        return self._encode_reply(fields, tensors)
+
     @abstractmethod
-    def reply_payload(self, fields: dict[str, Any]) -> list[Any]:
-        """The frames of a ``model`` reply with ``fields`` and the central tensors, ready to send zero-copy."""
+    def _encode_reply(self, fields: dict[str, Any], tensors: dict[str, Tensor]) -> list[Any]:
+        """The frames of a ``model`` reply of ``tensors`` (central arrays, or sparse gathers of them)."""
 
     def release(self, session: str | None = None) -> None:  # noqa: B027 (a hook: only a lending store lends)
         """Stop using memory a worker lent (``session``'s only, if given), copying what is still the model."""
@@ -289,5 +315,5 @@ class ReferenceStore(Store):
                     before: dict[str, np.ndarray]) -> None:
         pass
 
-    def reply_payload(self, fields: dict[str, Any]) -> list[Any]:
-        return encode("model", fields, {n: t.copy() for n, t in self.state.tensors.items()})
+    def _encode_reply(self, fields: dict[str, Any], tensors: dict[str, Tensor]) -> list[Any]:
+        return encode("model", fields, {n: t.copy() if isinstance(t, np.ndarray) else t for n, t in tensors.items()})
