@@ -156,8 +156,32 @@ class PSClient(Transport):
         return self._segment is not None
 
     def init(self, tensors: Mapping[str, np.ndarray]) -> bool:
-        """Offer this worker's tensors as the initial central model; False if another came first."""
-        return bool(self.request("init", {"rank": self.rank}, tensors).fields.get("accepted"))
+        """Offer this worker's tensors as the initial central model; False if another came first.
+
+        Taken, they are the central model this client holds (copied): the next pull carries only what
+        changed since."""
+        reply = self.request("init", {"rank": self.rank}, tensors)
+        accepted = bool(reply.fields.get("accepted"))
+        if accepted and self.held is not None:
+            self.held.keep(reply.fields.get("model_id"), int(reply.fields.get("version", 0)),
+                           {n: np.array(t, copy=True) for n, t in tensors.items()})
+        return accepted
+
+    def pull_once_initialized(self, within: float) -> ModelReply | None:
+        """The central model as soon as a worker has sent it, waiting at most ``within`` seconds; None after.
+
+        What a worker that need not initialise does first: its own model, sent while another's is on
+        its way, would be bytes the PS refuses (the model's size on every link at every start)."""
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                return self.pull()
+            except PSError as exc:
+                if exc.code != "not_initialized" or time.monotonic() >= deadline:
+                    if exc.code == "not_initialized":
+                        return None
+                    raise
+            time.sleep(0.05)
 
     def pull(self) -> ModelReply:
         """The central model; as this rank once it said hello, else as a bystander (a Supervisor, a test)."""

@@ -8,6 +8,8 @@ the last test runs a real PS process and two clients over loopback.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -185,8 +187,18 @@ def test_over_sockets_sparse_pushes_are_answered_with_deltas_and_both_workers_ho
         for c in clients:
             c.hello(stage=1, training=True, timeout=20)
         rng = np.random.default_rng(0)
-        clients[0].init({n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()})
-        versions = [c.pull().version for c in clients]
+        assert clients[1].pull_once_initialized(0.2) is None  # nobody sent a model yet
+        init = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+        later = threading.Timer(0.5, clients[0].init, args=(init,))
+        later.start()
+        first = clients[1].pull_once_initialized(20.0)  # waits for rank 0's model instead of sending its own
+        later.join()
+        assert first is not None and first.tensors["w"].tobytes() == init["w"].tobytes()
+        down = clients[0].counters.bytes_down
+        assert clients[0].pull().tensors["w"].tobytes() == init["w"].tobytes()
+        assert clients[0].counters.delta_replies == 1  # it holds the model it sent: nothing changed since
+        assert clients[0].counters.bytes_down - down < 300  # a header
+        versions = [0, 0]
         for i in range(40):
             r = i % 2
             update = {n: Sparse(np.sort(rng.choice(int(np.prod(s)), 120, replace=False)),
@@ -202,9 +214,10 @@ def test_over_sockets_sparse_pushes_are_answered_with_deltas_and_both_workers_ho
             assert model.version == truth.version == 40
             for name in SHAPES:
                 assert model.tensors[name].tobytes() == truth.tensors[name].tobytes()
-        assert [c.counters.delta_replies for c in clients] == [21, 21]  # every reply after the first pull
+        # rank 0: every reply (it holds the model it sent); rank 1: every reply after its first pull
+        assert [c.counters.delta_replies for c in clients] == [22, 21]
         stats = whole.stats()
-        assert stats["delta_replies"] == 42 and stats["model_replies"] == 42 + 2 + 1
+        assert stats["delta_replies"] == 43 and stats["model_replies"] == 43 + 1 + 1
         assert stats["bytes_out_by_rank"]["1"] == clients[1].counters.bytes_down
     finally:
         for c in (*clients, whole):

@@ -156,6 +156,17 @@ def test_adacomp_pushes_at_least_30x_fewer_bytes_than_asgd(request):
 
 
 @needs_fashion
+@pytest.mark.timeout(CORE_TIMEOUT_S)
+def test_adacomp_replies_carry_only_what_changed_so_its_downlink_stays_within_10x_its_uplink(request):
+    ada = core_run(request, "adacomp")
+    # every push's reply (250) and the pulls after it are deltas: rank 0 holds the model it sent, rank 1 the
+    # one it pulled first. Whole models, as before delta replies, would be 250 x 4.8 MB = 1.2 GB down
+    # against about 23 MB up (rank 0's model and 250 pushes of 1%): 50x
+    assert ada["delta_replies"] >= 250, ada
+    assert ada["bytes_out"] <= 10 * ada["bytes_in"], (ada["bytes_out"], ada["bytes_in"])
+
+
+@needs_fashion
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
 @pytest.mark.parametrize("mode, settings, version", SCHEMES, ids=[m for m, _, _ in SCHEMES])
 def test_every_scheme_trains_the_recipe_above_the_core_threshold(scheme_runs, mode, settings, version):

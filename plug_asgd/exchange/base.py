@@ -16,6 +16,8 @@ from plug_asgd.modes import Mode
 from plug_asgd.staleness import OFF, Compensator, StalenessCompensation, normalizes_steps, warn_unknown_optimizers
 from plug_asgd.tensors import assign, to_numpy
 
+INIT_WAIT_S = 10.0  # how long a rank other than 0 waits for rank 0's model before offering its own
+
 
 @dataclass
 class Link:
@@ -80,11 +82,17 @@ class Exchange(ABC):
             warn_unknown_optimizers(optimizers)
 
     def join(self, init: bool) -> None:
-        """Start of a stage: offer our weights if the PS has none yet (``init``), then take the central ones."""
+        """Start of a stage: offer our weights if the PS has none yet (``init``), then take the central ones.
+
+        Rank 0 offers at once; another rank first waits a little for rank 0's (``INIT_WAIT_S``), and
+        offers its own only if none came (rank 0 slow to start, or gone)."""
         client = self._link.client
-        if init:
+        reply = None
+        if init and self._link.rank != 0:
+            reply = client.pull_once_initialized(INIT_WAIT_S)
+        if init and reply is None:
             client.init({n: to_numpy(t) for n, t in self._link.tensors().items()})
-        self.load(client.pull())
+        self.load(reply if reply is not None else client.pull())
         self.joined = True
 
     def refresh(self) -> None:

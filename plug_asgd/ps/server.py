@@ -339,7 +339,8 @@ class ParameterServer:
         if accepted:
             log.info("central model initialised by rank %s: %d tensors, %d values", msg.fields.get("rank"),
                      len(msg.tensors), sum(t.size for t in self.store.state.tensors.values()))
-        self._send(identity, rid, "init_ok", {"accepted": accepted, "version": self.store.version})
+        self._send(identity, rid, "init_ok", {"accepted": accepted, "version": self.store.version,
+                                              "model_id": self.store.changes.model_id})
 
     def _on_pull(self, identity: bytes, rid: Any, msg: Message) -> None:
         if "rank" in msg.fields or identity in self.members.by_identity:  # else a bystander's (a Supervisor's)
