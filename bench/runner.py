@@ -142,6 +142,11 @@ def training_runs(names: list[str], size: dict[str, Any], slow_sleep: float) -> 
             two.append({**common, "name": f"adacomp {frac:g}", "kind": "asgd", "mode": "adacomp", "compression": frac})
         for comp in COMPRESSORS:
             two.append({**common, "name": comp, "kind": "asgd", "mode": "asgd", "compressor": comp})
+        # dense pushes, replies of the 1% of each tensor where the worker is furthest off (ps/downlink.py)
+        two.append({**common, "name": "asgd downlink 0.01", "kind": "asgd", "mode": "asgd",
+                    "options": {"downlink_fraction": 0.01}})
+        two.append({**common, "name": f"adacomp {ADACOMP_191:g} downlink 0.01", "kind": "asgd", "mode": "adacomp",
+                    "compression": ADACOMP_191, "options": {"downlink_fraction": 0.01}})
     launches = [(n, runs) for n, runs in ((2, two), (1, one)) if runs]
     if "time_to_accuracy" in names:
         for rep in range(size["tta_reps"]):

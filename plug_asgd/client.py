@@ -42,6 +42,7 @@ class ModelReply:
     stop: bool
     tensors: dict[str, np.ndarray]
     own: bool = False  # no tensors: the central model is exactly the worker's base plus its update (or its weights)
+    approx: bool = False  # near the central model, not it: the PS sent only the largest differences (downlink)
 
 
 class PSClient(Transport):
@@ -286,7 +287,9 @@ class PSClient(Transport):
     def _with_have(self, fields: dict[str, Any]) -> dict[str, Any]:
         """``fields`` with the model this client holds, if any: the PS may then send only what changed since."""
         have = self.held.have if self.held is not None else None
-        return {**fields, "have": list(have)} if have is not None else fields
+        if have is None:
+            return fields
+        return {**fields, "have" if self.held.exact else "held": list(have)}  # type: ignore[union-attr]
 
     def _model(self, reply: Message) -> ModelReply:
         version = int(reply.fields["version"])
@@ -294,12 +297,13 @@ class PSClient(Transport):
         if reply.fields.get("delta") is True:
             if self.held is None:
                 raise PSError("bad_reply", "the parameter server sent part of the model to a client that keeps none")
-            tensors = self.held.patch(tensors, version)
+            tensors = self.held.patch(tensors, version, exact=reply.fields.get("approx") is not True)
             self.counters.delta_replies += 1
         elif tensors and self.held is not None:
             self.held.keep(reply.fields.get("model_id"), version, tensors)
         return ModelReply(version=version, status=str(reply.fields.get("status")),
-                          stop=bool(reply.fields.get("stop")), tensors=tensors, own=reply.fields.get("own") is True)
+                          stop=bool(reply.fields.get("stop")), tensors=tensors, own=reply.fields.get("own") is True,
+                          approx=reply.fields.get("approx") is True)
 
 
 class HeldModel:
@@ -317,6 +321,7 @@ class HeldModel:
         self.model_id: str | None = None
         self.version = -1
         self.tensors: dict[str, np.ndarray] = {}
+        self.exact = True  # the central model of ``version``, not a copy near it (approximate replies)
 
     @property
     def have(self) -> tuple[str, int] | None:
@@ -324,13 +329,15 @@ class HeldModel:
 
     def keep(self, model_id: Any, version: int, tensors: dict[str, np.ndarray]) -> None:
         """A whole model arrived (the received arrays are kept as they are: no copy)."""
+        self.exact = True
         if isinstance(model_id, str) and model_id:
             self.model_id, self.version, self.tensors = model_id, version, dict(tensors)
         else:  # a PS that does not send deltas
             self.model_id, self.version, self.tensors = None, -1, {}
 
-    def patch(self, delta: dict[str, Tensor], version: int) -> dict[str, np.ndarray]:
-        """Apply what changed (sparse: current values at the changed coordinates; dense: whole tensors)."""
+    def patch(self, delta: dict[str, Tensor], version: int, exact: bool = True) -> dict[str, np.ndarray]:
+        """Apply what changed (sparse: current values at the changed coordinates; dense: whole tensors); not
+        ``exact``: only the largest differences were sent."""
         for name, part in delta.items():
             held = self.tensors.get(name)
             if held is None:
@@ -343,7 +350,7 @@ class HeldModel:
                 held.reshape(-1)[part.indices] = part.values
             else:
                 self.tensors[name] = np.asarray(part)
-        self.version = version
+        self.version, self.exact = version, exact
         out = {}
         for name, array in self.tensors.items():
             view = array.view()

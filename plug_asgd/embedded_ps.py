@@ -82,6 +82,7 @@ def ps_config(strategy: Any, bind: str, trainer: Any) -> PSConfig:
                     **strategy.mode.server_options(),
                     resume=strategy.resume_from, worker_timeout=strategy.worker_timeout, run_dir=run_dir,
                     keys=strategy.ps_keys, insecure=strategy.ps_insecure, threads=strategy.ps_threads,
+                    **strategy.downlink,
                     **(checkpoint.ps_options() if checkpoint is not None else {}))
 
 

@@ -98,6 +98,8 @@ class AsyncPSStrategy(DDPPlumbing):
             in shared memory the PS maps, the socket carrying only where they lie (``plug_asgd.push_memory``).
         delta_replies: the PS answers with only what changed since the model the worker holds, where that is
             less (sparse codecs: ``plug_asgd.ps.changes``); off, every reply carries the whole model.
+        downlink_fraction, downlink_bound: the embedded PS answers pushes with only this share of each tensor,
+            where the worker is furthest off, and every coordinate off by more than the bound (``ps.downlink``).
     """
 
     strategy_name = "async_ps"
@@ -124,6 +126,8 @@ class AsyncPSStrategy(DDPPlumbing):
         ps_threads: int = 1,
         shm_pushes: bool = True,
         delta_replies: bool = True,
+        downlink_fraction: float | None = None,
+        downlink_bound: float | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -143,6 +147,7 @@ class AsyncPSStrategy(DDPPlumbing):
         self.worker_timeout, self.resume_from, self.ps_run_dir = worker_timeout, resume_from, ps_run_dir
         self.ps_keys, self.ps_insecure, self.ps_threads = ps_keys, ps_insecure, ps_threads
         self.shm_pushes, self.delta_replies = shm_pushes, delta_replies
+        self.downlink = {"downlink_fraction": downlink_fraction, "downlink_bound": downlink_bound}
         self.staleness_compensation = resolve(staleness_compensation, self.mode.name, self.mode.compensate)
         self._start_method = start_method
         self._num_nodes = 1

@@ -12,6 +12,7 @@ import threading
 
 import numpy as np
 import pytest
+import zmq
 
 from plug_asgd.client import HeldModel, PSClient
 from plug_asgd.ps import PSConfig
@@ -222,3 +223,93 @@ def test_over_sockets_sparse_pushes_are_answered_with_deltas_and_both_workers_ho
     finally:
         for c in (*clients, whole):
             c.close()
+
+
+# -- approximate replies: the downlink fraction ---------------------------------------------------------
+
+
+def answer(store, held: HeldModel, rank: int, push: bool) -> tuple[dict[str, np.ndarray], int, dict]:
+    """A reply to rank ``rank`` as the serving loop makes it, taken as the client takes it."""
+    have = held.have
+    frames = store.reply_payload({"status": "applied", "version": store.version}, have if held.exact else None,
+                                 rank=rank, held=None if held.exact else have, push=push)
+    msg = decode([bytes(memoryview(f)) for f in frames])
+    if msg.fields.get("delta"):
+        return held.patch(dict(msg.tensors), store.version, exact=not msg.fields.get("approx")), \
+            message_bytes(frames), msg.fields
+    held.keep(msg.fields["model_id"], store.version, dict(msg.tensors))
+    return dict(msg.tensors), message_bytes(frames), msg.fields
+
+
+@pytest.mark.parametrize("store_cls", [ReferenceStore, FastStore])
+@pytest.mark.parametrize("bound", [None, 0.05])
+def test_approximate_replies_send_the_largest_differences_and_a_pull_makes_the_copy_exact(store_cls, bound):
+    rng = np.random.default_rng(5)
+    store = store_cls(PSConfig(mode="asgd", downlink_fraction=0.01, downlink_bound=bound))
+    store.init({n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()})
+    held, base, widened = [HeldModel(), HeldModel()], [0, 0], 0
+    for w in (0, 1):
+        answer(store, held[w], w, push=False)  # the worker's first pull: exact, and the PS keeps its copy
+    for i in range(40):
+        w = i % 2
+        update = {n: (0.01 * rng.standard_normal(s)).astype(np.float32) for n, s in SHAPES.items()}
+        before = {n: t.copy() for n, t in held[w].tensors.items()}
+        msg = decode([zmq.Frame(bytes(memoryview(f))) for f in encode("push", {}, update)])  # as the socket hands it
+        store.fold(PushIn(token=w, rank=w, session=f"s{w}", seq=i, base_version=base[w], frames=msg.frames,
+                          tensors=dict(msg.tensors)))
+        central = {n: t.copy() for n, t in store.state.tensors.items()}
+        model, nbytes, fields = answer(store, held[w], w, push=True)
+        base[w] = store.version
+        assert fields["approx"] and fields["delta"] and not held[w].exact
+        for name, shape in SHAPES.items():
+            numel = int(np.prod(shape))
+            diff = np.abs(central[name] - before[name]).reshape(-1)
+            k = int(0.01 * numel)
+            gap = np.sort(diff)[-k - 1]  # the largest difference a reply of the top k leaves out
+            sent = np.flatnonzero(model[name].reshape(-1) != before[name].reshape(-1))
+            left = np.abs(central[name] - model[name]).max()
+            assert set(sent) >= set(np.argsort(diff)[-k:][diff[np.argsort(diff)[-k:]] > gap])  # the k largest
+            assert np.array_equal(model[name].reshape(-1)[sent], central[name].reshape(-1)[sent])  # set exactly
+            if bound is None or gap <= bound:
+                assert sent.size <= k and left == gap
+            else:  # the top k leave out more than the bound: every coordinate beyond it goes too
+                assert left <= bound and sent.size > k
+                widened += 1
+            # the PS's copy of this worker is what the worker holds, bit for bit
+            assert store.downlink.copies[w].tensors[name].tobytes() == model[name].tobytes()
+            assert store.downlink.gap_max >= left
+        if bound is None:
+            assert nbytes < 2 * (6 * 1200 + 6 * 4 + 8) + 400  # k coordinates of w and of b, 6 bytes each
+    for w in (0, 1):  # before evaluating: a pull, exact
+        model, _, fields = answer(store, held[w], w, push=False)
+        assert held[w].exact and not fields.get("approx")
+        for name, central in store.state.tensors.items():
+            assert model[name].tobytes() == central.tobytes()
+    assert store.stats.approx_replies == 40
+    assert (widened > 0) == (bound is not None)
+
+
+def test_over_sockets_a_ps_with_a_downlink_fraction_answers_pushes_approximately_and_pulls_exactly(start_ps):
+    address = start_ps("asgd", downlink_fraction=0.01)
+    worker = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=10, heartbeat_s=None)
+    whole = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=10, heartbeat_s=None,
+                     delta_replies=False)
+    try:
+        worker.hello(stage=1, training=True, timeout=20)
+        rng = np.random.default_rng(1)
+        worker.init({n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()})
+        version = worker.pull().version
+        for _ in range(10):
+            down = worker.counters.bytes_down
+            reply = worker.push(version, {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()})
+            version = reply.version
+            assert reply.approx and worker.counters.bytes_down - down < 6 * (1200 + 4) + 1000
+        model, truth = worker.pull(), whole.pull()
+        assert not model.approx and model.version == truth.version == 10
+        for name in SHAPES:
+            assert model.tensors[name].tobytes() == truth.tensors[name].tobytes()
+        stats = whole.stats()
+        assert stats["approx_replies"] == 10 and stats["downlink_gap_max"] > 0
+    finally:
+        worker.close()
+        whole.close()

@@ -209,11 +209,11 @@ class Exchange(ABC):
             else:
                 base.copy_(t.detach())
         self.based_on(reply)
-        self.base_is_central = central
+        self.base_is_central = central and not reply.approx
 
     def based_on(self, reply: ModelReply, central: bool = True) -> None:
         """``base`` is now version ``reply.version``: the central model itself, unless ``central`` is False."""
-        self.base_is_central = central
+        self.base_is_central = central and not reply.approx  # an approximate reply: near the central model
         self.base_lent = False  # whatever the PS held of ours, it gave back before this reply
         self.version = reply.version
         if central:

@@ -27,14 +27,14 @@ from plug_asgd.wire import Sparse, Tensor, WireError, sparse_wire_bytes
 MODEL_ID_CHARS = 32  # a uuid4's hex
 
 
-def parse_have(value: Any) -> tuple[str, int] | None:
-    """A request's ``have`` field: absent (None), or ``[model_id, version]`` (anything else is refused)."""
+def parse_have(value: Any, field: str = "have") -> tuple[str, int] | None:
+    """A request's ``have`` (or ``held``) field: absent (None), or ``[model_id, version]`` (else refused)."""
     if value is None:
         return None
     if (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and len(value[0]) <= MODEL_ID_CHARS
             and isinstance(value[1], int) and not isinstance(value[1], bool) and value[1] >= 0):
         return value[0], value[1]
-    raise WireError("bad_field", f"field 'have' must be [model id (at most {MODEL_ID_CHARS} characters), "
+    raise WireError("bad_field", f"field {field!r} must be [model id (at most {MODEL_ID_CHARS} characters), "
                                  f"version >= 0], got {value!r:.80}")
 
 

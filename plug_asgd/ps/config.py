@@ -86,6 +86,13 @@ class PSConfig:
                            min=1, max=256)
     shm_pushes: bool = _option(True, "let workers on this machine (Linux, the same user) push dense updates "
                                "through shared memory instead of the socket")
+    downlink_fraction: float | None = _option(
+        None, "answer each push with only this share of each tensor's coordinates, those where the worker's copy "
+        "is furthest from the central model (error feedback kept per worker; pulls stay exact) [default: exact "
+        "replies only]", min=1e-6, max=1.0)
+    downlink_bound: float | None = _option(None, "with --downlink-fraction: also send every coordinate off by more "
+                                           "than this, so that no worker's copy is further from the central model",
+                                           min=0.0)
     parent_pid: int | None = _option(None, "stop when the process of this pid is no longer the parent",
                                      min=1, cli=False)
 

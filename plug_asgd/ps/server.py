@@ -68,7 +68,14 @@ class _Reply:
     rid: Any
     want: str
     own_version: int | None = None  # the version this push alone made, when it was folded in exactly
-    have: tuple[str, int] | None = None  # the central model its worker holds (ps/changes.py)
+    have: tuple[str, int] | None = None  # the central model its worker holds (ps/changes.py) ...
+    held: tuple[str, int] | None = None  # ... or the copy it holds of one (ps/downlink.py)
+    rank: int | None = None
+
+
+def _holds(msg: Message) -> tuple[tuple[str, int] | None, tuple[str, int] | None]:
+    """What a request says its worker holds: the central model of a version (``have``), or a copy (``held``)."""
+    return parse_have(msg.fields.get("have")), parse_have(msg.fields.get("held"), "held")
 
 
 class ParameterServer:
@@ -251,10 +258,11 @@ class ParameterServer:
         self._send(identity, rid, "error", {"code": code, "message": text})
 
     def _send_model(self, identity: bytes, rid: Any, fields: dict[str, Any], with_tensors: bool = True,
-                    have: tuple[str, int] | None = None) -> None:
+                    token: _Reply | None = None, push: bool = False) -> None:
         fields = {**fields, "version": self.store.version, "stop": self.store.stopped, "rid": rid}
         if with_tensors:
-            frames = self.store.reply_payload(fields, have)
+            frames = self.store.reply_payload(fields, token and token.have, rank=token and token.rank,
+                                              held=token and token.held, push=push)
             self.stats.model_bytes_out += message_bytes(frames)
             self._send_frames(identity, frames)
         else:
@@ -273,7 +281,7 @@ class ParameterServer:
                 self._send_model(token.identity, token.rid, {"status": status, "own": True}, False)
             else:
                 self._send_model(token.identity, token.rid, {"status": status}, token.want != "none" or not applied,
-                                 token.have)
+                                 token, push=True)
 
     # -- membership and collectives ------------------------------------------------------------
 
@@ -343,10 +351,12 @@ class ParameterServer:
                                               "model_id": self.store.changes.model_id})
 
     def _on_pull(self, identity: bytes, rid: Any, msg: Message) -> None:
+        rank = None
         if "rank" in msg.fields or identity in self.members.by_identity:  # else a bystander's (a Supervisor's)
-            self.members.member(identity, msg)
+            rank = self.members.member(identity, msg).rank
         self.store.require_init()
-        self._send_model(identity, rid, {"status": "pulled"}, have=parse_have(msg.fields.get("have")))
+        token = _Reply(identity, rid, "all", None, *_holds(msg), rank)
+        self._send_model(identity, rid, {"status": "pulled"}, True, token)
 
     def _on_push(self, identity: bytes, rid: Any, msg: Message) -> None:
         worker = self.members.member(identity, msg, session=True)
@@ -362,12 +372,12 @@ class ParameterServer:
             if not isinstance(value, bool):  # (1 == True: a membership test would let 1 through)
                 raise WireError("bad_field", f"field {name!r} must be true or false, got {value!r:.40}")
         token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all",
-                       have=parse_have(msg.fields.get("have")))
+                       None, *_holds(msg), worker.rank)
         folded = self.store.fold(PushIn(token, rank, session, seq, base, msg.tensors, msg.frames,
                                         request=self.stats.messages_in, **flags))
         if folded.status != FOLDED:  # not_current, or stopped
             self._send_model(identity, rid, {"status": folded.status}, folded.status != NOT_CURRENT
-                             and model is not False, token.have)
+                             and model is not False, token)
             return
         token.own_version = folded.own_version
         self.stats.staleness[folded.staleness] += 1

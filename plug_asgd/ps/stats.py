@@ -29,6 +29,7 @@ class Stats:
     own_replies: int = 0
     model_replies: int = 0  # replies that carried model tensors ...
     delta_replies: int = 0  # ... of which only what their worker lacked (plug_asgd.ps.changes)
+    approx_replies: int = 0  # ... of which only the largest differences (plug_asgd.ps.downlink)
     model_bytes_out: int = 0  # ... their bytes
     weights_pushes: int = 0  # pushes of weights taken as the model (see PSClient.push)
     weights_not_current: int = 0  # ... answered "not_current" instead: nothing folded

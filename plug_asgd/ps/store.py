@@ -21,6 +21,7 @@ from plug_asgd.modes import CentralState, FoldRule, Push, Resolution, all_finite
 from plug_asgd.modes import get as get_mode
 from plug_asgd.ps.changes import ChangeLog
 from plug_asgd.ps.config import PSConfig
+from plug_asgd.ps.downlink import Downlink
 from plug_asgd.ps.stats import Stats
 from plug_asgd.push_memory import AttachedSegments
 from plug_asgd.push_memory import available as shm_available
@@ -89,6 +90,7 @@ class Store(ABC):
         use_shm = config.shm_pushes and shm_available()
         self.segments = AttachedSegments(config.limits().max_message_bytes) if use_shm else None
         self.changes = ChangeLog()  # what each version changed: replies carry only what a worker lacks
+        self.downlink = Downlink(config.downlink_fraction, config.downlink_bound) if config.downlink_fraction else None
 
     @property
     def version(self) -> int:
@@ -262,17 +264,32 @@ class Store(ABC):
                     before: dict[str, np.ndarray]) -> None:
         """The fold is done: note what the new central tensors are made of (``before``: the old ones)."""
 
-    def reply_payload(self, fields: dict[str, Any], have: tuple[str, int] | None = None) -> list[Any]:
-        """The frames of a ``model`` reply with ``fields`` and the central tensors, ready to send zero-copy: only
-        those the worker lacks where it holds version ``have`` and that is less (``delta``, ``ps/changes.py``)."""
+    def reply_payload(self, fields: dict[str, Any], have: tuple[str, int] | None = None, *, rank: int | None = None,
+                      held: tuple[str, int] | None = None, push: bool = False) -> list[Any]:
+        """The frames of a ``model`` reply with ``fields`` and the central tensors, ready to send zero-copy.
+
+        Only what the worker lacks, where that is less (``delta``): the changes since the central version it
+        holds (``have``, ``ps/changes.py``), or, with a downlink fraction, the differences from the copy it
+        holds (``held``, ``ps/downlink.py``), of which a reply to a ``push`` carries only the largest
+        (``approx``). ``rank``: the worker's, if a member."""
         self.release()  # a reply in flight must not read memory its worker may write again
-        fields = {**fields, "model_id": self.changes.model_id}
-        tensors: dict[str, Tensor] | None = self.changes.delta(have, self.state.version, self.state.tensors)
+        model_id, version, central = self.changes.model_id, self.state.version, self.state.tensors
+        fields = {**fields, "model_id": model_id}
+        tensors: dict[str, Any] | None = None
+        downlink = self.downlink if rank is not None else None
+        if downlink is not None and (held is not None or push):
+            tensors = downlink.reply(rank, held or have, model_id, version, central, exact=not push)  # type: ignore[arg-type]
+            fields["approx"] = push and tensors is not None
+            self.stats.approx_replies += fields["approx"]
         if tensors is None:
-            tensors = dict(self.state.tensors)
+            tensors = self.changes.delta(have, version, central)
+        if tensors is None:
+            tensors = dict(central)
         else:
             fields["delta"] = True
             self.stats.delta_replies += 1
+        if downlink is not None and not fields.get("approx") and (held is None or not fields.get("delta")):
+            downlink.holds(rank, model_id, version, central)  # type: ignore[arg-type]  # it now holds this exactly
         self.stats.model_replies += 1
         return self._encode_reply(fields, tensors)
 
