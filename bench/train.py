@@ -234,6 +234,7 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
         result.update(push_bytes=ps["push_bytes_in"], push_local_bytes=ps["push_local_bytes_in"],
                       bytes_in=ps["bytes_in"], bytes_out=ps["bytes_out"], model_bytes_out=ps.get("model_bytes_out"),
                       delta_replies=ps.get("delta_replies"), model_replies=ps.get("model_replies"),
+                      approx_replies=ps.get("approx_replies"),
                       pushes=ps["pushes_applied"] + ps["pushes_dropped"],
                       pushes_applied=ps["pushes_applied"], ps_version=ps["version"],
                       weights_pushes=ps["weights_pushes"], weights_not_current=ps["weights_not_current"],

@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from bench.common import payload_bytes
-from bench.runner import BENCHMARKS, COMPRESSORS
+from bench.runner import ADACOMP_191, BENCHMARKS, COMPRESSORS
 from bench.zmqtools import CNN_PARAMETERS, CNN_SHAPES
 from tests.conftest import PYTHON, needs_fashion
 
@@ -156,6 +156,15 @@ def test_bytes_pushed_follow_the_codec_formulas(quick):
         assert formula <= row["bytes_per_push"] <= formula + HEADER_BOUND, (name, row["bytes_per_push"], formula)
         assert row["test_acc"] >= BENCH_ROW_ACCURACY_MIN, (name, row["test_acc"])
         assert row["asgd_bytes_over_these"] == rows["asgd"]["push_bytes"] / row["push_bytes"], name
+    # replies: a sparse codec's carry only what changed (every push's reply a delta), and with a downlink fraction
+    # a dense mode's carry 1% of each tensor (every push's reply approximate); the rest is pulls and the model
+    # rank 0 sent, as much in each run
+    for name in ("adacomp 0.01", "topk", f"adacomp {ADACOMP_191:g} downlink 0.01"):
+        assert rows[name]["delta_replies"] >= rows[name]["pushes"], name
+        assert rows[name]["bytes_out"] < rows["asgd"]["bytes_out"] / 3, name
+    downlink = rows["asgd downlink 0.01"]
+    assert downlink["approx_replies"] == downlink["pushes"] and rows["asgd"]["approx_replies"] == 0
+    assert downlink["bytes_out"] < rows["asgd"]["bytes_out"] / 3
     # the ratio to asgd is what the formulas predict, within the headers
     for name in ("adacomp 0.01", "adacomp 0.005", "fp16", "sign"):
         predicted = frame_bytes("none", 0) / frame_bytes(rows[name]["compressor"], rows[name]["compression"] or 0.01)

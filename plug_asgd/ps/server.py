@@ -73,9 +73,9 @@ class _Reply:
     rank: int | None = None
 
 
-def _holds(msg: Message) -> tuple[tuple[str, int] | None, tuple[str, int] | None]:
+def _holds(msg: Message) -> dict[str, tuple[str, int] | None]:
     """What a request says its worker holds: the central model of a version (``have``), or a copy (``held``)."""
-    return parse_have(msg.fields.get("have")), parse_have(msg.fields.get("held"), "held")
+    return {"have": parse_have(msg.fields.get("have")), "held": parse_have(msg.fields.get("held"), "held")}
 
 
 class ParameterServer:
@@ -355,7 +355,7 @@ class ParameterServer:
         if "rank" in msg.fields or identity in self.members.by_identity:  # else a bystander's (a Supervisor's)
             rank = self.members.member(identity, msg).rank
         self.store.require_init()
-        token = _Reply(identity, rid, "all", None, *_holds(msg), rank)
+        token = _Reply(identity, rid, "all", rank=rank, **_holds(msg))
         self._send_model(identity, rid, {"status": "pulled"}, True, token)
 
     def _on_push(self, identity: bytes, rid: Any, msg: Message) -> None:
@@ -372,7 +372,7 @@ class ParameterServer:
             if not isinstance(value, bool):  # (1 == True: a membership test would let 1 through)
                 raise WireError("bad_field", f"field {name!r} must be true or false, got {value!r:.40}")
         token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all",
-                       None, *_holds(msg), worker.rank)
+                       rank=worker.rank, **_holds(msg))
         folded = self.store.fold(PushIn(token, rank, session, seq, base, msg.tensors, msg.frames,
                                         request=self.stats.messages_in, **flags))
         if folded.status != FOLDED:  # not_current, or stopped
