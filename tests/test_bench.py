@@ -163,7 +163,10 @@ def test_bytes_pushed_follow_the_codec_formulas(quick):
         assert rows[name]["delta_replies"] >= rows[name]["pushes"], name
         assert rows[name]["bytes_out"] < rows["asgd"]["bytes_out"] / 3, name
     downlink = rows["asgd downlink 0.01"]
-    assert downlink["approx_replies"] == downlink["pushes"] and rows["asgd"]["approx_replies"] == 0
+    # (but a worker's first push, which nothing raced: its base is the central model it pulled, so the PS may
+    # answer "own", without the model)
+    assert downlink["pushes"] - 2 <= downlink["approx_replies"] < downlink["pushes"] + 1
+    assert rows["asgd"]["approx_replies"] == 0
     assert downlink["bytes_out"] < rows["asgd"]["bytes_out"] / 3
     # the ratio to asgd is what the formulas predict, within the headers
     for name in ("adacomp 0.01", "adacomp 0.005", "fp16", "sign"):
