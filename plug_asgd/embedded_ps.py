@@ -32,8 +32,12 @@ def configurer(trainer: Any) -> ConfiguresPS | None:
 
 
 def check_arguments(*, max_updates: int | None, heartbeat_s: float | str | None, worker_timeout: float,
-                    ps_address: str | None, ps_threads: int) -> float | None:
-    """Refuses the strategy's PS arguments that are out of range; returns ``heartbeat_s`` with ``"auto"`` resolved."""
+                    ps_address: str | None, ps_threads: int, **ps_options: Any) -> float | None:
+    """Refuses the strategy's PS arguments that are out of range; returns ``heartbeat_s`` with ``"auto"`` resolved.
+
+    ``ps_options``: fields of :class:`PSConfig` by name (``downlink_fraction=...``), checked as the PS checks them."""
+    for name, value in ps_options.items():
+        PSConfig.check(name, value)
     if max_updates is not None and max_updates < 1:
         raise ValueError(f"max_updates must be >= 1, got {max_updates}")
     if heartbeat_s == "auto":

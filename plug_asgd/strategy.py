@@ -141,7 +141,8 @@ class AsyncPSStrategy(DDPPlumbing):
         self.compressor = compressors.get(compressor)
         self.mode.check_compressor(self.compressor)
         self.heartbeat_s = check_arguments(max_updates=max_updates, heartbeat_s=heartbeat_s,
-                                           worker_timeout=worker_timeout, ps_address=ps_address, ps_threads=ps_threads)
+                                           worker_timeout=worker_timeout, ps_address=ps_address, ps_threads=ps_threads,
+                                           downlink_fraction=downlink_fraction, downlink_bound=downlink_bound)
         self.max_updates, self.ps_address, self.ps_port = max_updates, ps_address, ps_port
         self.connect_timeout, self.request_timeout, self.lost_timeout = connect_timeout, request_timeout, lost_timeout
         self.worker_timeout, self.resume_from, self.ps_run_dir = worker_timeout, resume_from, ps_run_dir

@@ -313,3 +313,17 @@ def test_over_sockets_a_ps_with_a_downlink_fraction_answers_pushes_approximately
     finally:
         worker.close()
         whole.close()
+
+
+def test_the_strategy_and_the_recipes_refuse_a_downlink_fraction_out_of_range():
+    from plug_asgd import AsyncPSStrategy
+    from plug_asgd.recipes.common import make_strategy
+    from plug_asgd.recipes.mnist import build_parser
+
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="downlink_fraction must be between"):
+            AsyncPSStrategy(downlink_fraction=bad)
+    with pytest.raises(ValueError, match="downlink_bound must be >= 0"):
+        AsyncPSStrategy(downlink_fraction=0.01, downlink_bound=-1)
+    strategy = make_strategy(build_parser().parse_args(["--downlink-fraction", "0.01", "--downlink-bound", "0.1"]))
+    assert strategy.downlink == {"downlink_fraction": 0.01, "downlink_bound": 0.1}

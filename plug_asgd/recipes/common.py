@@ -51,6 +51,8 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--ps-address", default=None,
                         help="tcp://host:port of a PS started with `plug-asgd serve-ps` (default: embedded PS)")
     ps_argument(parser, "worker_timeout")
+    ps_argument(parser, "downlink_fraction")
+    ps_argument(parser, "downlink_bound")
     parser.add_argument("--ps-keys", type=Path, default=None,
                         help="CURVE keys of `plug-asgd keygen DIR`: DIR (embedded PS) or DIR/worker (external PS)")
     ps_argument(parser, "insecure", "--ps-insecure")
@@ -99,6 +101,7 @@ def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
     return AsyncPSStrategy(mode=mode, compressor=codec, max_updates=args.max_updates,
                            ps_address=args.ps_address, resume_from=args.resume, ps_keys=args.ps_keys,
                            ps_insecure=args.ps_insecure, worker_timeout=args.worker_timeout,
+                           downlink_fraction=args.downlink_fraction, downlink_bound=args.downlink_bound,
                            staleness_compensation=False if args.no_staleness_compensation else None)
 
 
