@@ -338,19 +338,19 @@ class HeldModel:
     def patch(self, delta: dict[str, Tensor], version: int, exact: bool = True) -> dict[str, np.ndarray]:
         """Apply what changed (sparse: current values at the changed coordinates; dense: whole tensors); not
         ``exact``: only the largest differences were sent."""
+        tensors = dict(self.tensors)
         for name, part in delta.items():
-            held = self.tensors.get(name)
-            if held is None:
-                raise PSError("bad_reply", f"the parameter server sent a change of tensor {name!r}, which this "
-                                           "client does not hold")
+            held = tensors.get(name)
+            if held is None or tuple(part.shape) != held.shape:
+                self.keep(None, -1, {})  # all or nothing: the next request asks for the whole model
+                raise PSError("bad_reply", f"the parameter server sent a change of tensor {name!r} of shape "
+                                           f"{tuple(part.shape)}, which this client does not hold")
             if isinstance(part, Sparse):
-                if part.shape != held.shape:
-                    raise PSError("bad_reply", f"tensor {name!r}: a change of shape {part.shape}, held {held.shape}")
-                held = self.tensors[name] = held.copy()  # never written once handed out (the look-ahead keeps it)
+                held = tensors[name] = held.copy()  # never written once handed out (the look-ahead keeps it)
                 held.reshape(-1)[part.indices] = part.values
             else:
-                self.tensors[name] = np.asarray(part)
-        self.version, self.exact = version, exact
+                tensors[name] = np.asarray(part)
+        self.tensors, self.version, self.exact = tensors, version, exact
         out = {}
         for name, array in self.tensors.items():
             view = array.view()

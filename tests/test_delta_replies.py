@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import zmq
 
-from plug_asgd.client import HeldModel, PSClient
+from plug_asgd.client import HeldModel, PSClient, PSError
 from plug_asgd.ps import PSConfig
 from plug_asgd.ps.changes import ChangeLog, parse_have
 from plug_asgd.ps.fast_store import FastStore
@@ -327,3 +327,12 @@ def test_the_strategy_and_the_recipes_refuse_a_downlink_fraction_out_of_range():
         AsyncPSStrategy(downlink_fraction=0.01, downlink_bound=-1)
     strategy = make_strategy(build_parser().parse_args(["--downlink-fraction", "0.01", "--downlink-bound", "0.1"]))
     assert strategy.downlink == {"downlink_fraction": 0.01, "downlink_bound": 0.1}
+
+
+def test_a_change_the_client_cannot_apply_is_refused_whole_and_the_next_request_asks_for_all():
+    held = HeldModel()
+    held.keep("m", 3, {"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)})
+    with pytest.raises(PSError) as exc:
+        held.patch({"w": sparse((4,), [1], [5.0]), "x": np.ones(3, np.float32)}, 4)
+    assert exc.value.code == "bad_reply"
+    assert held.have is None and held.tensors == {}  # nothing half applied: w's change was not kept either
