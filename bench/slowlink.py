@@ -255,9 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default=None, help="link rates in Mbit/s, comma-separated (default: the size's)")
     parser.add_argument("--configs", default=None, help=f"comma-separated, of {', '.join(CONFIGS)} "
                         "(default: the size's)")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds of training per run (default: the size's, 15 quick, 240 full)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: runs/slowlink[-quick])")
     args = parser.parse_args(argv)
-    size = SIZES["quick" if args.quick else "full"]
+    size = dict(SIZES["quick" if args.quick else "full"])
+    if args.time_limit:
+        size.update(time_limit_s=args.time_limit, timeout=max(size["timeout"], args.time_limit * 2 + 90))
     rates = [float(r) for r in args.rates.split(",")] if args.rates else size["rates"]
     names = args.configs.split(",") if args.configs else size["configs"]
     unknown = [n for n in names if n not in CONFIGS]
