@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -130,7 +131,12 @@ def launch_lightning(topo: Topology, name: str, size: dict[str, Any], out: Path)
     path = out / "train" / "results.json"
     results = json.loads(path.read_text()) if path.exists() else []
     if not results or any(c != 0 for c in codes):
-        return {"error": f"exit codes {codes} (None: stopped after {size['timeout']} s); logs in {out}"}
+        # Lightning ends a rank that got SIGTERM with exit code 0: say so, a missing result is not a success
+        signalled = [r for r in range(workers) if None not in codes
+                     and "Received SIGTERM" in (out / f"rank{r}.log").read_text()]
+        outside = f", ranks {signalled} got a SIGTERM from outside" if signalled else ""
+        return {"error": f"no result: exit codes {codes} (None: stopped after {size['timeout']} s){outside}; "
+                         f"logs in {out}"}
     r = results[0]
     comm = [rank.get("comm") or {} for rank in r["ranks"]]
     return {"curve": r.get("curve", []), "steps": [rank["steps"] for rank in r["ranks"]],
@@ -147,7 +153,8 @@ def launch_hivemind(topo: Topology, size: dict[str, Any], out: Path) -> dict[str
                          "install -c constraints.txt torch==2.13.0 hivemind==1.1.12 pytorch-lightning==2.6.6"}
     out.mkdir(parents=True, exist_ok=True)
     peers_file = out / "peers.json"
-    peers_file.unlink(missing_ok=True)
+    for stale in (peers_file, out / "ready0", out / "ready1"):
+        stale.unlink(missing_ok=True)
     procs = []
     try:
         for rank in range(2):
@@ -188,6 +195,7 @@ def evaluate_snapshots(path: Path, test_subset: int | None) -> list[tuple[float,
 
 def run_config(topo: Topology, name: str, size: dict[str, Any], out: Path) -> dict[str, Any]:
     """One configuration on the current link rate: its curve, time to target, bytes per sample."""
+    load = [round(x, 2) for x in os.getloadavg()]  # other work on the machine slows every scheme's compute
     before = topo.counters()
     started = time.monotonic()
     if CONFIGS[name]["kind"] == "hivemind":
@@ -197,7 +205,7 @@ def run_config(topo: Topology, name: str, size: dict[str, Any], out: Path) -> di
     after = topo.counters()
     wire = {h: {"up": after[h]["tx"] - before[h]["tx"], "down": after[h]["rx"] - before[h]["rx"]} for h in after}
     result: dict[str, Any] = {"name": name, **CONFIGS[name], "launch_s": round(time.monotonic() - started, 1),
-                              "wire_bytes": wire, **got}
+                              "load_average_at_start": load, "wire_bytes": wire, **got}
     if "error" in got:
         return result
     samples = sum(got["steps"]) * BATCH
@@ -220,23 +228,36 @@ def probe(topo: Topology, rate: float, seconds: float) -> dict[str, float]:
     return {**topo.measure("w0", "ps", nbytes), "htb_mbit": rate}
 
 
-def run(size: dict[str, Any], rates: list[float], names: list[str], out: Path) -> dict[str, Any]:
-    """Every configuration at every rate, one topology whose caps change between rates."""
-    results: dict[str, Any] = {"machine": machine(), "command": "python -m bench.slowlink " + " ".join(sys.argv[1:]),
+def run(size: dict[str, Any], rates: list[float], names: list[str], out: Path, merge: bool = False) -> dict[str, Any]:
+    """Every configuration at every rate, one topology whose caps change between rates.
+
+    ``merge``: keep the other runs of the results.json in ``out`` (made at the same size), replace these.
+    """
+    command = "python -m bench.slowlink " + " ".join(sys.argv[1:])
+    results: dict[str, Any] = {"machine": machine(), "command": command,
                                "target_acc": TARGET, "batch_size": BATCH, "model_bytes": model_bytes(),
                                "ddp_formula_up_per_sample": ddp_bytes_per_sample(),
                                "size": {k: v for k, v in size.items() if k not in ("rates", "configs")},
                                "rates": {}}
+    if merge and (out / "results.json").exists():
+        old = json.loads((out / "results.json").read_text())
+        if old["size"] != results["size"]:
+            raise ValueError(f"--merge: {out / 'results.json'} was made at another size: {old['size']}")
+        results["rates"] = old["rates"]
+        results["earlier"] = old.get("earlier", []) + [{k: old[k] for k in ("command", "machine", "wall_s")
+                                                         if k in old}]
     started = time.monotonic()
     with Topology(["ps", "w0", "w1"], rates[0]) as topo:
         for rate in rates:
             topo.set_rate(rate)
             key = f"{rate:g}"
-            results["rates"][key] = {"probe": probe(topo, rate, size["probe_s"]), "runs": {}}
-            print(f"[slowlink] {key} Mbit/s: measured {results['rates'][key]['probe']['mbit_per_s']:.1f}", flush=True)
+            entry = results["rates"].setdefault(key, {"runs": {}})
+            entry["probe"] = probe(topo, rate, size["probe_s"])
+            print(f"[slowlink] {key} Mbit/s: measured {entry['probe']['mbit_per_s']:.1f}", flush=True)
             for name in names:
                 r = run_config(topo, name, size, out / "work" / f"{key}mbit" / name)
-                results["rates"][key]["runs"][name] = r
+                r.update(command=command, date=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+                entry["runs"][name] = r
                 print(f"[slowlink] {key} Mbit/s {name}: " + (r["error"] if "error" in r else
                       f"final acc {r['final_acc']}, up/down {r['up_per_sample'] / 1e3:.1f}/"
                       f"{r['down_per_sample'] / 1e3:.1f} kB per sample, {r['launch_s']} s"), flush=True)
@@ -258,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds of training per run (default: the size's, 15 quick, 240 full)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: runs/slowlink[-quick])")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other runs of the results.json already in --out (rerun some only)")
     args = parser.parse_args(argv)
     size = dict(SIZES["quick" if args.quick else "full"])
     if args.time_limit:
@@ -270,8 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     if not (FASHION / "train-images-idx3-ubyte.gz").exists():
         parser.error(f"needs Fashion-MNIST in {FASHION}: apt-get install dataset-fashion-mnist")
     out = args.out or ROOT / "runs" / ("slowlink-quick" if args.quick else "slowlink")
+    # SIGTERM (a CI timeout, pytest's kill) unwinds like Ctrl-C: the finally blocks stop the processes, delete the hosts
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        results = run(size, rates, names, out)
+        results = run(size, rates, names, out, merge=args.merge)
     except TopologyError as exc:
         print(f"[slowlink] cannot emulate the hosts: {exc}", file=sys.stderr)
         return 2

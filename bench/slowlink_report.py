@@ -17,7 +17,9 @@ def markdown(results: dict[str, Any]) -> str:
     size = results["size"]
     lines = [f"# Slow links: time to {results['target_acc']:.0%} Fashion-MNIST test accuracy", "",
              f"Command: `{results['command']}` ({results.get('wall_s', 0):.0f} s). Machine: {m['cpu_count']} CPUs "
-             f"({m['cpu_model']}), torch {m['torch']}, {m['platform']}; {m['date']}; commit {m.get('commit')}.", "",
+             f"({m['cpu_model']}), torch {m['torch']}, {m['platform']}; {m['date']}; commit {m.get('commit')}."
+             + "".join(f" Earlier: `{e['command']}` ({e['machine']['date']}, commit {e['machine'].get('commit')})."
+                       for e in results.get("earlier", [])), "",
              f"Every run: batch {results['batch_size']} per worker, Adam 1e-3, stopped after {size['max_steps']} steps "
              f"or {size['time_limit_s']:g} s of training or {size['epochs']} epoch(s); rank 0's weights snapshotted "
              f"every {size['snapshot_s']:g} s and evaluated on {size['test_subset'] or 'all'} test images after "
@@ -42,6 +44,11 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {name} | {_fmt(x['time_to_target_s'])} | {_fmt(x['final_acc'])} | {_fmt(x['best_acc'])} "
                          f"| {x['samples']} | {_fmt(rate_s)} | {_kb(x['up_per_sample'])} | "
                          f"{_kb(x['down_per_sample'])} | {strategy} |")
+        reruns: dict[str, list[str]] = {}
+        for name, x in r["runs"].items():
+            if x.get("command", results["command"]) != results["command"]:
+                reruns.setdefault(f"`{x['command']}` ({x.get('date')})", []).append(name)
+        lines += ["", *(f"Rerun by {cmd}: {', '.join(names)}." for cmd, names in reruns.items())] if reruns else []
         hm = r["runs"].get("hivemind", {})
         if "hivemind_config" in hm:
             lines += ["", f"hivemind {hm['hivemind_version']}: `hivemind.Optimizer(batch_size_per_step="
