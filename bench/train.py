@@ -174,6 +174,9 @@ class _LoadedOnce(MnistDataModule):
 
 def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) -> dict[str, Any] | None:
     workers = spec["workers"]
+    # "nodes": one launch per machine (bench.slowlink: a process per network namespace, NODE_RANK set by it)
+    nodes = spec.get("nodes", 1)
+    devices = workers // nodes
     batch = run["batch_size"]
     seed = run.get("seed", spec.get("seed", 0))  # the model's initialization and the training subset
     pl.seed_everything(seed, workers=True, verbose=False)
@@ -182,9 +185,10 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
                          seed=seed)
     model = MnistCNN(**{k: run[k] for k in ("optimizer", "lr", "momentum") if k in run})
     strategy = make_strategy(run, index, workers)
-    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank = int(os.environ.get("NODE_RANK", "0")) * devices + int(os.environ.get("LOCAL_RANK", "0"))
     clock = StepClock(run, rank)
-    trainer = pl.Trainer(accelerator="cpu", devices=workers, strategy=strategy, max_epochs=run.get("epochs", 1),
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, num_nodes=nodes, strategy=strategy,
+                         max_epochs=run.get("epochs", 1),
                          max_steps=run.get("max_steps", -1), limit_val_batches=0, num_sanity_val_steps=0,
                          max_time={"seconds": run["max_time_s"]} if run.get("max_time_s") else None,
                          logger=False, enable_checkpointing=False, enable_model_summary=False,
@@ -198,7 +202,8 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
         diverged = str(exc)
     rank = trainer.global_rank
     tmp = out / f"run{index}_rank{rank}.json.tmp"
-    tmp.write_text(json.dumps({**clock.record(), "diverged": diverged}))
+    comm = strategy.comm_stats() if isinstance(strategy, AsyncPSStrategy) else None
+    tmp.write_text(json.dumps({**clock.record(), "diverged": diverged, "comm": comm}))
     tmp.replace(out / f"run{index}_rank{rank}.json")  # atomic: the other ranks poll for this file and read it
     # every rank reads every record: a test after a fit that diverged on any rank would wait for that rank forever
     records = []

@@ -1,0 +1,91 @@
+"""results.md and one accuracy-against-time plot per link rate, for ``bench.slowlink``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.report import _fmt
+
+
+def _kb(x: float | None) -> str:
+    return "n/a" if x is None else f"{x / 1e3:.1f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    size = results["size"]
+    lines = [f"# Slow links: time to {results['target_acc']:.0%} Fashion-MNIST test accuracy", "",
+             f"Command: `{results['command']}` ({results.get('wall_s', 0):.0f} s). Machine: {m['cpu_count']} CPUs "
+             f"({m['cpu_model']}), torch {m['torch']}, {m['platform']}; {m['date']}; commit {m.get('commit')}."
+             + "".join(f" Earlier: `{e['command']}` ({e['machine']['date']}, commit {e['machine'].get('commit')})."
+                       for e in results.get("earlier", [])), "",
+             f"Every run: batch {results['batch_size']} per worker, Adam 1e-3, stopped after {size['max_steps']} steps "
+             f"or {size['time_limit_s']:g} s of training or {size['epochs']} epoch(s); rank 0's weights snapshotted "
+             f"every {size['snapshot_s']:g} s and evaluated on {size['test_subset'] or 'all'} test images after "
+             "the fit. Bytes: each worker host's interface counters (tx = up, rx = down) over the launch, summed "
+             "over the workers, over the samples they trained on; `strategy` is the client's own count "
+             f"(payload and headers of its messages). DDP's formula, 2 (n-1)/n x {results['model_bytes']:,} "
+             f"model bytes per step over the batch: {_kb(results['ddp_formula_up_per_sample'])} kB per sample "
+             "each way.", ""]
+    for rate, r in results["rates"].items():
+        p = r["probe"]
+        lines += [f"## {rate} Mbit/s (htb); a TCP transfer measured {p['mbit_per_s']:.1f} Mbit/s of payload", "",
+                  f"| scheme | time to {results['target_acc']:.0%} (s) | final acc | best acc | samples | samples/s "
+                  "| up kB/sample | down kB/sample | strategy up/down kB/sample |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for name, x in r["runs"].items():
+            if "error" in x:
+                lines.append(f"| {name} | error: {x['error']} | | | | | | | |")
+                continue
+            rate_s = x["samples"] / x["train_s"] if x.get("train_s") else None
+            strategy = (f"{_kb(x['strategy_up_per_sample'])} / {_kb(x['strategy_down_per_sample'])}"
+                        if "strategy_up_per_sample" in x else "-")
+            lines.append(f"| {name} | {_fmt(x['time_to_target_s'])} | {_fmt(x['final_acc'])} | {_fmt(x['best_acc'])} "
+                         f"| {x['samples']} | {_fmt(rate_s)} | {_kb(x['up_per_sample'])} | "
+                         f"{_kb(x['down_per_sample'])} | {strategy} |")
+        reruns: dict[str, list[str]] = {}
+        for name, x in r["runs"].items():
+            if x.get("command", results["command"]) != results["command"]:
+                reruns.setdefault(f"`{x['command']}` ({x.get('date')})", []).append(name)
+        lines += ["", *(f"Rerun by {cmd}: {', '.join(names)}." for cmd, names in reruns.items())] if reruns else []
+        hm = r["runs"].get("hivemind", {})
+        if "hivemind_config" in hm:
+            lines += ["", f"hivemind {hm['hivemind_version']}: `hivemind.Optimizer(batch_size_per_step="
+                      f"{results['batch_size']}, " + ", ".join(f"{k}={v}" for k, v in hm["hivemind_config"].items())
+                      + ")` (hivemind's quickstart), Adam 1e-3 inside; peer 0's weights snapshotted."]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plots(results: dict[str, Any], out: Path) -> list[str]:
+    """One PNG per rate: test accuracy against training time, one line per scheme; none without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    for rate, r in results["rates"].items():
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, x in r["runs"].items():
+            curve = x.get("curve") or []
+            if curve:
+                ax.plot([c[0] for c in curve], [c[1] for c in curve], marker=".", label=name)
+        ax.axhline(results["target_acc"], color="grey", lw=0.6, ls="--")
+        ax.set(xlabel="training time (s)", ylabel="test accuracy", title=f"{rate} Mbit/s links, 2 workers")
+        ax.legend(fontsize=8)
+        name = f"slowlink_{rate}mbit.png"
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        made.append(name)
+    return made
+
+
+def write_report(results: dict[str, Any], out: Path) -> None:
+    made = plots(results, out)
+    text = markdown(results) + "".join(f"\n![{p}]({p})\n" for p in made)
+    (out / "results.md").write_text(text)

@@ -1,0 +1,89 @@
+"""bench.slowlink at its CI size: emulated hosts on 100 Mbit/s links, checked against figures computed here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from bench.netns import PREFIX, Topology, TopologyError
+from bench.slowlink import CONFIGS, SIZES, _run_spec
+from tests.conftest import PYTHON, needs_fashion, skip_unless_required
+
+SLOWLINK_QUICK_TIMEOUT_S = 360  # measured: 93 s on 2 cores (4 launches of about 8-33 s, with start-up)
+# the recipe CNN's float32 parameters (plug_asgd/recipes/mnist.py: 1,199,882), written out rather than computed
+MODEL_BYTES = 4 * 1_199_882
+BATCH = 32
+
+
+def namespaces() -> set[str]:
+    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)
+    return {line.split()[0] for line in done.stdout.splitlines() if line.startswith(PREFIX)}
+
+
+@pytest.fixture(scope="module")
+def can_make_hosts():
+    """Namespaces, veths, a bridge and htb can be made here (root, iproute2); else skip, or fail in CI."""
+    try:
+        with Topology(["a", "b"], 100.0, tag=f"{os.getpid()}t"):
+            pass
+    except FileNotFoundError:
+        skip_unless_required("iproute2's `ip` is not installed: apt-get install iproute2")
+    except TopologyError as exc:
+        skip_unless_required(f"cannot emulate hosts here ({exc}); this benchmark needs root, iproute2 and tc")
+
+
+def test_each_configuration_is_a_run_of_its_scheme():
+    runs = {name: _run_spec(name, SIZES["full"], "tcp://10.99.0.1:2223") for name in CONFIGS if name != "hivemind"}
+    assert runs["ddp"]["kind"] == "ddp" and "max_time_s" in runs["ddp"] and "time_limit_s" not in runs["ddp"]
+    for name in ("asgd", "adacomp", "topk", "powersgd", "localsgd"):
+        assert runs[name]["shm_pushes"] is False, name  # between hosts nothing is shared
+        assert runs[name]["options"]["ps_address"] == "tcp://10.99.0.1:2223"
+    assert runs["topk"]["compressor"] == "topk" and runs["localsgd"]["mode"] == "localsgd"
+
+
+@needs_fashion
+@pytest.mark.integration
+@pytest.mark.timeout(SLOWLINK_QUICK_TIMEOUT_S + 60)
+def test_quick_slowlink_measures_the_link_and_the_bytes_each_scheme_moves(can_make_hosts, tmp_path):
+    from tests.conftest import ProcessGroups
+
+    before = namespaces()
+    groups = ProcessGroups()
+    try:
+        rc, output = groups.run([PYTHON, "-m", "bench.slowlink", "--quick", "--out", str(tmp_path)],
+                                timeout=SLOWLINK_QUICK_TIMEOUT_S)
+        left = groups.leftovers()
+    finally:
+        for p in groups.procs:
+            groups.kill(p)
+    assert not left, f"the benchmark left processes behind: {left}"
+    assert namespaces() == before, "the benchmark left network namespaces behind"
+    assert rc == 0, output[-4000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (tmp_path / "results.md").exists()
+    rate = results["rates"]["100"]
+    # a TCP transfer crossing two 100 Mbit/s htb links: within 10% of the cap (payload, so a little under it)
+    assert 90.0 <= rate["probe"]["mbit_per_s"] <= 100.0, rate["probe"]
+    runs = rate["runs"]
+    assert set(runs) == {"single", "ddp", "asgd", "adacomp"}
+    dense = MODEL_BYTES / BATCH  # one model per step of a worker, over its batch
+    # DDP: a ring all-reduce sends and receives 2 (n-1)/n models per step; n = 2. Frames, the start-up's
+    # broadcast of the model and Lightning's per-step flags add a few percent.
+    ddp = runs["ddp"]
+    for way in ("up_per_sample", "down_per_sample"):
+        assert 0.98 <= ddp[way] / (2 * MODEL_BYTES * (2 - 1) / 2 / BATCH) <= 1.15, (way, ddp[way])
+    # asgd: a dense push per step; the reply carries at most the whole model
+    asgd = runs["asgd"]
+    assert 0.98 <= asgd["up_per_sample"] / dense <= 1.15, asgd
+    assert asgd["down_per_sample"] <= 1.15 * dense, asgd
+    # the interfaces' count and the strategy's own agree within the frames' headers
+    assert 1.0 <= asgd["up_per_sample"] / asgd["strategy_up_per_sample"] <= 1.05, asgd
+    # adacomp pushes 1% of each layer (6 bytes a value): far under a tenth of asgd's pushes
+    assert runs["adacomp"]["up_per_sample"] < 0.1 * asgd["up_per_sample"], runs["adacomp"]
+    assert runs["single"]["up_per_sample"] < 1000, runs["single"]  # no link: nothing but stray packets
+    for name, r in runs.items():
+        assert r["best_acc"] > 0.3, (name, r["curve"])  # chance is 0.1
+        assert r["samples"] >= 32 * 10, (name, r["steps"])
