@@ -15,11 +15,15 @@ def _kb(x: float | None) -> str:
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     size = results["size"]
+    # which command made each run: merged files (--merge) hold runs of several; a run without one is the first's
+    commands = list(dict.fromkeys([e["command"] for e in results.get("earlier", [])] + [results["command"]]))
     lines = [f"# Slow links: time to {results['target_acc']:.0%} Fashion-MNIST test accuracy", "",
-             f"Command: `{results['command']}` ({results.get('wall_s', 0):.0f} s). Machine: {m['cpu_count']} CPUs "
-             f"({m['cpu_model']}), torch {m['torch']}, {m['platform']}; {m['date']}; commit {m.get('commit')}."
-             + "".join(f" Earlier: `{e['command']}` ({e['machine']['date']}, commit {e['machine'].get('commit')})."
-                       for e in results.get("earlier", [])), "",
+             "Commands (the `cmd` column; from the repository root, with `PYTHONPATH=.`): "
+             + "; ".join(f"{i}. `{c}`" for i, c in enumerate(commands, 1)) + ".", "",
+             f"Machine: {m['cpu_count']} CPUs ({m['cpu_model']}), torch {m['torch']}, {m['platform']}; last command "
+             f"{m['date']}, commit {m.get('commit')}"
+             + "".join(f"; earlier `{e['command']}` {e['machine']['date']}, commit {e['machine'].get('commit')}"
+                       for e in results.get("earlier", [])) + ".", "",
              f"Every run: batch {results['batch_size']} per worker, Adam 1e-3, stopped after {size['max_steps']} steps "
              f"or {size['time_limit_s']:g} s of training or {size['epochs']} epoch(s); rank 0's weights snapshotted "
              f"every {size['snapshot_s']:g} s and evaluated on {size['test_subset'] or 'all'} test images after "
@@ -32,23 +36,19 @@ def markdown(results: dict[str, Any]) -> str:
         p = r["probe"]
         lines += [f"## {rate} Mbit/s (htb); a TCP transfer measured {p['mbit_per_s']:.1f} Mbit/s of payload", "",
                   f"| scheme | time to {results['target_acc']:.0%} (s) | final acc | best acc | samples | samples/s "
-                  "| up kB/sample | down kB/sample | strategy up/down kB/sample |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| up kB/sample | down kB/sample | strategy up/down kB/sample | cmd |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for name, x in r["runs"].items():
+            cmd = commands.index(x.get("command", commands[0])) + 1
             if "error" in x:
-                lines.append(f"| {name} | error: {x['error']} | | | | | | | |")
+                lines.append(f"| {name} | error: {x['error']} | | | | | | | | {cmd} |")
                 continue
             rate_s = x["samples"] / x["train_s"] if x.get("train_s") else None
             strategy = (f"{_kb(x['strategy_up_per_sample'])} / {_kb(x['strategy_down_per_sample'])}"
                         if "strategy_up_per_sample" in x else "-")
             lines.append(f"| {name} | {_fmt(x['time_to_target_s'])} | {_fmt(x['final_acc'])} | {_fmt(x['best_acc'])} "
                          f"| {x['samples']} | {_fmt(rate_s)} | {_kb(x['up_per_sample'])} | "
-                         f"{_kb(x['down_per_sample'])} | {strategy} |")
-        reruns: dict[str, list[str]] = {}
-        for name, x in r["runs"].items():
-            if x.get("command", results["command"]) != results["command"]:
-                reruns.setdefault(f"`{x['command']}` ({x.get('date')})", []).append(name)
-        lines += ["", *(f"Rerun by {cmd}: {', '.join(names)}." for cmd, names in reruns.items())] if reruns else []
+                         f"{_kb(x['down_per_sample'])} | {strategy} | {cmd} |")
         hm = r["runs"].get("hivemind", {})
         if "hivemind_config" in hm:
             lines += ["", f"hivemind {hm['hivemind_version']}: `hivemind.Optimizer(batch_size_per_step="
