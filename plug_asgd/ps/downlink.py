@@ -48,9 +48,6 @@ class Downlink:
         """Rank ``rank`` was sent the central model (``tensors``, copied) of ``version`` exactly."""
         self.copies[rank] = _Copy(model_id, version, {n: np.array(t, copy=True) for n, t in tensors.items()})
 
-    def forget(self, rank: int) -> None:
-        self.copies.pop(rank, None)
-
     def reply(self, rank: int, held: tuple[str, int] | None, model_id: str, version: int,
               tensors: dict[str, np.ndarray], exact: bool = False) -> dict[str, Sparse | np.ndarray] | None:
         """What to set in ``rank``'s copy, which it says it holds (``held``): the largest differences, or
