@@ -178,10 +178,10 @@ class PSClient(Transport):
             try:
                 return self.pull()
             except PSError as exc:
-                if exc.code != "not_initialized" or time.monotonic() >= deadline:
-                    if exc.code == "not_initialized":
-                        return None
+                if exc.code != "not_initialized":
                     raise
+            if time.monotonic() >= deadline:
+                return None
             time.sleep(0.05)
 
     def pull(self) -> ModelReply:

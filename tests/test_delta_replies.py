@@ -100,13 +100,9 @@ def test_have_is_checked_like_any_field():
 
 
 def reply_to(store, held: HeldModel) -> tuple[dict[str, np.ndarray], int, bool]:
-    """A model reply as the serving loop makes it, decoded as the client does: (model, bytes, was a delta)."""
-    frames = store.reply_payload({"status": "pulled", "version": store.version}, held.have)
-    msg = decode([bytes(memoryview(f)) for f in frames])
-    if msg.fields.get("delta"):
-        return held.patch(dict(msg.tensors), store.version), message_bytes(frames), True
-    held.keep(msg.fields["model_id"], store.version, dict(msg.tensors))
-    return dict(msg.tensors), message_bytes(frames), False
+    """A pull's reply as the serving loop makes it, decoded as the client does: (model, bytes, was a delta)."""
+    model, nbytes, fields = answer(store, held, None, push=False, status="pulled")
+    return model, nbytes, bool(fields.get("delta"))
 
 
 @pytest.mark.parametrize("store_cls", [ReferenceStore, FastStore])
@@ -228,10 +224,11 @@ def test_over_sockets_sparse_pushes_are_answered_with_deltas_and_both_workers_ho
 # -- approximate replies: the downlink fraction ---------------------------------------------------------
 
 
-def answer(store, held: HeldModel, rank: int, push: bool) -> tuple[dict[str, np.ndarray], int, dict]:
+def answer(store, held: HeldModel, rank: int | None, push: bool,
+           status: str = "applied") -> tuple[dict[str, np.ndarray], int, dict]:
     """A reply to rank ``rank`` as the serving loop makes it, taken as the client takes it."""
     have = held.have
-    frames = store.reply_payload({"status": "applied", "version": store.version}, have if held.exact else None,
+    frames = store.reply_payload({"status": status, "version": store.version}, have if held.exact else None,
                                  rank=rank, held=None if held.exact else have, push=push)
     msg = decode([bytes(memoryview(f)) for f in frames])
     if msg.fields.get("delta"):

@@ -54,9 +54,11 @@ class FastStore(Store):
         # received frames go out as they are (pyzmq shares their memory); the store's own arrays go out
         # zero-copy and tracked, so that a write knows when they are free again; a delta's sparse frames
         # are gathered copies that nothing writes
-        store_owned = [False] + [o for t in tensors.values() for o in ([False] * 3 if isinstance(t, Sparse) else [1])]
-        parts = [f if not owned or isinstance(f, zmq.Frame) or memoryview(f).nbytes < self.copy_threshold
-                 else zmq.Frame(f, track=True, copy=False) for f, owned in zip(frames, store_owned, strict=True)]
+        owned = [False]  # the header; then per tensor: a dense one is the store's array, a sparse one 3 copies
+        for t in tensors.values():
+            owned += [False] * 3 if isinstance(t, Sparse) else [True]
+        parts = [f if not mine or isinstance(f, zmq.Frame) or memoryview(f).nbytes < self.copy_threshold
+                 else zmq.Frame(f, track=True, copy=False) for f, mine in zip(frames, owned, strict=True)]
         self._in_flight += [p.tracker for p in parts if isinstance(p, zmq.Frame) and p.tracker is not None]
         return parts
 

@@ -235,17 +235,19 @@ class ParameterServer:
               tensors: dict[str, Tensor] | None = None) -> None:
         self._send_frames(identity, encode(msg_type, {**(fields or {}), "rid": rid}, tensors))
 
-    def _send_frames(self, identity: bytes, frames: list[Any]) -> None:
-        """Send a reply; one to a connection with REPLY_HWM unread replies, or gone, is dropped and counted."""
+    def _send_frames(self, identity: bytes, frames: list[Any]) -> int:
+        """Send a reply; one to a connection with REPLY_HWM unread replies, or gone, is dropped and counted.
+        Returns the bytes sent (0 if dropped)."""
         try:
             self.socket.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:  # Again: its queue is full; EHOSTUNREACH: it is gone (ROUTER_MANDATORY)
             self.stats.replies_dropped["queue_full" if isinstance(exc, zmq.Again) else "gone"] += 1
-            return
+            return 0
         size = message_bytes(frames)
         self.stats.bytes_out += size
         if (worker := self.members.by_identity.get(identity)) is not None:
             self.stats.bytes_out_by_rank[worker.rank] += size
+        return size
 
     def _before_reply(self, identity: bytes) -> None:
         """Before a reply to a worker's request: it may write the memory it lent once it has the answer."""
@@ -263,8 +265,7 @@ class ParameterServer:
         if with_tensors:
             frames = self.store.reply_payload(fields, token and token.have, rank=token and token.rank,
                                               held=token and token.held, push=push)
-            self.stats.model_bytes_out += message_bytes(frames)
-            self._send_frames(identity, frames)
+            self.stats.model_bytes_out += self._send_frames(identity, frames)
         else:
             self._before_reply(identity)
             self._send_frames(identity, encode("model", fields))

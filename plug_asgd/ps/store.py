@@ -279,8 +279,10 @@ class Store(ABC):
         downlink = self.downlink if rank is not None else None
         if downlink is not None and (held is not None or push):
             tensors = downlink.reply(rank, held or have, model_id, version, central, exact=not push)  # type: ignore[arg-type]
-            fields["approx"] = push and tensors is not None
-            self.stats.approx_replies += fields["approx"]
+        from_downlink = tensors is not None  # the downlink brought its copy of the worker's model up to date
+        if from_downlink and push:
+            fields["approx"] = True
+            self.stats.approx_replies += 1
         if tensors is None:
             tensors = self.changes.delta(have, version, central)
         if tensors is None:
@@ -288,7 +290,7 @@ class Store(ABC):
         else:
             fields["delta"] = True
             self.stats.delta_replies += 1
-        if downlink is not None and not fields.get("approx") and (held is None or not fields.get("delta")):
+        if downlink is not None and not from_downlink:
             downlink.holds(rank, model_id, version, central)  # type: ignore[arg-type]  # it now holds this exactly
         self.stats.model_replies += 1
         return self._encode_reply(fields, tensors)
