@@ -33,6 +33,11 @@ from momentum_regression import EPOCHS, SAMPLES, Regression, dataset, val_loss  
 # (docs/momentum.md); the synchronous modes are deterministic (sync 2.72, localsgd 4.24).
 REGRESSION_BOUND = 2.0
 REPEATS = 3  # fits of each mode with compensation: the bound holds for their median
+# Without compensation a mode must miss the bound in at least one of this many fits. One fit is not enough:
+# downpour's ended below the bound in 1 of 11 launches (6.7 and, in the CI run that failed on it at b0bdd1f,
+# 7.4) and diverged in the other 10 (14.4 to 6.9e6, 2026-11-24); with compensation 2 of its 26 single fits
+# diverged too (95, 398), which the median of 3 absorbs. Both tails are issue 17's open work on downpour.
+OFF_REPEATS = 3
 # Fashion-MNIST, 8,000 images, 1 epoch: every mode's central model within this many points of DDP's. Not the
 # issue's 1.5, which single runs of this size cannot show: one configuration run twice varied by up to 6.5
 # points (agn, Nesterov: 0.718 and 0.783, the same algorithm with compensation on and off) and 2.6 (asgd,
@@ -61,10 +66,11 @@ def one_process_loss() -> float:
 def regression_launch(out: Path, modes: list[str], off_modes: list[str]) -> dict[str, dict[str, dict]]:
     """Every mode with compensation, then ``off_modes`` without, in one launch: {"on": {mode: run}, "off": ...}."""
     run_to_end([PYTHON, "tests/scripts/momentum_regression.py", "--out", str(out), "--modes", ",".join(modes),
-                "--off-modes", ",".join(off_modes), "--repeats", str(REPEATS)], timeout=280,
+                "--off-modes", ",".join(off_modes), "--repeats", str(REPEATS), "--off-repeats", str(OFF_REPEATS)],
+               timeout=280,
                # MASTER_PORT + 1 + i for the i-th fit: a block below the ephemeral range
                env={"MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(free_port_block(REPEATS * len(modes) + len(off_modes) + 2))})
+                    "MASTER_PORT": str(free_port_block(REPEATS * len(modes) + OFF_REPEATS * len(off_modes) + 2))})
     return {side: {m: json.loads((out / side / f"{m}.json").read_text()) for m in names}
             for side, names in (("on", modes), ("off", off_modes))}
 
@@ -120,10 +126,10 @@ def test_losp_trains_the_regression_model_with_momentum_sgd(regression):
 @pytest.mark.parametrize("mode", ["asgd", "adacomp", "downpour", "ssp", *CODECS])
 @pytest.mark.integration
 def test_without_compensation_the_asynchronous_modes_miss_the_bound(regression, mode):
-    # measured over 5 launches: asgd 97-2,479, ssp 30-669, downpour 1,331-63,508, adacomp >= 8e8; the codecs
-    # over 1: 2e4 (powersgd) to 2e9 (randomk)
+    # single fits measured: asgd 97-2,479 (5), ssp 30-669 (5), downpour 6.7-6.9e6 (11: one below the bound, see
+    # OFF_REPEATS), adacomp >= 8e8 (5); the codecs over 1: 2e4 (powersgd) to 2e9 (randomk)
     run = regression["off"][mode]
-    assert run["after"] > REGRESSION_BOUND * regression["one_process"], run
+    assert max(run["runs"]) > REGRESSION_BOUND * regression["one_process"], run
 
 
 # -- the recipe CNN on Fashion-MNIST ---------------------------------------------------------------

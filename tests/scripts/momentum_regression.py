@@ -63,10 +63,11 @@ def main() -> None:
     parser.add_argument("--modes", required=True, help="comma-separated; MODE+CODEC for a compressor")
     parser.add_argument("--off-modes", default="", help="the same, trained with staleness_compensation=False")
     parser.add_argument("--repeats", type=int, default=1, help="fits of each of --modes; the median is 'after'")
+    parser.add_argument("--off-repeats", type=int, default=1, help="fits of each of --off-modes")
     args = parser.parse_args()
     base_port = int(os.environ["MASTER_PORT"]) + 1
     runs = [(name, False) for name in args.modes.split(",") for _ in range(args.repeats)]
-    runs += [(name, True) for name in args.off_modes.split(",") if name]
+    runs += [(name, True) for name in args.off_modes.split(",") if name for _ in range(args.off_repeats)]
     afters: dict[tuple[str, bool], list[float]] = {}
     for i, (name, off) in enumerate(runs):
         mode, _, codec = name.partition("+")
