@@ -38,14 +38,14 @@ from plug_asgd.ps import PSConfig, embedded_command
 from plug_asgd.wire import Message, decode, encode
 
 
-def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
+def dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     return sock
 
 
-def _pusher(sock: zmq.Socket, session: str, version: int, up: dict[str, Any]) -> Callable[[], None]:
+def pusher(sock: zmq.Socket, session: str, version: int, up: dict[str, Any]) -> Callable[[], None]:
     """One dense push and its decoded reply per call, on ``sock``, with the fields the PS checks."""
     state = {"seq": 0, "version": version}
 
@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     clients: list[PSClient] = []
     try:
         up = update("dense")
-        echo_sock, minimal_sock, split_sock = (_dealer(ctx, a) for a in (address[0], address[1], address[4]))
-        work_socks = [_dealer(ctx, a) for a in address[5:]]
+        echo_sock, minimal_sock, split_sock = (dealer(ctx, a) for a in (address[0], address[1], address[4]))
+        work_socks = [dealer(ctx, a) for a in address[5:]]
         socks += [echo_sock, minimal_sock, split_sock, *work_socks]
         frames = encode("push", {"rank": 0, "base_version": 0, "seq": 1, "session": "x", "model": True, "rid": 1},
                         up)
@@ -132,10 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             versions[0] = client.push(versions[0], up, want_model=True).version
 
         kinds: dict[str, Callable[[], None]] = {
-            "echo": echo, "minimal": _pusher(minimal_sock, "x", 0, up),
-            "ps": _pusher(raw._sock, raw.session, raw.pull().version, up),  # noqa: SLF001 (its hello'd connection)
+            "echo": echo, "minimal": pusher(minimal_sock, "x", 0, up),
+            "ps": pusher(raw._sock, raw.session, raw.pull().version, up),  # noqa: SLF001 (its hello'd connection)
             "ps_client": ps_client, **{f"split_{p}": _split_pusher(split_sock, up, p) for p in parts},
-            **{f"minimal_{w}": _pusher(s, "x", 0, up) for w, s in zip(works, work_socks, strict=True)}}
+            **{f"minimal_{w}": pusher(s, "x", 0, up) for w, s in zip(works, work_socks, strict=True)}}
         for fn in kinds.values():
             for _ in range(10):
                 fn()

@@ -76,13 +76,16 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", "## PS round trip", "", f"PS {_spread(p['ps_roundtrip_s'])} s, echo "
                   f"{_spread(p['echo_roundtrip_s'])} s per round trip; push {p['push_message_bytes']} bytes. "
                   + p["method"]]
-        if "ratio_2_threads" in p:
-            lines += ["", "| PS variant | round trip (s) | / echo |", "|---|---|---|",
-                      f"| 1 thread, whole model (the figure) | {_spread(p['ps_roundtrip_s'])} | "
-                      f"{_spread(p['ratio'])} |",
-                      f"| 2 fold threads, whole model | {_spread(p['ps_2_threads_roundtrip_s'])} | "
+        if "minimal_roundtrip_s" in p:
+            lines += ["", "| server | round trip (s) | / minimal server | / echo |", "|---|---|---|---|",
+                      f"| PS, raw pusher (the figure) | {_spread(p['ps_raw_roundtrip_s'])} | {_spread(p['ratio'])} | |",
+                      f"| minimal server, raw pusher | {_spread(p['minimal_roundtrip_s'])} | | "
+                      f"{_spread(p['minimal_over_echo'])} |",
+                      f"| PS through PSClient, whole model | {_spread(p['ps_roundtrip_s'])} | | "
+                      f"{_spread(p['ratio_over_echo'])} |",
+                      f"| the same, 2 fold threads | {_spread(p['ps_2_threads_roundtrip_s'])} | | "
                       f"{_spread(p['ratio_2_threads'])} |",
-                      f"| 1 thread, no model (nothing else changed) | {_spread(p['ps_own_reply_roundtrip_s'])} | "
+                      f"| the same, no model (nothing else changed) | {_spread(p['ps_own_reply_roundtrip_s'])} | | "
                       f"{_spread(p['ratio_own_reply'])} |"]
     if "ingest" in b and "updates_per_s" in b["ingest"]:
         g = b["ingest"]

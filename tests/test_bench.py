@@ -197,8 +197,10 @@ def test_time_to_accuracy_curves_and_ingest(quick):
         assert ingest[figure]["median"] == pytest.approx(paired_values(rates[num], rates["dense/2"]), rel=1e-3)
     rtt = b["ps_roundtrip"]
     assert rtt["push_message_bytes"] >= 4 * CNN_PARAMETERS
-    for figure, key in (("ratio", "ps_roundtrip_s"), ("ratio_2_threads", "ps_2_threads_roundtrip_s"),
-                        ("ratio_own_reply", "ps_own_reply_roundtrip_s")):
+    assert rtt["ratio"]["median"] == pytest.approx(
+        paired_values(rtt["ps_raw_roundtrip_s"], rtt["minimal_roundtrip_s"]), rel=1e-3)
+    for figure, key in (("ratio_over_echo", "ps_roundtrip_s"), ("ratio_2_threads", "ps_2_threads_roundtrip_s"),
+                        ("ratio_own_reply", "ps_own_reply_roundtrip_s"), ("minimal_over_echo", "minimal_roundtrip_s")):
         assert rtt[figure]["median"] == pytest.approx(paired_values(rtt[key], rtt["echo_roundtrip_s"]), rel=1e-3)
     # the whole model comes back (its bytes and a header), except to a lone worker that asked for "unless_own"
     assert 4 * CNN_PARAMETERS < rtt["mean_reply_bytes"]["ps"] < 4 * CNN_PARAMETERS + 2000
