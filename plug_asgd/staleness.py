@@ -37,6 +37,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from plug_asgd.staging import Staging
+
 MOMENTUM_STATE_KEYS = ("momentum_buffer", "exp_avg")
 
 
@@ -151,16 +153,20 @@ class Compensator:
         self._previous_version = None
 
     def load(self, tensors: Mapping[str, Tensor], central: Mapping[str, np.ndarray], version: int,
-             lookahead: bool = True, pending: Callable[[str], np.ndarray | None] | None = None) -> bool:
+             lookahead: bool = True, pending: Callable[[str], np.ndarray | None] | None = None,
+             staging: Staging | None = None) -> bool:
         """Put ``central`` (version ``version``) into ``tensors``, ``staleness`` versions ahead where
         ``lookahead``, plus ``pending(name)``, the codec's residual, where the config keeps it local.
 
+        A float32 CPU tensor is written in place; the others (a GPU's) are computed on the host and
+        put in one batch through ``staging`` (the exchange's, whose pinned buffers are kept).
         Returns True where the model put is the central one itself.
         """
         previous, since = self._previous, self._previous_version
         ahead = self.staleness if self.config.lookahead and lookahead else 0.0
         step = ahead / (version - since) if since is not None and version > since and ahead > 0 else 0.0
         exact = step == 0.0
+        values: dict[str, np.ndarray] = {}  # what the tensors not written in place get
         with torch.no_grad():
             for name, t in tensors.items():
                 c = np.asarray(central[name]).reshape(t.shape)
@@ -170,9 +176,13 @@ class Compensator:
                 residual = pending(name) if pending is not None and self.config.local_residual else None
                 if residual is not None:
                     exact = False
-                _put(t, c, prev, step, residual)
+                value = _put(t, c, prev, step, residual)
+                if value is not None:
+                    values[name] = value
                 if self.config.lookahead:
                     previous[name] = c  # the reply's own array: it is never written, so no copy is needed
+        if values:
+            (staging or Staging()).load({n: tensors[n] for n in values}, values)
         self._previous_version = version if self.config.lookahead else None
         return exact
 
@@ -212,9 +222,11 @@ def scaled_step(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[Non
                 group["lr"] = lr
 
 
-def _put(t: Tensor, c: np.ndarray, prev: np.ndarray | None, step: float, residual: np.ndarray | None) -> None:
-    """``t = c + step * (c - prev) + residual`` (terms left out where None), in at most 4 passes, no allocation
-    for a float32 CPU tensor."""
+def _put(t: Tensor, c: np.ndarray, prev: np.ndarray | None, step: float,
+         residual: np.ndarray | None) -> np.ndarray | None:
+    """``c + step * (c - prev) + residual`` (terms left out where None): written into ``t`` in at most 4
+    passes, no allocation, for a float32 CPU tensor (None returned); else returned as float32 values for
+    the caller to put into ``t``, all tensors in one batch."""
     if t.device.type == "cpu" and t.dtype == torch.float32:
         out = t.detach().numpy()
         if prev is None:
@@ -225,13 +237,13 @@ def _put(t: Tensor, c: np.ndarray, prev: np.ndarray | None, step: float, residua
             out += c
         if residual is not None:
             out += np.asarray(residual).reshape(out.shape)
-        return
-    value = torch.from_numpy(np.array(c, dtype=np.float32))  # a writable copy: reply buffers are read-only
+        return None
+    value = np.array(c, dtype=np.float32)  # a writable copy: reply buffers are read-only
     if prev is not None:
-        value += (value - torch.from_numpy(np.array(prev, dtype=np.float32))) * step
+        value += (value - np.asarray(prev, dtype=np.float32)) * np.float32(step)
     if residual is not None:
-        value += torch.from_numpy(np.array(residual, dtype=np.float32)).reshape(value.shape)
-    t.copy_(value.to(t.device))
+        value += np.asarray(residual, dtype=np.float32).reshape(value.shape)
+    return value
 
 
 def warn_unknown_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None:

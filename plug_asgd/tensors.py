@@ -1,4 +1,5 @@
-"""Copying between a module's tensors and the PS's numpy arrays, for the strategy, the exchanges, the callbacks."""
+"""Copying one tensor to or from a numpy array: the CPU path of :mod:`plug_asgd.staging` (which the exchanges
+use for the whole model), and what the collectives and the callbacks use for their one-off tensors."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ from torch import Tensor
 from plug_asgd.client import ModelReply, PSClient
 from plug_asgd.compressors import Codec, Compressor, NoCompression
 from plug_asgd.modes import Mode
+from plug_asgd.staging import Staging
 from plug_asgd.staleness import OFF, Compensator, StalenessCompensation, normalizes_steps, warn_unknown_optimizers
-from plug_asgd.tensors import assign, to_numpy
 
 INIT_WAIT_S = 10.0  # how long a rank other than 0 waits for rank 0's model before offering its own
 
@@ -64,6 +64,7 @@ class Exchange(ABC):
         # without the model, whose worker keeps its own weights): only then may a push ask for an "own" reply
         self.base_is_central = False
         self.base_lent = False  # the PS may hold our base buffers as its model (a lent push of weights)
+        self.staging = Staging()  # the model to numpy and back: views on the CPU, pinned buffers on CUDA
 
     # -- what the strategy calls ---------------------------------------------------------------------
 
@@ -91,7 +92,7 @@ class Exchange(ABC):
         if init and self._link.rank != 0:
             reply = client.pull_once_initialized(INIT_WAIT_S)
         if init and reply is None:
-            client.init({n: to_numpy(t) for n, t in self._link.tensors().items()})
+            client.init(self.staging.to_host(self._link.tensors()))
         self.load(reply if reply is not None else client.pull())
         self.joined = True
 
@@ -197,11 +198,11 @@ class Exchange(ABC):
             # where the model will be when our next update lands (a single local step per push only), plus
             # what the codec still holds back
             central = self.compensator.load(tensors, reply.tensors, reply.version, lookahead=self.lookahead,
-                                            pending=self.encoder.pending if self.local_residual else None)
+                                            pending=self.encoder.pending if self.local_residual else None,
+                                            staging=self.staging)
         else:
             self.compensator.forget()
-            for name, t in tensors.items():
-                assign(t, reply.tensors[name])
+            self.staging.load(tensors, reply.tensors)
         for name, t in tensors.items():
             base = self.base.get(name)
             if base is None or base.shape != t.shape or base.device != t.device:

@@ -6,7 +6,6 @@ import torch
 
 from plug_asgd.exchange.base import Exchange
 from plug_asgd.modes import EASGD
-from plug_asgd.tensors import to_numpy
 
 
 class ElasticExchange(Exchange):
@@ -21,13 +20,20 @@ class ElasticExchange(Exchange):
     def send(self) -> None:
         link = self._link
         reply = link.client.pull()
-        elastic = {}
-        for name, t in link.tensors().items():
-            center = torch.as_tensor(reply.tensors[name], dtype=t.dtype, device=t.device).reshape(t.shape)
-            e = self.mode.alpha * (t.detach() - center)
+        tensors = link.tensors()
+        # the center into the base (the central model of ``reply.version``): on a GPU one batch of
+        # non-blocking copies through pinned buffers, not a synchronous copy per tensor
+        for name, t in tensors.items():
+            base = self.base.get(name)
+            if base is None or base.shape != t.shape or base.dtype != t.dtype or base.device != t.device:
+                self.base[name] = torch.empty_like(t.detach())
+        self.staging.load({n: self.base[n] for n in tensors}, reply.tensors)
+        moves = {}
+        for name, t in tensors.items():
+            e = moves[name] = self.mode.alpha * (t.detach() - self.base[name])
             with torch.no_grad():
                 t.sub_(e)
-            elastic[name] = self.encoder.encode(name, to_numpy(e))
+        elastic = {name: self.encoder.encode(name, e) for name, e in self.staging.to_host(moves).items()}
         self.since_push = 0
         done = link.client.push(reply.version, elastic, want_model=False)
         self.version = done.version

@@ -12,7 +12,6 @@ import torch
 from plug_asgd.client import PSUnreachableError
 from plug_asgd.exchange.push import PushExchange
 from plug_asgd.modes import PushMode
-from plug_asgd.tensors import assign
 
 _LET_GO_S = 5.0  # how long a stage's end waits for a push in flight after a failure
 
@@ -85,11 +84,13 @@ class OverlapExchange(PushExchange):
         else:
             if sent is None:  # an "own" push raced, or duplicate: merge with the weights sent, base + delta
                 sent = {n: self.base[n] + d for n, d in result["deltas"].items()}
-            for name, t in self._link.tensors().items():
-                progress = t.detach() - sent[name]
-                assign(self.base[name], reply.tensors[name])
-                with torch.no_grad():
-                    t.copy_(self.base[name] + progress)
+            tensors = self._link.tensors()
+            with torch.no_grad():  # the weights hold the progress while the base becomes the central model
+                for name, t in tensors.items():
+                    t.sub_(sent[name])
+                self.staging.load({n: self.base[n] for n in tensors}, reply.tensors)
+                for name, t in tensors.items():
+                    t.add_(self.base[name])
         self.based_on(reply)
 
     def let_go(self) -> None:

@@ -11,7 +11,6 @@ from torch import Tensor
 from plug_asgd.compressors import NoCompression
 from plug_asgd.exchange.base import Exchange
 from plug_asgd.modes import PushMode
-from plug_asgd.tensors import assign, to_numpy
 from plug_asgd.wire import Sparse
 
 
@@ -111,7 +110,7 @@ class PushExchange(Exchange):
                 sent[name].copy_(t.detach())
         base = self.version
         lend = self.shared_buffers
-        reply = self._link.client.push(base, {n: to_numpy(b) for n, b in sent.items()}, want_model="unless_own",
+        reply = self._link.client.push(base, self.staging.to_host(sent), want_model="unless_own",
                                        weights=True, lend=lend)
         if reply.status == "not_current":
             self.weights_ok = False
@@ -132,11 +131,13 @@ class PushExchange(Exchange):
     def pull_keeping_progress(self) -> None:
         """DOWNPOUR's fetch: ``w = central + (w - w_base)``, so steps not yet pushed are not lost."""
         reply = self._link.client.pull()
-        for name, t in self._link.tensors().items():
-            pending = t.detach() - self.base[name]
-            assign(self.base[name], reply.tensors[name])
-            with torch.no_grad():
-                t.copy_(self.base[name] + pending)
+        tensors = self._link.tensors()
+        with torch.no_grad():  # the weights hold the pending steps while the base becomes the central model
+            for name, t in tensors.items():
+                t.sub_(self.base[name])
+            self.staging.load({n: self.base[n] for n in tensors}, reply.tensors)
+            for name, t in tensors.items():
+                t.add_(self.base[name])
         self.based_on(reply)
 
     def update(self, tensors: dict[str, Tensor]) -> tuple[dict[str, Any], dict[str, Tensor], bool]:
@@ -152,16 +153,18 @@ class PushExchange(Exchange):
         exact = dense and self.base_is_central and scale == 1.0
         if dense and not self.buffers_fit(tensors):
             self.delta_buffers = self.new_delta_buffers(tensors)
-        update, deltas = {}, {}
+        deltas = {}
         for name, t in tensors.items():
             if dense:
                 deltas[name] = torch.sub(t.detach(), self.base[name], out=self.delta_buffers[name])
                 if scale != 1.0:
                     deltas[name].mul_(scale)
-                update[name] = to_numpy(deltas[name])
             else:
                 deltas[name] = t.detach() - self.base[name]
-                delta = to_numpy(deltas[name])
+        update: dict[str, Any] = self.staging.to_host(deltas)  # on a GPU: every copy queued, one wait
+        if not dense:
+            for name, t in tensors.items():
+                delta = update[name]
                 update[name] = self.encoder.encode(name, delta * scale if scale != 1.0 else delta)
                 if isinstance(update[name], Sparse):
                     self.compensator.mask(self.optimizers, t, update[name].indices)
