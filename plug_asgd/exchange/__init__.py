@@ -17,7 +17,7 @@ from plug_asgd.exchange.shared import SharedExchange
 from plug_asgd.modes import Mode
 
 __all__ = ["EXCHANGES", "ElasticExchange", "Exchange", "Link", "OverlapExchange", "PushExchange", "SharedExchange",
-           "assign", "make_exchange"]
+           "make_exchange"]
 
 EXCHANGES: dict[str, type[Exchange]] = {"push": PushExchange, "overlap": OverlapExchange,
                                         "elastic": ElasticExchange, "shared": SharedExchange}
