@@ -1,0 +1,152 @@
+"""A sharded PS (issue 21, phase 1): the partition, the fold on every slice, the handshake, a sharded fit.
+
+The expected values come from one PS given the same pushes, never from the sharded code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from bench.common import free_port_block
+from plug_asgd import compressors, modes
+from plug_asgd.client import PSClient, PSError
+from plug_asgd.ps.partition import PIECES_PER_SHARD, Partition, parse_shard
+from plug_asgd.sharded_client import ShardedClient, ShardVersions
+from plug_asgd.sharding import SHARDED_CODECS, SHARDED_MODES, check_sharded, shard_count
+from plug_asgd.wire import Sparse
+from tests.conftest import PYTHON, ProcessGroups
+
+# a small CNN's shapes and an odd mix: one tensor much larger than the rest, one empty-ish, one scalar
+SHAPES = {"conv.weight": (16, 3, 5, 5), "conv.bias": (16,), "fc.weight": (10, 400), "fc.bias": (10,),
+          "bn.running_mean": (16,), "scale": (), "big": (300, 70)}
+
+
+# -- 1. the partition (no processes) ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 5])
+def test_every_coordinate_of_every_tensor_is_held_exactly_once(shards):
+    part = Partition(SHAPES, shards)
+    for name, shape in SHAPES.items():
+        covered = np.zeros(math.prod(shape), dtype=np.int64)
+        for p in part.pieces:
+            if p.name == name:
+                covered[p.start:p.stop] += 1
+                assert 0 <= p.shard < shards
+        assert (covered == 1).all(), name
+    assert sum(part.loads) == sum(math.prod(s) for s in SHAPES.values())
+    assert all(part.by_shard), "every shard holds something"
+    keys = [p.key for p in part.pieces]
+    assert len(set(keys)) == len(keys)
+
+
+@pytest.mark.parametrize("shards", [2, 3, 4, 8])
+def test_the_shards_are_balanced_within_the_stated_bound(shards):
+    # the bound of the module's docstring: max load / mean <= 1 + 1 / PIECES_PER_SHARD (1.25)
+    part = Partition(SHAPES, shards)
+    mean = sum(part.loads) / shards
+    assert max(part.loads) / mean <= 1 + 1 / PIECES_PER_SHARD
+    # a model of many equal tensors: balanced by whole tensors, none cut
+    even = Partition({f"t{i}": (1000,) for i in range(4 * shards)}, shards)
+    assert max(even.loads) == min(even.loads)
+
+
+def test_a_large_tensor_is_cut_into_contiguous_slices_over_every_shard():
+    part = Partition(SHAPES, 2)
+    big = [p for p in part.pieces if p.name == "big"]
+    assert len(big) > 2 and not any(p.whole for p in big)
+    assert {p.shard for p in big} == {0, 1}
+    assert [p.start for p in big] == [0, *(p.stop for p in big[:-1])] and big[-1].stop == 300 * 70
+    assert all(p.size <= part.max_piece for p in part.pieces)
+    # small tensors stay whole, under their own name
+    assert [p.key for p in part.pieces if p.name == "fc.bias"] == ["fc.bias"]
+
+
+def test_the_partition_is_deterministic_and_independent_of_dict_order():
+    one = Partition(SHAPES, 3)
+    other = Partition(dict(reversed(list(SHAPES.items()))), 3)
+    assert one.pieces == other.pieces and one.digest == other.digest
+    assert Partition({k: list(v) for k, v in SHAPES.items()}, 3).digest == one.digest
+
+
+def test_the_digest_changes_with_the_shapes_the_names_and_the_shard_count():
+    base = Partition(SHAPES, 2).digest
+    assert Partition(SHAPES, 3).digest != base
+    assert Partition({**SHAPES, "fc.bias": (11,)}, 2).digest != base
+    assert Partition({**SHAPES, "fc.weight": (400, 10)}, 2).digest != base  # same size, other shape
+    renamed = {("head" if k == "fc.bias" else k): v for k, v in SHAPES.items()}
+    assert Partition(renamed, 2).digest != base
+
+
+def test_split_and_assemble_give_back_the_model_and_sparse_updates_keep_their_coordinates():
+    rng = np.random.default_rng(0)
+    part = Partition(SHAPES, 3)
+    model = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+    back = part.assemble(part.split(model))
+    assert list(back) == sorted(SHAPES) and all(np.array_equal(back[n], model[n]) for n in SHAPES)
+    indices = np.sort(rng.choice(300 * 70, 500, replace=False)).astype(np.int64)
+    sparse = Sparse(indices=indices, values=rng.standard_normal(500).astype(np.float32), shape=(300, 70))
+    dense = np.zeros(300 * 70, dtype=np.float32)
+    for shard, pieces in enumerate(part.split({"big": sparse})):
+        for key, piece in pieces.items():
+            (p,) = [p for p in part.by_shard[shard] if p.key == key]
+            assert isinstance(piece, Sparse) and piece.shape == (p.size,)
+            dense[p.start:p.stop] += piece.to_dense()
+    assert np.array_equal(dense.reshape(300, 70), sparse.to_dense())
+
+
+def test_shard_specs_and_counts_are_checked():
+    assert parse_shard("1/2") == (1, 2)
+    for bad in ("2/2", "0", "a/b", "-1/2", "0/0"):
+        with pytest.raises(ValueError, match="I/N"):
+            parse_shard(bad)
+    assert shard_count(None, None) == 1 and shard_count(None, 3) == 3
+    assert shard_count(["tcp://a:1", "tcp://b:1"], None) == 2
+    with pytest.raises(ValueError, match="lists 2 shards"):
+        shard_count(["tcp://a:1", "tcp://b:1"], 3)
+    with pytest.raises(ValueError, match="fewer shards"):
+        Partition({"x": (2,)}, 3)
+
+
+def test_modes_and_codecs_that_do_not_work_sharded_are_refused_naming_those_that_do():
+    for name in modes.MODES:
+        mode = modes.get(name)
+        if name in SHARDED_MODES:
+            check_sharded(mode, compressors.get("none"), 2)
+        else:
+            with pytest.raises(ValueError, match="the modes that do: asgd, adacomp"):
+                check_sharded(mode, compressors.get("none"), 2)
+        check_sharded(mode, compressors.get("none"), 1)  # one PS: anything goes
+    with pytest.raises(ValueError, match="without overlap"):
+        check_sharded(modes.get({"name": "asgd", "overlap": True}), compressors.get("none"), 2)
+    for name in compressors.COMPRESSORS:
+        if name in SHARDED_CODECS:
+            check_sharded(modes.get("asgd"), compressors.get(name), 2)
+        else:
+            with pytest.raises(ValueError, match="cannot be cut over shards"):
+                check_sharded(modes.get("asgd"), compressors.get(name), 2)
+    with pytest.raises(ValueError, match="downlink_fraction does not work on a sharded PS"):
+        check_sharded(modes.get("asgd"), compressors.get("none"), 2, downlink_fraction=0.1)
+
+
+def test_the_strategy_refuses_a_sharded_setting_when_it_is_built():
+    from plug_asgd import AsyncPSStrategy
+
+    with pytest.raises(ValueError, match="does not work on a sharded PS yet"):
+        AsyncPSStrategy(mode="sync", ps_shards=2)
+    with pytest.raises(ValueError, match="cannot be cut over shards"):
+        AsyncPSStrategy(mode="asgd", ps_address=["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], compressor="qsgd")
+    with pytest.raises(ValueError, match="ps_shards must be an integer >= 1"):
+        AsyncPSStrategy(ps_shards=0)
+    s = AsyncPSStrategy(mode="adacomp", ps_shards=2)
+    assert s.ps_shards == 2
+    assert AsyncPSStrategy(ps_address=["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]).ps_shards == 2
+
+
+def test_a_sharded_version_is_the_newest_shards_and_keeps_each_shards():
+    v = ShardVersions([4, 6])
+    assert v == 6 and v - 5 - 1 == 0 and v.per_shard == (4, 6)
+    assert json.dumps({"version": v}) == '{"version": 6}'
