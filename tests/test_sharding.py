@@ -11,14 +11,12 @@ import math
 import numpy as np
 import pytest
 
-from bench.common import free_port_block
 from plug_asgd import compressors, modes
 from plug_asgd.client import PSClient, PSError
 from plug_asgd.ps.partition import PIECES_PER_SHARD, Partition, parse_shard
 from plug_asgd.sharded_client import ShardedClient, ShardVersions
 from plug_asgd.sharding import SHARDED_CODECS, SHARDED_MODES, check_sharded, shard_count
 from plug_asgd.wire import Sparse
-from tests.conftest import PYTHON, ProcessGroups
 
 # a small CNN's shapes and an odd mix: one tensor much larger than the rest, one empty-ish, one scalar
 SHAPES = {"conv.weight": (16, 3, 5, 5), "conv.bias": (16,), "fc.weight": (10, 400), "fc.bias": (10,),
@@ -150,3 +148,125 @@ def test_a_sharded_version_is_the_newest_shards_and_keeps_each_shards():
     v = ShardVersions([4, 6])
     assert v == 6 and v - 5 - 1 == 0 and v.per_shard == (4, 6)
     assert json.dumps({"version": v}) == '{"version": 6}'
+
+
+# -- 2. the fold on every slice: two shards and one PS given the same pushes -------------------------------
+
+FOLD_SHAPES = {"w": (48, 40), "b": (40,), "v": (7,), "k": (3, 3, 4)}
+
+
+def push_sequence(seed: int = 0) -> list[tuple[int, object]]:
+    """(rank, update) pushes of 3 ranks in turn, dense and sparse, all fixed by ``seed``."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(12):
+        rank = step % 3
+        update = {}
+        for name, shape in FOLD_SHAPES.items():
+            size = math.prod(shape)
+            if step % 4 == 1 and name == "b":
+                continue  # a push that leaves a tensor out
+            if step % 2:  # sparse: a few coordinates (none of a small tensor, sometimes)
+                k = int(rng.integers(0, max(1, size // 8)))
+                idx = np.sort(rng.choice(size, k, replace=False)).astype(np.int64)
+                update[name] = Sparse(indices=idx, values=rng.standard_normal(k).astype(np.float32),
+                                      shape=shape)
+            else:
+                update[name] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        out.append((rank, update))
+    return out
+
+
+def drive(clients: list, initial: dict) -> tuple[list, dict]:
+    """Hello, init by rank 0, then the push sequence, each rank based on its own last reply (so stale):
+    every reply's (status, version, model) and the final model."""
+    for c in clients:
+        c.hello(stage=1, training=True, timeout=30)
+    assert clients[0].init(initial)
+    last = [c.pull() for c in clients]
+    seen = []
+    for rank, update in push_sequence():
+        reply = clients[rank].push(last[rank].version, update, want_model=True)
+        last[rank] = reply
+        seen.append((reply.status, int(reply.version), {n: np.array(t) for n, t in reply.tensors.items()}))
+    final = clients[0].pull()
+    return seen, {n: np.array(t) for n, t in final.tensors.items()}
+
+
+def same_bits(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[n].shape == b[n].shape and a[n].tobytes() == b[n].tobytes() for n in a)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["asgd", "adacomp", "dynsgd", "ssp"])
+def test_two_shards_fold_a_push_sequence_into_the_bits_of_one_ps(start_ps, mode):
+    rng = np.random.default_rng(1)
+    initial = {n: rng.standard_normal(s).astype(np.float32) for n, s in FOLD_SHAPES.items()}
+    one = start_ps(mode)
+    shards = [start_ps(mode, shard=f"{i}/2") for i in range(2)]
+    part = Partition(FOLD_SHAPES, 2)
+    assert any(not p.whole for p in part.pieces), "the test must cut a tensor"
+    options = {"world_size": 3, "mode": mode, "request_timeout": 30, "heartbeat_s": None}
+    plain = [PSClient(one, rank=r, **options) for r in range(3)]
+    sharded = [ShardedClient(shards, part, rank=r, **options) for r in range(3)]
+    try:
+        expected, expected_final = drive(plain, initial)
+        got, got_final = drive(sharded, initial)
+        for i, ((es, ev, em), (gs, gv, gm)) in enumerate(zip(expected, got, strict=True)):
+            assert (gs, gv) == (es, ev), f"push {i}"
+            assert same_bits(gm, em), f"push {i}: the assembled model differs from one PS's"
+        assert same_bits(got_final, expected_final)
+        assert not same_bits(got_final, initial)
+        # versions are per shard: every push reached both, and each counts its own
+        assert [s["version"] for s in sharded[0].stats()["shards"]] == [12, 12]
+        # the sparse pushes made replies that carried only what changed, per shard
+        assert sharded[0].counters.delta_replies > 0
+    finally:
+        for c in plain + sharded:
+            c.close()
+
+
+# -- 3. the handshake: a worker that cuts the model otherwise is refused, saying what to do -----------------
+
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+def test_a_worker_with_another_partition_is_refused_with_what_to_do(start_ps):
+    shards = [start_ps("asgd", shard=f"{i}/2") for i in range(2)]
+    lone = start_ps("asgd")
+    options = {"world_size": 2, "mode": "asgd", "request_timeout": 20, "heartbeat_s": None}
+    opened: list = []
+
+    def sharded(addresses, shapes, rank=1, count=2):
+        client = ShardedClient(addresses, Partition(shapes, count), rank=rank, **options)
+        opened.append(client)
+        return client
+
+    def refusal(client) -> str:
+        with pytest.raises(PSError) as info:
+            client.hello(stage=1, training=True, timeout=20)
+        assert info.value.code == "partition_mismatch"
+        return str(info.value)
+
+    try:
+        first = sharded(shards, FOLD_SHAPES, rank=0)
+        first.hello(stage=1, training=True, timeout=20)
+        assert first.init({n: np.zeros(s, np.float32) for n, s in FOLD_SHAPES.items()})
+        # other shapes: the digest differs from the one the shards were first given
+        message = refusal(sharded(shards, {**FOLD_SHAPES, "b": (41,)}))
+        assert "names or shapes differ" in message and "Train the same model on every worker" in message
+        # another shard count (three addresses, the first again as the third)
+        message = refusal(sharded([*shards, shards[0]], FOLD_SHAPES, count=3))
+        assert "is shard 0 of 2" in message and "over 3 shards" in message
+        # the shards listed out of order
+        assert "in the order of their --shard" in refusal(sharded(shards[::-1], FOLD_SHAPES))
+        # a worker that asks one shard for the whole model, and a sharded one pointed at a lone PS
+        plain = PSClient(shards[0], rank=1, **options)
+        opened.append(plain)
+        assert "give the strategy every shard's address" in refusal(plain)
+        assert "started without --shard" in refusal(sharded([lone, shards[1]], FOLD_SHAPES))
+        # the worker that agrees still trains: none of the refusals changed the shards
+        assert first.pull().version.per_shard == (0, 0)
+    finally:
+        for c in opened:
+            c.close()
