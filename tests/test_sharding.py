@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from bench.common import free_port_block
 from plug_asgd import compressors, modes
 from plug_asgd.client import PSClient, PSError
 from plug_asgd.ps.partition import PIECES_PER_SHARD, Partition, parse_shard
 from plug_asgd.sharded_client import ShardedClient, ShardVersions
 from plug_asgd.sharding import SHARDED_CODECS, SHARDED_MODES, check_sharded, shard_count
 from plug_asgd.wire import Sparse
+from tests.conftest import PLUG_ASGD, PYTHON, ProcessGroups
 
 # a small CNN's shapes and an odd mix: one tensor much larger than the rest, one empty-ish, one scalar
 SHAPES = {"conv.weight": (16, 3, 5, 5), "conv.bias": (16,), "fc.weight": (10, 400), "fc.bias": (10,),
@@ -270,3 +273,70 @@ def test_a_worker_with_another_partition_is_refused_with_what_to_do(start_ps):
     finally:
         for c in opened:
             c.close()
+
+
+# -- 4. a sharded fit: 2 Lightning workers, embedded shards (ps_shards=2) or shards started by hand ----------
+
+FIT_MODES = ["asgd", "adacomp", "dynsgd", "ssp", "downpour"]
+FIT_PUSHES = {"downpour": 2 * 40 // 4}  # 2 workers x 40 steps (2 epochs of 20), a push every step but downpour's 4
+
+
+def fit_results(out: Path, mode: str, log: str) -> list[dict]:
+    missing = [r for r in (0, 1) if not (out / mode / f"rank{r}.json").exists()]
+    assert not missing, f"{mode}: rank(s) {missing} wrote no result:\n{log[-4000:]}"
+    return [json.loads((out / mode / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def check_fit(ranks: list[dict], mode: str) -> None:
+    for r in ranks:
+        assert r["steps"] == 40
+        # every push reached both shards: each shard's own version counts them all
+        assert r["shard_versions"] == [FIT_PUSHES.get(mode, 80)] * 2, r["shard_versions"]
+        assert r["test_acc"] >= 0.9  # bn_sched's bar for this model (test_training's BatchNorm test)
+        assert r["comm"]["pushes"] == FIT_PUSHES.get(mode, 80) // 2
+    # both workers ended on the same model, and it is the central one assembled from the shards
+    assert ranks[0]["held"] == ranks[1]["held"]
+    assert ranks[0]["held"] == ranks[0]["central"]
+
+
+@pytest.fixture(scope="module")
+def sharded_fits(tmp_path_factory):
+    """tests/scripts/shard_fit.py under each of FIT_MODES with ps_shards=2, one fit after another in one launch."""
+    out = tmp_path_factory.mktemp("shard_fit")
+    base = free_port_block(2 * len(FIT_MODES))
+    ports = ",".join(str(base + 2 * i) for i in range(len(FIT_MODES)))
+    groups = ProcessGroups()
+    try:
+        code, log = groups.run([PYTHON, "tests/scripts/shard_fit.py", "--modes", ",".join(FIT_MODES), "--ps-ports",
+                                ports, "--out", str(out)], timeout=270)
+    finally:
+        left = groups.leftovers()
+        for p in groups.procs:
+            groups.kill(p)
+    assert not left, f"processes left running: {left}"
+    assert code == 0, log[-4000:]
+    return out, log
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)  # the launch, when this test is the first to need it
+@pytest.mark.parametrize("mode", FIT_MODES)
+def test_two_workers_fit_on_two_embedded_shards(sharded_fits, mode):
+    out, log = sharded_fits
+    check_fit(fit_results(out, mode, log), mode)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_two_workers_fit_on_shards_started_by_hand_with_serve_ps(procs, tmp_path):
+    base = free_port_block(2)
+    shards = [procs.start([PLUG_ASGD, "serve-ps", "--port", str(base + i), "--mode", "adacomp", "--shard", f"{i}/2",
+                           "--workers", "2", "--linger", "5", "--quiet"]) for i in range(2)]
+    addresses = ",".join(f"tcp://127.0.0.1:{base + i}" for i in range(2))
+    code, log = procs.run([PYTHON, "tests/scripts/shard_fit.py", "--modes", "adacomp", "--ps-address", addresses,
+                           "--out", str(tmp_path)], timeout=120)
+    assert code == 0, log[-4000:]
+    check_fit(fit_results(tmp_path, "adacomp", log), "adacomp")
+    for shard in shards:  # every worker left: each shard exits by itself
+        ps_out, _ = shard.communicate(timeout=30)
+        assert shard.returncode == 0 and "all 2 workers have left" in ps_out, ps_out[-2000:]
