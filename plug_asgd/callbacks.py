@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from plug_asgd.checkpoint import central_tensors, read_checkpoint, resolve_checkpoint
-from plug_asgd.client import PSError, PSUnreachableError
+from plug_asgd.client import PSClient, PSError, PSUnreachableError
 from plug_asgd.namespaces import LightningBound
 from plug_asgd.sharding import connect
 from plug_asgd.strategy import AsyncPSStrategy, synced_tensors
@@ -166,16 +166,18 @@ class Supervisor(LightningBound):
             return
         self._file.parent.mkdir(parents=True, exist_ok=True)
         model = copy.deepcopy(pl_module).cpu().eval()
-        address = strategy.ps_endpoints
+        address = strategy.ps_endpoints if strategy.ps_shards > 1 else strategy.ps_endpoint
         self._start = time.monotonic()
         self._stop.clear()
         self._thread = threading.Thread(target=self._watch, args=(model, address, strategy.mode.name, strategy.ps_keys),
                                         name="plug_asgd-supervisor", daemon=True)
         self._thread.start()
 
-    def _watch(self, model: torch.nn.Module, addresses: list[str], mode: str, keys: Any = None) -> None:
-        shapes = {n: tuple(t.shape) for n, t in synced_tensors(model).items()}  # a sharded PS's pieces, assembled
-        client = connect(addresses, shapes, rank=0, world_size=1, mode=mode, request_timeout=30, keys=keys)
+    def _watch(self, model: torch.nn.Module, address: str | list[str], mode: str, keys: Any = None) -> None:
+        options = {"rank": 0, "world_size": 1, "mode": mode, "request_timeout": 30, "keys": keys}
+        # a sharded PS's (every shard's address): the model assembled from the shards' pieces
+        client = PSClient(address, **options) if isinstance(address, str) else connect(
+            address, {n: tuple(t.shape) for n, t in synced_tensors(model).items()}, **options)
         last_version, last_time = None, 0.0
         try:
             while not self._stop.wait(0.2):

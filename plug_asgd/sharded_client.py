@@ -29,7 +29,10 @@ from plug_asgd.wire import Tensor
 
 T = TypeVar("T")
 
-# the counters that add up over shards (bytes, requests); the others count the worker's own pushes
+# the PS's counters that add up over shards (what crossed every shard's socket)
+_TRAFFIC = ("bytes_in", "bytes_out", "push_bytes_in", "push_local_bytes_in", "model_bytes_out", "messages_in",
+            "push_messages")
+# the worker's counters that add up over its shard clients (bytes, requests); pushes are counted once per push
 _SUMMED = ("bytes_up", "bytes_down", "push_bytes_up", "push_local_bytes_up", "requests", "delta_replies")
 
 
@@ -146,9 +149,11 @@ class ShardedClient:
         return self.clients[0].notices()
 
     def stats(self, timeout: float | None = None) -> dict[str, Any]:
-        """Shard 0's counters, and every shard's under ``shards``."""
+        """Shard 0's counters (version, workers, pushes...) but the traffic, summed over shards; every shard's
+        own under ``shards``."""
         each = self._each(lambda c, _: c.stats(timeout=timeout))
-        return {**each[0], "shards": each}
+        summed = {k: sum(s.get(k) or 0 for s in each) for k in _TRAFFIC}
+        return {**each[0], **summed, "shards": each}
 
     def bye(self, stage: int, timeout: float = 5.0) -> None:
         self._each(lambda c, _: c.bye(stage, timeout=timeout))
@@ -168,7 +173,10 @@ class ShardedClient:
         def call(i: int) -> T:
             return request(self.clients[i], i)
 
-        futures = [self._pool.submit(call, i) for i in range(1, len(self.clients))]
+        try:
+            futures = [self._pool.submit(call, i) for i in range(1, len(self.clients))]
+        except RuntimeError:  # the interpreter is exiting (the pool takes no more work): one shard after another
+            return [call(i) for i in range(len(self.clients))]
         results: list[Any] = []
         error: BaseException | None = None
         try:

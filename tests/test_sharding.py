@@ -19,7 +19,8 @@ from plug_asgd.ps.partition import PIECES_PER_SHARD, Partition, parse_shard
 from plug_asgd.sharded_client import ShardedClient, ShardVersions
 from plug_asgd.sharding import SHARDED_CODECS, SHARDED_MODES, check_sharded, shard_count
 from plug_asgd.wire import Sparse
-from tests.conftest import PLUG_ASGD, PYTHON, ProcessGroups
+from tests.conftest import ACCURACY_THRESHOLD, PLUG_ASGD, PYTHON, ProcessGroups, needs_fashion
+from tests.test_training import run_recipe
 
 # a small CNN's shapes and an odd mix: one tensor much larger than the rest, one empty-ish, one scalar
 SHAPES = {"conv.weight": (16, 3, 5, 5), "conv.bias": (16,), "fc.weight": (10, 400), "fc.bias": (10,),
@@ -230,6 +231,48 @@ def test_two_shards_fold_a_push_sequence_into_the_bits_of_one_ps(start_ps, mode)
             c.close()
 
 
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_a_push_answered_own_by_one_shard_and_raced_on_the_other_gets_the_model_assembled(start_ps):
+    """Shard 1 saw another push first: its pieces come back folded; shard 0 said "own", so its are pulled."""
+    shards = [start_ps("asgd", shard=f"{i}/2") for i in range(2)]
+    part = Partition(FOLD_SHAPES, 2)
+    rng = np.random.default_rng(2)
+    initial = {n: rng.standard_normal(s).astype(np.float32) for n, s in FOLD_SHAPES.items()}
+    update = {n: rng.standard_normal(s).astype(np.float32) for n, s in FOLD_SHAPES.items()}
+    raced = {n: rng.standard_normal(s).astype(np.float32) for n, s in FOLD_SHAPES.items()}
+    options = {"world_size": 2, "mode": "asgd", "request_timeout": 20, "heartbeat_s": None}
+    a, b = (ShardedClient(shards, part, rank=r, **options) for r in range(2))
+    try:
+        for c in (a, b):
+            c.hello(stage=1, training=True, timeout=20)
+        assert a.init(initial)
+        base = a.pull().version
+        b.pull()
+        # a lone push, nothing raced: "own" from both shards, no model
+        alone = a.push(base, update, want_model="unless_own")
+        assert alone.own and not alone.tensors and alone.version.per_shard == (1, 1)
+        held = {n: update[n] + initial[n] for n in FOLD_SHAPES}  # what "own" means: base + update, float32
+        # rank b pushes to shard 1 alone, then a pushes to both, based on what it holds
+        b.clients[1].push(1, part.split(raced)[1], want_model=False)
+        reply = a.push(alone.version, update, want_model="unless_own")
+        assert not reply.own and reply.status == "applied" and reply.version.per_shard == (2, 3)
+        on_1 = {p.name for p in part.by_shard[1]}
+        for name in FOLD_SHAPES:
+            once = update[name] + held[name]
+            twice = update[name] + (raced[name] + held[name])
+            expected = once.reshape(-1).copy()
+            for p in part.pieces:
+                if p.name == name and p.shard == 1:
+                    expected[p.start:p.stop] = twice.reshape(-1)[p.start:p.stop]
+            assert reply.tensors[name].tobytes() == expected.reshape(FOLD_SHAPES[name]).tobytes(), name
+        assert on_1 and a.counters.own_replies == 1 and a.counters.pushes == 2
+    finally:
+        a.close()
+        b.close()
+
+
 # -- 3. the handshake: a worker that cuts the model otherwise is refused, saying what to do -----------------
 
 @pytest.mark.integration
@@ -340,3 +383,19 @@ def test_two_workers_fit_on_shards_started_by_hand_with_serve_ps(procs, tmp_path
     for shard in shards:  # every worker left: each shard exits by itself
         ps_out, _ = shard.communicate(timeout=30)
         assert shard.returncode == 0 and "all 2 workers have left" in ps_out, ps_out[-2000:]
+
+
+@needs_fashion
+@pytest.mark.integration
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["asgd", "adacomp"])
+def test_the_recipe_on_two_shards_trains_fashion_mnist_to_the_suites_threshold(procs, tmp_path, mode):
+    run = run_recipe(procs, tmp_path, "--workers", "2", "--mode", mode, "--ps-shards", "2", "--supervise-every", "60",
+                     timeout=170)
+    assert run["test_acc"] >= ACCURACY_THRESHOLD, run
+    # the Supervisor evaluated the central model assembled from both shards while the workers trained
+    records = [json.loads(line) for line in (Path(run["log_dir"]) / "supervisor.jsonl").read_text().splitlines()]
+    assert records and max(r["test_acc"] for r in records) > 0.5, records
+    assert run["ps_version"] == 250  # shard 0's: 8000 images / 2 workers / batch 32 = 125 pushes each
+    if mode == "asgd":  # the whole model pushed over the sockets (no shared memory sharded), summed over shards
+        assert run["push_local_bytes"] == 0 and run["push_bytes"] > 250 * 4_799_528, run
