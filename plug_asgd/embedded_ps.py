@@ -18,6 +18,7 @@ from plug_asgd.client import DEFAULT_HEARTBEAT_S, PSClient, PSError, PSUnreachab
 from plug_asgd.ps import PSConfig, embedded_command
 from plug_asgd.security import check_bind
 from plug_asgd.sharded_client import ShardedClient
+from plug_asgd.sharding import check_sharded_placement
 
 
 @runtime_checkable
@@ -92,6 +93,14 @@ def check_placement(address: str, bind: str | None, *, embedded_options: bool, k
                          "or `--resume DIR` instead")
     if bind is not None:
         check_bind(bind, keys is not None, insecure)
+
+
+def check_placements(addresses: Sequence[str], binds: Sequence[str] | None, *, embedded_options: bool, keys: Any,
+                     insecure: bool) -> None:
+    """:func:`check_placement` for each shard, and no PSCheckpoint or resume_from for embedded shards."""
+    check_sharded_placement(len(addresses), binds is not None, embedded_options)
+    for address, bind in zip(addresses, binds or [None] * len(addresses), strict=True):
+        check_placement(address, bind, embedded_options=embedded_options, keys=keys, insecure=insecure)
 
 
 def ps_config(strategy: Any, bind: str, trainer: Any, shard: str | None = None) -> PSConfig:

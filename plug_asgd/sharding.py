@@ -57,6 +57,14 @@ def check_sharded(mode: Mode, codec: Codec, shards: int, **refused: Any) -> None
                              "use one PS")
 
 
+def sharded(ps_address: str | Sequence[str] | None, ps_shards: int | None, mode: Mode, codec: Codec,
+            **refused: Any) -> int:
+    """The shard count of the strategy's arguments (:func:`shard_count`), once :func:`check_sharded` let it be."""
+    shards = shard_count(ps_address, ps_shards)
+    check_sharded(mode, codec, shards, **refused)
+    return shards
+
+
 def check_sharded_placement(shards: int, embedded: bool, embedded_options: bool) -> None:
     """Refuses PSCheckpoint and resume_from for embedded shards: each shard would need checkpoints of its own."""
     if shards > 1 and embedded and embedded_options:

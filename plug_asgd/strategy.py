@@ -30,13 +30,13 @@ from plug_asgd import compressors, modes
 from plug_asgd.client import PSClient, PSError, PSUnreachableError
 from plug_asgd.collectives import Collectives
 from plug_asgd.compressors import Codec
-from plug_asgd.embedded_ps import EmbeddedPS, check_arguments, check_placement, configurer, endpoints, ps_config
+from plug_asgd.embedded_ps import EmbeddedPS, check_arguments, check_placements, configurer, endpoints, ps_config
 from plug_asgd.exchange import Link, make_exchange
 from plug_asgd.modes import Mode
 from plug_asgd.plumbing import DDPPlumbing
 from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT
 from plug_asgd.sharded_client import ShardedClient
-from plug_asgd.sharding import check_sharded, check_sharded_placement, connect, shard_count, shards
+from plug_asgd.sharding import connect, sharded, shards
 from plug_asgd.staleness import StalenessCompensation, resolve
 
 if TYPE_CHECKING:  # either namespace's classes (plug_asgd.namespaces); pytorch_lightning's names them here
@@ -150,8 +150,7 @@ class AsyncPSStrategy(DDPPlumbing):
                                            worker_timeout=worker_timeout, ps_address=ps_address, ps_threads=ps_threads,
                                            downlink_fraction=downlink_fraction, downlink_bound=downlink_bound)
         self.max_updates, self.ps_address, self.ps_port = max_updates, ps_address, ps_port
-        self.ps_shards = shard_count(ps_address, ps_shards)
-        check_sharded(self.mode, self.compressor, self.ps_shards, downlink_fraction=downlink_fraction)
+        self.ps_shards = sharded(ps_address, ps_shards, self.mode, self.compressor, downlink_fraction=downlink_fraction)
         self.connect_timeout, self.request_timeout, self.lost_timeout = connect_timeout, request_timeout, lost_timeout
         self.worker_timeout, self.resume_from, self.ps_run_dir = worker_timeout, resume_from, ps_run_dir
         self.ps_keys, self.ps_insecure, self.ps_threads = ps_keys, ps_insecure, ps_threads
@@ -289,10 +288,8 @@ class AsyncPSStrategy(DDPPlumbing):
             return self._client
         addresses, binds = self._endpoints()
         embedded_options = self.resume_from is not None or configurer(self._trainer()) is not None
-        check_sharded_placement(self.ps_shards, binds is not None, embedded_options)
-        for address, bind in zip(addresses, binds or [None] * len(addresses), strict=True):
-            check_placement(address, bind, embedded_options=embedded_options, keys=self.ps_keys,
-                            insecure=self.ps_insecure)
+        check_placements(addresses, binds, embedded_options=embedded_options, keys=self.ps_keys,
+                         insecure=self.ps_insecure)
         if binds is not None and self.global_rank == 0:
             self._embedded_ps.start(*(ps_config(self, bind, self._trainer(), shard) for bind, shard in shards(binds)))
         shapes = {n: tuple(t.shape) for n, t in synced_tensors(self.lightning_module).items()}

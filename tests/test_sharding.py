@@ -383,6 +383,7 @@ def test_two_workers_fit_on_shards_started_by_hand_with_serve_ps(procs, tmp_path
     for shard in shards:  # every worker left: each shard exits by itself
         ps_out, _ = shard.communicate(timeout=30)
         assert shard.returncode == 0 and "all 2 workers have left" in ps_out, ps_out[-2000:]
+        assert "of a sharded model" in ps_out
 
 
 @needs_fashion
