@@ -273,6 +273,46 @@ def test_a_push_answered_own_by_one_shard_and_raced_on_the_other_gets_the_model_
         b.close()
 
 
+
+@pytest.mark.integration  # sockets (no PS behind them: the requests are stand-ins)
+@pytest.mark.timeout(30)
+def test_a_push_goes_to_every_shard_at_once_not_one_after_the_other(monkeypatch):
+    import threading
+    import time
+
+    from plug_asgd.client import ModelReply
+
+    calls: list[tuple[str, float, float, str]] = []
+
+    def slow(kind):
+        def request(self, *args, **kwargs):
+            start = time.monotonic()
+            time.sleep(0.4)  # a slow shard's round trip
+            calls.append((self.address, start, time.monotonic(), threading.current_thread().name))
+            return ModelReply(version=3, status="applied" if kind == "push" else "pulled", stop=False,
+                              tensors=part.split(model)[int(self.address[-1]) - 1] if kind == "pull" else {})
+        return request
+
+    part = Partition(FOLD_SHAPES, 2)
+    model = {n: np.zeros(s, np.float32) for n, s in FOLD_SHAPES.items()}
+    monkeypatch.setattr(PSClient, "push", slow("push"))
+    monkeypatch.setattr(PSClient, "pull", slow("pull"))
+    client = ShardedClient(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], Partition(FOLD_SHAPES, 2), rank=0,
+                           world_size=1, mode="asgd", heartbeat_s=None)
+    try:
+        start = time.monotonic()
+        reply = client.push(ShardVersions([2, 2]), model, want_model=False)
+        pulled = client.pull()
+        took = time.monotonic() - start
+    finally:
+        client.close()
+    assert reply.version.per_shard == (3, 3) and pulled.tensors.keys() == model.keys()
+    assert took < 1.2, f"two requests of 0.4 s to each of 2 shards took {took:.2f} s: one shard after the other"
+    for first, second in (calls[0:2], calls[2:4]):  # each request's two shards overlapped, in two threads
+        assert {first[0], second[0]} == {"tcp://127.0.0.1:1", "tcp://127.0.0.1:2"}
+        assert max(first[1], second[1]) < min(first[2], second[2]) and first[3] != second[3]
+
+
 # -- 3. the handshake: a worker that cuts the model otherwise is refused, saying what to do -----------------
 
 @pytest.mark.integration
