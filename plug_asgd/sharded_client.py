@@ -121,12 +121,14 @@ class ShardedClient:
              lend: bool = False) -> ModelReply:
         """The push of ``PSClient.push``, each shard sent its pieces and its own base version, all at once.
 
-        An "own" reply only when every shard answered "own"; where only some did, those shards' pieces are
-        pulled (their model moved on since: another worker's push came between)."""
+        An "own" reply only when every shard answered "own". Where only some did (another worker's push reached
+        the others first), the model comes back whole: those shards' pieces are pulled."""
         if weights or lend:
             raise ValueError("a sharded PS takes no pushes of weights (ShardedClient.takes_weights)")
         bases = self._bases(base_version)
         parts = self.partition.split(update)
+        if not all(parts):  # a shard's version counts its pushes: each must get one
+            raise ValueError("a sharded push carries a piece for every shard: push the update of every tensor")
         replies = self._each(lambda c, i: c.push(bases[i], parts[i], want_model,
                                                  while_waiting=while_waiting if i == 0 else None))
         self.pushes += 1
