@@ -29,7 +29,8 @@ from torch import Tensor
 from plug_asgd.checkpoint import central_tensors, read_checkpoint, resolve_checkpoint
 from plug_asgd.client import PSClient, PSError, PSUnreachableError
 from plug_asgd.namespaces import LightningBound
-from plug_asgd.strategy import AsyncPSStrategy
+from plug_asgd.sharding import connect
+from plug_asgd.strategy import AsyncPSStrategy, synced_tensors
 from plug_asgd.tensors import assign
 
 if TYPE_CHECKING:  # either namespace's classes (plug_asgd.namespaces); pytorch_lightning's names them here
@@ -165,15 +166,18 @@ class Supervisor(LightningBound):
             return
         self._file.parent.mkdir(parents=True, exist_ok=True)
         model = copy.deepcopy(pl_module).cpu().eval()
-        address = strategy.ps_endpoint
+        address = strategy.ps_endpoints if strategy.ps_shards > 1 else strategy.ps_endpoint
         self._start = time.monotonic()
         self._stop.clear()
         self._thread = threading.Thread(target=self._watch, args=(model, address, strategy.mode.name, strategy.ps_keys),
                                         name="plug_asgd-supervisor", daemon=True)
         self._thread.start()
 
-    def _watch(self, model: torch.nn.Module, address: str, mode: str, keys: Any = None) -> None:
-        client = PSClient(address, rank=0, world_size=1, mode=mode, request_timeout=30, keys=keys)
+    def _watch(self, model: torch.nn.Module, address: str | list[str], mode: str, keys: Any = None) -> None:
+        options = {"rank": 0, "world_size": 1, "mode": mode, "request_timeout": 30, "keys": keys}
+        # a sharded PS's (every shard's address): the model assembled from the shards' pieces
+        client = PSClient(address, **options) if isinstance(address, str) else connect(
+            address, {n: tuple(t.shape) for n, t in synced_tensors(model).items()}, **options)
         last_version, last_time = None, 0.0
         try:
             while not self._stop.wait(0.2):

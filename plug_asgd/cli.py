@@ -139,6 +139,7 @@ def serve_ps(*, host: str, port: int, log_level: str, quiet: bool, log_every: fl
         raise _fail(str(exc), 2) from None
     workers = config.expected_workers
     extra = f", expecting {workers} worker{'s' if workers != 1 else ''}" if workers else ""
+    extra += f", shard {config.shard} of a sharded model" if config.shard else ""
     security = ("CURVE keys, authorized workers only" if server.keyed else
                 "[bold red]no authentication[/]" if config.insecure and not is_loopback(config.bind)
                 else "loopback only, no keys")

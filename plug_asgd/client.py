@@ -48,6 +48,8 @@ class ModelReply:
 class PSClient(Transport):
     """Requests to one parameter server, with timeouts that end in a clear error, never a hang."""
 
+    takes_weights = True  # a push may carry the worker's weights (push(weights=True)); a sharded PS's may not
+
     def __init__(
         self,
         address: str,
@@ -76,6 +78,8 @@ class PSClient(Transport):
         self._segment: push_memory.PushSegment | None = None
         self._notices: Notices | None = None
         self.held = HeldModel() if delta_replies else None
+        # on one shard of a sharded PS: {shards, shard, digest} of the worker's partition, in hello and init
+        self.partition: dict[str, Any] | None = None
 
     def close(self) -> None:
         if not self._closed:
@@ -104,6 +108,8 @@ class PSClient(Transport):
                   "mode": self.mode, "session": self.session, "heartbeat_s": self.heartbeat_s}
         if self.token is not None:
             fields["token"] = self.token
+        if self.partition is not None:
+            fields["partition"] = self.partition
         deadline = time.monotonic() + (self.request_timeout if timeout is None else timeout)
         while True:
             try:
@@ -161,7 +167,8 @@ class PSClient(Transport):
 
         Taken, they are the central model this client holds (copied): the next pull carries only what
         changed since."""
-        reply = self.request("init", {"rank": self.rank}, tensors)
+        fields = {"rank": self.rank, **({"partition": self.partition} if self.partition is not None else {})}
+        reply = self.request("init", fields, tensors)
         accepted = bool(reply.fields.get("accepted"))
         if accepted and self.held is not None:
             self.held.keep(reply.fields.get("model_id"), int(reply.fields.get("version", 0)),

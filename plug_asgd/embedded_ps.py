@@ -11,11 +11,14 @@ import os
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from plug_asgd.client import DEFAULT_HEARTBEAT_S, PSClient, PSError, PSUnreachableError
 from plug_asgd.ps import PSConfig, embedded_command
 from plug_asgd.security import check_bind
+from plug_asgd.sharded_client import ShardedClient
+from plug_asgd.sharding import check_sharded_placement
 
 
 @runtime_checkable
@@ -32,7 +35,7 @@ def configurer(trainer: Any) -> ConfiguresPS | None:
 
 
 def check_arguments(*, max_updates: int | None, heartbeat_s: float | str | None, worker_timeout: float,
-                    ps_address: str | None, ps_threads: int, **ps_options: Any) -> float | None:
+                    ps_address: str | Sequence[str] | None, ps_threads: int, **ps_options: Any) -> float | None:
     """Refuses the strategy's PS arguments that are out of range; returns ``heartbeat_s`` with ``"auto"`` resolved.
 
     ``ps_options``: fields of :class:`PSConfig` by name (``downlink_fraction=...``), checked as the PS checks them."""
@@ -45,8 +48,10 @@ def check_arguments(*, max_updates: int | None, heartbeat_s: float | str | None,
     if heartbeat_s is not None and not 0 < heartbeat_s <= worker_timeout / 2:  # type: ignore[operator]
         raise ValueError(f"heartbeat_s must be in (0, worker_timeout / 2 = {worker_timeout / 2:g}] so that one "
                          f"late beat does not make a live worker lost, got {heartbeat_s}")
-    if ps_address is not None and not ps_address.startswith(("tcp://", "ipc://")):
-        raise ValueError(f"ps_address must look like tcp://host:port, got {ps_address!r}")
+    for address in [ps_address] if isinstance(ps_address, str) else ps_address or []:
+        if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"ps_address must look like tcp://host:port (or be a list of such, one per shard), "
+                             f"got {address!r}")
     if not 1 <= ps_threads <= 256:
         raise ValueError(f"ps_threads must be between 1 and 256, got {ps_threads}")
     return heartbeat_s  # type: ignore[return-value]
@@ -65,6 +70,20 @@ def endpoint(ps_address: str | None, ps_port: int | None, env: Any, elastic: boo
     return f"tcp://{host}:{port}", f"tcp://{socket.gethostbyname(host)}:{port}"
 
 
+def endpoints(ps_address: str | Sequence[str] | None, ps_port: int | None, shards: int, env: Any,
+              elastic: bool) -> tuple[list[str], list[str] | None]:
+    """:func:`endpoint` for each shard: the listed addresses (external shards), or ``shards`` embedded ones on
+    consecutive ports from the first's."""
+    if ps_address is not None:
+        return ([ps_address] if isinstance(ps_address, str) else list(ps_address)), None
+    first, bind = endpoint(None, ps_port, env, elastic)
+    assert bind is not None
+    head, _, port = first.rpartition(":")
+    bind_head = bind.rpartition(":")[0]
+    ports = [int(port) + i for i in range(shards)]
+    return [f"{head}:{p}" for p in ports], [f"{bind_head}:{p}" for p in ports]
+
+
 def check_placement(address: str, bind: str | None, *, embedded_options: bool, keys: Any, insecure: bool) -> None:
     """Refuses options of the embedded PS (``embedded_options`` true) for an external one (``bind`` None), and
     an embedded PS listening beyond loopback without keys; every rank refuses alike, none waits for a PS."""
@@ -76,8 +95,17 @@ def check_placement(address: str, bind: str | None, *, embedded_options: bool, k
         check_bind(bind, keys is not None, insecure)
 
 
-def ps_config(strategy: Any, bind: str, trainer: Any) -> PSConfig:
-    """The embedded PS's config: ``strategy``'s arguments, the options of ``trainer``'s :class:`ConfiguresPS`."""
+def check_placements(addresses: Sequence[str], binds: Sequence[str] | None, *, embedded_options: bool, keys: Any,
+                     insecure: bool) -> None:
+    """:func:`check_placement` for each shard, and no PSCheckpoint or resume_from for embedded shards."""
+    check_sharded_placement(len(addresses), binds is not None, embedded_options)
+    for address, bind in zip(addresses, binds or [None] * len(addresses), strict=True):
+        check_placement(address, bind, embedded_options=embedded_options, keys=keys, insecure=insecure)
+
+
+def ps_config(strategy: Any, bind: str, trainer: Any, shard: str | None = None) -> PSConfig:
+    """The embedded PS's config: ``strategy``'s arguments, the options of ``trainer``'s :class:`ConfiguresPS`
+    (``shard``: ``"I/N"``, one of several embedded shards)."""
     checkpoint = configurer(trainer)
     run_dir = strategy.ps_run_dir
     if run_dir is None and trainer is not None and trainer.loggers and trainer.log_dir is not None:
@@ -86,32 +114,40 @@ def ps_config(strategy: Any, bind: str, trainer: Any) -> PSConfig:
                     **strategy.mode.server_options(),
                     resume=strategy.resume_from, worker_timeout=strategy.worker_timeout, run_dir=run_dir,
                     keys=strategy.ps_keys, insecure=strategy.ps_insecure, threads=strategy.ps_threads,
-                    **strategy.downlink,
+                    **strategy.downlink, shard=shard,
                     **(checkpoint.ps_options() if checkpoint is not None else {}))
 
 
 class EmbeddedPS:
-    """The embedded PS's process: started from a config, watched while workers wait, stopped at exit."""
+    """The embedded PS's processes (one, or one per shard): started from configs, watched while workers wait,
+    stopped at exit."""
 
     def __init__(self) -> None:
-        self.process: subprocess.Popen | None = None
+        self.processes: list[subprocess.Popen] = []
 
-    def start(self, config: PSConfig) -> None:
-        """Starts the PS in a fresh interpreter (:func:`~plug_asgd.ps.embedded_command`)."""
-        self.process = subprocess.Popen(embedded_command(config), stdin=subprocess.DEVNULL)
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """The (first shard's) process; None before it is started."""
+        return self.processes[0] if self.processes else None
+
+    def start(self, *configs: PSConfig) -> None:
+        """Starts a PS for each config in a fresh interpreter (:func:`~plug_asgd.ps.embedded_command`)."""
+        self.processes = [subprocess.Popen(embedded_command(c), stdin=subprocess.DEVNULL) for c in configs]
 
     @property
     def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return any(p.poll() is None for p in self.processes)
 
     def gone(self) -> str | None:
-        """Why a worker must stop waiting for it: it exited; None while it runs (or was never started)."""
-        if self.process is not None and self.process.poll() is not None:
-            return (f"the embedded parameter server exited with code {self.process.returncode} before "
-                    "answering (its message is above); if the port is taken, pass ps_port=")
+        """Why a worker must stop waiting for them: one exited; None while they run (or were never started)."""
+        for i, process in enumerate(self.processes):
+            if process.poll() is not None:
+                which = f" (shard {i})" if len(self.processes) > 1 else ""
+                return (f"the embedded parameter server{which} exited with code {process.returncode} before "
+                        "answering (its message is above); if the port is taken, pass ps_port=")
         return None
 
-    def wait_for_workers(self, client: PSClient, seconds: float) -> None:
+    def wait_for_workers(self, client: PSClient | ShardedClient, seconds: float) -> None:
         """While it runs, waits up to ``seconds`` for every worker to have left it (asked through ``client``)."""
         if not self.running:
             return
@@ -125,12 +161,13 @@ class EmbeddedPS:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        """Terminates it (killed if it takes over 10 s) and forgets it; nothing if it was not started."""
-        if self.process is not None:
-            self.process.terminate()
+        """Terminates them (killed if one takes over 10 s) and forgets them; nothing if none was started."""
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
             try:
-                self.process.wait(10)
+                process.wait(10)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-            self.process = None
+                process.kill()
+                process.wait()
+        self.processes = []

@@ -30,11 +30,13 @@ from plug_asgd import compressors, modes
 from plug_asgd.client import PSClient, PSError, PSUnreachableError
 from plug_asgd.collectives import Collectives
 from plug_asgd.compressors import Codec
-from plug_asgd.embedded_ps import EmbeddedPS, check_arguments, check_placement, configurer, endpoint, ps_config
+from plug_asgd.embedded_ps import EmbeddedPS, check_arguments, check_placements, configurer, endpoints, ps_config
 from plug_asgd.exchange import Link, make_exchange
 from plug_asgd.modes import Mode
 from plug_asgd.plumbing import DDPPlumbing
 from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT
+from plug_asgd.sharded_client import ShardedClient
+from plug_asgd.sharding import connect, sharded, shards
 from plug_asgd.staleness import StalenessCompensation, resolve
 
 if TYPE_CHECKING:  # either namespace's classes (plug_asgd.namespaces); pytorch_lightning's names them here
@@ -76,9 +78,12 @@ class AsyncPSStrategy(DDPPlumbing):
         staleness_compensation: what an asynchronous worker does so that staleness does not act as extra
             momentum (``plug_asgd.staleness``, ``docs/momentum.md``): on by default for the modes that fold
             stale updates in, ``False`` turns it off, a ``StalenessCompensation`` (or a dict of it) picks.
-        ps_address: ``tcp://host:port`` of a PS started with ``plug-asgd serve-ps``; by default global
-            rank 0 starts an embedded PS on the cluster's main address, port ``ps_port``.
+        ps_address: ``tcp://host:port`` of a PS started with ``plug-asgd serve-ps``, or a list of them, one per
+            shard of a sharded PS in the order of their ``--shard I/N``; by default global rank 0 starts an embedded
+            PS on the cluster's main address, port ``ps_port``.
         ps_port: port of the embedded PS (default: the cluster's main port, + 1 under torchrun).
+        ps_shards: rank 0 starts this many embedded PS processes (ports ``ps_port`` on), each holding a share of the
+            model, and every worker pushes to all at once (``plug_asgd.sharding``: the modes and codecs that work).
         connect_timeout: seconds to wait for the PS to answer the first time.
         request_timeout: seconds to wait for any reply (a sync round or a barrier included).
         lost_timeout: seconds a worker waits for a PS whose connection dropped to come back.
@@ -111,8 +116,9 @@ class AsyncPSStrategy(DDPPlumbing):
         compressor: Codec | str | dict[str, Any] = "none",
         staleness_compensation: StalenessCompensation | dict[str, Any] | bool | None = None,
         max_updates: int | None = None,
-        ps_address: str | None = None,
+        ps_address: str | list[str] | None = None,
         ps_port: int | None = None,
+        ps_shards: int | None = None,
         connect_timeout: float = 60.0,
         request_timeout: float = 600.0,
         lost_timeout: float = 60.0,
@@ -144,6 +150,7 @@ class AsyncPSStrategy(DDPPlumbing):
                                            worker_timeout=worker_timeout, ps_address=ps_address, ps_threads=ps_threads,
                                            downlink_fraction=downlink_fraction, downlink_bound=downlink_bound)
         self.max_updates, self.ps_address, self.ps_port = max_updates, ps_address, ps_port
+        self.ps_shards = sharded(ps_address, ps_shards, self.mode, self.compressor, downlink_fraction=downlink_fraction)
         self.connect_timeout, self.request_timeout, self.lost_timeout = connect_timeout, request_timeout, lost_timeout
         self.worker_timeout, self.resume_from, self.ps_run_dir = worker_timeout, resume_from, ps_run_dir
         self.ps_keys, self.ps_insecure, self.ps_threads = ps_keys, ps_insecure, ps_threads
@@ -152,7 +159,7 @@ class AsyncPSStrategy(DDPPlumbing):
         self.staleness_compensation = resolve(staleness_compensation, self.mode.name, self.mode.compensate)
         self._start_method = start_method
         self._num_nodes = 1
-        self._client: PSClient | None = None
+        self._client: PSClient | ShardedClient | None = None
         self._embedded_ps = EmbeddedPS()
         self._stage = self._collective_seq = 0
         self._ps_initialized = self._in_stage = self._fitting = self._failed = False
@@ -194,7 +201,7 @@ class AsyncPSStrategy(DDPPlumbing):
         self._exchange.attach(self._link(client))
         self._in_stage = True
 
-    def _link(self, client: PSClient) -> Link:
+    def _link(self, client: PSClient | ShardedClient) -> Link:
         """What the exchange needs of this worker for the stage that starts."""
         port = self.cluster_environment.main_port if self.cluster_environment is not None else 0
         return Link(client=client, tensors=lambda: synced_tensors(self.lightning_module), rank=self.global_rank,
@@ -262,25 +269,34 @@ class AsyncPSStrategy(DDPPlumbing):
 
     @property
     def ps_endpoint(self) -> str:
-        """The PS's address, ``tcp://host:port``, that the workers connect to (the embedded PS's or ``ps_address``)."""
-        return self._endpoint()[0]
+        """The PS's address, ``tcp://host:port``, that the workers connect to (the embedded PS's or ``ps_address``;
+        shard 0's of a sharded PS, which serves the collectives)."""
+        return self._endpoints()[0][0]
 
-    def _endpoint(self) -> tuple[str, str | None]:
-        """The address workers connect to, and the one rank 0 binds (None: an external PS)."""
+    @property
+    def ps_endpoints(self) -> list[str]:
+        """Every shard's address, in order (one: an unsharded PS's)."""
+        return self._endpoints()[0]
+
+    def _endpoints(self) -> tuple[list[str], list[str] | None]:
+        """The addresses workers connect to (one per shard), and those rank 0 binds (None: an external PS)."""
         env = self.cluster_environment
-        return endpoint(self.ps_address, self.ps_port, env, isinstance(env, self.elastic_environment))
+        return endpoints(self.ps_address, self.ps_port, self.ps_shards, env, isinstance(env, self.elastic_environment))
 
-    def _connect(self) -> PSClient:
+    def _connect(self) -> PSClient | ShardedClient:
         if self._client is not None:
             return self._client
-        address, bind = self._endpoint()
+        addresses, binds = self._endpoints()
         embedded_options = self.resume_from is not None or configurer(self._trainer()) is not None
-        check_placement(address, bind, embedded_options=embedded_options, keys=self.ps_keys, insecure=self.ps_insecure)
-        if bind is not None and self.global_rank == 0:
-            self._embedded_ps.start(ps_config(self, bind, self._trainer()))
-        self._client = PSClient(address, rank=self.global_rank, world_size=self.world_size, mode=self.mode.name,
-                                request_timeout=self.request_timeout, lost_timeout=self.lost_timeout,
-                                heartbeat_s=self.heartbeat_s, keys=self.ps_keys, delta_replies=self.delta_replies)
+        check_placements(addresses, binds, embedded_options=embedded_options, keys=self.ps_keys,
+                         insecure=self.ps_insecure)
+        if binds is not None and self.global_rank == 0:
+            self._embedded_ps.start(*(ps_config(self, bind, self._trainer(), shard) for bind, shard in shards(binds)))
+        shapes = {n: tuple(t.shape) for n, t in synced_tensors(self.lightning_module).items()}
+        self._client = connect(addresses, shapes, rank=self.global_rank, world_size=self.world_size,
+                               mode=self.mode.name, request_timeout=self.request_timeout,
+                               lost_timeout=self.lost_timeout, heartbeat_s=self.heartbeat_s, keys=self.ps_keys,
+                               delta_replies=self.delta_replies)
         atexit.register(self._shutdown)
         return self._client
 

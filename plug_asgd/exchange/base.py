@@ -13,6 +13,7 @@ from torch import Tensor
 from plug_asgd.client import ModelReply, PSClient
 from plug_asgd.compressors import Codec, Compressor, NoCompression
 from plug_asgd.modes import Mode
+from plug_asgd.sharded_client import ShardedClient
 from plug_asgd.staging import Staging
 from plug_asgd.staleness import OFF, Compensator, StalenessCompensation, normalizes_steps, warn_unknown_optimizers
 
@@ -23,7 +24,7 @@ INIT_WAIT_S = 10.0  # how long a rank other than 0 waits for rank 0's model befo
 class Link:
     """What the strategy hands an exchange for one stage: the PS client and the worker's side of Lightning."""
 
-    client: PSClient
+    client: PSClient | ShardedClient  # one PS's, or every shard's of a sharded PS
     tensors: Callable[[], dict[str, Tensor]]  # the floating-point parameters and buffers the PS holds
     rank: int
     world_size: int

@@ -55,8 +55,8 @@ class PushExchange(Exchange):
         tensors = link.tensors()
         want_model = self.mode.pull_every is None or self.since_pull >= self.mode.pull_every
         cheap_refusal = self.shared_buffers and link.client.shares_memory  # else a lone worker's only
-        if (want_model and self.weights_ok and self.base_is_central and self.dense(tensors)
-                and self.scale() == 1.0 and (cheap_refusal or link.world_size == 1)
+        if (want_model and self.weights_ok and link.client.takes_weights and self.base_is_central
+                and self.dense(tensors) and self.scale() == 1.0 and (cheap_refusal or link.world_size == 1)
                 and self.push_weights(tensors)):
             return
         update, deltas, exact = self.update(tensors)

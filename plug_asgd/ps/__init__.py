@@ -8,7 +8,9 @@
   who owns each buffer (the reference store, and the one that serves);
 - :mod:`~plug_asgd.ps.persistence` and :mod:`~plug_asgd.ps.stats`: checkpoints, metrics, counters;
 - :mod:`~plug_asgd.ps.disk`: failed writes counted and retried, the file-descriptor limit;
-- :mod:`~plug_asgd.ps.embedded`: the PS as a process of its own.
+- :mod:`~plug_asgd.ps.embedded`: the PS as a process of its own;
+- :mod:`~plug_asgd.ps.partition` and :mod:`~plug_asgd.ps.shard_guard`: a model cut over the shards of a
+  sharded PS, and what a shard checks of its workers' partition.
 
 The PS knows nothing of torch or Lightning: it holds named float arrays.
 """

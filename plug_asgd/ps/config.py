@@ -19,6 +19,7 @@ from typing import Any
 from plug_asgd.checkpoint import CheckpointPolicy, check_run_id
 from plug_asgd.modes import MODES
 from plug_asgd.modes import get as get_mode
+from plug_asgd.ps.partition import parse_shard
 from plug_asgd.security import check_bind
 from plug_asgd.wire import DEFAULT_LIMITS, Limits
 
@@ -93,6 +94,9 @@ class PSConfig:
     downlink_bound: float | None = _option(None, "with --downlink-fraction: also send every coordinate off by more "
                                            "than this, so that no worker's copy is further from the central model",
                                            min=0.0)
+    shard: str | None = _option(None, "this PS holds shard I of N of a sharded model (I/N, counted from 0: one PS "
+                                "started with 0/2, another with 1/2); the workers list every shard's address, in "
+                                "order, and must spread the model over as many [default: the whole model]")
     parent_pid: int | None = _option(None, "stop when the process of this pid is no longer the parent",
                                      min=1, cli=False)
 
@@ -116,6 +120,8 @@ class PSConfig:
             get_mode(value)  # the error lists the modes
         elif name == "run_id" and value is not None:
             check_run_id(value)
+        elif name == "shard" and value is not None:
+            parse_shard(value)
         elif value is not None and not isinstance(value, bool) and isinstance(value, int | float):
             low, high = meta["min"], meta["max"]
             if (low is not None and value < low) or (high is not None and value > high):

@@ -34,6 +34,7 @@ from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.fast_store import FastStore
 from plug_asgd.ps.membership import Membership
 from plug_asgd.ps.persistence import Persistence
+from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.stats import Stats
 from plug_asgd.ps.store import FOLDED, NOT_CURRENT, PushIn
 from plug_asgd.security import load_server_keys
@@ -92,6 +93,7 @@ class ParameterServer:
         self.collectives = Collectives(self.members, self.stats, self._send, self._error)
         self.store = FastStore(config, self.stats)
         self.persistence = Persistence(config, self.store, self.members, self.stats)
+        self.shard = ShardGuard(config.shard)  # the partition its workers agree on, when it is one of several
         self._stop = False
         if config.resume is not None:
             self.persistence.resume(config.resume)
@@ -307,6 +309,7 @@ class ParameterServer:
             raise WireError("mode_mismatch", f"this parameter server runs mode {self.mode!r} but the worker "
                                              f"asked for {mode!r}: start the PS with --mode {mode} or "
                                              f"give the strategy mode={self.mode!r}")
+        self.shard.check(msg.fields, self.address)
         worker, replaced = self.members.hello(identity, msg, self.store.version)
         if replaced is not None:
             self.store.forget(replaced)
@@ -344,6 +347,7 @@ class ParameterServer:
     # -- the model -----------------------------------------------------------------------------
 
     def _on_init(self, identity: bytes, rid: Any, msg: Message) -> None:
+        self.shard.check(msg.fields, self.address)
         accepted = self.store.init(msg.tensors)
         if accepted:
             log.info("central model initialised by rank %s: %d tensors, %d values", msg.fields.get("rank"),

@@ -49,7 +49,10 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help="fold stale updates in as they are (by default the asynchronous modes scale them, look "
                              "ahead and keep codec residuals local: see docs/momentum.md)")
     parser.add_argument("--ps-address", default=None,
-                        help="tcp://host:port of a PS started with `plug-asgd serve-ps` (default: embedded PS)")
+                        help="tcp://host:port of a PS started with `plug-asgd serve-ps` (default: embedded PS); "
+                             "a sharded PS's shards comma-separated, in the order of their --shard")
+    parser.add_argument("--ps-shards", type=int, default=None,
+                        help="embedded PS processes, each holding a share of the model (default: 1)")
     ps_argument(parser, "worker_timeout")
     ps_argument(parser, "downlink_fraction")
     ps_argument(parser, "downlink_bound")
@@ -99,10 +102,16 @@ def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
                                  staleness_bound=args.staleness_bound,
                                  replicas_to_aggregate=args.replicas_to_aggregate)
     return AsyncPSStrategy(mode=mode, compressor=codec, max_updates=args.max_updates,
-                           ps_address=args.ps_address, resume_from=args.resume, ps_keys=args.ps_keys,
+                           ps_address=_addresses(args.ps_address), ps_shards=args.ps_shards,
+                           resume_from=args.resume, ps_keys=args.ps_keys,
                            ps_insecure=args.ps_insecure, worker_timeout=args.worker_timeout,
                            downlink_fraction=args.downlink_fraction, downlink_bound=args.downlink_bound,
                            staleness_compensation=False if args.no_staleness_compensation else None)
+
+
+def _addresses(text: str | None) -> str | list[str] | None:
+    """``--ps-address``: one address, or a sharded PS's as a list."""
+    return text.split(",") if text is not None and "," in text else text
 
 
 def make_callbacks(args: argparse.Namespace, datamodule: pl.LightningDataModule) -> list[pl.Callback]:
