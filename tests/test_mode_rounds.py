@@ -36,6 +36,7 @@ class StubClient:
     """PSClient as an exchange uses it, answering from a :class:`LocalPS` (no shared memory, no socket)."""
 
     shares_memory = False
+    takes_weights = True  # as PSClient
 
     def __init__(self, ps: LocalPS, rank: int) -> None:
         self.ps, self.rank = ps, rank
