@@ -12,7 +12,7 @@ from bench.netns import PREFIX, Topology, TopologyError
 from bench.slowlink import CONFIGS, SIZES, _run_spec
 from tests.conftest import PYTHON, needs_fashion, skip_unless_required
 
-SLOWLINK_QUICK_TIMEOUT_S = 360  # measured: 93 s on 2 cores (4 launches of about 8-33 s, with start-up)
+SLOWLINK_QUICK_TIMEOUT_S = 360  # measured: 45 s on 2 cores (3 launches of about 12-15 s, with start-up)
 # the recipe CNN's float32 parameters (plug_asgd/recipes/mnist.py: 1,199,882), written out rather than computed
 MODEL_BYTES = 4 * 1_199_882
 BATCH = 32
@@ -68,7 +68,7 @@ def test_quick_slowlink_measures_the_link_and_the_bytes_each_scheme_moves(can_ma
     # a TCP transfer crossing two 100 Mbit/s htb links: within 10% of the cap (payload, so a little under it)
     assert 90.0 <= rate["probe"]["mbit_per_s"] <= 100.0, rate["probe"]
     runs = rate["runs"]
-    assert set(runs) == {"single", "ddp", "asgd", "adacomp"}
+    assert set(runs) == {"ddp", "asgd", "adacomp"}
     dense = MODEL_BYTES / BATCH  # one model per step of a worker, over its batch
     # DDP: a ring all-reduce sends and receives 2 (n-1)/n models per step; n = 2. Frames, the start-up's
     # broadcast of the model and Lightning's per-step flags add a few percent.
@@ -83,7 +83,6 @@ def test_quick_slowlink_measures_the_link_and_the_bytes_each_scheme_moves(can_ma
     assert 1.0 <= asgd["up_per_sample"] / asgd["strategy_up_per_sample"] <= 1.05, asgd
     # adacomp pushes 1% of each layer (6 bytes a value): far under a tenth of asgd's pushes
     assert runs["adacomp"]["up_per_sample"] < 0.1 * asgd["up_per_sample"], runs["adacomp"]
-    assert runs["single"]["up_per_sample"] < 1000, runs["single"]  # no link: nothing but stray packets
     for name, r in runs.items():
         assert r["best_acc"] > 0.3, (name, r["curve"])  # chance is 0.1
         assert r["samples"] >= 32 * 10, (name, r["steps"])
