@@ -18,7 +18,7 @@ from plug_asgd.client import DEFAULT_HEARTBEAT_S, PSClient, PSError, PSUnreachab
 from plug_asgd.ps import PSConfig, embedded_command
 from plug_asgd.security import check_bind
 from plug_asgd.sharded_client import ShardedClient
-from plug_asgd.sharding import check_sharded_placement
+from plug_asgd.sharding import shard_folder
 
 
 @runtime_checkable
@@ -97,25 +97,27 @@ def check_placement(address: str, bind: str | None, *, embedded_options: bool, k
 
 def check_placements(addresses: Sequence[str], binds: Sequence[str] | None, *, embedded_options: bool, keys: Any,
                      insecure: bool) -> None:
-    """:func:`check_placement` for each shard, and no PSCheckpoint or resume_from for embedded shards."""
-    check_sharded_placement(len(addresses), binds is not None, embedded_options)
+    """:func:`check_placement` for each shard."""
     for address, bind in zip(addresses, binds or [None] * len(addresses), strict=True):
         check_placement(address, bind, embedded_options=embedded_options, keys=keys, insecure=insecure)
 
 
 def ps_config(strategy: Any, bind: str, trainer: Any, shard: str | None = None) -> PSConfig:
     """The embedded PS's config: ``strategy``'s arguments, the options of ``trainer``'s :class:`ConfiguresPS`
-    (``shard``: ``"I/N"``, one of several embedded shards)."""
+    (``shard``: ``"I/N"``, one of several embedded shards, whose checkpoints, resume and metrics are those
+    of a lone PS in a folder ``shard-I`` of the same place: :func:`~plug_asgd.sharding.shard_folder`)."""
     checkpoint = configurer(trainer)
     run_dir = strategy.ps_run_dir
     if run_dir is None and trainer is not None and trainer.loggers and trainer.log_dir is not None:
         run_dir = os.path.join(trainer.log_dir, "ps")
+    options = checkpoint.ps_options() if checkpoint is not None else {}
+    if options.get("checkpoint_dir") is not None:
+        options["checkpoint_dir"] = shard_folder(options["checkpoint_dir"], shard)
     return PSConfig(bind=bind, mode=strategy.mode.name, parent_pid=os.getpid(), max_updates=strategy.max_updates,
                     **strategy.mode.server_options(),
-                    resume=strategy.resume_from, worker_timeout=strategy.worker_timeout, run_dir=run_dir,
-                    keys=strategy.ps_keys, insecure=strategy.ps_insecure, threads=strategy.ps_threads,
-                    **strategy.downlink, shard=shard,
-                    **(checkpoint.ps_options() if checkpoint is not None else {}))
+                    resume=shard_folder(strategy.resume_from, shard), worker_timeout=strategy.worker_timeout,
+                    run_dir=shard_folder(run_dir, shard), keys=strategy.ps_keys, insecure=strategy.ps_insecure,
+                    threads=strategy.ps_threads, **strategy.downlink, shard=shard, **options)
 
 
 class EmbeddedPS:

@@ -3,12 +3,15 @@
 ``AsyncPSStrategy(ps_shards=N)`` has rank 0 start N embedded PS processes (ports ``ps_port`` to
 ``ps_port + N - 1``); ``ps_address=[...]`` names shards started by hand (``plug-asgd serve-ps --shard
 I/N``), in order. A setting that would work on one PS but not yet sharded is refused when the strategy
-is built, saying what works, rather than trained half right.
+is built, saying what works, rather than trained half right. Embedded shards keep their checkpoints,
+resume and metrics in a folder each (:func:`shard_folder`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from plug_asgd.client import PSClient
@@ -65,12 +68,15 @@ def sharded(ps_address: str | Sequence[str] | None, ps_shards: int | None, mode:
     return shards
 
 
-def check_sharded_placement(shards: int, embedded: bool, embedded_options: bool) -> None:
-    """Refuses PSCheckpoint and resume_from for embedded shards: each shard would need checkpoints of its own."""
-    if shards > 1 and embedded and embedded_options:
-        raise ValueError(f"PSCheckpoint and resume_from configure one embedded PS; with ps_shards={shards} the "
-                         "shards' checkpoints are not made yet: start each shard with `plug-asgd serve-ps --shard "
-                         "I/N --checkpoint-dir DIR_I` and give the strategy ps_address=[...]")
+def shard_folder(path: str | os.PathLike[str] | None, shard: str | None) -> Path | None:
+    """Where embedded shard ``"I/N"`` keeps what a lone embedded PS keeps in ``path``: ``path/shard-I``.
+
+    Each shard checkpoints its own pieces, and resumes from its own folder (``resume_from=DIR`` of a
+    sharded run: ``DIR/shard-0``, ``DIR/shard-1``...); a shard checkpoint records its ``I/N``, so one
+    resumed from another shard's folder is refused. A lone PS (``shard`` None) keeps ``path`` as it is."""
+    if path is None or shard is None:
+        return None if path is None else Path(path)
+    return Path(path) / f"shard-{shard.split('/')[0]}"
 
 
 def shards(binds: Sequence[str]) -> list[tuple[str, str | None]]:

@@ -34,6 +34,7 @@ from plug_asgd.checkpoint import (
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.disk import Retry, append_line
 from plug_asgd.ps.membership import Membership
+from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.stats import Stats
 from plug_asgd.ps.store import Snapshot, Store
 from plug_asgd.wire import FLOAT_DTYPES
@@ -67,8 +68,10 @@ class Persistence:
     """Writes the checkpoints and the metrics lines of one PS when due; resumes it from a checkpoint."""
 
     def __init__(self, config: PSConfig, store: Store, members: Membership, stats: Stats,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, shard: ShardGuard | None = None) -> None:
+        """``shard``: this PS's place in a sharded PS, recorded in its checkpoints and checked on resume."""
         self.config = config
+        self.shard = shard if shard is not None else ShardGuard(config.shard)
         self.policy = config.checkpoint_policy()
         self.store = store
         self.members = members
@@ -123,7 +126,7 @@ class Persistence:
         snap = self.store.snapshot()
         fields = {"mode": self.config.mode, "version": snap.version, "world_size": self.members.world_size,
                   "run_id": self.run_id, "last_seq": snap.last_seq, "rule": snap.rule_fields,
-                  "saved_at": time.time(), "stats": self.stats.saved()}
+                  "saved_at": time.time(), "stats": self.stats.saved(), **self.shard.checkpoint_fields()}
         tensors = {f"model/{n}": t for n, t in snap.tensors.items()}
         tensors.update((f"rule/{n}", a) for n, a in snap.rule_arrays.items())
         try:
@@ -159,6 +162,7 @@ class Persistence:
         if f.get("mode") != mode:
             raise CheckpointError(f"{path} was written by a PS in mode {f.get('mode')!r}; this one runs "
                                   f"{mode!r}: resume with --mode {f.get('mode')}")
+        self.shard.restore(f, path)
         tensors = {n[len("model/"):]: t for n, t in msg.tensors.items() if n.startswith("model/")}
         if not tensors or any(not isinstance(t, np.ndarray) or t.dtype.name not in FLOAT_DTYPES
                               for t in tensors.values()):

@@ -92,8 +92,8 @@ class ParameterServer:
         self.members = Membership(config.worker_timeout, self.stats, config.expected_workers)
         self.collectives = Collectives(self.members, self.stats, self._send, self._error)
         self.store = FastStore(config, self.stats)
-        self.persistence = Persistence(config, self.store, self.members, self.stats)
         self.shard = ShardGuard(config.shard)  # the partition its workers agree on, when it is one of several
+        self.persistence = Persistence(config, self.store, self.members, self.stats, shard=self.shard)
         self._stop = False
         if config.resume is not None:
             self.persistence.resume(config.resume)

@@ -5,12 +5,19 @@ it for shard I; the first worker to name a partition digest fixes it (as the fir
 world size), and a later worker whose model is cut otherwise (other names or shapes) is refused. A
 PS started without ``--shard`` refuses a worker that believes it is one of several shards. Every
 refusal says what to do.
+
+A shard's checkpoint records its ``I/N`` and that digest (:meth:`ShardGuard.checkpoint_fields`), so a
+shard resumed from it (:meth:`ShardGuard.restore`) refuses the checkpoint of another shard, and refuses
+from the first hello a worker whose partition is not the one its pieces were cut by: without the
+digest, a resumed shard would take whatever the first worker brought, and fold a differently cut
+model's slices into its own.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from plug_asgd.checkpoint import CheckpointError
 from plug_asgd.ps.partition import parse_shard
 from plug_asgd.wire import WireError
 
@@ -24,6 +31,41 @@ class ShardGuard:
         self.index, self.count = parse_shard(shard) if shard is not None else (0, 1)
         self.sharded = shard is not None
         self.digest: str | None = None
+
+    @property
+    def spec(self) -> str | None:
+        """``"I/N"``, or None for a PS that holds the whole model."""
+        return f"{self.index}/{self.count}" if self.sharded else None
+
+    def checkpoint_fields(self) -> dict[str, Any]:
+        """What a checkpoint records of this PS's place: ``shard`` (``"I/N"``, None: the whole model) and the
+        partition digest its workers agreed on (None before the first worker named one, or unsharded)."""
+        return {"shard": self.spec, "partition_digest": self.digest}
+
+    def restore(self, fields: dict[str, Any], path: Any) -> None:
+        """Refuse (CheckpointError) a checkpoint written by another shard, or by a PS of another shard count
+        (one that held the whole model included); take its partition digest.
+
+        A checkpoint without a ``shard`` field was written before it was recorded: it is taken as it is, its
+        digest left to the first worker, as then."""
+        if "shard" not in fields:
+            return
+        saved = fields["shard"]
+        if saved != self.spec:
+            if self.spec is None:
+                what = f"this PS holds the whole model (started without --shard): start it with --shard {saved}"
+            elif saved is None:
+                what = (f"this PS is shard {self.spec} and that checkpoint holds a whole model (written by a PS "
+                        "started without --shard): resume it without --shard, or start the shards afresh")
+            else:
+                what = (f"this PS was started as shard {self.spec}: resume each shard from its own checkpoints "
+                        f"(this one with --shard {saved})")
+            raise CheckpointError(f"{path} was written by "
+                                  + (f"shard {saved} of a sharded PS" if saved else "a PS holding the whole model")
+                                  + f"; {what}")
+        digest = fields.get("partition_digest")
+        if self.sharded and isinstance(digest, str) and 0 < len(digest) <= 64:
+            self.digest = digest
 
     def check(self, fields: dict[str, Any], address: str = "") -> None:
         """Refuses (``partition_mismatch``) a hello or init whose ``partition`` field this shard cannot take."""
