@@ -29,6 +29,7 @@ from torch import Tensor
 from plug_asgd.checkpoint import central_tensors, read_checkpoint, resolve_checkpoint
 from plug_asgd.client import PSClient, PSError, PSUnreachableError
 from plug_asgd.namespaces import LightningBound
+from plug_asgd.shard_checkpoint import read_sharded, shard_folders
 from plug_asgd.sharding import connect
 from plug_asgd.strategy import AsyncPSStrategy, synced_tensors
 from plug_asgd.tensors import assign
@@ -63,11 +64,19 @@ def load_central_weights(module: torch.nn.Module, path: str | os.PathLike[str], 
 
     For inference from what :class:`PSCheckpoint` or ``plug-asgd serve-ps --checkpoint-dir`` wrote.
     The file is checked (magic, checksum, every frame) before a byte is used; nothing is unpickled.
+    A folder of a sharded PS's checkpoints (``shard-0``, ``shard-1``...: ``PSCheckpoint`` with
+    ``ps_shards=N``) is assembled from each shard's newest file (:mod:`plug_asgd.shard_checkpoint`);
+    the version returned is then the newest shard's.
     """
-    msg = read_checkpoint(resolve_checkpoint(path, run_id))
-    central = central_tensors(msg)
     targets = dict(module.named_parameters())
     targets.update((n, b) for n, b in module.named_buffers() if b.is_floating_point())
+    if shard_folders(path):
+        versions, central = read_sharded(path, {n: tuple(t.shape) for n, t in synced_tensors(module).items()},
+                                         run_id)
+        version = max(versions)
+    else:
+        msg = read_checkpoint(resolve_checkpoint(path, run_id))
+        central, version = central_tensors(msg), int(msg.fields["version"])
     if strict:
         missing, unexpected = sorted(set(targets) - set(central)), sorted(set(central) - set(targets))
         if missing or unexpected:
@@ -78,7 +87,7 @@ def load_central_weights(module: torch.nn.Module, path: str | os.PathLike[str], 
             if tuple(central[name].shape) != tuple(t.shape):
                 raise ValueError(f"{name}: checkpoint shape {central[name].shape}, module shape {tuple(t.shape)}")
             assign(t, central[name])
-    return int(msg.fields["version"])
+    return version
 
 
 class PSCheckpoint(LightningBound):

@@ -3,7 +3,7 @@
 ``plug-asgd serve-ps``   a standalone parameter server for workers started elsewhere
                          (``--ps-address tcp://host:port`` on the recipes, ``ps_address=`` on the strategy);
 ``plug-asgd train mnist`` a ready-made recipe, every flag after its name passed to the recipe unchanged;
-``plug-asgd status ADDRESS`` the counters of a running PS, as a table;
+``plug-asgd status ADDRESS`` the counters of a running PS, as a table (of every shard, given several);
 ``plug-asgd keygen DIR``  CURVE keys for a PS that listens beyond loopback (``serve-ps --keys``);
 ``plug-asgd plot RUN... --out PNG`` learning curves of finished runs (their supervisor.jsonl).
 
@@ -319,17 +319,35 @@ def stats_table(address: str, stats: dict[str, Any]) -> Table:
 
 @app.command()
 def status(
-    address: Annotated[str, typer.Argument(help="the PS's address, e.g. tcp://127.0.0.1:2223 (tcp:// may be "
-                                           "left out)", show_default=False)],
+    addresses: Annotated[list[str], typer.Argument(metavar="ADDRESS...", help="the PS's address, e.g. "
+                                                   "tcp://127.0.0.1:2223 (tcp:// may be left out); a sharded PS's "
+                                                   "shards' addresses, in order, for one table of them all",
+                                                   show_default=False)],
     timeout: Annotated[float, typer.Option(callback=_check_positive, help="seconds to wait for the PS's answer")]
     = 5.0,
-    as_json: Annotated[bool, typer.Option("--json", help="print the counters as JSON instead of a table")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the counters as JSON instead of a table (a list, "
+                                          "one per shard, for several addresses)")] = False,
     keys: Annotated[Path | None, typer.Option(help="worker CURVE keys (DIR/worker of 'plug-asgd keygen'), for a "
                                               "PS started with --keys")] = None,
 ) -> None:
-    """Show the counters of a running parameter server (version, workers, traffic, staleness...)."""
-    if "://" not in address:
-        address = f"tcp://{address}"
+    """Show the counters of a running parameter server (version, workers, traffic, staleness...); of every
+    shard of a sharded PS, side by side, given their addresses."""
+    addresses = [a if "://" in a else f"tcp://{a}" for a in addresses]
+    each = [_stats(address, timeout, keys) for address in addresses]
+    if as_json:
+        print(json.dumps(each[0] if len(each) == 1 else each, indent=2, sort_keys=True))
+    elif len(each) == 1:
+        console.print(stats_table(addresses[0], each[0]))
+    else:
+        from plug_asgd.shard_status import order_problems, sharded_table
+
+        console.print(sharded_table(addresses, each, _bytes))
+        for problem in order_problems(addresses, each):
+            err_console.print(f"[bold yellow]warning:[/] {escape(problem)}", soft_wrap=True, highlight=False)
+
+
+def _stats(address: str, timeout: float, keys: Path | None) -> dict[str, Any]:
+    """One PS's counters, asked as a bystander; exits 1 (unreachable, refused) or 2 (bad address, keys)."""
     try:
         client = PSClient(address, rank=0, world_size=1, mode="", request_timeout=timeout, keys=keys)
     except KeysError as exc:
@@ -337,17 +355,13 @@ def status(
     except Exception as exc:  # zmq refuses a malformed endpoint at connect time
         raise _fail(f"cannot connect to {address}: {exc} (expected tcp://HOST:PORT)", 2) from None
     try:
-        stats = client.stats(timeout=timeout)
+        return client.stats(timeout=timeout)
     except PSUnreachableError as exc:
         raise _fail(str(exc), 1) from None  # names the address and says what to check
     except PSError as exc:
         raise _fail(str(exc), 1) from None
     finally:
         client.close()
-    if as_json:
-        print(json.dumps(stats, indent=2, sort_keys=True))
-    else:
-        console.print(stats_table(address, stats))
 
 
 @app.command()

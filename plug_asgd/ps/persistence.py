@@ -201,6 +201,7 @@ class Persistence:
         elapsed = max(1e-9, time.time() - s.started)
         return {
             "mode": config.mode, "version": store.version, "initialized": store.initialized,
+            "shard": self.shard.spec, "partition_digest": self.shard.digest,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "max_updates": config.max_updates, "world_size": members.world_size,
             "workers": sorted(members.workers), "trainers": len(members.trainers()),
