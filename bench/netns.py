@@ -65,10 +65,15 @@ class Host:
 class Topology:
     """Hosts joined by a bridge, each link capped at ``rate_mbit`` in both directions (None: no cap).
 
+    ``host_rates`` gives some hosts a rate of their own (None: uncapped), whatever ``rate_mbit`` is set
+    to: a server behind a capped link, say, pushed to by clients whose links must not be the bottleneck.
+    ``leaf``: a qdisc put under each cap's htb class (``"pfifo limit 50"``: a shallow buffer, as a switch's
+    port has; None: htb's default FIFO of the interface's txqueuelen packets).
     Use as a context manager: the namespaces exist inside the ``with`` block only.
     """
 
-    def __init__(self, names: list[str], rate_mbit: float | None = None, tag: str | None = None) -> None:
+    def __init__(self, names: list[str], rate_mbit: float | None = None, tag: str | None = None,
+                 host_rates: dict[str, float | None] | None = None, leaf: str | None = None) -> None:
         self.tag = tag or str(os.getpid())
         self.switch = f"{PREFIX}{self.tag}sw"
         self.hosts = {n: Host(n, f"{PREFIX}{self.tag}{n}", f"{SUBNET}.{i + 1}", f"p{self.tag}{i}")
@@ -76,6 +81,11 @@ class Topology:
         if any(len(h.port_dev) > 15 for h in self.hosts.values()):
             raise ValueError(f"tag {self.tag!r} too long for interface names")
         self.rate_mbit = rate_mbit
+        self.host_rates = dict(host_rates or {})
+        self.leaf = leaf
+        unknown = set(self.host_rates) - set(self.hosts)
+        if unknown:
+            raise ValueError(f"host_rates names hosts that are not in the topology: {sorted(unknown)}")
         self._made: list[str] = []
 
     def __enter__(self) -> Topology:
@@ -109,18 +119,22 @@ class Topology:
             raise
 
     def set_rate(self, rate_mbit: float | None) -> None:
-        """Cap every link at ``rate_mbit`` (an htb class on both ends' egress), or lift the caps (None)."""
+        """Cap every link at ``rate_mbit`` (an htb class on both ends' egress), or lift the caps (None); the hosts
+        of ``host_rates`` keep their own."""
         self.rate_mbit = rate_mbit
         for h in self.hosts.values():
+            rate = self.host_rates.get(h.name, rate_mbit)
             for ns, dev in ((h.ns, DEVICE), (self.switch, h.port_dev)):
                 ip("-n", ns, "link", "set", dev, "up")
                 _run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
-                if rate_mbit is None:
+                if rate is None:
                     continue
                 tc = ["ip", "netns", "exec", ns, "tc"]
                 _run([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"], check=True)
                 _run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
-                      "rate", f"{rate_mbit:g}mbit", "ceil", f"{rate_mbit:g}mbit"], check=True)
+                      "rate", f"{rate:g}mbit", "ceil", f"{rate:g}mbit"], check=True)
+                if self.leaf is not None:
+                    _run([*tc, "qdisc", "add", "dev", dev, "parent", "1:1", *self.leaf.split()], check=True)
 
     def down(self) -> None:
         """Delete the namespaces this topology made (their veths and the bridge go with them)."""
