@@ -144,6 +144,7 @@ def test_a_killed_shard_restarted_with_resume_rejoins_while_the_other_serves_and
     _wait_for(lambda: any(int(p.name[4:14]) >= 60 for p in list_checkpoints(ck[1]))
               or any(w.poll() is not None for w in workers), 60, "a checkpoint of shard 1 at version >= 60")
     assert all(w.poll() is None for w in workers), "a worker ended before shard 1 could be killed"
+    time.sleep(0.1)  # a few pushes past the checkpoint (about 100 a second): they die with the shard
     os.killpg(shards[1].pid, signal.SIGKILL)
     shards[1].wait(10)
     saved = resolve_checkpoint(ck[1])
