@@ -319,7 +319,7 @@ def stats_table(address: str, stats: dict[str, Any]) -> Table:
 
 @app.command()
 def status(
-    addresses: Annotated[list[str], typer.Argument(metavar="ADDRESS...", help="the PS's address, e.g. "
+    addresses: Annotated[list[str], typer.Argument(metavar="ADDRESS", help="the PS's address, e.g. "
                                                    "tcp://127.0.0.1:2223 (tcp:// may be left out); a sharded PS's "
                                                    "shards' addresses, in order, for one table of them all",
                                                    show_default=False)],
