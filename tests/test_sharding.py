@@ -359,8 +359,8 @@ def test_a_worker_with_another_partition_is_refused_with_what_to_do(start_ps):
 
 # the fits of tests/scripts/shard_fit.py's FITS: every mode that works sharded, the codecs and downlink_fraction
 # spread over them (sync: bf16, localsgd: qsgd, sagn: sign, osp: powersgd, agn: downlink_fraction)
-FIT_MODES = ["asgd", "adacomp", "dynsgd", "ssp", "downpour", "agn", "asgd_overlap", "sync", "localsgd", "sagn", "osp",
-             "losp", "easgd", "eamsgd"]
+FIT_MODES = ["asgd", "adacomp", "dynsgd", "ssp", "downpour", "agn", "asgd_overlap", "sync", "sync_backup", "localsgd",
+             "sagn", "osp", "losp", "easgd", "eamsgd"]
 # 2 workers x 40 steps (2 epochs of 20), a push every step but every push_every (tau) steps in these
 PUSH_EVERY = {"downpour": 4, "agn": 4, "localsgd": 4, "sagn": 4, "losp": 4, "easgd": 4, "eamsgd": 4}
 # a synchronous round is one version for both workers' pushes
@@ -387,7 +387,10 @@ def check_fit(ranks: list[dict], mode: str) -> None:
     for r in ranks:
         assert r["steps"] == 40
         # every push reached both shards: each shard's own version counts them all (or their rounds)
-        assert r["shard_versions"] == [fit_versions(mode)] * 2, r["shard_versions"]
+        if mode == "sync_backup":  # a round of the first push each shard got, the other dropped there
+            assert r["shard_versions"][0] == r["shard_versions"][1] and 40 <= r["shard_versions"][0] <= 80, r
+        else:
+            assert r["shard_versions"] == [fit_versions(mode)] * 2, r["shard_versions"]
         assert r["test_acc"] >= ACCURACY.get(mode, 0.9), r["test_acc"]
         assert r["comm"]["pushes"] == 40 // PUSH_EVERY.get(mode, 1)
         # downlink_fraction (agn's fit): the shards answered pushes with only the largest differences

@@ -32,6 +32,7 @@ FITS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "agn": ("agn", "none", {"downlink_fraction": 0.25, "lr": 0.4}),
     "asgd_overlap": ({"name": "asgd", "overlap": True}, "none", {}),
     "sync": ("sync", "sign", {}),
+    "sync_backup": ({"name": "sync", "replicas_to_aggregate": 1}, "none", {}),  # each shard takes its first push
     "localsgd": ({"name": "localsgd", "push_every": 4}, {"name": "qsgd", "bits": 6}, {}),
     "sagn": ("sagn", "bf16", {"lr": 0.8}),
     "osp": ("osp", {"name": "powersgd", "rank": 2}, {}),
