@@ -89,6 +89,27 @@ def test_the_status_of_a_push_is_the_shards_where_they_agree_and_partly_applied_
 
 # -- 2. synchronous rounds on every shard: two shards and one PS given the same pushes, in the same order -----
 
+def test_a_sync_round_sums_its_updates_in_rank_order_whatever_order_they_came_in():
+    """So two shards, each of which may receive the workers' pushes in another order, make one PS's bits."""
+    from plug_asgd.modes import CentralState, Push, SyncRule
+
+    rng = np.random.default_rng(6)
+    start = rng.standard_normal(1000).astype(np.float32)
+    ups = [(rng.standard_normal(1000) * 10.0 ** rng.integers(-4, 4, 1000)).astype(np.float32) for _ in range(4)]
+    results = set()
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]):
+        state, rule = CentralState({"w": start.copy()}), SyncRule()
+        rule.set_trainers(state, frozenset(range(4)))
+        for rank in order:
+            rule.push(state, Push(rank, rank, 0, {"w": ups[rank]}))
+        assert state.version == 1
+        results.add(state.tensors["w"].tobytes())
+    assert len(results) == 1
+    arrival = np.zeros(1000, np.float32)  # the sum in another order rounds otherwise: the test can tell
+    for rank in [3, 2, 1, 0]:
+        arrival += ups[rank]
+    assert (start + arrival / 4).tobytes() not in results
+
 def round_pushes(seed: int = 0, rounds: int = 4) -> list[list[tuple[int, dict]]]:
     """Per round, (rank, update) of 3 ranks in an order that changes from round to round; dense and sparse."""
     rng = np.random.default_rng(seed)
