@@ -84,7 +84,7 @@ class ShardedClient:
             client.partition = {**partition.describe(), "shard": index}
         self._pool = ThreadPoolExecutor(len(addresses) - 1, thread_name_prefix="plug_asgd-shard")
         self._last: ShardVersions | None = None
-        self.pushes = self.own_replies = 0
+        self.pushes = self.own_replies = self.partly_applied = 0
 
     # -- what a PSClient offers ------------------------------------------------------------------
 
@@ -107,7 +107,7 @@ class ShardedClient:
         for client in self.clients:
             for name in _SUMMED:
                 setattr(total, name, getattr(total, name) + getattr(client.counters, name))
-        total.pushes, total.own_replies = self.pushes, self.own_replies
+        total.pushes, total.own_replies, total.partly_applied = self.pushes, self.own_replies, self.partly_applied
         total.wait_seconds = max(c.counters.wait_seconds for c in self.clients)
         total.weights_not_current = 0
         return total
@@ -151,6 +151,7 @@ class ShardedClient:
         replies = self._each(lambda c, i: c.push(bases[i], parts[i], want_model,
                                                  while_waiting=while_waiting if i == 0 else None))
         self.pushes += 1
+        self.partly_applied += combined_status([r.status for r in replies]) == PARTLY_APPLIED
         if all(r.own for r in replies):
             self.own_replies += 1
             return self._combine(replies, own=True)

@@ -240,6 +240,7 @@ def test_a_sync_push_one_shard_takes_into_its_round_and_another_drops_is_partly_
         replies["c1"] = c.clients[1].push(0, c_split[1])
         assert replies["a"].status == "applied" and replies["a"].version.per_shard == (1, 1)
         assert replies["b"].status == PARTLY_APPLIED and replies["b"].version.per_shard == (1, 1)
+        assert b.counters.partly_applied == 1 and a.counters.partly_applied == 0  # in comm_stats()
         assert (replies["c0"].status, replies["c1"].status) == ("applied", "dropped")
         on_0 = {p.key for p in part.by_shard[0]}
         for name, shape in FOLD_SHAPES.items():
