@@ -339,3 +339,34 @@ def test_a_workers_exchange_over_two_shards_makes_the_bits_of_one_ps(start_ps, c
     finally:
         plain.close()
         sharded.close()
+
+
+# -- 4. downlink_fraction: each shard keeps its own copy of what each worker holds --------------------------------
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_shards_answer_with_the_approximate_replies_of_one_ps_for_tensors_they_hold_whole(start_ps):
+    """Per tensor, the share of coordinates furthest off: the same on a shard as on one PS for a tensor kept whole
+    (a cut tensor's share is taken per slice, docs/design.md); pulls stay exact."""
+    from tests.test_sharding import drive
+
+    rng = np.random.default_rng(7)
+    initial = {n: rng.standard_normal(s).astype(np.float32) for n, s in FOLD_SHAPES.items()}
+    one = start_ps("asgd", downlink_fraction=0.25)
+    shards = [start_ps("asgd", shard=f"{i}/2", downlink_fraction=0.25) for i in range(2)]
+    part = Partition(FOLD_SHAPES, 2, max_piece=10**6)  # nothing cut: every tensor on one shard, whole
+    assert all(p.whole for p in part.pieces) and all(part.by_shard)
+    options = {"world_size": 3, "mode": "asgd", "request_timeout": 30, "heartbeat_s": None}
+    plain = [PSClient(one, rank=r, **options) for r in range(3)]
+    sharded = [ShardedClient(shards, part, rank=r, **options) for r in range(3)]
+    try:
+        expected, expected_final = drive(plain, initial)
+        got, got_final = drive(sharded, initial)
+        for i, ((es, ev, em), (gs, gv, gm)) in enumerate(zip(expected, got, strict=True)):
+            assert (gs, gv) == (es, ev) and same_bits(gm, em), f"push {i}"
+        assert same_bits(got_final, expected_final)
+        approx = [s["approx_replies"] for s in sharded[0].stats()["shards"]]
+        assert all(a > 0 for a in approx) and sum(approx) == 2 * plain[0].stats()["approx_replies"], approx
+    finally:
+        for c in plain + sharded:
+            c.close()
