@@ -178,15 +178,18 @@ class Supervisor(LightningBound):
         address = strategy.ps_endpoints if strategy.ps_shards > 1 else strategy.ps_endpoint
         self._start = time.monotonic()
         self._stop.clear()
-        self._thread = threading.Thread(target=self._watch, args=(model, address, strategy.mode.name, strategy.ps_keys),
+        self._thread = threading.Thread(target=self._watch, args=(model, address, strategy.mode.name, strategy.ps_keys,
+                                                                  strategy.compressor),
                                         name="plug_asgd-supervisor", daemon=True)
         self._thread.start()
 
-    def _watch(self, model: torch.nn.Module, address: str | list[str], mode: str, keys: Any = None) -> None:
+    def _watch(self, model: torch.nn.Module, address: str | list[str], mode: str, keys: Any = None,
+               codec: Any = None) -> None:
         options = {"rank": 0, "world_size": 1, "mode": mode, "request_timeout": 30, "keys": keys}
-        # a sharded PS's (every shard's address): the model assembled from the shards' pieces
+        # a sharded PS's (every shard's address): the model assembled from the shards' pieces, cut as the workers
+        # cut it (their codec decides which tensors stay whole)
         client = PSClient(address, **options) if isinstance(address, str) else connect(
-            address, {n: tuple(t.shape) for n, t in synced_tensors(model).items()}, **options)
+            address, {n: tuple(t.shape) for n, t in synced_tensors(model).items()}, codec, **options)
         last_version, last_time = None, 0.0
         try:
             while not self._stop.wait(0.2):

@@ -10,7 +10,14 @@ shard's version, for the exchange's staleness arithmetic) that carries each shar
 push based on it sends each shard its own base version, so every shard's rule (adacomp's
 per-coordinate staleness, dynsgd's scale) sees the base that worker really had there.
 
+A push is done once every shard has answered it. Where a shard holds its reply (a synchronous round
+not complete yet, an ssp worker too far ahead), the worker waits for it as it would for one PS; each
+shard runs its own rounds. Where the shards answered differently (a sync push that one shard took into
+its round and another dropped as late: with ``replicas_to_aggregate`` below the training workers,
+each shard averages the first pushes it received), the reply says ``partly_applied``.
+
 Per shard, as on one PS: delta replies (each client's :class:`~plug_asgd.client.HeldModel`),
+approximate replies (``downlink_fraction``: each shard keeps its own copy of what the worker holds),
 heartbeats, duplicate detection. Not sharded yet: pushes of weights (a shard could take them while
 another refuses, and the update sent next would fold twice where they were taken) and shared-memory
 pushes; a sharded worker pushes updates over the sockets. Collectives, notices and stats go to shard 0.
@@ -34,6 +41,18 @@ _TRAFFIC = ("bytes_in", "bytes_out", "push_bytes_in", "push_local_bytes_in", "mo
             "push_messages")
 # the worker's counters that add up over its shard clients (bytes, requests); pushes are counted once per push
 _SUMMED = ("bytes_up", "bytes_down", "push_bytes_up", "push_local_bytes_up", "requests", "delta_replies")
+# a push some shards folded in and others dropped (see the module's docstring)
+PARTLY_APPLIED = "partly_applied"
+
+
+def combined_status(statuses: Sequence[str]) -> str:
+    """The status of a push from each shard's: theirs where they agree; ``partly_applied`` where some applied it
+    and the others dropped it; else the first that is not "applied" (stopped, duplicate)."""
+    if all(s == statuses[0] for s in statuses):
+        return statuses[0]
+    if set(statuses) == {"applied", "dropped"}:
+        return PARTLY_APPLIED
+    return next(s for s in statuses if s != "applied")
 
 
 class ShardVersions(int):
@@ -65,7 +84,7 @@ class ShardedClient:
             client.partition = {**partition.describe(), "shard": index}
         self._pool = ThreadPoolExecutor(len(addresses) - 1, thread_name_prefix="plug_asgd-shard")
         self._last: ShardVersions | None = None
-        self.pushes = self.own_replies = 0
+        self.pushes = self.own_replies = self.partly_applied = 0
 
     # -- what a PSClient offers ------------------------------------------------------------------
 
@@ -88,7 +107,7 @@ class ShardedClient:
         for client in self.clients:
             for name in _SUMMED:
                 setattr(total, name, getattr(total, name) + getattr(client.counters, name))
-        total.pushes, total.own_replies = self.pushes, self.own_replies
+        total.pushes, total.own_replies, total.partly_applied = self.pushes, self.own_replies, self.partly_applied
         total.wait_seconds = max(c.counters.wait_seconds for c in self.clients)
         total.weights_not_current = 0
         return total
@@ -132,6 +151,7 @@ class ShardedClient:
         replies = self._each(lambda c, i: c.push(bases[i], parts[i], want_model,
                                                  while_waiting=while_waiting if i == 0 else None))
         self.pushes += 1
+        self.partly_applied += combined_status([r.status for r in replies]) == PARTLY_APPLIED
         if all(r.own for r in replies):
             self.own_replies += 1
             return self._combine(replies, own=True)
@@ -205,11 +225,11 @@ class ShardedClient:
 
     def _combine(self, replies: Sequence[ModelReply], *, own: bool = False, tensors: bool = True,
                  status: str | None = None) -> ModelReply:
-        """One reply from every shard's: versions kept per shard, the first status that is not "applied"."""
+        """One reply from every shard's: versions kept per shard, the status by :func:`combined_status`."""
         version = ShardVersions([r.version for r in replies])
         self._last = version
         if status is None:
-            status = next((r.status for r in replies if r.status != "applied"), replies[0].status)
+            status = combined_status([r.status for r in replies])
         model = self.partition.assemble([r.tensors for r in replies]) if tensors and not own else {}
         return ModelReply(version=version, status=status, stop=any(r.stop for r in replies), tensors=model,
                           own=own, approx=any(r.approx for r in replies))

@@ -3,8 +3,17 @@
 ``AsyncPSStrategy(ps_shards=N)`` has rank 0 start N embedded PS processes (ports ``ps_port`` to
 ``ps_port + N - 1``); ``ps_address=[...]`` names shards started by hand (``plug-asgd serve-ps --shard
 I/N``), in order. A setting that would work on one PS but not yet sharded is refused when the strategy
-is built, saying what works, rather than trained half right. Embedded shards keep their checkpoints,
-resume and metrics in a folder each (:func:`shard_folder`).
+is built, saying why, rather than trained half right.
+
+Every mode works sharded but hogwild, each shard folding its slices by the mode's rule: the asynchronous
+modes fold every push as one PS would; the synchronous ones run their rounds on each shard, and a
+worker's push is done once every shard has answered it (with the default ``replicas_to_aggregate``,
+every training worker, each shard's round holds the same pushes; with fewer, each shard averages the
+first ones it received, which may be other workers' on another shard); the elastic modes pull the
+assembled center and push each shard its slice of ``alpha * (w - center)``. Every codec works: dense and
+sparse updates are cut by the partition, bf16, qsgd and sign updates by their codec (each slice decodes
+as the whole would), and the matrices PowerSGD factors stay whole on one shard (:func:`partition`).
+Embedded shards keep their checkpoints, resume and metrics in a folder each (:func:`shard_folder`).
 """
 
 from __future__ import annotations
@@ -15,18 +24,20 @@ from pathlib import Path
 from typing import Any
 
 from plug_asgd.client import PSClient
-from plug_asgd.compressors import Codec
+from plug_asgd.compressors import Codec, NoCompression
 from plug_asgd.modes import Mode
 from plug_asgd.ps.partition import Partition
 from plug_asgd.sharded_client import ShardedClient
 
-# Modes whose every version is one push folded in, piece by piece, by the same rule on each shard: the sharded
-# fold is the one PS's on every slice. Not (yet): the synchronous rounds (sync, localsgd, sagn, osp, losp: one
-# shard could drop a push another applies), the overlapped and elastic exchanges, hogwild (no PS traffic).
-SHARDED_MODES = ("asgd", "adacomp", "dynsgd", "ssp", "downpour")
-# Codecs whose update can be cut into slices (dense, or sparse by index); a packed form (bf16, qsgd, sign,
-# powersgd) describes a whole tensor.
-SHARDED_CODECS = ("none", "fp16", "topk", "randomk")
+# The modes that work sharded: each shard folds its slices by the mode's rule (see the module's docstring).
+SHARDED_MODES = ("asgd", "adacomp", "dynsgd", "ssp", "downpour", "agn", "sync", "localsgd", "sagn", "osp", "losp",
+                 "easgd", "eamsgd")
+# The modes that do not, and why.
+UNSHARDED_MODES = {"hogwild": "its workers step one model in the shared memory of one machine and the PS holds no "
+                              "model at all: there is nothing to shard"}
+# The codecs that work sharded: dense and sparse updates cut by index, bf16/qsgd/sign by their codec
+# (Codec.slice_packed), PowerSGD's matrices kept whole (Codec.keeps_whole).
+SHARDED_CODECS = ("none", "fp16", "bf16", "topk", "randomk", "qsgd", "sign", "powersgd")
 
 
 def shard_count(ps_address: str | Sequence[str] | None, ps_shards: int | None) -> int:
@@ -47,13 +58,16 @@ def check_sharded(mode: Mode, codec: Codec, shards: int, **refused: Any) -> None
     """Refuses, when the strategy is built, what does not work sharded yet; ``refused``: options that must be unset."""
     if shards == 1:
         return
-    if mode.name not in SHARDED_MODES or mode.exchange != "push":
-        raise ValueError(f"mode={mode.name!r}{' with overlap' if getattr(mode, 'overlap', False) else ''} does not "
-                         f"work on a sharded PS yet (ps_shards={shards}); the modes that do: "
-                         f"{', '.join(SHARDED_MODES)} (without overlap). Use one of them, or one PS")
+    if mode.name in UNSHARDED_MODES:
+        raise ValueError(f"mode={mode.name!r} takes no sharded PS (ps_shards={shards}): "
+                         f"{UNSHARDED_MODES[mode.name]}. Leave ps_shards and ps_address unset (one PS serves its "
+                         "barriers)")
+    if mode.name not in SHARDED_MODES:
+        raise ValueError(f"mode={mode.name!r} is not known to work on a sharded PS (ps_shards={shards}); the modes "
+                         f"that do: {', '.join(SHARDED_MODES)}. Use one of them, or one PS")
     if codec.name not in SHARDED_CODECS:
-        raise ValueError(f"compressor={codec.name!r} sends a packed form of each tensor, which cannot be cut over "
-                         f"shards; on a sharded PS use one of {', '.join(SHARDED_CODECS)}, or one PS")
+        raise ValueError(f"compressor={codec.name!r} is not known to work on a sharded PS (ps_shards={shards}); "
+                         f"the codecs that do: {', '.join(SHARDED_CODECS)}. Use one of them, or one PS")
     for name, value in refused.items():
         if value not in (None, False):
             raise ValueError(f"{name} does not work on a sharded PS yet (ps_shards={shards}): leave it unset, or "
@@ -84,9 +98,21 @@ def shards(binds: Sequence[str]) -> list[tuple[str, str | None]]:
     return [(bind, f"{i}/{len(binds)}" if len(binds) > 1 else None) for i, bind in enumerate(binds)]
 
 
-def connect(addresses: Sequence[str], shapes: Mapping[str, Sequence[int]], **client_options: Any
-            ) -> PSClient | ShardedClient:
-    """A PSClient for one PS; a ShardedClient over the partition of ``shapes`` for several."""
+def partition(shapes: Mapping[str, Sequence[int]], shards: int, codec: Codec | None = None) -> Partition:
+    """The partition of a model of ``shapes`` over ``shards`` shards for workers that push through ``codec``.
+
+    The codec decides which tensors stay whole (:meth:`Codec.keeps_whole`: those PowerSGD factors), so every
+    worker, the Supervisor and any bystander that assembles the model must name the run's codec; the
+    partition's digest, which each shard checks, then differs where a worker names another that cuts
+    otherwise."""
+    codec = codec if codec is not None else NoCompression()
+    whole = [name for name, shape in shapes.items() if codec.keeps_whole(tuple(int(d) for d in shape))]
+    return Partition(shapes, shards, whole=whole)
+
+
+def connect(addresses: Sequence[str], shapes: Mapping[str, Sequence[int]], codec: Codec | None = None,
+            **client_options: Any) -> PSClient | ShardedClient:
+    """A PSClient for one PS; a ShardedClient over the partition of ``shapes`` (for ``codec``) for several."""
     if len(addresses) == 1:
         return PSClient(addresses[0], **client_options)
-    return ShardedClient(addresses, Partition(shapes, len(addresses)), **client_options)
+    return ShardedClient(addresses, partition(shapes, len(addresses), codec), **client_options)

@@ -150,7 +150,7 @@ class AsyncPSStrategy(DDPPlumbing):
                                            worker_timeout=worker_timeout, ps_address=ps_address, ps_threads=ps_threads,
                                            downlink_fraction=downlink_fraction, downlink_bound=downlink_bound)
         self.max_updates, self.ps_address, self.ps_port = max_updates, ps_address, ps_port
-        self.ps_shards = sharded(ps_address, ps_shards, self.mode, self.compressor, downlink_fraction=downlink_fraction)
+        self.ps_shards = sharded(ps_address, ps_shards, self.mode, self.compressor)
         self.connect_timeout, self.request_timeout, self.lost_timeout = connect_timeout, request_timeout, lost_timeout
         self.worker_timeout, self.resume_from, self.ps_run_dir = worker_timeout, resume_from, ps_run_dir
         self.ps_keys, self.ps_insecure, self.ps_threads = ps_keys, ps_insecure, ps_threads
@@ -293,7 +293,7 @@ class AsyncPSStrategy(DDPPlumbing):
         if binds is not None and self.global_rank == 0:
             self._embedded_ps.start(*(ps_config(self, bind, self._trainer(), shard) for bind, shard in shards(binds)))
         shapes = {n: tuple(t.shape) for n, t in synced_tensors(self.lightning_module).items()}
-        self._client = connect(addresses, shapes, rank=self.global_rank, world_size=self.world_size,
+        self._client = connect(addresses, shapes, self.compressor, rank=self.global_rank, world_size=self.world_size,
                                mode=self.mode.name, request_timeout=self.request_timeout,
                                lost_timeout=self.lost_timeout, heartbeat_s=self.heartbeat_s, keys=self.ps_keys,
                                delta_replies=self.delta_replies)

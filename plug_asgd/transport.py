@@ -63,6 +63,7 @@ class CommCounters:
     own_replies: int = 0  # pushes answered without the model (see PSClient.push)
     delta_replies: int = 0  # model replies that carried only what changed since the model held (HeldModel)
     weights_not_current: int = 0  # pushes of weights the PS did not take: not counted in pushes
+    partly_applied: int = 0  # on a sharded PS: pushes some shards folded in and others dropped (sync rounds)
     wait_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -70,7 +71,8 @@ class CommCounters:
                 "push_local_bytes_up": self.push_local_bytes_up,
                 "requests": self.requests, "pushes": self.pushes, "own_replies": self.own_replies,
                 "delta_replies": self.delta_replies,
-                "weights_not_current": self.weights_not_current, "wait_seconds": round(self.wait_seconds, 6)}
+                "weights_not_current": self.weights_not_current, "partly_applied": self.partly_applied,
+                "wait_seconds": round(self.wait_seconds, 6)}
 
 
 class Transport:

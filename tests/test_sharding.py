@@ -113,39 +113,36 @@ def test_shard_specs_and_counts_are_checked():
         Partition({"x": (2,)}, 3)
 
 
-def test_modes_and_codecs_that_do_not_work_sharded_are_refused_naming_those_that_do():
+def test_only_hogwild_is_refused_sharded_saying_why_and_every_codec_is_taken():
     for name in modes.MODES:
         mode = modes.get(name)
-        if name in SHARDED_MODES:
-            check_sharded(mode, compressors.get("none"), 2)
-        else:
-            with pytest.raises(ValueError, match="the modes that do: asgd, adacomp"):
+        if name == "hogwild":  # its workers share one model in memory: the PS holds none, nothing to shard
+            with pytest.raises(ValueError, match="holds no model at all: there is nothing to shard"):
                 check_sharded(mode, compressors.get("none"), 2)
-        check_sharded(mode, compressors.get("none"), 1)  # one PS: anything goes
-    with pytest.raises(ValueError, match="without overlap"):
-        check_sharded(modes.get({"name": "asgd", "overlap": True}), compressors.get("none"), 2)
-    for name in compressors.COMPRESSORS:
-        if name in SHARDED_CODECS:
-            check_sharded(modes.get("asgd"), compressors.get(name), 2)
         else:
-            with pytest.raises(ValueError, match="cannot be cut over shards"):
-                check_sharded(modes.get("asgd"), compressors.get(name), 2)
-    with pytest.raises(ValueError, match="downlink_fraction does not work on a sharded PS"):
-        check_sharded(modes.get("asgd"), compressors.get("none"), 2, downlink_fraction=0.1)
+            assert name in SHARDED_MODES
+            check_sharded(mode, compressors.get("none"), 2)
+        check_sharded(mode, compressors.get("none"), 1)  # one PS: anything goes
+    check_sharded(modes.get({"name": "asgd", "overlap": True}), compressors.get("none"), 2)
+    assert set(SHARDED_CODECS) == set(compressors.COMPRESSORS)
+    for name in compressors.COMPRESSORS:
+        check_sharded(modes.get("asgd"), compressors.get(name), 2)
+    check_sharded(modes.get("asgd"), compressors.get("none"), 2, downlink_fraction=None)
+    with pytest.raises(ValueError, match="some_option does not work on a sharded PS"):  # what a refusal says
+        check_sharded(modes.get("asgd"), compressors.get("none"), 2, some_option=0.1)
 
 
 def test_the_strategy_refuses_a_sharded_setting_when_it_is_built():
     from plug_asgd import AsyncPSStrategy
 
-    with pytest.raises(ValueError, match="does not work on a sharded PS yet"):
-        AsyncPSStrategy(mode="sync", ps_shards=2)
-    with pytest.raises(ValueError, match="cannot be cut over shards"):
-        AsyncPSStrategy(mode="asgd", ps_address=["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], compressor="qsgd")
+    with pytest.raises(ValueError, match="mode='hogwild' takes no sharded PS"):
+        AsyncPSStrategy(mode="hogwild", ps_shards=2)
     with pytest.raises(ValueError, match="ps_shards must be an integer >= 1"):
         AsyncPSStrategy(ps_shards=0)
     s = AsyncPSStrategy(mode="adacomp", ps_shards=2)
     assert s.ps_shards == 2
     assert AsyncPSStrategy(ps_address=["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]).ps_shards == 2
+    assert AsyncPSStrategy(mode="osp", ps_shards=2, compressor="qsgd", downlink_fraction=0.1).ps_shards == 2
 
 
 def test_a_sharded_version_is_the_newest_shards_and_keeps_each_shards():
@@ -340,7 +337,7 @@ def test_a_worker_with_another_partition_is_refused_with_what_to_do(start_ps):
         assert first.init({n: np.zeros(s, np.float32) for n, s in FOLD_SHAPES.items()})
         # other shapes: the digest differs from the one the shards were first given
         message = refusal(sharded(shards, {**FOLD_SHAPES, "b": (41,)}))
-        assert "names or shapes differ" in message and "Train the same model on every worker" in message
+        assert "names or shapes differ" in message and "same compressor on every worker" in message
         # another shard count (three addresses, the first again as the third)
         message = refusal(sharded([*shards, shards[0]], FOLD_SHAPES, count=3))
         assert "is shard 0 of 2" in message and "over 3 shards" in message
@@ -360,8 +357,24 @@ def test_a_worker_with_another_partition_is_refused_with_what_to_do(start_ps):
 
 # -- 4. a sharded fit: 2 Lightning workers, embedded shards (ps_shards=2) or shards started by hand ----------
 
-FIT_MODES = ["asgd", "adacomp", "dynsgd", "ssp", "downpour"]
-FIT_PUSHES = {"downpour": 2 * 40 // 4}  # 2 workers x 40 steps (2 epochs of 20), a push every step but downpour's 4
+# the fits of tests/scripts/shard_fit.py's FITS: every mode that works sharded, the codecs and downlink_fraction
+# spread over them (sync: bf16, localsgd: qsgd, sagn: sign, osp: powersgd, agn: downlink_fraction)
+FIT_MODES = ["asgd", "adacomp", "dynsgd", "ssp", "downpour", "agn", "asgd_overlap", "sync", "sync_backup", "localsgd",
+             "sagn", "osp", "losp", "easgd", "eamsgd"]
+# 2 workers x 40 steps (2 epochs of 20), a push every step but every push_every (tau) steps in these
+PUSH_EVERY = {"downpour": 4, "agn": 4, "localsgd": 4, "sagn": 4, "losp": 4, "easgd": 4, "eamsgd": 4}
+# a synchronous round is one version for both workers' pushes
+ROUNDS = {"sync", "localsgd", "sagn", "osp", "losp"}
+# bn_sched's bar for this model (test_training's BatchNorm test), but sagn's: its 10 rounds of averaged updates,
+# each divided by its 4 steps, end at 0.84 on one PS too (tests/scripts/shard_fit.py --shards 1); and easgd's,
+# whose center trails the workers by alpha every tau steps (0.89 to 0.91 in runs)
+ACCURACY = {"sagn": 0.8, "easgd": 0.85}
+
+
+def fit_versions(mode: str) -> int:
+    """Each shard's version after a fit: one per push, or per round of the two workers' pushes."""
+    pushes = 40 // PUSH_EVERY.get(mode, 1)
+    return pushes if mode in ROUNDS else 2 * pushes
 
 
 def fit_results(out: Path, mode: str, log: str) -> list[dict]:
@@ -373,10 +386,15 @@ def fit_results(out: Path, mode: str, log: str) -> list[dict]:
 def check_fit(ranks: list[dict], mode: str) -> None:
     for r in ranks:
         assert r["steps"] == 40
-        # every push reached both shards: each shard's own version counts them all
-        assert r["shard_versions"] == [FIT_PUSHES.get(mode, 80)] * 2, r["shard_versions"]
-        assert r["test_acc"] >= 0.9  # bn_sched's bar for this model (test_training's BatchNorm test)
-        assert r["comm"]["pushes"] == FIT_PUSHES.get(mode, 80) // 2
+        # every push reached both shards: each shard's own version counts them all (or their rounds)
+        if mode == "sync_backup":  # a round of the first push each shard got, the other dropped there
+            assert r["shard_versions"][0] == r["shard_versions"][1] and 40 <= r["shard_versions"][0] <= 80, r
+        else:
+            assert r["shard_versions"] == [fit_versions(mode)] * 2, r["shard_versions"]
+        assert r["test_acc"] >= ACCURACY.get(mode, 0.9), r["test_acc"]
+        assert r["comm"]["pushes"] == 40 // PUSH_EVERY.get(mode, 1)
+        # downlink_fraction (agn's fit): the shards answered pushes with only the largest differences
+        assert (r["approx_replies"] > 0) == (mode == "agn"), r["approx_replies"]
     # both workers ended on the same model, and it is the central one assembled from the shards
     assert ranks[0]["held"] == ranks[1]["held"]
     assert ranks[0]["held"] == ranks[0]["central"]

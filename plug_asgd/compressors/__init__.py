@@ -16,7 +16,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from plug_asgd import registry
-from plug_asgd.compressors.base import COMPRESSORS, Codec, Compressor, ErrorFeedback, NoCompression, decode
+from plug_asgd.compressors.base import (
+    COMPRESSORS,
+    Codec,
+    Compressor,
+    ErrorFeedback,
+    NoCompression,
+    decode,
+    slice_packed,
+)
 from plug_asgd.compressors.cast import BF16, FP16, bf16_bits
 from plug_asgd.compressors.lowrank import PowerSGD
 from plug_asgd.compressors.quantize import QSGD, Sign
@@ -24,7 +32,7 @@ from plug_asgd.compressors.sparse import SPARSE_VALUES, RandomK, TopK, TopKResid
 
 __all__ = ["BF16", "COMPRESSORS", "FP16", "QSGD", "SPARSE_VALUES", "Codec", "Compressor", "ErrorFeedback",
            "NoCompression", "PowerSGD", "RandomK", "Sign", "TopK", "TopKResidual", "bf16_bits", "codec_table",
-           "decode", "get", "largest_magnitudes"]
+           "decode", "get", "largest_magnitudes", "slice_packed"]
 
 CodecLike = str | Codec | Mapping[str, Any]
 

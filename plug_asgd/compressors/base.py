@@ -68,6 +68,21 @@ class Codec(ABC):
         """The dense tensor a ``Packed`` of this codec stands for; only codecs that send one define it."""
         raise bad_payload(f"codec {packed.codec!r} sends no Packed tensors")
 
+    @classmethod
+    def slice_packed(cls, packed: Packed, start: int, stop: int) -> Packed:
+        """A ``Packed`` that decodes to values ``start:stop`` of ``packed``'s flat decoded tensor, bit for bit.
+
+        What a sharded PS needs of a tensor cut over shards (:mod:`plug_asgd.ps.partition`): each shard is
+        sent its slice of the tensor as encoded whole, so the worker's codec state (residual, norm, scale)
+        stays the one tensor's and every shard decodes what one PS would. Only codecs whose decoding is
+        elementwise can; the others keep the tensors they pack whole (:meth:`keeps_whole`)."""
+        raise ValueError(f"codec {packed.codec!r} packs a tensor as a whole, which cannot be cut into slices")
+
+    def keeps_whole(self, shape: tuple[int, ...]) -> bool:
+        """Whether a tensor of ``shape`` must stay whole on one shard of a sharded PS: True where this codec
+        sends it in a form that :meth:`slice_packed` cannot cut (PowerSGD's factors of the whole matrix)."""
+        return False
+
     def config(self) -> dict[str, Any]:
         """The knobs this codec was built with, by name (what ``get({"name": ..., **knobs})`` takes)."""
         return {p: getattr(self, p) for p in inspect.signature(type(self)).parameters}
@@ -187,6 +202,16 @@ def decode(tensor: Tensor, dtype: np.dtype | type, *, shape: tuple[int, ...] | N
         if codec is None:
             raise bad_payload(f"unknown codec {tensor.codec!r}; this side decodes {', '.join(sorted(packed))}")
         return codec.decode_packed(tensor, dtype)
+
+
+def slice_packed(packed: Packed, start: int, stop: int) -> Packed:
+    """Values ``start:stop`` of ``packed``'s flat tensor, in its codec's own form (:meth:`Codec.slice_packed`)."""
+    codec = packed_codecs().get(packed.codec)
+    if codec is None:
+        raise ValueError(f"unknown codec {packed.codec!r}")
+    if not 0 <= start < stop <= packed.numel:
+        raise ValueError(f"slice {start}:{stop} of a packed tensor of {packed.numel} values")
+    return codec.slice_packed(packed, start, stop)
 
 
 def packed_codecs() -> dict[str, type[Codec]]:

@@ -57,6 +57,11 @@ class BF16(Codec):
         expect(packed, "the bits", bits, {"uint16"}, (packed.numel,))
         return (bits.astype(np.uint32) << 16).view(np.float32).reshape(packed.shape).astype(dtype, copy=False)
 
+    @classmethod
+    def slice_packed(cls, packed: Packed, start: int, stop: int) -> Packed:
+        """One bit pattern per value: the slice of the patterns."""
+        return Packed("bf16", (stop - start,), {}, (np.asarray(packed.arrays[0])[start:stop],))
+
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
     """The bfloat16 bit patterns (uint16) of ``x`` rounded to float32, then to nearest even in 8 significant bits."""

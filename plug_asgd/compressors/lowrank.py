@@ -67,6 +67,10 @@ class PowerSGD(Codec):
         self.q[key] = q
         return Packed("powersgd", tuple(x.shape), {}, (np.ascontiguousarray(p), q))
 
+    def keeps_whole(self, shape: tuple[int, ...]) -> bool:
+        """A factored tensor: ``P @ Q.T`` is the whole matrix's approximation, not one of its slices'."""
+        return self._factored(tuple(shape)) is not None
+
     def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
         factored = self._factored(shape)
         if factored is None:

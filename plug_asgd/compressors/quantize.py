@@ -75,6 +75,13 @@ class QSGD(Codec):
         magnitude = (codes & ((1 << bits) - 1)) * (norm / ((1 << bits) - 1))
         return np.where(codes >> bits, -magnitude, magnitude).reshape(packed.shape).astype(dtype)
 
+    @classmethod
+    def slice_packed(cls, packed: Packed, start: int, stop: int) -> Packed:
+        """The slice's codes, packed again, with the whole tensor's norm: each decodes as it would whole."""
+        width = int(packed.meta["bits"]) + 1
+        codes = unpack_bits(np.asarray(packed.arrays[0]), packed.numel, width)[start:stop]
+        return Packed("qsgd", (stop - start,), dict(packed.meta), (pack_bits(codes, width),))
+
 
 class Sign(Codec):
     """One bit per coordinate and one scale (signSGD with error feedback, Karimireddy et al., ICML 2019).
@@ -114,6 +121,12 @@ class Sign(Codec):
         negative = np.unpackbits(bits, count=packed.numel, bitorder="little").astype(bool)
         value = dtype.type(scale)
         return np.where(negative, -value, value).astype(dtype, copy=False).reshape(packed.shape)
+
+    @classmethod
+    def slice_packed(cls, packed: Packed, start: int, stop: int) -> Packed:
+        """The slice's sign bits, packed again, with the whole tensor's scale: each decodes as it would whole."""
+        negative = np.unpackbits(np.asarray(packed.arrays[0]), count=packed.numel, bitorder="little")[start:stop]
+        return Packed("sign", (stop - start,), dict(packed.meta), (np.packbits(negative, bitorder="little"),))
 
 
 def pack_bits(codes: np.ndarray, width: int) -> np.ndarray:

@@ -289,6 +289,11 @@ class SyncRule(FoldRule):
     once), so with ``replicas_to_aggregate`` below the number of workers the slowest ones act
     as the backup workers of TensorFlow's SyncReplicasOptimizer. The default aggregates every
     worker currently training; a worker that leaves stops being waited for.
+
+    A round's updates are summed in the order of their ranks, not of their arrival: the same
+    pushes make the same bits whichever came first, so a run's rounds do not depend on timing
+    (beyond which pushes a round holds), and the shards of a sharded PS, each of which may receive
+    a worker's pushes in another order, make together the bits of one PS.
     """
 
     def __init__(self, replicas_to_aggregate: int | None = None) -> None:
@@ -317,9 +322,10 @@ class SyncRule(FoldRule):
         if not self.pending or len(self.pending) < self.target:
             return []
         n = len(self.pending)
+        by_rank = sorted(self.pending, key=lambda p: p.rank)
         for name, target in state.tensors.items():
             total = np.zeros_like(target)
-            for p in self.pending:
+            for p in by_rank:
                 if name in p.update:
                     _add_into(total, p.update[name])
             target += total / n

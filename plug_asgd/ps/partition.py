@@ -4,11 +4,14 @@ Every worker computes it from its own module and every shard gets only its piece
 the result's digest needs to be agreed on (each worker's hello carries it; a shard refuses one that
 differs). A tensor of more than ``max_piece`` values is cut into contiguous slices of its flat
 view, each at most ``max_piece`` (as BytePS cuts large tensors), so one large layer does not make
-one shard the bottleneck. The pieces then go, largest first, to the least loaded shard (LPT):
-each shard ends at most one piece above the mean, so ``max load / mean <= 1 + shards * max_piece
-/ total``; the default ``max_piece`` (a quarter of a shard's mean share) bounds that at 1.25.
+one shard the bottleneck. A tensor named in ``whole`` is never cut: a codec that packs a tensor as a
+whole (PowerSGD's factors of the matrix) says which (:meth:`plug_asgd.compressors.Codec.keeps_whole`),
+and every worker, sharing the codec, names the same ones. The pieces then go, largest first, to the
+least loaded shard (LPT): each shard ends at most one piece above the mean, so ``max load / mean <= 1
++ shards * largest piece / total``; the default ``max_piece`` (a quarter of a shard's mean share)
+bounds that at 1.25 where no tensor larger than it is kept whole.
 
-numpy and the wire only: the PS imports this, and must not import torch.
+numpy, the wire and the codecs only: the PS imports this, and must not import torch.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from plug_asgd.compressors.base import slice_packed
 from plug_asgd.wire import Packed, Sparse, Tensor
 
 # pieces per shard that the default max_piece aims at: max load / mean <= 1 + 1 / PIECES_PER_SHARD
@@ -62,7 +66,9 @@ class Piece:
 class Partition:
     """The pieces of a model over ``shards`` shards; see the module's docstring for the rule."""
 
-    def __init__(self, shapes: Mapping[str, Sequence[int]], shards: int, max_piece: int | None = None) -> None:
+    def __init__(self, shapes: Mapping[str, Sequence[int]], shards: int, max_piece: int | None = None,
+                 whole: Collection[str] = ()) -> None:
+        """``whole``: names of tensors never cut (see the module's docstring); names not in ``shapes`` are ignored."""
         if shards < 1:
             raise ValueError(f"shards must be >= 1, got {shards}")
         self.shards = shards
@@ -76,7 +82,7 @@ class Partition:
             raise ValueError(f"max_piece must be >= 1, got {max_piece}")
         cuts: list[tuple[str, int, int, bool]] = []
         for name, size in sizes.items():
-            count = max(1, -(-size // self.max_piece))
+            count = 1 if name in whole else max(1, -(-size // self.max_piece))
             bounds = [size * i // count for i in range(count + 1)]
             cuts += [(name, a, b, count == 1) for a, b in zip(bounds, bounds[1:], strict=False)]
         loads = [0] * shards
@@ -96,7 +102,9 @@ class Partition:
         """Each shard's pieces of ``tensors`` (any subset of the model's names): views where they can be.
 
         A dense array is sliced on its flat view, a sparse update by its indices (those of a slice are
-        counted from its start); a packed update (a codec's own form) can go only to a tensor kept whole."""
+        counted from its start), a packed update (a codec's own form) by its codec, where its decoding is
+        elementwise (bf16, qsgd, sign: each slice decodes to the values the whole would, bit for bit); a
+        tensor that a codec packs as a whole (PowerSGD) must be kept whole (``whole``)."""
         out: list[dict[str, Tensor]] = [{} for _ in range(self.shards)]
         for piece in self.pieces:
             if piece.name not in tensors:
@@ -109,8 +117,12 @@ class Partition:
                 out[piece.shard][piece.key] = Sparse(indices=t.indices[lo:hi] - piece.start, values=t.values[lo:hi],
                                                      shape=(piece.size,))
             elif isinstance(t, Packed):
-                raise ValueError(f"tensor {piece.name!r} is cut over shards and its update is packed by codec "
-                                 f"{t.codec!r}, which cannot be cut: use a codec whose updates are dense or sparse")
+                try:
+                    out[piece.shard][piece.key] = slice_packed(t, piece.start, piece.stop)
+                except ValueError as exc:
+                    raise ValueError(f"tensor {piece.name!r} is cut over shards and its update is packed by codec "
+                                     f"{t.codec!r}: {exc}. Build the partition with the codec's whole tensors "
+                                     "(plug_asgd.sharding.partition)") from exc
             else:
                 out[piece.shard][piece.key] = np.asarray(t).reshape(-1)[piece.start:piece.stop]
         return out

@@ -98,5 +98,6 @@ class ShardGuard:
         elif digest != self.digest:
             raise WireError(CODE, f"{here} (shard {self.index}/{self.count}) holds a model cut by partition "
                                   f"{self.digest} and the worker cuts its own as {digest}: its tensors' names or "
-                                  "shapes differ from those of the workers that came first. Train the same model "
-                                  "on every worker, or restart the shards for this one")
+                                  "shapes differ from those of the workers that came first, or its compressor "
+                                  "keeps other tensors whole. Train the same model with the same compressor on "
+                                  "every worker, or restart the shards for this one")

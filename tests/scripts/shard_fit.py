@@ -1,27 +1,65 @@
-"""tests/scripts/bn_sched.py's model fitted by 2 workers on a sharded PS (``ps_shards``), one fit per mode.
+"""tests/scripts/bn_sched.py's model fitted by 2 workers on a sharded PS (``ps_shards``), one fit per entry of FITS.
 
-Each rank writes OUT/MODE/rank{r}.json: the weights it holds after fit, the test accuracy, each shard's
-version as it left; rank 0 also the central model assembled from the shards by a bystander client after fit
-(its embedded shards stop only when it exits). ``--ps-address`` (comma-separated) uses shards started by
-hand instead of embedded ones; ``--ps-ports`` gives each mode's first embedded port. ``--checkpoint-dir``
+FITS names a mode, its codec and the strategy's other arguments: every mode that works sharded, with every
+codec and ``downlink_fraction`` spread over them (one launch, few fits). Each rank writes
+OUT/FIT/rank{r}.json: the weights it holds after fit, the test accuracy, each shard's version as it left;
+rank 0 also the central model assembled from the shards by a bystander client after fit (its embedded
+shards stop only when it exits). ``--ps-address`` (comma-separated) uses shards started by hand instead of
+embedded ones; ``--ps-ports`` gives each fit's first embedded port. ``--checkpoint-dir``
 adds a PSCheckpoint (each embedded shard writes DIR/shard-I), ``--resume-from`` starts the shards from one.
 """
 
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from bn_sched import BNNet, loader
 
-from plug_asgd import AsyncPSStrategy, PSCheckpoint
+from plug_asgd import AsyncPSStrategy, PSCheckpoint, compressors, modes
 from plug_asgd.sharding import connect
 from plug_asgd.strategy import synced_tensors
+
+# fit name: (mode, compressor, the strategy's other arguments and the workers' "lr"); agn and sagn divide the
+# update of push_every steps by their number: a larger step size makes up for it (Hermans et al.)
+FITS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
+    "asgd": ("asgd", "none", {}),
+    "adacomp": ({"name": "adacomp", "fraction": 0.1}, "none", {}),
+    "dynsgd": ("dynsgd", "none", {}),
+    "ssp": ("ssp", "none", {}),
+    "downpour": ("downpour", "none", {}),
+    "agn": ("agn", "none", {"downlink_fraction": 0.25, "lr": 0.4}),
+    "asgd_overlap": ({"name": "asgd", "overlap": True}, "none", {}),
+    "sync": ("sync", "sign", {}),
+    "sync_backup": ({"name": "sync", "replicas_to_aggregate": 1}, "none", {}),  # each shard takes its first push
+    "localsgd": ({"name": "localsgd", "push_every": 4}, {"name": "qsgd", "bits": 6}, {}),
+    "sagn": ("sagn", "bf16", {"lr": 0.8}),
+    "osp": ("osp", {"name": "powersgd", "rank": 2}, {}),
+    "losp": ("losp", "none", {}),
+    "easgd": ("easgd", "none", {}),
+    "eamsgd": ("eamsgd", "none", {}),
+}
+
+
+class FitNet(BNNet):
+    """BNNet with its step size given, and Nesterov momentum where asked (what eamsgd's workers must run)."""
+
+    def __init__(self, lr: float = 0.1, nesterov: bool = False) -> None:
+        super().__init__()
+        self.lr, self.nesterov = lr, nesterov
+
+    def configure_optimizers(self):
+        momentum = {"momentum": 0.9, "nesterov": True} if self.nesterov else {}
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, **momentum)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+        return [opt], [{"scheduler": sched, "interval": "step"}]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--modes", default="asgd,adacomp")
+    parser.add_argument("--modes", default="asgd,adacomp", help="names of FITS, comma-separated")
     parser.add_argument("--ps-ports", default=None, help="each mode's first embedded port, comma-separated")
     parser.add_argument("--ps-address", default=None, help="hand-started shards, comma-separated, in order")
     parser.add_argument("--shards", type=int, default=2)
@@ -30,30 +68,36 @@ def main() -> None:
     parser.add_argument("--resume-from", type=Path, default=None)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    modes = args.modes.split(",")
-    ports = [int(p) for p in args.ps_ports.split(",")] if args.ps_ports else [None] * len(modes)
-    for mode, port in zip(modes, ports, strict=True):
-        fit(mode, port, args, args.out / mode)
+    fits = args.modes.split(",")
+    ports = [int(p) for p in args.ps_ports.split(",")] if args.ps_ports else [None] * len(fits)
+    for name, port in zip(fits, ports, strict=True):
+        fit(name, port, args, args.out / name)
 
 
-def fit(mode: str, port: int | None, args: argparse.Namespace, out_dir: Path) -> None:
+def fit(name: str, port: int | None, args: argparse.Namespace, out_dir: Path) -> None:
     pl.seed_everything(0, verbose=False)
-    model = BNNet()
+    mode_spec, codec_spec, options = FITS[name]
+    options = dict(options)
+    mode, codec = modes.get(mode_spec), compressors.get(codec_spec)
+    model = FitNet(options.pop("lr", 0.1), nesterov=mode.name == "eamsgd")
     shards = {"ps_address": args.ps_address.split(",")} if args.ps_address else {"ps_shards": args.shards}
-    strategy = AsyncPSStrategy(mode={"name": mode, "fraction": 0.1} if mode == "adacomp" else mode, ps_port=port,
-                               resume_from=args.resume_from, **shards)
+    strategy = AsyncPSStrategy(mode=mode, compressor=codec, ps_port=port, resume_from=args.resume_from, **options,
+                               **shards)
     callbacks = [PSCheckpoint(args.checkpoint_dir, every_n_updates=10)] if args.checkpoint_dir else []
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=args.epochs, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=callbacks)
     trainer.fit(model, loader(1280, 0, True))
     held = {n: t.detach().flatten().tolist() for n, t in synced_tensors(model).items()}
+    stats = strategy.ps_stats()
     out = {"rank": trainer.global_rank, "steps": trainer.global_step, "held": held,
-           "shard_versions": [s["version"] for s in strategy.ps_stats()["shards"]],
+           "shard_versions": [s["version"] for s in stats.get("shards", [stats])],  # --shards 1: one PS's
+           "approx_replies": sum(s.get("approx_replies") or 0 for s in stats.get("shards", [stats])),
            "comm": strategy.comm_stats()}
     if trainer.global_rank == 0:
         shapes = {n: tuple(t.shape) for n, t in synced_tensors(model).items()}
-        client = connect(strategy.ps_endpoints, shapes, rank=0, world_size=1, mode=mode, request_timeout=30)
+        client = connect(strategy.ps_endpoints, shapes, codec, rank=0, world_size=1, mode=mode.name,
+                         request_timeout=30)
         try:
             out["central"] = {n: t.flatten().tolist() for n, t in client.pull().tensors.items()}
         finally:
