@@ -326,3 +326,22 @@ def test_embedded_shards_checkpoint_each_in_its_folder_and_a_fit_resumes_from_th
     assert held == first["central"]
     second = fit(tmp_path / "second", "--resume-from", str(ck))
     assert second["shard_versions"] == [160, 160]  # each shard went on from its own checkpoint
+
+
+def test_load_central_weights_reads_shards_whose_codec_kept_a_tensor_whole(tmp_path):
+    """PowerSGD keeps the matrices it factors whole on one shard: the pieces' names, not a partition, place them."""
+    import torch
+
+    from plug_asgd.callbacks import load_central_weights
+    from plug_asgd.checkpoint import checkpoint_name, write_checkpoint
+
+    held = [{"w": np.arange(64, dtype=np.float32)}, {"b": -np.ones(8, np.float32)}]  # w whole on shard 0
+    for i, tensors in enumerate(held):
+        (tmp_path / f"shard-{i}").mkdir()
+        write_checkpoint(tmp_path / f"shard-{i}" / checkpoint_name(5, "r"),
+                         {"mode": "asgd", "version": 5, "shard": f"{i}/2", "partition_digest": "kept-whole"},
+                         {f"model/{k}": v for k, v in tensors.items()})
+    net = torch.nn.Module()
+    net.w, net.b = torch.nn.Parameter(torch.zeros(64)), torch.nn.Parameter(torch.zeros(8))
+    assert load_central_weights(net, tmp_path) == 5
+    assert np.array_equal(net.w.detach().numpy(), held[0]["w"]) and float(net.b.sum()) == -8.0
