@@ -344,4 +344,4 @@ def test_load_central_weights_reads_shards_whose_codec_kept_a_tensor_whole(tmp_p
     net = torch.nn.Module()
     net.w, net.b = torch.nn.Parameter(torch.zeros(64)), torch.nn.Parameter(torch.zeros(8))
     assert load_central_weights(net, tmp_path) == 5
-    assert np.array_equal(net.w.detach().numpy(), held[0]["w"]) and float(net.b.sum()) == -8.0
+    assert np.array_equal(net.w.detach().numpy(), held[0]["w"]) and float(net.b.detach().sum()) == -8.0
