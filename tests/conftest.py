@@ -315,3 +315,25 @@ def serving_pair(address: str, tensors: dict, session: str = "raw") -> tuple:
                                         "mode": "asgd", "training": True}))
     assert raw.poll(20_000) and decode(raw.recv_multipart()).type == "welcome"
     return good, raw
+
+
+def run_on_emulated_hosts(command: list[str], timeout: float) -> tuple[int, str]:
+    """Runs a benchmark that makes network namespaces (bench/netns.py) to its end; fails if it left a process
+    or a namespace behind. Returns its exit code and output."""
+    from bench.netns import PREFIX
+
+    def namespaces() -> set[str]:
+        done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)
+        return {line.split()[0] for line in done.stdout.splitlines() if line.startswith(PREFIX)}
+
+    before = namespaces()
+    groups = ProcessGroups()
+    try:
+        rc, output = groups.run(command, timeout=timeout)
+        left = groups.leftovers()
+    finally:
+        for p in groups.procs:
+            groups.kill(p)
+    assert not left, f"the benchmark left processes behind: {left}"
+    assert namespaces() == before, "the benchmark left network namespaces behind"
+    return rc, output

@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
-from bench.netns import PREFIX, Topology, TopologyError
-from tests.conftest import PYTHON, ProcessGroups, skip_unless_required
+from bench.netns import Topology, TopologyError
+from tests.conftest import PYTHON, run_on_emulated_hosts, skip_unless_required
 
 SHARD_INGEST_QUICK_TIMEOUT_S = 120  # measured: 25 s on 2 cores, a CI run beside it (a 2 s probe, 2 phases of 10 s)
 # the recipe CNN's float32 parameters (plug_asgd/recipes/mnist.py: 1,199,882), written out rather than computed
 PARAMETERS = 1_199_882
 RATE_MBIT = 1000.0
-
-
-def namespaces() -> set[str]:
-    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)
-    return {line.split()[0] for line in done.stdout.splitlines() if line.startswith(PREFIX)}
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +35,8 @@ def test_quick_shard_ingest_moves_each_shards_pieces_through_its_own_link(can_ma
     from plug_asgd.ps.partition import Partition
     from plug_asgd.recipes.mnist import MnistCNN
 
-    before = namespaces()
-    groups = ProcessGroups()
-    try:
-        rc, output = groups.run([PYTHON, "-m", "bench.shard_ingest", "--quick", "--out", str(tmp_path)],
-                                timeout=SHARD_INGEST_QUICK_TIMEOUT_S)
-        left = groups.leftovers()
-    finally:
-        for p in groups.procs:
-            groups.kill(p)
-    assert not left, f"the benchmark left processes behind: {left}"
-    assert namespaces() == before, "the benchmark left network namespaces behind"
+    rc, output = run_on_emulated_hosts([PYTHON, "-m", "bench.shard_ingest", "--quick", "--out", str(tmp_path)],
+                                       timeout=SHARD_INGEST_QUICK_TIMEOUT_S)
     assert rc == 0, output[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert "2 shards / 1" in (tmp_path / "results.md").read_text()

@@ -21,6 +21,7 @@ from plug_asgd.ps.partition import Partition
 from plug_asgd.sharded_client import PARTLY_APPLIED, ShardedClient, ShardVersions, combined_status
 from plug_asgd.sharding import partition
 from plug_asgd.wire import Packed, Sparse
+from tests.test_sharding import same_bits
 
 FOLD_SHAPES = {"w": (48, 40), "b": (40,), "v": (7,), "k": (3, 3, 4)}
 
@@ -172,10 +173,6 @@ def drive_rounds(clients: list, watchers: list[PSClient], initial: dict) -> tupl
                          {n: np.array(t) for n, t in replies[rank].tensors.items()}))
     final = clients[0].pull()
     return seen, {n: np.array(t) for n, t in final.tensors.items()}
-
-
-def same_bits(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(a[n].shape == b[n].shape and a[n].tobytes() == b[n].tobytes() for n in a)
 
 
 @pytest.mark.integration

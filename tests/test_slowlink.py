@@ -4,23 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
-from bench.netns import PREFIX, Topology, TopologyError
+from bench.netns import Topology, TopologyError
 from bench.slowlink import CONFIGS, SIZES, _run_spec
-from tests.conftest import PYTHON, needs_fashion, skip_unless_required
+from tests.conftest import PYTHON, needs_fashion, run_on_emulated_hosts, skip_unless_required
 
 SLOWLINK_QUICK_TIMEOUT_S = 360  # measured: 45 s on 2 cores (3 launches of about 12-15 s, with start-up)
 # the recipe CNN's float32 parameters (plug_asgd/recipes/mnist.py: 1,199,882), written out rather than computed
 MODEL_BYTES = 4 * 1_199_882
 BATCH = 32
-
-
-def namespaces() -> set[str]:
-    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)
-    return {line.split()[0] for line in done.stdout.splitlines() if line.startswith(PREFIX)}
 
 
 @pytest.fixture(scope="module")
@@ -48,19 +42,8 @@ def test_each_configuration_is_a_run_of_its_scheme():
 @pytest.mark.integration
 @pytest.mark.timeout(SLOWLINK_QUICK_TIMEOUT_S + 60)
 def test_quick_slowlink_measures_the_link_and_the_bytes_each_scheme_moves(can_make_hosts, tmp_path):
-    from tests.conftest import ProcessGroups
-
-    before = namespaces()
-    groups = ProcessGroups()
-    try:
-        rc, output = groups.run([PYTHON, "-m", "bench.slowlink", "--quick", "--out", str(tmp_path)],
-                                timeout=SLOWLINK_QUICK_TIMEOUT_S)
-        left = groups.leftovers()
-    finally:
-        for p in groups.procs:
-            groups.kill(p)
-    assert not left, f"the benchmark left processes behind: {left}"
-    assert namespaces() == before, "the benchmark left network namespaces behind"
+    rc, output = run_on_emulated_hosts([PYTHON, "-m", "bench.slowlink", "--quick", "--out", str(tmp_path)],
+                                       timeout=SLOWLINK_QUICK_TIMEOUT_S)
     assert rc == 0, output[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert (tmp_path / "results.md").exists()
