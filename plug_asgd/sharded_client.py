@@ -151,16 +151,16 @@ class ShardedClient:
         replies = self._each(lambda c, i: c.push(bases[i], parts[i], want_model,
                                                  while_waiting=while_waiting if i == 0 else None))
         self.pushes += 1
-        self.partly_applied += combined_status([r.status for r in replies]) == PARTLY_APPLIED
+        status = combined_status([r.status for r in replies])  # the push's, whatever the pulls below answer
+        self.partly_applied += status == PARTLY_APPLIED
         if all(r.own for r in replies):
             self.own_replies += 1
-            return self._combine(replies, own=True)
-        if any(r.own for r in replies):
+            return self._combine(replies, status, own=True)
+        partly_own = any(r.own for r in replies)
+        if partly_own:
             pulled = self._each(lambda c, i: c.pull() if replies[i].own else None)
-            status = self._combine(replies, tensors=False).status
             replies = [p if p is not None else r for p, r in zip(pulled, replies, strict=True)]
-            return self._combine(replies, status=status)
-        return self._combine(replies, tensors=want_model is not False)
+        return self._combine(replies, status, tensors=partly_own or want_model is not False)
 
     def gather(self, *args: Any, **kwargs: Any) -> list[tuple[int, Any, dict[str, Any]]]:
         """A collective: through shard 0 only."""
@@ -223,9 +223,9 @@ class ShardedClient:
         raise ValueError(f"base version {base_version!r} is not one this sharded client handed out: base a push on "
                          "the version of a reply of this client")
 
-    def _combine(self, replies: Sequence[ModelReply], *, own: bool = False, tensors: bool = True,
-                 status: str | None = None) -> ModelReply:
-        """One reply from every shard's: versions kept per shard, the status by :func:`combined_status`."""
+    def _combine(self, replies: Sequence[ModelReply], status: str | None = None, *, own: bool = False,
+                 tensors: bool = True) -> ModelReply:
+        """One reply from every shard's: versions kept per shard; the status given, or :func:`combined_status`."""
         version = ShardVersions([r.version for r in replies])
         self._last = version
         if status is None:

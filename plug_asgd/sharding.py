@@ -54,8 +54,8 @@ def shard_count(ps_address: str | Sequence[str] | None, ps_shards: int | None) -
     return len(ps_address)
 
 
-def check_sharded(mode: Mode, codec: Codec, shards: int, **refused: Any) -> None:
-    """Refuses, when the strategy is built, what does not work sharded yet; ``refused``: options that must be unset."""
+def check_sharded(mode: Mode, codec: Codec, shards: int) -> None:
+    """Refuses, when the strategy is built, a mode or codec not known to work sharded."""
     if shards == 1:
         return
     if mode.name in UNSHARDED_MODES:
@@ -68,17 +68,12 @@ def check_sharded(mode: Mode, codec: Codec, shards: int, **refused: Any) -> None
     if codec.name not in SHARDED_CODECS:
         raise ValueError(f"compressor={codec.name!r} is not known to work on a sharded PS (ps_shards={shards}); "
                          f"the codecs that do: {', '.join(SHARDED_CODECS)}. Use one of them, or one PS")
-    for name, value in refused.items():
-        if value not in (None, False):
-            raise ValueError(f"{name} does not work on a sharded PS yet (ps_shards={shards}): leave it unset, or "
-                             "use one PS")
 
 
-def sharded(ps_address: str | Sequence[str] | None, ps_shards: int | None, mode: Mode, codec: Codec,
-            **refused: Any) -> int:
+def sharded(ps_address: str | Sequence[str] | None, ps_shards: int | None, mode: Mode, codec: Codec) -> int:
     """The shard count of the strategy's arguments (:func:`shard_count`), once :func:`check_sharded` let it be."""
     shards = shard_count(ps_address, ps_shards)
-    check_sharded(mode, codec, shards, **refused)
+    check_sharded(mode, codec, shards)
     return shards
 
 
