@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from plug_asgd.checkpoint import CheckpointError, central_tensors, read_checkpoint, resolve_checkpoint
+from plug_asgd.ps.partition import piece_span
 
 _SHARD_DIR = re.compile(r"^shard-(\d+)$")
-_SLICE = re.compile(r"^(.*)\[(\d+):(\d+)\]$")  # Piece.key of a slice
 
 
 def shard_folders(path: str | os.PathLike[str]) -> list[Path]:
@@ -65,7 +65,7 @@ def read_sharded(path: str | os.PathLike[str], shapes: Mapping[str, Sequence[int
             digests.add(msg.fields["partition_digest"])
         versions.append(int(msg.fields["version"]))
         for key, values in central_tensors(msg).items():
-            name, start, stop = _piece(key, shapes)
+            name, start, stop = piece_span(key, shapes)
             whole_ok = key != name or values.shape == tuple(shapes[name])
             if name not in sizes or stop > sizes[name] or values.size != stop - start or not whole_ok:
                 raise CheckpointError(f"{file} holds {key!r} of shape {values.shape}, no piece of the module's "
@@ -84,10 +84,3 @@ def read_sharded(path: str | os.PathLike[str], shapes: Mapping[str, Sequence[int
         model[name] = np.concatenate([v for _, _, v in held]).reshape(tuple(shapes[name]))
     return versions, model
 
-
-def _piece(key: str, shapes: Mapping[str, Sequence[int]]) -> tuple[str, int, int]:
-    """(tensor name, start, stop) of a shard's piece named ``key``: ``name[start:stop]``, or a whole tensor."""
-    match = _SLICE.match(key)
-    if match and key not in shapes:
-        return match.group(1), int(match.group(2)), int(match.group(3))
-    return key, 0, math.prod(shapes[key]) if key in shapes else 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +43,18 @@ def parse_shard(spec: str) -> tuple[int, int]:
     if not (count >= 1 and 0 <= index < count):
         raise ValueError(f"shard I/N needs 0 <= I < N, got {spec!r}")
     return index, count
+
+
+_SLICE_KEY = re.compile(r"^(.*)\[(\d+):(\d+)\]$")  # Piece.key of a slice
+
+
+def piece_span(key: str, shapes: Mapping[str, Sequence[int]]) -> tuple[str, int, int]:
+    """(tensor name, start, stop) of the piece named ``key`` (:attr:`Piece.key`): ``name[start:stop]`` of a cut
+    tensor's flat view, or a whole tensor of ``shapes`` (an unknown name: ``(key, 0, 0)``)."""
+    match = _SLICE_KEY.match(key)
+    if match and key not in shapes:
+        return match.group(1), int(match.group(2)), int(match.group(3))
+    return key, 0, math.prod(shapes[key]) if key in shapes else 0
 
 
 @dataclass(frozen=True)
