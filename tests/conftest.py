@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -337,3 +338,17 @@ def run_on_emulated_hosts(command: list[str], timeout: float) -> tuple[int, str]
     assert not left, f"the benchmark left processes behind: {left}"
     assert namespaces() == before, "the benchmark left network namespaces behind"
     return rc, output
+
+
+def require_emulated_hosts(rate_mbit: float | None, tag: str, **topology: Any) -> None:
+    """Makes and removes a 2-host topology (bench/netns.py) to learn whether namespaces, veths, a bridge and htb
+    can be made here (root, iproute2); skips if not, or fails where the suite must run everything."""
+    from bench.netns import Topology, TopologyError
+
+    try:
+        with Topology(["a", "b"], rate_mbit, tag=f"{os.getpid()}{tag}", **topology):
+            pass
+    except FileNotFoundError:
+        skip_unless_required("iproute2's `ip` is not installed: apt-get install iproute2")
+    except TopologyError as exc:
+        skip_unless_required(f"cannot emulate hosts here ({exc}); this benchmark needs root, iproute2 and tc")

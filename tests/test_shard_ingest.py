@@ -4,12 +4,10 @@ checked against figures computed here (the model's bytes, each shard's pieces, t
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from bench.netns import Topology, TopologyError
-from tests.conftest import PYTHON, run_on_emulated_hosts, skip_unless_required
+from tests.conftest import PYTHON, require_emulated_hosts, run_on_emulated_hosts
 
 SHARD_INGEST_QUICK_TIMEOUT_S = 120  # measured: 25 s on 2 cores, a CI run beside it (a 2 s probe, 2 phases of 10 s)
 # the recipe CNN's float32 parameters (plug_asgd/recipes/mnist.py: 1,199,882), written out rather than computed
@@ -20,13 +18,7 @@ RATE_MBIT = 1000.0
 @pytest.fixture(scope="module")
 def can_make_hosts():
     """Namespaces, veths, a bridge and htb can be made here (root, iproute2); else skip, or fail in CI."""
-    try:
-        with Topology(["a", "b"], None, tag=f"{os.getpid()}i", host_rates={"a": RATE_MBIT}):
-            pass
-    except FileNotFoundError:
-        skip_unless_required("iproute2's `ip` is not installed: apt-get install iproute2")
-    except TopologyError as exc:
-        skip_unless_required(f"cannot emulate hosts here ({exc}); this benchmark needs root, iproute2 and tc")
+    require_emulated_hosts(None, "i", host_rates={"a": RATE_MBIT})
 
 
 @pytest.mark.integration

@@ -21,7 +21,7 @@ from plug_asgd.ps.partition import Partition
 from plug_asgd.sharded_client import PARTLY_APPLIED, ShardedClient, ShardVersions, combined_status
 from plug_asgd.sharding import partition
 from plug_asgd.wire import Packed, Sparse
-from tests.test_sharding import same_bits
+from tests.test_sharding import one_ps_and_shards, same_bits
 
 FOLD_SHAPES = {"w": (48, 40), "b": (40,), "v": (7,), "k": (3, 3, 4)}
 
@@ -186,21 +186,20 @@ def test_two_shards_run_the_sync_rounds_of_one_ps_bit_for_bit(start_ps, replicas
     part = Partition(FOLD_SHAPES, 2)
     assert any(not p.whole for p in part.pieces), "the test must cut a tensor"
     options = {"world_size": 3, "mode": "sync", "request_timeout": 30, "heartbeat_s": None}
-    plain = [PSClient(one, rank=r, **options) for r in range(3)]
-    sharded = [ShardedClient(shards, part, rank=r, **options) for r in range(3)]
     watchers = [PSClient(a, rank=0, **options) for a in (one, *shards)]
     try:
-        expected, expected_final = drive_rounds(plain, watchers[:1], initial)
-        got, got_final = drive_rounds(sharded, watchers[1:], initial)
-        statuses = [s for _, s, _, _ in expected]
-        assert statuses.count("applied") == (12 if replicas is None else 8), statuses
-        for i, ((er, es, ev, em), (gr, gs, gv, gm)) in enumerate(zip(expected, got, strict=True)):
-            assert (gr, gs, gv) == (er, es, ev), f"push {i}"
-            assert same_bits(gm, em), f"push {i}: the assembled model differs from one PS's"
-        assert same_bits(got_final, expected_final) and not same_bits(got_final, initial)
-        assert [s["version"] for s in sharded[0].stats()["shards"]] == [4, 4]  # one version per round, each shard
+        with one_ps_and_shards(one, shards, part, "sync") as (plain, sharded):
+            expected, expected_final = drive_rounds(plain, watchers[:1], initial)
+            got, got_final = drive_rounds(sharded, watchers[1:], initial)
+            statuses = [s for _, s, _, _ in expected]
+            assert statuses.count("applied") == (12 if replicas is None else 8), statuses
+            for i, ((er, es, ev, em), (gr, gs, gv, gm)) in enumerate(zip(expected, got, strict=True)):
+                assert (gr, gs, gv) == (er, es, ev), f"push {i}"
+                assert same_bits(gm, em), f"push {i}: the assembled model differs from one PS's"
+            assert same_bits(got_final, expected_final) and not same_bits(got_final, initial)
+            assert [s["version"] for s in sharded[0].stats()["shards"]] == [4, 4]  # one version per round, each shard
     finally:
-        for c in plain + sharded + watchers:
+        for c in watchers:
             c.close()
 
 
@@ -353,10 +352,7 @@ def test_shards_answer_with_the_approximate_replies_of_one_ps_for_tensors_they_h
     shards = [start_ps("asgd", shard=f"{i}/2", downlink_fraction=0.25) for i in range(2)]
     part = Partition(FOLD_SHAPES, 2, max_piece=10**6)  # nothing cut: every tensor on one shard, whole
     assert all(p.whole for p in part.pieces) and all(part.by_shard)
-    options = {"world_size": 3, "mode": "asgd", "request_timeout": 30, "heartbeat_s": None}
-    plain = [PSClient(one, rank=r, **options) for r in range(3)]
-    sharded = [ShardedClient(shards, part, rank=r, **options) for r in range(3)]
-    try:
+    with one_ps_and_shards(one, shards, part, "asgd") as (plain, sharded):
         expected, expected_final = drive(plain, initial)
         got, got_final = drive(sharded, initial)
         for i, ((es, ev, em), (gs, gv, gm)) in enumerate(zip(expected, got, strict=True)):
@@ -364,6 +360,3 @@ def test_shards_answer_with_the_approximate_replies_of_one_ps_for_tensors_they_h
         assert same_bits(got_final, expected_final)
         approx = [s["approx_replies"] for s in sharded[0].stats()["shards"]]
         assert all(a > 0 for a in approx) and sum(approx) == 2 * plain[0].stats()["approx_replies"], approx
-    finally:
-        for c in plain + sharded:
-            c.close()

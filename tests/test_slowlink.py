@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from bench.netns import Topology, TopologyError
 from bench.slowlink import CONFIGS, SIZES, _run_spec
-from tests.conftest import PYTHON, needs_fashion, run_on_emulated_hosts, skip_unless_required
+from tests.conftest import PYTHON, needs_fashion, require_emulated_hosts, run_on_emulated_hosts
 
 SLOWLINK_QUICK_TIMEOUT_S = 360  # measured: 45 s on 2 cores (3 launches of about 12-15 s, with start-up)
 # the recipe CNN's float32 parameters (plug_asgd/recipes/mnist.py: 1,199,882), written out rather than computed
@@ -20,13 +18,7 @@ BATCH = 32
 @pytest.fixture(scope="module")
 def can_make_hosts():
     """Namespaces, veths, a bridge and htb can be made here (root, iproute2); else skip, or fail in CI."""
-    try:
-        with Topology(["a", "b"], 100.0, tag=f"{os.getpid()}t"):
-            pass
-    except FileNotFoundError:
-        skip_unless_required("iproute2's `ip` is not installed: apt-get install iproute2")
-    except TopologyError as exc:
-        skip_unless_required(f"cannot emulate hosts here ({exc}); this benchmark needs root, iproute2 and tc")
+    require_emulated_hosts(100.0, "t")
 
 
 def test_each_configuration_is_a_run_of_its_scheme():
