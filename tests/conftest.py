@@ -14,6 +14,7 @@ import contextlib
 import json
 import multiprocessing.process
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -81,26 +82,23 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 INTEGRATION_FIXTURES = {"procs", "start_ps"}
 
 
-# pytest-xdist (`-n 2 --dist loadgroup`, pyproject.toml) keeps each group on one worker: a module's tests
-# together (its module fixtures are set up once), and modules that share a session fixture in one group
-# (the recipe run that test_callbacks and test_training both read). Groups start in this order, the
-# longest first, so the suite does not end on one long group while the other worker idles.
-SHARED_GROUPS = {"test_callbacks": "recipe_run", "test_training": "recipe_run"}
-LONG_GROUPS = ["recipe_run", "test_momentum", "test_bench", "test_faults", "test_features", "test_sharding",
-               "test_slowlink", "test_shard_faults"]
+# pytest-xdist (`-n 2 --dist loadfile`, pyproject.toml) keeps a file's tests on one worker, so its module
+# fixtures are set up once. Files start in this order, the longest first, so that the suite does not end on
+# one long file while the other worker idles. (Not `loadgroup`: under pytest 9.2 it ignores its groups,
+# pytest-xdist issue 1386.)
+LONG_FILES = ["test_training", "test_momentum", "test_bench", "test_faults", "test_features", "test_sharding",
+              "test_slowlink", "test_shard_faults", "test_callbacks"]
 
 
-def _group(item) -> str:
-    module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else item.nodeid
-    return SHARED_GROUPS.get(module, module)
+def _file(item) -> str:
+    return Path(str(item.path)).stem
 
 
 def pytest_collection_modifyitems(config, items):
     backstop = float(config.getini("timeout") or 0)
-    rank = {name: i for i, name in enumerate(LONG_GROUPS)}
-    items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: the order within a group is kept
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(_file(item), len(rank)))  # stable: the order within a file is kept
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
         marker = item.get_closest_marker("timeout")
         if backstop and marker is not None and marker.args and float(marker.args[0]) >= backstop:
             raise pytest.UsageError(f"{item.nodeid}: timeout {marker.args[0]} s is not below the global {backstop:g} s "
@@ -306,13 +304,35 @@ def recipe_run(tmp_path_factory):
     accuracy, versions, pushes and their bytes)."""
     if not HAVE_FASHION:
         pytest.skip("Fashion-MNIST not installed: apt-get install dataset-fashion-mnist")
-    tmp = tmp_path_factory.mktemp("recipe")
-    run_to_end([PYTHON, *RECIPE, "--workers", "2", "--mode", "asgd", "--run-dir", str(tmp / "runs"),
-                "--metrics-json", str(tmp / "m.json"), "--supervise-every", "40",
-                "--checkpoint-dir", str(tmp / "ck"), "--checkpoint-every", "50", "--comm-monitor", "25"],
-               timeout=RECIPE_RUN_TIMEOUT_S)
+    with once_per_session(tmp_path_factory, "recipe") as tmp:
+        if not (tmp / "m.json").exists():  # the other pytest-xdist worker may have run it already
+            for left in tmp.iterdir():  # what a failed attempt left
+                shutil.rmtree(left) if left.is_dir() else left.unlink()
+            run_to_end([PYTHON, *RECIPE, "--workers", "2", "--mode", "asgd", "--run-dir", str(tmp / "runs"),
+                        "--metrics-json", str(tmp / "m.json.part"), "--supervise-every", "40",
+                        "--checkpoint-dir", str(tmp / "ck"), "--checkpoint-every", "50", "--comm-monitor", "25"],
+                       timeout=RECIPE_RUN_TIMEOUT_S)
+            (tmp / "m.json.part").rename(tmp / "m.json")
     summary = json.loads((tmp / "m.json").read_text())
     return tmp, Path(summary["log_dir"]), summary
+
+
+@contextlib.contextmanager
+def once_per_session(tmp_path_factory, name: str):
+    """A folder every pytest-xdist worker of this session shares, held under a lock: a session fixture that
+    finds its result there reuses it instead of computing it a second time (the pattern xdist's docs give)."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # one basetemp per worker under it
+    folder = shared / f"shared-{name}"
+    folder.mkdir(exist_ok=True)
+    with open(shared / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits here while the first computes
+        try:
+            yield folder
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def serving_pair(address: str, tensors: dict, session: str = "raw") -> tuple:
