@@ -3,7 +3,8 @@
 ``plug-asgd serve-ps``   a standalone parameter server for workers started elsewhere
                          (``--ps-address tcp://host:port`` on the recipes, ``ps_address=`` on the strategy);
 ``plug-asgd train mnist`` a ready-made recipe, every flag after its name passed to the recipe unchanged;
-``plug-asgd status ADDRESS`` the counters of a running PS, as a table (of every shard, given several);
+``plug-asgd status ADDRESS`` the counters of a running PS, as a table (of every shard, given several; live with
+                         ``--watch``);
 ``plug-asgd keygen DIR``  CURVE keys for a PS that listens beyond loopback (``serve-ps --keys``);
 ``plug-asgd plot RUN... --out PNG`` learning curves of finished runs (their supervisor.jsonl).
 
@@ -69,6 +70,12 @@ def _check_log_level(value: str) -> str:
 def _check_positive(value: float) -> float:
     if not value > 0:
         raise typer.BadParameter(f"must be positive, got {value:g}")
+    return value
+
+
+def _check_watch(value: float | None) -> float | None:
+    if value is not None and not value >= 0.1:
+        raise typer.BadParameter(f"must be at least 0.1 seconds, got {value:g}")
     return value
 
 
@@ -329,10 +336,19 @@ def status(
                                           "one per shard, for several addresses)")] = False,
     keys: Annotated[Path | None, typer.Option(help="worker CURVE keys (DIR/worker of 'plug-asgd keygen'), for a "
                                               "PS started with --keys")] = None,
+    watch: Annotated[float | None, typer.Option("--watch", "-w", metavar="SECONDS", callback=_check_watch,
+                                                help="a live view redrawn every SECONDS seconds until Ctrl-C: the "
+                                                "dashboard serve-ps shows, or for several shards a column per "
+                                                "shard and the totals", show_default=False)] = None,
 ) -> None:
     """Show the counters of a running parameter server (version, workers, traffic, staleness...); of every
-    shard of a sharded PS, side by side, given their addresses."""
+    shard of a sharded PS, side by side, given their addresses; live with --watch."""
     addresses = [a if "://" in a else f"tcp://{a}" for a in addresses]
+    if watch is not None:
+        if as_json:
+            raise _fail("--watch draws a live view: it takes no --json (run status --json in a loop instead)", 2)
+        _watch(addresses, timeout, keys, watch)
+        return
     each = [_stats(address, timeout, keys) for address in addresses]
     if as_json:
         print(json.dumps(each[0] if len(each) == 1 else each, indent=2, sort_keys=True))
@@ -346,22 +362,80 @@ def status(
             err_console.print(f"[bold yellow]warning:[/] {escape(problem)}", soft_wrap=True, highlight=False)
 
 
-def _stats(address: str, timeout: float, keys: Path | None) -> dict[str, Any]:
-    """One PS's counters, asked as a bystander; exits 1 (unreachable, refused) or 2 (bad address, keys)."""
+class _StatusError(Exception):
+    """A PS's counters could not be had: ``code`` 1 (unreachable, refused) or 2 (bad address, keys)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _ask(address: str, timeout: float, keys: Path | None) -> dict[str, Any]:
+    """One PS's counters, asked as a bystander; raises :class:`_StatusError`."""
     try:
         client = PSClient(address, rank=0, world_size=1, mode="", request_timeout=timeout, keys=keys)
     except KeysError as exc:
-        raise _fail(str(exc), 2) from None
+        raise _StatusError(str(exc), 2) from None
     except Exception as exc:  # zmq refuses a malformed endpoint at connect time
-        raise _fail(f"cannot connect to {address}: {exc} (expected tcp://HOST:PORT)", 2) from None
+        raise _StatusError(f"cannot connect to {address}: {exc} (expected tcp://HOST:PORT)", 2) from None
     try:
         return client.stats(timeout=timeout)
-    except PSUnreachableError as exc:
-        raise _fail(str(exc), 1) from None  # names the address and says what to check
-    except PSError as exc:
-        raise _fail(str(exc), 1) from None
+    except (PSUnreachableError, PSError) as exc:  # names the address and says what to check
+        raise _StatusError(str(exc), 1) from None
     finally:
         client.close()
+
+
+def _stats(address: str, timeout: float, keys: Path | None) -> dict[str, Any]:
+    """One PS's counters, asked as a bystander; exits 1 (unreachable, refused) or 2 (bad address, keys)."""
+    try:
+        return _ask(address, timeout, keys)
+    except _StatusError as exc:
+        raise _fail(str(exc), exc.code) from None
+
+
+def _watch(addresses: list[str], timeout: float, keys: Path | None, every: float) -> None:
+    """``status --watch``: the live view of one PS (serve-ps's dashboard) or of every shard, until Ctrl-C.
+
+    A PS that does not answer the first time ends it (exit 1, or 2 for a bad address or keys), as without
+    --watch; later, a shard that stops answering is shown as such and asked again at the next redraw (one PS:
+    a line above the view)."""
+    from plug_asgd.dashboard import Dashboard
+    from plug_asgd.shard_status import ShardsDashboard
+
+    first = [_stats(address, timeout, keys) for address in addresses]
+    each: list[dict[str, Any] | None] = list(first)
+    errors: list[str | None] = [None] * len(addresses)
+    if len(addresses) == 1:
+        one = Dashboard(addresses[0], console)
+
+        def show() -> None:
+            if each[0] is not None:
+                one.update(each[0])
+            else:  # above the view, which keeps the last counters
+                err_console.print(f"[bold red]{time.strftime('%H:%M:%S')} no answer:[/] {escape(errors[0] or '')}",
+                                  soft_wrap=True, highlight=False)
+
+        view: Dashboard | ShardsDashboard = one
+    else:
+        shards = view = ShardsDashboard(addresses, console)
+
+        def show() -> None:
+            shards.update(each, errors)
+
+    try:
+        with view:
+            while True:
+                started = time.monotonic()
+                show()
+                time.sleep(max(0.0, every - (time.monotonic() - started)))
+                for i, address in enumerate(addresses):
+                    try:
+                        each[i], errors[i] = _ask(address, timeout, keys), None
+                    except _StatusError as exc:
+                        each[i], errors[i] = None, str(exc)
+    except KeyboardInterrupt:
+        pass
 
 
 @app.command()

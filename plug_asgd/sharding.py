@@ -1,7 +1,8 @@
 """The strategy's side of a sharded PS: which modes and codecs work sharded, the shards' addresses, the client.
 
 ``AsyncPSStrategy(ps_shards=N)`` has rank 0 start N embedded PS processes (ports ``ps_port`` to
-``ps_port + N - 1``); ``ps_address=[...]`` names shards started by hand (``plug-asgd serve-ps --shard
+``ps_port + N - 1``); ``ps_shards="per_node"`` has each node's local rank 0 start one on its node
+(:mod:`plug_asgd.per_node`); ``ps_address=[...]`` names shards started by hand (``plug-asgd serve-ps --shard
 I/N``), in order. A setting that would work on one PS but not yet sharded is refused when the strategy
 is built, saying why, rather than trained half right.
 
@@ -26,6 +27,7 @@ from typing import Any
 from plug_asgd.client import PSClient
 from plug_asgd.compressors import Codec, NoCompression
 from plug_asgd.modes import Mode
+from plug_asgd.per_node import PER_NODE
 from plug_asgd.ps.partition import Partition
 from plug_asgd.sharded_client import ShardedClient
 
@@ -40,10 +42,17 @@ UNSHARDED_MODES = {"hogwild": "its workers step one model in the shared memory o
 SHARDED_CODECS = ("none", "fp16", "bf16", "topk", "randomk", "qsgd", "sign", "powersgd")
 
 
-def shard_count(ps_address: str | Sequence[str] | None, ps_shards: int | None) -> int:
-    """How many shards the strategy's arguments name (1: one PS); refuses a count that contradicts the list."""
+def shard_count(ps_address: str | Sequence[str] | None, ps_shards: int | str | None) -> int | str:
+    """How many shards the strategy's arguments name (1: one PS; ``"per_node"``: one per node, counted once the
+    job's nodes are known); refuses a count that contradicts the list."""
+    if ps_shards == PER_NODE:
+        if ps_address is not None:
+            raise ValueError("ps_shards='per_node' starts one embedded shard on each node, and ps_address names a PS "
+                             "started by hand: give one or the other")
+        return PER_NODE
     if ps_shards is not None and (isinstance(ps_shards, bool) or not isinstance(ps_shards, int) or ps_shards < 1):
-        raise ValueError(f"ps_shards must be an integer >= 1, got {ps_shards!r}")
+        raise ValueError(f"ps_shards must be an integer >= 1 or 'per_node' (one shard on each node), got "
+                         f"{ps_shards!r}")
     if ps_address is None or isinstance(ps_address, str):
         return ps_shards or 1
     if not ps_address:
@@ -54,23 +63,25 @@ def shard_count(ps_address: str | Sequence[str] | None, ps_shards: int | None) -
     return len(ps_address)
 
 
-def check_sharded(mode: Mode, codec: Codec, shards: int) -> None:
-    """Refuses, when the strategy is built, a mode or codec not known to work sharded."""
+def check_sharded(mode: Mode, codec: Codec, shards: int | str) -> None:
+    """Refuses, when the strategy is built, a mode or codec not known to work sharded (``shards``: a count, or
+    ``"per_node"``, refused alike: the job may have several nodes)."""
     if shards == 1:
         return
     if mode.name in UNSHARDED_MODES:
-        raise ValueError(f"mode={mode.name!r} takes no sharded PS (ps_shards={shards}): "
+        raise ValueError(f"mode={mode.name!r} takes no sharded PS (ps_shards={shards!r}): "
                          f"{UNSHARDED_MODES[mode.name]}. Leave ps_shards and ps_address unset (one PS serves its "
                          "barriers)")
     if mode.name not in SHARDED_MODES:
-        raise ValueError(f"mode={mode.name!r} is not known to work on a sharded PS (ps_shards={shards}); the modes "
+        raise ValueError(f"mode={mode.name!r} is not known to work on a sharded PS (ps_shards={shards!r}); the modes "
                          f"that do: {', '.join(SHARDED_MODES)}. Use one of them, or one PS")
     if codec.name not in SHARDED_CODECS:
-        raise ValueError(f"compressor={codec.name!r} is not known to work on a sharded PS (ps_shards={shards}); "
+        raise ValueError(f"compressor={codec.name!r} is not known to work on a sharded PS (ps_shards={shards!r}); "
                          f"the codecs that do: {', '.join(SHARDED_CODECS)}. Use one of them, or one PS")
 
 
-def sharded(ps_address: str | Sequence[str] | None, ps_shards: int | None, mode: Mode, codec: Codec) -> int:
+def sharded(ps_address: str | Sequence[str] | None, ps_shards: int | str | None, mode: Mode,
+            codec: Codec) -> int | str:
     """The shard count of the strategy's arguments (:func:`shard_count`), once :func:`check_sharded` let it be."""
     shards = shard_count(ps_address, ps_shards)
     check_sharded(mode, codec, shards)

@@ -30,13 +30,23 @@ from plug_asgd import compressors, modes
 from plug_asgd.client import PSClient, PSError, PSUnreachableError
 from plug_asgd.collectives import Collectives
 from plug_asgd.compressors import Codec
-from plug_asgd.embedded_ps import EmbeddedPS, check_arguments, check_placements, configurer, endpoints, ps_config
+from plug_asgd.embedded_ps import (
+    EmbeddedPS,
+    check_arguments,
+    check_placement,
+    check_placements,
+    configurer,
+    endpoint,
+    endpoints,
+    ps_config,
+)
 from plug_asgd.exchange import Link, make_exchange
 from plug_asgd.modes import Mode
+from plug_asgd.per_node import PER_NODE, exchange, node_address, shard_endpoint
 from plug_asgd.plumbing import DDPPlumbing
 from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT
 from plug_asgd.sharded_client import ShardedClient
-from plug_asgd.sharding import connect, sharded, shards
+from plug_asgd.sharding import connect, partition, sharded, shards
 from plug_asgd.staleness import StalenessCompensation, resolve
 
 if TYPE_CHECKING:  # either namespace's classes (plug_asgd.namespaces); pytorch_lightning's names them here
@@ -84,6 +94,9 @@ class AsyncPSStrategy(DDPPlumbing):
         ps_port: port of the embedded PS (default: the cluster's main port, + 1 under torchrun).
         ps_shards: rank 0 starts this many embedded PS processes (ports ``ps_port`` on), each holding a share of the
             model, and every worker pushes to all at once (``plug_asgd.sharding``: the modes and codecs that work).
+            ``"per_node"``: one shard on each node of a multi-node job, started by the node's local rank 0 on the
+            node's address, port ``ps_port + node_rank`` (``plug_asgd.per_node``: which address, and how every
+            rank learns them); with one node, the lone embedded PS.
         connect_timeout: seconds to wait for the PS to answer the first time.
         request_timeout: seconds to wait for any reply (a sync round or a barrier included).
         lost_timeout: seconds a worker waits for a PS whose connection dropped to come back.
@@ -118,7 +131,7 @@ class AsyncPSStrategy(DDPPlumbing):
         max_updates: int | None = None,
         ps_address: str | list[str] | None = None,
         ps_port: int | None = None,
-        ps_shards: int | None = None,
+        ps_shards: int | Literal["per_node"] | None = None,
         connect_timeout: float = 60.0,
         request_timeout: float = 600.0,
         lost_timeout: float = 60.0,
@@ -150,7 +163,8 @@ class AsyncPSStrategy(DDPPlumbing):
                                            worker_timeout=worker_timeout, ps_address=ps_address, ps_threads=ps_threads,
                                            downlink_fraction=downlink_fraction, downlink_bound=downlink_bound)
         self.max_updates, self.ps_address, self.ps_port = max_updates, ps_address, ps_port
-        self.ps_shards = sharded(ps_address, ps_shards, self.mode, self.compressor)
+        self._ps_shards = sharded(ps_address, ps_shards, self.mode, self.compressor)
+        self._shard_addresses: list[str] | None = None  # per_node: every shard's, learned through shard 0
         self.connect_timeout, self.request_timeout, self.lost_timeout = connect_timeout, request_timeout, lost_timeout
         self.worker_timeout, self.resume_from, self.ps_run_dir = worker_timeout, resume_from, ps_run_dir
         self.ps_keys, self.ps_insecure, self.ps_threads = ps_keys, ps_insecure, ps_threads
@@ -268,6 +282,16 @@ class AsyncPSStrategy(DDPPlumbing):
     # -- the parameter server --------------------------------------------------------------------
 
     @property
+    def per_node(self) -> bool:
+        """Whether each node runs one shard (``ps_shards="per_node"``)."""
+        return self._ps_shards == PER_NODE
+
+    @property
+    def ps_shards(self) -> int:
+        """How many shards the PS has (1: one PS); with ``ps_shards="per_node"``, the job's node count."""
+        return self.num_nodes if self.per_node else int(self._ps_shards)
+
+    @property
     def ps_endpoint(self) -> str:
         """The PS's address, ``tcp://host:port``, that the workers connect to (the embedded PS's or ``ps_address``;
         shard 0's of a sharded PS, which serves the collectives)."""
@@ -281,22 +305,50 @@ class AsyncPSStrategy(DDPPlumbing):
     def _endpoints(self) -> tuple[list[str], list[str] | None]:
         """The addresses workers connect to (one per shard), and those rank 0 binds (None: an external PS)."""
         env = self.cluster_environment
+        if self.per_node and self.num_nodes > 1:
+            if self._shard_addresses is None:
+                raise RuntimeError("with ps_shards='per_node' the shards' addresses are known once the workers have "
+                                   "connected (trainer.fit, validate or test)")
+            return self._shard_addresses, None
         return endpoints(self.ps_address, self.ps_port, self.ps_shards, env, isinstance(env, self.elastic_environment))
+
+    def _start_per_node(self, client_options: dict[str, Any]) -> list[str]:
+        """``ps_shards="per_node"`` on several nodes: local rank 0 starts this node's shard; every rank learns every
+        shard's address through shard 0 (:mod:`plug_asgd.per_node`). The shards' addresses, in order."""
+        env = self.cluster_environment
+        assert env is not None
+        first, _ = endpoint(None, self.ps_port, env, isinstance(env, self.elastic_environment))
+        port = int(first.rpartition(":")[2])
+        # node 0's: the address every node reaches it at, as one embedded PS's (first); another's: its own
+        own = shard_endpoint(node_address(env.main_address, self.node_rank), port, self.node_rank)
+        check_placement(own, own, embedded_options=False, keys=self.ps_keys, insecure=self.ps_insecure)
+        shapes = {n: tuple(t.shape) for n, t in synced_tensors(self.lightning_module).items()}
+        part = partition(shapes, self.num_nodes, self.compressor)
+        if self.local_rank == 0:
+            shard = f"{self.node_rank}/{self.num_nodes}"
+            self._embedded_ps.start(ps_config(self, own, self._trainer(), shard))
+        return exchange(first, part, node_rank=self.node_rank, own=own if self.local_rank == 0 else None,
+                        rank=self.global_rank, world_size=self.world_size, mode=self.mode.name,
+                        timeout=self.connect_timeout, alive=self._embedded_ps.gone, **client_options)
 
     def _connect(self) -> PSClient | ShardedClient:
         if self._client is not None:
             return self._client
-        addresses, binds = self._endpoints()
-        embedded_options = self.resume_from is not None or configurer(self._trainer()) is not None
-        check_placements(addresses, binds, embedded_options=embedded_options, keys=self.ps_keys,
-                         insecure=self.ps_insecure)
-        if binds is not None and self.global_rank == 0:
-            self._embedded_ps.start(*(ps_config(self, bind, self._trainer(), shard) for bind, shard in shards(binds)))
+        options = {"request_timeout": self.request_timeout, "lost_timeout": self.lost_timeout,
+                   "heartbeat_s": self.heartbeat_s, "keys": self.ps_keys, "delta_replies": self.delta_replies}
+        if self.per_node and self.num_nodes > 1:
+            self._shard_addresses = addresses = self._start_per_node(options)
+        else:
+            addresses, binds = self._endpoints()
+            embedded_options = self.resume_from is not None or configurer(self._trainer()) is not None
+            check_placements(addresses, binds, embedded_options=embedded_options, keys=self.ps_keys,
+                             insecure=self.ps_insecure)
+            if binds is not None and self.global_rank == 0:
+                self._embedded_ps.start(*(ps_config(self, bind, self._trainer(), shard)
+                                          for bind, shard in shards(binds)))
         shapes = {n: tuple(t.shape) for n, t in synced_tensors(self.lightning_module).items()}
         self._client = connect(addresses, shapes, self.compressor, rank=self.global_rank, world_size=self.world_size,
-                               mode=self.mode.name, request_timeout=self.request_timeout,
-                               lost_timeout=self.lost_timeout, heartbeat_s=self.heartbeat_s, keys=self.ps_keys,
-                               delta_replies=self.delta_replies)
+                               mode=self.mode.name, **options)
         atexit.register(self._shutdown)
         return self._client
 

@@ -36,7 +36,7 @@ from plug_asgd.dashboard import (
     sparkline,
     staleness_text,
 )
-from tests.conftest import child_env, free_port, kill_group
+from tests.conftest import ROOT, child_env, free_port, kill_group
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -265,3 +265,168 @@ def test_serve_ps_dashboard_on_a_terminal(tmp_path):
     finally:
         kill_group(proc)
         os.close(master)
+
+
+# -- a sharded PS: status --watch ADDR0 ADDR1 (plug_asgd.shard_status) ----------------------------
+
+SHARDS = ["tcp://10.0.0.1:2223", "tcp://10.0.0.2:2224"]
+
+
+def _shard(i: int, **changes) -> dict:
+    """SNAPSHOT as shard i of 2 holds it: every push reaches both, each carries its share of the bytes."""
+    return {**SNAPSHOT, "shard": f"{i}/2", "partition_digest": "d1", "bytes_in": 1_000_000 * (i + 1),
+            "bytes_out": 3_000_000 * (i + 1), "lost": [], **changes}
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    """The table's rows inside the panel: counter -> its cells (each shard's, then the total)."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("│")]
+        if len(cells) >= 6 and cells[2]:
+            rows[cells[2]] = cells[3:-2]
+    return rows
+
+
+def test_the_sharded_live_view_shows_every_shard_and_the_totals():
+    from plug_asgd.shard_status import render_shards
+
+    stats = [_shard(0), _shard(1)]
+    # 2 s earlier: 34 updates fewer on each shard, 1 MB fewer in on shard 0
+    previous = [_shard(0, version=1200, uptime_s=81.5, bytes_in=0), _shard(1, version=1200, uptime_s=81.5)]
+    text = text_of(render_shards(SHARDS, stats, previous), width=160)
+    title = text.splitlines()[0]
+    assert "plug_asgd sharded parameter server" in title and "2 shards" in title and "mode adacomp" in title
+    assert "versions 1234 1234" in text and "17.00 updates/s" in text and "2 workers" in text, text
+    assert "2 of 2 shards answering" in text
+    rows = _rows(text)
+    assert rows["shard"][:2] == ["0/2", "1/2"]
+    assert rows["bytes in"] == ["1.00 MB", "2.00 MB", "3.00 MB"]  # each shard's, and the total
+    assert rows["bytes out"] == ["3.00 MB", "6.00 MB", "9.00 MB"]
+    assert rows["updates/s recently"][:2] == ["17.00", "17.00"]  # (1234 - 1200) / 2 s on each
+    assert rows["bytes in/s recently"] == ["500.00 kB/s", "0 B/s", "500.00 kB/s"]
+    assert rows["staleness"][:2] == ["0:120 1:30 2:4"] * 2
+    assert rows["workers"] == ["0, 2", "0, 2", "2"]
+    assert "tcp://10.0.0.1:2223" in text and "tcp://10.0.0.2:2224" in text
+    assert "warning" not in text and "does not answer" not in text
+    # no previous snapshot yet: no recent rate, the header's updates/s left out
+    first = text_of(render_shards(SHARDS, stats), width=160)
+    assert "updates/s recently" in first and "17.00" not in first
+
+
+def test_the_sharded_live_view_says_which_shard_does_not_answer_or_is_out_of_place():
+    from plug_asgd.shard_status import render_shards
+
+    text = text_of(render_shards(SHARDS, [_shard(0, lost=[2]), None], None, [None, "no reply within 5 s"]),
+                   width=160)
+    assert "1 of 2 shards answering" in text and "lost: rank 2" in text, text
+    assert "shard 1 (tcp://10.0.0.2:2224) does not answer: no reply within 5 s" in " ".join(text.split())
+    rows = _rows(text)
+    assert rows["shard"][:2] == ["0/2", "not answering"]  # its column blank, the totals over the others
+    assert rows["version"][1] == "-" and rows["bytes in"] == ["1.00 MB", "-", "1.00 MB"], rows
+    swapped = text_of(render_shards(SHARDS, [_shard(1), _shard(0, version=1230)]), width=200)
+    assert "is shard 1/2, listed as shard 0/2" in " ".join(swapped.split())
+    assert "versions 1234 1230 (differ" in swapped
+
+
+def test_the_sharded_dashboard_measures_each_shards_rates_over_its_own_window():
+    from plug_asgd.shard_status import ShardsDashboard
+
+    dash = ShardsDashboard(SHARDS, Console(file=io.StringIO(), width=160), window_s=2.0)
+    snaps = [[_shard(i, uptime_s=0.5 * t, version=10 * t) for i in range(2)] for t in range(10)]
+    previous = [dash.previous(s) for s in snaps[:9]]
+    assert previous[0] == [None, None] and previous[1] == snaps[0]
+    assert previous[-1] == snaps[4]  # the oldest within 2 s
+    assert dash.previous([None, snaps[9][1]]) == [None, snaps[5][1]]  # a shard that did not answer: no rate
+    restarted = _shard(0, uptime_s=0.2, version=3)
+    assert dash.previous([restarted, None])[0] is None  # its counters began again: no rate across the restart
+
+
+def test_status_watch_is_checked():
+    result = CliRunner().invoke(cli.app, ["status", "--watch", "0.01", "tcp://127.0.0.1:1"])
+    assert result.exit_code == 2 and "at least 0.1 seconds" in result.output
+    result = CliRunner().invoke(cli.app, ["status", "--watch", "1", "--json", "tcp://127.0.0.1:1"])
+    assert result.exit_code == 2 and "takes no --json" in result.output
+
+
+class _OnATerminal:
+    """``plug-asgd ARGS`` on a pseudo-terminal of 160 x 60: what it drew read as text, its exit after Ctrl-C."""
+
+    def __init__(self, args: list[str], cwd: Path) -> None:
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 60, 160, 0, 0))
+        # this checkout's plug_asgd, from a folder of its own (an installed one may be another checkout's)
+        env = child_env(TERM="xterm-256color",
+                        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        for name in ("COLUMNS", "LINES", "NO_COLOR", "FORCE_COLOR", "TERM_PROGRAM"):
+            env.pop(name, None)
+        self.master, self.raw = master, b""
+        try:
+            self.proc = subprocess.Popen([PLUG_ASGD, *args], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
+                                         start_new_session=True, env=env, cwd=cwd)
+        finally:
+            os.close(slave)
+
+    def read_until(self, *wanted: str, timeout: float) -> str:
+        """What it drew from now until every one of ``wanted`` is there (fails after ``timeout`` s)."""
+        start = len(self.raw)
+        deadline = time.monotonic() + timeout
+        text = ""
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                self.raw += _read_available(self.master, 0.2)
+            except EOFError:
+                break
+            text = ANSI.sub("", self.raw[start:].decode(errors="replace"))
+            if all(w in text for w in wanted):
+                break
+        assert all(w in text for w in wanted), f"{wanted} not shown (exit {self.proc.poll()}):\n{text[-6000:]}"
+        return text
+
+    def interrupt(self) -> int:
+        """Ctrl-C; its exit code (read on meanwhile: a full pty would block it)."""
+        self.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                self.raw += _read_available(self.master, 0.1)
+            except EOFError:
+                break
+        code = self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        assert "Traceback" not in ANSI.sub("", self.raw.decode(errors="replace"))
+        return code
+
+    def close(self) -> None:
+        kill_group(self.proc)
+        os.close(self.master)
+
+
+@pytest.mark.integration
+def test_status_watch_shows_every_shard_live_on_a_terminal(tmp_path, start_ps):
+    shards = [start_ps("asgd", shard=f"{i}/2") for i in range(2)]
+    term = _OnATerminal(["status", "--watch", "0.3", "--timeout", "1", *shards], tmp_path)
+    try:
+        text = term.read_until("2 of 2 shards answering", "╰", timeout=START_TIMEOUT)
+        title = next(line for line in text.splitlines() if "plug_asgd sharded parameter server" in line)
+        assert "2 shards" in title and "mode asgd" in title
+        for expected in ("0/2", "1/2", shards[0], shards[1], "updates/s recently", "total"):
+            assert expected in text, f"{expected!r} missing from:\n{text}"
+        start_ps.stop(shards[1])  # a shard that goes away: shown as such, the view goes on
+        text = term.read_until("1 of 2 shards answering", "does not answer", "╰", timeout=20)
+        assert "not answering" in text
+        assert term.interrupt() == 0  # Ctrl-C ends the view, not in error
+    finally:
+        term.close()
+
+
+@pytest.mark.integration
+def test_status_watch_of_one_ps_is_serve_pss_dashboard(tmp_path, start_ps):
+    address = start_ps("sync")
+    term = _OnATerminal(["status", "--watch", "0.3", address], tmp_path)
+    try:
+        text = term.read_until("no worker connected", "╰", timeout=START_TIMEOUT)
+        title = next(line for line in text.splitlines() if "plug_asgd parameter server tcp://" in line)
+        assert address.removeprefix("tcp://") in title and "mode sync" in title
+        assert term.interrupt() == 0
+    finally:
+        term.close()

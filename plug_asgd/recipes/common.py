@@ -17,6 +17,7 @@ from plug_asgd import compressors, modes
 from plug_asgd.callbacks import CommunicationMonitor, PSCheckpoint, Supervisor
 from plug_asgd.compressors import COMPRESSORS, SPARSE_VALUES, Codec
 from plug_asgd.modes import MODES, Mode
+from plug_asgd.per_node import PER_NODE
 from plug_asgd.ps.config import ps_argument
 from plug_asgd.recipes.idx import DatasetNotFoundError
 from plug_asgd.strategy import AsyncPSStrategy
@@ -51,8 +52,9 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--ps-address", default=None,
                         help="tcp://host:port of a PS started with `plug-asgd serve-ps` (default: embedded PS); "
                              "a sharded PS's shards comma-separated, in the order of their --shard")
-    parser.add_argument("--ps-shards", type=int, default=None,
-                        help="embedded PS processes, each holding a share of the model (default: 1)")
+    parser.add_argument("--ps-shards", type=_shard_count, default=None, metavar="N|per-node",
+                        help="embedded PS processes, each holding a share of the model (default: 1); per-node: one "
+                             "on each node of a multi-node job (--num-nodes), started by its local rank 0")
     ps_argument(parser, "worker_timeout")
     ps_argument(parser, "downlink_fraction")
     ps_argument(parser, "downlink_bound")
@@ -107,6 +109,16 @@ def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
                            ps_insecure=args.ps_insecure, worker_timeout=args.worker_timeout,
                            downlink_fraction=args.downlink_fraction, downlink_bound=args.downlink_bound,
                            staleness_compensation=False if args.no_staleness_compensation else None)
+
+
+def _shard_count(text: str) -> int | str:
+    """``--ps-shards``: a count, or ``per-node`` (``per_node`` taken too)."""
+    if text.replace("-", "_") == PER_NODE:
+        return PER_NODE
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of shards or per-node, got {text!r}") from None
 
 
 def _addresses(text: str | None) -> str | list[str] | None:

@@ -1,0 +1,56 @@
+"""A 2-node Lightning job with one PS shard per node, on 2 emulated hosts (bench/netns.py: root).
+
+``python tests/scripts/per_node_launch.py --out DIR``: hosts n0 and n1, one process of
+tests/scripts/per_node_fit.py on each (NODE_RANK, MASTER_ADDR = n0's address), as bench/slowlink.py launches
+its 2-node jobs. Writes DIR/hosts.json (each host's address, the main port) and each node's log
+DIR/node{I}.log; exits 0 once both nodes exited 0, 1 otherwise (the logs' tails printed).
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bench.common import child_env, start, stop
+from bench.netns import DEVICE, Topology
+
+MASTER_PORT = 29500  # each host is its own namespace: a fixed port clashes with nothing
+SCRIPT = Path(__file__).with_name("per_node_fit.py")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    nodes = ["n0", "n1"]
+    with Topology(nodes, None, tag=f"{__import__('os').getpid()}p") as topo:
+        (args.out / "hosts.json").write_text(json.dumps({"addresses": [topo.hosts[n].address for n in nodes],
+                                                         "master_port": MASTER_PORT}))
+        procs = []
+        try:
+            for rank, name in enumerate(nodes):
+                env = child_env(OMP_NUM_THREADS="1", MASTER_ADDR=topo.hosts["n0"].address,
+                                MASTER_PORT=str(MASTER_PORT), NODE_RANK=str(rank), WORLD_SIZE=str(len(nodes)),
+                                GLOO_SOCKET_IFNAME=DEVICE)
+                procs.append(start([*topo.hosts[name].prefix, sys.executable, str(SCRIPT), "--nodes", str(len(nodes)),
+                                    "--out", str(args.out)], env=env, log=args.out / f"node{rank}.log"))
+            codes = []
+            for p in procs:
+                try:
+                    codes.append(p.wait(timeout=args.timeout))
+                except Exception:
+                    codes.append(None)
+        finally:
+            for p in procs:
+                stop(p)
+    if codes != [0] * len(nodes):
+        for rank in range(len(nodes)):
+            print(f"--- node {rank} (exit {codes[rank]}) ---\n" + (args.out / f"node{rank}.log").read_text()[-3000:])
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
