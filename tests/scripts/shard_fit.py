@@ -93,6 +93,8 @@ def fit(name: str, port: int | None, args: argparse.Namespace, out_dir: Path) ->
     out = {"rank": trainer.global_rank, "steps": trainer.global_step, "held": held,
            "shard_versions": [s["version"] for s in stats.get("shards", [stats])],  # --shards 1: one PS's
            "approx_replies": sum(s.get("approx_replies") or 0 for s in stats.get("shards", [stats])),
+           "shard_pushes": [{"applied": s["pushes_applied"], "dropped": s["pushes_dropped"],
+                             "by_rank": s["pushes_by_rank"]} for s in stats.get("shards", [stats])],
            "comm": strategy.comm_stats()}
     if trainer.global_rank == 0:
         shapes = {n: tuple(t.shape) for n, t in synced_tensors(model).items()}
