@@ -266,3 +266,67 @@ def test_serve_ps_with_keys_and_a_message_limit_serves_keyed_workers(procs, tmp_
         proc.terminate()
         out, _ = proc.communicate(timeout=15)
     assert "CURVE keys, authorized workers only" in " ".join(out.split()), out
+
+
+@pytest.mark.timeout(120)
+def test_every_shard_takes_the_same_keys_and_refuses_a_worker_without_them_each_on_its_own(procs, tmp_path):
+    """Two shards of one model (serve-ps --shard I/2) started with the same keys serve a keyed worker; a worker
+    without keys is refused by each shard, which counts it and sends it nothing; a shard started with other
+    keys refuses the worker the first one serves, naming its own address."""
+    from plug_asgd.ps.partition import Partition
+    from plug_asgd.sharded_client import ShardedClient
+
+    keys, other = tmp_path / "keys", tmp_path / "other"
+    generate_keys(keys)
+    generate_keys(other)
+    shapes = {"w": (8, 5), "b": (5,)}
+    part = Partition(shapes, 2)
+    assert {p.shard for p in part.pieces} == {0, 1}, "every shard must hold a piece"
+    addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(3)]
+    for i, (address, server) in enumerate(zip(addresses, [keys, keys, other], strict=True)):
+        procs.start(embedded_command(PSConfig(bind=address, keys=server / "server", shard=f"{i % 2}/2")))
+    options = {"world_size": 2, "mode": "asgd", "request_timeout": 15}
+
+    good = ShardedClient(addresses[:2], part, rank=0, keys=keys / "worker", **options)
+    try:
+        good.hello(stage=1, training=True, timeout=30)
+        w0 = {"w": np.arange(40, dtype=np.float32).reshape(8, 5), "b": np.zeros(5, np.float32)}
+        assert good.init(w0)
+        reply = good.push(good.pull().version, {n: np.ones(s, np.float32) for n, s in shapes.items()})
+        assert reply.version.per_shard == (1, 1)
+        for name, t in w0.items():
+            np.testing.assert_array_equal(reply.tensors[name], t + 1)
+        before = [s["refused"].get("auth", 0) for s in good.stats()["shards"]]
+        bytes_out = [s["bytes_out"] for s in good.stats()["shards"]]
+
+        bare = ShardedClient(addresses[:2], part, rank=1, keys=None, **options)
+        try:
+            with pytest.raises(PSUnreachableError) as err:
+                bare.hello(stage=1, training=True)
+            assert "keygen" in str(err.value)
+            assert bare.counters.bytes_down == 0, "a refused worker received bytes"
+        finally:
+            bare.close()
+        for _ in range(50):  # the shards' monitor events may lag the client by a few ms
+            after = good.stats()["shards"]
+            if all(s["refused"].get("auth", 0) > b for s, b in zip(after, before, strict=True)):
+                break
+            time.sleep(0.1)
+        for i, (s, b) in enumerate(zip(after, before, strict=True)):
+            assert 1 <= s["refused"].get("auth", 0) - b <= 3, (i, s["refused"])
+        # each shard sent, since, only the replies to good's three stats requests (none to the refused worker)
+        sent = [s["bytes_out"] - o for s, o in zip(after, bytes_out, strict=True)]
+        assert all(0 < x < 20_000 for x in sent), sent
+
+        mixed = ShardedClient([addresses[0], addresses[2]], part, rank=1, keys=keys / "worker", **options)
+        try:
+            with pytest.raises(PSUnreachableError) as err:
+                mixed.hello(stage=1, training=True)
+            assert addresses[2] in str(err.value) and addresses[0] not in str(err.value), str(err.value)
+        finally:
+            mixed.close()
+    finally:
+        good.close()
+        for p in procs.procs:  # the shards serve until stopped
+            p.terminate()
+            p.wait(10)
