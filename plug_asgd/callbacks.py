@@ -178,8 +178,8 @@ class Supervisor(LightningBound):
         address = strategy.ps_endpoints if strategy.ps_shards > 1 else strategy.ps_endpoint
         self._start = time.monotonic()
         self._stop.clear()
-        self._thread = threading.Thread(target=self._watch, args=(model, address, strategy.mode.name, strategy.ps_keys,
-                                                                  strategy.compressor),
+        self._thread = threading.Thread(target=self._watch, args=(model, address, strategy.mode.name,
+                                                                  strategy.connection.ps_keys, strategy.compressor),
                                         name="plug_asgd-supervisor", daemon=True)
         self._thread.start()
 

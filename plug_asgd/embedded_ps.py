@@ -102,22 +102,23 @@ def check_placements(addresses: Sequence[str], binds: Sequence[str] | None, *, e
         check_placement(address, bind, embedded_options=embedded_options, keys=keys, insecure=insecure)
 
 
-def ps_config(strategy: Any, bind: str, trainer: Any, shard: str | None = None) -> PSConfig:
-    """The embedded PS's config: ``strategy``'s arguments, the options of ``trainer``'s :class:`ConfiguresPS`
-    (``shard``: ``"I/N"``, one of several embedded shards, whose checkpoints, resume and metrics are those
-    of a lone PS in a folder ``shard-I`` of the same place: :func:`~plug_asgd.sharding.shard_folder`)."""
+def ps_config(arguments: Any, bind: str, trainer: Any, shard: str | None = None) -> PSConfig:
+    """The embedded PS's config: the strategy's PS ``arguments`` (its :class:`~plug_asgd.ps_connection.PSConnection`),
+    the options of ``trainer``'s :class:`ConfiguresPS` (``shard``: ``"I/N"``, one of several embedded shards, whose
+    checkpoints, resume and metrics are those of a lone PS in a folder ``shard-I`` of the same place:
+    :func:`~plug_asgd.sharding.shard_folder`)."""
     checkpoint = configurer(trainer)
-    run_dir = strategy.ps_run_dir
+    run_dir = arguments.ps_run_dir
     if run_dir is None and trainer is not None and trainer.loggers and trainer.log_dir is not None:
         run_dir = os.path.join(trainer.log_dir, "ps")
     options = checkpoint.ps_options() if checkpoint is not None else {}
     if options.get("checkpoint_dir") is not None:
         options["checkpoint_dir"] = shard_folder(options["checkpoint_dir"], shard)
-    return PSConfig(bind=bind, mode=strategy.mode.name, parent_pid=os.getpid(), max_updates=strategy.max_updates,
-                    **strategy.mode.server_options(),
-                    resume=shard_folder(strategy.resume_from, shard), worker_timeout=strategy.worker_timeout,
-                    run_dir=shard_folder(run_dir, shard), keys=strategy.ps_keys, insecure=strategy.ps_insecure,
-                    threads=strategy.ps_threads, **strategy.downlink, shard=shard, **options)
+    return PSConfig(bind=bind, mode=arguments.mode.name, parent_pid=os.getpid(), max_updates=arguments.max_updates,
+                    **arguments.mode.server_options(),
+                    resume=shard_folder(arguments.resume_from, shard), worker_timeout=arguments.worker_timeout,
+                    run_dir=shard_folder(run_dir, shard), keys=arguments.ps_keys, insecure=arguments.ps_insecure,
+                    threads=arguments.ps_threads, **arguments.downlink, shard=shard, **options)
 
 
 class EmbeddedPS:

@@ -14,7 +14,6 @@ stays local, because asynchronous workers are never in lockstep and must not wai
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
@@ -27,37 +26,21 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from plug_asgd import compressors, modes
-from plug_asgd.client import PSClient, PSError, PSUnreachableError
+from plug_asgd.client import PSClient
 from plug_asgd.collectives import Collectives
 from plug_asgd.compressors import Codec
-from plug_asgd.embedded_ps import (
-    EmbeddedPS,
-    check_arguments,
-    check_placement,
-    check_placements,
-    configurer,
-    endpoint,
-    endpoints,
-    ps_config,
-)
 from plug_asgd.exchange import Link, make_exchange
 from plug_asgd.modes import Mode
-from plug_asgd.per_node import PER_NODE, exchange, node_address, shard_endpoint
 from plug_asgd.plumbing import DDPPlumbing
 from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT
+from plug_asgd.ps_connection import PSConnection
 from plug_asgd.sharded_client import ShardedClient
-from plug_asgd.sharding import connect, partition, sharded, shards
 from plug_asgd.staleness import StalenessCompensation, resolve
 
 if TYPE_CHECKING:  # either namespace's classes (plug_asgd.namespaces); pytorch_lightning's names them here
     import pytorch_lightning as pl
     from pytorch_lightning.accelerators import Accelerator
     from pytorch_lightning.plugins import CheckpointIO, ClusterEnvironment, Precision
-
-log = logging.getLogger("plug_asgd.strategy")
-
-# how long a worker that failed (Ctrl-C, an error) waits on each of its goodbye requests
-_FAILED_EXIT_S = 5.0
 
 
 # TrainerFn.FITTING and RunningStage.TRAINING of either namespace (str enums, equal to their values)
@@ -159,26 +142,20 @@ class AsyncPSStrategy(DDPPlumbing):
         self.mode = modes.get(mode)
         self.compressor = compressors.get(compressor)
         self.mode.check_compressor(self.compressor)
-        self.heartbeat_s = check_arguments(max_updates=max_updates, heartbeat_s=heartbeat_s,
-                                           worker_timeout=worker_timeout, ps_address=ps_address, ps_threads=ps_threads,
-                                           downlink_fraction=downlink_fraction, downlink_bound=downlink_bound)
-        self.max_updates, self.ps_address, self.ps_port = max_updates, ps_address, ps_port
-        self._ps_shards = sharded(ps_address, ps_shards, self.mode, self.compressor)
-        self._shard_addresses: list[str] | None = None  # per_node: every shard's, learned through shard 0
-        self.connect_timeout, self.request_timeout, self.lost_timeout = connect_timeout, request_timeout, lost_timeout
-        self.worker_timeout, self.resume_from, self.ps_run_dir = worker_timeout, resume_from, ps_run_dir
-        self.ps_keys, self.ps_insecure, self.ps_threads = ps_keys, ps_insecure, ps_threads
-        self.shm_pushes, self.delta_replies = shm_pushes, delta_replies
-        self.downlink = {"downlink_fraction": downlink_fraction, "downlink_bound": downlink_bound}
+        # the PS's arguments, placement and client (plug_asgd.ps_connection)
+        self.connection = PSConnection(
+            self.mode, self.compressor, ps_address=ps_address, ps_port=ps_port, ps_shards=ps_shards,
+            max_updates=max_updates, connect_timeout=connect_timeout, request_timeout=request_timeout,
+            lost_timeout=lost_timeout, heartbeat_s=heartbeat_s, worker_timeout=worker_timeout, resume_from=resume_from,
+            ps_run_dir=ps_run_dir, ps_keys=ps_keys, ps_insecure=ps_insecure, ps_threads=ps_threads,
+            delta_replies=delta_replies, downlink_fraction=downlink_fraction, downlink_bound=downlink_bound)
+        self.shm_pushes = shm_pushes
         self.staleness_compensation = resolve(staleness_compensation, self.mode.name, self.mode.compensate)
         self._start_method = start_method
         self._num_nodes = 1
-        self._client: PSClient | ShardedClient | None = None
-        self._embedded_ps = EmbeddedPS()
         self._stage = self._collective_seq = 0
         self._ps_initialized = self._in_stage = self._fitting = self._failed = False
         self._in_batches, self._batches = False, 0  # in the training loop's batches: broadcasts are notices
-        self._ps_stats_at_exit: dict[str, Any] | None = None
         self._exchange = make_exchange(self.mode, codec=self.compressor, compensation=self.staleness_compensation,
                                        shm_pushes=shm_pushes)
 
@@ -210,7 +187,7 @@ class AsyncPSStrategy(DDPPlumbing):
         self._failed = False
         self._exchange.joined = False
         client = self._connect()
-        welcome = client.hello(self._stage, self._fitting, timeout=self.connect_timeout, alive=self._embedded_ps.gone)
+        welcome = self.connection.hello(self._stage, self._fitting)
         self._ps_initialized = bool(welcome.get("initialized"))
         self._exchange.attach(self._link(client))
         self._in_stage = True
@@ -260,130 +237,71 @@ class AsyncPSStrategy(DDPPlumbing):
         self._failed = True
 
     def teardown(self) -> None:
-        client = self._client
-        if client is not None and self._in_stage:
+        if self.connection.client is not None and self._in_stage:
             try:
                 if self._fitting and self._exchange.joined and not self._failed:
                     self._exchange.leave()
             finally:
                 self._in_stage = False  # only now: the barriers above are collectives of this stage
-                try:
-                    self._exchange.let_go()  # after a failure: the socket is a sender's until it is done
-                    # rank 0 stops the embedded PS as soon as every worker has left: keep its counters.
-                    # After a failure (Ctrl-C stops the embedded PS too) this is a courtesy: a PS that
-                    # went away must not hold the exit up for the client's lost_timeout.
-                    self._ps_stats_at_exit = client.stats(timeout=_FAILED_EXIT_S if self._failed else None)
-                    client.bye(self._stage)
-                except (PSError, PSUnreachableError) as exc:
-                    log.warning("could not say goodbye to the parameter server: %s", exc)
+                # after a failure: the socket is a sender's until it is done, hence let_go first
+                self.connection.goodbye(self._stage, self._failed, settle=self._exchange.let_go)
         self._exchange.joined = False
         super().teardown()
 
-    # -- the parameter server --------------------------------------------------------------------
+    # -- the parameter server: its placement and client are plug_asgd.ps_connection's ------------
 
     @property
     def per_node(self) -> bool:
         """Whether each node runs one shard (``ps_shards="per_node"``)."""
-        return self._ps_shards == PER_NODE
+        return self.connection.per_node
 
     @property
     def ps_shards(self) -> int:
         """How many shards the PS has (1: one PS); with ``ps_shards="per_node"``, the job's node count."""
-        return self.num_nodes if self.per_node else int(self._ps_shards)
+        return self.connection.shard_count(self.num_nodes)
 
     @property
     def ps_endpoint(self) -> str:
         """The PS's address, ``tcp://host:port``, that the workers connect to (the embedded PS's or ``ps_address``;
         shard 0's of a sharded PS, which serves the collectives)."""
-        return self._endpoints()[0][0]
+        return self.ps_endpoints[0]
 
     @property
     def ps_endpoints(self) -> list[str]:
         """Every shard's address, in order (one: an unsharded PS's)."""
-        return self._endpoints()[0]
-
-    def _endpoints(self) -> tuple[list[str], list[str] | None]:
-        """The addresses workers connect to (one per shard), and those rank 0 binds (None: an external PS)."""
-        env = self.cluster_environment
-        if self.per_node and self.num_nodes > 1:
-            if self._shard_addresses is None:
-                raise RuntimeError("with ps_shards='per_node' the shards' addresses are known once the workers have "
-                                   "connected (trainer.fit, validate or test)")
-            return self._shard_addresses, None
-        return endpoints(self.ps_address, self.ps_port, self.ps_shards, env, isinstance(env, self.elastic_environment))
-
-    def _start_per_node(self, client_options: dict[str, Any]) -> list[str]:
-        """``ps_shards="per_node"`` on several nodes: local rank 0 starts this node's shard; every rank learns every
-        shard's address through shard 0 (:mod:`plug_asgd.per_node`). The shards' addresses, in order."""
-        env = self.cluster_environment
-        assert env is not None
-        first, _ = endpoint(None, self.ps_port, env, isinstance(env, self.elastic_environment))
-        port = int(first.rpartition(":")[2])
-        # node 0's: the address every node reaches it at, as one embedded PS's (first); another's: its own
-        own = shard_endpoint(node_address(env.main_address, self.node_rank), port, self.node_rank)
-        check_placement(own, own, embedded_options=False, keys=self.ps_keys, insecure=self.ps_insecure)
-        shapes = {n: tuple(t.shape) for n, t in synced_tensors(self.lightning_module).items()}
-        part = partition(shapes, self.num_nodes, self.compressor)
-        if self.local_rank == 0:
-            shard = f"{self.node_rank}/{self.num_nodes}"
-            self._embedded_ps.start(ps_config(self, own, self._trainer(), shard))
-        return exchange(first, part, node_rank=self.node_rank, own=own if self.local_rank == 0 else None,
-                        rank=self.global_rank, world_size=self.world_size, mode=self.mode.name,
-                        timeout=self.connect_timeout, alive=self._embedded_ps.gone, **client_options)
+        return self.connection.endpoints(self)[0]
 
     def _connect(self) -> PSClient | ShardedClient:
-        if self._client is not None:
-            return self._client
-        options = {"request_timeout": self.request_timeout, "lost_timeout": self.lost_timeout,
-                   "heartbeat_s": self.heartbeat_s, "keys": self.ps_keys, "delta_replies": self.delta_replies}
-        if self.per_node and self.num_nodes > 1:
-            self._shard_addresses = addresses = self._start_per_node(options)
-        else:
-            addresses, binds = self._endpoints()
-            embedded_options = self.resume_from is not None or configurer(self._trainer()) is not None
-            check_placements(addresses, binds, embedded_options=embedded_options, keys=self.ps_keys,
-                             insecure=self.ps_insecure)
-            if binds is not None and self.global_rank == 0:
-                self._embedded_ps.start(*(ps_config(self, bind, self._trainer(), shard)
-                                          for bind, shard in shards(binds)))
-        shapes = {n: tuple(t.shape) for n, t in synced_tensors(self.lightning_module).items()}
-        self._client = connect(addresses, shapes, self.compressor, rank=self.global_rank, world_size=self.world_size,
-                               mode=self.mode.name, **options)
-        atexit.register(self._shutdown)
-        return self._client
+        """This worker's client, connected (and the embedded PS started) at the first stage; shut down at exit."""
+        client = self.connection.client
+        if client is None:
+            client = self.connection.connect(self, self._shapes, self._trainer())
+            atexit.register(self._shutdown)
+        return client
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(t.shape) for n, t in synced_tensors(self.lightning_module).items()}
 
     def _trainer(self) -> Any:
         return self.lightning_module.trainer if self.lightning_module is not None else None
 
     def _shutdown(self, wait_for_workers: float = 30.0) -> None:
-        """At exit: let the other workers finish with the PS, then stop it (rank 0) and close."""
+        """At exit: stop the exchange, let the other workers finish with the PS, then stop it (rank 0) and close."""
         self._exchange.close()
-        client, self._client = self._client, None
-        if client is not None:
-            self._embedded_ps.wait_for_workers(client, wait_for_workers)
-            client.close()
-        self._embedded_ps.stop()
+        self.connection.shutdown(wait_for_workers)
 
     def comm_stats(self) -> dict[str, Any]:
         """This worker's counters: local steps, bytes up and down (measured on the wire), time spent
         waiting for the PS, the staleness of its pushes (updates of others folded in between its
         base version and its own update), and its guesses of an "own" reply (CPU spent on them)."""
-        if self._client is None:
-            return {}
-        return {**self._client.counters.as_dict(), **self._exchange.stats(),
-                "reconnections": self._client.reconnections}
+        return self.connection.counters(self._exchange.stats)
 
     def ps_stats(self) -> dict[str, Any]:
         """The parameter server's global counters (version, pushes, bytes in and out, staleness).
 
         Between stages they are those this worker saw as it left the last one: the embedded PS
         stops once every worker has left, so asking it again could wait for a server that is gone."""
-        if not self._in_stage and self._ps_stats_at_exit is not None:
-            return dict(self._ps_stats_at_exit)
-        if self._client is None:
-            raise RuntimeError("not connected to a parameter server: run trainer.fit/test first")
-        self._exchange.finish()
-        return self._client.stats()
+        return self.connection.stats(self._in_stage, settle=self._exchange.finish)
 
     # -- synchronising the model with the PS -----------------------------------------------------
 
@@ -412,20 +330,20 @@ class AsyncPSStrategy(DDPPlumbing):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The state dict with the central tensors: a checkpoint holds the central model."""
         state = super().lightning_module_state_dict()
-        return self._exchange.central_state(state) if self._client is not None else state
+        return self._exchange.central_state(state) if self.connection.client is not None else state
 
     # -- collectives through the PS --------------------------------------------------------------
 
     def _collectives(self) -> Collectives:
-        active = self._client is not None and self._in_stage and self.world_size > 1
+        active = self.connection.client is not None and self._in_stage and self.world_size > 1
         return Collectives(self._gather if active else None)
 
     def _gather(self, kind: str, obj: Any = None, tensors: dict[str, np.ndarray] | None = None) -> list[Any]:
         self._exchange.finish()  # one request at a time on the socket
-        assert self._client is not None
+        assert self.connection.client is not None
         seq = self._collective_seq
         self._collective_seq += 1
-        return self._client.gather(self._stage, seq, obj, tensors, kind=kind)
+        return self.connection.client.gather(self._stage, seq, obj, tensors, kind=kind)
 
     def barrier(self, name: str | None = None) -> None:
         self._collectives().barrier(name)
@@ -435,8 +353,8 @@ class AsyncPSStrategy(DDPPlumbing):
         the other workers (:mod:`plug_asgd.notices`); elsewhere a collective through the PS."""
         collectives = self._collectives()
         if collectives.gather is not None and self._in_batches:
-            assert self._client is not None
-            return self._client.notices().broadcast(obj, src, self._stage, self._batches)
+            assert self.connection.client is not None
+            return self.connection.client.notices().broadcast(obj, src, self._stage, self._batches)
         return collectives.broadcast(obj, src, self.global_rank)
 
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:

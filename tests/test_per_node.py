@@ -82,17 +82,17 @@ def test_the_strategy_takes_per_node_and_refuses_what_contradicts_it():
 def test_a_nodes_shard_beyond_loopback_needs_keys_and_is_refused_before_anything_starts(monkeypatch):
     from lightning_fabric.plugins.environments import LightningEnvironment
 
-    from plug_asgd import AsyncPSStrategy, strategy
+    from plug_asgd import AsyncPSStrategy, ps_connection
     from plug_asgd.security import InsecureBindError
 
     for name, value in {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "NODE_RANK": "1"}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(strategy, "node_address", lambda main, node: "10.0.0.2" if node == 1 else main)
+    monkeypatch.setattr(ps_connection, "node_address", lambda main, node: "10.0.0.2" if node == 1 else main)
     s = AsyncPSStrategy(ps_shards="per_node", cluster_environment=LightningEnvironment())
     s.num_nodes = 2
     with pytest.raises(InsecureBindError, match="refusing to listen on tcp://10.0.0.2:29501 without authentication"):
         s._connect()
-    assert s._embedded_ps.processes == []  # refused before this node's shard was started
+    assert s.connection.embedded.processes == []  # refused before this node's shard was started
 
 
 def test_the_recipes_take_ps_shards_per_node():

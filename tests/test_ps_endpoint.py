@@ -22,7 +22,8 @@ def torchrun_env(monkeypatch):
 def test_under_torchrun_the_embedded_ps_takes_the_port_after_the_agents_store(torchrun_env):
     strategy = AsyncPSStrategy(cluster_environment=TorchElasticEnvironment())
     assert strategy.ps_endpoint == "tcp://127.0.0.1:29518"
-    assert strategy._endpoints() == (["tcp://127.0.0.1:29518"], ["tcp://127.0.0.1:29518"])  # rank 0 binds it too
+    # rank 0 binds it too
+    assert strategy.connection.endpoints(strategy) == (["tcp://127.0.0.1:29518"], ["tcp://127.0.0.1:29518"])
     # embedded shards: consecutive ports from there, shard 0's the one the collectives (and ps_endpoint) use
     sharded = AsyncPSStrategy(ps_shards=2, cluster_environment=TorchElasticEnvironment())
     assert sharded.ps_endpoints == ["tcp://127.0.0.1:29518", "tcp://127.0.0.1:29519"]

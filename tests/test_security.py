@@ -208,7 +208,7 @@ def test_the_strategy_refuses_an_embedded_ps_beyond_loopback_without_keys(monkey
     strategy = AsyncPSStrategy(cluster_environment=LightningEnvironment())
     with pytest.raises(InsecureBindError, match="ps_keys|--ps-keys"):
         strategy._connect()
-    assert strategy._embedded_ps.process is None, "no PS may have been started"
+    assert strategy.connection.embedded.process is None, "no PS may have been started"
 
 
 if sys.platform == "win32":  # pragma: no cover
@@ -237,13 +237,13 @@ def test_a_keyed_run_trains_on_an_embedded_ps_listening_beyond_loopback(monkeypa
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     try:
         trainer.fit(Tiny(), loader)
-        assert strategy._client is not None and strategy._client.keyed
+        assert strategy.connection.client is not None and strategy.connection.client.keyed
         stats = strategy.ps_stats()
         assert stats["version"] == 4 and stats["pushes_applied"] == 4 and not stats["refused"]
-        central = strategy._client.pull().tensors["layer.weight"]
+        central = strategy.connection.client.pull().tensors["layer.weight"]
         np.testing.assert_array_equal(trainer.lightning_module.layer.weight.detach().numpy(), central)
     finally:
-        proc = strategy._embedded_ps.process
+        proc = strategy.connection.embedded.process
         strategy._shutdown(wait_for_workers=0)
         if proc is not None:
             assert proc.poll() is not None and not group_members(proc.pid)

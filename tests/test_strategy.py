@@ -44,7 +44,7 @@ def data(n: int = 320) -> DataLoader:
 
 
 def central(strategy: AsyncPSStrategy) -> dict[str, np.ndarray]:
-    return strategy._client.pull().tensors
+    return strategy.connection.client.pull().tensors
 
 
 class Probe(pl.Callback):
@@ -70,7 +70,7 @@ class Probe(pl.Callback):
 def strategy():
     s = AsyncPSStrategy(mode=Asgd(push_every=5))
     yield s
-    proc = s._embedded_ps.process
+    proc = s.connection.embedded.process
     s._shutdown(wait_for_workers=0)
     if proc is not None:
         assert proc.poll() is not None and not group_members(proc.pid)
@@ -103,7 +103,7 @@ def test_a_lone_asgd_worker_gets_no_model_back_yet_holds_the_central_model_bit_f
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Tiny(), data())  # 20 steps: 4 pushes, each answered "your base plus your update"
-    stats = strategy._client.stats()
+    stats = strategy.connection.client.stats()
     assert stats["pushes_applied"] == 4 and stats["own_replies"] == 4
     for name, value in central(strategy).items():
         local = dict(trainer.lightning_module.named_parameters())[name].detach().numpy()
@@ -124,7 +124,7 @@ def test_pushes_through_shared_memory_train_the_bits_of_pushes_over_the_socket(m
             trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=s, max_epochs=1, logger=False,
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
             trainer.fit(module, data())  # 20 steps, a push after each
-            stats.append(s._client.stats())
+            stats.append(s.connection.client.stats())
             comm.append(s.comm_stats())
             finals.append({n: p.detach().numpy().copy() for n, p in module.named_parameters()})
         finally:
@@ -157,7 +157,7 @@ def test_a_lone_asgd_worker_pushes_its_weights_and_trains_the_bits_of_plain_ligh
     s = AsyncPSStrategy(mode="asgd", shm_pushes=shm)
     try:
         finals = fit_tiny(s)
-        stats = s._client.stats()
+        stats = s.connection.client.stats()
         assert stats["weights_pushes"] == stats["own_replies"] == 20 and stats["weights_not_current"] == 0
         assert stats["push_local_bytes_in"] == (20 * 4 * (4 * 2 + 2) if shm else 0)
         # through shared memory the worker lends its buffers: the PS keeps them as its model, and copies
@@ -177,7 +177,7 @@ class Racer(pl.Callback):
     def on_before_optimizer_step(self, trainer, module, optimizer):
         if trainer.global_step == 4:
             strategy = trainer.strategy
-            strategy._client.push(strategy._exchange.version, {n: np.zeros(t.shape, np.float32)
+            strategy.connection.client.push(strategy._exchange.version, {n: np.zeros(t.shape, np.float32)
                                                       for n, t in synced_tensors(module).items()})
 
 
@@ -187,7 +187,7 @@ def test_raced_weights_fold_nothing_and_the_worker_pushes_its_update_instead():
     s = AsyncPSStrategy(mode="asgd")
     try:
         finals = fit_tiny(s, [Racer()])
-        stats = s._client.stats()
+        stats = s.connection.client.stats()
         # 20 pushes of the worker + the racer's; the 5th's weights were refused, then its delta folded in
         assert stats["pushes_applied"] == 21 and stats["version"] == 21
         assert stats["weights_not_current"] == 1 and stats["weights_pushes"] == 18 and stats["own_replies"] == 19
@@ -208,7 +208,7 @@ def test_a_worker_guesses_the_own_model_while_waiting_only_after_an_own_reply(mo
     monkeypatch.setattr(s._exchange, "push_weights", lambda tensors: False)
     try:
         finals = fit_tiny(s, [Racer()])
-        stats, comm = s._client.stats(), s.comm_stats()
+        stats, comm = s.connection.client.stats(), s.comm_stats()
         central_now = central(s)
     finally:
         s._shutdown(wait_for_workers=0)
@@ -231,7 +231,7 @@ def test_a_worker_whose_base_is_its_own_weights_never_asks_for_an_own_reply():
         trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=s, max_epochs=1, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(Tiny(), data())
-        stats = s._client.stats()
+        stats = s.connection.client.stats()
         assert stats["pushes_applied"] == 20 and stats["own_replies"] == 0
     finally:
         s._shutdown(wait_for_workers=0)
@@ -250,13 +250,13 @@ def test_overlapped_pushes_of_a_lone_worker_lose_no_step(tmp_path):
             trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=s, max_epochs=2, logger=False,
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
             trainer.fit(module, data())  # 40 steps, a push after each
-            stats.append(s._client.stats())
+            stats.append(s.connection.client.stats())
             finals.append({n: p.detach().clone() for n, p in module.named_parameters()})
             center = central(s)
             for n, p in module.named_parameters():  # teardown leaves the central model in the module
                 np.testing.assert_array_equal(p.detach().numpy(), center[n])
         finally:
-            proc = s._embedded_ps.process
+            proc = s.connection.embedded.process
             s._shutdown(wait_for_workers=0)
             assert proc is None or proc.poll() is not None
     for st in stats:
