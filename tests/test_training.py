@@ -92,6 +92,17 @@ LAUNCH_TIMEOUT_S = 840
 CORE_TIMEOUT_S = LAUNCH_TIMEOUT_S + RECIPE_RUN_TIMEOUT_S + 60
 
 
+def scheme_specs(with_asgd: bool = False) -> list[dict]:
+    """The runs of the launch below (``with_asgd``: asgd's too, which the suite takes from the recipe's run;
+    tests/scripts/threshold_runs.py repeats them all to measure the spread ACCURACY_THRESHOLD is set from)."""
+    common = {"kind": "asgd", "batch_size": 32, "train_subset": 8000, "epochs": 1, "test": True}
+    runs = [{**common, "name": mode, "mode": mode, "compression": 0.01} for mode in CORE
+            if with_asgd or mode != "asgd"]
+    runs += [{**common, "name": mode, "mode": mode, **settings} for mode, settings, _ in SCHEMES]
+    return runs + [{**common, "name": name, "mode": mode, **settings}
+                   for name, (mode, settings, _) in zip(PAIR_IDS, PAIRS, strict=True)]
+
+
 @pytest.fixture(scope="module")
 def scheme_runs(tmp_path_factory):
     """Every mode (the core ones too) and every compressor trained in one launch of 2 Lightning workers.
@@ -105,13 +116,8 @@ def scheme_runs(tmp_path_factory):
         pytest.skip("Fashion-MNIST not installed: apt-get install dataset-fashion-mnist")
     from bench.runner import launch  # the benchmarks' launcher: spec, ports, threads, a process group ended on return
 
-    common = {"kind": "asgd", "batch_size": 32, "train_subset": 8000, "epochs": 1, "test": True}
-    runs = [{**common, "name": mode, "mode": mode, "compression": 0.01} for mode in CORE if mode != "asgd"]
-    runs += [{**common, "name": mode, "mode": mode, **settings} for mode, settings, _ in SCHEMES]
-    runs += [{**common, "name": name, "mode": mode, **settings}
-             for name, (mode, settings, _) in zip(PAIR_IDS, PAIRS, strict=True)]
     work = tmp_path_factory.mktemp("schemes")
-    records = launch(2, runs, {"test_subset": 1000, "timeout": LAUNCH_TIMEOUT_S}, work)
+    records = launch(2, scheme_specs(), {"test_subset": 1000, "timeout": LAUNCH_TIMEOUT_S}, work)
     errors = [r["launch_error"] for r in records if "launch_error" in r]
     log = (work / "train2.log").read_text()[-4000:] if errors else ""
     return {r["name"]: r for r in records if "name" in r}, f"{errors}; the launch's log ends:\n{log}"
