@@ -167,6 +167,12 @@ def group_members(pgid: int) -> list[int]:
     return pids
 
 
+def ports_needed(runs: list[dict[str, Any]]) -> int:
+    """The ports above ``MASTER_PORT`` that a launch of ``runs`` takes (``bench.train``): one per run, one per
+    shard of a sharded run (``ps_shards``)."""
+    return sum(int(run.get("ps_shards") or 1) for run in runs)
+
+
 def run_module(module: str, args: list[str], timeout: float, log: Path, env: dict[str, str]) -> int:
     """``python -m module args`` in its own process group; ended (all of it) on return or timeout."""
     proc = start([sys.executable, "-m", module, *args], env=env, log=log)

@@ -25,6 +25,7 @@ from bench.common import (
     free_port_block,
     machine,
     payload_bytes,
+    ports_needed,
     run_module,
     start,
     stop,
@@ -181,7 +182,7 @@ def launch(workers: int, runs: list[dict[str, Any]], size: dict[str, Any], work:
     (work / f"spec{name}.json").write_text(json.dumps(spec, indent=1))
     threads = threads or max(1, (os.cpu_count() or 1) // workers)
     env = child_env(OMP_NUM_THREADS=str(threads), MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(free_port_block(len(runs) + 2)))
+                    MASTER_PORT=str(free_port_block(ports_needed(runs) + 2)))
     log = work / f"train{name}.log"
     t = time.monotonic()
     rc = run_module("bench.train", ["--spec", str(work / f"spec{name}.json"), "--out", str(out)],

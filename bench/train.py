@@ -7,9 +7,10 @@ alternated, without paying the interpreter and import start-up for each. A run i
 
 - ``single``: plain Lightning on one device (``strategy="auto"``), for ``workers == 1``;
 - ``ddp``: Lightning's DDP over gloo (``accelerator="cpu"``);
-- ``asgd``: ``AsyncPSStrategy(mode=...)`` with its embedded PS on port ``MASTER_PORT + 1 + i``
-  (the main port stays free for DDP's store); ``options`` holds any other keyword arguments of
-  the strategy (``bits``, ``rank``, ...).
+- ``asgd``: ``AsyncPSStrategy(mode=...)`` with its embedded PS on a port of its own above
+  ``MASTER_PORT`` (the main port stays free for DDP's store; :func:`ps_port`); ``ps_shards``
+  makes it a sharded PS of that many embedded shards, on as many ports; ``options`` holds any
+  other keyword arguments of the strategy (``bits``, ``rank``, ...).
 
 ``optimizer``, ``lr`` and ``momentum`` of a run go to the recipe CNN (default: Adam, 1e-3).
 
@@ -37,7 +38,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
-from bench.common import ps_push_ms
+from bench.common import ports_needed, ps_push_ms
 from plug_asgd.client import PSError
 from plug_asgd.recipes.common import mode_and_codec
 from plug_asgd.recipes.data import Arrays
@@ -115,7 +116,12 @@ class StepClock(pl.Callback):
                 "slept_s": self.slept}
 
 
-def make_strategy(run: dict[str, Any], index: int, workers: int) -> Any:
+def ps_port(runs: list[dict[str, Any]], index: int) -> int:
+    """Run ``index``'s first PS port: above ``MASTER_PORT`` and every port an earlier run of the launch took."""
+    return int(os.environ["MASTER_PORT"]) + 1 + ports_needed(runs[:index])
+
+
+def make_strategy(run: dict[str, Any], index: int, runs: list[dict[str, Any]]) -> Any:
     kind = run["kind"]
     if kind == "single":
         return "auto"
@@ -123,14 +129,15 @@ def make_strategy(run: dict[str, Any], index: int, workers: int) -> Any:
         from pytorch_lightning.strategies import DDPStrategy
 
         return DDPStrategy(process_group_backend="gloo")
-    port = int(os.environ["MASTER_PORT"]) + 1 + index
+    port = ps_port(runs, index)
     # "options": the strategy's own arguments, and knobs of the mode or the codec
     options = run.get("options", {})
     own = {k: v for k, v in options.items() if k in inspect.signature(AsyncPSStrategy).parameters}
     mode, codec = mode_and_codec(run.get("mode", "asgd"), run.get("compressor", "none"),
                                  compression=run.get("compression"), overlap=run.get("overlap"),
                                  **{k: v for k, v in options.items() if k not in own})
-    return AsyncPSStrategy(mode=mode, compressor=codec, ps_port=port, shm_pushes=run.get("shm_pushes", True), **own)
+    return AsyncPSStrategy(mode=mode, compressor=codec, ps_port=port, shm_pushes=run.get("shm_pushes", True),
+                           ps_shards=run.get("ps_shards"), **own)
 
 
 def evaluate(state: dict[str, torch.Tensor], test_x: torch.Tensor, test_y: torch.Tensor) -> float:
@@ -184,7 +191,7 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
                          test_subset=run.get("test_subset", spec.get("test_subset")), download=False,
                          seed=seed)
     model = MnistCNN(**{k: run[k] for k in ("optimizer", "lr", "momentum") if k in run})
-    strategy = make_strategy(run, index, workers)
+    strategy = make_strategy(run, index, spec["runs"])
     rank = int(os.environ.get("NODE_RANK", "0")) * devices + int(os.environ.get("LOCAL_RANK", "0"))
     clock = StepClock(run, rank)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, num_nodes=nodes, strategy=strategy,
@@ -245,6 +252,10 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
                       weights_pushes=ps["weights_pushes"], weights_not_current=ps["weights_not_current"],
                       weights_lent=ps["weights_lent"], lent_copies=ps["lent_copies"], staleness=ps.get("staleness"),
                       ps_push_ms=ps_push_ms(ps))
+        if "shards" in ps:  # a sharded PS: the counters above are shard 0's but the traffic, summed over shards
+            result["shards"] = [{k: s.get(k) for k in ("version", "pushes_applied", "pushes_dropped", "push_bytes_in",
+                                                       "push_local_bytes_in", "bytes_in", "bytes_out",
+                                                       "delta_replies")} for s in ps["shards"]]
     if clock.snapshots:
         dm.setup("test")
         test_x, test_y = dm.test_set.tensors

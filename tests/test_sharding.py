@@ -372,10 +372,16 @@ FIT_MODES = ["asgd", "adacomp", "dynsgd", "ssp", "downpour", "agn", "asgd_overla
 PUSH_EVERY = {"downpour": 4, "agn": 4, "localsgd": 4, "sagn": 4, "losp": 4, "easgd": 4, "eamsgd": 4}
 # a synchronous round is one version for both workers' pushes
 ROUNDS = {"sync", "localsgd", "sagn", "osp", "losp"}
-# bn_sched's bar for this model (test_training's BatchNorm test), but sagn's: its 10 rounds of averaged updates,
-# each divided by its 4 steps, end at 0.84 on one PS too (tests/scripts/shard_fit.py --shards 1); and easgd's,
-# whose center trails the workers by alpha every tau steps (0.89 to 0.91 in runs)
-ACCURACY = {"sagn": 0.8, "easgd": 0.85}
+# every fit's bar, at shard_fit's common step size (0.4; no fit has settings of its own). Measured at 9556e18 on 2
+# loaded cores, 5 launches: every fit but sagn's ended at 0.924-0.977 (the lowest: agn 0.924, eamsgd 0.930, easgd
+# 0.955, downpour 0.963; the others 0.961 or more); the bar is bn_sched's for this model (test_training's BatchNorm
+# test), 2.4 points under the lowest. sagn cannot reach it: its 10 synchronous rounds, each the workers' 4 steps
+# averaged and divided by 4, end at 0.811 in all 5 (deterministic: bit for bit the same on one PS), 0.64 at a step
+# size of 0.1 and 0.84 at 0.8. It is marked xfail with these numbers (issue 23: no settings of its own); sagn
+# sharded reaches the suite's Fashion-MNIST threshold (test_training's sharded_runs)
+FIT_ACCURACY = 0.9
+SHORT_OF_THE_BAR = {"sagn": "sagn ends this model's 40 steps at 0.811 at the common step size (0.64 at 0.1, 0.84 at "
+                            "0.8), on one PS too: under the common 0.9"}
 
 
 def fit_versions(mode: str) -> int:
@@ -390,7 +396,10 @@ def fit_results(out: Path, mode: str, log: str) -> list[dict]:
     return [json.loads((out / mode / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
-def check_fit(ranks: list[dict], mode: str) -> None:
+def check_fit(ranks: list[dict], mode: str, accuracy: bool = True) -> None:
+    """What a sharded fit must show: its steps, each shard's version, its pushes, the same model on both workers and
+    the central one; and (``accuracy``) the test accuracy of FIT_ACCURACY."""
+    partly = sum(r["comm"]["partly_applied"] for r in ranks)
     for r in ranks:
         assert r["steps"] == 40
         # every push reached both shards: each shard's own version counts them all (or their rounds)
@@ -402,9 +411,13 @@ def check_fit(ranks: list[dict], mode: str) -> None:
                 assert pushes["by_rank"] == {"0": 40, "1": 40}, r["shard_pushes"]
                 assert pushes["applied"] + pushes["dropped"] == 80 and version == pushes["applied"], r
                 assert 40 <= version <= 80, r["shard_versions"]
+            # and a push one shard took and the other dropped (partly applied) is the one way their rounds part
+            assert abs(r["shard_versions"][0] - r["shard_versions"][1]) <= partly, (r["shard_versions"], partly)
         else:
             assert r["shard_versions"] == [fit_versions(mode)] * 2, r["shard_versions"]
-        assert r["test_acc"] >= ACCURACY.get(mode, 0.9), r["test_acc"]
+            assert partly == 0, partly
+        if accuracy:
+            assert r["test_acc"] >= FIT_ACCURACY, r["test_acc"]
         assert r["comm"]["pushes"] == 40 // PUSH_EVERY.get(mode, 1)
         # downlink_fraction (agn's fit): the shards answered pushes with only the largest differences
         assert (r["approx_replies"] > 0) == (mode == "agn"), r["approx_replies"]
@@ -437,7 +450,17 @@ def sharded_fits(tmp_path_factory):
 @pytest.mark.parametrize("mode", FIT_MODES)
 def test_two_workers_fit_on_two_embedded_shards(sharded_fits, mode):
     out, log = sharded_fits
-    check_fit(fit_results(out, mode, log), mode)
+    check_fit(fit_results(out, mode, log), mode, accuracy=False)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.xfail(reason=SHORT_OF_THE_BAR[m], strict=True))
+                                  if m in SHORT_OF_THE_BAR else m for m in FIT_MODES])
+def test_every_fit_on_two_embedded_shards_reaches_the_common_bar(sharded_fits, mode):
+    out, log = sharded_fits
+    for r in fit_results(out, mode, log):
+        assert r["test_acc"] >= FIT_ACCURACY, r["test_acc"]
 
 
 @pytest.mark.integration
@@ -457,10 +480,12 @@ def test_two_workers_fit_on_shards_started_by_hand_with_serve_ps(procs, tmp_path
         assert "of a sharded model" in ps_out
 
 
+# every mode but hogwild and every codec train the recipe's Fashion-MNIST runs on 2 shards to the suite's threshold in
+# tests/test_training.py (its sharded_runs); this is the recipe's own command line with --ps-shards and a Supervisor
 @needs_fashion
 @pytest.mark.integration
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("mode", ["asgd", "adacomp"])
+@pytest.mark.parametrize("mode", ["asgd"])
 def test_the_recipe_on_two_shards_trains_fashion_mnist_to_the_suites_threshold(procs, tmp_path, mode):
     run = run_recipe(procs, tmp_path, "--workers", "2", "--mode", mode, "--ps-shards", "2", "--supervise-every", "60",
                      timeout=170)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 from bench.common import free_port_block
 from bench.zmqtools import CNN_SHAPES
 from plug_asgd.client import PSClient, PSError, PSUnreachableError
+from plug_asgd.sharding import UNSHARDED_MODES
 from tests.conftest import (
     ACCURACY_THRESHOLD,
     FASHION,
@@ -86,41 +88,67 @@ PAIR_IDS = [f"{m}-{settings['compressor']}" for m, settings, _ in PAIRS]
 # measured at a8e4da4 fp16 525.5, topk 576, randomk 576.5, powersgd 787, bf16 808.5, sign 916.5, qsgd 958.5;
 # bounded on both sides with a margin
 PUSH_HEADER_BYTES = (400, 1200)
-# the 20 runs' launch takes about 2 minutes on 2 idle cores; the first test using it sets it up
+# the sharded counterpart of these runs (issue 21): every mode but hogwild and every codec on a PS of 2 embedded
+# shards, held to the same threshold, versions (each shard's) and bytes (summed over shards)
+SHARDS = 2
+SHARD_IDS = ["one_ps", f"{SHARDS}_shards"]
+# the 20 runs' launch takes about 2 minutes on 2 idle cores; the first test using it sets it up. The sharded
+# launch (20 runs, 2 shard processes each) took 1.1-1.2x the one-PS launch in the same session on 2 cores shared
+# with other suites: 162 s against 147 s (load about 3.5), 276 s against 227 s (load about 6)
 LAUNCH_TIMEOUT_S = 840
 # a core mode's test may be the first to need both launches (asgd's is recipe_run's)
 CORE_TIMEOUT_S = LAUNCH_TIMEOUT_S + RECIPE_RUN_TIMEOUT_S + 60
 
 
-def scheme_specs(with_asgd: bool = False) -> list[dict]:
-    """The runs of the launch below (``with_asgd``: asgd's too, which the suite takes from the recipe's run;
-    tests/scripts/threshold_runs.py repeats them all to measure the spread ACCURACY_THRESHOLD is set from)."""
+def scheme_specs(shards: int = 1, with_asgd: bool = False) -> list[dict]:
+    """The runs of a launch below, on one PS or ``shards`` (``with_asgd``: one PS's asgd too, which the suite
+    takes from the recipe's run; tests/scripts/threshold_runs.py repeats them all to measure the spread
+    ACCURACY_THRESHOLD is set from)."""
     common = {"kind": "asgd", "batch_size": 32, "train_subset": 8000, "epochs": 1, "test": True}
-    runs = [{**common, "name": mode, "mode": mode, "compression": 0.01} for mode in CORE
-            if with_asgd or mode != "asgd"]
-    runs += [{**common, "name": mode, "mode": mode, **settings} for mode, settings, _ in SCHEMES]
+    if shards > 1:
+        common["ps_shards"] = shards
+    # one PS: asgd's run is the recipe's own (recipe_run); sharded, it is one of these
+    core = [mode for mode in CORE if with_asgd or shards > 1 or mode != "asgd"]
+    runs = [{**common, "name": mode, "mode": mode, "compression": 0.01} for mode in core]
+    runs += [{**common, "name": mode, "mode": mode, **settings} for mode, settings, _ in SCHEMES
+             if shards == 1 or mode not in UNSHARDED_MODES]
     return runs + [{**common, "name": name, "mode": mode, **settings}
                    for name, (mode, settings, _) in zip(PAIR_IDS, PAIRS, strict=True)]
 
 
-@pytest.fixture(scope="module")
-def scheme_runs(tmp_path_factory):
-    """Every mode (the core ones too) and every compressor trained in one launch of 2 Lightning workers.
+def launch_runs(tmp_path_factory, shards: int) -> tuple[dict[str, dict], str]:
+    """Every mode and every compressor trained in one launch of 2 Lightning workers, on one PS or ``shards``.
 
     ``bench.train`` runs them one after another in the same two processes (a fresh Trainer,
-    strategy and embedded PS each, on a port of its own), so the suite pays the start of Python,
-    torch and Lightning once instead of 18 times. A run that failed ends the launch: the runs
-    after it have no result, and their tests show the launch's output.
+    strategy and embedded PS, or embedded shards, each, on ports of their own), so the suite pays
+    the start of Python, torch and Lightning once instead of 20 times. A run that failed ends the
+    launch: the runs after it have no result, and their tests show the launch's output.
     """
     if not (FASHION / "train-images-idx3-ubyte.gz").exists():
         pytest.skip("Fashion-MNIST not installed: apt-get install dataset-fashion-mnist")
     from bench.runner import launch  # the benchmarks' launcher: spec, ports, threads, a process group ended on return
 
-    work = tmp_path_factory.mktemp("schemes")
-    records = launch(2, scheme_specs(), {"test_subset": 1000, "timeout": LAUNCH_TIMEOUT_S}, work)
+    runs = scheme_specs(shards)
+    work = tmp_path_factory.mktemp(f"schemes{shards}")
+    t = time.monotonic()
+    records = launch(2, runs, {"test_subset": 1000, "timeout": LAUNCH_TIMEOUT_S}, work)
+    print(f"the launch of {len(runs)} runs on {shards} PS shard(s) took {time.monotonic() - t:.0f} s")
     errors = [r["launch_error"] for r in records if "launch_error" in r]
     log = (work / "train2.log").read_text()[-4000:] if errors else ""
     return {r["name"]: r for r in records if "name" in r}, f"{errors}; the launch's log ends:\n{log}"
+
+
+@pytest.fixture(scope="module")
+def scheme_runs(tmp_path_factory):
+    """Every mode (the core ones but asgd too) and every compressor on one PS, in one launch (launch_runs)."""
+    return launch_runs(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    """The same runs, and asgd's, on a PS of SHARDS embedded shards (issue 21), in one launch; all but hogwild's,
+    which takes no sharded PS (plug_asgd.sharding.UNSHARDED_MODES)."""
+    return launch_runs(tmp_path_factory, SHARDS)
 
 
 def scheme_run(scheme_runs, name: str) -> dict:
@@ -129,72 +157,119 @@ def scheme_run(scheme_runs, name: str) -> dict:
     return results[name]
 
 
-def core_run(request, mode: str) -> dict:
-    """A core mode's run: asgd's is the recipe's (a launch of its own, shared with test_callbacks)."""
+def core_run(request, mode: str, shards: int = 1) -> dict:
+    """A core mode's run: on one PS asgd's is the recipe's (a launch of its own, shared with test_callbacks)."""
+    if shards > 1:
+        return scheme_run(request.getfixturevalue("sharded_runs"), mode)
     if mode == "asgd":
         return request.getfixturevalue("recipe_run")[2]
     return scheme_run(request.getfixturevalue("scheme_runs"), mode)
 
 
+def runs_of(request, shards: int):
+    return request.getfixturevalue("sharded_runs" if shards > 1 else "scheme_runs")
+
+
+def ps_versions(run: dict) -> list[int]:
+    """The PS's version after the run; on a sharded PS every shard's, each of which counts every push (or round)."""
+    return [s["version"] for s in run["shards"]] if "shards" in run else [run["ps_version"]]
+
+
+def push_frames(codec_spec, shards: int) -> int:
+    """The frame bytes of one push of the recipe CNN's update through the codec, summed over the pieces each shard
+    gets (plug_asgd.sharding.partition): a tensor cut into slices sends each slice as the codec encodes that many
+    values (a packed update is cut by its codec), but a sparse update keeps the whole tensor's k coordinates, spread
+    over its slices, each slice with block counts of its own."""
+    from plug_asgd.compressors import get
+    from plug_asgd.sharding import partition
+    from plug_asgd.wire_schema import num_blocks
+
+    codec = get(codec_spec)
+    pieces = partition(CNN_SHAPES, shards, codec).pieces if shards > 1 else ()
+    total = 0
+    for name, shape in CNN_SHAPES.items():
+        slices = [p.size for p in pieces if p.name == name and not p.whole]
+        if not slices:
+            total += codec.wire_bytes(shape)
+        elif codec.name in ("topk", "randomk"):
+            total += codec.wire_bytes(shape) + 4 * (sum(num_blocks(n) for n in slices) - num_blocks(math.prod(shape)))
+        else:
+            total += sum(codec.wire_bytes((n,)) for n in slices)
+    return total
+
+
 @needs_fashion
 @pytest.mark.timeout(CORE_TIMEOUT_S)  # the launches, when this test is the first to need them
+@pytest.mark.parametrize("shards", [1, SHARDS], ids=SHARD_IDS)
 @pytest.mark.parametrize("mode", CORE)
-def test_each_mode_trains_the_central_model_well_above_chance(request, mode):
-    run = core_run(request, mode)
+def test_each_mode_trains_the_central_model_well_above_chance(request, mode, shards):
+    run = core_run(request, mode, shards)
     assert run["test_acc"] >= ACCURACY_THRESHOLD, run
-    # 8000 images / 2 workers / batch 32 = 125 steps per worker
-    if mode == "sync":
-        assert run["ps_version"] == 125 and run["pushes_applied"] == 250
-    else:
-        assert run["ps_version"] == 250
+    # 8000 images / 2 workers / batch 32 = 125 steps per worker; sharded, each shard counts every push
+    assert ps_versions(run) == [125 if mode == "sync" else 250] * shards, run
+    assert [s["pushes_applied"] for s in run.get("shards", [run])] == [250] * shards, run
 
 
 @needs_fashion
 @pytest.mark.timeout(CORE_TIMEOUT_S)
-def test_adacomp_pushes_at_least_30x_fewer_bytes_than_asgd(request):
-    asgd, ada = core_run(request, "asgd"), core_run(request, "adacomp")
+@pytest.mark.parametrize("shards", [1, SHARDS], ids=SHARD_IDS)
+def test_adacomp_pushes_at_least_30x_fewer_bytes_than_asgd(request, shards):
+    asgd, ada = core_run(request, "asgd", shards), core_run(request, "adacomp", shards)
     assert asgd["pushes_applied"] == ada["pushes_applied"] == 250
     # dense: 1,199,882 float32 = 4,799,528 bytes per push, through shared memory (the PS is on this
     # machine) with a header on the socket; adacomp's sparse updates all go over the socket
-    assert asgd["push_local_bytes"] == 250 * 4_799_528 and ada["push_local_bytes"] == 0
+    if shards == 1:
+        assert asgd["push_local_bytes"] == 250 * 4_799_528 and ada["push_local_bytes"] == 0
+    else:  # a sharded worker pushes every update over the sockets (no shared memory): the slices, a header each
+        assert asgd["push_local_bytes"] == ada["push_local_bytes"] == 0
+        header = (asgd["push_bytes"] - 250 * 4_799_528) / (250 * shards)
+        assert PUSH_HEADER_BYTES[0] <= header <= PUSH_HEADER_BYTES[1], asgd
     dense = asgd["push_bytes"] + asgd["push_local_bytes"]
     assert dense / ada["push_bytes"] >= 30, (dense, ada["push_bytes"])
 
 
 @needs_fashion
 @pytest.mark.timeout(CORE_TIMEOUT_S)
-def test_adacomp_replies_carry_only_what_changed_so_its_downlink_stays_within_10x_its_uplink(request):
-    ada = core_run(request, "adacomp")
+@pytest.mark.parametrize("shards", [1, SHARDS], ids=SHARD_IDS)
+def test_adacomp_replies_carry_only_what_changed_so_its_downlink_stays_within_10x_its_uplink(request, shards):
+    ada = core_run(request, "adacomp", shards)
     # every push's reply (250) and the pulls after it are deltas: rank 0 holds the model it sent, rank 1 the
     # one it pulled first. Whole models, as before delta replies, would be 250 x 4.8 MB = 1.2 GB down
-    # against about 23 MB up (rank 0's model and 250 pushes of 1%): 50x
-    assert ada["delta_replies"] >= 250, ada
+    # against about 23 MB up (rank 0's model and 250 pushes of 1%): 50x. Sharded: each shard answers every
+    # push with the delta of its own pieces, and the bytes are summed over shards
+    assert min(s["delta_replies"] for s in ada.get("shards", [ada])) >= 250, ada
     assert ada["bytes_out"] <= 10 * ada["bytes_in"], (ada["bytes_out"], ada["bytes_in"])
 
 
 @needs_fashion
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
-@pytest.mark.parametrize("mode, settings, version", SCHEMES, ids=[m for m, _, _ in SCHEMES])
-def test_every_scheme_trains_the_recipe_above_the_core_threshold(scheme_runs, mode, settings, version):
-    run = scheme_run(scheme_runs, mode)
+@pytest.mark.parametrize("mode, settings, version, shards", [
+    pytest.param(mode, settings, version, shards, id=f"{mode}-{shard_id}")
+    for shards, shard_id in zip([1, SHARDS], SHARD_IDS, strict=True) for mode, settings, version in SCHEMES
+    if shards == 1 or mode not in UNSHARDED_MODES])
+def test_every_scheme_trains_the_recipe_above_the_core_threshold(request, mode, settings, version, shards):
+    run = scheme_run(runs_of(request, shards), mode)
     assert run["test_acc"] >= ACCURACY_THRESHOLD, run
-    assert run["ps_version"] == version
+    assert ps_versions(run) == [version] * shards, run
 
 
 @needs_fashion
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+@pytest.mark.parametrize("shards", [1, SHARDS], ids=SHARD_IDS)
 @pytest.mark.parametrize("mode, settings, codec", PAIRS, ids=PAIR_IDS)
-def test_every_compressor_trains_and_sends_what_its_format_says(scheme_runs, mode, settings, codec):
-    from plug_asgd.compressors import get
-
-    run = scheme_run(scheme_runs, f"{mode}-{settings['compressor']}")
+def test_every_compressor_trains_and_sends_what_its_format_says(request, mode, settings, codec, shards):
+    run = scheme_run(runs_of(request, shards), f"{mode}-{settings['compressor']}")
     assert run["test_acc"] >= ACCURACY_THRESHOLD, run
-    # every local step pushes (downpour: every 4th, ceil(125/4)); sync rounds: 125, each of 2 pushes
-    assert run["pushes"] == 2 * (32 if mode == "downpour" else 125), run
-    # the frames of each push are the codec's wire bytes for the recipe CNN's float32 tensors, all over
-    # the socket (a compressed update never goes through shared memory); only the header varies
-    frames = sum(get(codec).wire_bytes(shape) for shape in CNN_SHAPES.values())
-    header = (run["push_bytes"] - run["pushes"] * frames) / run["pushes"]
+    # every local step pushes (downpour: every 4th, ceil(125/4)); sync rounds: 125, each of 2 pushes. Sharded,
+    # every shard gets every push (its slices of it)
+    pushes = 2 * (32 if mode == "downpour" else 125)
+    each = [s["pushes_applied"] + s["pushes_dropped"] for s in run["shards"]] if shards > 1 else [run["pushes"]]
+    assert each == [pushes] * shards, run
+    # the frames of each push are the codec's wire bytes for the recipe CNN's float32 tensors (sharded: summed
+    # over the slices every shard gets), all over the sockets (a compressed update never goes through shared
+    # memory); only the header varies, one per shard a push goes to
+    frames = push_frames(codec, shards)
+    header = (run["push_bytes"] - pushes * frames) / (pushes * shards)
     assert PUSH_HEADER_BYTES[0] <= header <= PUSH_HEADER_BYTES[1], (frames, run)
     assert run["push_local_bytes"] == 0, run
 
