@@ -48,6 +48,15 @@ OFF_REPEATS = 3
 FASHION_POINTS = 5.0
 # asgd under every codec with error feedback (adacomp is a mode: its own top-k)
 CODECS = ("asgd+topk", "asgd+randomk", "asgd+sign", "asgd+powersgd")
+# What the issue asks of the codecs on the regression case: they train without diverging. One bound for all, a
+# fraction of the starting loss (57.5), set from the worst codec's measured spread. 1% of this 321-parameter model
+# is 1 to 3 coordinates per tensor and push, so the central model gets each coordinate about twice in the 192
+# pushes and lags the workers. Measured (single fits, 2026-11-24): topk 2.4, powersgd 3.4, sign 8.1, and randomk
+# 6.1 to 20.9 over 15 launches on 2 cores (quiet and loaded; a push of each worker's residual at the end of the
+# fit changed nothing: 7.4 to 20.9 over 8), against 2e4 to 2e9 without compensation. Half the start (28.8) is
+# above randomk's worst by a third; a quarter (14.4), the bound the other three were first held to, lies below it,
+# and randomk alone had half. randomk's lag is written in docs/momentum.md. Do not move it without a note saying why.
+CODEC_BOUND = 0.5
 
 
 def one_process_loss() -> float:
@@ -102,15 +111,8 @@ def test_every_mode_trains_the_regression_model_with_momentum_sgd(regression, mo
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.integration
 def test_every_codec_trains_the_regression_model_without_diverging(regression, codec):
-    # 1% of this 321-parameter model is 1 to 3 coordinates per tensor and push: the central model gets each
-    # coordinate about twice in the 192 pushes, so it lags the workers (measured: topk 2.4, powersgd 3.4,
-    # sign 8.1, randomk 9.3; without compensation all four end between 2e4 and 2e9)
-    # randomk trains too, but its spread is wide: 6.1 to 20.9 over 15 launches of this script on 2 cores
-    # (2026-11-24, quiet and loaded; one process 6.8): its bound is "did not diverge", half the starting loss,
-    # and that weakness is written in docs/momentum.md. A push at the end of the fit of the residual each
-    # worker holds was tried and changed nothing (7.4 to 20.9 over 8 launches): the lag is not the residual.
     run = regression["on"][codec]
-    assert run["after"] <= run["before"] / (2 if codec == "asgd+randomk" else 4), run
+    assert run["after"] <= CODEC_BOUND * run["before"], run
 
 
 @pytest.mark.xfail(strict=True, reason="losp keeps each round's local progress while its sync round is in flight; "
