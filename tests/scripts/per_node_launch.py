@@ -11,8 +11,10 @@ import json
 import sys
 from pathlib import Path
 
-from bench.common import child_env, start, stop
-from bench.netns import DEVICE, Topology
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench, run as a script from anywhere
+
+from bench.common import child_env, start, stop  # noqa: E402
+from bench.netns import DEVICE, Topology  # noqa: E402
 
 MASTER_PORT = 29500  # each host is its own namespace: a fixed port clashes with nothing
 SCRIPT = Path(__file__).with_name("per_node_fit.py")
