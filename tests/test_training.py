@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -140,16 +141,24 @@ def launch_runs(tmp_path_factory, shards: int) -> tuple[dict[str, dict], str]:
 
 
 @pytest.fixture(scope="module")
-def scheme_runs(tmp_path_factory):
-    """Every mode (the core ones but asgd too) and every compressor on one PS, in one launch (launch_runs)."""
-    return launch_runs(tmp_path_factory, 1)
+def launches(tmp_path_factory):
+    """Both launches below, started together: one after the other, they were the suite's longest path (pytest-xdist
+    runs this file's tests on one worker). Each fixture waits for its own."""
+    with ThreadPoolExecutor(2) as pool:
+        yield {shards: pool.submit(launch_runs, tmp_path_factory, shards) for shards in (1, SHARDS)}
 
 
 @pytest.fixture(scope="module")
-def sharded_runs(tmp_path_factory):
+def scheme_runs(launches):
+    """Every mode (the core ones but asgd too) and every compressor on one PS, in one launch (launch_runs)."""
+    return launches[1].result()
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(launches):
     """The same runs, and asgd's, on a PS of SHARDS embedded shards (issue 21), in one launch; all but hogwild's,
     which takes no sharded PS (plug_asgd.sharding.UNSHARDED_MODES)."""
-    return launch_runs(tmp_path_factory, SHARDS)
+    return launches[SHARDS].result()
 
 
 def scheme_run(scheme_runs, name: str) -> dict:
