@@ -25,6 +25,11 @@ from typing import Any
 
 import pytest
 
+# Under pytest-xdist (pyproject.toml) the workers share the cores: one torch/OpenMP thread per process that sets
+# none itself, as Lightning and bench's launcher give their ranks; threads beyond the cores only wait for them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # LAUNCHER_VARIABLES: set by Lightning's launchers in the launching process, a child that inherits them
 # believes it is one rank of an already launched job. group_members: the pids of a process group.
 from bench.common import LAUNCHER_VARIABLES, group_members
