@@ -11,6 +11,11 @@ between hosts), DDP runs gloo over the same links, hivemind's peers run on the w
 configuration is a launch of ``bench.train`` (one run: its ``StepClock`` snapshots rank 0's
 weights, evaluated after the fit). Bytes are read from every host's interface counters before
 and after each launch, the same wire measure for all; the strategy's own counters are reported beside.
+
+``--cores-per-host N`` pins each worker host to N cores of its own (``taskset``), and the one process to
+N cores too, so that every host computes as fast as the one process, as on machines of one kind; the
+PS's host gets the cores left, or shares them all when none are (2 cores, N = 1: it floats over both).
+Without it the hosts share the machine's cores, and the one process has them all.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any
 
 from bench.common import FASHION, ROOT, child_env, machine, start, stop, write_json
 from bench.netns import DEVICE, Topology, TopologyError
-from bench.runner import first_time_at
+from bench.runner import ADACOMP_191, first_time_at
 
 TARGET = 0.88
 BATCH = 32
@@ -41,6 +46,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "ddp": {"kind": "ddp"},
     "asgd": {"kind": "asgd", "mode": "asgd"},
     "adacomp": {"kind": "asgd", "mode": "adacomp"},
+    # AdaComp at the fraction of benchmark 4's 191x (ADACOMP_191), and that with a compressed downlink:
+    # the PS answers with the 1% of each tensor where the worker is furthest off (``serve-ps --downlink-fraction``)
+    "adacomp-0.0033": {"kind": "asgd", "mode": "adacomp", "compression": ADACOMP_191},
+    "adacomp-0.0033-down": {"kind": "asgd", "mode": "adacomp", "compression": ADACOMP_191,
+                            "ps_args": ["--downlink-fraction", "0.01"]},
     "topk": {"kind": "asgd", "mode": "asgd", "compressor": "topk"},
     "powersgd": {"kind": "asgd", "mode": "asgd", "compressor": "powersgd"},
     "localsgd": {"kind": "asgd", "mode": "localsgd"},
@@ -75,7 +85,8 @@ def _run_spec(name: str, size: dict[str, Any], ps_address: str) -> dict[str, Any
     cfg = CONFIGS[name]
     run: dict[str, Any] = {"bench": "slowlink", "name": name, "batch_size": BATCH, "epochs": size["epochs"],
                            "max_steps": size["max_steps"], "snapshot_every_s": size["snapshot_s"],
-                           "test_subset": size["test_subset"], "train_subset": size["train_subset"], **cfg}
+                           "test_subset": size["test_subset"], "train_subset": size["train_subset"],
+                           **{k: v for k, v in cfg.items() if k != "ps_args"}}
     if cfg["kind"] == "ddp":  # Lightning's Timer: rank 0 decides, and every rank stops at the same step
         run["max_time_s"] = size["time_limit_s"]
     else:  # each rank stops by itself (StepClock), as asynchronous workers do
@@ -99,6 +110,29 @@ def _wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
     return codes
 
 
+def host_cores(size: dict[str, Any], rank: int | None) -> list[int] | None:
+    """The cores worker host ``rank`` is pinned to (None: the PS's host), or None when hosts are not pinned.
+
+    The one process runs on worker 0's host, so it gets worker 0's cores.
+    """
+    n = size.get("cores_per_host")
+    if not n:
+        return None
+    count = os.cpu_count() or 1
+    if rank is not None:
+        if (rank + 1) * n > count:
+            raise ValueError(f"--cores-per-host {n}: worker host {rank} needs cores up to {(rank + 1) * n - 1}, "
+                             f"this machine has {count}; ask for at most {count // 2}")
+        return list(range(rank * n, (rank + 1) * n))
+    left = list(range(2 * n, count))
+    return left or None  # no core left: the PS's host floats over them all
+
+
+def pinned(prefix: list[str], cores: list[int] | None) -> list[str]:
+    """``prefix`` with a ``taskset`` that keeps the command (and its children) on ``cores``."""
+    return prefix if cores is None else [*prefix, "taskset", "-c", ",".join(map(str, cores))]
+
+
 def launch_lightning(topo: Topology, name: str, size: dict[str, Any], out: Path) -> dict[str, Any]:
     """One ``bench.train`` run, one process per worker host (and a PS on its host for the asgd family)."""
     cfg = CONFIGS[name]
@@ -112,16 +146,19 @@ def launch_lightning(topo: Topology, name: str, size: dict[str, Any], out: Path)
     ps = None
     try:
         if cfg["kind"] == "asgd":
-            ps = start([*ps_host.prefix, sys.executable, "-m", "plug_asgd.cli", "serve-ps", "--host", ps_host.address,
-                        "--port", str(PS_PORT), "--mode", cfg["mode"], "--workers", "2", "--linger", "1",
-                        "--insecure", "--quiet", "--log-every", "0"], log=out / "ps.log")
-        threads = max(1, (os.cpu_count() or 1) // workers)
+            ps = start([*pinned(ps_host.prefix, host_cores(size, None)), sys.executable, "-m", "plug_asgd.cli",
+                        "serve-ps", "--host", ps_host.address, "--port", str(PS_PORT), "--mode", cfg["mode"],
+                        "--workers", "2", "--linger", "1", "--insecure", "--quiet", "--log-every", "0",
+                        *cfg.get("ps_args", [])],
+                       log=out / "ps.log")
+        threads = size.get("cores_per_host") or max(1, (os.cpu_count() or 1) // workers)
         for rank in range(workers):
             host = topo.hosts[f"w{rank}"]
+            prefix = pinned(host.prefix, host_cores(size, rank))
             env = child_env(OMP_NUM_THREADS=str(threads), MASTER_ADDR=topo.hosts["w0"].address,
                             MASTER_PORT=str(MASTER_PORT), NODE_RANK=str(rank), WORLD_SIZE=str(workers),
                             GLOO_SOCKET_IFNAME=DEVICE)
-            procs.append(start([*host.prefix, sys.executable, "-m", "bench.train", "--spec", str(out / "spec.json"),
+            procs.append(start([*prefix, sys.executable, "-m", "bench.train", "--spec", str(out / "spec.json"),
                                 "--out", str(out / "train")], env=env, log=out / f"rank{rank}.log"))
         codes = _wait(procs, size["timeout"])
     finally:
@@ -142,6 +179,7 @@ def launch_lightning(topo: Topology, name: str, size: dict[str, Any], out: Path)
     comm = [rank.get("comm") or {} for rank in r["ranks"]]
     return {"curve": r.get("curve", []), "steps": [rank["steps"] for rank in r["ranks"]],
             "samples_per_s": r.get("samples_per_s"), "threads_per_process": threads,
+            "cores": {f"w{rank}": host_cores(size, rank) for rank in range(workers)} | {"ps": host_cores(size, None)},
             "strategy_bytes_up": sum(c.get("bytes_up", 0) for c in comm) if any(comm) else None,
             "strategy_bytes_down": sum(c.get("bytes_down", 0) for c in comm) if any(comm) else None,
             "push_bytes": r.get("push_bytes"), "pushes": r.get("pushes")}
@@ -160,13 +198,15 @@ def launch_hivemind(topo: Topology, size: dict[str, Any], out: Path) -> dict[str
     try:
         for rank in range(2):
             host = topo.hosts[f"w{rank}"]
-            cmd = [*host.prefix, str(HIVEMIND_PYTHON), "-m", "bench.slowlink_hivemind", "--peer", str(rank),
-                   "--address", host.address, "--peers-file", str(peers_file), "--data-dir", str(FASHION),
+            cmd = [*pinned(host.prefix, host_cores(size, rank)), str(HIVEMIND_PYTHON), "-m", "bench.slowlink_hivemind",
+                   "--peer", str(rank), "--address", host.address, "--peers-file", str(peers_file),
+                   "--data-dir", str(FASHION),
                    "--out", str(out), "--epochs", str(size["epochs"]), "--max-steps", str(size["max_steps"]),
                    "--time-limit", str(size["time_limit_s"]), "--snapshot-every", str(size["snapshot_s"])]
             if size["train_subset"]:
                 cmd += ["--train-subset", str(size["train_subset"])]
-            procs.append(start(cmd, env=child_env(OMP_NUM_THREADS="1"), log=out / f"peer{rank}.log"))
+            threads = size.get("cores_per_host") or 1
+            procs.append(start(cmd, env=child_env(OMP_NUM_THREADS=str(threads)), log=out / f"peer{rank}.log"))
         codes = _wait(procs, size["timeout"])
     finally:
         for p in procs:
@@ -178,7 +218,8 @@ def launch_hivemind(topo: Topology, size: dict[str, Any], out: Path) -> dict[str
     return {"curve": evaluate_snapshots(out / "snapshots.pt", size["test_subset"]),
             "steps": [p["steps"] for p in peers], "hivemind_config": peers[0]["config"],
             "hivemind_version": peers[0]["hivemind"], "local_epochs": [p["local_epoch"] for p in peers],
-            "exit_codes": codes, "threads_per_process": 1}
+            "exit_codes": codes, "threads_per_process": size.get("cores_per_host") or 1,
+            "cores": {f"w{rank}": host_cores(size, rank) for rank in range(2)}}
 
 
 def evaluate_snapshots(path: Path, test_subset: int | None) -> list[tuple[float, float]]:
@@ -280,12 +321,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds of training per run (default: the size's, 6 quick, 240 full)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: runs/slowlink[-quick])")
+    parser.add_argument("--cores-per-host", type=int, default=None, metavar="N",
+                        help="pin each worker host, and the one process, to N cores of its own (taskset); the PS's "
+                             "host gets the cores left, or floats over all (default: the hosts share every core)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other runs of the results.json already in --out (rerun some only)")
     args = parser.parse_args(argv)
     size = dict(SIZES["quick" if args.quick else "full"])
     if args.time_limit:
         size.update(time_limit_s=args.time_limit, timeout=max(size["timeout"], args.time_limit * 2 + 90))
+    if args.cores_per_host is not None:
+        if not 1 <= args.cores_per_host <= (os.cpu_count() or 1) // 2:
+            parser.error(f"--cores-per-host {args.cores_per_host}: each of the 2 worker hosts needs cores of its own; "
+                         f"this machine has {os.cpu_count()}, so 1 to {(os.cpu_count() or 1) // 2}")
+        size["cores_per_host"] = args.cores_per_host
     rates = [float(r) for r in args.rates.split(",")] if args.rates else size["rates"]
     names = args.configs.split(",") if args.configs else size["configs"]
     unknown = [n for n in names if n not in CONFIGS]

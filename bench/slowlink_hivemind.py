@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--snapshot-every", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # the cores its host has (bench.slowlink)
     pl.seed_everything(args.seed, workers=True, verbose=False)
     dm = MnistDataModule(args.data_dir, batch_size=args.batch_size, train_subset=args.train_subset, download=False,
                          seed=args.seed)

@@ -31,7 +31,12 @@ def markdown(results: dict[str, Any]) -> str:
              "over the workers, over the samples they trained on; `strategy` is the client's own count "
              f"(payload and headers of its messages). DDP's formula, 2 (n-1)/n x {results['model_bytes']:,} "
              f"model bytes per step over the batch: {_kb(results['ddp_formula_up_per_sample'])} kB per sample "
-             "each way.", ""]
+             "each way. "
+             + (f"Hosts pinned (`taskset`): each worker host, and the one process, to {size['cores_per_host']} "
+                "core(s) of its own; the PS's host to the cores left, or floating over all when none are left."
+                if size.get("cores_per_host") else
+                "Hosts not pinned: the workers and the PS share the machine's cores, the one process has them all."),
+             ""]
     for rate, r in results["rates"].items():
         p = r["probe"]
         lines += [f"## {rate} Mbit/s (htb); a TCP transfer measured {p['mbit_per_s']:.1f} Mbit/s of payload", "",

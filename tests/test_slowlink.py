@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import pytest
 
-from bench.slowlink import CONFIGS, SIZES, _run_spec
+from bench.slowlink import CONFIGS, SIZES, _run_spec, host_cores, pinned
 from tests.conftest import PYTHON, needs_fashion, require_emulated_hosts, run_on_emulated_hosts
 
 SLOWLINK_QUICK_TIMEOUT_S = 360  # measured: 45 s on 2 cores (3 launches of about 12-15 s, with start-up)
@@ -28,6 +30,29 @@ def test_each_configuration_is_a_run_of_its_scheme():
         assert runs[name]["shm_pushes"] is False, name  # between hosts nothing is shared
         assert runs[name]["options"]["ps_address"] == "tcp://10.99.0.1:2223"
     assert runs["topk"]["compressor"] == "topk" and runs["localsgd"]["mode"] == "localsgd"
+    # the PS's own flags go to serve-ps, not to the workers' run
+    assert runs["adacomp-0.0033-down"]["compression"] == 0.0033 and "ps_args" not in runs["adacomp-0.0033-down"]
+    assert CONFIGS["adacomp-0.0033-down"]["ps_args"] == ["--downlink-fraction", "0.01"]
+
+
+def test_pinned_hosts_get_cores_of_their_own(monkeypatch):
+    assert host_cores(SIZES["full"], 0) is None and pinned(["ip"], None) == ["ip"]  # not pinned: all cores shared
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    one = {"cores_per_host": 1}
+    assert (host_cores(one, 0), host_cores(one, 1), host_cores(one, None)) == ([0], [1], None)  # the PS floats
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    two = {"cores_per_host": 2}
+    assert (host_cores(two, 0), host_cores(two, 1), host_cores(two, None)) == ([0, 1], [2, 3], [4, 5, 6, 7])
+    assert pinned(["ip", "netns", "exec", "h"], [2, 3]) == ["ip", "netns", "exec", "h", "taskset", "-c", "2,3"]
+    with pytest.raises(ValueError, match="at most 4"):
+        host_cores({"cores_per_host": 5}, 1)
+
+
+@pytest.mark.integration
+def test_a_pinned_command_runs_on_its_cores_only():
+    out = subprocess.run([*pinned([], [0]), PYTHON, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.strip() == "[0]"
 
 
 @needs_fashion
