@@ -1,14 +1,15 @@
 """Where the steps of 2 asgd workers go: timers around each worker's push, while the two race.
 
-    PYTHONPATH=. python -m bench.worker_push_timing [--seconds 20] [--out DIR] [--port 48700]
+    PYTHONPATH=. python -m bench.worker_push_timing [--mode asgd] [--seconds 20] [--out DIR] [--port 48700]
 
 :mod:`bench.push_timeline` does this for a lone worker; here 2 workers (one thread each, as in
 the time-to-accuracy benchmark) train the recipe CNN on Fashion-MNIST for ``--seconds`` under
-``AsyncPSStrategy(mode="asgd")`` with its embedded PS, launched by :mod:`bench.train`. Each rank
+``AsyncPSStrategy(mode=...)`` (asgd, or ``--mode``) with its embedded PS, launched by :mod:`bench.train`. Each rank
 prints, as one JSON line, the calls and median milliseconds of the pieces of its pushes: the
 whole push (``PushExchange.send``), the update (``update``), loading a reply's model (``load``), the
 client's request (send to reply, with whatever the worker does while it waits), and the whole
-optimizer step (forward, backward and the push); and the guesses of an "own" reply it made
+optimizer step (forward, backward and the push), and AdaComp's selection of what to send
+(``encode``, adacomp only: one call per tensor of each push); and the guesses of an "own" reply it made
 (``comm_stats``). Rank 0 then prints the run's samples/s and the PS's time per push.
 Diagnostic only: it wraps those methods, so it measures this code, not a protocol.
 """
@@ -27,11 +28,12 @@ from typing import Any
 from bench.common import FASHION, ROOT, time_calls
 
 PIECES = (("PushExchange", "send"), ("PushExchange", "update"), ("Exchange", "load"), ("PSClient", "request"),
-          ("AsyncPSStrategy", "optimizer_step"))
+          ("AsyncPSStrategy", "optimizer_step"), ("TopKResidual", "encode"))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", default="asgd", help="the strategy's mode (adacomp: its top-k selection timed too)")
     parser.add_argument("--seconds", type=float, default=20.0, help="training time of each worker")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "worker-push-timing",
                         help="folder of the launch's files, emptied first (default: runs/worker-push-timing)")
@@ -47,17 +49,18 @@ def main(argv: list[str] | None = None) -> int:
     if "LOCAL_RANK" not in os.environ:  # rank 0, before it starts rank 1: rank 0 polls for rank 1's record by name
         shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    run = {"bench": "worker_push_timing", "name": "asgd", "kind": "asgd", "mode": "asgd", "batch_size": 32,
+    run = {"bench": "worker_push_timing", "name": args.mode, "kind": "asgd", "mode": args.mode, "batch_size": 32,
            "max_steps": 100_000, "epochs": 1000, "time_limit_s": args.seconds, "warmup": 5}
     spec = {"workers": 2, "data_dir": str(FASHION), "test_subset": 500, "runs": [run]}
 
     from bench import train
     from plug_asgd.client import PSClient
+    from plug_asgd.compressors.sparse import TopKResidual
     from plug_asgd.exchange import Exchange, PushExchange
     from plug_asgd.strategy import AsyncPSStrategy
 
     owners = {"AsyncPSStrategy": AsyncPSStrategy, "PSClient": PSClient, "Exchange": Exchange,
-              "PushExchange": PushExchange}
+              "PushExchange": PushExchange, "TopKResidual": TopKResidual}
     times: dict[str, list[float]] = defaultdict(list)
     for owner, name in PIECES:
         time_calls(owners[owner], name, times[name])

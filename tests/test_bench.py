@@ -330,7 +330,8 @@ def test_the_push_timeline_of_a_lone_worker_shows_pushes_of_weights_only(procs):
 def test_the_worker_push_timing_times_the_pushes_of_two_racing_workers(procs, tmp_path):
     from bench.common import free_port_block
 
-    cmd = [PYTHON, "-m", "bench.worker_push_timing", "--seconds", "3", "--out", str(tmp_path),
+    # adacomp: the pieces of asgd's pushes, and its selection of what to send, once per tensor of each push
+    cmd = [PYTHON, "-m", "bench.worker_push_timing", "--mode", "adacomp", "--seconds", "3", "--out", str(tmp_path),
            "--port", str(free_port_block(3))]
     rc, out = procs.run(cmd, timeout=240)
     assert rc == 0, out[-3000:]
@@ -343,6 +344,8 @@ def test_the_worker_push_timing_times_the_pushes_of_two_racing_workers(procs, tm
         assert pieces["request"]["n"] >= r["pushes"]
         assert 0 < pieces["update"]["median_ms"] < pieces["send"]["median_ms"] < pieces["optimizer_step"]["median_ms"]
         assert 0 <= r["own_guesses_right"] <= min(r["own_guesses"], r["own_replies"]) <= r["pushes"]
+        assert pieces["encode"]["n"] == len(CNN_SHAPES) * r["pushes"]
+        assert 0 < pieces["encode"]["median_ms"] < pieces["update"]["median_ms"]
     (line,) = [line for line in out.splitlines() if line.startswith("samples/s ")]
     summary = json.loads(line[len("samples/s "):])
     ps = summary["ps_ms_per_push"]
