@@ -33,10 +33,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from plug_asgd.client import PSClient, PSError, PSUnreachableError
 from plug_asgd.ps import ParameterServer, raise_fd_limit
 from plug_asgd.ps.config import FIELD_TYPES, PSConfig
-from plug_asgd.security import KeysError, generate_keys, is_loopback
+from plug_asgd.security import generate_keys, is_loopback
 
 # name -> (module whose ``main(argv)`` runs it, one-line description)
 RECIPES: dict[str, tuple[str, str]] = {
@@ -271,59 +270,6 @@ def train(
     module.main(args)
 
 
-def _bytes(n: Any) -> str:
-    value = float(n or 0)
-    for unit in ("B", "kB", "MB", "GB"):
-        if value < 1000 or unit == "GB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1000
-    raise AssertionError("unreachable")
-
-
-def _histogram(counts: dict[str, Any] | None, empty: str = "none") -> str:
-    if not counts:
-        return empty
-    return "  ".join(f"{k}: {v}" for k, v in counts.items())
-
-
-def stats_table(address: str, stats: dict[str, Any]) -> Table:
-    """A rich table of a PS's ``snapshot()`` counters."""
-    from plug_asgd.dashboard import busy_text, disk_text
-
-    table = Table(title=f"parameter server {address}", show_header=True, title_justify="left")
-    table.add_column("counter", style="cyan", no_wrap=True)
-    table.add_column("value", overflow="fold")
-    workers = stats.get("workers") or []
-    rows = [
-        ("mode", str(stats.get("mode"))),
-        ("version", str(stats.get("version"))),
-        ("initialized", "yes" if stats.get("initialized") else "no"),
-        ("max updates", "none" if stats.get("max_updates") is None else str(stats.get("max_updates"))),
-        ("world size", "unknown" if stats.get("world_size") is None else str(stats.get("world_size"))),
-        ("workers", f"{len(workers)}" + (f" (ranks {', '.join(map(str, workers))})" if workers else "")),
-        ("trainers", str(stats.get("trainers"))),
-        ("uptime", f"{float(stats.get('uptime_s') or 0):.1f} s"),
-        ("updates/s", f"{float(stats.get('updates_per_s') or 0):.3f} (average since start)"),
-        ("messages in", str(stats.get("messages_in"))),
-        ("bytes in", f"{_bytes(stats.get('bytes_in'))} (pushes {_bytes(stats.get('push_bytes_in'))}"
-                     + (f", + {_bytes(stats['push_local_bytes_in'])} through shared memory"
-                        if stats.get("push_local_bytes_in") else "") + ")"),
-        ("bytes out", _bytes(stats.get("bytes_out"))),
-        *([("busy", busy)] if (busy := busy_text(stats)) is not None else []),
-        ("pushes applied", str(stats.get("pushes_applied"))),
-        ("pushes dropped", str(stats.get("pushes_dropped"))),
-        ("pushes after stop", str(stats.get("pushes_after_stop"))),
-        ("refused by code", _histogram(stats.get("refused"))),
-        *([("replies dropped", _histogram(dropped))] if (dropped := stats.get("replies_dropped")) else []),
-        ("staleness histogram", _histogram(stats.get("staleness"))),
-        ("pushes by rank", _histogram(stats.get("pushes_by_rank"))),
-        *([("disk", disk)] if (disk := disk_text(stats)) is not None else []),
-    ]
-    for name, value in rows:
-        table.add_row(name, escape(value))
-    return table
-
-
 @app.command()
 def status(
     addresses: Annotated[list[str], typer.Argument(metavar="ADDRESS", help="the PS's address, e.g. "
@@ -343,99 +289,35 @@ def status(
 ) -> None:
     """Show the counters of a running parameter server (version, workers, traffic, staleness...); of every
     shard of a sharded PS, side by side, given their addresses; live with --watch."""
+    from plug_asgd import ps_status
+
     addresses = [a if "://" in a else f"tcp://{a}" for a in addresses]
+    if watch is not None and as_json:
+        raise _fail("--watch draws a live view: it takes no --json (run status --json in a loop instead)", 2)
+    each = [_stats(address, timeout, keys) for address in addresses]  # one that does not answer ends it here
     if watch is not None:
-        if as_json:
-            raise _fail("--watch draws a live view: it takes no --json (run status --json in a loop instead)", 2)
-        _watch(addresses, timeout, keys, watch)
-        return
-    each = [_stats(address, timeout, keys) for address in addresses]
-    if as_json:
+        ps_status.watch(addresses, each, timeout, keys, watch, console, err_console)
+    elif as_json:
         print(json.dumps(each[0] if len(each) == 1 else each, indent=2, sort_keys=True))
     elif len(each) == 1:
-        console.print(stats_table(addresses[0], each[0]))
+        console.print(ps_status.stats_table(addresses[0], each[0]))
     else:
+        from plug_asgd.dashboard import human_bytes
         from plug_asgd.shard_status import order_problems, sharded_table
 
-        console.print(sharded_table(addresses, each, _bytes))
+        console.print(sharded_table(addresses, each, human_bytes))
         for problem in order_problems(addresses, each):
             err_console.print(f"[bold yellow]warning:[/] {escape(problem)}", soft_wrap=True, highlight=False)
 
 
-class _StatusError(Exception):
-    """A PS's counters could not be had: ``code`` 1 (unreachable, refused) or 2 (bad address, keys)."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _ask(address: str, timeout: float, keys: Path | None) -> dict[str, Any]:
-    """One PS's counters, asked as a bystander; raises :class:`_StatusError`."""
-    try:
-        client = PSClient(address, rank=0, world_size=1, mode="", request_timeout=timeout, keys=keys)
-    except KeysError as exc:
-        raise _StatusError(str(exc), 2) from None
-    except Exception as exc:  # zmq refuses a malformed endpoint at connect time
-        raise _StatusError(f"cannot connect to {address}: {exc} (expected tcp://HOST:PORT)", 2) from None
-    try:
-        return client.stats(timeout=timeout)
-    except (PSUnreachableError, PSError) as exc:  # names the address and says what to check
-        raise _StatusError(str(exc), 1) from None
-    finally:
-        client.close()
-
-
 def _stats(address: str, timeout: float, keys: Path | None) -> dict[str, Any]:
     """One PS's counters, asked as a bystander; exits 1 (unreachable, refused) or 2 (bad address, keys)."""
+    from plug_asgd.ps_status import StatusError, ask
+
     try:
-        return _ask(address, timeout, keys)
-    except _StatusError as exc:
+        return ask(address, timeout, keys)
+    except StatusError as exc:
         raise _fail(str(exc), exc.code) from None
-
-
-def _watch(addresses: list[str], timeout: float, keys: Path | None, every: float) -> None:
-    """``status --watch``: the live view of one PS (serve-ps's dashboard) or of every shard, until Ctrl-C.
-
-    A PS that does not answer the first time ends it (exit 1, or 2 for a bad address or keys), as without
-    --watch; later, a shard that stops answering is shown as such and asked again at the next redraw (one PS:
-    a line above the view)."""
-    from plug_asgd.dashboard import Dashboard
-    from plug_asgd.shard_status import ShardsDashboard
-
-    first = [_stats(address, timeout, keys) for address in addresses]
-    each: list[dict[str, Any] | None] = list(first)
-    errors: list[str | None] = [None] * len(addresses)
-    if len(addresses) == 1:
-        one = Dashboard(addresses[0], console)
-
-        def show() -> None:
-            if each[0] is not None:
-                one.update(each[0])
-            else:  # above the view, which keeps the last counters
-                err_console.print(f"[bold red]{time.strftime('%H:%M:%S')} no answer:[/] {escape(errors[0] or '')}",
-                                  soft_wrap=True, highlight=False)
-
-        view: Dashboard | ShardsDashboard = one
-    else:
-        shards = view = ShardsDashboard(addresses, console)
-
-        def show() -> None:
-            shards.update(each, errors)
-
-    try:
-        with view:
-            while True:
-                started = time.monotonic()
-                show()
-                time.sleep(max(0.0, every - (time.monotonic() - started)))
-                for i, address in enumerate(addresses):
-                    try:
-                        each[i], errors[i] = _ask(address, timeout, keys), None
-                    except _StatusError as exc:
-                        each[i], errors[i] = None, str(exc)
-    except KeyboardInterrupt:
-        pass
 
 
 @app.command()

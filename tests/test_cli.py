@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from plug_asgd import cli
+from plug_asgd import cli, ps_status
 from plug_asgd.client import PSClient
 from plug_asgd.modes import MODES
 from tests.conftest import child_env, kill_group
@@ -179,16 +179,16 @@ def test_stats_table_shows_counters():
              "pushes_dropped": 1, "pushes_after_stop": 0, "refused": {"bad_tensor": 3},
              "staleness": {"0": 7, "1": 5}, "pushes_by_rank": {"0": 6, "1": 6}}
     console = Console(width=200, file=io.StringIO())
-    console.print(cli.stats_table("tcp://127.0.0.1:1", stats))
+    console.print(ps_status.stats_table("tcp://127.0.0.1:1", stats))
     text = console.file.getvalue()
     for expected in ("adacomp", "version", "12", "2.50 MB", "999 B", "bad_tensor: 3", "0: 7  1: 5", "ranks 0, 1"):
         assert expected in text
     console = Console(width=200, file=io.StringIO())
-    console.print(cli.stats_table("tcp://127.0.0.1:1", {**stats, "push_local_bytes_in": 9_599_056}))
+    console.print(ps_status.stats_table("tcp://127.0.0.1:1", {**stats, "push_local_bytes_in": 9_599_056}))
     assert "(pushes 1.00 MB, + 9.60 MB through shared memory)" in console.file.getvalue()
     assert "busy" not in text
     console = Console(width=200, file=io.StringIO())
-    console.print(cli.stats_table("tcp://127.0.0.1:1", {**stats, "busy_s": 0.75, "push_messages": 12,
+    console.print(ps_status.stats_table("tcp://127.0.0.1:1", {**stats, "busy_s": 0.75, "push_messages": 12,
                                                         "push_busy_s": 0.03, "push_busy_cpu_s": 0.024}))
     # 0.75 s of 3 s; 30 ms / 12 pushes, 24 ms / 12 on a core
     assert "25% of its time, 2.50 ms a push (2.00 ms on a core)" in console.file.getvalue()

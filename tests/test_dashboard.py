@@ -25,7 +25,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from plug_asgd import cli
+from plug_asgd import cli, ps_status
 from plug_asgd.dashboard import (
     Dashboard,
     human_bytes,
@@ -75,12 +75,12 @@ def test_failed_writes_show_in_the_dashboard_and_in_status_only_once_there_are_s
                 "device (08:51:02); newest checkpoint ps-v0000000016-r1.ckpt")
     assert expected in " ".join(text_of(render(failing), width=400).split())
     console = Console(width=400, file=io.StringIO())
-    console.print(cli.stats_table("tcp://127.0.0.1:1", failing))
+    console.print(ps_status.stats_table("tcp://127.0.0.1:1", failing))
     assert expected in console.file.getvalue()
     for snapshot in (SNAPSHOT, {**SNAPSHOT, "io_errors": {}}):
         assert "failed writes" not in text_of(render(snapshot), width=400)
         console = Console(width=400, file=io.StringIO())
-        console.print(cli.stats_table("tcp://127.0.0.1:1", snapshot))
+        console.print(ps_status.stats_table("tcp://127.0.0.1:1", snapshot))
         assert " disk " not in console.file.getvalue()
 
 

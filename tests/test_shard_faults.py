@@ -230,14 +230,14 @@ def _counters(shard: str | None, version: int, digest: str = "d1", **extra) -> d
 def test_status_of_several_shards_is_one_table_with_totals_and_says_what_is_out_of_place():
     from rich.console import Console
 
-    from plug_asgd.cli import _bytes
+    from plug_asgd.dashboard import human_bytes
     from plug_asgd.shard_status import order_problems, sharded_table
 
     addresses = ["tcp://a:1", "tcp://b:1"]
     stats = [_counters("0/2", 50), _counters("1/2", 41, resumed_from="/ck1/ps-v0000000040-r.ckpt")]
     assert order_problems(addresses, stats) == []
     console = Console(record=True, width=200)
-    console.print(sharded_table(addresses, stats, _bytes))
+    console.print(sharded_table(addresses, stats, human_bytes))
     text = console.export_text()
     assert "shard 0" in text and "shard 1" in text and "total" in text
     assert "4.00 MB" in text  # bytes in, summed over the shards: 2 x 2 MB
