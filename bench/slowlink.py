@@ -331,10 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.time_limit:
         size.update(time_limit_s=args.time_limit, timeout=max(size["timeout"], args.time_limit * 2 + 90))
     if args.cores_per_host is not None:
-        if not 1 <= args.cores_per_host <= (os.cpu_count() or 1) // 2:
-            parser.error(f"--cores-per-host {args.cores_per_host}: each of the 2 worker hosts needs cores of its own; "
-                         f"this machine has {os.cpu_count()}, so 1 to {(os.cpu_count() or 1) // 2}")
+        if args.cores_per_host < 1:
+            parser.error(f"--cores-per-host {args.cores_per_host}: a host needs at least 1 core")
         size["cores_per_host"] = args.cores_per_host
+        try:
+            host_cores(size, 1)  # the last worker host's cores: refused where the machine has too few
+        except ValueError as exc:
+            parser.error(str(exc))
     rates = [float(r) for r in args.rates.split(",")] if args.rates else size["rates"]
     names = args.configs.split(",") if args.configs else size["configs"]
     unknown = [n for n in names if n not in CONFIGS]
