@@ -378,7 +378,7 @@ ROUNDS = {"sync", "localsgd", "sagn", "osp", "losp"}
 # test), 2.4 points under the lowest. sagn cannot reach it: its 10 synchronous rounds, each the workers' 4 steps
 # averaged and divided by 4, end at 0.811 in all 5 (deterministic: bit for bit the same on one PS), 0.64 at a step
 # size of 0.1 and 0.84 at 0.8. It is marked xfail with these numbers (issue 23: no settings of its own); sagn
-# sharded reaches the suite's Fashion-MNIST threshold (test_training's sharded_runs)
+# sharded reached the suite's Fashion-MNIST threshold (test_training's sharded launch, until 89fa41b)
 FIT_ACCURACY = 0.9
 SHORT_OF_THE_BAR = {"sagn": "sagn ends this model's 40 steps at 0.811 at the common step size (0.64 at 0.1, 0.84 at "
                             "0.8), on one PS too: under the common 0.9"}
@@ -480,7 +480,7 @@ def test_two_workers_fit_on_shards_started_by_hand_with_serve_ps(procs, tmp_path
         assert "of a sharded model" in ps_out
 
 
-# every mode but hogwild and every codec train the recipe's Fashion-MNIST runs on 2 shards to the suite's threshold in
+# the core modes and every codec train the recipe's Fashion-MNIST runs on 2 shards to the suite's threshold in
 # tests/test_training.py (its sharded_runs); this is the recipe's own command line with --ps-shards and a Supervisor
 @needs_fashion
 @pytest.mark.integration
