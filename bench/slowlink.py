@@ -51,6 +51,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "adacomp-0.0033": {"kind": "asgd", "mode": "adacomp", "compression": ADACOMP_191},
     "adacomp-0.0033-down": {"kind": "asgd", "mode": "adacomp", "compression": ADACOMP_191,
                             "ps_args": ["--downlink-fraction", "0.01"]},
+    # and with each push sent from a thread while the next step computes (``overlap=True``): the reply's wait,
+    # the link's time and the PS's, off the worker's own core
+    "adacomp-0.0033-overlap": {"kind": "asgd", "mode": "adacomp", "compression": ADACOMP_191, "overlap": True},
     "topk": {"kind": "asgd", "mode": "asgd", "compressor": "topk"},
     "powersgd": {"kind": "asgd", "mode": "asgd", "compressor": "powersgd"},
     "localsgd": {"kind": "asgd", "mode": "localsgd"},
@@ -320,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: the size's)")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds of training per run (default: the size's, 6 quick, 240 full)")
+    parser.add_argument("--snapshot-every", type=float, default=None, metavar="S",
+                        help="seconds between two snapshots of rank 0's weights (default: the size's, 2 quick, 5 "
+                             "full); a time to accuracy is the first snapshot at the target, so up to S late")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: runs/slowlink[-quick])")
     parser.add_argument("--cores-per-host", type=int, default=None, metavar="N",
                         help="pin each worker host, and the one process, to N cores of its own (taskset); the PS's "
@@ -330,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     size = dict(SIZES["quick" if args.quick else "full"])
     if args.time_limit:
         size.update(time_limit_s=args.time_limit, timeout=max(size["timeout"], args.time_limit * 2 + 90))
+    if args.snapshot_every is not None:
+        if not args.snapshot_every > 0:
+            parser.error(f"--snapshot-every {args.snapshot_every}: must be above 0 seconds")
+        size["snapshot_s"] = args.snapshot_every
     if args.cores_per_host is not None:
         if args.cores_per_host < 1:
             parser.error(f"--cores-per-host {args.cores_per_host}: a host needs at least 1 core")

@@ -1,6 +1,7 @@
 """Where the steps of 2 asgd workers go: timers around each worker's push, while the two race.
 
-    PYTHONPATH=. python -m bench.worker_push_timing [--mode asgd] [--seconds 20] [--out DIR] [--port 48700]
+    PYTHONPATH=. python -m bench.worker_push_timing [--mode asgd] [--compression F] [--seconds 20] [--out DIR]
+        [--port 48700]
 
 :mod:`bench.push_timeline` does this for a lone worker; here 2 workers (one thread each, as in
 the time-to-accuracy benchmark) train the recipe CNN on Fashion-MNIST for ``--seconds`` under
@@ -34,6 +35,8 @@ PIECES = (("PushExchange", "send"), ("PushExchange", "update"), ("Exchange", "lo
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", default="asgd", help="the strategy's mode (adacomp: its top-k selection timed too)")
+    parser.add_argument("--compression", type=float, default=None,
+                        help="the fraction of coordinates adacomp sends (default: the mode's, 0.01)")
     parser.add_argument("--seconds", type=float, default=20.0, help="training time of each worker")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "worker-push-timing",
                         help="folder of the launch's files, emptied first (default: runs/worker-push-timing)")
@@ -51,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     run = {"bench": "worker_push_timing", "name": args.mode, "kind": "asgd", "mode": args.mode, "batch_size": 32,
            "max_steps": 100_000, "epochs": 1000, "time_limit_s": args.seconds, "warmup": 5}
+    if args.compression is not None:
+        run["compression"] = args.compression
     spec = {"workers": 2, "data_dir": str(FASHION), "test_subset": 500, "runs": [run]}
 
     from bench import train

@@ -23,6 +23,33 @@ def test_selects_exactly_the_largest_magnitudes_per_layer():
         np.testing.assert_array_equal(sent.values, delta.reshape(-1)[expected])
 
 
+@pytest.mark.parametrize("case", ["normal", "mostly_zero", "ties", "nan", "sorted"])
+def test_a_large_layer_sends_exactly_its_largest_magnitudes_too(case):
+    """A layer of 2^17 or more values, of which few are asked for, is chosen among those above a sampled
+    threshold (plug_asgd.compressors.sparse._top_k): the same set as a full sort, whatever the values."""
+    rng = np.random.default_rng(3)
+    delta = rng.standard_normal(300_000).astype(np.float32)
+    if case == "mostly_zero":
+        delta[rng.random(delta.size) < 0.995] = 0  # fewer nonzeros than the 3,000 asked for: all of them go
+    elif case == "ties":
+        delta = np.round(delta, 1)  # a few dozen distinct magnitudes: the sample's threshold sits on a tie
+    elif case == "nan":
+        delta[[7, 150_001]] = np.nan  # argpartition's largest; the PS refuses them, saying so
+    elif case == "sorted":
+        delta = np.sort(np.abs(delta))  # the largest all at the end, where a strided sample is thin
+    sent = TopKResidual(0.01).encode("fc", delta)
+    k = math.ceil(0.01 * delta.size)
+    order = np.argsort(-np.nan_to_num(np.abs(delta), nan=np.inf), kind="stable")[:k]
+    expected = np.sort(order[delta[order] != 0])
+    if case == "ties":  # which of the tied values goes is free: the magnitudes sent are the same
+        np.testing.assert_array_equal(np.sort(np.abs(sent.values)), np.sort(np.abs(delta[expected])))
+        assert sent.nnz == k
+    else:
+        np.testing.assert_array_equal(sent.indices, expected)
+    if case == "nan":
+        assert {7, 150_001} <= set(sent.indices.tolist())
+
+
 def test_sent_plus_residual_is_exactly_the_update_over_several_steps():
     rng = np.random.default_rng(2)
     comp = TopKResidual(0.01)

@@ -13,13 +13,39 @@ SPARSE_VALUES = ("float32", "float16")
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
 
 
+# a tensor of at least this many coordinates, of which at most 1/_FEW_ASKED are asked for, has its top k chosen
+# among the coordinates above a threshold estimated from a strided sample of _SAMPLE of them (_top_k)
+_SAMPLED_FROM = 65_536
+_FEW_ASKED = 16
+_SAMPLE = 8192
+
+
 def largest_magnitudes(flat: np.ndarray, k: int) -> np.ndarray:
     """Ascending int64 indices of the ``k`` largest ``|flat|`` (exact zeros left out: sending them changes nothing)."""
-    if k < flat.size:
-        chosen = np.argpartition(np.abs(flat), flat.size - k)[flat.size - k:]
-    else:
-        chosen = np.arange(flat.size)
+    chosen = _top_k(np.abs(flat), k) if k < flat.size else np.arange(flat.size)
     return np.sort(chosen[flat[chosen] != 0]).astype(np.int64)
+
+
+def _top_k(mag: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest of ``mag`` (in no order), exactly the set ``np.argpartition`` gives, ties aside.
+
+    A partition of a large tensor costs about 1.8 ms for the recipe CNN's 1.2M-coordinate layer, a fifth of
+    an AdaComp push on the worker. So where few are asked for, a threshold is read off a strided sample
+    (the sample's quantile that about 2k of the whole exceed) and only the coordinates at or above it
+    (NaN included) are partitioned: exact whenever at least k are, which is checked; else, or when too many
+    are (a tensor of many equal values), the whole is partitioned as before.
+    """
+    n = mag.size
+    if n >= _SAMPLED_FROM and k * _FEW_ASKED <= n:
+        sample = mag[:: n // _SAMPLE]
+        above = min(sample.size - 1, math.ceil(2 * k * sample.size / n))
+        threshold = np.partition(sample, sample.size - 1 - above)[sample.size - 1 - above]
+        candidates = np.flatnonzero(np.logical_not(mag < threshold))  # not below: NaN is a candidate, as it
+        # is the largest for argpartition
+        if k <= candidates.size <= n // 4:
+            among = mag[candidates]
+            return candidates[np.argpartition(among, among.size - k)[among.size - k:]]
+    return np.argpartition(mag, n - k)[n - k:]
 
 
 def check_fraction(fraction: float) -> float:
