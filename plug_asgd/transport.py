@@ -110,6 +110,9 @@ class Transport:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
+        self._send_poller = zmq.Poller()  # while a request waits to be sent (_send)
+        self._send_poller.register(self._sock, zmq.POLLOUT)
+        self._send_poller.register(self._monitor, zmq.POLLIN)
         self._sock.connect(address)
         self._closed = False
         self._admitted = False
@@ -134,16 +137,41 @@ class Transport:
         frames = encode(msg_type, {**(fields or {}), "rid": rid}, tensors, local=local)
         self._count_up(msg_type, message_bytes(frames), tensors, local)
         start = time.monotonic()
-        self._sock.send_multipart(frames, copy=False)
+        limit = self.request_timeout if timeout is None else timeout
+        if self._send(msg_type, frames, limit, start, alive):
+            start = time.monotonic()  # sent by a reconnection's resend: its reply is awaited from now
         if while_waiting is not None:
             began = time.monotonic()
             while_waiting()
             start += time.monotonic() - began
         try:
-            return self._await(rid, msg_type, frames, self.request_timeout if timeout is None else timeout, start,
-                               alive)
+            return self._await(rid, msg_type, frames, limit, start, alive)
         finally:
             self.counters.wait_seconds += time.monotonic() - start
+
+    def _send(self, msg_type: str, frames: list[Any], limit: float, start: float,
+              alive: Callable[[], str | None] | None) -> bool:
+        """Send a request without ever blocking past ``limit``: a DEALER queues nothing while it has no
+        connection to queue on (between a refused handshake and the next attempt, say), and a blocking send
+        would then wait for one forever. Waits for one, raising the PS's refusal as soon as the monitor
+        reports it. True if a reconnection's resend (``_on_connection_event``) sent the frames instead."""
+        while True:
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                return False
+            except zmq.Again:
+                pass
+            left = limit - (time.monotonic() - start)
+            if left <= 0:
+                raise PSUnreachableError(
+                    f"could not send to the parameter server at {self.address} within {limit:g} s (request "
+                    f"{msg_type!r}): no connection to it. Is it running and reachable? Start one with "
+                    "`plug-asgd serve-ps`, or check the address, port and firewall.")
+            ready = dict(self._send_poller.poll(int(min(left, 0.5) * 1000) + 1))
+            if self._monitor in ready and self._on_connection_event(msg_type, frames):
+                return True
+            if self._sock not in ready:
+                self._check_alive(msg_type, alive)
 
     def _count_up(self, msg_type: str, size: int, tensors: Mapping[str, Tensor] | None,
                   local: Mapping[str, int] | None) -> None:
@@ -201,8 +229,9 @@ class Transport:
                 f"come back within {self.lost_timeout:g} s (request {msg_type!r}); restart it "
                 "(`plug-asgd serve-ps --resume DIR`) and run again")
 
-    def _on_connection_event(self, msg_type: str, frames: list[Any]) -> None:
-        """After the PS dropped and came back: hello again, then resend the request in flight."""
+    def _on_connection_event(self, msg_type: str, frames: list[Any]) -> bool:
+        """After the PS dropped and came back: hello again, then resend the request in flight (True: resent)."""
+        resent = False
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
             # PROTOCOL/AUTH: the keys do not match (or one side has none). NO_DETAIL is what a worker without
@@ -221,6 +250,8 @@ class Transport:
                 self._lost = False
                 self.reconnections += 1
                 self._resend(msg_type, frames)
+                resent = True
+        return resent
 
     def _resend(self, msg_type: str, frames: list[Any]) -> None:
         """Hello again (its reply, rid 0, is not awaited), then the request in flight: the PS takes them in order."""

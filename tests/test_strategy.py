@@ -14,10 +14,11 @@ from torch.distributed import ReduceOp
 from torch.utils.data import DataLoader, TensorDataset
 
 from plug_asgd import AsyncPSStrategy
+from plug_asgd.client import PSClient, PSUnreachableError
 from plug_asgd.collectives import op_name
 from plug_asgd.modes import AGN, EASGD, OSP, SSP, AdaComp, Asgd, Downpour, Sync
 from plug_asgd.strategy import synced_tensors
-from tests.conftest import group_members
+from tests.conftest import free_port, group_members
 
 
 class Tiny(pl.LightningModule):
@@ -376,6 +377,36 @@ def test_an_unreachable_ps_is_reported_with_its_address_not_a_hang(fault_report)
     s._shutdown(wait_for_workers=0)
     fault_report(fault="PS unreachable at start (connect_timeout 1.5 s)", injected=1, handled=1, pushes_lost=0,
                  recovery_s=round(waited, 2), detail="a ConnectionError naming tcp://127.0.0.1:9, no hang")
+
+
+@pytest.mark.faults
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_a_request_with_no_connection_to_queue_on_ends_within_its_timeout_not_a_hang(fault_report):
+    """A worker's socket can be left with nowhere to queue a request: libzmq gives a connection up for good
+    after some handshake failures (seen in CI at c65f463: a keyed shard refusing a worker without keys, where
+    test_security's sharded refusal hung for 120 s in a blocking send). Made here for certain with libzmq's
+    own ZMQ_IMMEDIATE (queue only on completed connections) towards a port where nothing listens: the
+    request must end within its timeout, naming the PS, as a request whose reply never comes does."""
+    import zmq
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    client = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=2, heartbeat_s=None)
+    try:
+        client._sock.disconnect(address)
+        client._sock.setsockopt(zmq.IMMEDIATE, 1)
+        client._sock.connect(address)
+        start = time.monotonic()
+        with pytest.raises(PSUnreachableError, match="could not send") as err:
+            client.hello(stage=1, training=True)
+        waited = time.monotonic() - start
+        assert 2 <= waited < 2 + 3, waited
+        assert address in str(err.value) and "serve-ps" in str(err.value), err.value
+    finally:
+        client.close()
+    fault_report(fault="no connection to queue a request on (a PS that refused the handshake)", injected=1,
+                 handled=1, pushes_lost=0, recovery_s=round(waited, 2),
+                 detail="PSUnreachableError after the request's timeout (2 s), no hang")
 
 
 def plain_sgd(model: Tiny, steps: int) -> list[torch.Tensor]:
