@@ -161,17 +161,22 @@ class Transport:
                 return False
             except zmq.Again:
                 pass
-            left = limit - (time.monotonic() - start)
-            if left <= 0:
-                raise PSUnreachableError(
-                    f"could not send to the parameter server at {self.address} within {limit:g} s (request "
-                    f"{msg_type!r}): no connection to it. Is it running and reachable? Start one with "
-                    "`plug-asgd serve-ps`, or check the address, port and firewall.")
-            ready = dict(self._send_poller.poll(int(min(left, 0.5) * 1000) + 1))
+            ready = self._poll(self._send_poller, msg_type, limit, start, "could not send to")
             if self._monitor in ready and self._on_connection_event(msg_type, frames):
                 return True
             if self._sock not in ready:
                 self._check_alive(msg_type, alive)
+
+    def _poll(self, poller: zmq.Poller, msg_type: str, limit: float, start: float, failure: str) -> dict[Any, int]:
+        """One poll of at most 0.5 s within the request's ``limit`` (from ``start``); past it, ``failure``
+        (what did not happen) is raised with what to check."""
+        left = limit - (time.monotonic() - start)
+        if left <= 0:
+            raise PSUnreachableError(
+                f"{failure} the parameter server at {self.address} within {limit:g} s (request {msg_type!r}). "
+                "Is it running and reachable? Start one with `plug-asgd serve-ps`, or check the address, port and "
+                "firewall.")
+        return dict(poller.poll(int(min(left, 0.5) * 1000) + 1))
 
     def _count_up(self, msg_type: str, size: int, tensors: Mapping[str, Tensor] | None,
                   local: Mapping[str, int] | None) -> None:
@@ -193,13 +198,7 @@ class Transport:
         """The reply to request ``rid``, sent at ``start``; ``frames`` are sent again after a reconnection."""
         rejoins = 0
         while True:
-            left = limit - (time.monotonic() - start)
-            if left <= 0:
-                raise PSUnreachableError(
-                    f"no reply from the parameter server at {self.address} within {limit:g} s "
-                    f"(request {msg_type!r}). Is it running and reachable? Start one with "
-                    "`plug-asgd serve-ps`, or check the address, port and firewall.")
-            ready = dict(self._poller.poll(int(min(left, 0.5) * 1000) + 1))
+            ready = self._poll(self._poller, msg_type, limit, start, "no reply from")
             if self._monitor in ready:
                 self._on_connection_event(msg_type, frames)
             if self._sock not in ready:
