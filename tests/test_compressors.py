@@ -25,7 +25,7 @@ def test_selects_exactly_the_largest_magnitudes_per_layer():
 
 @pytest.mark.parametrize("case", ["normal", "mostly_zero", "ties", "nan", "sorted"])
 def test_a_large_layer_sends_exactly_its_largest_magnitudes_too(case):
-    """A layer of 2^17 or more values, of which few are asked for, is chosen among those above a sampled
+    """A layer of 65,536 or more values, of which at most 1/16 are asked for, is chosen among those above a sampled
     threshold (plug_asgd.compressors.sparse._top_k): the same set as a full sort, whatever the values."""
     rng = np.random.default_rng(3)
     delta = rng.standard_normal(300_000).astype(np.float32)
