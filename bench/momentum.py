@@ -139,8 +139,8 @@ def markdown(tables: list[dict[str, Any]]) -> str:
 def _launches(workers: int, every: list[dict[str, Any]], size: dict[str, Any], out: Path,
               parallel: int, threads: int | None) -> list[dict[str, Any]]:
     """One launch per (optimizer, seed), ``parallel`` at a time."""
-    # a launch per optimizer: a worker process that runs many fits in a row grows (about 135 MB a run
-    # here), and one launch of all 92 runs was killed for memory
+    # a launch per (optimizer, seed), so that ``parallel`` launches run side by side (it began as a way round a
+    # process that grew 135 MB a fit, each strategy kept until exit: fixed since, docs/momentum.md)
     keys = [k for k in dict.fromkeys((r["optimizer"], r["lr"], r.get("seed", 0)) for r in every)
             if (workers, k[0], k[1]) not in SKIP]
 

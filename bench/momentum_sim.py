@@ -38,11 +38,11 @@ from plug_asgd.wire import Sparse
 TREATMENTS = ("scale", "la", "localres", "mask", "mcomp", "lrscale")
 
 
-def data(kind: str, n_train: int) -> tuple[torch.Tensor, ...]:
+def data(kind: str, n_train: int, n_val: int = 2000) -> tuple[torch.Tensor, ...]:
     if kind == "fashion":
         tx, ty, vx, vy = load_mnist("/usr/share/datasets/fashion-mnist", download=False)
         idx = np.random.default_rng([0, 0]).permutation(len(tx))[:n_train]
-        vidx = np.random.default_rng([0, 1]).permutation(len(vx))[:2000]
+        vidx = np.random.default_rng([0, 1]).permutation(len(vx))[:n_val]
         labels = torch.as_tensor(ty[idx]).long(), torch.as_tensor(vy[vidx]).long()
         return normalize(tx[idx]), labels[0], normalize(vx[vidx]), labels[1]
     g = torch.Generator().manual_seed(1)
@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fraction", type=float, default=0.01)
     ap.add_argument("--order", choices=("turns", "shuffled"), default="turns")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n-val", type=int, default=2000, help="test images (fashion; 10,000: the whole test set)")
     args = ap.parse_args(argv)
     unknown = set(args.treat.split("+")) - {"none", *TREATMENTS}
     if unknown:
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     args.n_train = args.n_train or (20000 if fashion else 4096)
     torch.manual_seed(args.seed)
     torch.set_num_threads(2)
-    tx, ty, vx, vy = data(args.kind, args.n_train)
+    tx, ty, vx, vy = data(args.kind, args.n_train, args.n_val)
     model = make_model(args.kind)
     before = evaluate(args.kind, model, vx, vy)
     t = time.monotonic()

@@ -64,11 +64,14 @@ class PSClient(Transport):
         context: zmq.Context | None = None,
         keys: str | os.PathLike[str] | None = None,
         delta_replies: bool = True,
+        run: int | None = None,
     ) -> None:
         """``keys``: the worker's CURVE keys (``DIR/worker`` or ``DIR`` of ``plug-asgd keygen``), for a keyed PS.
 
         ``delta_replies``: keep the last central model received, and ask the PS for only what changed since
-        (see :class:`HeldModel`); off, every model reply carries the whole model."""
+        (see :class:`HeldModel`); off, every model reply carries the whole model. ``run``: sent in hello, so that an
+        embedded PS of another run on the same port (a previous Trainer's, not yet stopped) refuses this worker
+        instead of training it; hello asks again until the run's own PS answers."""
         super().__init__(address, rank=rank, request_timeout=request_timeout, lost_timeout=lost_timeout,
                          heartbeat_s=heartbeat_s, limits=limits, context=context, keys=keys)
         self.world_size = world_size
@@ -80,6 +83,7 @@ class PSClient(Transport):
         self.held = HeldModel() if delta_replies else None
         # on one shard of a sharded PS: {shards, shard, digest} of the worker's partition, in hello and init
         self.partition: dict[str, Any] | None = None
+        self.run = run
 
     def close(self) -> None:
         if not self._closed:
@@ -102,23 +106,25 @@ class PSClient(Transport):
               alive: Callable[[], str | None] | None = None) -> dict[str, Any]:
         """Join (or rejoin) the run as this rank. The PS's token is kept and sent with every later hello
         and heartbeat: it proves this is the worker that holds the rank. A rank still held by a live
-        worker (a restarted process whose predecessor is not yet declared lost) is asked for again,
-        every half second, until ``timeout``."""
+        worker (a restarted process whose predecessor is not yet declared lost), or a PS of another run
+        (``run_mismatch``), is asked again every half second until ``timeout``."""
         fields = {"rank": self.rank, "world_size": self.world_size, "stage": stage, "training": training,
                   "mode": self.mode, "session": self.session, "heartbeat_s": self.heartbeat_s}
         if self.token is not None:
             fields["token"] = self.token
         if self.partition is not None:
             fields["partition"] = self.partition
+        if self.run is not None:
+            fields["run"] = self.run
         deadline = time.monotonic() + (self.request_timeout if timeout is None else timeout)
         while True:
             try:
                 reply = self.request("hello", fields, timeout=max(0.001, deadline - time.monotonic()), alive=alive)
                 break
             except PSError as exc:
-                if exc.code != "rank_taken" or time.monotonic() + 0.5 > deadline:
+                if exc.code not in ("rank_taken", "run_mismatch") or time.monotonic() + 0.5 > deadline:
                     raise
-                log.info("rank %d is still held by a live worker; asking again (%s)", self.rank, exc)
+                log.info("rank %d: %s; asking again", self.rank, exc)
                 time.sleep(0.5)
         token = reply.fields.get("token")
         self.token = token if isinstance(token, str) else None

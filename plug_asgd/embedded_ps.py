@@ -114,7 +114,8 @@ def ps_config(arguments: Any, bind: str, trainer: Any, shard: str | None = None)
     options = checkpoint.ps_options() if checkpoint is not None else {}
     if options.get("checkpoint_dir") is not None:
         options["checkpoint_dir"] = shard_folder(options["checkpoint_dir"], shard)
-    return PSConfig(bind=bind, mode=arguments.mode.name, parent_pid=os.getpid(), max_updates=arguments.max_updates,
+    return PSConfig(bind=bind, mode=arguments.mode.name, parent_pid=os.getpid(), run=arguments.run,
+                    max_updates=arguments.max_updates,
                     **arguments.mode.server_options(),
                     resume=shard_folder(arguments.resume_from, shard), worker_timeout=arguments.worker_timeout,
                     run_dir=shard_folder(run_dir, shard), keys=arguments.ps_keys, insecure=arguments.ps_insecure,

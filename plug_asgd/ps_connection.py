@@ -12,8 +12,11 @@ shapes, the trainer). Imports neither Lightning namespace.
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import logging
 import os
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol
 
@@ -40,6 +43,28 @@ log = logging.getLogger("plug_asgd.strategy")  # the strategy's warnings, under 
 _FAILED_EXIT_S = 5.0
 
 Shapes = Callable[[], Mapping[str, tuple[int, ...]]]  # the model's synced tensors' shapes, asked once it exists
+
+# The connections of this process that hold a client or embedded PS processes. Weakly: a strategy its Trainer no longer
+# uses is freed with its model and data (an atexit entry per strategy kept each one, about 135 MB a fit in a process
+# that runs many fits), and its PS is stopped when the next strategy connects, or at exit.
+_LIVE: weakref.WeakSet[PSConnection] = weakref.WeakSet()
+# Each connection's run: the how-many-th strategy connected in this process, which every rank of a job counts alike.
+# Its embedded PS refuses a hello for another run, so that a worker of the next Trainer never trains against the
+# previous Trainer's PS on the same port while rank 0 has not yet stopped it.
+_RUNS = itertools.count(1)
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for connection in list(_LIVE):
+        connection.shutdown()
+
+
+def _release(embedded: EmbeddedPS, clients: list[PSClient | ShardedClient]) -> None:
+    """A connection freed without a shutdown (its strategy collected): its client closed, its embedded PS stopped."""
+    for client in clients:
+        client.close()
+    embedded.stop()
 
 
 class Job(Protocol):
@@ -93,6 +118,10 @@ class PSConnection:
         self.embedded = EmbeddedPS()
         self.stats_at_exit: dict[str, Any] | None = None  # the PS's counters as this worker last left a stage
         self._shard_addresses: list[str] | None = None  # per_node: every shard's, learned through shard 0
+        self.run: int | None = None  # set when this connection first connects (see _RUNS)
+        self.succeeded = False  # shut down because another strategy of this process connected
+        self._on_shutdown: Callable[[], None] | None = None
+        self._clients: list[PSClient | ShardedClient] = []  # what is closed if this connection is collected
 
     @property
     def per_node(self) -> bool:
@@ -113,14 +142,35 @@ class PSConnection:
         env = job.cluster_environment
         return endpoints(self.ps_address, self.ps_port, self.shard_count(job.num_nodes), env, _elastic(job))
 
-    def connect(self, job: Job, shapes: Shapes, trainer: Any) -> PSClient | ShardedClient:
+    def connect(self, job: Job, shapes: Shapes, trainer: Any,
+                on_shutdown: Callable[[], None] | None = None) -> PSClient | ShardedClient:
         """This worker's client (made once: later stages reuse it), after starting the embedded PS or shards this rank
         owns. A placement every rank would refuse (an embedded PS's options for an external one, a bind beyond
-        loopback without keys) is refused before anything starts."""
+        loopback without keys) is refused before anything starts.
+
+        One strategy at a time holds a PS in a process: the first connect of a new one (the next Trainer's) shuts the
+        previous ones down, their embedded PS included, before its own starts on the same port. ``on_shutdown`` runs
+        when this one is shut down."""
         if self.client is not None:
             return self.client
+        if self.succeeded:
+            raise RuntimeError("this AsyncPSStrategy's parameter server was stopped when another AsyncPSStrategy of "
+                               "this process connected (a later Trainer's): a strategy's stages (fit, validate, test) "
+                               "run before the next Trainer's; the model keeps the central weights its last stage "
+                               "ended with")
+        for other in list(_LIVE):
+            if other is not self:
+                log.info("plug_asgd: a new AsyncPSStrategy connects; stopping the previous one's parameter server")
+                other.shutdown()
+                other.succeeded = True
+        self._on_shutdown = on_shutdown
+        if self.run is None:
+            self.run = next(_RUNS)
+            weakref.finalize(self, _release, self.embedded, self._clients).atexit = False
+        _LIVE.add(self)
         options = {"request_timeout": self.request_timeout, "lost_timeout": self.lost_timeout,
-                   "heartbeat_s": self.heartbeat_s, "keys": self.ps_keys, "delta_replies": self.delta_replies}
+                   "heartbeat_s": self.heartbeat_s, "keys": self.ps_keys, "delta_replies": self.delta_replies,
+                   "run": self.run}
         if self.per_node and job.num_nodes > 1:
             self._shard_addresses = addresses = self._start_per_node(job, shapes, trainer, options)
         else:
@@ -132,6 +182,7 @@ class PSConnection:
                 self.embedded.start(*(ps_config(self, bind, trainer, shard) for bind, shard in shards(binds)))
         self.client = connect(addresses, shapes(), self.codec, rank=job.global_rank, world_size=job.world_size,
                               mode=self.mode.name, **options)
+        self._clients[:] = [self.client]
         return self.client
 
     def _start_per_node(self, job: Job, shapes: Shapes, trainer: Any, client_options: dict[str, Any]) -> list[str]:
@@ -154,7 +205,14 @@ class PSConnection:
     def hello(self, stage: int, fitting: bool) -> dict[str, Any]:
         """Joins ``stage`` on the connected PS, waiting up to ``connect_timeout`` (less if the embedded PS exits)."""
         assert self.client is not None
-        return self.client.hello(stage, fitting, timeout=self.connect_timeout, alive=self.embedded.gone)
+        welcome = self.client.hello(stage, fitting, timeout=self.connect_timeout, alive=self.embedded.gone)
+        process = self.embedded.process
+        if process is not None and not self.per_node and welcome.get("pid") not in (None, process.pid):
+            raise RuntimeError(f"another parameter server (pid {welcome.get('pid')}) answers on the embedded PS's "
+                               f"port, not the one this rank started (pid {process.pid}; "
+                               f"{self.embedded.gone() or 'still starting'}): is another job using this port? "
+                               "pass ps_port=")
+        return welcome
 
     def goodbye(self, stage: int, failed: bool, settle: Callable[[], None]) -> None:
         """Leaves ``stage``: ``settle`` (the exchange lets the socket go), then keeps the PS's counters and says bye.
@@ -188,8 +246,14 @@ class PSConnection:
         return self.client.stats()
 
     def shutdown(self, wait_for_workers: float = 30.0) -> None:
-        """At exit: let the other workers finish with the PS, then close the client and stop the embedded PS."""
+        """At exit, or when a later strategy of this process connects: ``on_shutdown``, then let the other workers
+        finish with the PS, then close the client and stop the embedded PS."""
+        _LIVE.discard(self)
+        on_shutdown, self._on_shutdown = self._on_shutdown, None
+        if on_shutdown is not None:
+            on_shutdown()
         client, self.client = self.client, None
+        self._clients.clear()
         if client is not None:
             self.embedded.wait_for_workers(client, wait_for_workers)
             client.close()

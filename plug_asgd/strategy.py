@@ -13,7 +13,6 @@ stays local, because asynchronous workers are never in lockstep and must not wai
 
 from __future__ import annotations
 
-import atexit
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
@@ -272,11 +271,11 @@ class AsyncPSStrategy(DDPPlumbing):
         return self.connection.endpoints(self)[0]
 
     def _connect(self) -> PSClient | ShardedClient:
-        """This worker's client, connected (and the embedded PS started) at the first stage; shut down at exit."""
+        """This worker's client, connected (and the embedded PS started) at the first stage; shut down at exit, or
+        when a later strategy of this process connects (``PSConnection.connect``)."""
         client = self.connection.client
         if client is None:
-            client = self.connection.connect(self, self._shapes, self._trainer())
-            atexit.register(self._shutdown)
+            client = self.connection.connect(self, self._shapes, self._trainer(), on_shutdown=self._exchange.close)
         return client
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
@@ -286,8 +285,8 @@ class AsyncPSStrategy(DDPPlumbing):
         return self.lightning_module.trainer if self.lightning_module is not None else None
 
     def _shutdown(self, wait_for_workers: float = 30.0) -> None:
-        """At exit: stop the exchange, let the other workers finish with the PS, then stop it (rank 0) and close."""
-        self._exchange.close()
+        """Stop the exchange, let the other workers finish with the PS, then stop it (rank 0) and close (what happens
+        at exit, or when a later strategy of this process connects)."""
         self.connection.shutdown(wait_for_workers)
 
     def comm_stats(self) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from torch.distributed import ReduceOp
 from torch.utils.data import DataLoader, TensorDataset
 
 from plug_asgd import AsyncPSStrategy
-from plug_asgd.client import PSClient, PSUnreachableError
+from plug_asgd.client import PSClient, PSError, PSUnreachableError
 from plug_asgd.collectives import op_name
 from plug_asgd.modes import AGN, EASGD, OSP, SSP, AdaComp, Asgd, Downpour, Sync
 from plug_asgd.strategy import synced_tensors
@@ -170,6 +172,61 @@ def test_a_lone_asgd_worker_pushes_its_weights_and_trains_the_bits_of_plain_ligh
     for n, t in plain.items():
         np.testing.assert_array_equal(finals[n].view(np.uint32), t.view(np.uint32))
         np.testing.assert_array_equal(central_now[n].view(np.uint32), t.view(np.uint32))
+
+
+@pytest.mark.integration
+def test_a_later_trainer_of_the_process_trains_on_a_ps_of_its_own_and_the_earlier_strategy_is_freed():
+    """Two Trainers one after the other in one process (a notebook, a sweep), whose embedded PSes take the same
+    port (Lightning's main port). Before, the second one's PS could not listen, and its worker trained on, and
+    took the weights of, the first one's PS, which stayed up; the strategy, its model and data stayed in memory
+    until exit (an atexit entry each: 135 MB a fit measured). Now the second starts from its own model, on a PS of
+    its own, as plain Lightning would, and the first's PS is stopped once the second connects."""
+    plain = fit_tiny("auto")
+    first = AsyncPSStrategy(mode="asgd")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=first, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Tiny(), data())
+    first_ps = first.connection.embedded.process
+    assert first_ps.poll() is None  # kept for the first Trainer's later stages
+    second = AsyncPSStrategy(mode="asgd")
+    try:
+        finals = fit_tiny(second)
+        assert second.ps_endpoint == first.ps_endpoint and second.connection.client.stats()["version"] == 20
+        assert first_ps.poll() is not None and not group_members(first_ps.pid)
+        with pytest.raises(RuntimeError, match="stopped when another AsyncPSStrategy of this process connected"):
+            trainer.validate(trainer.lightning_module, data(), verbose=False)
+    finally:
+        second._shutdown(wait_for_workers=0)
+    for n, t in plain.items():
+        np.testing.assert_array_equal(finals[n].view(np.uint32), t.view(np.uint32))
+    freed = weakref.ref(first)
+    del first, trainer
+    gc.collect()
+    assert freed() is None
+
+
+@pytest.mark.integration
+def test_an_embedded_ps_refuses_a_worker_of_another_run_until_its_own_ps_answers(start_ps):
+    """The case the run number is for: rank 1 of a job's second Trainer can say hello before rank 0 has stopped the
+    first Trainer's PS, which still listens on the port. That PS (run 1) must refuse it, and the worker ask again
+    until its own (run 2) answers, not train on the first one. Seen through real sockets: a worker of run 1 at a PS
+    of run 2 is refused, every half second, until its timeout; one of run 2 is welcomed and learns the PS's pid (what
+    rank 0 checks its own embedded PS by); a client that names no run (one made by hand) is welcomed too."""
+    address = start_ps("asgd", run=2)
+    pid = start_ps.started[address].pid
+    stale, own, bare = (PSClient(address, rank=r, world_size=3, mode="asgd", run=run, heartbeat_s=None)
+                        for r, run in ((0, 1), (1, 2), (2, None)))
+    try:
+        assert bare.hello(1, True, timeout=30)["pid"] == pid  # the PS is up
+        with pytest.raises(PSError, match="serves run 2 of the process that started it, the worker asked for run 1"):
+            stale.hello(1, True, timeout=2.0)
+        assert own.hello(1, True, timeout=10)["pid"] == pid
+        stats = own.stats()
+        # asked again every half second until the timeout (4 tries, 3 on a slow machine), then refused
+        assert 2 <= stats["refused"]["run_mismatch"] <= 4 and stats["workers"] == [1, 2]
+    finally:
+        for client in (stale, own, bare):
+            client.close()
 
 
 class Racer(pl.Callback):

@@ -99,6 +99,9 @@ class PSConfig:
                                 "order, and must spread the model over as many [default: the whole model]")
     parent_pid: int | None = _option(None, "stop when the process of this pid is no longer the parent",
                                      min=1, cli=False)
+    run: int | None = _option(None, "refuse a hello that names another run: an embedded PS serves the run-th "
+                              "strategy that connected in its process, which every rank counts alike", min=1,
+                              cli=False)
 
     def __post_init__(self) -> None:
         for name in _PATHS:  # paths arrive as str from JSON and from callers: hold them as Path

@@ -309,6 +309,12 @@ class ParameterServer:
             raise WireError("mode_mismatch", f"this parameter server runs mode {self.mode!r} but the worker "
                                              f"asked for {mode!r}: start the PS with --mode {mode} or "
                                              f"give the strategy mode={self.mode!r}")
+        run = msg.fields.get("run")
+        if self.config.run is not None and run is not None and run != self.config.run:
+            raise WireError("run_mismatch", f"this embedded parameter server serves run {self.config.run} of the "
+                                            f"process that started it, the worker asked for run {run}: a previous "
+                                            "Trainer's PS still answers on this port (it stops once its successor "
+                                            "starts), or the ranks made their Trainers in different orders")
         self.shard.check(msg.fields, self.address)
         worker, replaced = self.members.hello(identity, msg, self.store.version)
         if replaced is not None:
@@ -320,7 +326,7 @@ class ParameterServer:
         self._send(identity, rid, "welcome", {
             "initialized": self.store.initialized, "version": self.store.version, "mode": self.mode,
             "stop": self.store.stopped, "max_message_bytes": self.limits.max_message_bytes,
-            "shm": self.store.segments is not None, "token": worker.token,
+            "shm": self.store.segments is not None, "token": worker.token, "pid": os.getpid(),
         })
 
     def _on_attach(self, identity: bytes, rid: Any, msg: Message) -> None:
