@@ -10,8 +10,9 @@ joins any of: ``scale`` (update times 1/workers), ``la`` (look-ahead by workers 
 ``localres`` (the codec's residual kept in the worker's model), ``mask`` (momentum zeroed where a
 sparse update was sent), ``mcomp`` (the momentum of each worker lowered to ``1 - N (1 - mu)``,
 so that with the implicit momentum of asynchrony the total is the optimizer's), ``lrscale`` (each
-worker's learning rate divided by the workers, its update pushed whole: hogwild's scaled step); or
-``none``. ``--mode downpour:push_every=2`` sets a mode's integer knobs.
+worker's learning rate divided by the workers, its update pushed whole: hogwild's scaled step),
+``flush`` (at the end, each worker's pending residual pushed whole); or ``none``.
+``--mode downpour:push_every=2`` sets a mode's integer knobs.
 ``--mode ddp`` and ``--mode single`` are the references. Prints one JSON line.
 """
 
@@ -35,7 +36,7 @@ from plug_asgd.recipes.mnist import MnistCNN, normalize
 from plug_asgd.staleness import MOMENTUM_STATE_KEYS
 from plug_asgd.wire import Sparse
 
-TREATMENTS = ("scale", "la", "localres", "mask", "mcomp", "lrscale")
+TREATMENTS = ("scale", "la", "localres", "mask", "mcomp", "lrscale", "flush")
 
 
 def data(kind: str, n_train: int, n_val: int = 2000) -> tuple[torch.Tensor, ...]:
@@ -171,6 +172,13 @@ def simulate(args: argparse.Namespace, model: nn.Module, tx: torch.Tensor, ty: t
                             p.add_(torch.from_numpy(np.asarray(pending)).view_as(p))
                         w["base"][name].copy_(p)
                 w["version"] = state.version
+    if "flush" in treat:  # each worker's pending residual pushed whole, as it leaves
+        for k, w in enumerate(workers):
+            pending = getattr(w["codec"], "pending", lambda _: None)
+            update = {name: np.asarray(pending(name)).reshape(p.shape).astype(np.float32)
+                      for name, p in w["m"].named_parameters() if pending(name) is not None}
+            if update:
+                rule.push(state, Push(token=k, rank=k, base_version=w["version"], update=update))
     central = copy.deepcopy(model)
     with torch.no_grad():
         for name, p in central.named_parameters():
