@@ -160,7 +160,8 @@ class PSConnection:
                                "ended with")
         for other in list(_LIVE):
             if other is not self:
-                log.info("plug_asgd: a new AsyncPSStrategy connects; stopping the previous one's parameter server")
+                log.info("plug_asgd: a new AsyncPSStrategy connects; closing the previous one's client and stopping "
+                         "its embedded PS, if this rank started one")
                 other.shutdown()
                 other.succeeded = True
         self._on_shutdown = on_shutdown

@@ -285,8 +285,8 @@ class AsyncPSStrategy(DDPPlumbing):
         return self.lightning_module.trainer if self.lightning_module is not None else None
 
     def _shutdown(self, wait_for_workers: float = 30.0) -> None:
-        """Stop the exchange, let the other workers finish with the PS, then stop it (rank 0) and close (what happens
-        at exit, or when a later strategy of this process connects)."""
+        """Release the exchange (``on_shutdown``), let the other workers finish with the PS, then stop it (rank 0)
+        and close: what happens at exit, or when a later strategy of this process connects."""
         self.connection.shutdown(wait_for_workers)
 
     def comm_stats(self) -> dict[str, Any]:
