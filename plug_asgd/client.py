@@ -205,7 +205,7 @@ class PSClient(Transport):
     def push(self, base_version: int, update: Mapping[str, Tensor],
              want_model: bool | Literal["unless_own"] = True,
              while_waiting: Callable[[], None] | None = None, weights: bool = False,
-             lend: bool = False) -> ModelReply:
+             lend: bool = False, scaled_for: float | None = None) -> ModelReply:
         """Push an update; the reply carries the central model unless ``want_model`` is False.
 
         ``"unless_own"``: no tensors either when the PS folded the update, as sent, into a model
@@ -230,6 +230,12 @@ class PSClient(Transport):
         another set of buffers (the strategy keeps two and swaps them). The PS keeps them only if
         it took them as its model, and copies them first if it must send or change the model
         meanwhile.
+
+        ``scaled_for``: the update was scaled by ``1 / (1 + scaled_for)`` for that staleness (an
+        estimate); the PS multiplies it by ``(1 + scaled_for) / (1 + max(scaled_for, s))``, ``s``
+        the staleness it lands with: a push staler than its estimate is folded in scaled for its
+        own. Modes whose PS folds each push as it arrives (asgd, adacomp, downpour, ssp, ...); sync's
+        rounds and dynsgd, which scales by staleness itself, refuse it (``bad_field``).
         """
         if want_model not in (True, False, "unless_own"):
             raise ValueError(f"want_model must be True, False or 'unless_own', got {want_model!r}")
@@ -239,6 +245,8 @@ class PSClient(Transport):
             fields["weights"] = True
         if lend:
             fields["lend"] = True
+        if scaled_for is not None:
+            fields["scaled_for"] = float(scaled_for)
         if want_model is not False:
             fields = self._with_have(fields)
         try:

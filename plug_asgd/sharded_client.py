@@ -137,8 +137,9 @@ class ShardedClient:
     def push(self, base_version: int, update: Mapping[str, Tensor],
              want_model: bool | Literal["unless_own"] = True,
              while_waiting: Callable[[], None] | None = None, weights: bool = False,
-             lend: bool = False) -> ModelReply:
-        """The push of ``PSClient.push``, each shard sent its pieces and its own base version, all at once.
+             lend: bool = False, scaled_for: float | None = None) -> ModelReply:
+        """The push of ``PSClient.push``, each shard sent its pieces and its own base version, all at once
+        (``scaled_for`` to each: each shard corrects its pieces by the staleness they land with there).
 
         An "own" reply only when every shard answered "own". Where only some did (another worker's push reached
         the others first), the model comes back whole: those shards' pieces are pulled."""
@@ -149,7 +150,8 @@ class ShardedClient:
         if not all(parts):  # a shard's version counts its pushes: each must get one
             raise ValueError("a sharded push carries a piece for every shard: push the update of every tensor")
         replies = self._each(lambda c, i: c.push(bases[i], parts[i], want_model,
-                                                 while_waiting=while_waiting if i == 0 else None))
+                                                 while_waiting=while_waiting if i == 0 else None,
+                                                 scaled_for=scaled_for))
         self.pushes += 1
         status = combined_status([r.status for r in replies])  # the push's, whatever the pulls below answer
         self.partly_applied += status == PARTLY_APPLIED

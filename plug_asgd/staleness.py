@@ -6,8 +6,12 @@ on top of the optimizer's own; with momentum SGD the sum diverges. Four remedies
 measurement (``docs/momentum.md``):
 
 - **scale**: each update is folded in at ``1 / (1 + s)``, ``s`` the worker's recent median
-  staleness: N equal workers then average their updates as DDP does. Not for optimizers that
-  normalize their steps (Adam and its kin): their steps stay bounded, and the scale only slowed them.
+  staleness: N equal workers then average their updates as DDP does. The push says what it was
+  scaled for (``scaled_for``), and the PS scales it down further where it lands staler than that
+  (``correct``): the median lags where the workers' pace changes (one starts late, stalls, or is
+  descheduled), and pushes folded at the lagging scale made the heavy tail of the regression case.
+  Not for optimizers that normalize their steps (Adam and its kin): their steps stay bounded, and
+  the scale only slowed them.
 - **look-ahead** (modes that push every step): the worker computes its next step at ``central +
   s * v``, ``v`` the central model's change per version since its last reply: where the model
   will be when the update lands. With several local steps per push it hurts, and is left out.
@@ -54,6 +58,8 @@ class StalenessCompensation:
     local_residual: bool = True
     mask_momentum: bool = True
     window: int = 16
+    # the PS rescales each push for its own staleness where that is larger than the estimate (``scaled_for``)
+    correct: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.window, int) or self.window < 1:
@@ -81,9 +87,10 @@ def resolve(value: StalenessCompensation | Mapping[str, Any] | bool | None, mode
             value = StalenessCompensation(**value)
         except TypeError as exc:
             raise ValueError(f"staleness_compensation: {exc} (fields: scale, lookahead, local_residual, "
-                             "mask_momentum, window)") from None
+                             "mask_momentum, window, correct)") from None
     if isinstance(value, StalenessCompensation):
-        if kind == "step" and value.active and value != replace(OFF, scale=True, window=value.window):
+        if kind == "step" and value.active and value != replace(OFF, scale=True, window=value.window,
+                                                                correct=value.correct):
             raise ValueError(f"mode={mode!r} shares one model and pushes nothing: only its step can be scaled "
                              "(StalenessCompensation(scale=True, lookahead=False, local_residual=False, "
                              "mask_momentum=False))")

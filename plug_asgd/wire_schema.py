@@ -150,6 +150,16 @@ class Message:
             raise WireError("bad_field", f"field {name!r} of message {self.type!r} must be >= {minimum}")
         return value
 
+    def float_field(self, name: str, *, minimum: float, maximum: float, optional: bool = False) -> float | None:
+        """A header number (an integer is taken too) in ``[minimum, maximum]``; NaN and Inf are refused."""
+        value = self.fields.get(name)
+        if value is None and optional:
+            return None
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not minimum <= value <= maximum:
+            raise WireError("bad_field", f"field {name!r} of message {self.type!r} must be a number from {minimum} "
+                                         f"to {maximum}, got {value!r:.40}")
+        return float(value)
+
     def str_field(self, name: str, *, optional: bool = False) -> str | None:
         value = self.fields.get(name)
         if value is None and optional:

@@ -425,6 +425,53 @@ def test_weights_of_a_lone_worker_become_the_model_bit_for_bit_and_raced_weights
         b.close()
 
 
+@pytest.mark.parametrize("mode", ["asgd", "ssp", "downpour", "adacomp"])
+def test_a_push_scaled_for_a_staleness_lands_scaled_for_the_larger_of_that_and_its_own(start_ps, mode):
+    # A worker that scaled its update by 1/(1 + e) for an estimated staleness e says so (scaled_for); the PS
+    # multiplies it by (1 + e) / (1 + max(e, s)), s the staleness it lands with: 1/(1 + max(e, s)) in all.
+    address = start_ps(mode)
+    a, b = client(address, 0, 2, mode), client(address, 1, 2, mode)
+    try:
+        a.init({"w": np.zeros(4, np.float32)})
+        one = {"w": np.ones(4, np.float32)}
+        # by hand: base 0, nothing raced (s = 0), scaled for 1 by a: never scaled back up, (1 + 1) / (1 + 1) = 1
+        assert a.push(0, {"w": np.full(4, 0.5, np.float32)}, scaled_for=1).tensors["w"].tolist() == [0.5] * 4
+        b.push(1, one)  # unscaled: 1.5, version 2
+        b.push(2, one)  # 2.5, version 3
+        # based on 1, it lands with s = 2 (versions 2 and 3 since), scaled for 0 by a: times 1 / (1 + 2), so 2.5 + 1
+        reply = a.push(1, {"w": np.full(4, 3.0, np.float32)}, scaled_for=0)
+        expected = 3.5 if mode != "adacomp" else 3.0  # adacomp's own scale on top: 1 / max(1, 2 updates touched i)
+        assert reply.version == 4
+        np.testing.assert_allclose(reply.tensors["w"], np.full(4, expected), rtol=1e-6)
+        b.push(4, one)  # expected + 1, version 5
+        # based on 4, it lands with s = 1, as a estimated: (1 + 1) / (1 + 1) = 1, folded as sent (adacomp: / max(1, 1))
+        reply = a.push(4, {"w": np.full(4, 2.0, np.float32)}, scaled_for=1)
+        np.testing.assert_allclose(reply.tensors["w"], np.full(4, expected + 3), rtol=1e-6)
+        version = reply.version
+        for i, bad in enumerate((-1, float("nan"), float("inf"), "1", True)):  # a number from 0: nothing folded
+            with pytest.raises(PSError) as err:
+                a.request("push", {"rank": 0, "base_version": version, "seq": 1000 + i,
+                                   "session": a.session, "scaled_for": bad}, one)
+            assert err.value.code == "bad_field" and "scaled_for" in str(err.value)
+        assert a.stats()["version"] == version == 6
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "dynsgd"])
+def test_a_ps_that_averages_rounds_or_scales_by_staleness_itself_refuses_a_scaled_push(start_ps, mode):
+    c = client(start_ps(mode), mode=mode)
+    try:
+        c.init(W0)
+        with pytest.raises(PSError) as err:
+            c.push(0, {"w": np.ones((2, 3), np.float32)}, scaled_for=1)
+        assert err.value.code == "bad_field" and "scaled_for" in str(err.value)
+        np.testing.assert_array_equal(c.pull().tensors["w"], W0["w"])
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("mode", ["sync", "adacomp"])
 def test_a_ps_that_does_not_fold_deltas_as_sent_takes_no_weights(start_ps, mode):
     c = client(start_ps(mode), mode=mode)

@@ -173,3 +173,25 @@ def test_the_scale_is_left_out_where_every_optimizer_normalizes_its_steps():
     assert not normalizes_steps(torch.optim.SGD([w], lr=0.1, momentum=0.9))
     assert Compensator(StalenessCompensation(), 1, scale=False).update_scale() == 1.0
     assert Compensator(StalenessCompensation(), 1).update_scale() == 0.5
+
+
+def test_a_worker_tells_the_ps_what_staleness_its_update_was_scaled_for_and_only_when_it_scaled_it():
+    from plug_asgd.exchange import PushExchange
+    from plug_asgd.modes import get
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    sgd, adam = torch.optim.SGD([w], lr=0.05, momentum=0.9), torch.optim.Adam([w])
+    for name, optimizer, expected in (("asgd", sgd, 2.0), ("downpour", sgd, 2.0), ("asgd", adam, None),
+                                      ("dynsgd", sgd, None), ("agn", sgd, None)):
+        mode = get(name)
+        exchange = PushExchange(mode, compensation=resolve(None, name, mode.compensate))
+        exchange.start_fit([optimizer], rank=0, world_size=3)  # before any push: the prior, 3 - 1
+        assert exchange.scaled_for() == expected, name
+        if expected is not None:
+            assert exchange.scale() == 1 / (1 + expected)  # what the update was multiplied by
+            for s in (0, 1, 1):
+                exchange.compensator.observe(s)
+            assert exchange.scaled_for() == 1.0 and exchange.scale() == 0.5
+    uncorrected = PushExchange(get("asgd"), compensation=StalenessCompensation(correct=False))
+    uncorrected.start_fit([sgd], rank=0, world_size=3)
+    assert uncorrected.scaled_for() is None and uncorrected.scale() == 1 / 3  # scaled, the PS not told

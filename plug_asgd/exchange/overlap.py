@@ -47,6 +47,7 @@ class OverlapExchange(PushExchange):
         self.finish()
         tensors = self._link.tensors()
         update, deltas, exact = self.update(tensors)
+        scaled_for = self.scaled_for()
         # what the reply's model is merged with: the weights sent, unless the PS answers "own"
         sent = None if exact else {n: t.detach().clone() for n, t in tensors.items()}
         client, base, result = self._link.client, self.version, self.result
@@ -54,7 +55,8 @@ class OverlapExchange(PushExchange):
 
         def send() -> None:
             try:
-                result["reply"] = client.push(base, update, want_model="unless_own" if exact else True)
+                result["reply"] = client.push(base, update, want_model="unless_own" if exact else True,
+                                              scaled_for=scaled_for)
             except BaseException as exc:  # re-raised in the training thread
                 result["error"] = exc
             result["done_at"] = time.monotonic()

@@ -78,7 +78,7 @@ class PushExchange(Exchange):
         # on cores the PS and the other workers need.
         guess = ask_own and self.weights_ok
         reply = link.client.push(base, update, want_model="unless_own" if ask_own else want_model,
-                                 while_waiting=own_model if guess else None)
+                                 while_waiting=own_model if guess else None, scaled_for=self.scaled_for())
         self.count_staleness(reply, base)
         self.own_guesses[0] += guess
         self.own_guesses[1] += guess and reply.own
@@ -174,6 +174,10 @@ class PushExchange(Exchange):
         """What the update is multiplied by: agn's ``1/steps`` and the staleness compensation's ``1/(1 + s)``."""
         steps = self.since_push if self.mode.normalize and self.since_push else 1
         return self.compensator.update_scale() / steps
+
+    def scaled_for(self) -> float | None:
+        """The staleness the update of :meth:`update` was scaled for, for the PS to correct; None if unscaled."""
+        return self.compensator.staleness if self.compensator.scale and self.compensation.correct else None
 
     def dense(self, tensors: dict[str, Tensor]) -> bool:
         return isinstance(self.encoder, NoCompression) and all(t.dtype == torch.float32 for t in tensors.values())

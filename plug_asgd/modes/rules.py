@@ -51,6 +51,10 @@ class Push:
     # folding means taking them as they are (``w - base`` added to ``base``, without its rounding).
     # Only with ``out`` and a scale of 1; the PS sends no other such push to a rule.
     replace: bool = False
+    # What the PS multiplies this push by besides its rule's own scaling: ``(1 + e) / (1 + max(e, staleness))``
+    # where the worker scaled its update for an estimated staleness ``e`` (``scaled_for``, ``FoldRule.corrects``),
+    # so that an update staler than estimated lands scaled for its own staleness; 1 otherwise.
+    scale: float = 1.0
 
 
 Resolution = tuple[Any, str]  # (token, APPLIED | DROPPED)
@@ -117,6 +121,7 @@ def _fold_all(state: CentralState, push: Push, scale: float = 1.0) -> None:
     where ``push.out`` is the update itself (weights a worker lends, see ``PSClient.push``), only
     checked: nothing is written.
     """
+    scale = scale * push.scale
     if push.replace and (push.out is None or scale != 1.0):
         raise ValueError("a push of weights is taken as it is, out of place and unscaled")
     if push.out is None:
@@ -175,6 +180,9 @@ class FoldRule(ABC):
     # update does not name (a sparse update: only its indices): the PS can then send a worker only
     # what changed since its base (``plug_asgd.ps.changes``).
     changes_only_pushed = False
+    # True when a rule folds each push in as it arrives with ``Push.scale`` applied (``_fold_all`` does) and does
+    # not scale by staleness the way dynsgd does: the PS may then correct a worker's estimate of its staleness.
+    corrects = False
 
     def __init__(self) -> None:
         self.training_ranks: frozenset[int] = frozenset()
@@ -205,6 +213,7 @@ class AsgdRule(FoldRule):
 
     folds_into_update = True
     changes_only_pushed = True
+    corrects = True
 
     def push(self, state: CentralState, push: Push) -> list[Resolution]:
         _fold_all(state, push)
@@ -221,6 +230,7 @@ class AdaCompRule(FoldRule):
     """
 
     changes_only_pushed = True
+    corrects = True
 
     def __init__(self, history: int = 256) -> None:
         super().__init__()
@@ -251,12 +261,12 @@ class AdaCompRule(FoldRule):
             target = state.tensors[name]
             if isinstance(update, Sparse):
                 s = self.staleness(push.base_version, name, update.indices)
-                _add_into(target, update, 1.0 / np.maximum(1, s))
+                _add_into(target, update, push.scale / np.maximum(1, s))
                 touched[name] = update.indices
             else:
                 idx = np.arange(target.size)
                 s = self.staleness(push.base_version, name, idx).reshape(target.shape)
-                target += update / np.maximum(1, s)
+                target += (update if push.scale == 1.0 else update * push.scale) / np.maximum(1, s)
                 touched[name] = None
         state.version += 1
         self.history.append((state.version, touched))
@@ -358,6 +368,7 @@ class SSPRule(FoldRule):
 
     folds_into_update = True
     changes_only_pushed = True
+    corrects = True
 
     def __init__(self, staleness_bound: int = 2) -> None:
         super().__init__()

@@ -36,7 +36,7 @@ from plug_asgd.ps.membership import Membership
 from plug_asgd.ps.persistence import Persistence
 from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.stats import Stats
-from plug_asgd.ps.store import FOLDED, NOT_CURRENT, PushIn
+from plug_asgd.ps.store import FOLDED, MAX_SCALED_FOR, NOT_CURRENT, PushIn
 from plug_asgd.security import load_server_keys
 from plug_asgd.wire import Local, Message, Tensor, WireError, decode, encode, message_bytes
 
@@ -377,6 +377,7 @@ class ParameterServer:
         rank, session = worker.rank, worker.session
         base = msg.int_field("base_version", minimum=0)
         seq = msg.int_field("seq", minimum=0)
+        scaled_for = msg.float_field("scaled_for", minimum=0.0, maximum=MAX_SCALED_FOR, optional=True)
         model = msg.fields.get("model", True)
         flags = {name: msg.fields.get(name, False) for name in ("weights", "lend")}
         for name, value in flags.items():
@@ -385,7 +386,7 @@ class ParameterServer:
         token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all",
                        rank=worker.rank, **_holds(msg))
         folded = self.store.fold(PushIn(token, rank, session, seq, base, msg.tensors, msg.frames,
-                                        request=self.stats.messages_in, **flags))
+                                        request=self.stats.messages_in, scaled_for=scaled_for, **flags))
         if folded.status != FOLDED:  # not_current, or stopped
             self._send_model(identity, rid, {"status": folded.status}, folded.status != NOT_CURRENT
                              and model is not False, token)

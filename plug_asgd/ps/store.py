@@ -33,11 +33,17 @@ STOPPED = "stopped"  # the PS reached max_updates: nothing folded
 FOLDED = "folded"  # handed to the mode's rule, which resolved it now or will later
 
 
+# The largest staleness estimate a push may say it was scaled for: far beyond any a worker measures, small enough
+# that the correction stays a finite float32 factor.
+MAX_SCALED_FOR = 1e6
+
+
 @dataclass
 class PushIn:
     """One push as received. ``seq``: its number in ``session`` (each is folded at most once); ``tensors`` may
     name a worker's shared memory (:class:`Local`); ``frames``: the received frames of its dense tensors;
-    ``request``: the number of the request it came in."""
+    ``request``: the number of the request it came in; ``scaled_for``: the staleness its worker scaled it for
+    (staleness compensation's estimate), corrected here to the staleness it lands with."""
 
     token: Any
     rank: int
@@ -49,6 +55,7 @@ class PushIn:
     weights: bool = False
     lend: bool = False
     request: int = 0
+    scaled_for: float | None = None
 
 
 @dataclass
@@ -185,11 +192,12 @@ class Store(ABC):
             base = self.state.version  # based on updates this PS lost in its crash: fold in as fresh
         if push.seq <= self.last_seq.get(push.session, -1):
             raise WireError("duplicate", f"push {push.seq} of this worker was already received")
+        staleness = self.state.version - base
+        correction = self._correction(push.scaled_for, staleness)  # refused before anything is read
         sent, local_bytes = self._read_local(push.session, push.tensors)
         update = self._decode(sent)
-        staleness = self.state.version - base
         # Exactly base + this update once folded: nothing else folded in since the base, dense values used as sent.
-        exact = (staleness == 0 and not self.resumed and self.rule.folds_into_update
+        exact = (staleness == 0 and correction == 1.0 and not self.resumed and self.rule.folds_into_update
                  and all(isinstance(u, np.ndarray) and u is sent[n] for n, u in update.items()))
         if self.stopped:
             check_finite(update)
@@ -208,7 +216,7 @@ class Store(ABC):
         self._before_write(in_place=out is None)
         before, version = dict(self.state.tensors), self.state.version
         resolutions = self.rule.push(self.state, Push(push.token, push.rank, base, update, out,
-                                                      replace=push.weights))
+                                                      replace=push.weights, scale=correction))
         if self.state.version == version + 1 and self.rule.changes_only_pushed:
             self.changes.record(self.state.version, update)
         elif self.state.version != version:
@@ -218,6 +226,20 @@ class Store(ABC):
         self.stats.push_local_bytes_in += local_bytes
         self._after_fold(push, update, out, lends, before)
         return Folded(FOLDED, resolutions, self.state.version if exact else None, staleness, local_bytes)
+
+    def _correction(self, scaled_for: float | None, staleness: int) -> float:
+        """``(1 + scaled_for) / (1 + max(scaled_for, staleness))``: a worker's update, scaled by ``1 / (1 +
+        estimate)``, lands scaled for its own staleness where that is larger. The worker's estimate (a median
+        over its recent pushes) lags where the workers' pace changes (one starts late, stalls, or is
+        descheduled on a loaded machine): measured, such pushes folded at the lagging scale gave the heavy tail
+        of docs/momentum.md. Never scaled back up: in downpour a push that lands with staleness 0 is not alone
+        (the others are between their pushes), and folding it unscaled measured worse."""
+        if scaled_for is None:
+            return 1.0
+        if not self.rule.corrects:
+            raise WireError("bad_field", "field 'scaled_for': this mode's PS averages rounds or scales pushes by "
+                                         "their staleness itself (leave the field out)")
+        return (1.0 + scaled_for) / (1.0 + max(scaled_for, staleness))
 
     def _read_local(self, session: str, tensors: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """``tensors`` with each :class:`Local` reference read (as a view) from ``session``'s segment; its bytes."""

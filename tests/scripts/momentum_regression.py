@@ -64,6 +64,8 @@ def main() -> None:
     parser.add_argument("--off-modes", default="", help="the same, trained with staleness_compensation=False")
     parser.add_argument("--repeats", type=int, default=1, help="fits of each of --modes; the median is 'after'")
     parser.add_argument("--off-repeats", type=int, default=1, help="fits of each of --off-modes")
+    parser.add_argument("--compensation", type=json.loads, default=None,
+                        help="staleness_compensation of --modes, as JSON: true/false or a dict of its fields")
     parser.add_argument("--once", default="", help="comma-separated modes of --modes fitted once: deterministic ones")
     args = parser.parse_args()
     base_port = int(os.environ["MASTER_PORT"]) + 1
@@ -76,7 +78,7 @@ def main() -> None:
         pl.seed_everything(0, verbose=False)
         model = Regression(nesterov=mode == "eamsgd")
         before = val_loss(model)
-        options = {"staleness_compensation": False} if off else {}
+        options = {"staleness_compensation": False if off else args.compensation}
         strategy = AsyncPSStrategy(mode=mode, compressor=codec or "none", ps_port=base_port + i, **options)
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=EPOCHS,
                              logger=False, enable_checkpointing=False, enable_model_summary=False,
