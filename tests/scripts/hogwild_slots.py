@@ -17,11 +17,14 @@ class Slots(pl.LightningModule):
         self.automatic_optimization = False
         self.w = torch.nn.Parameter(torch.zeros(2))
         self.seen = 0.0
+        self.mapped: set[str] = set()
 
     def training_step(self, batch, batch_idx):
         with torch.no_grad():
             self.w[self.global_rank] += 1  # no lock, no push: straight into the shared model
         self.seen = max(self.seen, float(self.w[1 - self.global_rank]))
+        with open("/proc/self/maps") as maps:  # the shared file this worker trains in, as the kernel sees it
+            self.mapped |= {line.split(maxsplit=5)[-1].strip() for line in maps if "plug_asgd_hogwild_" in line}
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -39,7 +42,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps({
         "w": model.w.tolist(), "seen_other": model.seen, "ps": strategy.ps_stats()["version"],
-        "pushed": strategy.ps_stats()["push_bytes_in"]}))
+        "pushed": strategy.ps_stats()["push_bytes_in"], "mapped": sorted(model.mapped)}))
 
 
 if __name__ == "__main__":
