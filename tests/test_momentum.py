@@ -147,7 +147,13 @@ def test_without_compensation_the_asynchronous_modes_miss_the_bound(regression, 
 
 # -- the recipe CNN on Fashion-MNIST ---------------------------------------------------------------
 
-SGD_ROWS = [(m, {"mode": m}) for m in MODES if m != "eamsgd"] + [
+# Every mode that folds or keeps stale progress, and every codec. Left out: eamsgd (Nesterov's own, in its rows) and
+# the modes that average synchronous rounds with nothing in flight (sync, localsgd, sagn): no update of theirs is
+# stale, so there is nothing to compensate (the regression case above fits them with momentum SGD; test_training
+# fits them on Fashion-MNIST; in the suite at 4470170 they ended 0.1 to 1.8 points above DDP). Their three runs
+# cost this launch an eighth, where the suite's 12 minutes are short.
+ROUND_MODES = ("sync", "localsgd", "sagn")
+SGD_ROWS = [(m, {"mode": m}) for m in MODES if m != "eamsgd" and m not in ROUND_MODES] + [
     (c, {"mode": "asgd", "compressor": c.partition("+")[2]}) for c in CODECS]
 NESTEROV_ROWS = [(m, {"mode": m}) for m in ("asgd", "adacomp", "downpour", "ssp", "hogwild", "eamsgd")]
 
@@ -178,10 +184,10 @@ def fashion(tmp_path_factory):
         pytest.skip("Fashion-MNIST not installed: apt-get install dataset-fashion-mnist")
 
     def run(runs: list[dict], label: str, timeout: float) -> dict[str, list[dict]]:
-        # 5,000 test images, the same for DDP and every mode (a paired comparison; the standard error of one
-        # accuracy is about 0.6 points at this size, against the 5-point bound); the whole test set took about
-        # a quarter of the launch
-        results = launch(2, runs, {"test_subset": 5000, "timeout": timeout}, tmp_path_factory.mktemp(label))
+        # 2,000 test images, the same for DDP and every mode (a paired comparison; the standard error of one
+        # accuracy is about 0.9 points at this size, against the 5-point bound); the whole test set took about
+        # a quarter of the launch, 5,000 an eighth
+        results = launch(2, runs, {"test_subset": 2000, "timeout": timeout}, tmp_path_factory.mktemp(label))
         errors = [r["launch_error"] for r in results if "launch_error" in r]
         assert not errors, errors
         named: dict[str, list[dict]] = {}
@@ -199,8 +205,8 @@ def fashion(tmp_path_factory):
 
 
 @needs_fashion
-@pytest.mark.timeout(1020)  # above the fixture's launches: 25 runs, about 8 s each on 2 idle cores (400 s under
-# the suite's load), and the reruns of any row that missed (at most 400 s)
+@pytest.mark.timeout(1020)  # above the fixture's launches: 22 runs, about 7 s each on 2 idle cores (463 s for 25
+# under the suite's load), and the reruns of any row that missed (at most 400 s)
 @pytest.mark.parametrize("optimizer,row", [("sgd", r) for r, _ in SGD_ROWS] +
                          [("nesterov", r) for r, _ in NESTEROV_ROWS])
 @pytest.mark.integration
