@@ -58,7 +58,9 @@ class StalenessCompensation:
     local_residual: bool = True
     mask_momentum: bool = True
     window: int = 16
-    # the PS rescales each push for its own staleness where that is larger than the estimate (``scaled_for``)
+    # the PS rescales each push for its own staleness where that is larger than the estimate (``scaled_for``);
+    # only where an optimizer keeps momentum: without it a push staler than estimated is no risk, and the
+    # correction only slowed training (measured under load: plain SGD 0.92 against 0.935, docs/momentum.md)
     correct: bool = True
 
     def __post_init__(self) -> None:
@@ -117,6 +119,12 @@ _NORMALIZED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.opt
 def normalizes_steps(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer``'s steps are normalized (Adam and its kin, RMSprop, Adagrad, or any with ``betas``)."""
     return isinstance(optimizer, _NORMALIZED) or "betas" in optimizer.defaults
+
+
+def keeps_momentum(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` may carry momentum: any group with ``momentum`` > 0, or one without the key at all
+    (an optimizer of unknown kind is assumed to). Plain SGD (``momentum=0``) does not."""
+    return any(group.get("momentum", 1.0) or group.get("nesterov") for group in optimizer.param_groups)
 
 
 def momentum_state_known(optimizer: torch.optim.Optimizer) -> bool:

@@ -195,3 +195,12 @@ def test_a_worker_tells_the_ps_what_staleness_its_update_was_scaled_for_and_only
     uncorrected = PushExchange(get("asgd"), compensation=StalenessCompensation(correct=False))
     uncorrected.start_fit([sgd], rank=0, world_size=3)
     assert uncorrected.scaled_for() is None and uncorrected.scale() == 1 / 3  # scaled, the PS not told
+    # plain SGD keeps no momentum: scaled all the same, but nothing for the PS to correct; with it beside a momentum
+    # optimizer (a second one of the module), or an optimizer that does not say (no "momentum" key), the PS is told
+    plain = torch.optim.SGD([w], lr=0.1)
+    unknown = torch.optim.Optimizer([w], {"lr": 0.1})
+    for optimizers, expected in (([plain], None), ([plain, sgd], 2.0), ([unknown], 2.0),
+                                 ([torch.optim.SGD([w], lr=0.1, momentum=0.0, nesterov=False)], None)):
+        exchange = PushExchange(get("asgd"), compensation=resolve(None, "asgd", "full"))
+        exchange.start_fit(optimizers, rank=0, world_size=3)
+        assert exchange.scaled_for() == expected and exchange.scale() == 1 / 3, optimizers

@@ -15,7 +15,14 @@ from plug_asgd.compressors import Codec, Compressor, NoCompression
 from plug_asgd.modes import Mode
 from plug_asgd.sharded_client import ShardedClient
 from plug_asgd.staging import Staging
-from plug_asgd.staleness import OFF, Compensator, StalenessCompensation, normalizes_steps, warn_unknown_optimizers
+from plug_asgd.staleness import (
+    OFF,
+    Compensator,
+    StalenessCompensation,
+    keeps_momentum,
+    normalizes_steps,
+    warn_unknown_optimizers,
+)
 
 INIT_WAIT_S = 10.0  # how long a rank other than 0 waits for rank 0's model before offering its own
 
@@ -52,6 +59,7 @@ class Exchange(ABC):
         self.shm_pushes = shm_pushes
         self.encoder: Compressor = mode.encoder(self.codec, 0)
         self.compensator = Compensator(compensation, 0)
+        self.correct = compensation.correct  # whether pushes say what they were scaled for (start_fit decides)
         self.optimizers: list[Any] = []
         self.link: Link | None = None
         self.joined = False
@@ -80,6 +88,7 @@ class Exchange(ABC):
         normalized = bool(optimizers) and all(normalizes_steps(o) for o in optimizers)
         self.compensator = Compensator(self.compensation, world_size - 1,
                                        scale=self.compensation.scale and not normalized)
+        self.correct = self.compensation.correct and (not optimizers or any(keeps_momentum(o) for o in optimizers))
         if self.compensation.mask_momentum and not isinstance(self.encoder, NoCompression):
             warn_unknown_optimizers(optimizers)
 

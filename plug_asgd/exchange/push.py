@@ -176,8 +176,9 @@ class PushExchange(Exchange):
         return self.compensator.update_scale() / steps
 
     def scaled_for(self) -> float | None:
-        """The staleness the update of :meth:`update` was scaled for, for the PS to correct; None if unscaled."""
-        return self.compensator.staleness if self.compensator.scale and self.compensation.correct else None
+        """The staleness the update of :meth:`update` was scaled for, for the PS to correct; None if unscaled or if
+        no optimizer keeps momentum (nothing to correct)."""
+        return self.compensator.staleness if self.compensator.scale and self.correct else None
 
     def dense(self, tensors: dict[str, Tensor]) -> bool:
         return isinstance(self.encoder, NoCompression) and all(t.dtype == torch.float32 for t in tensors.values())
