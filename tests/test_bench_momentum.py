@@ -49,3 +49,36 @@ def test_with_seeds_the_gap_is_paired_by_seed_and_a_cell_diverged_in_one_seed_mi
     results.append({**_run("adacomp", None, diverged=True), "seed": 1})
     t = table(results, workers=2)
     assert t["met"] is False and t["worst_gap_points"] == -100.0
+
+
+def test_rows_rerun_merge_into_a_table_assembled_from_several_commands(tmp_path, monkeypatch):
+    import json
+
+    import bench.momentum as bm
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train-images-idx3-ubyte.gz").write_bytes(b"")
+    monkeypatch.setattr(bm, "FASHION", tmp_path / "data")
+    monkeypatch.setattr(bm, "machine", lambda: {"commit": "abc1234"})  # (it asks git, a process)
+    ddp = {"name": "ddp sgd 0.05", "row": "ddp", "optimizer": "sgd", "lr": 0.05, "test_acc": 0.83, "seed": 0}
+    old = {**_run("downpour", 0.80), "name": "downpour sgd 0.05 on", "seed": 0}
+    kept = {**_run("asgd", 0.82), "name": "asgd sgd 0.05 on", "seed": 0}
+    # the shape of bench/results/momentum_reps.json: put together from several commands, no single "command"
+    (tmp_path / "m.json").write_text(json.dumps({"machine": {"cpu_count": 16}, "commands": ["a", "b"],
+                                                 "runs": {"2": [ddp, old, kept]}}))
+    launched = []
+
+    def fake(workers, every, size, out, parallel, threads):
+        launched.extend(every)
+        return [{**r, "test_acc": 0.815} for r in every]
+
+    monkeypatch.setattr(bm, "_launches", fake)
+    assert bm.main(["--workers", "2", "--rows", "downpour", "--optimizers", "sgd", "--compensated-only",
+                    "--out", str(tmp_path), "--name", "m"]) == 0
+    assert {(r["row"], r["lr"]) for r in launched} == {("downpour", 0.01), ("downpour", 0.05)}  # no DDP rerun
+    merged = json.loads((tmp_path / "m.json").read_text())
+    accs = {r["name"]: r["test_acc"] for r in merged["runs"]["2"]}
+    assert accs["downpour sgd 0.05 on"] == 0.815 and accs["asgd sgd 0.05 on"] == 0.82 and accs["ddp sgd 0.05"] == 0.83
+    assert merged["earlier"] == [{"commands": ["a", "b"], "machine": {"cpu_count": 16}}]
+    cell = next(c for c in merged["tables"][0]["cells"] if c["row"] == "downpour" and c["lr"] == 0.05)
+    assert cell["gap_points"] == -1.5  # 0.815 against DDP's 0.83 of the same seed
