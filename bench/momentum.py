@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     tables = [table(runs[str(w)], int(w)) for w in sorted(runs, key=int)]
     report = {"machine": machine(), "command": command, "size": size, "tables": tables, "runs": runs,
               "errors": errors, "wall_s": round(time.monotonic() - started, 1),
-              "earlier": (earlier.get("earlier", []) + [{k: earlier[k] for k in ("command", "commands", "machine", "wall_s") if k in earlier}]
+              # a table put together by hand from several commands has "commands" in place of "command"
+              "earlier": (earlier.get("earlier", []) + [{k: earlier[k] for k in ("command", "commands", "machine",
+                                                                                  "wall_s") if k in earlier}]
                           if earlier else [])}
     write_json(out / f"{args.name}.json", report)
     (out / f"{args.name}.md").write_text(markdown(tables))
