@@ -8,8 +8,9 @@ measurement (``docs/momentum.md``):
 - **scale**: each update is folded in at ``1 / (1 + s)``, ``s`` the worker's recent median
   staleness: N equal workers then average their updates as DDP does. The push says what it was
   scaled for (``scaled_for``), and the PS scales it down further where it lands staler than that
-  (``correct``): the median lags where the workers' pace changes (one starts late, stalls, or is
-  descheduled), and pushes folded at the lagging scale made the heavy tail of the regression case.
+  (``correct``, where an optimizer keeps momentum): the median lags where the workers' pace changes
+  (one starts late, stalls, or is descheduled), and pushes folded at the lagging scale made the heavy
+  tail of the regression case.
   Not for optimizers that normalize their steps (Adam and its kin): their steps stay bounded, and
   the scale only slowed them.
 - **look-ahead** (modes that push every step): the worker computes its next step at ``central +
