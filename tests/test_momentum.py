@@ -43,8 +43,8 @@ DETERMINISTIC = ("sync", "localsgd", "sagn", "osp", "losp")
 # downpour's ended below the bound in 1 of 11 launches (6.7 and, in the CI run that failed on it at b0bdd1f,
 # 7.4) and diverged in the other 10 (14.4 to 6.9e6, 2026-11-24); with compensation 2 of its 26 single fits
 # diverged too (95, 398), which the median of 3 absorbs. Both tails are issue 17's open work on downpour.
-# The other modes without compensation are fitted once: every fit of theirs measured missed the bound by far (see
-# test_without_compensation_the_asynchronous_modes_miss_the_bound).
+# The other modes are fitted as often: fitted once (tried at 82d7ac6), powersgd without compensation ended at 11.2,
+# below the bound, where its earlier fits had passed 2e4.
 OFF_REPEATS = 3
 # Fashion-MNIST, 8,000 images, 1 epoch: every mode's central model within this many points of DDP's. Not the
 # issue's 1.5, which single runs of this size cannot show: one configuration run twice varied by up to 6.5
@@ -60,8 +60,6 @@ FASHION_POINTS = 5.0
 # above it (0.778 to 0.819, DDP 0.775; 2026-11-25). The median of 3 is what the regression case above is held to.
 # asgd under every codec with error feedback (adacomp is a mode: its own top-k)
 CODECS = ("asgd+topk", "asgd+randomk", "asgd+sign", "asgd+powersgd")
-# fitted without compensation, each once but downpour (its name repeated: the script fits a name as often as given)
-OFF_MODES = ["asgd", "adacomp", "ssp", *CODECS] + ["downpour"] * OFF_REPEATS
 # What the issue asks of the codecs on the regression case: they train without diverging. One bound for all, a
 # fraction of the starting loss (57.5), set from the worst codec's measured spread. 1% of this 321-parameter model
 # is 1 to 3 coordinates per tensor and push, so the central model gets each coordinate about twice in the 192
@@ -87,15 +85,15 @@ def one_process_loss() -> float:
 
 
 def regression_launch(out: Path, modes: list[str], off_modes: list[str]) -> dict[str, dict[str, dict]]:
-    """Every mode with compensation, then ``off_modes`` without (a name given n times is fitted n times), in one
-    launch: {"on": {mode: run}, "off": ...}."""
+    """Every mode with compensation, then ``off_modes`` without, in one launch: {"on": {mode: run}, "off": ...}."""
     run_to_end([PYTHON, "tests/scripts/momentum_regression.py", "--out", str(out), "--modes", ",".join(modes),
-                "--off-modes", ",".join(off_modes), "--repeats", str(REPEATS), "--once", ",".join(DETERMINISTIC)],
+                "--off-modes", ",".join(off_modes), "--repeats", str(REPEATS), "--off-repeats", str(OFF_REPEATS),
+                "--once", ",".join(DETERMINISTIC)],
                timeout=280,
                # MASTER_PORT + 1 + i for the i-th fit: a block below the ephemeral range
                env={"MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(free_port_block(REPEATS * len(modes) + len(off_modes) + 2))})
-    return {side: {m: json.loads((out / side / f"{m}.json").read_text()) for m in set(names)}
+                    "MASTER_PORT": str(free_port_block(REPEATS * len(modes) + OFF_REPEATS * len(off_modes) + 2))})
+    return {side: {m: json.loads((out / side / f"{m}.json").read_text()) for m in names}
             for side, names in (("on", modes), ("off", off_modes))}
 
 
@@ -103,7 +101,7 @@ def regression_launch(out: Path, modes: list[str], off_modes: list[str]) -> dict
 def regression(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("momentum")
     return {"one_process": one_process_loss(),
-            **regression_launch(tmp, [*MODES, *CODECS], OFF_MODES)}
+            **regression_launch(tmp, [*MODES, *CODECS], ["asgd", "adacomp", "downpour", "ssp", *CODECS])}
 
 
 @pytest.mark.timeout(300)  # the fixture's launch, when this test is the first to need it
@@ -144,7 +142,7 @@ def test_losp_trains_the_regression_model_with_momentum_sgd(regression):
 @pytest.mark.integration
 def test_without_compensation_the_asynchronous_modes_miss_the_bound(regression, mode):
     # single fits measured: asgd 97-2,479 (5), ssp 30-669 (5), downpour 6.7-6.9e6 (11: one below the bound, see
-    # OFF_REPEATS), adacomp >= 8e8 (5); the codecs over 1: 2e4 (powersgd) to 2e9 (randomk)
+    # OFF_REPEATS), adacomp >= 8e8 (5); the codecs over 1: 2e4 (powersgd) to 2e9 (randomk), but powersgd once 11.2
     run = regression["off"][mode]
     assert max(run["runs"]) > REGRESSION_BOUND * regression["one_process"], run
 
