@@ -23,8 +23,9 @@ class Slots(pl.LightningModule):
         with torch.no_grad():
             self.w[self.global_rank] += 1  # no lock, no push: straight into the shared model
         self.seen = max(self.seen, float(self.w[1 - self.global_rank]))
-        with open("/proc/self/maps") as maps:  # the shared file this worker trains in, as the kernel sees it
-            self.mapped |= {line.split(maxsplit=5)[-1].strip() for line in maps if "plug_asgd_hogwild_" in line}
+        if not self.mapped:  # the shared file this worker trains in, as the kernel sees it (it stays mapped)
+            with open("/proc/self/maps") as maps:
+                self.mapped = {line.split(maxsplit=5)[-1].strip() for line in maps if "plug_asgd_hogwild_" in line}
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
