@@ -26,6 +26,9 @@ measurement (``docs/momentum.md``):
 The first three need no optimizer state; masking needs the optimizer's momentum under the names
 torch uses (``momentum_buffer``, ``exp_avg``). Hogwild's workers write one shared model and push
 nothing: their optimizer's step is scaled instead, through its learning rate during the step.
+losp's rounds each land a round late, while its workers keep training: where an optimizer keeps
+momentum, each worker keeps only its own share of the round in flight and its rounds are scaled
+by 1/2 (``plug_asgd.exchange.overlap``).
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ OFF = StalenessCompensation(scale=False, lookahead=False, local_residual=False, 
 
 def resolve(value: StalenessCompensation | Mapping[str, Any] | bool | None, mode: str,
             kind: str) -> StalenessCompensation:
-    """The compensation for ``mode``, by its ``Mode.compensate`` (``kind``: full, unscaled, step or none).
+    """The compensation for ``mode``, by its ``Mode.compensate`` (``kind``: full, unscaled, step, round or none).
 
     None or True: the mode's default; False: off; an instance (or the dict of its fields, as a YAML
     file gives it): as given, refused for a mode that has no staleness to compensate.
@@ -92,20 +95,25 @@ def resolve(value: StalenessCompensation | Mapping[str, Any] | bool | None, mode
             raise ValueError(f"staleness_compensation: {exc} (fields: scale, lookahead, local_residual, "
                              "mask_momentum, window, correct)") from None
     if isinstance(value, StalenessCompensation):
-        if kind == "step" and value.active and value != replace(OFF, scale=True, window=value.window,
-                                                                correct=value.correct):
-            raise ValueError(f"mode={mode!r} shares one model and pushes nothing: only its step can be scaled "
-                             "(StalenessCompensation(scale=True, lookahead=False, local_residual=False, "
-                             "mask_momentum=False))")
+        if kind in ("step", "round") and value.active and value != replace(OFF, scale=True, window=value.window,
+                                                                           correct=value.correct):
+            what = ("shares one model and pushes nothing: only its step can be scaled" if kind == "step" else
+                    "averages synchronous rounds, each landing a round late: only its rounds can be scaled")
+            raise ValueError(f"mode={mode!r} {what} (StalenessCompensation(scale=True, lookahead=False, "
+                             "local_residual=False, mask_momentum=False))")
         if kind == "none" and value.active:
             raise ValueError(f"staleness_compensation does not go with mode={mode!r}: its workers do not fold "
                              "stale updates into the central model (use staleness_compensation=False or leave it)")
+        if kind == "round":  # a round's average is one version: nothing for the PS to correct
+            return replace(value, correct=False)
         return value if kind in ("full", "step") else replace(value, scale=False)
     if value is None or value is True:
         if kind == "none":
             return OFF
         if kind == "step":
             return replace(OFF, scale=True)
+        if kind == "round":
+            return replace(OFF, scale=True, correct=False)
         return StalenessCompensation(scale=kind == "full")
     raise TypeError(f"staleness_compensation must be a bool, None, a StalenessCompensation or a dict of its "
                     f"fields, got {value!r}")

@@ -82,3 +82,13 @@ def test_rows_rerun_merge_into_a_table_assembled_from_several_commands(tmp_path,
     assert merged["earlier"] == [{"commands": ["a", "b"], "machine": {"cpu_count": 16}}]
     cell = next(c for c in merged["tables"][0]["cells"] if c["row"] == "downpour" and c["lr"] == 0.05)
     assert cell["gap_points"] == -1.5  # 0.815 against DDP's 0.83 of the same seed
+
+
+def test_the_losp_simulation_diverges_as_written_and_trains_with_the_share_sent_at_half():
+    from bench.losp_rounds import simulate
+
+    # the regression case's bound (tests/test_momentum.py): 2x one process's 6.81; measured, seed 0: 132.8 as
+    # written, 2.45 with the default, 3.58 for localsgd's blocking rounds
+    assert simulate("as written (w = central + p)") > 13.6
+    assert simulate("own share, sent at 1/2 (the default)") < 13.6
+    assert simulate("localsgd") < 13.6

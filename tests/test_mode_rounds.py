@@ -4,15 +4,18 @@ sum of powers of two, so the expected tensors below are computed by hand and com
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 import torch
 
 from plug_asgd.client import ModelReply
 from plug_asgd.exchange import Exchange, Link, make_exchange
-from plug_asgd.modes import EASGD, SAGN, LocalSGD, Mode
+from plug_asgd.modes import EASGD, LOSP, SAGN, LocalSGD, Mode
 from plug_asgd.modes.rules import APPLIED, CentralState, Push
+from plug_asgd.staleness import resolve
 
 CENTRAL0 = [1.0, -2.0]
 
@@ -121,3 +124,63 @@ def test_easgd_moves_the_worker_and_the_center_by_alpha_times_their_difference()
     assert w.tolist() == [2.75, -1.75]
     assert ps.state.tensors["w"].tolist() == [2.25, -3.25] and ps.state.version == 4
     assert exchange.version == 4 and exchange.since_push == 0
+
+
+class BlockingClient(StubClient):
+    """As StubClient, for pushes sent from the overlapping exchange's thread: a push of a sync round waits,
+    in its thread, for the other worker's push to complete the round."""
+
+    def push(self, base: int, update: dict, want_model=True, while_waiting=None, **kwargs) -> ModelReply:
+        ps = self.ps
+        with ps.cond:
+            ps.pushes.append((self.rank, base, np.array(update["w"], dtype=np.float32)))
+            ps.resolved.update(ps.rule.push(ps.state, Push(self.rank, self.rank, base, {"w": ps.pushes[-1][2]})))
+            ps.cond.notify_all()
+            assert ps.cond.wait_for(lambda: self.rank in ps.resolved, timeout=10)
+            assert ps.resolved.pop(self.rank) == APPLIED
+            return ps.reply()
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_losp_with_momentum_keeps_its_own_share_of_the_round_in_flight_and_sends_half(momentum):
+    mode = LOSP(push_every=2)
+    ps = LocalPS(mode, frozenset({0, 1}))
+    ps.cond = threading.Condition()
+    workers = []
+    for rank in (0, 1):
+        w = torch.tensor(CENTRAL0, dtype=torch.float32)
+        # the optimizer only says whether it keeps momentum; the steps below are made by hand
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05, momentum=momentum)
+        exchange = make_exchange(mode, compensation=resolve(None, "losp", mode.compensate))
+        exchange.attach(Link(client=BlockingClient(ps, rank), tensors=lambda w=w: {"w": w}, rank=rank, world_size=2,
+                             stage=1, fitting=True, barrier=lambda name: None, stop=lambda: None))
+        exchange.start_fit([optimizer], rank, 2)
+        exchange.join(init=False)
+        workers.append((exchange, w))
+    (x0, w0), (x1, w1) = workers
+    # each round: 2 steps of each worker, progress p = (1, 0.5) and (-0.5, 2); a worker's push stays in flight
+    # (its thread waits for the other's) while the other steps, and is merged at its next push
+    if momentum:  # sent at 1/2 (a round lands a round late); the weights keep half of the progress made meanwhile
+        sent = [(0, 0, [0.5, 0.25]), (1, 0, [-0.25, 1.0]), (0, 1, [0.5, 0.25]), (1, 1, [-0.25, 1.0])]
+        # central (1, -2) + ((0.5, 0.25) + (-0.25, 1)) / 2 = (1.125, -1.375), then + (0.125, 0.625) again
+        central = [[1.125, -1.375], [1.25, -0.75]]
+        # at the second push, round 1 merged: (1.125, -1.375) + p / 2
+        weights = ([1.625, -1.125], [0.875, -0.375])
+    else:  # plain SGD: the progress kept whole, sent whole
+        sent = [(0, 0, [1.0, 0.5]), (1, 0, [-0.5, 2.0]), (0, 1, [1.0, 0.5]), (1, 1, [-0.5, 2.0])]
+        central = [[1.25, -0.75], [1.5, 0.5]]
+        weights = ([2.25, -0.25], [0.75, 1.25])  # (1.25, -0.75) + p
+    steps = ([0.5, 0.25], [-0.25, 1.0])
+    try:
+        for round_ in range(2):
+            local_steps(x0, w0, 2, steps[0])
+            local_steps(x1, w1, 2, steps[1])
+            if round_ == 1:
+                assert (w0.tolist(), w1.tolist()) == weights
+    finally:
+        x0.finish()
+        x1.finish()
+    assert sorted((r, b, u.tolist()) for r, b, u in ps.pushes) == sorted(sent)
+    assert ps.state.version == 2 and ps.state.tensors["w"].tolist() == central[1]
+    # the finish above merged round 2 the same way: no progress since its send, so the central model itself
+    assert w0.tolist() == w1.tolist() == central[1]

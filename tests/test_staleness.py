@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -126,7 +127,7 @@ def test_each_mode_gets_its_default_and_refuses_what_it_cannot_do():
     assert AsyncPSStrategy(mode="agn").staleness_compensation == StalenessCompensation(scale=False)
     assert resolve(None, "hogwild", "step") == StalenessCompensation(scale=True, lookahead=False,
                                                                      local_residual=False, mask_momentum=False)
-    for mode in ("sync", "localsgd", "sagn", "osp", "losp", "easgd", "eamsgd"):
+    for mode in ("sync", "localsgd", "sagn", "osp", "easgd", "eamsgd"):
         assert AsyncPSStrategy(mode=mode).staleness_compensation == OFF
         with pytest.raises(ValueError, match="does not go with mode"):
             AsyncPSStrategy(mode=mode, staleness_compensation=StalenessCompensation())
@@ -138,6 +139,15 @@ def test_each_mode_gets_its_default_and_refuses_what_it_cannot_do():
     assert AsyncPSStrategy(mode="hogwild", staleness_compensation=step_only).staleness_compensation == step_only
     with pytest.raises(ValueError, match="only its step can be scaled"):
         AsyncPSStrategy(mode="hogwild", staleness_compensation=StalenessCompensation())
+    # losp: its rounds scaled (and its workers keeping their own share of the round in flight), nothing else;
+    # nothing for the PS to correct
+    rounds_only = replace(OFF, scale=True, correct=False)
+    assert AsyncPSStrategy(mode="losp").staleness_compensation == rounds_only
+    assert AsyncPSStrategy(mode="losp", staleness_compensation=replace(OFF, scale=True)).staleness_compensation \
+        == rounds_only
+    assert AsyncPSStrategy(mode="losp", staleness_compensation=False).staleness_compensation == OFF
+    with pytest.raises(ValueError, match="only its rounds can be scaled"):
+        AsyncPSStrategy(mode="losp", staleness_compensation=StalenessCompensation())
     with pytest.raises(ValueError, match="window must be an int >= 1"):
         StalenessCompensation(window=0)
     with pytest.raises(TypeError, match="must be a bool, None, a StalenessCompensation or a dict"):

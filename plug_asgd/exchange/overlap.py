@@ -12,13 +12,22 @@ import torch
 from plug_asgd.client import PSUnreachableError
 from plug_asgd.exchange.push import PushExchange
 from plug_asgd.modes import PushMode
+from plug_asgd.staleness import keeps_momentum
 
 _LET_GO_S = 5.0  # how long a stage's end waits for a push in flight after a failure
 
 
 class OverlapExchange(PushExchange):
     """``overlap``: the push of ``push_every`` steps goes out from a thread; its reply is merged when the
-    next push is due, keeping the progress made meanwhile (``w = central + (w - w_at_send)``)."""
+    next push is due, keeping the progress made meanwhile (``w = central + (w - w_at_send)``).
+
+    losp's rounds (``Mode.compensate == "round"``), where an optimizer keeps momentum: each worker keeps
+    only its own share of that progress (``w = central + p / R``, ``R`` the updates a round averages, its
+    own share of the round in flight) and sends all of it, scaled by 1/2 (each round lands one round
+    late). Keeping it whole, each worker's model runs ahead of the central one by its own progress and
+    the workers' differences are never averaged away: with momentum SGD they grow from round to round
+    (docs/momentum.md).
+    """
 
     def __init__(self, mode: PushMode, **kwargs: Any) -> None:
         super().__init__(mode, **kwargs)
@@ -26,6 +35,23 @@ class OverlapExchange(PushExchange):
         self.result: dict[str, Any] = {}
         self.overlapped_steps = 0
         self.trace: list[tuple[float, float | None, float]] = []
+        self.share = 1.0  # of the progress made while a round was in flight, what the weights keep
+
+    def start_fit(self, optimizers: list[Any], rank: int, world_size: int) -> None:
+        super().start_fit(optimizers, rank, world_size)
+        replicas = getattr(self.mode, "replicas_to_aggregate", None) or world_size
+        # with one step per round (osp's form) the share diverges at 4 workers, the progress kept whole does not
+        rounds = self.mode.compensate == "round" and self.compensator.scale and self.mode.push_every > 1
+        momentum = not optimizers or any(keeps_momentum(o) for o in optimizers)
+        self.share = 1.0 / replicas if rounds and momentum and replicas > 1 else 1.0
+
+    def scale(self) -> float:
+        if self.mode.compensate != "round":
+            return super().scale()
+        return 0.5 if self.share < 1.0 else 1.0  # a round lands one round late: 1 / (1 + 1)
+
+    def scaled_for(self) -> float | None:
+        return None if self.mode.compensate == "round" else super().scaled_for()
 
     def step(self, run: Callable[[], Any], optimizer: Any) -> Any:
         if self.in_flight is not None:
@@ -87,13 +113,19 @@ class OverlapExchange(PushExchange):
             if sent is None:  # an "own" push raced, or duplicate: merge with the weights sent, base + delta
                 sent = {n: self.base[n] + d for n, d in result["deltas"].items()}
             tensors = self._link.tensors()
-            with torch.no_grad():  # the weights hold the progress while the base becomes the central model
+            share = self.share
+            with torch.no_grad():  # the weights hold the progress p while the base becomes the central model
                 for name, t in tensors.items():
                     t.sub_(sent[name])
                 self.staging.load({n: self.base[n] for n in tensors}, reply.tensors)
                 for name, t in tensors.items():
-                    t.add_(self.base[name])
+                    base = self.base[name]
+                    if share != 1.0:  # base = central - (1 - share) p: the next update, w - base, is all of p
+                        base.add_(t, alpha=share - 1.0)
+                    t.add_(base)  # central + share * p
         self.based_on(reply)
+        if self.share != 1.0 and not reply.own:
+            self.base_is_central = False
 
     def let_go(self) -> None:
         """After a failure the socket is the sender's until it is done: wait a little, then give up on it."""

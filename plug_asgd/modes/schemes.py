@@ -33,7 +33,7 @@ class Mode:
 
     ``exchange`` names the worker's exchange (:mod:`plug_asgd.exchange`): ``"push"``, ``"overlap"``,
     ``"elastic"`` or ``"shared"``. ``compensate`` says which staleness remedies its workers apply by
-    default (:func:`plug_asgd.staleness.resolve`): ``"full"``, ``"unscaled"``, ``"step"`` or ``"none"``.
+    default (:func:`plug_asgd.staleness.resolve`): ``"full"``, ``"unscaled"``, ``"step"``, ``"round"`` or ``"none"``.
     """
 
     name: ClassVar[str]
@@ -244,6 +244,7 @@ class OSP(Sync):
 class LOSP(OSP):
     name = "losp"
     summary = "osp with push_every local steps; progress made during a round is kept"
+    compensate = "round"
     push_every: int = 4
 
 

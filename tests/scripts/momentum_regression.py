@@ -66,12 +66,14 @@ def main() -> None:
     parser.add_argument("--off-repeats", type=int, default=1, help="fits of each of --off-modes")
     parser.add_argument("--compensation", type=json.loads, default=None,
                         help="staleness_compensation of --modes, as JSON: true/false or a dict of its fields")
-    parser.add_argument("--once", default="", help="comma-separated modes of --modes fitted once: deterministic ones")
+    parser.add_argument("--once", default="",
+                        help="comma-separated modes of --modes and --off-modes fitted once: deterministic ones")
     args = parser.parse_args()
     base_port = int(os.environ["MASTER_PORT"]) + 1
     once = set(args.once.split(","))
     runs = [(name, False) for name in args.modes.split(",") for _ in range(1 if name in once else args.repeats)]
-    runs += [(name, True) for name in args.off_modes.split(",") if name for _ in range(args.off_repeats)]
+    runs += [(name, True) for name in args.off_modes.split(",") if name
+             for _ in range(1 if name in once else args.off_repeats)]
     afters: dict[tuple[str, bool], list[float]] = {}
     for i, (name, off) in enumerate(runs):
         mode, _, codec = name.partition("+")
