@@ -243,7 +243,7 @@ class OSP(Sync):
 @dataclass(frozen=True, kw_only=True)
 class LOSP(OSP):
     name = "losp"
-    summary = "osp with push_every local steps; progress made during a round is kept"
+    summary = "osp with push_every local steps; progress made during a round is kept (with momentum, its own share)"
     compensate = "round"
     push_every: int = 4
 
