@@ -21,7 +21,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import child_env, free_port_block, start, stop
+from bench.common import ROOT, child_env, free_port_block, start, stop
+
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+from momentum_regression import one_process_loss  # noqa: E402
+
+BOUND = 2.0  # tests/test_momentum.py's REGRESSION_BOUND: the median of 3 fits at most this times one process's loss
 
 SETTINGS = {"correct": None, "uncorrected": {"correct": False}}
 
@@ -57,6 +62,8 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=2, help="busy processes beside each launch")
     parser.add_argument("--rounds", type=int, default=1, help="launches of each setting, alternating")
     args = parser.parse_args()
+    bound = BOUND * one_process_loss()
+    print(f"the test's bound: {bound:.2f} ({BOUND:g}x one process's loss)")
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes.split(","):
             fits: dict[str, list[float]] = {name: [] for name in SETTINGS}
@@ -70,7 +77,7 @@ def main() -> None:
                           flush=True)
             for name, values in fits.items():
                 print(f"{mode:9} {name:12} median {statistics.median(values):.2f}, worst {max(values):.1f}, "
-                      f"above 13.6 (the test's bound): {sum(v > 13.6 for v in values)} of {len(values)}")
+                      f"above {bound:.1f} (the test's bound): {sum(v > bound for v in values)} of {len(values)}")
 
 
 if __name__ == "__main__":

@@ -14,16 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import pytorch_lightning as pl
-import torch.nn.functional as F
-from torch.utils.data import DataLoader
 
 from bench.common import free_port_block
 from plug_asgd.modes import MODES
 from tests.conftest import HAVE_FASHION, PYTHON, ROOT, needs_fashion, run_to_end
 
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
-from momentum_regression import EPOCHS, SAMPLES, Regression, dataset, val_loss  # noqa: E402
+from momentum_regression import Regression, one_process_loss, val_loss  # noqa: E402
 
 # The regression case's bound: the median of 3 fits of each mode at most 2x the validation loss one process
 # reaches at the same batch (6.81). Single fits of the asynchronous modes have a heavy tail on 2 cores: over
@@ -72,19 +69,6 @@ CODECS = ("asgd+topk", "asgd+randomk", "asgd+sign", "asgd+powersgd")
 # above randomk's worst by a third; a quarter (14.4), the bound the other three were first held to, lies below it,
 # and randomk alone had half. randomk's lag is written in docs/momentum.md. Do not move it without a note saying why.
 CODEC_BOUND = 0.5
-
-
-def one_process_loss() -> float:
-    """The regression model trained by one process at the same batch, learning rate and samples."""
-    pl.seed_everything(0, verbose=False)
-    model = Regression()
-    opt = model.configure_optimizers()
-    for _ in range(EPOCHS):
-        for x, y in DataLoader(dataset(0, SAMPLES), batch_size=32, shuffle=True):
-            opt.zero_grad()
-            F.mse_loss(model.net(x), y).backward()
-            opt.step()
-    return val_loss(model)
 
 
 def regression_launch(out: Path, modes: list[str], off_modes: list[str]) -> dict[str, dict[str, dict]]:

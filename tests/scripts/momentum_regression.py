@@ -57,6 +57,20 @@ def val_loss(model: Regression) -> float:
         return F.mse_loss(model.net(x), y).item()
 
 
+def one_process_loss() -> float:
+    """The model trained by one process at the same batch, learning rate and samples (6.81): the reference that
+    tests/test_momentum.py and bench.regression_tail bound the fits by."""
+    pl.seed_everything(0, verbose=False)
+    model = Regression()
+    opt = model.configure_optimizers()
+    for _ in range(EPOCHS):
+        for x, y in DataLoader(dataset(0, SAMPLES), batch_size=32, shuffle=True):
+            opt.zero_grad()
+            F.mse_loss(model.net(x), y).backward()
+            opt.step()
+    return val_loss(model)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
