@@ -310,6 +310,24 @@ def test_the_ps_answers_with_the_frames_a_push_came_in_and_copies_them_before_an
 
 
 @pytest.mark.integration
+def test_a_stop_request_wakes_the_serving_loop_from_its_poll():
+    """A signal handler's request_stop ends serve_forever while its poll sleeps: with a poll of 10 minutes here,
+    only the wake can end it within the join's 10 s (it took up to 200 ms, the default poll, before)."""
+    server = ParameterServer(PSConfig(bind="tcp://127.0.0.1:*"))
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 600_000}, daemon=True)
+    thread.start()
+    c = client(server.address)
+    try:
+        c.init(W0)  # the loop has polled and served: it is in its next poll now
+    finally:
+        c.close()
+    server.request_stop()
+    thread.join(10)
+    assert not thread.is_alive()
+    server.request_stop()  # once stopped (its pipe closed), a second signal is harmless
+
+
+@pytest.mark.integration
 def test_the_ps_counts_the_time_it_spends_handling_requests_and_pushes():
     """``busy_s`` / ``push_busy_s``: each push here takes at least the 50 ms its fold is made to
     sleep, and nothing is counted that the client did not wait for; their CPU time does not hold

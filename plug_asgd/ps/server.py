@@ -102,6 +102,9 @@ class ParameterServer:
         self._own_ctx = context is None and server_keys is not None
         self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         self.socket = self._ctx.socket(zmq.ROUTER)
+        # written by request_stop: a poll sleeping in serve_forever wakes at once, not at its timeout (200 ms)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         bounds.configure_router(self.socket, self.limits)
         self.store.copy_threshold = self.socket.copy_threshold
         self._auth: Any = None
@@ -125,6 +128,10 @@ class ParameterServer:
 
     def close(self) -> None:
         """Close the socket and give back what the store holds of workers' memory; the PS serves no more."""
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
         if self._monitor is not None:
             self.socket.disable_monitor()
             self._monitor.close(0)
@@ -143,6 +150,10 @@ class ParameterServer:
     def request_stop(self, *_: Any) -> None:
         """Stop serving after the request in hand (a signal handler: any arguments are ignored)."""
         self._stop = True
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:  # closed (the PS has stopped), or full: a wake is already pending
+            pass
 
     def serve_forever(self, poll_ms: int = 200, on_tick: Callable[[ParameterServer], None] | None = None,
                       tick_s: float = 0.5) -> int:
@@ -153,6 +164,7 @@ class ParameterServer:
         poller.register(self.socket, zmq.POLLIN)
         if self._monitor is not None:
             poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         next_tick = time.monotonic()
         try:
             while not self._stop:
