@@ -356,6 +356,45 @@ def test_overlapped_sparse_pushes_train_and_the_worker_ends_on_the_central_model
         assert accuracy >= 0.95, (overlap, accuracy)
 
 
+class WeightsAt(pl.Callback):
+    """The module's weights after local step ``step`` (its push made, or sent), before the fit's end flushes."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.weights = step, None
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.weights = [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.integration
+def test_a_lone_sparse_worker_keeps_the_codec_residual_in_its_model_with_overlap_too():
+    """Error feedback with the residual kept in the worker's model (docs/momentum.md, "local residual"): a lone
+    worker's weights are then the central model plus what its codec holds back, which is exactly where plain
+    SGD's steps lead; a push changes nothing in them. So too when each push is sent while the next step
+    computes (``overlap=True``), where the merge of a reply must add the residual back: without it the model
+    loses what was not sent yet (up to 3/4 of each step here), at every push."""
+    import copy
+
+    model = Tiny()
+    expected = plain_sgd(copy.deepcopy(model), 12)
+    for overlap in (False, True):
+        module = copy.deepcopy(model)
+        probe = WeightsAt(12)
+        s = AsyncPSStrategy(mode=AdaComp(fraction=0.25, overlap=overlap))
+        try:
+            trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=s, max_steps=12, logger=False,
+                                 callbacks=[probe], enable_checkpointing=False, enable_progress_bar=False,
+                                 enable_model_summary=False)
+            trainer.fit(module, data())
+            assert s.ps_stats()["pushes_applied"] == 12
+        finally:
+            s._shutdown(wait_for_workers=0)
+        assert probe.weights is not None
+        for got, want in zip(probe.weights, expected, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=lambda m, o=overlap: f"overlap={o}: {m}")
+
+
 @pytest.mark.parametrize("name, mode", [("async_ps", "asgd"), ("async_ps_adacomp", "adacomp"),
                                         ("async_ps_sync", "sync")])
 def test_strategy_names_are_registered_with_lightning(name, mode):

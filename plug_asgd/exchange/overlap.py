@@ -114,6 +114,7 @@ class OverlapExchange(PushExchange):
                 sent = {n: self.base[n] + d for n, d in result["deltas"].items()}
             tensors = self._link.tensors()
             share = self.share
+            pending = self.pending_residual()
             with torch.no_grad():  # the weights hold the progress p while the base becomes the central model
                 for name, t in tensors.items():
                     t.sub_(sent[name])
@@ -122,10 +123,20 @@ class OverlapExchange(PushExchange):
                     base = self.base[name]
                     if share != 1.0:  # base = central - (1 - share) p: the next update, w - base, is all of p
                         base.add_(t, alpha=share - 1.0)
-                    t.add_(base)  # central + share * p
+                    residual = pending(name) if pending is not None else None
+                    if residual is not None:  # what the codec holds back stays in the model, as without overlap
+                        base.add_(torch.as_tensor(residual, device=base.device).view(base.shape).to(base.dtype))
+                    t.add_(base)  # central (+ the residual) + share * p
         self.based_on(reply)
-        if self.share != 1.0 and not reply.own:
+        if not reply.own and (self.share != 1.0 or pending is not None):
             self.base_is_central = False
+
+    def pending_residual(self) -> Callable[[str], Any] | None:
+        """The codec's residual by tensor name, where the compensation keeps it in the worker's model (error
+        feedback: adacomp, topk, randomk, sign). The merge of a reply adds it back, as :meth:`load` does: the
+        model is then the central one plus what is not sent yet, and a lone worker's weights are plain SGD's."""
+        config = self.compensator.config
+        return self.encoder.pending if config.active and config.local_residual and self.local_residual else None
 
     def let_go(self) -> None:
         """After a failure the socket is the sender's until it is done: wait a little, then give up on it."""
