@@ -38,9 +38,11 @@ def test_quick_shard_ingest_moves_each_shards_pieces_through_its_own_link(can_ma
     part = Partition(shapes, 2)
     assert sum(part.loads) == PARAMETERS and all(load < 0.6 * PARAMETERS for load in part.loads)
     pieces = {1: [4 * PARAMETERS], 2: [4 * load for load in part.loads]}
-    # the link's real rate: a TCP transfer into a shard's host, through its htb cap (payload, a little under it)
+    # the link's real rate: a TCP transfer into a shard's host, through its htb cap. Never above the cap; how far
+    # under it is the cores' (95% on a quiet machine, 83% in a suite run with a pip install beside it), so the
+    # lower bound only tells a 1 Gbit/s cap from a misread one (a 100 Mbit/s class gives 96)
     probe = results["probe"]["client_to_shard"]["mbit_per_s"]
-    assert 0.85 * RATE_MBIT <= probe <= RATE_MBIT, results["probe"]
+    assert 0.4 * RATE_MBIT <= probe <= RATE_MBIT, results["probe"]
 
     rates = {}
     for shards in (1, 2):
