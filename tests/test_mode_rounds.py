@@ -184,3 +184,37 @@ def test_losp_with_momentum_keeps_its_own_share_of_the_round_in_flight_and_sends
     assert ps.state.version == 2 and ps.state.tensors["w"].tolist() == central[1]
     # the finish above merged round 2 the same way: no progress since its send, so the central model itself
     assert w0.tolist() == w1.tolist() == central[1]
+
+
+def test_overlapped_pushes_count_the_staleness_they_land_with():
+    """An overlapped push's staleness is counted when its reply is merged, as a blocking push's is when it comes:
+    the worker's counters and the compensation's estimate. The two workers alternate, a push each per step:
+    worker 0's land at versions 1 and 3 from bases 0 and 1 (staleness 0, then 1: worker 1's first came between),
+    worker 1's at 2 and 4 from bases 0 and 2 (1 and 1). The last pushes are merged by the finish below."""
+    from plug_asgd.modes import Asgd
+
+    mode = Asgd(overlap=True)
+    ps = LocalPS(mode, frozenset({0, 1}))
+    workers = []
+    for rank in (0, 1):
+        w = torch.tensor(CENTRAL0, dtype=torch.float32)
+        exchange = make_exchange(mode, compensation=resolve(None, "asgd", mode.compensate))
+        exchange.attach(Link(client=StubClient(ps, rank), tensors=lambda w=w: {"w": w}, rank=rank, world_size=2,
+                             stage=1, fitting=True, barrier=lambda name: None, stop=lambda: None))
+        exchange.start_fit([], rank, 2)
+        exchange.join(init=False)
+        workers.append((exchange, w))
+    (x0, w0), (x1, w1) = workers
+    try:
+        for _ in range(2):
+            local_steps(x0, w0, 1, [0.5, 0.25])
+            x0.finish()  # the stub has answered in the sender thread: the next worker's push lands after this one
+            local_steps(x1, w1, 1, [-0.25, 1.0])
+            x1.finish()
+    finally:
+        x0.finish()
+        x1.finish()
+    assert [(r, b) for r, b, _ in ps.pushes] == [(0, 0), (1, 0), (0, 1), (1, 2)]
+    assert x0.staleness == [1, 2, 1] and x1.staleness == [2, 2, 1]  # sum, count, max
+    assert list(x0.compensator.recent) == [0, 1] and list(x1.compensator.recent) == [1, 1]
+    assert x0.stats()["overlapped_steps"] == 0  # each reply was merged before the next step: none computed during one

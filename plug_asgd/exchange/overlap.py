@@ -87,7 +87,7 @@ class OverlapExchange(PushExchange):
                 result["error"] = exc
             result["done_at"] = time.monotonic()
 
-        result["sent"], result["deltas"] = sent, deltas
+        result["sent"], result["deltas"], result["base"] = sent, deltas, base
         result["sent_at"], result["next_step_at"] = time.monotonic(), None
         self.since_push = 0
         self.in_flight = threading.Thread(target=send, name="plug_asgd-sender", daemon=True)
@@ -103,6 +103,7 @@ class OverlapExchange(PushExchange):
         if "error" in result:
             raise result["error"]
         reply, sent = result["reply"], result["sent"]
+        self.count_staleness(reply, result["base"])  # the compensation's estimate and the counters, as a push's
         if len(self.trace) < 20:  # (sent, next step started, reply received): the overlap, measured
             self.trace.append((result["sent_at"], result["next_step_at"], result["done_at"]))
         if reply.own:  # central = base + what was sent: the weights sent plus the progress are the weights now
