@@ -196,6 +196,13 @@ class Exchange(ABC):
         """Whether the codec's residual goes into the worker's model (error feedback, not powersgd's)."""
         return bool(getattr(self.encoder, "local_residual", False))
 
+    def pending_residual(self) -> Callable[[str], Any] | None:
+        """The codec's residual by tensor name, where the compensation keeps it in the worker's model (error
+        feedback but powersgd's), else None. A model taken from the PS gets it added: the central one plus what
+        is not sent yet, so a lone worker's weights are plain SGD's (here, and in an overlapped push's merge)."""
+        config = self.compensator.config
+        return self.encoder.pending if config.active and config.local_residual and self.local_residual else None
+
     def load(self, reply: ModelReply, ahead: bool = False) -> None:
         """Take the reply's model as weights and base: the central one, or (``ahead``) where it is heading."""
         tensors = self._link.tensors()
@@ -208,7 +215,7 @@ class Exchange(ABC):
             # where the model will be when our next update lands (a single local step per push only), plus
             # what the codec still holds back
             central = self.compensator.load(tensors, reply.tensors, reply.version, lookahead=self.lookahead,
-                                            pending=self.encoder.pending if self.local_residual else None,
+                                            pending=self.pending_residual(),
                                             staging=self.staging)
         else:
             self.compensator.forget()

@@ -125,19 +125,12 @@ class OverlapExchange(PushExchange):
                     if share != 1.0:  # base = central - (1 - share) p: the next update, w - base, is all of p
                         base.add_(t, alpha=share - 1.0)
                     residual = pending(name) if pending is not None else None
-                    if residual is not None:  # what the codec holds back stays in the model, as without overlap
+                    if residual is not None:  # what the codec holds back stays in the model, as load() keeps it
                         base.add_(torch.as_tensor(residual, device=base.device).view(base.shape).to(base.dtype))
                     t.add_(base)  # central (+ the residual) + share * p
         self.based_on(reply)
         if not reply.own and (self.share != 1.0 or pending is not None):
             self.base_is_central = False
-
-    def pending_residual(self) -> Callable[[str], Any] | None:
-        """The codec's residual by tensor name, where the compensation keeps it in the worker's model (error
-        feedback: adacomp, topk, randomk, sign). The merge of a reply adds it back, as :meth:`load` does: the
-        model is then the central one plus what is not sent yet, and a lone worker's weights are plain SGD's."""
-        config = self.compensator.config
-        return self.encoder.pending if config.active and config.local_residual and self.local_residual else None
 
     def let_go(self) -> None:
         """After a failure the socket is the sender's until it is done: wait a little, then give up on it."""
