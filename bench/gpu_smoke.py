@@ -1,6 +1,6 @@
 """One worker on CUDA: plain Lightning or AsyncPSStrategy, 10 epochs of the recipe CNN on a learnable synthetic set.
 
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=. python -m bench.gpu_smoke 1 plain   # or asgd, adacomp
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=. python -m bench.gpu_smoke 1 plain   # or asgd, adacomp, adacomp-overlap
 
 Deterministic (``Trainer(deterministic=True)``), so two runs of one mode give the same bits; prints
 the central model's loss and accuracy on 512 of its training samples (a check that it trains, not a
@@ -16,8 +16,26 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from plug_asgd import AsyncPSStrategy
+from plug_asgd import AdaComp, AsyncPSStrategy
 from plug_asgd.recipes.mnist import MnistCNN
+
+
+class WhereItTrains(pl.Callback):
+    """Where the weights lie during the first step, and how often the strategy's staging allocated pinned
+    buffers: after the fit Lightning moves the module back to the CPU, so its device then says nothing."""
+
+    def __init__(self) -> None:
+        self.device = "not seen"
+        self.staging = "no staging (plain Lightning)"
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
+        if trainer.global_step <= 1:
+            self.device = str(next(pl_module.parameters()).device)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        staging = getattr(getattr(trainer.strategy, "_exchange", None), "staging", None)
+        if staging is not None:
+            self.staging = f"pinned={staging.pin} allocations={staging.allocations}"
 
 
 def main(devices: int, mode: str) -> None:
@@ -29,15 +47,19 @@ def main(devices: int, mode: str) -> None:
     test = DataLoader(TensorDataset(x[:512], y[:512]), batch_size=256)
     pl.seed_everything(0, verbose=False)
     model = MnistCNN(optimizer="sgd", lr=0.05, momentum=0.9)
-    strategy = "auto" if mode == "plain" else AsyncPSStrategy(mode=mode)
-    trainer = pl.Trainer(accelerator="gpu", devices=devices, strategy=strategy, max_epochs=10,
+    # adacomp-overlap: each push sent from a thread while the next step computes, its reply merged later,
+    # so the staged copies of one push and the next step's kernels are in flight together
+    chosen = AdaComp(overlap=True) if mode == "adacomp-overlap" else mode
+    strategy = "auto" if mode == "plain" else AsyncPSStrategy(mode=chosen)
+    where = WhereItTrains()
+    trainer = pl.Trainer(accelerator="gpu", devices=devices, strategy=strategy, max_epochs=10, callbacks=[where],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, deterministic=True)
     t = time.time()
     trainer.fit(model, train)
     out = trainer.test(model, test, verbose=False)
     if trainer.is_global_zero:
-        print(f"GPU CHECK devices={devices} mode={mode} device={next(model.parameters()).device} "
+        print(f"GPU CHECK devices={devices} mode={mode} trained on {where.device}, {where.staging}, "
               f"test={out} fit_s={time.time() - t:.1f} cuda={torch.cuda.get_device_name(0)}", flush=True)
 
 
