@@ -70,10 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="the three measurements, this many times in turn")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "core-ceiling", help="work folder, emptied")
     args = parser.parse_args(argv)
+    if not args.seconds > 0 or args.repeats < 1:
+        parser.error(f"--seconds {args.seconds} --repeats {args.repeats}: the seconds must be above 0 and the "
+                     "repeats at least 1")
     if not FASHION.is_dir():
         parser.error(f"Fashion-MNIST is not at {FASHION}: install Debian's dataset-fashion-mnist (scripts/setup.sh)")
-    if not args.seconds > 0 or args.repeats < 1:
-        parser.error("--seconds must be above 0 and --repeats at least 1")
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         parser.error(f"needs 2 cores, this process may use {len(cores)}")

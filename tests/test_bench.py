@@ -284,6 +284,18 @@ def test_the_sweep_refuses_runs_that_are_not_a_list_of_objects(tmp_path, capsys,
     assert not any(tmp_path.iterdir())  # nothing launched
 
 
+@pytest.mark.parametrize("argv,says", [(["--repeats", "0"], "--repeats 0"), (["--seconds", "-1"], "--seconds -1.0"),
+                                       ([], "Fashion-MNIST is not at")])
+def test_the_core_ceiling_refuses_what_would_measure_nothing(tmp_path, capsys, monkeypatch, argv, says):
+    from bench import core_ceiling
+
+    monkeypatch.setattr(core_ceiling, "FASHION", tmp_path / "no-fashion")
+    with pytest.raises(SystemExit) as refused:
+        core_ceiling.main([*argv, "--out", str(tmp_path / "work")])
+    assert refused.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()  # nothing launched, nothing emptied
+
+
 @pytest.mark.parametrize("values", [2, 0])
 def test_the_ps_handler_timing_times_each_piece_of_pushes_it_folds_in(procs, values):
     rc, out = procs.run([PYTHON, "-m", "bench.ps_handler_timing", "--values", str(values), "--pushes", "100"],
