@@ -2,7 +2,7 @@
 
 With N workers pushing asynchronously, each update lands on a central model that moved by the
 others' updates since the worker's base, which acts as extra momentum (Mitliagkas et al. 2016)
-on top of the optimizer's own; with momentum SGD the sum diverges. Four remedies, chosen by
+on top of the optimizer's own; with momentum SGD the sum diverges. Five remedies, chosen by
 measurement (``docs/momentum.md``):
 
 - **scale**: each update is folded in at ``1 / (1 + s)``, ``s`` the worker's recent median
@@ -22,10 +22,16 @@ measurement (``docs/momentum.md``):
 - **momentum masking** (sparse codecs only): the optimizer's momentum is zeroed where an update
   was just sent (Deep Gradient Compression's momentum factor masking), so a coordinate's
   momentum does not keep pushing after its delayed residual landed.
+- **Nesterov's form** (where the look-ahead does not act: several local steps per push, as downpour
+  and agn, or hogwild's shared model): a heavy-ball SGD step ``lr * buf`` is taken as Nesterov's,
+  ``lr * (d + mu * buf)``, by adding ``lr * mu`` times the momentum's change. Nesterov's momentum is a
+  look-ahead of its own, and with a stale gradient it is stable at learning rates several times those
+  of the heavy ball (``bench.momentum_stability --hogwild``), at the same speed along flat directions.
 
 The first three need no optimizer state; masking needs the optimizer's momentum under the names
-torch uses (``momentum_buffer``, ``exp_avg``). Hogwild's workers write one shared model and push
-nothing: their optimizer's step is scaled instead, through its learning rate during the step.
+torch uses (``momentum_buffer``, ``exp_avg``), Nesterov's form torch's SGD. Hogwild's workers write
+one shared model and push nothing: their optimizer's step is scaled instead, through its learning
+rate during the step, and taken in Nesterov's form.
 losp's rounds each land a round late, while its workers keep training: where an optimizer keeps
 momentum, each worker keeps only its own share of the round in flight and its rounds are scaled
 by 1/2 (``plug_asgd.exchange.overlap``).
@@ -66,6 +72,9 @@ class StalenessCompensation:
     # only where an optimizer keeps momentum: without it a push staler than estimated is no risk, and the
     # correction only slowed training (measured under load: plain SGD 0.92 against 0.935, docs/momentum.md)
     correct: bool = True
+    # heavy-ball momentum SGD steps taken in Nesterov's form, where the look-ahead does not act (several local
+    # steps per push: downpour, agn; hogwild's shared model): the momentum's own look-ahead (docs/momentum.md)
+    nesterov: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.window, int) or self.window < 1:
@@ -73,10 +82,10 @@ class StalenessCompensation:
 
     @property
     def active(self) -> bool:
-        return self.scale or self.lookahead or self.local_residual or self.mask_momentum
+        return self.scale or self.lookahead or self.local_residual or self.mask_momentum or self.nesterov
 
 
-OFF = StalenessCompensation(scale=False, lookahead=False, local_residual=False, mask_momentum=False)
+OFF = StalenessCompensation(scale=False, lookahead=False, local_residual=False, mask_momentum=False, nesterov=False)
 
 
 def resolve(value: StalenessCompensation | Mapping[str, Any] | bool | None, mode: str,
@@ -93,14 +102,17 @@ def resolve(value: StalenessCompensation | Mapping[str, Any] | bool | None, mode
             value = StalenessCompensation(**value)
         except TypeError as exc:
             raise ValueError(f"staleness_compensation: {exc} (fields: scale, lookahead, local_residual, "
-                             "mask_momentum, window, correct)") from None
+                             "mask_momentum, window, correct, nesterov)") from None
     if isinstance(value, StalenessCompensation):
-        if kind in ("step", "round") and value.active and value != replace(OFF, scale=True, window=value.window,
-                                                                           correct=value.correct):
-            what = ("shares one model and pushes nothing: only its step can be scaled" if kind == "step" else
-                    "averages synchronous rounds, each landing a round late: only its rounds can be scaled")
-            raise ValueError(f"mode={mode!r} {what} (StalenessCompensation(scale=True, lookahead=False, "
-                             "local_residual=False, mask_momentum=False))")
+        if kind == "step" and (value.lookahead or value.local_residual or value.mask_momentum):
+            raise ValueError(f"mode={mode!r} shares one model and pushes nothing: only its step can be scaled and "
+                             "taken in Nesterov's form (StalenessCompensation(scale=True, lookahead=False, "
+                             "local_residual=False, mask_momentum=False, nesterov=True))")
+        if kind == "round" and value.active and value != replace(OFF, scale=True, window=value.window,
+                                                                 correct=value.correct):
+            raise ValueError(f"mode={mode!r} averages synchronous rounds, each landing a round late: only its rounds "
+                             "can be scaled (StalenessCompensation(scale=True, lookahead=False, local_residual=False, "
+                             "mask_momentum=False, nesterov=False))")
         if kind == "none" and value.active:
             raise ValueError(f"staleness_compensation does not go with mode={mode!r}: its workers do not fold "
                              "stale updates into the central model (use staleness_compensation=False or leave it)")
@@ -111,7 +123,7 @@ def resolve(value: StalenessCompensation | Mapping[str, Any] | bool | None, mode
         if kind == "none":
             return OFF
         if kind == "step":
-            return replace(OFF, scale=True)
+            return replace(OFF, scale=True, nesterov=True)
         if kind == "round":
             return replace(OFF, scale=True, correct=False)
         return StalenessCompensation(scale=kind == "full")
@@ -277,3 +289,51 @@ def warn_unknown_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None
             warnings.warn(f"plug_asgd: {type(optimizer).__name__} keeps no momentum under the names plug_asgd knows "
                           f"({', '.join(MOMENTUM_STATE_KEYS)}): its sparse updates are scaled and looked ahead, but "
                           "its momentum is not masked where they were sent", stacklevel=2)
+
+
+def nesterov_form_reaches(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s momentum, if any, is one :func:`nesterov_form` takes: torch's SGD (or a subclass),
+    or none to take (no momentum; steps normalized, as Adam's, which the form leaves as they are)."""
+    return isinstance(optimizer, torch.optim.SGD) or normalizes_steps(optimizer) or not keeps_momentum(optimizer)
+
+
+def warn_no_nesterov_form(optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    """Say which optimizers keep a momentum that :func:`nesterov_form` cannot take: their steps go as they are."""
+    for optimizer in optimizers:
+        if not nesterov_form_reaches(optimizer):
+            warnings.warn(f"plug_asgd: {type(optimizer).__name__} may keep a momentum that plug_asgd takes in "
+                          "Nesterov's form only for torch.optim.SGD: its steps are taken as they are (scaled "
+                          "where the mode scales), which with momentum at large learning rates may cost accuracy",
+                          stacklevel=2)
+
+
+def _heavy_ball_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The param groups of a torch SGD whose step is ``lr * momentum_buffer``: heavy ball, no dampening."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return []
+    return [g for g in optimizer.param_groups
+            if g.get("momentum") and not g.get("nesterov") and not g.get("dampening") and not g.get("maximize")]
+
+
+@contextmanager
+def nesterov_form(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """The block's heavy-ball steps taken in Nesterov's form: each parameter moved by ``lr * mu`` times its
+    momentum's change on top, which makes ``lr * (d + mu * buf)`` of the step ``lr * buf``. The look-ahead of
+    the momentum itself: a stale gradient, as under asynchrony, then moves the model as Nesterov's would."""
+    groups = _heavy_ball_groups(optimizer)
+    if not groups:
+        yield
+        return
+    before: list[tuple[Tensor, Tensor | None, float, float]] = []
+    for group in groups:
+        for p in group["params"]:
+            buf = optimizer.state.get(p, {}).get("momentum_buffer")
+            before.append((p, buf.clone() if isinstance(buf, Tensor) else None, group["lr"], group["momentum"]))
+    yield
+    with torch.no_grad():
+        for p, old, lr, mu in before:
+            buf = optimizer.state.get(p, {}).get("momentum_buffer")
+            if not isinstance(buf, Tensor) or p.grad is None:
+                continue
+            change = buf - old if old is not None else buf
+            p.sub_(change, alpha=lr * mu)

@@ -92,3 +92,18 @@ def test_the_losp_simulation_diverges_as_written_and_trains_with_the_share_sent_
     assert simulate("as written (w = central + p)") > 13.6
     assert simulate("own share, sent at 1/2 (the default)") < 13.6
     assert simulate("localsgd") < 13.6
+
+
+def test_the_nesterov_form_benchmark_leaves_out_the_form_alone_and_the_strategy_takes_what_it_gives():
+    """bench.nesterov_form's as-is runs: each row's own default compensation with ``nesterov=False``, nothing
+    else changed (hogwild keeps its scaled step only, agn its unscaled fold), which the strategy accepts."""
+    from bench.nesterov_form import without_form
+    from plug_asgd import AsyncPSStrategy, StalenessCompensation
+
+    settings = dict(ROWS)
+    for row in ("hogwild", "downpour", "agn", "asgd+randomk"):
+        as_is = without_form(settings[row])
+        default = AsyncPSStrategy(mode=settings[row]["mode"]).staleness_compensation
+        assert default.nesterov and as_is == {**default.__dict__, "nesterov": False}, row
+        taken = AsyncPSStrategy(mode=settings[row]["mode"], staleness_compensation=as_is).staleness_compensation
+        assert taken == StalenessCompensation(**as_is), row

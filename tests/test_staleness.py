@@ -214,3 +214,100 @@ def test_a_worker_tells_the_ps_what_staleness_its_update_was_scaled_for_and_only
         exchange = PushExchange(get("asgd"), compensation=resolve(None, "asgd", "full"))
         exchange.start_fit(optimizers, rank=0, world_size=3)
         assert exchange.scaled_for() == expected and exchange.scale() == 1 / 3, optimizers
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-3])
+def test_a_heavy_ball_step_in_nesterovs_form_is_torchs_nesterov_step(weight_decay):
+    """The same gradients through SGD(momentum=0.9) in Nesterov's form and through SGD(nesterov=True) give the
+    same weights, step after step (the first step included: its momentum is created by the step)."""
+    from plug_asgd.staleness import nesterov_form
+
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(4, 3))
+    b = torch.nn.Parameter(a.detach().clone())
+    heavy = torch.optim.SGD([a], lr=0.05, momentum=0.9, weight_decay=weight_decay)
+    nesterov = torch.optim.SGD([b], lr=0.05, momentum=0.9, nesterov=True, weight_decay=weight_decay)
+    for _ in range(12):
+        g = torch.randn(4, 3)
+        a.grad, b.grad = g.clone(), g.clone()
+        with nesterov_form(heavy):
+            heavy.step()
+        nesterov.step()
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    # the optimizer's own state is its heavy-ball momentum, untouched by the form
+    assert torch.equal(heavy.state[a]["momentum_buffer"], nesterov.state[b]["momentum_buffer"])
+
+
+def test_nesterovs_form_leaves_alone_what_is_not_a_heavy_ball_step():
+    """Nesterov's SGD, dampened or plain SGD, Adam, and no optimizer at all step exactly as without it."""
+    from plug_asgd.staleness import nesterov_form
+
+    def step(make, form: bool) -> torch.Tensor:
+        torch.manual_seed(1)
+        w = torch.nn.Parameter(torch.randn(6))
+        opt = make([w])
+        for _ in range(4):
+            w.grad = torch.randn(6)
+            with nesterov_form(opt) if form else scaled_step(opt, 1.0):
+                opt.step()
+        return w.detach().clone()
+
+    for make in (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+                 lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.5),
+                 lambda p: torch.optim.SGD(p, lr=0.05), lambda p: torch.optim.Adam(p, lr=0.01)):
+        assert torch.equal(step(make, True), step(make, False))
+    with nesterov_form(None):  # an exchange stepped without an optimizer (the exchanges' own tests)
+        pass
+
+
+def test_nesterovs_form_acts_where_the_look_ahead_does_not_and_only_while_others_race():
+    """downpour and agn (several steps per push) and hogwild take it, asgd (the look-ahead) does not, nor a
+    lone worker (staleness 0, the bits of plain Lightning), nor a mode or a config that leaves it out."""
+    from plug_asgd.exchange import PushExchange, SharedExchange
+    from plug_asgd.modes import get
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    sgd = torch.optim.SGD([w], lr=0.05, momentum=0.9)
+    for name, kind, world, expected in (("downpour", PushExchange, 2, True), ("agn", PushExchange, 2, True),
+                                        ("hogwild", SharedExchange, 2, True), ("asgd", PushExchange, 2, False),
+                                        ("adacomp", PushExchange, 2, False), ("downpour", PushExchange, 1, False),
+                                        ("hogwild", SharedExchange, 1, False)):
+        mode = get(name)
+        exchange = kind(mode, compensation=resolve(None, name, mode.compensate))
+        exchange.start_fit([sgd], rank=0, world_size=world)
+        assert exchange.nesterov_steps is expected, (name, world)
+    exchange = PushExchange(get("downpour"), compensation=StalenessCompensation(nesterov=False))
+    exchange.start_fit([sgd], rank=0, world_size=2)
+    assert not exchange.nesterov_steps
+    exchange = PushExchange(get("downpour"), compensation=resolve(None, "downpour", "full"))
+    exchange.start_fit([sgd], rank=0, world_size=2)
+    for s in (0, 0, 1):  # the others gone: the median staleness falls to 0, and the form with it
+        exchange.compensator.observe(s)
+    assert not exchange.nesterov_steps
+    assert resolve(None, "losp", "round").nesterov is False  # its rounds have a remedy of their own
+    with pytest.raises(ValueError, match="only its rounds can be scaled"):
+        AsyncPSStrategy(mode="losp", staleness_compensation=replace(OFF, scale=True, nesterov=True))
+    no_form = StalenessCompensation(scale=True, lookahead=False, local_residual=False, mask_momentum=False,
+                                    nesterov=False)
+    assert AsyncPSStrategy(mode="hogwild", staleness_compensation=no_form).staleness_compensation == no_form
+
+
+def test_an_optimizer_with_a_momentum_out_of_reach_of_nesterovs_form_is_warned_about():
+    from plug_asgd.exchange import PushExchange
+    from plug_asgd.modes import get
+
+    class HeavyBall(torch.optim.Optimizer):  # momentum of its own, not torch's SGD
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.05, "momentum": 0.9})
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    for optimizer, warned in ((HeavyBall([w]), True), (torch.optim.SGD([w], lr=0.05, momentum=0.9), False),
+                              (torch.optim.Adam([w]), False), (torch.optim.SGD([w], lr=0.05), False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            PushExchange(get("downpour"), compensation=resolve(None, "downpour", "full")).start_fit(
+                [optimizer], rank=0, world_size=2)
+            PushExchange(get("asgd"), compensation=resolve(None, "asgd", "full")).start_fit(  # look-ahead: no form
+                [optimizer], rank=0, world_size=2)
+        said = [str(c.message) for c in caught if "Nesterov's form" in str(c.message)]
+        assert len(said) == (1 if warned else 0), (type(optimizer).__name__, said)

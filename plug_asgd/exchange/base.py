@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,9 @@ from plug_asgd.staleness import (
     Compensator,
     StalenessCompensation,
     keeps_momentum,
+    nesterov_form,
     normalizes_steps,
+    warn_no_nesterov_form,
     warn_unknown_optimizers,
 )
 
@@ -91,6 +94,8 @@ class Exchange(ABC):
         self.correct = self.compensation.correct and (not optimizers or any(keeps_momentum(o) for o in optimizers))
         if self.compensation.mask_momentum and not isinstance(self.encoder, NoCompression):
             warn_unknown_optimizers(optimizers)
+        if self.compensation.nesterov and not self.lookahead:
+            warn_no_nesterov_form(optimizers)
 
     def join(self, init: bool) -> None:
         """Start of a stage: offer our weights if the PS has none yet (``init``), then take the central ones.
@@ -121,7 +126,8 @@ class Exchange(ABC):
 
     def step(self, run: Callable[[], Any], optimizer: Any) -> Any:
         """Run the local optimizer step ``run``, then exchange with the PS if one is due."""
-        out = run()
+        with nesterov_form(optimizer) if self._link.fitting and self.nesterov_steps else nullcontext():
+            out = run()
         self.local_steps += 1
         if self.joined and self._link.fitting:
             self.since_push += 1
@@ -190,6 +196,12 @@ class Exchange(ABC):
     def lookahead(self) -> bool:
         """Whether the compensation may compute the next step where the model is heading."""
         return False
+
+    @property
+    def nesterov_steps(self) -> bool:
+        """Whether heavy-ball steps go in Nesterov's form: where the look-ahead does not act, and only while
+        others race this worker (a lone one's staleness is 0: it trains the bits of plain Lightning)."""
+        return self.compensator.config.nesterov and not self.lookahead and self.compensator.staleness > 0
 
     @property
     def local_residual(self) -> bool:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from plug_asgd import shared
 from plug_asgd.exchange.base import Exchange
-from plug_asgd.staleness import scaled_step
+from plug_asgd.staleness import nesterov_form, scaled_step
 
 
 class SharedExchange(Exchange):
@@ -37,11 +38,11 @@ class SharedExchange(Exchange):
         """Nothing to send, as for :meth:`after_step`."""
 
     def step(self, run: Callable[[], Any], optimizer: Any) -> Any:
-        if self._link.fitting and self.compensator.scale:
-            # the workers' steps all land in one model: each at 1/workers, as DDP averages them
-            with scaled_step(optimizer, 1.0 / self._link.world_size):
-                out = run()
-        else:
+        fitting = self._link.fitting
+        # the workers' steps all land in one model: each at 1/workers, as DDP averages them
+        factor = 1.0 / self._link.world_size if fitting and self.compensator.scale else 1.0
+        form = nesterov_form(optimizer) if fitting and self.nesterov_steps else nullcontext()
+        with scaled_step(optimizer, factor), form:
             out = run()
         self.local_steps += 1
         return out
