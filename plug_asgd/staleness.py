@@ -26,7 +26,7 @@ measurement (``docs/momentum.md``):
   and agn, or hogwild's shared model): a heavy-ball SGD step ``lr * buf`` is taken as Nesterov's,
   ``lr * (d + mu * buf)``, by adding ``lr * mu`` times the momentum's change. Nesterov's momentum is a
   look-ahead of its own, and with a stale gradient it is stable at learning rates several times those
-  of the heavy ball (``bench.momentum_stability --hogwild``), at the same speed along flat directions.
+  of the heavy ball (``python -m bench.momentum_stability``), at the same speed along flat directions.
 
 The first three need no optimizer state; masking needs the optimizer's momentum under the names
 torch uses (``momentum_buffer``, ``exp_avg``), Nesterov's form torch's SGD. Hogwild's workers write
