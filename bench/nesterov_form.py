@@ -1,10 +1,11 @@
 """Heavy-ball SGD steps in Nesterov's form, or as they are: paired by seed against DDP, on Fashion-MNIST.
 
     PYTHONPATH=. python -m bench.nesterov_form [--seeds 0 1 2] [--rows hogwild downpour agn asgd+randomk]
-        [--lr 0.05] [--train-subset 16000] [--out DIR]
+        [--workers 2] [--lr 0.05] [--train-subset 16000] [--out DIR]
 
-Per seed, one launch of 2 workers runs DDP and every row with the library's default compensation, then one
-launch runs every row again with the same compensation but ``nesterov=False`` (``StalenessCompensation``):
+Per seed, one launch of ``--workers`` workers (one torch thread each) runs DDP and every row with the
+library's default compensation, then one launch runs every row again with the same compensation but
+``nesterov=False`` (``StalenessCompensation``):
 SGD lr 0.05, momentum 0.9, batch 32 per worker, one epoch of ``--train-subset`` images, the whole test set.
 Prints each run's points from DDP of its seed and the rows' means; writes ``DIR/results.json``.
 ``docs/momentum.md`` ("Nesterov's form") holds the figures and why.
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rows", nargs="+", default=["hogwild", "downpour", "agn", "asgd+randomk"],
                         help="rows of bench.momentum")
+    parser.add_argument("--workers", type=int, default=2, help="ranks of each launch, DDP's too (default 2)")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--train-subset", type=int, default=16000)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "nesterov-form")
@@ -46,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [r for r in args.rows if r not in rows]
     if unknown:
         parser.error(f"unknown rows {unknown}: choose from {', '.join(rows)}")
+    if args.workers < 2:
+        parser.error(f"--workers {args.workers}: asynchrony needs at least 2")
     if not FASHION.is_dir():
         parser.error(f"Fashion-MNIST is not at {FASHION}: install Debian's dataset-fashion-mnist (scripts/setup.sh)")
     common = {"bench": "nesterov_form", "batch_size": 32, "train_subset": args.train_subset, "epochs": 1,
@@ -59,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                "form": True} for r in args.rows]
         off = [{**common, **rows[r], "seed": seed, "kind": "asgd", "name": f"{r} as-is seed {seed}", "row": r,
                 "form": False, "options": {"staleness_compensation": without_form(rows[r])}} for r in args.rows]
-        got = (launch(2, [ddp_run, *on], size, args.out / "work", label=f"_form_s{seed}", threads=1)
-               + launch(2, off, size, args.out / "work", label=f"_asis_s{seed}", threads=1))
+        got = (launch(args.workers, [ddp_run, *on], size, args.out / "work", label=f"_form_s{seed}", threads=1)
+               + launch(args.workers, off, size, args.out / "work", label=f"_asis_s{seed}", threads=1))
         failed = [r["launch_error"] for r in got if "launch_error" in r]
         if failed:
             print(f"[nesterov_form] {failed}", file=sys.stderr)
@@ -73,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"seed {seed} {r['row']:14s} {'form ' if r['form'] else 'as-is'} {r['test_acc']:.4f} "
                       f"({gap:+.2f} points from DDP {ddp:.4f})", flush=True)
         results += got
-    print(f"\npoints from DDP, mean over seeds {args.seeds} [min, max] (SGD lr {args.lr:g}, momentum 0.9):")
+    print(f"\npoints from DDP, mean over seeds {args.seeds} [min, max] ({args.workers} workers, SGD lr {args.lr:g}, "
+          "momentum 0.9):")
     for row in args.rows:
         cells = []
         for form in (False, True):

@@ -107,3 +107,15 @@ def test_the_nesterov_form_benchmark_leaves_out_the_form_alone_and_the_strategy_
         assert default.nesterov and as_is == {**default.__dict__, "nesterov": False}, row
         taken = AsyncPSStrategy(mode=settings[row]["mode"], staleness_compensation=as_is).staleness_compensation
         assert taken == StalenessCompensation(**as_is), row
+
+
+def test_the_nesterov_form_benchmark_refuses_rows_it_does_not_know_and_a_lone_worker(tmp_path, capsys):
+    import pytest
+
+    from bench.nesterov_form import main
+
+    for argv, says in ((["--rows", "nonesuch"], "unknown rows ['nonesuch']"), (["--workers", "1"], "--workers 1")):
+        with pytest.raises(SystemExit) as refused:
+            main([*argv, "--out", str(tmp_path / "work")])
+        assert refused.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "work").exists()  # nothing launched
