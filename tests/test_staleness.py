@@ -311,3 +311,30 @@ def test_an_optimizer_with_a_momentum_out_of_reach_of_nesterovs_form_is_warned_a
                 [optimizer], rank=0, world_size=2)
         said = [str(c.message) for c in caught if "Nesterov's form" in str(c.message)]
         assert len(said) == (1 if warned else 0), (type(optimizer).__name__, said)
+
+
+def test_an_exchange_takes_the_steps_of_a_fit_in_nesterovs_form():
+    """Through ``Exchange.step`` itself, as the strategy calls it: downpour's heavy-ball steps are torch's Nesterov
+    steps, hogwild's the Nesterov steps of half the learning rate (its scaled step, 2 workers)."""
+    from types import SimpleNamespace
+
+    from plug_asgd.exchange import PushExchange, SharedExchange
+    from plug_asgd.modes import get
+
+    for kind, name, factor in ((PushExchange, "downpour", 1.0), (SharedExchange, "hogwild", 0.5)):
+        torch.manual_seed(0)
+        a = torch.nn.Parameter(torch.randn(5))
+        b = torch.nn.Parameter(a.detach().clone())
+        heavy = torch.optim.SGD([a], lr=0.05, momentum=0.9)
+        nesterov = torch.optim.SGD([b], lr=0.05 * factor, momentum=0.9, nesterov=True)
+        mode = get(name)
+        exchange = kind(mode, compensation=resolve(None, name, mode.compensate))
+        exchange.start_fit([heavy], rank=0, world_size=2)
+        exchange.link = SimpleNamespace(fitting=True, world_size=2)  # a fit's stage, not joined: nothing pushed
+        for _ in range(5):
+            g = torch.randn(5)
+            a.grad, b.grad = g.clone(), g.clone()
+            exchange.step(heavy.step, heavy)
+            nesterov.step()
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+        assert heavy.param_groups[0]["lr"] == 0.05  # the scaled step's learning rate put back
