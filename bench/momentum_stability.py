@@ -8,14 +8,12 @@ compares. A remedy that raises the bound lets a larger curvature (a sharper mode
 learning rate) train. One process is stable up to ``2 (1 + mu) = 3.8``. Found by bisection.
 
 ``nesterov``: each worker's heavy-ball step ``lr * m`` taken in Nesterov's form, ``lr * (g + mu * m)``
-(what ``staleness.nesterov_form`` does). Hogwild is modelled apart (:func:`hogwild_diverges`): one
+(what ``staleness.nesterov_form`` does). Hogwild is the rows of one step per push with the scale: one
 shared model, each worker's gradient read ``N - 1`` of the others' steps before its own step lands,
-each step scaled by ``1/N``.
+each step scaled by ``1/N`` (its ``scale`` and ``scale+nesterov`` columns).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 
 def diverges(lrh: float, workers: int, mu: float = 0.9, steps_per_push: int = 1, scale: float = 1.0,
@@ -40,26 +38,11 @@ def diverges(lrh: float, workers: int, mu: float = 0.9, steps_per_push: int = 1,
     return abs(w) > 0.5
 
 
-def hogwild_diverges(lrh: float, workers: int, mu: float = 0.9, nesterov: bool = False,
-                     rounds: int = 4000) -> bool:
-    """Hogwild: one shared ``w``; worker ``k``'s gradient is of the ``w`` it read before the others' steps."""
-    w, read, m = 1.0, [1.0] * workers, [0.0] * workers
-    for t in range(rounds):
-        k = t % workers
-        g = read[k]
-        m[k] = mu * m[k] + g
-        w -= lrh / workers * (g + mu * m[k] if nesterov else m[k])
-        read[k] = w  # its next gradient starts now; the others step before it lands
-        if abs(w) > 1e6:
-            return True
-    return abs(w) > 0.5
-
-
-def bound(test: Callable[..., bool] = diverges, **kw: float | int | bool | None) -> float:
+def bound(**kw: float | int | bool | None) -> float:
     lo, hi = 1e-4, 10.0
     for _ in range(36):
         mid = (lo * hi) ** 0.5
-        lo, hi = (lo, mid) if test(mid, **kw) else (mid, hi)
+        lo, hi = (lo, mid) if diverges(mid, **kw) else (mid, hi)
     return lo
 
 
@@ -76,10 +59,7 @@ def main() -> None:
                bound(workers=workers, steps_per_push=steps, lookahead=True, scale=1 / workers),
                bound(workers=workers, steps_per_push=steps, scale=1 / workers, nesterov=True)]
         print(f"{workers:7d}  {steps:10d}  " + "  ".join(f"{b:6.3f}" for b in row))
-    print("hogwild (steps scaled by 1/N): workers  heavy ball  Nesterov's form")
-    for workers in (2, 4, 8):
-        print(f"{workers:38d}  {bound(hogwild_diverges, workers=workers):10.3f}  "
-              f"{bound(hogwild_diverges, workers=workers, nesterov=True):15.3f}")
+    print("hogwild: the rows of 1 step per push, columns scale (heavy ball) and scale+nesterov (Nesterov's form)")
 
 
 if __name__ == "__main__":

@@ -335,5 +335,7 @@ def nesterov_form(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             buf = optimizer.state.get(p, {}).get("momentum_buffer")
             if not isinstance(buf, Tensor) or p.grad is None:
                 continue
-            change = buf - old if old is not None else buf
-            p.sub_(change, alpha=lr * mu)
+            if old is None:  # the step made the buffer: its change is all of it
+                p.sub_(buf, alpha=lr * mu)
+            else:  # the snapshot becomes -(the change), in place: no second copy of the buffers per step
+                p.add_(old.sub_(buf), alpha=lr * mu)
