@@ -2,7 +2,8 @@
 empty when the test ends; anything left is killed and the test fails.
 
 Tiers: a test that starts a process or opens a socket is ``integration``; every other test is
-``quick`` (pure logic: ``pytest -m quick``). The marking is automatic: a test using the ``procs`` or
+``quick`` (pure logic: ``pytest -m quick``; ZeroMQ sockets joined over ``inproc://``, memory of this
+process, are allowed: ``tests/threaded_fit.py``). The marking is automatic: a test using the ``procs`` or
 ``start_ps`` fixture (directly or through another fixture) is integration; other modules and tests
 say so with ``pytestmark = pytest.mark.integration`` or ``@pytest.mark.integration``. A quick test
 that starts a process or opens a socket anyway (in its fixtures too) fails, saying to mark it.
@@ -132,14 +133,16 @@ def _no_processes_or_sockets(item):
         mp.setattr(multiprocessing.process.BaseProcess, "start", refuse)
         mp.setattr(socket.socket, "bind", refuse)
         mp.setattr(socket.socket, "connect", refuse)
-        original_socket = zmq.Context.socket
+        # ZeroMQ's sockets may join endpoints of this process (inproc://: memory, no I/O), no other
+        for name in ("bind", "connect"):
+            original = getattr(zmq.Socket, name)
 
-        def zmq_socket(ctx, *args, **kwargs):  # pyzmq's own in-process socket that tracks zero-copy frames is no I/O
-            if sys._getframe(1).f_globals.get("__name__") == "zmq.utils.garbage":
-                return original_socket(ctx, *args, **kwargs)
-            return refuse()
+            def in_process(sock, address, *args, _original=original, **kwargs):
+                if not str(address).startswith("inproc://"):
+                    refuse()
+                return _original(sock, address, *args, **kwargs)
 
-        mp.setattr(zmq.Context, "socket", zmq_socket)
+            mp.setattr(zmq.Socket, name, in_process)
         yield
 
 

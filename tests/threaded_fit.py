@@ -1,0 +1,111 @@
+"""A fit of 2 workers as threads of this process, through the library's own exchange, client and PS.
+
+What the quick tier's regression case runs (``tests/test_momentum_quick.py``): the worker side is
+the strategy's (:func:`plug_asgd.exchange.make_exchange` with the mode's default staleness
+compensation, joined, stepped and left as ``AsyncPSStrategy`` does), the PS is a
+:class:`~plug_asgd.ps.ParameterServer` configured as the embedded one
+(:func:`plug_asgd.embedded_ps.ps_config`), and the wire is the real one (msgpack frames through
+ZeroMQ) over an ``inproc://`` endpoint: no process starts, no OS socket opens, so a fit of the
+small regression model takes a fraction of a second. Lightning is left out; its part (the
+sampler, the optimizer step, the stage's hooks) is done here the way it does it, and the
+real-process launch of ``tests/test_momentum.py`` covers the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from plug_asgd import AsyncPSStrategy
+from plug_asgd.client import PSClient
+from plug_asgd.collectives import Collectives
+from plug_asgd.embedded_ps import ps_config
+from plug_asgd.exchange import Link, make_exchange
+from plug_asgd.ps import ParameterServer
+from plug_asgd.strategy import synced_tensors
+
+WORKERS = 2
+TIMEOUT_S = 60.0  # a request's limit, and each thread's: a failure ends in an error, never a hang
+
+
+def fit_in_threads(make_model: Callable[[], torch.nn.Module], data: TensorDataset, *, epochs: int, batch_size: int,
+                   seed: int = 0, **strategy: Any) -> torch.nn.Module:
+    """Rank 0's model after a fit of :data:`WORKERS` threads (``strategy``: ``AsyncPSStrategy``'s arguments), which
+    holds the central model as the strategy's does. ``make_model`` builds a module with ``configure_optimizers``
+    (the same initial weights on every call, as seeded ranks have)."""
+    arguments = AsyncPSStrategy(**strategy)  # parsed and checked as a user's; it starts nothing
+    tag = uuid.uuid4().hex  # the PS's address, and the name of hogwild's shared model
+    address = f"inproc://plug-asgd-quick-{tag}"
+    # the embedded PS's config; no parent process to outlive: this PS is a thread of the test's
+    server = ParameterServer(dataclasses.replace(ps_config(arguments.connection, address, None), parent_pid=None))
+    serving = threading.Thread(target=server.serve_forever, name="ps", daemon=True)
+    serving.start()
+    models = [make_model() for _ in range(WORKERS)]
+    errors: list[BaseException] = []
+    try:
+        workers = [threading.Thread(target=_worker, name=f"rank{r}", daemon=True, args=(
+            arguments, address, tag, r, models[r], data, epochs, batch_size, seed, errors)) for r in range(WORKERS)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(TIMEOUT_S * 4)
+        if any(w.is_alive() for w in workers):
+            raise TimeoutError(f"a worker of {strategy} did not finish within {TIMEOUT_S * 4:.0f} s")
+        if errors:
+            raise errors[0]
+    finally:
+        server.request_stop()
+        serving.join(TIMEOUT_S)
+        server.close()
+    return models[0]
+
+
+def _worker(arguments: AsyncPSStrategy, address: str, tag: str, rank: int, model: Any, data: TensorDataset, epochs: int,
+            batch_size: int, seed: int, errors: list[BaseException]) -> None:
+    client = PSClient(address, rank=rank, world_size=WORKERS, mode=arguments.mode.name, request_timeout=TIMEOUT_S,
+                      lost_timeout=TIMEOUT_S, heartbeat_s=None)
+    exchange = make_exchange(arguments.mode, codec=arguments.compressor,
+                             compensation=arguments.staleness_compensation, shm_pushes=False)
+    try:
+        optimizer = model.configure_optimizers()
+        welcome = client.hello(1, True, timeout=TIMEOUT_S)
+        seq = itertools.count()
+
+        def gather(kind: str, obj: Any = None, tensors: Any = None) -> list[Any]:  # the strategy's _gather
+            exchange.finish()
+            return client.gather(1, next(seq), obj, tensors, kind=kind)
+
+        exchange.attach(Link(client=client, tensors=lambda: synced_tensors(model), rank=rank, world_size=WORKERS,
+                             stage=1, fitting=True, barrier=Collectives(gather).barrier,
+                             stop=lambda: None, shared_tag=tag,
+                             one_cpu_machine=True))
+        exchange.start_fit([optimizer], rank, WORKERS)
+        arguments.mode.check_optimizers([optimizer])
+        exchange.join(init=not welcome.get("initialized"))
+        sampler = DistributedSampler(data, num_replicas=WORKERS, rank=rank, shuffle=True, seed=seed)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for i, batch in enumerate(DataLoader(data, batch_size=batch_size, sampler=sampler)):
+                def run(batch: Any = batch, i: int = i) -> None:  # Lightning's automatic optimization
+                    optimizer.zero_grad()
+                    model.training_step(batch, i).backward()
+                    optimizer.step()
+
+                exchange.step(run, optimizer)
+        exchange.leave()
+    except BaseException as exc:  # noqa: BLE001 (handed to the test's thread)
+        errors.append(exc)
+    finally:
+        exchange.let_go()
+        try:
+            client.bye(1)
+        finally:
+            exchange.close()
+            client.close()
