@@ -82,10 +82,14 @@ def _worker(arguments: AsyncPSStrategy, address: str, tag: str, rank: int, model
             exchange.finish()
             return client.gather(1, next(seq), obj, tensors, kind=kind)
 
+        barrier = Collectives(gather).barrier
         exchange.attach(Link(client=client, tensors=lambda: synced_tensors(model), rank=rank, world_size=WORKERS,
-                             stage=1, fitting=True, barrier=Collectives(gather).barrier,
-                             stop=lambda: None, shared_tag=tag,
+                             stage=1, fitting=True, barrier=barrier, stop=lambda: None, shared_tag=tag,
                              one_cpu_machine=True))
+        # Lightning's setup hook waits for every rank (after each said hello), before any push: without these, a
+        # sync round could close on rank 0's push alone, rank 1 not yet counted by the PS (seen: sync 1.79, not 2.72)
+        barrier("pre_setup")
+        barrier("post_setup")
         exchange.start_fit([optimizer], rank, WORKERS)
         arguments.mode.check_optimizers([optimizer])
         exchange.join(init=not welcome.get("initialized"))
