@@ -22,11 +22,13 @@ measurement (``docs/momentum.md``):
 - **momentum masking** (sparse codecs only): the optimizer's momentum is zeroed where an update
   was just sent (Deep Gradient Compression's momentum factor masking), so a coordinate's
   momentum does not keep pushing after its delayed residual landed.
-- **Nesterov's form** (where the look-ahead does not act: several local steps per push, as downpour
-  and agn, or hogwild's shared model): a heavy-ball SGD step ``lr * buf`` is taken as Nesterov's,
-  ``lr * (d + mu * buf)``, by adding ``lr * mu`` times the momentum's change. Nesterov's momentum is a
-  look-ahead of its own, and with a stale gradient it is stable at learning rates several times those
-  of the heavy ball (``python -m bench.momentum_stability``), at the same speed along flat directions.
+- **Nesterov's form** (every mode that folds stale steps, while the worker's staleness is above 0): a
+  heavy-ball SGD step ``lr * buf`` is taken as Nesterov's, ``lr * (d + mu * buf)``, by adding
+  ``lr * mu`` times the momentum's change. Nesterov's momentum is a look-ahead of its own: where the
+  library's look-ahead does not act (several local steps per push, as downpour and agn, or hogwild's
+  shared model) it is stable with a stale gradient at learning rates several times those of the heavy
+  ball (``python -m bench.momentum_stability``), at the same speed along flat directions; beside the
+  look-ahead it makes the steps those of ``SGD(nesterov=True)``, which every mode trains close to DDP.
 
 The first three need no optimizer state; masking needs the optimizer's momentum under the names
 torch uses (``momentum_buffer``, ``exp_avg``), Nesterov's form torch's SGD. Hogwild's workers write
@@ -72,8 +74,8 @@ class StalenessCompensation:
     # only where an optimizer keeps momentum: without it a push staler than estimated is no risk, and the
     # correction only slowed training (measured under load: plain SGD 0.92 against 0.935, docs/momentum.md)
     correct: bool = True
-    # heavy-ball momentum SGD steps taken in Nesterov's form, where the look-ahead does not act (several local
-    # steps per push: downpour, agn; hogwild's shared model): the momentum's own look-ahead (docs/momentum.md)
+    # heavy-ball momentum SGD steps taken in Nesterov's form while the worker's updates are stale: the momentum's
+    # own look-ahead, the dynamics of SGD(nesterov=True), which every mode trains close to DDP (docs/momentum.md)
     nesterov: bool = True
 
     def __post_init__(self) -> None:

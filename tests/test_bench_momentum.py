@@ -1,5 +1,7 @@
 """bench.momentum's plan and table, on results made by hand (the launches themselves are bench.train's)."""
 
+import pytest
+
 from bench.momentum import ROWS, SIZES, markdown, plan, table
 
 
@@ -119,3 +121,14 @@ def test_the_nesterov_form_benchmark_refuses_rows_it_does_not_know_and_a_lone_wo
             main([*argv, "--out", str(tmp_path / "work")])
         assert refused.value.code == 2 and says in capsys.readouterr().err
     assert not (tmp_path / "work").exists()  # nothing launched
+
+
+def test_the_nesterov_form_regression_benchmark_fits_each_row_both_ways(capsys):
+    """bench.nesterov_form_regression on sync (nothing stale: the form never acts), one fit each way: the loss of
+    its deterministic fit (tests/test_momentum.py's launch gives the same), twice."""
+    from bench.nesterov_form_regression import main
+
+    assert main(["--rows", "sync", "--fits", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines] == [["sync", "as-is"], ["sync", "form"]]
+    assert [float(line.split()[3]) for line in lines] == [pytest.approx(2.724, abs=5e-3)] * 2

@@ -260,17 +260,18 @@ def test_nesterovs_form_leaves_alone_what_is_not_a_heavy_ball_step():
         pass
 
 
-def test_nesterovs_form_acts_where_the_look_ahead_does_not_and_only_while_others_race():
-    """downpour and agn (several steps per push) and hogwild take it, asgd (the look-ahead) does not, nor a
-    lone worker (staleness 0, the bits of plain Lightning), nor a mode or a config that leaves it out."""
+def test_nesterovs_form_acts_in_every_mode_that_folds_stale_steps_and_only_while_others_race():
+    """downpour and agn (several steps per push), hogwild, and the modes with the look-ahead take it; not a lone
+    worker (staleness 0, the bits of plain Lightning), nor a mode or a config that leaves it out."""
     from plug_asgd.exchange import PushExchange, SharedExchange
     from plug_asgd.modes import get
 
     w = torch.nn.Parameter(torch.zeros(2))
     sgd = torch.optim.SGD([w], lr=0.05, momentum=0.9)
     for name, kind, world, expected in (("downpour", PushExchange, 2, True), ("agn", PushExchange, 2, True),
-                                        ("hogwild", SharedExchange, 2, True), ("asgd", PushExchange, 2, False),
-                                        ("adacomp", PushExchange, 2, False), ("downpour", PushExchange, 1, False),
+                                        ("hogwild", SharedExchange, 2, True), ("asgd", PushExchange, 2, True),
+                                        ("adacomp", PushExchange, 2, True), ("dynsgd", PushExchange, 2, True),
+                                        ("ssp", PushExchange, 2, True), ("downpour", PushExchange, 1, False),
                                         ("hogwild", SharedExchange, 1, False)):
         mode = get(name)
         exchange = kind(mode, compensation=resolve(None, name, mode.compensate))
@@ -307,10 +308,12 @@ def test_an_optimizer_with_a_momentum_out_of_reach_of_nesterovs_form_is_warned_a
             warnings.simplefilter("always")
             PushExchange(get("downpour"), compensation=resolve(None, "downpour", "full")).start_fit(
                 [optimizer], rank=0, world_size=2)
-            PushExchange(get("asgd"), compensation=resolve(None, "asgd", "full")).start_fit(  # look-ahead: no form
+            PushExchange(get("asgd"), compensation=resolve(None, "asgd", "full")).start_fit(
+                [optimizer], rank=0, world_size=2)
+            PushExchange(get("asgd"), compensation=StalenessCompensation(nesterov=False)).start_fit(  # no form
                 [optimizer], rank=0, world_size=2)
         said = [str(c.message) for c in caught if "Nesterov's form" in str(c.message)]
-        assert len(said) == (1 if warned else 0), (type(optimizer).__name__, said)
+        assert len(said) == (2 if warned else 0), (type(optimizer).__name__, said)
 
 
 def test_an_exchange_takes_the_steps_of_a_fit_in_nesterovs_form():

@@ -94,7 +94,7 @@ class Exchange(ABC):
         self.correct = self.compensation.correct and (not optimizers or any(keeps_momentum(o) for o in optimizers))
         if self.compensation.mask_momentum and not isinstance(self.encoder, NoCompression):
             warn_unknown_optimizers(optimizers)
-        if self.compensation.nesterov and not self.lookahead:
+        if self.compensation.nesterov:
             warn_no_nesterov_form(optimizers)
 
     def join(self, init: bool) -> None:
@@ -199,9 +199,9 @@ class Exchange(ABC):
 
     @property
     def nesterov_steps(self) -> bool:
-        """Whether heavy-ball steps go in Nesterov's form: where the look-ahead does not act, and only while
-        others race this worker (a lone one's staleness is 0: it trains the bits of plain Lightning)."""
-        return self.compensator.config.nesterov and not self.lookahead and self.compensator.staleness > 0
+        """Whether heavy-ball steps go in Nesterov's form: while others race this worker (a lone one's staleness is
+        0: it trains the bits of plain Lightning), with or without the look-ahead (docs/momentum.md)."""
+        return self.compensator.config.nesterov and self.compensator.staleness > 0
 
     @property
     def local_residual(self) -> bool:
