@@ -22,7 +22,7 @@ measurement (``docs/momentum.md``):
 - **momentum masking** (sparse codecs only): the optimizer's momentum is zeroed where an update
   was just sent (Deep Gradient Compression's momentum factor masking), so a coordinate's
   momentum does not keep pushing after its delayed residual landed.
-- **Nesterov's form** (every mode that folds stale steps, while the worker's staleness is above 0): a
+- **Nesterov's form** (every mode that folds stale steps but dynsgd, while the worker's staleness is above 0): a
   heavy-ball SGD step ``lr * buf`` is taken as Nesterov's, ``lr * (d + mu * buf)``, by adding
   ``lr * mu`` times the momentum's change. Nesterov's momentum is a look-ahead of its own: where the
   library's look-ahead does not act (several local steps per push, as downpour and agn, or hogwild's
@@ -75,7 +75,7 @@ class StalenessCompensation:
     # correction only slowed training (measured under load: plain SGD 0.92 against 0.935, docs/momentum.md)
     correct: bool = True
     # heavy-ball momentum SGD steps taken in Nesterov's form while the worker's updates are stale: the momentum's
-    # own look-ahead, the dynamics of SGD(nesterov=True), which every mode trains close to DDP (docs/momentum.md)
+    # own look-ahead, the dynamics of SGD(nesterov=True); not in dynsgd, whose PS scales (docs/momentum.md)
     nesterov: bool = True
 
     def __post_init__(self) -> None:

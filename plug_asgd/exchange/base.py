@@ -200,8 +200,10 @@ class Exchange(ABC):
     @property
     def nesterov_steps(self) -> bool:
         """Whether heavy-ball steps go in Nesterov's form: while others race this worker (a lone one's staleness is
-        0: it trains the bits of plain Lightning), with or without the look-ahead (docs/momentum.md)."""
-        return self.compensator.config.nesterov and self.compensator.staleness > 0
+        0: it trains the bits of plain Lightning); beside the look-ahead only where the worker scales its updates
+        (not dynsgd, whose PS scales them: with the form it diverged on the regression case under load)."""
+        return (self.compensator.config.nesterov and self.compensator.staleness > 0
+                and (self.compensator.scale or not self.lookahead))
 
     @property
     def local_residual(self) -> bool:
