@@ -94,7 +94,7 @@ class Exchange(ABC):
         self.correct = self.compensation.correct and (not optimizers or any(keeps_momentum(o) for o in optimizers))
         if self.compensation.mask_momentum and not isinstance(self.encoder, NoCompression):
             warn_unknown_optimizers(optimizers)
-        if self.compensation.nesterov:
+        if self.compensation.nesterov and (self.compensator.scale or not self.lookahead):  # where the form acts
             warn_no_nesterov_form(optimizers)
 
     def join(self, init: bool) -> None:
