@@ -94,7 +94,7 @@ class Exchange(ABC):
         self.correct = self.compensation.correct and (not optimizers or any(keeps_momentum(o) for o in optimizers))
         if self.compensation.mask_momentum and not isinstance(self.encoder, NoCompression):
             warn_unknown_optimizers(optimizers)
-        if self.compensation.nesterov and (self.compensator.scale or not self.lookahead):  # where the form acts
+        if self.nesterov_form_here:
             warn_no_nesterov_form(optimizers)
 
     def join(self, init: bool) -> None:
@@ -202,8 +202,12 @@ class Exchange(ABC):
         """Whether heavy-ball steps go in Nesterov's form: while others race this worker (a lone one's staleness is
         0: it trains the bits of plain Lightning); beside the look-ahead only where the worker scales its updates
         (not dynsgd, whose PS scales them: with the form it diverged on the regression case under load)."""
-        return (self.compensator.config.nesterov and self.compensator.staleness > 0
-                and (self.compensator.scale or not self.lookahead))
+        return self.nesterov_form_here and self.compensator.staleness > 0
+
+    @property
+    def nesterov_form_here(self) -> bool:
+        """Whether this fit's compensation takes Nesterov's form at all (set at ``start_fit``)."""
+        return self.compensator.config.nesterov and (self.compensator.scale or not self.lookahead)
 
     @property
     def local_residual(self) -> bool:
