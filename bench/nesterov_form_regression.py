@@ -24,24 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fits", type=int, default=5)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT / "tests" / "scripts"))
-    import torch
-    from momentum_regression import EPOCHS, SAMPLES, Regression, dataset, val_loss
+    from momentum_regression import threaded_fit
 
     from plug_asgd.modes import get
     from plug_asgd.staleness import resolve
-    from tests.threaded_fit import fit_in_threads
-
-    def make() -> Regression:
-        torch.manual_seed(0)
-        return Regression()
 
     for row in args.rows:
-        mode, _, codec = row.partition("+")
-        default = resolve(None, mode, get(mode).compensate)
+        default = resolve(None, row.partition("+")[0], get(row.partition("+")[0]).compensate)
         for label, compensation in (("as-is", dataclasses.replace(default, nesterov=False)), ("form", default)):
-            losses = [val_loss(fit_in_threads(make, dataset(0, SAMPLES), epochs=EPOCHS, batch_size=32, mode=mode,
-                                              compressor=codec or "none", staleness_compensation=compensation))
-                      for _ in range(args.fits)]
+            losses = [threaded_fit(row, compensation) for _ in range(args.fits)]
             print(f"{row:14s} {label:6s} median {statistics.median(losses):7.2f}  {[round(v, 2) for v in losses]}",
                   flush=True)
     return 0

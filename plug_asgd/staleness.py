@@ -294,27 +294,33 @@ def warn_unknown_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None
 
 
 def nesterov_form_reaches(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer``'s momentum, if any, is one :func:`nesterov_form` takes: torch's SGD (or a subclass),
-    or none to take (no momentum; steps normalized, as Adam's, which the form leaves as they are)."""
-    return isinstance(optimizer, torch.optim.SGD) or normalizes_steps(optimizer) or not keeps_momentum(optimizer)
+    """Whether ``optimizer``'s momentum, if any, is one :func:`nesterov_form` takes: torch's SGD (or a subclass)
+    whose every group with momentum is heavy ball without dampening or Nesterov's already, or none to take (no
+    momentum; steps normalized, as Adam's, which the form leaves as they are)."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return all(not g.get("momentum") or g.get("nesterov") or not g.get("dampening")
+                   for g in optimizer.param_groups)
+    return normalizes_steps(optimizer) or not keeps_momentum(optimizer)
 
 
 def warn_no_nesterov_form(optimizers: Iterable[torch.optim.Optimizer]) -> None:
     """Say which optimizers keep a momentum that :func:`nesterov_form` cannot take: their steps go as they are."""
     for optimizer in optimizers:
         if not nesterov_form_reaches(optimizer):
-            warnings.warn(f"plug_asgd: {type(optimizer).__name__} may keep a momentum that plug_asgd takes in "
-                          "Nesterov's form only for torch.optim.SGD: its steps are taken as they are (scaled "
+            what = ("dampens its momentum, which plug_asgd's Nesterov's form does not take"
+                    if isinstance(optimizer, torch.optim.SGD) else
+                    "may keep a momentum that plug_asgd takes in Nesterov's form only for torch.optim.SGD")
+            warnings.warn(f"plug_asgd: {type(optimizer).__name__} {what}: its steps are taken as they are (scaled "
                           "where the mode scales), which with momentum at large learning rates may cost accuracy",
                           stacklevel=2)
 
 
 def _heavy_ball_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """The param groups of a torch SGD whose step is ``lr * momentum_buffer``: heavy ball, no dampening."""
+    """The param groups of a torch SGD whose step is ``lr * momentum_buffer``: heavy ball, no dampening (with
+    ``maximize`` too: its buffer gathers the negated gradients, and the step is the same)."""
     if not isinstance(optimizer, torch.optim.SGD):
         return []
-    return [g for g in optimizer.param_groups
-            if g.get("momentum") and not g.get("nesterov") and not g.get("dampening") and not g.get("maximize")]
+    return [g for g in optimizer.param_groups if g.get("momentum") and not g.get("nesterov") and not g.get("dampening")]
 
 
 @contextmanager

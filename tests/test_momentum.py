@@ -14,15 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from bench.common import free_port_block
 from plug_asgd.modes import MODES
 from tests.conftest import HAVE_FASHION, PYTHON, ROOT, needs_fashion, run_to_end
-from tests.threaded_fit import fit_in_threads
 
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
-from momentum_regression import EPOCHS, SAMPLES, Regression, dataset, one_process_loss, val_loss  # noqa: E402
+from momentum_regression import Regression, one_process_loss, threaded_fit, val_loss  # noqa: E402
 
 # The regression case's bound: the median of 3 fits of each mode at most 2x the validation loss one process
 # reaches at the same batch (6.81). Single fits of the asynchronous modes have a heavy tail on 2 cores: over
@@ -84,20 +82,6 @@ def regression_launch(out: Path, modes: list[str], off_modes: list[str]) -> dict
                     "MASTER_PORT": str(free_port_block(REPEATS * len(modes) + OFF_REPEATS * len(off_modes) + 2))})
     return {side: {m: json.loads((out / side / f"{m}.json").read_text()) for m in names}
             for side, names in (("on", modes), ("off", off_modes))}
-
-
-def threaded_fit(row: str, compensation: bool | None) -> float:
-    """The central model's validation loss after a fit of ``row`` ("mode" or "asgd+codec") whose 2 workers are
-    threads of this process (``tests/threaded_fit.py``): the regression case of the quick tier."""
-    mode, _, codec = row.partition("+")
-
-    def make() -> Regression:
-        torch.manual_seed(0)  # every rank starts from the same weights, as seeded ranks do
-        return Regression(nesterov=mode == "eamsgd")
-
-    model = fit_in_threads(make, dataset(0, SAMPLES), epochs=EPOCHS, batch_size=32, mode=mode,
-                           compressor=codec or "none", staleness_compensation=compensation)
-    return val_loss(model)
 
 
 @pytest.fixture(scope="module")

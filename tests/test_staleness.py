@@ -216,8 +216,8 @@ def test_a_worker_tells_the_ps_what_staleness_its_update_was_scaled_for_and_only
         assert exchange.scaled_for() == expected and exchange.scale() == 1 / 3, optimizers
 
 
-@pytest.mark.parametrize("weight_decay", [0.0, 1e-3])
-def test_a_heavy_ball_step_in_nesterovs_form_is_torchs_nesterov_step(weight_decay):
+@pytest.mark.parametrize("weight_decay,maximize", [(0.0, False), (1e-3, False), (1e-3, True)])
+def test_a_heavy_ball_step_in_nesterovs_form_is_torchs_nesterov_step(weight_decay, maximize):
     """The same gradients through SGD(momentum=0.9) in Nesterov's form and through SGD(nesterov=True) give the
     same weights, step after step (the first step included: its momentum is created by the step)."""
     from plug_asgd.staleness import nesterov_form
@@ -225,8 +225,9 @@ def test_a_heavy_ball_step_in_nesterovs_form_is_torchs_nesterov_step(weight_deca
     torch.manual_seed(0)
     a = torch.nn.Parameter(torch.randn(4, 3))
     b = torch.nn.Parameter(a.detach().clone())
-    heavy = torch.optim.SGD([a], lr=0.05, momentum=0.9, weight_decay=weight_decay)
-    nesterov = torch.optim.SGD([b], lr=0.05, momentum=0.9, nesterov=True, weight_decay=weight_decay)
+    heavy = torch.optim.SGD([a], lr=0.05, momentum=0.9, weight_decay=weight_decay, maximize=maximize)
+    nesterov = torch.optim.SGD([b], lr=0.05, momentum=0.9, nesterov=True, weight_decay=weight_decay,
+                               maximize=maximize)
     for _ in range(12):
         g = torch.randn(4, 3)
         a.grad, b.grad = g.clone(), g.clone()
@@ -253,6 +254,7 @@ def test_nesterovs_form_leaves_alone_what_is_not_a_heavy_ball_step():
         return w.detach().clone()
 
     for make in (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+                 lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, maximize=True),
                  lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.5),
                  lambda p: torch.optim.SGD(p, lr=0.05), lambda p: torch.optim.Adam(p, lr=0.01)):
         assert torch.equal(step(make, True), step(make, False))
@@ -302,8 +304,12 @@ def test_an_optimizer_with_a_momentum_out_of_reach_of_nesterovs_form_is_warned_a
             super().__init__(params, {"lr": 0.05, "momentum": 0.9})
 
     w = torch.nn.Parameter(torch.zeros(2))
+    dampened = torch.optim.SGD([w], lr=0.05, momentum=0.9)  # one group of two dampened: its steps go as they are
+    dampened.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "dampening": 0.1})
     for optimizer, warned in ((HeavyBall([w]), True), (torch.optim.SGD([w], lr=0.05, momentum=0.9), False),
-                              (torch.optim.Adam([w]), False), (torch.optim.SGD([w], lr=0.05), False)):
+                              (torch.optim.Adam([w]), False), (torch.optim.SGD([w], lr=0.05), False),
+                              (dampened, True), (torch.optim.SGD([w], lr=0.05, momentum=0.9, maximize=True), False),
+                              (torch.optim.SGD([w], lr=0.05, dampening=0.5), False)):  # dampening, no momentum
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             PushExchange(get("downpour"), compensation=resolve(None, "downpour", "full")).start_fit(

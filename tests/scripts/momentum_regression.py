@@ -71,6 +71,24 @@ def one_process_loss() -> float:
     return val_loss(model)
 
 
+def threaded_fit(row: str, compensation=None) -> float:
+    """The central model's validation loss after a fit of ``row`` ("mode" or "asgd+codec") whose 2 workers are
+    threads of the calling process (``tests/threaded_fit.py``; the caller has the repository on its path): the
+    quick tier's regression case, and ``bench.nesterov_form_regression``'s. ``compensation``: as
+    ``AsyncPSStrategy(staleness_compensation=...)``."""
+    from tests.threaded_fit import fit_in_threads
+
+    mode, _, codec = row.partition("+")
+
+    def make() -> Regression:
+        torch.manual_seed(0)  # every rank starts from the same weights, as seeded ranks do
+        return Regression(nesterov=mode == "eamsgd")
+
+    model = fit_in_threads(make, dataset(0, SAMPLES), epochs=EPOCHS, batch_size=32, mode=mode,
+                           compressor=codec or "none", staleness_compensation=compensation)
+    return val_loss(model)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
