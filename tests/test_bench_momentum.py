@@ -96,27 +96,29 @@ def test_the_losp_simulation_diverges_as_written_and_trains_with_the_share_sent_
     assert simulate("localsgd") < 13.6
 
 
-def test_the_nesterov_form_benchmark_leaves_out_the_form_alone_and_the_strategy_takes_what_it_gives():
-    """bench.nesterov_form's as-is runs: each row's own default compensation with ``nesterov=False``, nothing
+def test_the_remedy_benchmark_leaves_out_its_remedy_alone_and_the_strategy_takes_what_it_gives():
+    """bench.remedy_pairs's "off" runs: each row's own default compensation with the one remedy off, nothing
     else changed (hogwild keeps its scaled step only, agn its unscaled fold), which the strategy accepts."""
-    from bench.nesterov_form import without_form
+    from bench.remedy_pairs import without
     from plug_asgd import AsyncPSStrategy, StalenessCompensation
 
     settings = dict(ROWS)
-    for row in ("hogwild", "downpour", "agn", "asgd+randomk"):
-        as_is = without_form(settings[row])
+    for row, remedy in (("hogwild", "nesterov"), ("downpour", "nesterov"), ("agn", "nesterov"),
+                        ("asgd+randomk", "nesterov"), ("downpour", "scale"), ("asgd+topk", "mask_momentum")):
+        off = without(settings[row], remedy)
         default = AsyncPSStrategy(mode=settings[row]["mode"]).staleness_compensation
-        assert default.nesterov and as_is == {**default.__dict__, "nesterov": False}, row
-        taken = AsyncPSStrategy(mode=settings[row]["mode"], staleness_compensation=as_is).staleness_compensation
-        assert taken == StalenessCompensation(**as_is), row
+        assert getattr(default, remedy) and off == {**default.__dict__, remedy: False}, (row, remedy)
+        taken = AsyncPSStrategy(mode=settings[row]["mode"], staleness_compensation=off).staleness_compensation
+        assert taken == StalenessCompensation(**off), row
 
 
-def test_the_nesterov_form_benchmark_refuses_rows_it_does_not_know_and_a_lone_worker(tmp_path, capsys):
+def test_the_remedy_benchmark_refuses_rows_it_does_not_know_and_a_lone_worker(tmp_path, capsys):
     import pytest
 
     from bench.nesterov_form import main
 
-    for argv, says in ((["--rows", "nonesuch"], "unknown rows ['nonesuch']"), (["--workers", "1"], "--workers 1")):
+    for argv, says in ((["--rows", "nonesuch"], "unknown rows ['nonesuch']"), (["--workers", "1"], "--workers 1"),
+                       (["--remedy", "window"], "invalid choice: 'window'")):
         with pytest.raises(SystemExit) as refused:
             main([*argv, "--out", str(tmp_path / "work")])
         assert refused.value.code == 2 and says in capsys.readouterr().err

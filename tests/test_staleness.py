@@ -185,6 +185,25 @@ def test_the_scale_is_left_out_where_every_optimizer_normalizes_its_steps():
     assert Compensator(StalenessCompensation(), 1).update_scale() == 0.5
 
 
+def test_under_adam_only_a_push_of_several_steps_is_scaled():
+    """A push of one normalized step goes in unscaled, a chunk of several (downpour, or asgd with push_every > 1)
+    at 1/(1 + s) as with SGD; the modes with remedies of their own (agn's division, losp's rounds) keep them."""
+    from plug_asgd.exchange import OverlapExchange, PushExchange
+    from plug_asgd.modes import get
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    for spec, exchange_kind, scale in (("asgd", PushExchange, 1.0), ("adacomp", PushExchange, 1.0),
+                                       ("ssp", PushExchange, 1.0), ("downpour", PushExchange, 0.5),
+                                       ({"name": "asgd", "push_every": 2}, PushExchange, 0.5),
+                                       ("agn", PushExchange, 1.0), ("losp", OverlapExchange, 1.0)):
+        mode = get(spec)
+        exchange = exchange_kind(mode, compensation=resolve(None, mode.name, mode.compensate))
+        exchange.start_fit([torch.optim.Adam([w])], rank=0, world_size=2)
+        assert exchange.compensator.update_scale() == scale, spec
+        if mode.name == "losp":
+            assert exchange.share == 1.0 and exchange.scale() == 1.0
+
+
 def test_a_worker_tells_the_ps_what_staleness_its_update_was_scaled_for_and_only_when_it_scaled_it():
     from plug_asgd.exchange import PushExchange
     from plug_asgd.modes import get
@@ -192,7 +211,8 @@ def test_a_worker_tells_the_ps_what_staleness_its_update_was_scaled_for_and_only
     w = torch.nn.Parameter(torch.zeros(2))
     sgd, adam = torch.optim.SGD([w], lr=0.05, momentum=0.9), torch.optim.Adam([w])
     for name, optimizer, expected in (("asgd", sgd, 2.0), ("downpour", sgd, 2.0), ("asgd", adam, None),
-                                      ("dynsgd", sgd, None), ("agn", sgd, None)):
+                                      ("downpour", adam, 2.0), ("dynsgd", sgd, None), ("agn", sgd, None),
+                                      ("agn", adam, None)):
         mode = get(name)
         exchange = PushExchange(mode, compensation=resolve(None, name, mode.compensate))
         exchange.start_fit([optimizer], rank=0, world_size=3)  # before any push: the prior, 3 - 1

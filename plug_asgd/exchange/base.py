@@ -89,8 +89,12 @@ class Exchange(ABC):
         self.optimizers = optimizers
         self.encoder = self.mode.encoder(self.codec, rank)
         normalized = bool(optimizers) and all(normalizes_steps(o) for o in optimizers)
+        # normalized steps (Adam's) stay about lr however stale: a push of one went in better unscaled, a push of
+        # several (downpour's, a chunk landing on the others') better scaled (docs/momentum.md); losp's rounds keep
+        # their own remedy
+        chunks = self.mode.compensate == "full" and getattr(self.mode, "push_every", 1) > 1
         self.compensator = Compensator(self.compensation, world_size - 1,
-                                       scale=self.compensation.scale and not normalized)
+                                       scale=self.compensation.scale and (chunks or not normalized))
         self.correct = self.compensation.correct and (not optimizers or any(keeps_momentum(o) for o in optimizers))
         if self.compensation.mask_momentum and not isinstance(self.encoder, NoCompression):
             warn_unknown_optimizers(optimizers)
