@@ -11,8 +11,8 @@ measurement (``docs/momentum.md``):
   (``correct``, where an optimizer keeps momentum): the median lags where the workers' pace changes
   (one starts late, stalls, or is descheduled), and pushes folded at the lagging scale made the heavy
   tail of the regression case.
-  Not for optimizers that normalize their steps (Adam and its kin): their steps stay bounded, and
-  the scale only slowed them.
+  Not for pushes of one step of an optimizer that normalizes its steps (Adam and its kin): those stay
+  bounded, and the scale only slowed them; a push of several (downpour's) is scaled under Adam too.
 - **look-ahead** (modes that push every step): the worker computes its next step at ``central +
   s * v``, ``v`` the central model's change per version since its last reply: where the model
   will be when the update lands. With several local steps per push it hurts, and is left out.
@@ -162,7 +162,7 @@ class Compensator:
 
     def __init__(self, config: StalenessCompensation, prior_staleness: float, scale: bool | None = None) -> None:
         self.config = config
-        self.scale = config.scale if scale is None else scale  # False where every optimizer normalizes its steps
+        self.scale = config.scale if scale is None else scale  # False for one-step pushes of normalized steps
         self.prior = float(prior_staleness)
         self.recent: deque[int] = deque(maxlen=config.window)
         self._previous: dict[str, np.ndarray] = {}  # the central arrays of the last reply
