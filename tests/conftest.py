@@ -105,13 +105,13 @@ def pytest_collection_modifyitems(config, items):
     backstop = float(config.getini("timeout") or 0)
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(_file(item), len(rank)))  # stable: the order within a file is kept
-    # the full tier runs only when named (`pytest -m full`): an hour of runs has no place in the suite's 12 minutes
+    # the full tier runs only when named (`pytest -m full`): its half hour of runs has no place in the suite
     full_selected = "full" in (config.option.markexpr or "").replace("not full", "")
     for item in items:
         full = item.get_closest_marker("full") is not None
         if full and not full_selected:
-            item.add_marker(pytest.mark.skip(reason="the full tier: run it with pytest -m full (about an hour on "
-                                                    "2 cores)"))
+            item.add_marker(pytest.mark.skip(reason="the full tier: run it with pytest -m full (34 min on 2 "
+                                                    "cores)"))
         marker = item.get_closest_marker("timeout")
         # the backstop bounds the suite's tests; the full tier's run alone, each beyond it
         if backstop and not full and marker is not None and marker.args and float(marker.args[0]) >= backstop:
