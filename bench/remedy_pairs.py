@@ -29,13 +29,18 @@ REMEDIES = ("nesterov", "scale", "lookahead", "local_residual", "mask_momentum",
 OPTIMIZERS = {"sgd": 0.05, "nesterov": 0.05, "adam": 0.001}  # each one's default learning rate
 
 
-def without(settings: dict[str, Any], remedy: str) -> dict[str, Any]:
-    """The row's default compensation, as a dict of its fields, with ``remedy`` left out."""
+def default(settings: dict[str, Any]) -> dict[str, Any]:
+    """The row's default compensation, as a dict of its fields."""
     from plug_asgd.modes import get
     from plug_asgd.staleness import resolve
 
     mode = get(settings["mode"])
-    return dataclasses.asdict(dataclasses.replace(resolve(None, mode.name, mode.compensate), **{remedy: False}))
+    return dataclasses.asdict(resolve(None, mode.name, mode.compensate))
+
+
+def without(settings: dict[str, Any], remedy: str) -> dict[str, Any]:
+    """The row's default compensation, as a dict of its fields, with ``remedy`` left out."""
+    return {**default(settings), remedy: False}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [r for r in args.rows if r not in rows]
     if unknown:
         parser.error(f"unknown rows {unknown}: choose from {', '.join(rows)}")
+    idle = [r for r in args.rows if not default(rows[r])[args.remedy]]
+    if idle:  # the remedy is off by default there: both launches would run the same thing
+        parser.error(f"rows {idle} do not take {args.remedy} by default: nothing to pair")
     if args.workers < 2:
         parser.error(f"--workers {args.workers}: asynchrony needs at least 2")
     if not FASHION.is_dir():

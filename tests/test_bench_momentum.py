@@ -118,7 +118,8 @@ def test_the_remedy_benchmark_refuses_rows_it_does_not_know_and_a_lone_worker(tm
     from bench.nesterov_form import main
 
     for argv, says in ((["--rows", "nonesuch"], "unknown rows ['nonesuch']"), (["--workers", "1"], "--workers 1"),
-                       (["--remedy", "window"], "invalid choice: 'window'")):
+                       (["--remedy", "window"], "invalid choice: 'window'"),
+                       (["--remedy", "scale", "--rows", "asgd", "agn"], "rows ['agn'] do not take scale by default")):
         with pytest.raises(SystemExit) as refused:
             main([*argv, "--out", str(tmp_path / "work")])
         assert refused.value.code == 2 and says in capsys.readouterr().err
