@@ -16,7 +16,8 @@ from bench.common import ROOT
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    out = [] if "--out" in argv else ["--out", str(ROOT / "runs" / "nesterov-form")]
+    given = any(a == "--out" or a.startswith("--out=") for a in argv)
+    out = [] if given else ["--out", str(ROOT / "runs" / "nesterov-form")]
     return remedy_pairs.main(["--remedy", "nesterov", *out, *argv])
 
 

@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     from plug_asgd.staleness import resolve
 
     for row in args.rows:
-        default = resolve(None, row.partition("+")[0], get(row.partition("+")[0]).compensate)
+        mode = row.partition("+")[0]
+        default = resolve(None, mode, get(mode).compensate)
         for label, compensation in (("as-is", dataclasses.replace(default, nesterov=False)), ("form", default)):
             losses = [threaded_fit(row, compensation) for _ in range(args.fits)]
             print(f"{row:14s} {label:6s} median {statistics.median(losses):7.2f}  {[round(v, 2) for v in losses]}",
