@@ -11,7 +11,8 @@ joins any of: ``scale`` (update times 1/workers), ``la`` (look-ahead by workers 
 sparse update was sent), ``mcomp`` (the momentum of each worker lowered to ``1 - N (1 - mu)``,
 so that with the implicit momentum of asynchrony the total is the optimizer's), ``lrscale`` (each
 worker's learning rate divided by the workers, its update pushed whole: hogwild's scaled step),
-``flush`` (at the end, each worker's pending residual pushed whole); or ``none``.
+``flush`` (at the end, each worker's pending residual pushed whole), ``flushavg`` (the same at ``1/workers``: the
+mean of the workers' models where they pulled the same central one); or ``none``.
 ``--mode downpour:push_every=2`` sets a mode's integer knobs.
 ``--mode ddp`` and ``--mode single`` are the references. Prints one JSON line.
 """
@@ -36,7 +37,7 @@ from plug_asgd.recipes.mnist import MnistCNN, normalize
 from plug_asgd.staleness import MOMENTUM_STATE_KEYS
 from plug_asgd.wire import Sparse
 
-TREATMENTS = ("scale", "la", "localres", "mask", "mcomp", "lrscale", "flush")
+TREATMENTS = ("scale", "la", "localres", "mask", "mcomp", "lrscale", "flush", "flushavg")
 
 
 def data(kind: str, n_train: int, n_val: int = 2000) -> tuple[torch.Tensor, ...]:
@@ -172,10 +173,11 @@ def simulate(args: argparse.Namespace, model: nn.Module, tx: torch.Tensor, ty: t
                             p.add_(torch.from_numpy(np.asarray(pending)).view_as(p))
                         w["base"][name].copy_(p)
                 w["version"] = state.version
-    if "flush" in treat:  # each worker's pending residual pushed whole, as it leaves
+    if treat & {"flush", "flushavg"}:  # each worker's pending residual pushed (whole, or at 1/n), as it leaves
+        wt = 1.0 / n if "flushavg" in treat else 1.0
         for k, w in enumerate(workers):
             pending = getattr(w["codec"], "pending", lambda _: None)
-            update = {name: np.asarray(pending(name)).reshape(p.shape).astype(np.float32)
+            update = {name: wt * np.asarray(pending(name)).reshape(p.shape).astype(np.float32)
                       for name, p in w["m"].named_parameters() if pending(name) is not None}
             if update:
                 rule.push(state, Push(token=k, rank=k, base_version=w["version"], update=update))

@@ -214,6 +214,10 @@ class AsyncPSStrategy(DDPPlumbing):
 
     def on_train_start(self) -> None:
         self.mode.check_optimizers(self.optimizers)
+        steps = self.lightning_module.trainer.estimated_stepping_batches  # inf where the fit's length is unknown
+        short = self._exchange.codec.short_fit_warning(steps / getattr(self.mode, "push_every", 1))
+        if short:
+            rank_zero_warn(short)
         self._join()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

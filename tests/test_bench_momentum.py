@@ -13,6 +13,9 @@ def test_the_plan_runs_ddp_then_every_row_on_and_off_per_optimizer_with_equal_sa
     assert off and all(r["options"] == {"staleness_compensation": False} for r in off)
     only = plan(SIZES["full"], quick=False, only=["asgd+sign"])
     assert {r["row"] for r in only} == {"asgd+sign"} and len(only) == 4 * 2  # no DDP: its figures stand
+    longer = plan({**SIZES["full"], "epochs": 4}, quick=False, only=["asgd+randomk"], ddp=True,
+                  compensated_only=True)  # another size: DDP's figures do not stand
+    assert [r["row"] for r in longer] == ["ddp", "asgd+randomk"] * 4 and {r["epochs"] for r in longer} == {4}
 
 
 def _run(row, acc, on=True, diverged=False, opt="sgd", lr=0.05):

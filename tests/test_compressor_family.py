@@ -659,3 +659,21 @@ def test_empty_and_scalar_tensors_go_through_every_compressor():
             got = _dense(_through_wire(comp.encode("w", x)))
             assert got.shape == x.shape, name
             assert np.all(np.isfinite(got)), name
+
+
+def test_randomk_holds_a_coordinate_back_for_its_lag_on_average_and_a_fit_of_few_such_lags_is_warned():
+    # every push adds 1 to every coordinate, so a value sent is the number of pushes it waited
+    enc, waits = RandomK(0.05, seed=3).encoder(), []
+    for push in range(600):
+        sent = enc.encode("w", np.ones(2000, np.float32))
+        if push >= 200:  # past the first waits, which the start cuts short
+            waits.append(sent.values)
+    assert abs(np.concatenate(waits).mean() - 20.0) < 1.0  # geometric with p = 0.05: mean 20
+    assert RandomK(0.05).lag_pushes() == 20.0
+    assert RandomK(0.05, error_feedback=False).lag_pushes() is None  # unbiased: nothing waits
+    assert RandomK(1.0).lag_pushes() is None and TopK(0.05).lag_pushes() is None
+    note = RandomK(0.05).short_fit_warning(80.0)
+    assert "about once in 20 pushes" in note and "about 80 pushes per worker" in note
+    assert RandomK(0.05).short_fit_warning(100.0) is None  # 5 lags
+    assert RandomK(0.05).short_fit_warning(math.inf) is None  # a fit of unknown length
+    assert TopK(0.05).short_fit_warning(1.0) is None

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from plug_asgd import AsyncPSStrategy
 from plug_asgd.client import PSClient, PSError, PSUnreachableError
 from plug_asgd.collectives import op_name
+from plug_asgd.compressors import RandomK
 from plug_asgd.modes import AGN, EASGD, OSP, SSP, AdaComp, Asgd, Downpour, Sync
 from plug_asgd.strategy import synced_tensors
 from tests.conftest import free_port, group_members
@@ -149,6 +150,16 @@ def fit_tiny(strategy, callbacks=()) -> dict[str, np.ndarray]:
                          callbacks=list(callbacks), use_distributed_sampler=False)  # the same batches in both
     trainer.fit(module, data())  # 20 steps, a push after each
     return {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
+
+
+@pytest.mark.integration
+def test_a_fit_too_short_for_randomks_lag_is_warned_about():
+    s = AsyncPSStrategy(mode=Asgd(push_every=5), compressor=RandomK(0.01))
+    try:
+        with pytest.warns(UserWarning, match="about once in 100 pushes; this fit makes about 4 pushes per worker"):
+            fit_tiny(s)  # 20 steps, a push every 5
+    finally:
+        s._shutdown(wait_for_workers=0)
 
 
 @pytest.mark.parametrize("shm", [True, False])

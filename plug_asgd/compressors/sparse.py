@@ -168,6 +168,11 @@ class RandomK(Codec):
     def k_for(self, numel: int) -> int:
         return k_for(self.fraction, numel)
 
+    def lag_pushes(self) -> float | None:
+        """With error feedback, ``1 / fraction``: each coordinate is drawn with that chance at every push, so the
+        residual holds it for that many pushes on average, however large it grew. Unbiased, nothing waits."""
+        return 1.0 / self.fraction if self.error_feedback and self.fraction < 1.0 else None
+
     def encode(self, key: str, update: np.ndarray) -> Tensor:
         flat = np.asarray(update).reshape(-1)
         k = self.k_for(flat.size)
