@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python -m bench.momentum [--quick] [--workers 2 4] [--out DIR]
 
-Every run trains the recipe CNN on the same Fashion-MNIST subset for one epoch with the same
+Every run trains the recipe CNN on the same Fashion-MNIST subset for one epoch (``--epochs``) with the same
 per-worker batch (32), so all see the same samples; DDP (gloo, the same optimizer and learning
 rate) is the reference of its optimizer and worker count. The runs of one worker count share
 one launch of Lightning processes (``bench.train``). Writes ``momentum.json`` and ``momentum.md``
@@ -33,18 +33,19 @@ ROWS: tuple[tuple[str, dict[str, Any]], ...] = (
 TARGET_POINTS = {2: 1.0, 4: 2.0}  # every compensated cell within this many points of DDP
 # (workers, optimizer, lr) left out of the full run: 4 processes on 2 cores make it the longest column
 SKIP = {(4, "sgd", 0.01)}
-SIZES = {"full": {"train_subset": 8000, "test_subset": None, "timeout": 1800},
-         "quick": {"train_subset": 1280, "test_subset": 500, "timeout": 600}}
+SIZES = {"full": {"train_subset": 8000, "test_subset": None, "timeout": 1800, "epochs": 1},
+         "quick": {"train_subset": 1280, "test_subset": 500, "timeout": 600, "epochs": 1}}
 QUICK_ROWS = ("asgd", "adacomp")
 QUICK_OPTIMIZERS = (("sgd", 0.05),)
 
 
 def plan(size: dict[str, Any], quick: bool, only: list[str] | None = None, seeds: tuple[int, ...] = (0,),
-         compensated_only: bool = False) -> list[dict[str, Any]]:
+         compensated_only: bool = False, ddp: bool = False) -> list[dict[str, Any]]:
     """The runs: per seed, DDP per optimizer, then every row with compensation on and off (``only``: those
-    rows, and no DDP: DDP is deterministic, its earlier figures stand; ``compensated_only``: on alone)."""
-    common = {"bench": "momentum", "batch_size": 32, "train_subset": size["train_subset"], "epochs": 1,
-              "test": True, "momentum": 0.9}
+    rows, and no DDP unless ``ddp``: DDP is deterministic, its earlier figures stand; ``compensated_only``: on
+    alone)."""
+    common = {"bench": "momentum", "batch_size": 32, "train_subset": size["train_subset"],
+              "epochs": size.get("epochs", 1), "test": True, "momentum": 0.9}
     optimizers = QUICK_OPTIMIZERS if quick else OPTIMIZERS
     rows = [r for r in ROWS if r[0] in (only or (QUICK_ROWS if quick else [n for n, _ in ROWS]))]
     runs = []
@@ -52,7 +53,7 @@ def plan(size: dict[str, Any], quick: bool, only: list[str] | None = None, seeds
         tag = f" seed {seed}" if seed else ""  # seed 0 keeps the names of the single-seed runs
         for optimizer, lr in optimizers:
             opt = {"optimizer": optimizer, "lr": lr, "seed": seed}
-            if not only:
+            if not only or ddp:
                 runs.append({**common, **opt, "name": f"ddp {optimizer} {lr:g}{tag}", "row": "ddp", "kind": "ddp"})
             for row, settings in rows:
                 for on in (True,) if compensated_only else (True, False):
@@ -167,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="repeat every run with these seeds (model initialization and training subset); "
                              "the table shows means and the gap to DDP paired by seed")
     parser.add_argument("--train-subset", type=int, default=None, help="images per run (default 8,000)")
+    parser.add_argument("--epochs", type=int, default=None, help="epochs over them (default 1)")
+    parser.add_argument("--ddp", action="store_true",
+                        help="with --rows, run DDP too (its earlier figures are of another size, say)")
     parser.add_argument("--compensated-only", action="store_true", help="leave out the runs without compensation")
     parser.add_argument("--parallel", type=int, default=1,
                         help="launches at a time (a machine with many cores); give --threads with it")
@@ -183,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     size = dict(SIZES["quick" if args.quick else "full"])
     if args.train_subset:
         size["train_subset"] = args.train_subset
+    if args.epochs:
+        size["epochs"] = args.epochs
     started = time.monotonic()
     command = "python -m bench.momentum " + " ".join(sys.argv[1:] if argv is None else argv)
     merging = bool(args.rows or args.optimizers) and (out / f"{args.name}.json").exists()
@@ -191,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     errors: list[str] = []
     for workers in args.workers:
         every = plan(size, args.quick, args.rows or ([n for n, _ in ROWS] if merging else None),
-                     seeds=tuple(args.seeds), compensated_only=args.compensated_only)
+                     seeds=tuple(args.seeds), compensated_only=args.compensated_only, ddp=args.ddp)
         every = [r for r in every if not args.optimizers or r["optimizer"] in args.optimizers]
         results = _launches(workers, every, size, out, args.parallel, args.threads)
         errors += [r.pop("launch_error") for r in results if "launch_error" in r]
