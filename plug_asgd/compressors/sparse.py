@@ -170,7 +170,8 @@ class RandomK(Codec):
 
     def lag_pushes(self) -> float | None:
         """With error feedback, ``1 / fraction``: each coordinate is drawn with that chance at every push, so the
-        residual holds it for that many pushes on average, however large it grew. Unbiased, nothing waits."""
+        residual holds it for that many pushes on average, however large it grew (less in a tensor of fewer than
+        ``1 / fraction`` coordinates, which sends one at every push). Unbiased, nothing waits."""
         return 1.0 / self.fraction if self.error_feedback and self.fraction < 1.0 else None
 
     def encode(self, key: str, update: np.ndarray) -> Tensor:
