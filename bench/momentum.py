@@ -45,7 +45,7 @@ def plan(size: dict[str, Any], quick: bool, only: list[str] | None = None, seeds
     rows, and no DDP unless ``ddp``: DDP is deterministic, its earlier figures stand; ``compensated_only``: on
     alone)."""
     common = {"bench": "momentum", "batch_size": 32, "train_subset": size["train_subset"],
-              "epochs": size.get("epochs", 1), "test": True, "momentum": 0.9}
+              "epochs": size["epochs"], "test": True, "momentum": 0.9}
     optimizers = QUICK_OPTIMIZERS if quick else OPTIMIZERS
     rows = [r for r in ROWS if r[0] in (only or (QUICK_ROWS if quick else [n for n, _ in ROWS]))]
     runs = []

@@ -214,10 +214,12 @@ class AsyncPSStrategy(DDPPlumbing):
 
     def on_train_start(self) -> None:
         self.mode.check_optimizers(self.optimizers)
-        steps = self.lightning_module.trainer.estimated_stepping_batches  # inf where the fit's length is unknown
-        short = self._exchange.codec.short_fit_warning(steps / getattr(self.mode, "push_every", 1))
-        if short:
-            rank_zero_warn(short)
+        codec = self._exchange.codec
+        if codec.lag_pushes() is not None:  # the fit's length matters to randomk's lag only
+            steps = self.lightning_module.trainer.estimated_stepping_batches  # inf where the length is unknown
+            short = codec.short_fit_warning(steps / getattr(self.mode, "push_every", 1))
+            if short:
+                rank_zero_warn(short)
         self._join()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
