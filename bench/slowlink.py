@@ -267,10 +267,19 @@ def run_config(topo: Topology, name: str, size: dict[str, Any], out: Path) -> di
     return result
 
 
-def probe(topo: Topology, rate: float, seconds: float) -> dict[str, float]:
-    """A TCP transfer worker 0 -> PS of about ``seconds`` at ``rate``: the link's real rate (payload)."""
+PROBE_TRIES = 3
+
+
+def probe(topo: Topology, rate: float, seconds: float, tries: int = PROBE_TRIES) -> dict[str, Any]:
+    """The link's real rate (payload): the fastest of ``tries`` TCP transfers worker 0 -> PS of about ``seconds``.
+
+    The fastest, since a busy machine (a test beside it, a core shared) can only slow a transfer down, never
+    carry it past the htb cap; every try is kept in ``tries_mbit``.
+    """
     nbytes = int(max(2e6, rate * 1e6 / 8 * seconds))
-    return {**topo.measure("w0", "ps", nbytes), "htb_mbit": rate}
+    got = [topo.measure("w0", "ps", nbytes) for _ in range(tries)]
+    best = max(got, key=lambda g: g["mbit_per_s"])
+    return {**best, "tries_mbit": [round(g["mbit_per_s"], 2) for g in got], "htb_mbit": rate}
 
 
 def run(size: dict[str, Any], rates: list[float], names: list[str], out: Path, merge: bool = False) -> dict[str, Any]:
