@@ -144,7 +144,9 @@ def training_runs(names: list[str], size: dict[str, Any], slow_sleep: float) -> 
         for frac in (0.01, 0.005, ADACOMP_191):
             two.append({**common, "name": f"adacomp {frac:g}", "kind": "asgd", "mode": "adacomp", "compression": frac})
         for comp in COMPRESSORS:
-            two.append({**common, "name": comp, "kind": "asgd", "mode": "asgd", "compressor": comp})
+            # the sparse codecs at a stated 1% (randomk's default fraction would follow the fit's length)
+            stated = {"compression": 0.01} if comp in ("topk", "randomk") else {}
+            two.append({**common, "name": comp, "kind": "asgd", "mode": "asgd", "compressor": comp, **stated})
         # dense pushes, replies of the 1% of each tensor where the worker is furthest off (ps/downlink.py)
         two.append({**common, "name": "asgd downlink 0.01", "kind": "asgd", "mode": "asgd",
                     "options": {"downlink_fraction": 0.01}})

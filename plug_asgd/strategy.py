@@ -13,6 +13,7 @@ stays local, because asynchronous workers are never in lockstep and must not wai
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
@@ -35,6 +36,8 @@ from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT
 from plug_asgd.ps_connection import PSConnection
 from plug_asgd.sharded_client import ShardedClient
 from plug_asgd.staleness import StalenessCompensation, resolve
+
+log = logging.getLogger("plug_asgd.strategy")
 
 if TYPE_CHECKING:  # either namespace's classes (plug_asgd.namespaces); pytorch_lightning's names them here
     import pytorch_lightning as pl
@@ -214,10 +217,16 @@ class AsyncPSStrategy(DDPPlumbing):
 
     def on_train_start(self) -> None:
         self.mode.check_optimizers(self.optimizers)
-        codec = self._exchange.codec
-        if codec.lag_pushes() is not None:  # the fit's length matters to randomk's lag only
+        if self._exchange.codec.lag_pushes() is not None:  # the fit's length matters to randomk's lag only
             steps = self.lightning_module.trainer.estimated_stepping_batches  # inf where the length is unknown
-            short = codec.short_fit_warning(steps / getattr(self.mode, "push_every", 1))
+            pushes = steps / getattr(self.mode, "push_every", 1)
+            codec = self._exchange.fit_length(pushes)
+            if codec is not self._exchange.codec:
+                if self.global_rank == 0:
+                    log.info("this fit of about %.0f pushes per worker encodes with %r: the default fraction, raised "
+                             "so that a coordinate waits at most a fifth of the fit in the residual (docs/momentum.md)",
+                             pushes, codec)
+            short = codec.short_fit_warning(pushes)
             if short:
                 rank_zero_warn(short)
         self._join()

@@ -677,3 +677,20 @@ def test_randomk_holds_a_coordinate_back_for_its_lag_on_average_and_a_fit_of_few
     assert RandomK(0.05).short_fit_warning(100.0) is None  # 5 lags
     assert RandomK(0.05).short_fit_warning(math.inf) is None  # a fit of unknown length
     assert TopK(0.05).short_fit_warning(1.0) is None
+
+
+def test_randomks_default_fraction_follows_the_fits_length_and_a_given_one_stays():
+    auto = RandomK()
+    assert auto.fraction == 0.01 and auto.config()["fraction"] is None and auto == RandomK(None)
+    assert auto.encoder().inner.fraction == 0.01  # a worker's copy stays at the default until its fit is known
+    # a fraction of at least 10 / pushes: a coordinate's mean wait (1 / fraction) at most a tenth of the fit
+    assert auto.for_fit(125) == RandomK(0.08)  # one epoch of 16,000 images at 4 workers, batch 32
+    assert auto.for_fit(250) == RandomK(0.04)  # at 2 workers
+    assert auto.for_fit(500) == RandomK(0.02)
+    assert auto.for_fit(1000) is auto and auto.for_fit(10_000) is auto and auto.for_fit(math.inf) is auto
+    assert auto.for_fit(4) == RandomK(1.0)
+    assert auto.for_fit(125).short_fit_warning(125) is None
+    assert RandomK(0.01).for_fit(125) == RandomK(0.01)  # given: kept, and warned about (above)
+    assert RandomK(error_feedback=False).for_fit(125).fraction == 0.01  # unbiased: nothing waits
+    assert RandomK(seed=4).for_fit(125).seed == 4
+    assert TopK(0.01).for_fit(125) == TopK(0.01)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
+import warnings
 import weakref
 
 import numpy as np
@@ -160,6 +161,44 @@ def test_a_fit_too_short_for_randomks_lag_is_warned_about():
             fit_tiny(s)  # 20 steps, a push every 5
     finally:
         s._shutdown(wait_for_workers=0)
+
+
+class Wide(Tiny):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(100, 10)
+
+
+def fit_wide(compressor) -> tuple[dict, list[warnings.WarningMessage]]:
+    """A 20-step fit of ``Wide``, a push after each step: the strategy's communication counts, the warnings."""
+    s = AsyncPSStrategy(mode="asgd", compressor=compressor, shm_pushes=False)
+    x = torch.randn(320, 100, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=16)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pl.seed_everything(5)
+            pl.Trainer(accelerator="cpu", devices=1, strategy=s, max_epochs=1, logger=False, enable_checkpointing=False,
+                       enable_progress_bar=False, enable_model_summary=False).fit(Wide(), loader)
+        return s.comm_stats(), caught
+    finally:
+        s._shutdown(wait_for_workers=0)
+
+
+@pytest.mark.integration
+def test_randomks_default_fraction_is_raised_for_a_short_fit_and_its_pushes_carry_that_many_coordinates():
+    auto, caught = fit_wide("randomk")
+    assert not [w for w in caught if "pushes per worker" in str(w.message)]  # the fit is long enough for its codec
+    # 20 pushes: the default 1% (a wait of 100 pushes) raised to 10 / 20 = 50%, so k = 500 of the weight's 1,000
+    # coordinates and 5 of the bias's 10; a Sparse frame is 4 bytes of block counts and 2 + 4 bytes a coordinate,
+    # and each push's msgpack header adds a few hundred bytes (265 measured)
+    frames = 20 * ((4 + 6 * 500) + (4 + 6 * 5))
+    assert frames < auto["push_bytes_up"] < frames + 20 * 600, auto
+    given, _ = fit_wide(RandomK(0.5))
+    assert abs(auto["push_bytes_up"] - given["push_bytes_up"]) <= 20 * 8, (auto, given)  # headers' numbers vary
+    one_percent, caught = fit_wide(RandomK(0.01))  # given: kept, and warned about
+    assert one_percent["push_bytes_up"] < 20 * ((4 + 6 * 10) + (4 + 6 * 1) + 600) < frames
+    assert [w for w in caught if "this fit makes about 20 pushes per worker" in str(w.message)]
 
 
 @pytest.mark.parametrize("shm", [True, False])

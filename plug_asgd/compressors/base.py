@@ -93,6 +93,11 @@ class Codec(ABC):
         (:meth:`short_fit_warning`)."""
         return None
 
+    def for_fit(self, pushes: float) -> Codec:
+        """The codec a fit of about ``pushes`` pushes per worker encodes with: this one, unless a default of it
+        depends on the fit's length (randomk's fraction)."""
+        return self
+
     def short_fit_warning(self, pushes: float) -> str | None:
         """What to tell a user whose fit makes ``pushes`` pushes per worker, too few for this codec's lag to
         wear off (fewer than ``SHORT_FIT_PERIODS`` of :meth:`lag_pushes`); None when enough."""
@@ -102,7 +107,8 @@ class Codec(ABC):
         return (f"plug_asgd: {self!r} sends each coordinate about once in {lag:g} pushes; this fit makes about "
                 f"{pushes:.0f} pushes per worker, fewer than {SHORT_FIT_PERIODS} times that, so its central model "
                 "will end behind its workers' by what their residuals hold back (measured: up to 4.5 points of "
-                "accuracy below DDP; docs/momentum.md). Train longer, raise the fraction, or use topk.")
+                "accuracy below DDP; docs/momentum.md). Train longer, raise the fraction (left unset, it follows "
+                "the fit's length), or use topk.")
 
     def config(self) -> dict[str, Any]:
         """The knobs this codec was built with, by name (what ``get({"name": ..., **knobs})`` takes)."""

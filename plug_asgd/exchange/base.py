@@ -60,6 +60,8 @@ class Exchange(ABC):
         self.codec = codec if codec is not None else NoCompression()
         self.compensation = compensation
         self.shm_pushes = shm_pushes
+        self.fit_codec = self.codec  # the codec this fit encodes with (Codec.for_fit, once its length is known)
+        self.rank = 0
         self.encoder: Compressor = mode.encoder(self.codec, 0)
         self.compensator = Compensator(compensation, 0)
         self.correct = compensation.correct  # whether pushes say what they were scaled for (start_fit decides)
@@ -87,6 +89,7 @@ class Exchange(ABC):
     def start_fit(self, optimizers: list[Any], rank: int, world_size: int) -> None:
         """A fit begins: a fresh encoder (no residuals) and compensator, and the optimizers it steps."""
         self.optimizers = optimizers
+        self.rank, self.fit_codec = rank, self.codec
         self.encoder = self.mode.encoder(self.codec, rank)
         normalized = bool(optimizers) and all(normalizes_steps(o) for o in optimizers)
         # normalized steps (Adam's) stay about lr however stale: a push of one went in better unscaled, a push of
@@ -100,6 +103,14 @@ class Exchange(ABC):
             warn_unknown_optimizers(optimizers)
         if self.nesterov_form_here:
             warn_no_nesterov_form(optimizers)
+
+    def fit_length(self, pushes: float) -> Codec:
+        """The fit makes about ``pushes`` pushes per worker: it encodes with the codec set for that
+        (:meth:`Codec.for_fit`), through a fresh encoder (called before the first push: no residual is lost)."""
+        codec = self.codec.for_fit(pushes)
+        if codec != self.fit_codec:
+            self.fit_codec, self.encoder = codec, self.mode.encoder(codec, self.rank)
+        return codec
 
     def join(self, init: bool) -> None:
         """Start of a stage: offer our weights if the PS has none yet (``init``), then take the central ones.
