@@ -39,11 +39,14 @@ QUICK_ROWS = ("asgd", "adacomp")
 QUICK_OPTIMIZERS = (("sgd", 0.05),)
 
 
+FRACTION_ROWS = ("adacomp", "asgd+topk", "asgd+randomk")  # the rows with a ``fraction`` knob
+
+
 def plan(size: dict[str, Any], quick: bool, only: list[str] | None = None, seeds: tuple[int, ...] = (0,),
-         compensated_only: bool = False, ddp: bool = False) -> list[dict[str, Any]]:
+         compensated_only: bool = False, ddp: bool = False, fraction: float | None = None) -> list[dict[str, Any]]:
     """The runs: per seed, DDP per optimizer, then every row with compensation on and off (``only``: those
     rows, and no DDP unless ``ddp``: DDP is deterministic, its earlier figures stand; ``compensated_only``: on
-    alone)."""
+    alone; ``fraction``: that of the rows of FRACTION_ROWS, in place of their default)."""
     common = {"bench": "momentum", "batch_size": 32, "train_subset": size["train_subset"],
               "epochs": size["epochs"], "test": True, "momentum": 0.9}
     optimizers = QUICK_OPTIMIZERS if quick else OPTIMIZERS
@@ -58,6 +61,8 @@ def plan(size: dict[str, Any], quick: bool, only: list[str] | None = None, seeds
             for row, settings in rows:
                 for on in (True,) if compensated_only else (True, False):
                     options = {} if on else {"staleness_compensation": False}
+                    if fraction is not None and row in FRACTION_ROWS:
+                        options["fraction"] = fraction
                     runs.append({**common, **opt, **settings, "kind": "asgd", "options": options, "row": row,
                                  "compensation": on,
                                  "name": f"{row} {optimizer} {lr:g} {'on' if on else 'off'}{tag}"})
@@ -172,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ddp", action="store_true",
                         help="with --rows, run DDP too (its earlier figures are of another size, say)")
     parser.add_argument("--compensated-only", action="store_true", help="leave out the runs without compensation")
+    parser.add_argument("--fraction", type=float, default=None,
+                        help=f"the fraction of the rows {', '.join(FRACTION_ROWS)}, in place of their default "
+                             "(randomk's follows the fit's length)")
     parser.add_argument("--parallel", type=int, default=1,
                         help="launches at a time (a machine with many cores); give --threads with it")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank")
@@ -197,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     errors: list[str] = []
     for workers in args.workers:
         every = plan(size, args.quick, args.rows or ([n for n, _ in ROWS] if merging else None),
-                     seeds=tuple(args.seeds), compensated_only=args.compensated_only, ddp=args.ddp)
+                     seeds=tuple(args.seeds), compensated_only=args.compensated_only, ddp=args.ddp,
+                     fraction=args.fraction)
         every = [r for r in every if not args.optimizers or r["optimizer"] in args.optimizers]
         results = _launches(workers, every, size, out, args.parallel, args.threads)
         errors += [r.pop("launch_error") for r in results if "launch_error" in r]

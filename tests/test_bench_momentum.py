@@ -16,6 +16,10 @@ def test_the_plan_runs_ddp_then_every_row_on_and_off_per_optimizer_with_equal_sa
     longer = plan({**SIZES["full"], "epochs": 4}, quick=False, only=["asgd+randomk"], ddp=True,
                   compensated_only=True)  # another size: DDP's figures do not stand
     assert [r["row"] for r in longer] == ["ddp", "asgd+randomk"] * 4 and {r["epochs"] for r in longer} == {4}
+    stated = plan(SIZES["full"], quick=False, only=["asgd", "asgd+randomk", "adacomp"], compensated_only=True,
+                  fraction=0.04)  # the fraction knob of the rows that have one, the others as they are
+    assert {r["row"]: r["options"] for r in stated} == {"asgd": {}, "asgd+randomk": {"fraction": 0.04},
+                                                         "adacomp": {"fraction": 0.04}}
 
 
 def _run(row, acc, on=True, diverged=False, opt="sgd", lr=0.05):
