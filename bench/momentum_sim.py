@@ -113,7 +113,7 @@ def mode_spec(text: str) -> str | dict[str, Any]:
 
 def simulate(args: argparse.Namespace, model: nn.Module, tx: torch.Tensor, ty: torch.Tensor) -> nn.Module | None:
     treat = set(args.treat.split("+")) - {"none"}
-    n, spec = args.workers, modes.get(mode_spec(args.mode))
+    n, spec = args.workers, modes.get(mode_spec(args.mode)).for_workers(args.workers)
     rule = spec.make_rule({})
     rule.training_ranks = frozenset(range(n))
     state = CentralState({k: p.detach().numpy().copy() for k, p in model.named_parameters()})

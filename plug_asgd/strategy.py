@@ -219,7 +219,7 @@ class AsyncPSStrategy(DDPPlumbing):
         self.mode.check_optimizers(self.optimizers)
         if self._exchange.codec.lag_pushes() is not None:  # the fit's length matters to randomk's lag only
             steps = self.lightning_module.trainer.estimated_stepping_batches  # inf where the length is unknown
-            pushes = steps / getattr(self.mode, "push_every", 1)
+            pushes = steps / getattr(self._exchange.mode, "push_every", 1)  # the fit's mode (Mode.for_workers)
             codec = self._exchange.fit_length(pushes)
             if codec is not self._exchange.codec:
                 if self.global_rank == 0:

@@ -61,8 +61,10 @@ SCHEMES = [
     ("dynsgd", {}, 250),
     ("ssp", {}, 250),
     ("localsgd", {}, 16),  # a synchronous average every 8 steps: ceil(125/8) rounds
-    # agn/sagn divide the accumulated update by its 4 steps: a larger step size compensates (Hermans et al.)
-    ("agn", {"lr": 0.003}, 2 * 32),
+    # agn pushes every 2 steps at 2 workers (as many as its workers: DDP's pace per sample), each push divided by
+    # its steps: ceil(125/2) per worker, at the common settings
+    ("agn", {}, 2 * 63),
+    # sagn divides the accumulated update by its 4 steps: a larger step size compensates (Hermans et al.)
     ("sagn", {"lr": 0.003}, 32),
     ("osp", {}, 125),  # a synchronous round per step, sent while the next step computes
     ("losp", {}, 32),  # the same every 4 local steps

@@ -56,7 +56,8 @@ class Exchange(ABC):
 
     def __init__(self, mode: Mode, *, codec: Codec | None = None, compensation: StalenessCompensation = OFF,
                  shm_pushes: bool = True) -> None:
-        self.mode = mode
+        self.mode = mode  # as configured; for a fit, as it runs with the fit's workers (start_fit)
+        self.configured_mode = mode
         self.codec = codec if codec is not None else NoCompression()
         self.compensation = compensation
         self.shm_pushes = shm_pushes
@@ -89,6 +90,7 @@ class Exchange(ABC):
     def start_fit(self, optimizers: list[Any], rank: int, world_size: int) -> None:
         """A fit begins: a fresh encoder (no residuals) and compensator, and the optimizers it steps."""
         self.optimizers = optimizers
+        self.mode = self.configured_mode.for_workers(world_size)
         self.rank, self.fit_codec = rank, self.codec
         self.encoder = self.mode.encoder(self.codec, rank)
         normalized = bool(optimizers) and all(normalizes_steps(o) for o in optimizers)

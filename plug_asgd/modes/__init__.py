@@ -72,4 +72,5 @@ def mode_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-_NONE_MEANS = {"pull_every": "with each push", "replicas_to_aggregate": "every training worker"}
+_NONE_MEANS = {"pull_every": "with each push", "replicas_to_aggregate": "every training worker",
+               "push_every": "the number of workers"}
