@@ -221,11 +221,10 @@ class AsyncPSStrategy(DDPPlumbing):
             steps = self.lightning_module.trainer.estimated_stepping_batches  # inf where the length is unknown
             pushes = steps / getattr(self._exchange.mode, "push_every", 1)  # the fit's mode (Mode.for_workers)
             codec = self._exchange.fit_length(pushes)
-            if codec is not self._exchange.codec:
-                if self.global_rank == 0:
-                    log.info("this fit of about %.0f pushes per worker encodes with %r: the default fraction, raised "
-                             "so that a coordinate waits at most a fifth of the fit in the residual (docs/momentum.md)",
-                             pushes, codec)
+            if codec is not self._exchange.codec and self.global_rank == 0:
+                log.info("this fit of about %.0f pushes per worker encodes with %r: the default fraction, raised so "
+                         "that a coordinate waits at most a tenth of the fit in the residual (docs/momentum.md)",
+                         pushes, codec)
             short = codec.short_fit_warning(pushes)
             if short:
                 rank_zero_warn(short)

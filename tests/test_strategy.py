@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import time
 import warnings
 import weakref
@@ -186,8 +187,10 @@ def fit_wide(compressor) -> tuple[dict, list[warnings.WarningMessage]]:
 
 
 @pytest.mark.integration
-def test_randomks_default_fraction_is_raised_for_a_short_fit_and_its_pushes_carry_that_many_coordinates():
-    auto, caught = fit_wide("randomk")
+def test_randomks_default_fraction_is_raised_for_a_short_fit_and_its_pushes_carry_that_many_coordinates(caplog):
+    with caplog.at_level(logging.INFO, logger="plug_asgd.strategy"):
+        auto, caught = fit_wide("randomk")
+    assert "this fit of about 20 pushes per worker encodes with RandomK(fraction=0.5," in caplog.text
     assert not [w for w in caught if "pushes per worker" in str(w.message)]  # the fit is long enough for its codec
     # 20 pushes: the default 1% (a wait of 100 pushes) raised to 10 / 20 = 50%, so k = 500 of the weight's 1,000
     # coordinates and 5 of the bias's 10; a Sparse frame is 4 bytes of block counts and 2 + 4 bytes a coordinate,

@@ -32,7 +32,7 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help=f"training scheme (default: asgd): {schemes}")
     parser.add_argument("--compression", type=float, default=None,
                         help="adacomp, topk, randomk: fraction of each layer's update sent per push (default: 0.01; "
-                             "randomk's, left unset, is raised for a fit of fewer than 500 pushes per worker)")
+                             "randomk's, left unset, is raised for a fit of fewer than 1,000 pushes per worker)")
     parser.add_argument("--compressor", choices=sorted(COMPRESSORS), default="none",
                         help="how pushed updates are encoded (default: none); topk/randomk use --compression")
     parser.add_argument("--sparse-values", dest="values", choices=SPARSE_VALUES, default=None,
