@@ -340,3 +340,23 @@ def test_modes_and_codecs_import_neither_torch_nor_lightning():
             "sys.modules['plug_asgd'] = pkg; import plug_asgd.modes, plug_asgd.compressors; "
             "assert not {'torch', 'pytorch_lightning', 'lightning'} & set(sys.modules), 'imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_agns_window_left_unset_is_the_number_of_workers_and_a_fit_runs_it_so():
+    from plug_asgd.exchange import make_exchange
+    from plug_asgd.modes import AGN, Asgd, Downpour
+
+    auto = modes.get("agn")
+    assert auto == AGN() and auto.push_every is None and modes.get(auto.config()) == auto
+    # N workers, each pushing the average of N local steps: one step per N batches, as DDP
+    assert [auto.for_workers(n).push_every for n in (1, 2, 4, 7)] == [1, 2, 4, 7]
+    assert AGN(push_every=3).for_workers(2).push_every == 3  # given: kept
+    assert Downpour().for_workers(2) == Downpour() and Asgd().for_workers(8) == Asgd()
+    with pytest.raises(ValueError, match="push_every must be an integer >= 1"):
+        Asgd(push_every=None)  # None means something for agn alone
+    assert "`push_every` (the number of workers)" in modes.mode_table()
+    exchange = make_exchange(auto)
+    exchange.start_fit([], rank=1, world_size=3)
+    assert exchange.mode == AGN(push_every=3) and exchange.configured_mode is auto
+    exchange.start_fit([], rank=0, world_size=2)  # another fit, of another size
+    assert exchange.mode == AGN(push_every=2)
