@@ -197,7 +197,7 @@ class RandomK(Codec):
         fraction = min(1.0, max(self.default_fraction, self.fit_periods / pushes))
         if fraction == self.fraction:
             return self
-        return RandomK(fraction, self.seed, unbiased=self.unbiased, error_feedback=self.error_feedback)
+        return type(self)(**{**self.config(), "fraction": fraction})  # rebuilt as encoder() does
 
     def encode(self, key: str, update: np.ndarray) -> Tensor:
         flat = np.asarray(update).reshape(-1)
