@@ -65,11 +65,15 @@ def test_quick_slowlink_measures_the_link_and_the_bytes_each_scheme_moves(can_ma
     results = json.loads((tmp_path / "results.json").read_text())
     assert (tmp_path / "results.md").exists()
     rate = results["rates"]["100"]
-    # TCP transfers crossing two 100 Mbit/s htb links: none past the cap; the fastest within 10% of it (payload,
-    # so a little under it; the fastest, since a test beside this one on the machine only slows a transfer)
+    # TCP transfers crossing two 100 Mbit/s htb links: none past the cap, so the cap holds; the fastest within 30%
+    # of it, so the link is the 100 Mbit/s one and not the 20 or 1,000 of the full run. Not closer: the same probe
+    # gives 92 to 96 on an idle machine here and under four busy torch processes, but the project's CI machine,
+    # with the suite's other tests beside this one, measured 79.6 (one transfer) and 83 to 88 (three); what htb
+    # delivers there is the host's, not this code's. The benchmark's report states the measured rate beside its
+    # figures (bench/slowlink_report.py), and its own runs are made alone.
     assert len(rate["probe"]["tries_mbit"]) == 3, rate["probe"]
     assert all(t <= 100.0 for t in rate["probe"]["tries_mbit"]), rate["probe"]
-    assert 90.0 <= rate["probe"]["mbit_per_s"] <= 100.0, rate["probe"]
+    assert 70.0 <= rate["probe"]["mbit_per_s"] <= 100.0, rate["probe"]
     runs = rate["runs"]
     assert set(runs) == {"ddp", "asgd", "adacomp"}
     dense = MODEL_BYTES / BATCH  # one model per step of a worker, over its batch
