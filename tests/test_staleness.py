@@ -204,6 +204,29 @@ def test_under_adam_only_a_push_of_several_steps_is_scaled():
             assert exchange.share == 1.0 and exchange.scale() == 1.0
 
 
+def test_agn_looks_ahead_where_its_optimizer_normalizes_its_steps_and_takes_nesterovs_form_where_it_does_not():
+    """With several local steps per push only agn under Adam (and its kin) looks ahead: heavy-ball steps take
+    Nesterov's form instead, and the other modes' chunks neither (docs/momentum.md)."""
+    from plug_asgd.exchange import PushExchange
+    from plug_asgd.modes import get
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    sgd = torch.optim.SGD([w], lr=0.05, momentum=0.9)
+    for name, optimizers, lookahead, form in (
+            ("agn", [torch.optim.Adam([w])], True, False), ("agn", [torch.optim.AdamW([w])], True, False),
+            ("agn", [sgd], False, True), ("agn", [torch.optim.Adam([w]), sgd], False, True),
+            ("downpour", [torch.optim.Adam([w])], False, True), ("asgd", [torch.optim.Adam([w])], True, False),
+            ("asgd", [sgd], True, True)):
+        mode = get(name)
+        exchange = PushExchange(mode, compensation=resolve(None, name, mode.compensate))
+        exchange.start_fit(optimizers, rank=0, world_size=4)
+        assert (exchange.lookahead, exchange.nesterov_form_here) == (lookahead, form), (name, optimizers)
+    sagn = get("sagn")
+    exchange = PushExchange(sagn, compensation=resolve(None, "sagn", sagn.compensate))
+    exchange.start_fit([torch.optim.Adam([w])], rank=0, world_size=4)
+    assert not exchange.compensator.config.lookahead  # synchronous rounds: nothing looks ahead
+
+
 def test_a_worker_tells_the_ps_what_staleness_its_update_was_scaled_for_and_only_when_it_scaled_it():
     from plug_asgd.exchange import PushExchange
     from plug_asgd.modes import get
@@ -211,8 +234,7 @@ def test_a_worker_tells_the_ps_what_staleness_its_update_was_scaled_for_and_only
     w = torch.nn.Parameter(torch.zeros(2))
     sgd, adam = torch.optim.SGD([w], lr=0.05, momentum=0.9), torch.optim.Adam([w])
     for name, optimizer, expected in (("asgd", sgd, 2.0), ("downpour", sgd, 2.0), ("asgd", adam, None),
-                                      ("downpour", adam, 2.0), ("dynsgd", sgd, None), ("agn", sgd, None),
-                                      ("agn", adam, None)):
+                                      ("downpour", adam, 2.0), ("dynsgd", sgd, None)):
         mode = get(name)
         exchange = PushExchange(mode, compensation=resolve(None, name, mode.compensate))
         exchange.start_fit([optimizer], rank=0, world_size=3)  # before any push: the prior, 3 - 1
@@ -222,6 +244,22 @@ def test_a_worker_tells_the_ps_what_staleness_its_update_was_scaled_for_and_only
             for s in (0, 1, 1):
                 exchange.compensator.observe(s)
             assert exchange.scaled_for() == 1.0 and exchange.scale() == 0.5
+    # agn scales nothing: its division by push_every (3 steps, 3 workers) stands for the 2 pushes of the others that
+    # land between two of its own, and a push staler than that, or than its typical staleness, is corrected
+    for optimizer in (sgd, adam):
+        exchange = PushExchange(get("agn"), compensation=resolve(None, "agn", "unscaled"))
+        exchange.start_fit([optimizer], rank=0, world_size=3)
+        exchange.since_push = 3
+        assert exchange.scaled_for() == 2.0 and exchange.scale() == 1 / 3
+        for s in (0, 1, 1):
+            exchange.compensator.observe(s)
+        assert exchange.scaled_for() == 2.0 and exchange.scale() == 1 / 3  # a lone or raced worker: still 3 - 1
+        for s in (5, 5, 5, 5):
+            exchange.compensator.observe(s)
+        assert exchange.scaled_for() == 5.0 and exchange.scale() == 1 / 3  # typically staler: what it sees
+    plain_agn = PushExchange(get("agn"), compensation=resolve(None, "agn", "unscaled"))
+    plain_agn.start_fit([torch.optim.SGD([w], lr=0.1)], rank=0, world_size=3)
+    assert plain_agn.scaled_for() is None  # no momentum: nothing to correct
     uncorrected = PushExchange(get("asgd"), compensation=StalenessCompensation(correct=False))
     uncorrected.start_fit([sgd], rank=0, world_size=3)
     assert uncorrected.scaled_for() is None and uncorrected.scale() == 1 / 3  # scaled, the PS not told

@@ -66,6 +66,7 @@ class Exchange(ABC):
         self.encoder: Compressor = mode.encoder(self.codec, 0)
         self.compensator = Compensator(compensation, 0)
         self.correct = compensation.correct  # whether pushes say what they were scaled for (start_fit decides)
+        self.normalized_steps = False  # every optimizer normalizes its steps, as Adam's (start_fit decides)
         self.optimizers: list[Any] = []
         self.link: Link | None = None
         self.joined = False
@@ -93,7 +94,7 @@ class Exchange(ABC):
         self.mode = self.configured_mode.for_workers(world_size)
         self.rank, self.fit_codec = rank, self.codec
         self.encoder = self.mode.encoder(self.codec, rank)
-        normalized = bool(optimizers) and all(normalizes_steps(o) for o in optimizers)
+        self.normalized_steps = normalized = bool(optimizers) and all(normalizes_steps(o) for o in optimizers)
         # normalized steps (Adam's) stay about lr however stale: a push of one went in better unscaled, a push of
         # several (downpour's, a chunk landing on the others') better scaled (docs/momentum.md); losp's rounds keep
         # their own remedy

@@ -47,7 +47,12 @@ class PushExchange(Exchange):
 
     @property
     def lookahead(self) -> bool:
-        return self.mode.push_every == 1 and self.mode.pull_every is None
+        """Where a worker pushes every step; and in agn where its optimizers normalize their steps (Adam's): with
+        several local steps per push the look-ahead extrapolates what a heavy ball's momentum already carries, but
+        normalized steps take no Nesterov's form, and agn's chunks under Adam ended closer to DDP with it
+        (docs/momentum.md, "agn's chunks under Adam")."""
+        one_step = self.mode.push_every == 1 and self.mode.pull_every is None
+        return one_step or (self.mode.normalize and self.normalized_steps)
 
     def send(self) -> None:
         """Send ``w - w_base`` (over the steps it spans, for agn/sagn); take the central model if a pull is due."""
@@ -177,8 +182,18 @@ class PushExchange(Exchange):
 
     def scaled_for(self) -> float | None:
         """The staleness the update of :meth:`update` was scaled for, for the PS to correct; None if unscaled or if
-        no optimizer keeps momentum (nothing to correct)."""
-        return self.compensator.staleness if self.compensator.scale and self.correct else None
+        no optimizer keeps momentum (nothing to correct).
+
+        agn's pushes are not scaled, but its division by ``push_every`` (N steps, N workers) stands for a scale of
+        ``1 / (1 + s)`` at the ``N - 1`` pushes of the others that land between two of its own: a push landing
+        staler than that, or than the worker's typical staleness, is corrected as downpour's are."""
+        if not self.correct:
+            return None
+        if self.compensator.scale:
+            return self.compensator.staleness
+        if self.mode.normalize and self.mode.rule.corrects:
+            return max(float(self.mode.push_every - 1), self.compensator.staleness)
+        return None
 
     def dense(self, tensors: dict[str, Tensor]) -> bool:
         return isinstance(self.encoder, NoCompression) and all(t.dtype == torch.float32 for t in tensors.values())
