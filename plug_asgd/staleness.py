@@ -13,9 +13,13 @@ measurement (``docs/momentum.md``):
   tail of the regression case.
   Not for pushes of one step of an optimizer that normalizes its steps (Adam and its kin): those stay
   bounded, and the scale only slowed them; a push of several (downpour's) is scaled under Adam too.
+  agn is not scaled (it divides by its N steps, which stands for a scale at N - 1), but its pushes are
+  corrected where they land staler than that.
 - **look-ahead** (modes that push every step): the worker computes its next step at ``central +
   s * v``, ``v`` the central model's change per version since its last reply: where the model
-  will be when the update lands. With several local steps per push it hurts, and is left out.
+  will be when the update lands. With several local steps per push it extrapolates what a heavy
+  ball's momentum already carries, and hurts: left out there, but for agn under Adam and its kin,
+  whose normalized steps take no Nesterov's form and whose chunks landed closer to DDP with it.
 - **local residual** (codecs with error feedback: adacomp, topk, randomk, sign; not powersgd): the
   worker's model keeps what its codec has not sent yet (``central + residual``), so its gradients
   see its own pending progress instead of pushing the same coordinates again until they are sent.
