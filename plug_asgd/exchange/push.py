@@ -50,7 +50,7 @@ class PushExchange(Exchange):
         """Where a worker pushes every step; and in agn where its optimizers normalize their steps (Adam's): with
         several local steps per push the look-ahead extrapolates what a heavy ball's momentum already carries, but
         normalized steps take no Nesterov's form, and agn's chunks under Adam ended closer to DDP with it
-        (docs/momentum.md, "agn's chunks under Adam")."""
+        (docs/momentum.md, "agn's chunks at 4 workers")."""
         one_step = self.mode.push_every == 1 and self.mode.pull_every is None
         return one_step or (self.mode.normalize and self.normalized_steps)
 
