@@ -205,8 +205,8 @@ def test_under_adam_only_a_push_of_several_steps_is_scaled():
 
 
 def test_agn_looks_ahead_where_its_optimizer_normalizes_its_steps_and_takes_nesterovs_form_where_it_does_not():
-    """With several local steps per push only agn under Adam (and its kin) looks ahead: heavy-ball steps take
-    Nesterov's form instead, and the other modes' chunks neither (docs/momentum.md)."""
+    """With several local steps per push only agn under Adam (and its kin) looks ahead: under heavy-ball SGD it takes
+    Nesterov's form instead, and the other modes' chunks (downpour's) do not look ahead (docs/momentum.md)."""
     from plug_asgd.exchange import PushExchange
     from plug_asgd.modes import get
 
