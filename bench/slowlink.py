@@ -56,6 +56,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "adacomp-0.0033-overlap": {"kind": "asgd", "mode": "adacomp", "compression": ADACOMP_191, "overlap": True},
     "topk": {"kind": "asgd", "mode": "asgd", "compressor": "topk"},
     "powersgd": {"kind": "asgd", "mode": "asgd", "compressor": "powersgd"},
+    # a low-rank update changes every coordinate, so a reply of what changed is the whole model: here the PS
+    # answers with the 1% of each tensor where the worker is furthest off, as adacomp-0.0033-down's
+    "powersgd-down": {"kind": "asgd", "mode": "asgd", "compressor": "powersgd",
+                      "ps_args": ["--downlink-fraction", "0.01"]},
     "localsgd": {"kind": "asgd", "mode": "localsgd"},
     "hivemind": {"kind": "hivemind"},
 }

@@ -234,8 +234,8 @@ class PSClient(Transport):
         ``scaled_for``: the update was scaled by ``1 / (1 + scaled_for)`` for that staleness (an
         estimate); the PS multiplies it by ``(1 + scaled_for) / (1 + max(scaled_for, s))``, ``s``
         the staleness it lands with: a push staler than its estimate is folded in scaled for its
-        own. Modes whose PS folds each push as it arrives (asgd, adacomp, downpour, ssp, ...); sync's
-        rounds and dynsgd, which scales by staleness itself, refuse it (``bad_field``).
+        own. Modes whose PS folds each push as it arrives (asgd, adacomp, downpour, dynsgd, ssp, ...; dynsgd's
+        PS then scales it no further); sync's rounds refuse it (``bad_field``).
         """
         if want_model not in (True, False, "unless_own"):
             raise ValueError(f"want_model must be True, False or 'unless_own', got {want_model!r}")

@@ -14,7 +14,8 @@ measurement (``docs/momentum.md``):
   Not for pushes of one step of an optimizer that normalizes its steps (Adam and its kin): those stay
   bounded, and the scale only slowed them; a push of several (downpour's) is scaled under Adam too.
   agn is not scaled (it divides by its N steps, which stands for a scale at N - 1), but its pushes are
-  corrected where they land staler than that.
+  corrected where they land staler than that. dynsgd's PS, which scales a push by its own staleness,
+  scales one its worker scaled no further: its staleness is floored at the worker's estimate.
 - **look-ahead** (modes that push every step): the worker computes its next step at ``central +
   s * v``, ``v`` the central model's change per version since its last reply: where the model
   will be when the update lands. With several local steps per push it extrapolates what a heavy
@@ -26,7 +27,7 @@ measurement (``docs/momentum.md``):
 - **momentum masking** (sparse codecs only): the optimizer's momentum is zeroed where an update
   was just sent (Deep Gradient Compression's momentum factor masking), so a coordinate's
   momentum does not keep pushing after its delayed residual landed.
-- **Nesterov's form** (every mode that folds stale steps but dynsgd, while the worker's staleness is above 0): a
+- **Nesterov's form** (every mode that folds stale steps, while the worker's staleness is above 0): a
   heavy-ball SGD step ``lr * buf`` is taken as Nesterov's, ``lr * (d + mu * buf)``, by adding
   ``lr * mu`` times the momentum's change. Nesterov's momentum is a look-ahead of its own: where the
   library's look-ahead does not act (several local steps per push, as downpour and agn, or hogwild's

@@ -196,6 +196,10 @@ def test_dynsgd_scales_by_one_over_staleness_plus_one():
     rule.push(state, Push("b", 1, 0, {"w": np.array([0, 6], np.float32)}))  # one behind: 6/2
     rule.push(state, Push("c", 0, 0, {"w": np.array([6, 6], np.float32)}))  # two behind: 6/3
     np.testing.assert_allclose(state.tensors["w"], [8, 5])
+    # one its worker scaled (scaled_for): the PS's correction (here the store's (1 + 1) / (1 + 3) for a push
+    # scaled for 1 landing 3 behind) and nothing more
+    rule.push(state, Push("d", 1, 0, {"w": np.array([4, 0], np.float32)}, scale=0.5, scaled_by_worker=True))
+    np.testing.assert_allclose(state.tensors["w"], [10, 5])
 
 
 def test_ssp_holds_a_worker_more_than_the_bound_ahead_until_the_slowest_pushes():

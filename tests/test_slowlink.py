@@ -33,6 +33,8 @@ def test_each_configuration_is_a_run_of_its_scheme():
     # the PS's own flags go to serve-ps, not to the workers' run
     assert runs["adacomp-0.0033-down"]["compression"] == 0.0033 and "ps_args" not in runs["adacomp-0.0033-down"]
     assert CONFIGS["adacomp-0.0033-down"]["ps_args"] == ["--downlink-fraction", "0.01"]
+    assert runs["powersgd-down"]["compressor"] == "powersgd" and "ps_args" not in runs["powersgd-down"]
+    assert CONFIGS["powersgd-down"]["ps_args"] == ["--downlink-fraction", "0.01"]
 
 
 def test_pinned_hosts_get_cores_of_their_own(monkeypatch):

@@ -122,8 +122,8 @@ def test_a_scaled_step_moves_the_weights_by_the_fraction_and_restores_the_lr():
 
 def test_each_mode_gets_its_default_and_refuses_what_it_cannot_do():
     full = {m for m, cls in MODES.items() if cls.compensate == "full"}
-    assert full == {"asgd", "adacomp", "downpour", "ssp"}
-    assert resolve(None, "dynsgd", "unscaled") == StalenessCompensation(scale=False)
+    assert full == {"asgd", "adacomp", "downpour", "dynsgd", "ssp"}
+    assert resolve(None, "agn", "unscaled") == StalenessCompensation(scale=False)
     assert AsyncPSStrategy(mode="agn").staleness_compensation == StalenessCompensation(scale=False)
     assert resolve(None, "hogwild", "step") == StalenessCompensation(scale=True, lookahead=False,
                                                                      local_residual=False, mask_momentum=False)
@@ -234,7 +234,7 @@ def test_a_worker_tells_the_ps_what_staleness_its_update_was_scaled_for_and_only
     w = torch.nn.Parameter(torch.zeros(2))
     sgd, adam = torch.optim.SGD([w], lr=0.05, momentum=0.9), torch.optim.Adam([w])
     for name, optimizer, expected in (("asgd", sgd, 2.0), ("downpour", sgd, 2.0), ("asgd", adam, None),
-                                      ("downpour", adam, 2.0), ("dynsgd", sgd, None)):
+                                      ("downpour", adam, 2.0), ("dynsgd", sgd, 2.0)):
         mode = get(name)
         exchange = PushExchange(mode, compensation=resolve(None, name, mode.compensate))
         exchange.start_fit([optimizer], rank=0, world_size=3)  # before any push: the prior, 3 - 1
@@ -322,7 +322,8 @@ def test_nesterovs_form_leaves_alone_what_is_not_a_heavy_ball_step():
 
 def test_nesterovs_form_acts_in_every_mode_that_folds_stale_steps_and_only_while_others_race():
     """downpour and agn (several steps per push), hogwild, and the modes with the look-ahead whose workers scale
-    (not dynsgd) take it; not a lone worker (staleness 0: plain Lightning's bits), nor a config that leaves it out."""
+    take it; not a lone worker (staleness 0: plain Lightning's bits), nor a config that leaves it out, nor a worker
+    that looks ahead without scaling (dynsgd's with the scale turned off, its PS scaling by staleness alone)."""
     from plug_asgd.exchange import PushExchange, SharedExchange
     from plug_asgd.modes import get
 
@@ -330,7 +331,7 @@ def test_nesterovs_form_acts_in_every_mode_that_folds_stale_steps_and_only_while
     sgd = torch.optim.SGD([w], lr=0.05, momentum=0.9)
     for name, kind, world, expected in (("downpour", PushExchange, 2, True), ("agn", PushExchange, 2, True),
                                         ("hogwild", SharedExchange, 2, True), ("asgd", PushExchange, 2, True),
-                                        ("adacomp", PushExchange, 2, True), ("dynsgd", PushExchange, 2, False),
+                                        ("adacomp", PushExchange, 2, True), ("dynsgd", PushExchange, 2, True),
                                         ("ssp", PushExchange, 2, True), ("downpour", PushExchange, 1, False),
                                         ("hogwild", SharedExchange, 1, False)):
         mode = get(name)
@@ -340,6 +341,9 @@ def test_nesterovs_form_acts_in_every_mode_that_folds_stale_steps_and_only_while
     exchange = PushExchange(get("downpour"), compensation=StalenessCompensation(nesterov=False))
     exchange.start_fit([sgd], rank=0, world_size=2)
     assert not exchange.nesterov_steps
+    exchange = PushExchange(get("dynsgd"), compensation=StalenessCompensation(scale=False))
+    exchange.start_fit([sgd], rank=0, world_size=2)
+    assert exchange.lookahead and exchange.scaled_for() is None and not exchange.nesterov_steps
     exchange = PushExchange(get("downpour"), compensation=resolve(None, "downpour", "full"))
     exchange.start_fit([sgd], rank=0, world_size=2)
     for s in (0, 0, 1):  # the others gone: the median staleness falls to 0, and the form with it

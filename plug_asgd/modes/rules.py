@@ -55,6 +55,9 @@ class Push:
     # where the worker scaled its update for an estimated staleness ``e`` (``scaled_for``, ``FoldRule.corrects``),
     # so that an update staler than estimated lands scaled for its own staleness; 1 otherwise.
     scale: float = 1.0
+    # The worker scaled the update for its staleness (it said ``scaled_for``): ``scale`` finishes that, and a rule
+    # that scales by staleness itself (dynsgd's) scales it no further.
+    scaled_by_worker: bool = False
 
 
 Resolution = tuple[Any, str]  # (token, APPLIED | DROPPED)
@@ -346,13 +349,19 @@ class SyncRule(FoldRule):
 
 
 class DynSGDRule(FoldRule):
-    """``w += delta / (staleness + 1)``, staleness = updates folded in since the base (Jiang et al., SIGMOD 2017)."""
+    """``w += delta / (staleness + 1)``, staleness = updates folded in since the base (Jiang et al., SIGMOD 2017).
+
+    A push its worker scaled (``scaled_for``: the staleness compensation's default) is folded as asgd's, at
+    ``1 / (1 + max(e, staleness))`` in all: the worker's estimate ``e`` is the floor. Scaled by its own staleness
+    alone, a push landing fresher than the worker looked ahead for (0 where the others' pushes are due) went in
+    whole, and under momentum SGD those ended about a point below asgd's (docs/momentum.md, "dynsgd's floor")."""
 
     folds_into_update = True
     changes_only_pushed = True
+    corrects = True
 
     def push(self, state: CentralState, push: Push) -> list[Resolution]:
-        scale = 1.0 / (state.version - push.base_version + 1)
+        scale = 1.0 if push.scaled_by_worker else 1.0 / (state.version - push.base_version + 1)
         _fold_all(state, push, scale)
         state.version += 1
         return [(push.token, APPLIED)]

@@ -161,7 +161,7 @@ class DynSGD(PushMode):
     name = "dynsgd"
     summary = "asgd, each update scaled by 1/(staleness+1) at the PS"
     rule = DynSGDRule
-    compensate = "unscaled"
+    compensate = "full"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -216,7 +216,8 @@ class Store(ABC):
         self._before_write(in_place=out is None)
         before, version = dict(self.state.tensors), self.state.version
         resolutions = self.rule.push(self.state, Push(push.token, push.rank, base, update, out,
-                                                      replace=push.weights, scale=correction))
+                                                      replace=push.weights, scale=correction,
+                                                      scaled_by_worker=push.scaled_for is not None))
         if self.state.version == version + 1 and self.rule.changes_only_pushed:
             self.changes.record(self.state.version, update)
         elif self.state.version != version:
@@ -237,8 +238,7 @@ class Store(ABC):
         if scaled_for is None:
             return 1.0
         if not self.rule.corrects:
-            raise WireError("bad_field", "field 'scaled_for': this mode's PS averages rounds or scales pushes by "
-                                         "their staleness itself (leave the field out)")
+            raise WireError("bad_field", "field 'scaled_for': this mode's PS averages rounds (leave the field out)")
         return (1.0 + scaled_for) / (1.0 + max(scaled_for, staleness))
 
     def _read_local(self, session: str, tensors: dict[str, Any]) -> tuple[dict[str, Any], int]:
