@@ -260,6 +260,12 @@ def test_a_worker_tells_the_ps_what_staleness_its_update_was_scaled_for_and_only
     plain_agn = PushExchange(get("agn"), compensation=resolve(None, "agn", "unscaled"))
     plain_agn.start_fit([torch.optim.SGD([w], lr=0.1)], rank=0, world_size=3)
     assert plain_agn.scaled_for() is None  # no momentum: nothing to correct
+    # dynsgd's PS scales an unscaled push by its staleness: a worker that would not say it scaled (no momentum to
+    # correct, or correct=False) scales nothing, or its pushes would be scaled twice
+    for optimizer, compensation in ((torch.optim.SGD([w], lr=0.1), None), (sgd, StalenessCompensation(correct=False))):
+        exchange = PushExchange(get("dynsgd"), compensation=resolve(compensation, "dynsgd", "full"))
+        exchange.start_fit([optimizer], rank=0, world_size=3)
+        assert exchange.scaled_for() is None and exchange.scale() == 1.0
     uncorrected = PushExchange(get("asgd"), compensation=StalenessCompensation(correct=False))
     uncorrected.start_fit([sgd], rank=0, world_size=3)
     assert uncorrected.scaled_for() is None and uncorrected.scale() == 1 / 3  # scaled, the PS not told

@@ -183,9 +183,12 @@ class FoldRule(ABC):
     # update does not name (a sparse update: only its indices): the PS can then send a worker only
     # what changed since its base (``plug_asgd.ps.changes``).
     changes_only_pushed = False
-    # True when a rule folds each push in as it arrives with ``Push.scale`` applied (``_fold_all`` does) and does
-    # not scale by staleness the way dynsgd does: the PS may then correct a worker's estimate of its staleness.
+    # True when a rule folds each push in as it arrives with ``Push.scale`` applied (``_fold_all`` does): the PS
+    # may then correct a worker's estimate of its staleness.
     corrects = False
+    # True when a rule scales a push its worker did not scale by the push's staleness itself (dynsgd's): a worker
+    # then scales only a push it says it scaled (``scaled_for``), or it would be scaled twice.
+    scales_by_staleness = False
 
     def __init__(self) -> None:
         self.training_ranks: frozenset[int] = frozenset()
@@ -359,6 +362,7 @@ class DynSGDRule(FoldRule):
     folds_into_update = True
     changes_only_pushed = True
     corrects = True
+    scales_by_staleness = True
 
     def push(self, state: CentralState, push: Push) -> list[Resolution]:
         scale = 1.0 if push.scaled_by_worker else 1.0 / (state.version - push.base_version + 1)
