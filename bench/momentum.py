@@ -127,7 +127,8 @@ def markdown(tables: list[dict[str, Any]]) -> str:
         lines += [f"### {t['workers']} workers: test accuracy, and points from DDP (compensation on / off){over}", "",
                   "| | " + " | ".join(opts) + " |", "|---|" + "---|" * len(opts),
                   "| DDP | " + " | ".join(f"{t['ddp'][o]:.4f}" for o in opts) + " |"]
-        rows = dict.fromkeys(c["row"] for c in t["cells"])
+        order = {name: i for i, (name, _) in enumerate(ROWS)}  # a row rerun and merged keeps its place
+        rows = sorted(dict.fromkeys(c["row"] for c in t["cells"]), key=lambda r: order.get(r, len(order)))
         for row in rows:
             out = []
             for o in opts:

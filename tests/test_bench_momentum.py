@@ -58,6 +58,10 @@ def test_with_seeds_the_gap_is_paired_by_seed_and_a_cell_diverged_in_one_seed_mi
     results.append({**_run("adacomp", None, diverged=True), "seed": 1})
     t = table(results, workers=2)
     assert t["met"] is False and t["worst_gap_points"] == -100.0
+    # a row rerun with --rows is merged at the end of the results, but keeps its place in the table
+    t = table([*results[:2], *results[4:], *results[2:4]], workers=2)  # DDP, adacomp, then asgd
+    lines = [line.split(" |")[0] for line in markdown([t]).splitlines() if line.startswith("| a")]
+    assert lines == ["| asgd", "| adacomp"]
 
 
 def test_rows_rerun_merge_into_a_table_assembled_from_several_commands(tmp_path, monkeypatch):
