@@ -100,6 +100,8 @@ def _run_spec(name: str, size: dict[str, Any], ps_address: str) -> dict[str, Any
         run["time_limit_s"] = size["time_limit_s"]
     if cfg["kind"] == "asgd":
         run["shm_pushes"] = False
+        # beside rank 0's weights (its residual and look-ahead in them), the central model it last received
+        run["snapshot_central"] = True
         # no CURVE keys between emulated hosts: encryption would cost CPU that no other scheme pays
         run["options"] = {"ps_address": ps_address, "ps_insecure": True}
     return run
@@ -184,7 +186,8 @@ def launch_lightning(topo: Topology, name: str, size: dict[str, Any], out: Path)
                          f"logs in {out}"}
     r = results[0]
     comm = [rank.get("comm") or {} for rank in r["ranks"]]
-    return {"curve": r.get("curve", []), "steps": [rank["steps"] for rank in r["ranks"]],
+    return {"curve": r.get("curve", []), "central_curve": r.get("central_curve"),
+            "steps": [rank["steps"] for rank in r["ranks"]],
             "samples_per_s": r.get("samples_per_s"), "threads_per_process": threads,
             "cores": {f"w{rank}": host_cores(size, rank) for rank in range(workers)} | {"ps": host_cores(size, None)},
             "strategy_bytes_up": sum(c.get("bytes_up", 0) for c in comm) if any(comm) else None,
@@ -265,6 +268,10 @@ def run_config(topo: Topology, name: str, size: dict[str, Any], out: Path) -> di
                   down_per_sample=sum(wire[h]["down"] for h in workers) / samples,
                   time_to_target_s=first_time_at(curve, TARGET), final_acc=curve[-1][1] if curve else None,
                   best_acc=max((a for _, a in curve), default=None), train_s=curve[-1][0] if curve else None)
+    central = got.get("central_curve")
+    if central:  # the model validation, test and checkpoints load: the PS's, as rank 0 last received it
+        result.update(central_time_to_target_s=first_time_at(central, TARGET),
+                      central_best_acc=max(a for _, a in central))
     if got.get("strategy_bytes_up") is not None:
         result["strategy_up_per_sample"] = got["strategy_bytes_up"] / samples
         result["strategy_down_per_sample"] = got["strategy_bytes_down"] / samples
@@ -317,7 +324,8 @@ def run(size: dict[str, Any], rates: list[float], names: list[str], out: Path, m
                 r.update(command=command, date=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
                 entry["runs"][name] = r
                 print(f"[slowlink] {key} Mbit/s {name}: " + (r["error"] if "error" in r else
-                      f"final acc {r['final_acc']}, up/down {r['up_per_sample'] / 1e3:.1f}/"
+                      f"final acc {r['final_acc']}, to {TARGET:g}: {r['time_to_target_s']} s (central: "
+                      f"{r.get('central_time_to_target_s', '-')} s), up/down {r['up_per_sample'] / 1e3:.1f}/"
                       f"{r['down_per_sample'] / 1e3:.1f} kB per sample, {r['launch_s']} s"), flush=True)
                 write_json(out / "results.json", results)
     results["wall_s"] = round(time.monotonic() - started, 1)

@@ -26,7 +26,9 @@ def markdown(results: dict[str, Any]) -> str:
                        for e in results.get("earlier", [])) + ".", "",
              f"Every run: batch {results['batch_size']} per worker, Adam 1e-3, stopped after {size['max_steps']} steps "
              f"or {size['time_limit_s']:g} s of training or {size['epochs']} epoch(s); rank 0's weights snapshotted "
-             f"every {size['snapshot_s']:g} s and evaluated on {size['test_subset'] or 'all'} test images after "
+             f"every {size['snapshot_s']:g} s (for our modes, beside them the central model as rank 0 last received "
+             "it, which validation, test and checkpoints load: its own column) and evaluated on "
+             f"{size['test_subset'] or 'all'} test images after "
              "the fit. Bytes: each worker host's interface counters (tx = up, rx = down) over the launch, summed "
              "over the workers, over the samples they trained on; `strategy` is the client's own count "
              f"(payload and headers of its messages). DDP's formula, 2 (n-1)/n x {results['model_bytes']:,} "
@@ -41,18 +43,21 @@ def markdown(results: dict[str, Any]) -> str:
         p = r["probe"]
         tries = f"the fastest of {len(p['tries_mbit'])} TCP transfers" if "tries_mbit" in p else "a TCP transfer"
         lines += [f"## {rate} Mbit/s (htb); {tries} measured {p['mbit_per_s']:.1f} Mbit/s of payload", "",
-                  f"| scheme | time to {results['target_acc']:.0%} (s) | final acc | best acc | samples | samples/s "
-                  "| up kB/sample | down kB/sample | strategy up/down kB/sample | cmd |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"| scheme | time to {results['target_acc']:.0%} (s) | the central model's (s) | final acc "
+                  "| best acc | samples | samples/s | up kB/sample | down kB/sample | strategy up/down kB/sample "
+                  "| cmd |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, x in r["runs"].items():
             cmd = commands.index(x.get("command", commands[0])) + 1
             if "error" in x:
-                lines.append(f"| {name} | error: {x['error']} | | | | | | | | {cmd} |")
+                lines.append(f"| {name} | error: {x['error']} | | | | | | | | | {cmd} |")
                 continue
             rate_s = x["samples"] / x["train_s"] if x.get("train_s") else None
             strategy = (f"{_kb(x['strategy_up_per_sample'])} / {_kb(x['strategy_down_per_sample'])}"
                         if "strategy_up_per_sample" in x else "-")
-            lines.append(f"| {name} | {_fmt(x['time_to_target_s'])} | {_fmt(x['final_acc'])} | {_fmt(x['best_acc'])} "
+            central = _fmt(x["central_time_to_target_s"]) if "central_time_to_target_s" in x else "-"
+            lines.append(f"| {name} | {_fmt(x['time_to_target_s'])} | {central} | {_fmt(x['final_acc'])} "
+                         f"| {_fmt(x['best_acc'])} "
                          f"| {x['samples']} | {_fmt(rate_s)} | {_kb(x['up_per_sample'])} | "
                          f"{_kb(x['down_per_sample'])} | {strategy} | {cmd} |")
         hm = r["runs"].get("hivemind", {})
@@ -79,7 +84,11 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         for name, x in r["runs"].items():
             curve = x.get("curve") or []
             if curve:
-                ax.plot([c[0] for c in curve], [c[1] for c in curve], marker=".", label=name)
+                (line,) = ax.plot([c[0] for c in curve], [c[1] for c in curve], marker=".", label=name)
+                central = x.get("central_curve") or []
+                if central:  # the model validation, test and checkpoints load, in the same colour
+                    ax.plot([c[0] for c in central], [c[1] for c in central], ls=":", color=line.get_color(),
+                            label=f"{name} (central)")
         ax.axhline(results["target_acc"], color="grey", lw=0.6, ls="--")
         ax.set(xlabel="training time (s)", ylabel="test accuracy", title=f"{rate} Mbit/s links, 2 workers")
         ax.legend(fontsize=8)

@@ -17,7 +17,8 @@ alternated, without paying the interpreter and import start-up for each. A run i
 Measured on each rank by :class:`StepClock`: the wall-clock end of every training step (after
 ``warmup`` steps), forward+backward time, and, on rank 0 where asked, snapshots of the weights
 every ``snapshot_every_s`` seconds of training (the time taken by a snapshot is subtracted from
-the clock), evaluated on the test set after the fit. The straggler is a sleep of ``slow_sleep_s``
+the clock), evaluated on the test set after the fit; with ``snapshot_central``, beside each, rank 0's
+copy of the central model as of its last reply (:func:`central_weights`). The straggler is a sleep of ``slow_sleep_s``
 at the end of each step of rank ``slow_rank``: the runner sets it to ``(factor - 1) x`` the
 compute time of one step measured once, alone, before the launch, so that DDP and asgd are
 slowed by the same amount (a sleep proportional to the step's own measured time would also
@@ -62,6 +63,8 @@ class StepClock(pl.Callback):
         self.excluded = 0.0
         self.fit_start = 0.0
         self.snapshots: list[tuple[float, dict[str, torch.Tensor]]] = []
+        self.central = bool(self.snapshot_every and run.get("snapshot_central"))
+        self.central_snapshots: list[tuple[float, dict[str, torch.Tensor]]] = []
         self._next_snapshot = 0.0
         self._t0 = 0.0
 
@@ -69,16 +72,19 @@ class StepClock(pl.Callback):
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         self.fit_start = time.perf_counter()
         if self.snapshot_every:
-            self._snapshot(module)
+            self._snapshot(trainer, module)
             self._next_snapshot = self.snapshot_every
 
     def _clock(self) -> float:
         return time.perf_counter() - self.fit_start - self.excluded
 
-    def _snapshot(self, module: pl.LightningModule) -> None:
+    def _snapshot(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         t = time.perf_counter()
         at = self._clock()
         self.snapshots.append((at, {k: v.detach().clone() for k, v in module.state_dict().items()}))
+        central = central_weights(trainer, module) if self.central else None
+        if central is not None:
+            self.central_snapshots.append((at, central))
         self.excluded += time.perf_counter() - t
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, idx: int) -> None:
@@ -101,19 +107,35 @@ class StepClock(pl.Callback):
         elif self.steps > self.warmup:
             self.step_ends.append(now)
         if self.snapshot_every and self._clock() >= self._next_snapshot:
-            self._snapshot(module)
+            self._snapshot(trainer, module)
             self._next_snapshot = self._clock() + self.snapshot_every
         if self.time_limit and self.window_start is not None and now - self.window_start >= self.time_limit:
             trainer.should_stop = True  # asgd-family runs only: their ranks stop independently
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if self.snapshot_every:
-            self._snapshot(module)
+            self._snapshot(trainer, module)
 
     def record(self) -> dict[str, Any]:
         return {"rank": self.rank, "steps": self.steps, "window_start": self.window_start,
                 "step_ends": self.step_ends, "compute_median_s": float(np.median(self.compute)) if self.compute else 0,
                 "slept_s": self.slept}
+
+
+def central_weights(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, torch.Tensor] | None:
+    """Rank 0's copy of the central model as of its last reply, as a state dict: the model the PS client holds
+    to patch delta replies into (exact, bit for bit), which is what validation, test and checkpoints load; a
+    worker's own weights carry its codec's residual and its look-ahead besides. None where the client holds
+    no exact copy (no delta replies, a sharded PS, approximate replies, before the first reply)."""
+    client = getattr(getattr(trainer.strategy, "connection", None), "client", None)
+    held = getattr(client, "held", None)
+    if held is None or not held.exact or held.version < 0 or not held.tensors:
+        return None
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    for name, values in held.tensors.items():  # arrays a reply handed out are never written afterwards
+        if name in state:
+            state[name] = torch.from_numpy(np.array(values, copy=True)).reshape(state[name].shape)
+    return state
 
 
 def ps_port(runs: list[dict[str, Any]], index: int) -> int:
@@ -261,6 +283,8 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
         test_x, test_y = dm.test_set.tensors
         torch.set_num_threads(max(1, os.cpu_count() or 1))
         result["curve"] = [(round(t, 3), evaluate(s, test_x, test_y)) for t, s in clock.snapshots]
+        if clock.central_snapshots:
+            result["central_curve"] = [(round(t, 3), evaluate(s, test_x, test_y)) for t, s in clock.central_snapshots]
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     return result
 

@@ -471,3 +471,27 @@ def test_the_ps_floor_times_the_echo_the_minimal_server_and_the_ps(procs):
         assert 0 < ps["on_a_core"] <= ps["wall"] < 10 * report["round_trip_ms"][kind], (kind, ps)
     rc, out = procs.run([PYTHON, "-m", "bench.ps_floor", "--works", "check,fold"], timeout=60)
     assert rc == 2 and "--works: unknown fold; choose from codec, add, check, torch" in out
+
+
+def test_the_central_snapshot_is_the_model_the_client_holds_and_none_where_it_holds_no_exact_one():
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from bench.train import central_weights
+    from plug_asgd.client import HeldModel
+
+    module = torch.nn.Linear(3, 2)
+    held = HeldModel()
+    trainer = SimpleNamespace(strategy=SimpleNamespace(connection=SimpleNamespace(client=SimpleNamespace(held=held))))
+    assert central_weights(trainer, module) is None  # before the first reply
+    central = {"weight": np.arange(6, dtype=np.float32).reshape(2, 3), "bias": np.array([7.0, 8.0], np.float32)}
+    held.keep("model-1", 5, central)
+    state = central_weights(trainer, module)
+    assert state["weight"].tolist() == central["weight"].tolist() and state["bias"].tolist() == [7.0, 8.0]
+    module.weight.data.add_(1.0)  # the worker's weights move on; the snapshot does not
+    assert state["weight"].tolist() == central["weight"].tolist()
+    held.exact = False  # an approximate reply: the client holds a model near the central one, not it
+    assert central_weights(trainer, module) is None
+    assert central_weights(SimpleNamespace(strategy=SimpleNamespace()), module) is None  # DDP, one process

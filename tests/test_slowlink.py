@@ -92,6 +92,11 @@ def test_quick_slowlink_measures_the_link_and_the_bytes_each_scheme_moves(can_ma
     assert 1.0 <= asgd["up_per_sample"] / asgd["strategy_up_per_sample"] <= 1.05, asgd
     # adacomp pushes 1% of each layer (6 bytes a value): far under a tenth of asgd's pushes
     assert runs["adacomp"]["up_per_sample"] < 0.1 * asgd["up_per_sample"], runs["adacomp"]
+    # beside rank 0's weights, our modes snapshot the central model it last received, at the same times
+    for name in ("asgd", "adacomp"):
+        central, curve = runs[name]["central_curve"], runs[name]["curve"]
+        assert [t for t, _ in central] == [t for t, _ in curve][-len(central):] and len(central) >= 2, name
+    assert runs["ddp"]["central_curve"] is None
     for name, r in runs.items():
         assert r["best_acc"] > 0.3, (name, r["curve"])  # chance is 0.1
         assert r["samples"] >= 32 * 10, (name, r["steps"])
