@@ -281,11 +281,17 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
     if clock.snapshots:
         dm.setup("test")
         test_x, test_y = dm.test_set.tensors
+        # untimed, after the fit: a rank pinned to a core (bench.slowlink's hosts) may use them all meanwhile
+        pinned = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else None
+        if pinned is not None:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
         torch.set_num_threads(max(1, os.cpu_count() or 1))
         result["curve"] = [(round(t, 3), evaluate(s, test_x, test_y)) for t, s in clock.snapshots]
         if clock.central_snapshots:
             result["central_curve"] = [(round(t, 3), evaluate(s, test_x, test_y)) for t, s in clock.central_snapshots]
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned)
     return result
 
 

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from plug_asgd.client import ModelReply, PSClient
 from plug_asgd.compressors import Codec, Compressor, NoCompression
-from plug_asgd.modes import FoldRule, Mode
+from plug_asgd.modes import Mode
 from plug_asgd.sharded_client import ShardedClient
 from plug_asgd.staging import Staging
 from plug_asgd.staleness import (
@@ -102,7 +102,7 @@ class Exchange(ABC):
         self.correct = self.compensation.correct and (not optimizers or any(keeps_momentum(o) for o in optimizers))
         # dynsgd's PS scales an unscaled push by its staleness: its worker scales only pushes it says it scaled
         scale = self.compensation.scale and (chunks or not normalized) and (
-            self.correct or not getattr(self.mode, "rule", FoldRule).scales_by_staleness)
+            self.correct or not self.mode.rule.scales_by_staleness)
         self.compensator = Compensator(self.compensation, world_size - 1, scale=scale)
         if self.compensation.mask_momentum and not isinstance(self.encoder, NoCompression):
             warn_unknown_optimizers(optimizers)
