@@ -9,8 +9,10 @@ runs reach a ``plug-asgd serve-ps`` on the PS's host (``shm_pushes=False``: no s
 between hosts), DDP runs gloo over the same links, hivemind's peers run on the worker hosts
 (``bench.slowlink_hivemind``, in ``.venv-hivemind``), the one process runs alone. Each
 configuration is a launch of ``bench.train`` (one run: its ``StepClock`` snapshots rank 0's
-weights, evaluated after the fit). Bytes are read from every host's interface counters before
-and after each launch, the same wire measure for all; the strategy's own counters are reported beside.
+weights, and for our modes the central model rank 0 last received, which validation, test and
+checkpoints load; each evaluated after the fit, its time to the target reported). Bytes are read
+from every host's interface counters before and after each launch, the same wire measure for all;
+the strategy's own counters are reported beside.
 
 ``--cores-per-host N`` pins each worker host to N cores of its own (``taskset``), and the one process to
 N cores too, so that every host computes as fast as the one process, as on machines of one kind; the
