@@ -80,7 +80,8 @@ class StalenessCompensation:
     # correction only slowed training (measured under load: plain SGD 0.92 against 0.935, docs/momentum.md)
     correct: bool = True
     # heavy-ball momentum SGD steps taken in Nesterov's form while the worker's updates are stale: the momentum's
-    # own look-ahead, the dynamics of SGD(nesterov=True); not in dynsgd, whose PS scales (docs/momentum.md)
+    # own look-ahead, the dynamics of SGD(nesterov=True); beside the look-ahead only where the worker scales its
+    # updates too (docs/momentum.md)
     nesterov: bool = True
 
     def __post_init__(self) -> None:
