@@ -131,11 +131,9 @@ def central_weights(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str
     held = getattr(client, "held", None)
     if held is None or not held.exact or held.version < 0 or not held.tensors:
         return None
-    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    for name, values in held.tensors.items():  # arrays a reply handed out are never written afterwards
-        if name in state:
-            state[name] = torch.from_numpy(np.array(values, copy=True)).reshape(state[name].shape)
-    return state
+    central = held.tensors  # arrays a reply handed out are never written afterwards
+    return {k: torch.from_numpy(np.array(central[k], copy=True)).reshape(v.shape) if k in central
+            else v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def ps_port(runs: list[dict[str, Any]], index: int) -> int:
