@@ -41,10 +41,15 @@ FRACTION_ROWS = ("adacomp", "asgd+topk", "asgd+randomk")  # the rows with a ``fr
 
 
 def plan(size: dict[str, Any], quick: bool, only: list[str] | None = None, seeds: tuple[int, ...] = (0,),
-         compensated_only: bool = False, ddp: bool = False, fraction: float | None = None) -> list[dict[str, Any]]:
+         compensated_only: bool = False, ddp: bool = False, fraction: float | None = None,
+         uncompensated_only: bool = False) -> list[dict[str, Any]]:
     """The runs: per seed, DDP per optimizer, then every row with compensation on and off (``only``: those
     rows, and no DDP unless ``ddp``: DDP is deterministic, its earlier figures stand; ``compensated_only``: on
-    alone; ``fraction``: that of the rows of FRACTION_ROWS, in place of their default)."""
+    alone, ``uncompensated_only``: off alone, the side a table of ``compensated_only`` lacks;
+    ``fraction``: that of the rows of FRACTION_ROWS, in place of their default)."""
+    if compensated_only and uncompensated_only:
+        raise ValueError("compensated_only and uncompensated_only leave no run")
+    sides = (True,) if compensated_only else (False,) if uncompensated_only else (True, False)
     common = {"bench": "momentum", "batch_size": 32, "train_subset": size["train_subset"],
               "epochs": size["epochs"], "test": True, "momentum": 0.9}
     optimizers = QUICK_OPTIMIZERS if quick else OPTIMIZERS
@@ -57,7 +62,7 @@ def plan(size: dict[str, Any], quick: bool, only: list[str] | None = None, seeds
             if not only or ddp:
                 runs.append({**common, **opt, "name": f"ddp {optimizer} {lr:g}{tag}", "row": "ddp", "kind": "ddp"})
             for row, settings in rows:
-                for on in (True,) if compensated_only else (True, False):
+                for on in sides:
                     options = {} if on else {"staleness_compensation": False}
                     if fraction is not None and row in FRACTION_ROWS:
                         options["fraction"] = fraction
@@ -174,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=None, help="epochs over them (default 1)")
     parser.add_argument("--ddp", action="store_true",
                         help="with --rows, run DDP too (its earlier figures are of another size, say)")
-    parser.add_argument("--compensated-only", action="store_true", help="leave out the runs without compensation")
+    side = parser.add_mutually_exclusive_group()
+    side.add_argument("--compensated-only", action="store_true", help="leave out the runs without compensation")
+    side.add_argument("--uncompensated-only", action="store_true",
+                      help="only the runs without compensation, merged into the NAME.json in --out (its DDP runs "
+                           "stand unless --ddp)")
     parser.add_argument("--fraction", type=float, default=None,
                         help=f"the fraction of the rows {', '.join(FRACTION_ROWS)}, in place of their default "
                              "(randomk's follows the fit's length)")
@@ -197,14 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         size["epochs"] = args.epochs
     started = time.monotonic()
     command = "python -m bench.momentum " + " ".join(sys.argv[1:] if argv is None else argv)
-    merging = bool(args.rows or args.optimizers) and (out / f"{args.name}.json").exists()
+    merging = bool(args.rows or args.optimizers or args.uncompensated_only) and (out / f"{args.name}.json").exists()
     earlier = json.loads((out / f"{args.name}.json").read_text()) if merging else None
     runs: dict[str, list[dict[str, Any]]] = dict(earlier["runs"]) if earlier else {}
     errors: list[str] = []
     for workers in args.workers:
         every = plan(size, args.quick, args.rows or ([n for n, _ in ROWS] if merging else None),
                      seeds=tuple(args.seeds), compensated_only=args.compensated_only, ddp=args.ddp,
-                     fraction=args.fraction)
+                     fraction=args.fraction, uncompensated_only=args.uncompensated_only)
         every = [r for r in every if not args.optimizers or r["optimizer"] in args.optimizers]
         results = _launches(workers, every, size, out, args.parallel, args.threads)
         errors += [r.pop("launch_error") for r in results if "launch_error" in r]

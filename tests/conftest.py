@@ -85,6 +85,17 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# matplotlib builds its font cache on its first import by running fc-list, a process: on a fresh machine the first
+# quick test that draws a plot (bench.losp_rounds's, say) would trip the guard below for it. Build it here, once.
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.font_manager  # noqa: F401
+except ImportError:  # a dev extra (pyproject.toml), which the set-up installs
+    pass
+
+
 # fixtures that start processes or open sockets: a test using one, even through another fixture, is integration
 INTEGRATION_FIXTURES = {"procs", "start_ps"}
 

@@ -20,6 +20,10 @@ def test_the_plan_runs_ddp_then_every_row_on_and_off_per_optimizer_with_equal_sa
                   fraction=0.04)  # the fraction knob of the rows that have one, the others as they are
     assert {r["row"]: r["options"] for r in stated} == {"asgd": {}, "asgd+randomk": {"fraction": 0.04},
                                                          "adacomp": {"fraction": 0.04}}
+    off = plan(SIZES["full"], quick=False, uncompensated_only=True)  # a fresh table of the off side: DDP beside
+    assert len(off) == 4 * (1 + len(ROWS)) and {r.get("compensation") for r in off} == {None, False}
+    with pytest.raises(ValueError, match="leave no run"):
+        plan(SIZES["full"], quick=False, compensated_only=True, uncompensated_only=True)
 
 
 def _run(row, acc, on=True, diverged=False, opt="sgd", lr=0.05):
@@ -95,6 +99,17 @@ def test_rows_rerun_merge_into_a_table_assembled_from_several_commands(tmp_path,
     assert merged["earlier"] == [{"commands": ["a", "b"], "machine": {"cpu_count": 16}}]
     cell = next(c for c in merged["tables"][0]["cells"] if c["row"] == "downpour" and c["lr"] == 0.05)
     assert cell["gap_points"] == -1.5  # 0.815 against DDP's 0.83 of the same seed
+
+    # the side a compensated-only table lacks, merged beside it: every row off, nothing on rerun, DDP's stands
+    launched.clear()
+    assert bm.main(["--workers", "2", "--optimizers", "sgd", "--uncompensated-only", "--out", str(tmp_path),
+                    "--name", "m"]) == 0
+    assert {r["compensation"] for r in launched} == {False} and {r["row"] for r in launched} == {n for n, _ in ROWS}
+    merged = json.loads((tmp_path / "m.json").read_text())
+    cells = {(c["row"], c["lr"], c["compensation"]): c["gap_points"] for c in merged["tables"][0]["cells"]}
+    assert cells[("downpour", 0.05, True)] == -1.5 and cells[("downpour", 0.05, False)] == -1.5
+    assert cells[("asgd", 0.05, True)] == -1.0
+    assert "0.815 (-1.5) / 0.815 (-1.5)" in (tmp_path / "m.md").read_text()
 
 
 def test_the_losp_simulation_diverges_as_written_and_trains_with_the_share_sent_at_half():
