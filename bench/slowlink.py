@@ -56,6 +56,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # and with each push sent from a thread while the next step computes (``overlap=True``): the reply's wait,
     # the link's time and the PS's, off the worker's own core
     "adacomp-0.0033-overlap": {"kind": "asgd", "mode": "adacomp", "compression": ADACOMP_191, "overlap": True},
+    # and pushing every 2 or 4 local steps (``push_every``): the exchange's CPU (the update's choice, the merge of a
+    # reply, the PS's fold), which shares the cores with training, spent once for that many steps
+    **{f"adacomp-0.0033-overlap-every{n}": {"kind": "asgd", "mode": "adacomp", "compression": ADACOMP_191,
+                                            "overlap": True, "options": {"push_every": n}} for n in (2, 4)},
     "topk": {"kind": "asgd", "mode": "asgd", "compressor": "topk"},
     "powersgd": {"kind": "asgd", "mode": "asgd", "compressor": "powersgd"},
     # a low-rank update changes every coordinate, so a reply of what changed is the whole model: here the PS
@@ -105,7 +109,7 @@ def _run_spec(name: str, size: dict[str, Any], ps_address: str) -> dict[str, Any
         # beside rank 0's weights (its residual and look-ahead in them), the central model it last received
         run["snapshot_central"] = True
         # no CURVE keys between emulated hosts: encryption would cost CPU that no other scheme pays
-        run["options"] = {"ps_address": ps_address, "ps_insecure": True}
+        run["options"] = {**cfg.get("options", {}), "ps_address": ps_address, "ps_insecure": True}
     return run
 
 

@@ -23,7 +23,7 @@ def can_make_hosts():
     require_emulated_hosts(100.0, "t")
 
 
-def test_each_configuration_is_a_run_of_its_scheme():
+def test_each_configuration_is_a_run_of_its_scheme(monkeypatch):
     runs = {name: _run_spec(name, SIZES["full"], "tcp://10.99.0.1:2223") for name in CONFIGS if name != "hivemind"}
     assert runs["ddp"]["kind"] == "ddp" and "max_time_s" in runs["ddp"] and "time_limit_s" not in runs["ddp"]
     for name in ("asgd", "adacomp", "topk", "powersgd", "localsgd"):
@@ -35,6 +35,16 @@ def test_each_configuration_is_a_run_of_its_scheme():
     assert CONFIGS["adacomp-0.0033-down"]["ps_args"] == ["--downlink-fraction", "0.01"]
     assert runs["powersgd-down"]["compressor"] == "powersgd" and "ps_args" not in runs["powersgd-down"]
     assert CONFIGS["powersgd-down"]["ps_args"] == ["--downlink-fraction", "0.01"]
+    # a configuration's own knobs go to the workers' strategy beside the PS's address, which the bench sets
+    every2 = runs["adacomp-0.0033-overlap-every2"]["options"]
+    assert every2 == {"push_every": 2, "ps_address": "tcp://10.99.0.1:2223", "ps_insecure": True}
+    assert "push_every" not in CONFIGS["adacomp-0.0033-overlap-every4"] and runs["adacomp"]["options"] == {
+        "ps_address": "tcp://10.99.0.1:2223", "ps_insecure": True}
+    from bench.train import make_strategy
+
+    monkeypatch.setenv("MASTER_PORT", "29500")  # (bench.train's launch sets it: the PS's port is above it)
+    strategy = make_strategy(runs["adacomp-0.0033-overlap-every4"], 0, [runs["adacomp-0.0033-overlap-every4"]])
+    assert (strategy.mode.name, strategy.mode.push_every, strategy.mode.overlap) == ("adacomp", 4, True)
 
 
 def test_pinned_hosts_get_cores_of_their_own(monkeypatch):
