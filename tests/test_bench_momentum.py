@@ -110,6 +110,10 @@ def test_rows_rerun_merge_into_a_table_assembled_from_several_commands(tmp_path,
     assert cells[("downpour", 0.05, True)] == -1.5 and cells[("downpour", 0.05, False)] == -1.5
     assert cells[("asgd", 0.05, True)] == -1.0
     assert "0.815 (-1.5) / 0.815 (-1.5)" in (tmp_path / "m.md").read_text()
+    t = table([*[{"row": "ddp", "optimizer": "sgd", "lr": 0.05, "test_acc": 0.83, "seed": s} for s in (0, 1)],
+               *[{**_run("asgd", 0.82), "seed": s} for s in (0, 1)], {**_run("asgd", 0.80, on=False), "seed": 0}],
+              workers=2)
+    assert "means over seeds 0, 1 (the gap paired by seed, [min, max]); compensation off: seed 0" in markdown([t])
 
 
 def test_the_losp_simulation_diverges_as_written_and_trains_with_the_share_sent_at_half():
