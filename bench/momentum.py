@@ -130,9 +130,9 @@ def markdown(tables: list[dict[str, Any]]) -> str:
         over = (f", means over seeds {', '.join(map(str, seeds))} (the gap paired by seed, [min, max])"
                 if len(seeds) > 1 else "")
         for on, side in ((True, "on"), (False, "off")):  # a side run with fewer seeds says so
-            fewer = sorted({s for c in t["cells"] if c["compensation"] is on for s in c.get("seeds", [0])})
-            if fewer and len(seeds) > 1 and fewer != sorted(seeds):
-                over += f"; compensation {side}: seed{'s' if len(fewer) > 1 else ''} {', '.join(map(str, fewer))}"
+            own = sorted({s for c in t["cells"] if c["compensation"] is on for s in c.get("seeds", [0])})
+            if own and len(seeds) > 1 and own != sorted(seeds):
+                over += f"; compensation {side}: seed{'s' if len(own) > 1 else ''} {', '.join(map(str, own))}"
         lines += [f"### {t['workers']} workers: test accuracy, and points from DDP (compensation on / off){over}", "",
                   "| | " + " | ".join(opts) + " |", "|---|" + "---|" * len(opts),
                   "| DDP | " + " | ".join(f"{t['ddp'][o]:.4f}" for o in opts) + " |"]
