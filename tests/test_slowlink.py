@@ -45,6 +45,8 @@ def test_each_configuration_is_a_run_of_its_scheme(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29500")  # (bench.train's launch sets it: the PS's port is above it)
     strategy = make_strategy(runs["adacomp-0.0033-overlap-every4"], 0, [runs["adacomp-0.0033-overlap-every4"]])
     assert (strategy.mode.name, strategy.mode.push_every, strategy.mode.overlap) == ("adacomp", 4, True)
+    assert set(CONFIGS) - set(SIZES["full"]["configs"]) == {"adacomp-0.0033-overlap-every2",
+                                                            "adacomp-0.0033-overlap-every4"}  # named, not swept
 
 
 def test_pinned_hosts_get_cores_of_their_own(monkeypatch):
