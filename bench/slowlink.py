@@ -42,6 +42,13 @@ MASTER_PORT = 29500  # each host is its own namespace: fixed ports cannot clash 
 PS_PORT = 2223
 HIVEMIND_PYTHON = ROOT / ".venv-hivemind" / "bin" / "python"
 
+# adacomp at 0.33% with overlap, pushing every 2 or 4 local steps (``push_every``): the exchange's CPU (the update's
+# choice, the merge of a reply, the PS's fold), which shares the cores with training, spent once for that many
+# steps; measured against a push a step in bench/results (later to 88%), so named, not swept
+PUSH_EVERY_VARIANTS: dict[str, dict[str, Any]] = {
+    f"adacomp-0.0033-overlap-every{n}": {"kind": "asgd", "mode": "adacomp", "compression": ADACOMP_191,
+                                         "overlap": True, "options": {"push_every": n}} for n in (2, 4)}
+
 # name: the bench.train run (kind, mode, compressor), or hivemind's own peers
 CONFIGS: dict[str, dict[str, Any]] = {
     "single": {"kind": "single"},
@@ -56,10 +63,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # and with each push sent from a thread while the next step computes (``overlap=True``): the reply's wait,
     # the link's time and the PS's, off the worker's own core
     "adacomp-0.0033-overlap": {"kind": "asgd", "mode": "adacomp", "compression": ADACOMP_191, "overlap": True},
-    # and pushing every 2 or 4 local steps (``push_every``): the exchange's CPU (the update's choice, the merge of a
-    # reply, the PS's fold), which shares the cores with training, spent once for that many steps
-    **{f"adacomp-0.0033-overlap-every{n}": {"kind": "asgd", "mode": "adacomp", "compression": ADACOMP_191,
-                                            "overlap": True, "options": {"push_every": n}} for n in (2, 4)},
+    **PUSH_EVERY_VARIANTS,
     "topk": {"kind": "asgd", "mode": "asgd", "compressor": "topk"},
     "powersgd": {"kind": "asgd", "mode": "asgd", "compressor": "powersgd"},
     # a low-rank update changes every coordinate, so a reply of what changed is the whole model: here the PS
@@ -75,9 +79,8 @@ SIZES: dict[str, dict[str, Any]] = {
     "quick": {"rates": [100.0], "configs": ["ddp", "asgd", "adacomp"], "epochs": 1, "max_steps": 200,
               "time_limit_s": 6.0, "snapshot_s": 2.0, "test_subset": 1000, "train_subset": None, "timeout": 150,
               "probe_s": 1.0},
-    # every configuration but the push_every variants (measured against a push a step in bench/results: later to 88%)
     "full": {"rates": [1000.0, 100.0, 20.0], "epochs": 3, "max_steps": 100_000,
-             "configs": [name for name, cfg in CONFIGS.items() if "push_every" not in cfg.get("options", {})],
+             "configs": [name for name in CONFIGS if name not in PUSH_EVERY_VARIANTS],
              "time_limit_s": 240.0, "snapshot_s": 5.0, "test_subset": 5000, "train_subset": None, "timeout": 600,
              "probe_s": 2.0},
 }
