@@ -27,10 +27,20 @@ from plug_asgd.notices import Notices
 from plug_asgd.transport import DEFAULT_HEARTBEAT_S, CommCounters, PSError, PSUnreachableError, Transport
 from plug_asgd.wire import DEFAULT_LIMITS, Limits, Message, Sparse, Tensor
 
-__all__ = ["DEFAULT_HEARTBEAT_S", "CommCounters", "HeldModel", "ModelReply", "PSClient", "PSError",
+__all__ = ["DEFAULT_HEARTBEAT_S", "Changes", "CommCounters", "HeldModel", "ModelReply", "PSClient", "PSError",
            "PSUnreachableError"]
 
 log = logging.getLogger("plug_asgd.client")
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What a delta reply changed of the model its client held (version ``since``): per tensor, the ascending flat
+    indices of the coordinates it set, or None where the tensor came whole; a tensor not named did not change.
+    A worker that keeps its own arrays beside the central ones updates them at these coordinates only."""
+
+    since: int
+    indices: dict[str, np.ndarray | None]
 
 
 @dataclass
@@ -43,6 +53,7 @@ class ModelReply:
     tensors: dict[str, np.ndarray]
     own: bool = False  # no tensors: the central model is exactly the worker's base plus its update (or its weights)
     approx: bool = False  # near the central model, not it: the PS sent only the largest differences (downlink)
+    changed: Changes | None = None  # a delta reply's changes; None: the whole model came, or none
 
 
 class PSClient(Transport):
@@ -315,16 +326,19 @@ class PSClient(Transport):
     def _model(self, reply: Message) -> ModelReply:
         version = int(reply.fields["version"])
         tensors: dict[str, np.ndarray] = dict(reply.tensors)  # type: ignore[arg-type]
+        changed = None
         if reply.fields.get("delta") is True:
             if self.held is None:
                 raise PSError("bad_reply", "the parameter server sent part of the model to a client that keeps none")
+            changed = Changes(self.held.version, {n: t.indices if isinstance(t, Sparse) else None
+                                                  for n, t in tensors.items()})
             tensors = self.held.patch(tensors, version, exact=reply.fields.get("approx") is not True)
             self.counters.delta_replies += 1
         elif tensors and self.held is not None:
             self.held.keep(reply.fields.get("model_id"), version, tensors)
         return ModelReply(version=version, status=str(reply.fields.get("status")),
                           stop=bool(reply.fields.get("stop")), tensors=tensors, own=reply.fields.get("own") is True,
-                          approx=reply.fields.get("approx") is True)
+                          approx=reply.fields.get("approx") is True, changed=changed)
 
 
 class HeldModel:

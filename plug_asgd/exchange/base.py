@@ -192,7 +192,8 @@ class Exchange(ABC):
         total, count, worst = self.staleness
         return {"local_steps": self.local_steps, "version": self.version,
                 "staleness_mean": total / count if count else 0.0, "staleness_max": worst,
-                "overlapped_steps": 0, "overlap_trace": [], "own_guesses": 0, "own_guesses_right": 0}
+                "overlapped_steps": 0, "overlap_trace": [], "merges_of_changes": 0, "own_guesses": 0,
+                "own_guesses_right": 0}
 
     # -- what subclasses define -------------------------------------------------------------------
 

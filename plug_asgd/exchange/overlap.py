@@ -7,12 +7,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
-from plug_asgd.client import PSUnreachableError
+from plug_asgd.client import ModelReply, PSUnreachableError
 from plug_asgd.exchange.push import PushExchange
-from plug_asgd.modes import PushMode
+from plug_asgd.modes import APPLIED, PushMode
 from plug_asgd.staleness import keeps_momentum
+from plug_asgd.tensors import assign
 
 _LET_GO_S = 5.0  # how long a stage's end waits for a push in flight after a failure
 
@@ -36,6 +38,11 @@ class OverlapExchange(PushExchange):
         self.overlapped_steps = 0
         self.trace: list[tuple[float, float | None, float]] = []
         self.share = 1.0  # of the progress made while a round was in flight, what the weights keep
+        # the version of the held central model that the base is, plus the codec's residual, after a merge (else
+        # None): the next merge may then touch only what the reply changed (_merge_changes)
+        self.merged_from: int | None = None
+        self.spare: dict[str, torch.Tensor] = {}  # buffers for the next copy of the weights sent
+        self.merges_of_changes = 0  # replies merged at the coordinates they changed only
 
     def start_fit(self, optimizers: list[Any], rank: int, world_size: int) -> None:
         super().start_fit(optimizers, rank, world_size)
@@ -66,7 +73,8 @@ class OverlapExchange(PushExchange):
             self.push_overlapped()
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "overlapped_steps": self.overlapped_steps, "overlap_trace": list(self.trace)}
+        return {**super().stats(), "overlapped_steps": self.overlapped_steps, "overlap_trace": list(self.trace),
+                "merges_of_changes": self.merges_of_changes}
 
     def push_overlapped(self) -> None:
         """Finish the push in flight, then send this update from a background thread."""
@@ -75,7 +83,7 @@ class OverlapExchange(PushExchange):
         update, deltas, exact = self.update(tensors)
         scaled_for = self.scaled_for()
         # what the reply's model is merged with: the weights sent, unless the PS answers "own"
-        sent = None if exact else {n: t.detach().clone() for n, t in tensors.items()}
+        sent = None if exact else self.copy_of(tensors)
         client, base, result = self._link.client, self.version, self.result
         result.clear()
 
@@ -88,6 +96,7 @@ class OverlapExchange(PushExchange):
             result["done_at"] = time.monotonic()
 
         result["sent"], result["deltas"], result["base"] = sent, deltas, base
+        result["scaled"] = self.scale() != 1.0
         result["sent_at"], result["next_step_at"] = time.monotonic(), None
         self.since_push = 0
         self.in_flight = threading.Thread(target=send, name="plug_asgd-sender", daemon=True)
@@ -116,21 +125,95 @@ class OverlapExchange(PushExchange):
             tensors = self._link.tensors()
             share = self.share
             pending = self.pending_residual()
-            with torch.no_grad():  # the weights hold the progress p while the base becomes the central model
-                for name, t in tensors.items():
-                    t.sub_(sent[name])
-                self.staging.load({n: self.base[n] for n in tensors}, reply.tensors)
-                for name, t in tensors.items():
-                    base = self.base[name]
-                    if share != 1.0:  # base = central - (1 - share) p: the next update, w - base, is all of p
-                        base.add_(t, alpha=share - 1.0)
-                    residual = pending(name) if pending is not None else None
-                    if residual is not None:  # what the codec holds back stays in the model, as load() keeps it
-                        base.add_(torch.as_tensor(residual, device=base.device).view(base.shape).to(base.dtype))
-                    t.add_(base)  # central (+ the residual) + share * p
+            changes_only = (pending is not None and share == 1.0 and not result["scaled"]
+                            and reply.status == APPLIED and reply.changed is not None
+                            and reply.changed.since == self.merged_from)
+            if not (changes_only and self._merge_changes(tensors, sent, reply, pending)):
+                self.spare = sent
+                self._merge(tensors, sent, reply, share, pending)
         self.based_on(reply)
         if not reply.own and (self.share != 1.0 or pending is not None):
             self.base_is_central = False
+            if self.share == 1.0:
+                self.merged_from = reply.version  # the base is the held central model plus the residual
+
+    def _merge(self, tensors: dict[str, torch.Tensor], sent: dict[str, torch.Tensor], reply: ModelReply,
+               share: float, pending: Callable[[str], Any] | None) -> None:
+        """``w = central (+ r) + share * (w - sent)``, ``base = central (+ r) - (1 - share) p``, over every tensor."""
+        with torch.no_grad():  # the weights hold the progress p while the base becomes the central model
+            for name, t in tensors.items():
+                t.sub_(sent[name])
+            self.staging.load({n: self.base[n] for n in tensors}, reply.tensors)
+            for name, t in tensors.items():
+                base = self.base[name]
+                if share != 1.0:  # base = central - (1 - share) p: the next update, w - base, is all of p
+                    base.add_(t, alpha=share - 1.0)
+                residual = pending(name) if pending is not None else None
+                if residual is not None:  # what the codec holds back stays in the model, as load() keeps it
+                    base.add_(torch.as_tensor(residual, device=base.device).view(base.shape).to(base.dtype))
+                t.add_(base)  # central (+ the residual) + share * p
+
+    def based_on(self, reply: ModelReply, central: bool = True) -> None:
+        super().based_on(reply, central)
+        self.merged_from = None  # whatever the base is now, a merge that follows takes the whole model
+
+    def copy_of(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The weights as they are sent, in buffers kept from an earlier merge where they fit."""
+        out = {}
+        with torch.no_grad():
+            for name, t in tensors.items():
+                buf = self.spare.pop(name, None)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device:
+                    out[name] = t.detach().clone()
+                else:
+                    out[name] = buf.copy_(t.detach())
+        self.spare = {}
+        return out
+
+    def _merge_changes(self, tensors: dict[str, torch.Tensor], sent: dict[str, torch.Tensor], reply: ModelReply,
+                       pending: Callable[[str], Any]) -> bool:
+        """The merge ``w = central + r + (w - sent)``, ``base = central + r``, where only the coordinates the
+        reply changed need work; False (nothing done) where it cannot be done so.
+
+        The base was the held central model plus the residual (``r_old``) at the last merge, and the update
+        sent was ``w_sent - base``, which the codec added to ``r_old``, keeping ``r`` of it: so wherever the
+        central model did not change (our push, applied, is among what changed), ``central + r`` is
+        ``w_sent`` itself and ``w`` stays as it is. The weights sent become the base (no pass over the
+        model); at the changed coordinates both take ``central + r``. Before this, a merge made four passes
+        over every tensor (the subtraction, the load, the residual, the addition) at each push.
+        """
+        changed = reply.changed
+        assert changed is not None
+        if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                   and sent[name].is_contiguous() for name, t in tensors.items()):
+            return False
+        with torch.no_grad():
+            for name, t in tensors.items():
+                if name not in changed.indices:
+                    continue  # unchanged at the PS: central + r is the weights sent
+                base, central = sent[name], reply.tensors[name]
+                residual = pending(name)
+                indices = changed.indices[name]
+                if indices is None:  # the tensor came whole
+                    t.sub_(base)
+                    assign(base, central)
+                    if residual is not None:
+                        base.add_(torch.from_numpy(residual).view(base.shape))
+                    t.add_(base)
+                    continue
+                target = np.asarray(central).reshape(-1)[indices]  # a copy: fancy indexing
+                if residual is not None:
+                    target += np.asarray(residual).reshape(-1)[indices]
+                idx = torch.from_numpy(indices)
+                flat, sent_flat = t.view(-1), base.view(-1)
+                new = torch.from_numpy(target)
+                flat[idx] = (flat[idx] - sent_flat[idx]) + new
+                sent_flat[idx] = new
+        self.merges_of_changes += 1
+        old = self.base
+        self.base = {**old, **sent}
+        self.spare = {n: old[n] for n in sent if n in old}
+        return True
 
     def let_go(self) -> None:
         """After a failure the socket is the sender's until it is done: wait a little, then give up on it."""
