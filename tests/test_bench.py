@@ -296,6 +296,20 @@ def test_the_core_ceiling_refuses_what_would_measure_nothing(tmp_path, capsys, m
     assert not (tmp_path / "work").exists()  # nothing launched, nothing emptied
 
 
+def test_the_push_cost_times_each_piece_of_an_overlapped_push_by_the_librarys_own_code(capsys):
+    from bench import push_cost
+
+    assert push_cost.main(["--pushes", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "the recipe CNN (1,199,882 values), adacomp at 0.0033, 10 pushes: median ms" in out
+    for piece in ("update", "copy of the weights sent", "merge, changed coordinates", "merge, every coordinate"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(piece))
+        assert float(line.split()[-1]) > 0, line
+    with pytest.raises(SystemExit) as refused:
+        push_cost.main(["--pushes", "50"])
+    assert refused.value.code == 2 and "more than the 50 warm-up pushes" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("values", [2, 0])
 def test_the_ps_handler_timing_times_each_piece_of_pushes_it_folds_in(procs, values):
     rc, out = procs.run([PYTHON, "-m", "bench.ps_handler_timing", "--values", str(values), "--pushes", "100"],
