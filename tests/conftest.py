@@ -100,10 +100,10 @@ except ImportError:  # a dev extra (pyproject.toml), which the set-up installs
 INTEGRATION_FIXTURES = {"procs", "start_ps"}
 
 
-# pytest-xdist (`-n 2 --dist loadfile`, pyproject.toml) keeps a file's tests on one worker, so its module
-# fixtures are set up once. Files start in this order, the longest first, so that the suite does not end on
-# one long file while the other worker idles. (Not `loadgroup`: under pytest 9.2 it ignores its groups,
-# pytest-xdist issue 1386.)
+# pytest-xdist (`-n 3 --dist loadfile --no-loadscope-reorder`, pyproject.toml) keeps a file's tests on one worker,
+# so its module fixtures are set up once. Files start in this order, the longest first, so that the suite does not
+# end on one long file while the other workers idle (without --no-loadscope-reorder xdist orders the files by their
+# number of tests instead). (Not `loadgroup`: under pytest 9.2 it ignores its groups, pytest-xdist issue 1386.)
 LONG_FILES = ["test_training", "test_momentum", "test_bench", "test_faults", "test_features", "test_sharding",
               "test_slowlink", "test_shard_faults", "test_callbacks"]
 
