@@ -100,11 +100,11 @@ except ImportError:  # a dev extra (pyproject.toml), which the set-up installs
 INTEGRATION_FIXTURES = {"procs", "start_ps"}
 
 
-# pytest-xdist (`-n 3 --dist loadfile`, pyproject.toml) keeps a file's tests on one worker, so its module
-# fixtures are set up once, and starts the files with the most tests first (its default order). That order mixed
-# the long launches with the tests that wait better than the longest files first did: 885 s against 927 s
-# (`--no-loadscope-reorder` with the three longest files first, which then contended for the cores), one run each
-# on a Zen 4 EPYC, 2026-11-27. (Not `loadgroup`: under pytest 9.2 it ignores its groups, pytest-xdist issue 1386.)
+# pytest-xdist (`-n 2 --dist loadfile`, pyproject.toml) keeps a file's tests on one worker, so its module
+# fixtures are set up once, and starts the files with the most tests first (its default order, which made the
+# longest-first order this file once gave moot; with `--no-loadscope-reorder` and three workers, longest first took
+# 927 s where xdist's order took 885, one run each on a Zen 4 EPYC, 2026-11-27). (Not `loadgroup`: under pytest 9.2
+# it ignores its groups, pytest-xdist issue 1386.)
 
 
 def pytest_collection_modifyitems(config, items):
