@@ -217,10 +217,10 @@ class AsyncPSStrategy(DDPPlumbing):
 
     def on_train_start(self) -> None:
         self.mode.check_optimizers(self.optimizers)
-        if self._exchange.codec.lag_pushes() is not None:  # the fit's length matters to randomk's lag only
-            steps = self.lightning_module.trainer.estimated_stepping_batches  # inf where the length is unknown
-            pushes = steps / getattr(self._exchange.mode, "push_every", 1)  # the fit's mode (Mode.for_workers)
-            codec = self._exchange.fit_length(pushes)
+        # the fit's length matters to randomk's lag only; estimated_stepping_batches is inf where it is unknown
+        fit = self._exchange.fit_length(self.lightning_module.trainer.estimated_stepping_batches)
+        if fit is not None:
+            codec, pushes = fit
             if codec is not self._exchange.codec and self.global_rank == 0:
                 log.info("this fit of about %.0f pushes per worker encodes with %r: the default fraction, raised so "
                          "that a coordinate waits at most a tenth of the fit in the residual (docs/momentum.md)",

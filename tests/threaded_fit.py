@@ -94,9 +94,8 @@ def _worker(arguments: AsyncPSStrategy, address: str, tag: str, rank: int, model
         arguments.mode.check_optimizers([optimizer])
         exchange.join(init=not welcome.get("initialized"))
         sampler = DistributedSampler(data, num_replicas=WORKERS, rank=rank, shuffle=True, seed=seed)
-        if exchange.codec.lag_pushes() is not None:  # as AsyncPSStrategy.on_train_start: randomk's fraction follows
-            steps = epochs * -(-len(sampler) // batch_size)  # the fit's length (without it, 1% where 10.4% is used)
-            exchange.fit_length(steps / getattr(exchange.mode, "push_every", 1))
+        # as AsyncPSStrategy.on_train_start: randomk's fraction follows the fit's length (without it, 1%, not 10.4%)
+        exchange.fit_length(epochs * -(-len(sampler) // batch_size))
         for epoch in range(epochs):
             sampler.set_epoch(epoch)
             for i, batch in enumerate(DataLoader(data, batch_size=batch_size, sampler=sampler)):

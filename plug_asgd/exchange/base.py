@@ -109,13 +109,18 @@ class Exchange(ABC):
         if self.nesterov_form_here:
             warn_no_nesterov_form(optimizers)
 
-    def fit_length(self, pushes: float) -> Codec:
-        """The fit makes about ``pushes`` pushes per worker: it encodes with the codec set for that
-        (:meth:`Codec.for_fit`), through a fresh encoder (called before the first push: no residual is lost)."""
+    def fit_length(self, steps: float) -> tuple[Codec, float] | None:
+        """The fit makes about ``steps`` local steps per worker (inf where unknown): where the codec's lag depends
+        on the fit's length (randomk's), it encodes with the codec set for the pushes those steps make
+        (:meth:`Codec.for_fit`), through a fresh encoder (called before the first push: no residual is lost);
+        returns that codec and the pushes, or None where the length does not matter."""
+        if self.codec.lag_pushes() is None:
+            return None
+        pushes = steps / getattr(self.mode, "push_every", 1)  # the fit's mode (Mode.for_workers)
         codec = self.codec.for_fit(pushes)
         if codec != self.fit_codec:
             self.fit_codec, self.encoder = codec, self.mode.encoder(codec, self.rank)
-        return codec
+        return codec, pushes
 
     def join(self, init: bool) -> None:
         """Start of a stage: offer our weights if the PS has none yet (``init``), then take the central ones.
