@@ -5,6 +5,11 @@ if sys.argv[1:2] == ["slowlink"]:  # its own flags and hosts (bench.slowlink): n
 
     sys.exit(slowlink(sys.argv[2:]))
 
+if sys.argv[1:2] == ["exchange"]:  # one process, fits alternated (bench.exchange): not one of the runner's launches
+    from bench.exchange import main as exchange
+
+    sys.exit(exchange(sys.argv[2:]))
+
 from bench.runner import main
 
 sys.exit(main())

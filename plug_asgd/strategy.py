@@ -336,7 +336,8 @@ class AsyncPSStrategy(DDPPlumbing):
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def run() -> Any:
-            return super(AsyncPSStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
+            return super(AsyncPSStrategy, self).optimizer_step(optimizer, self._exchange.closure(closure), model,
+                                                               **kwargs)
 
         return self._exchange.step(run, optimizer)
 

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from plug_asgd.compressors.difference import accumulate, difference
 from plug_asgd.wire import FLOAT_DTYPES, Packed, Sparse, Tensor, WireError, dtype_name
 
 
@@ -43,6 +44,9 @@ class Codec(ABC):
     sends: ClassVar[str]  # what goes on the wire, for the codec table
     wire_formula: ClassVar[str]  # its frame bytes, for the codec table
     error_feedback_by_default: ClassVar[bool] = False
+    # whether encoding one tensor touches nothing another tensor's encoding does (no shared random generator):
+    # the tensors of a push may then be encoded by several threads, with the same result
+    independent_keys: ClassVar[bool] = True
     # with error feedback, the staleness compensation may keep the residual in the worker's model
     residual_in_model: ClassVar[bool] = True
 
@@ -56,10 +60,21 @@ class Codec(ABC):
 
     def __init__(self, *, error_feedback: bool | None = None) -> None:
         self.error_feedback = self.error_feedback_by_default if error_feedback is None else bool(error_feedback)
+        self._differences: dict[str, np.ndarray] = {}  # encode_difference's arrays, one per tensor
 
     @abstractmethod
     def encode(self, key: str, update: np.ndarray) -> Tensor:
         """The wire form of ``update``, the update of the tensor called ``key``."""
+
+    def encode_difference(self, key: str, w: np.ndarray, c: np.ndarray, scale: float = 1.0) -> Tensor:
+        """``encode(key, scale * (w - c))``: the worker's update is its weights less the central model it holds.
+
+        Here the difference is made in an array kept per key (the update must not change before it is sent);
+        a codec that can encode it without making it whole overrides this (:mod:`.difference`)."""
+        out = self._differences.get(key)
+        if out is None or out.shape != w.shape or out.dtype != w.dtype:
+            out = self._differences[key] = np.empty_like(w)
+        return self.encode(key, difference(out, w, c, scale))
 
     @abstractmethod
     def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
@@ -166,6 +181,7 @@ class ErrorFeedback:
     def __init__(self, inner: Codec) -> None:
         self.inner = inner
         self.name = inner.name
+        self.independent_keys = inner.independent_keys
         # whether the staleness compensation keeps the residual in the worker's model (docs/momentum.md)
         self.local_residual = inner.residual_in_model
         self.residuals: dict[str, np.ndarray] = {}
@@ -185,6 +201,41 @@ class ErrorFeedback:
         else:
             self.residuals[key] = v - decoded
         return sent
+
+    def encode_difference(self, key: str, w: np.ndarray, c: np.ndarray, scale: float = 1.0, *,
+                          implicit_residual: bool = False) -> Tensor:
+        """``encode(key, scale * (w - c))``, the sum with the residual made in the residual's own array.
+
+        ``implicit_residual``: the residual is ``w - c`` itself, kept by the worker's model (its weights are the
+        central model ``c`` plus what was not sent): the inner codec encodes that, and nothing is kept here."""
+        if implicit_residual:
+            if scale != 1.0:
+                raise ValueError("an implicit residual is w - c itself: it cannot be scaled")
+            self.residuals.pop(key, None)
+            return self.inner.encode_difference(key, w, c)
+        ct = np.result_type(w.dtype, np.float32)
+        v = self.residuals.get(key)
+        if v is None or v.shape != w.shape or v.dtype != ct:
+            v = np.zeros(w.shape, dtype=ct)
+        accumulate(v.reshape(-1), w.reshape(-1), c.reshape(-1), scale)
+        sent = self.inner.encode(key, v)
+        if sent is v:  # sent as it is (dense): the residual's array is written below
+            sent = v.copy()
+        self._keep(key, v, sent)
+        return sent
+
+    def _keep(self, key: str, v: np.ndarray, sent: Tensor) -> None:
+        """The residual: ``v`` less what ``sent`` decodes to, in ``v``'s own array."""
+        decoded = decode(sent, v.dtype, shape=v.shape)
+        if isinstance(decoded, Sparse):
+            v.reshape(-1)[decoded.indices] -= decoded.values
+        else:
+            np.subtract(v, decoded, out=v)
+        self.residuals[key] = v
+
+    def set_pending(self, key: str, residual: np.ndarray) -> None:
+        """Make ``residual`` (shaped as the tensor, or flat) what is kept of ``key``: the worker's model held it."""
+        self.residuals[key] = residual
 
     def pending(self, key: str) -> np.ndarray | None:
         """What is kept of ``key`` for a later push, or None before its first."""

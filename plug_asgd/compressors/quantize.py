@@ -35,6 +35,7 @@ class QSGD(Codec):
     name = "qsgd"
     sends = "Packed: `bits`-bit stochastic levels and signs, the norm in the header (Alistarh et al. 2017); unbiased"
     wire_formula = "ceil(numel * (bits + 1) / 8)"
+    independent_keys = False  # one random generator rounds every tensor, in order
 
     def __init__(self, bits: int = 8, seed: int = 0, *, error_feedback: bool | None = None) -> None:
         super().__init__(error_feedback=error_feedback)

@@ -8,17 +8,11 @@ from typing import Any
 import numpy as np
 
 from plug_asgd.compressors.base import Codec
+from plug_asgd.compressors.difference import largest_differences, top_k
 from plug_asgd.wire import Sparse, Tensor, sparse_wire_bytes
 
 SPARSE_VALUES = ("float32", "float16")
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
-
-
-# a tensor of at least this many coordinates, of which at most 1/_FEW_ASKED are asked for, has its top k chosen
-# among the coordinates above a threshold estimated from a strided sample of _SAMPLE of them (_top_k)
-_SAMPLED_FROM = 65_536
-_FEW_ASKED = 16
-_SAMPLE = 8192
 
 
 def largest_magnitudes(flat: np.ndarray, k: int, scratch: np.ndarray | None = None) -> np.ndarray:
@@ -29,30 +23,8 @@ def largest_magnitudes(flat: np.ndarray, k: int, scratch: np.ndarray | None = No
         chosen = np.arange(flat.size)
     else:
         fits = scratch is not None and scratch.shape == flat.shape and scratch.dtype == flat.dtype
-        chosen = _top_k(np.abs(flat, out=scratch) if fits else np.abs(flat), k)
+        chosen = top_k(np.abs(flat, out=scratch) if fits else np.abs(flat), k)
     return np.sort(chosen[flat[chosen] != 0]).astype(np.int64)
-
-
-def _top_k(mag: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the ``k`` largest of ``mag`` (in no order), exactly the set ``np.argpartition`` gives, ties aside.
-
-    A partition of a large tensor costs about 1.8 ms for the recipe CNN's 1.2M-coordinate layer, a fifth of
-    an AdaComp push on the worker. So where few are asked for, a threshold is read off a strided sample
-    (the sample's quantile that about 2k of the whole exceed) and only the coordinates at or above it
-    (NaN included) are partitioned: exact whenever at least k are, which is checked; else, or when too many
-    are (a tensor of many equal values), the whole is partitioned as before.
-    """
-    n = mag.size
-    if n >= _SAMPLED_FROM and k * _FEW_ASKED <= n:
-        sample = mag[:: n // _SAMPLE]
-        above = min(sample.size - 1, math.ceil(2 * k * sample.size / n))
-        threshold = np.partition(sample, sample.size - 1 - above)[sample.size - 1 - above]
-        candidates = np.flatnonzero(np.logical_not(mag < threshold))  # not below: NaN is a candidate, as it
-        # is the largest for argpartition
-        if k <= candidates.size <= n // 4:
-            among = mag[candidates]
-            return candidates[np.argpartition(among, among.size - k)[among.size - k:]]
-    return np.argpartition(mag, n - k)[n - k:]
 
 
 def check_fraction(fraction: float) -> float:
@@ -85,6 +57,7 @@ class TopKResidual:
     name = "topk"
     # the staleness compensation keeps what it holds back in the worker's model (docs/momentum.md)
     local_residual = True
+    independent_keys = True  # each tensor's residual is its own: its tensors may be encoded by several threads
 
     def __init__(self, fraction: float, values: str = "float32") -> None:
         if values not in SPARSE_VALUES:
@@ -99,8 +72,7 @@ class TopKResidual:
 
     def encode(self, key: str, update: np.ndarray) -> Tensor:
         # v = residual + update, made in the residual's array (which becomes the next residual), |v| in a kept
-        # one: no array of the tensor's size is allocated, where two were (`python -m bench.push_cost`: the
-        # update of a push of the recipe CNN at 0.33% took 2.1 to 2.3 ms where it took 4.0, on a Zen 4 core)
+        # one: no array of the tensor's size is allocated
         flat = self.residuals.get(key)
         update_flat = update.reshape(-1)
         if flat is None or flat.shape != update_flat.shape or flat.dtype != update.dtype:
@@ -111,15 +83,45 @@ class TopKResidual:
         if scratch is None or scratch.shape != flat.shape or scratch.dtype != flat.dtype:
             scratch = self.magnitudes[key] = np.empty_like(flat)
         chosen = largest_magnitudes(flat, self.k_for(flat.size), scratch)
-        values = flat[chosen]  # fancy indexing copies, so changing flat below keeps them intact
+        self.residuals[key] = flat
+        return self._send(chosen, flat[chosen], flat, tuple(update.shape))
+
+    def encode_difference(self, key: str, w: np.ndarray, c: np.ndarray, scale: float = 1.0, *,
+                          implicit_residual: bool = False) -> Tensor:
+        """``encode(key, scale * (w - c))`` without making the difference whole (:mod:`.difference`).
+
+        ``implicit_residual``: the residual is ``w - c`` itself, kept by the worker's model (its weights are the
+        central model ``c`` plus what was not sent): nothing is kept here, and ``scale`` must be 1."""
+        shape = tuple(w.shape)
+        w, c = w.reshape(-1), c.reshape(-1)
+        k = self.k_for(w.size)
+        if implicit_residual:
+            if scale != 1.0:
+                raise ValueError("an implicit residual is w - c itself: it cannot be scaled")
+            self.residuals.pop(key, None)
+            chosen, values = largest_differences(w, c, k)
+            return self._send(chosen, values, None, shape)
+        flat = self.residuals.get(key)
+        if flat is None or flat.shape != w.shape or flat.dtype != w.dtype:
+            flat = self.residuals[key] = np.zeros_like(w)
+        chosen, values = largest_differences(w, c, k, residual=flat, scale=scale)
+        return self._send(chosen, values, flat, shape)
+
+    def _send(self, chosen: np.ndarray, values: np.ndarray, flat: np.ndarray | None,
+              shape: tuple[int, ...]) -> Sparse:
+        """The Sparse of ``values`` at ``chosen``; what they leave of ``v`` stays in ``flat`` (the residual)."""
         if self.values == "float16" and values.dtype != np.float16:
             sent = np.clip(values, -FP16_MAX, FP16_MAX).astype(np.float16)
-            flat[chosen] = values - sent.astype(flat.dtype)  # what the half could not carry waits
+            if flat is not None:
+                flat[chosen] = values - sent.astype(flat.dtype)  # what the half could not carry waits
             values = sent
-        else:
-            flat[chosen] = 0
-        self.residuals[key] = flat
-        return Sparse(indices=chosen, values=values, shape=tuple(update.shape))
+        elif flat is not None:
+            flat[chosen] = 0  # values were gathered (fancy indexing copies): they keep what was sent
+        return Sparse(indices=chosen, values=values, shape=shape)
+
+    def set_pending(self, key: str, residual: np.ndarray) -> None:
+        """Make ``residual`` what is kept of ``key`` (stored flat): the worker's model held it."""
+        self.residuals[key] = residual.reshape(-1)
 
     def pending(self, key: str) -> np.ndarray | None:
         """What is kept of ``key`` for a later push (flat), or None before its first."""
@@ -152,6 +154,13 @@ class TopK(Codec):
         chosen = largest_magnitudes(flat, self.k_for(flat.size))
         return Sparse(indices=chosen, values=flat[chosen], shape=tuple(update.shape))
 
+    def encode_difference(self, key: str, w: np.ndarray, c: np.ndarray, scale: float = 1.0) -> Tensor:
+        """The top k of ``scale * (w - c)``, chosen chunk by chunk (:func:`.difference.largest_differences`)."""
+        if scale != 1.0:
+            return super().encode_difference(key, w, c, scale)
+        chosen, values = largest_differences(w.reshape(-1), c.reshape(-1), self.k_for(w.size))
+        return Sparse(indices=chosen, values=values, shape=tuple(w.shape))
+
     def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
         numel = math.prod(shape)
         return sparse_wire_bytes(numel, min(self.k_for(numel), numel if nonzero is None else nonzero), itemsize)
@@ -177,6 +186,7 @@ class RandomK(Codec):
     sends = "Sparse: k random coordinates (scaled by numel / k when unbiased)"
     wire_formula = "4 * max(1, ceil(numel / 65536)) + (2 + itemsize) * k"
     error_feedback_by_default = True
+    independent_keys = False  # one random generator draws every tensor's coordinates, in order
     default_fraction = 0.01
     fit_periods = 10  # the default fraction gives a fit at least this many mean waits (for_fit)
 
@@ -224,6 +234,20 @@ class RandomK(Codec):
             chosen, values = np.arange(flat.size), flat.copy()
         return Sparse(indices=chosen.astype(np.int64), values=values.astype(flat.dtype, copy=False),
                       shape=tuple(update.shape))
+
+    def encode_difference(self, key: str, w: np.ndarray, c: np.ndarray, scale: float = 1.0) -> Tensor:
+        """``scale * (w - c)`` at the drawn coordinates only: nothing else of the difference is needed."""
+        k = self.k_for(w.size)
+        if k >= w.size:
+            return super().encode_difference(key, w, c, scale)
+        chosen = np.sort(self.rng.choice(w.size, size=k, replace=False))
+        values = np.subtract(w.reshape(-1)[chosen], c.reshape(-1)[chosen])
+        if scale != 1.0:
+            values *= values.dtype.type(scale)
+        if self.unbiased:
+            values = values * (w.size / k)
+        return Sparse(indices=chosen.astype(np.int64), values=values.astype(w.dtype, copy=False),
+                      shape=tuple(w.shape))
 
     def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
         numel = math.prod(shape)

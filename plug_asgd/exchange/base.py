@@ -81,6 +81,8 @@ class Exchange(ABC):
         self.base_is_central = False
         self.base_lent = False  # the PS may hold our base buffers as its model (a lent push of weights)
         self.staging = Staging()  # the model to numpy and back: views on the CPU, pinned buffers on CUDA
+        self.closure_runs = True  # the optimizers run their closure before they write the weights (step)
+        self.closure_ran = False
 
     # -- what the strategy calls ---------------------------------------------------------------------
 
@@ -149,10 +151,35 @@ class Exchange(ABC):
         if self._link.fitting and self.joined:
             self._link.barrier("plug_asgd.evaluate")
 
+    def closure(self, closure: Callable[..., Any]) -> Callable[..., Any]:
+        """``closure`` (Lightning's forward and backward, which the optimizer runs before it writes the weights),
+        followed by :meth:`before_update`: what the last exchange still does runs beside them."""
+
+        def then_update(*args: Any, **kwargs: Any) -> Any:
+            out = closure(*args, **kwargs)
+            self.closure_ran = True
+            self.before_update()
+            return out
+
+        return then_update
+
+    def before_update(self) -> None:  # noqa: B027 (a hook: only an exchange with work in flight waits here)
+        """Between the backward pass and the optimizer's writing of the weights: what must be done by then."""
+
     def step(self, run: Callable[[], Any], optimizer: Any) -> Any:
-        """Run the local optimizer step ``run``, then exchange with the PS if one is due."""
-        with nesterov_form(optimizer) if self._link.fitting and self.nesterov_steps else nullcontext():
+        """Run the local optimizer step ``run``, then exchange with the PS if one is due.
+
+        An optimizer that does not call its closure (:meth:`closure`) would write the weights while the last
+        exchange may still read them: once one is seen, the exchange waits before each step instead."""
+        nesterov = self._link.fitting and self.nesterov_steps
+        if not self.closure_runs or nesterov:  # (Nesterov's form reads the momentum before the step: masked first)
+            self.before_update()
+        self.closure_ran = False
+        with nesterov_form(optimizer) if nesterov else nullcontext():
             out = run()
+        if not self.closure_ran:
+            self.closure_runs = False
+            self.before_update()
         self.local_steps += 1
         if self.joined and self._link.fitting:
             self.since_push += 1

@@ -11,12 +11,12 @@ import numpy as np
 import torch
 
 from plug_asgd.client import ModelReply, PSUnreachableError
-from plug_asgd.exchange.push import PushExchange
+from plug_asgd.exchange.held_base import RESIDUAL
+from plug_asgd.exchange.push import LET_GO_S, PushExchange
 from plug_asgd.modes import APPLIED, PushMode
 from plug_asgd.staleness import keeps_momentum
 from plug_asgd.tensors import assign
 
-_LET_GO_S = 5.0  # how long a stage's end waits for a push in flight after a failure
 
 
 class OverlapExchange(PushExchange):
@@ -80,6 +80,10 @@ class OverlapExchange(PushExchange):
         """Finish the push in flight, then send this update from a background thread."""
         self.finish()
         tensors = self._link.tensors()
+        if self.share == 1.0 and self.held_base_kind(tensors, True) == RESIDUAL:
+            self.push_from_held(tensors, RESIDUAL)  # its reply is taken at the next push, as any here
+            return
+        self.leave_held_base()
         update, deltas, exact = self.update(tensors)
         scaled_for = self.scaled_for()
         # what the reply's model is merged with: the weights sent, unless the PS answers "own"
@@ -104,6 +108,7 @@ class OverlapExchange(PushExchange):
 
     def finish(self) -> None:
         """Take the reply of the push in flight: ``w = central + (w - w_at_send)`` keeps the steps made since."""
+        super().finish()  # a push from the held base
         thread, self.in_flight = self.in_flight, None
         if thread is None:
             return
@@ -113,8 +118,7 @@ class OverlapExchange(PushExchange):
             raise result["error"]
         reply, sent = result["reply"], result["sent"]
         self.count_staleness(reply, result["base"])  # the compensation's estimate and the counters, as a push's
-        if len(self.trace) < 20:  # (sent, next step started, reply received): the overlap, measured
-            self.trace.append((result["sent_at"], result["next_step_at"], result["done_at"]))
+        self._trace(result)
         if reply.own:  # central = base + what was sent: the weights sent plus the progress are the weights now
             with torch.no_grad():
                 for name, delta in result["deltas"].items():
@@ -136,6 +140,10 @@ class OverlapExchange(PushExchange):
             self.base_is_central = False
             if self.share == 1.0:
                 self.merged_from = reply.version  # the base is the held central model plus the residual
+
+    def _trace(self, result: dict[str, Any]) -> None:
+        if len(self.trace) < 20:  # (sent, next step started, reply received): the overlap, measured
+            self.trace.append((result["sent_at"], result["next_step_at"], result["done_at"]))
 
     def _merge(self, tensors: dict[str, torch.Tensor], sent: dict[str, torch.Tensor], reply: ModelReply,
                share: float, pending: Callable[[str], Any] | None) -> None:
@@ -215,10 +223,17 @@ class OverlapExchange(PushExchange):
         self.spare = {n: old[n] for n in sent if n in old}
         return True
 
+    def before_update(self) -> None:
+        """A push from the held base is encoded before the optimizer writes the weights; its reply waits for the
+        next push, as every reply here."""
+        if self.held_push is not None:
+            self.mask_sent(self.held_push)
+
     def let_go(self) -> None:
         """After a failure the socket is the sender's until it is done: wait a little, then give up on it."""
+        super().let_go()
         sender, self.in_flight = self.in_flight, None
         if sender is not None:
-            sender.join(_LET_GO_S)
+            sender.join(LET_GO_S)
             if sender.is_alive():
                 raise PSUnreachableError("a push is still in flight")

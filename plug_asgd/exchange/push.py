@@ -8,10 +8,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from plug_asgd.client import ModelReply, PSUnreachableError
 from plug_asgd.compressors import NoCompression
 from plug_asgd.exchange.base import Exchange
+from plug_asgd.exchange.held_base import CENTRAL, RESIDUAL, HeldBase, HeldPush, host_arrays
 from plug_asgd.modes import PushMode
 from plug_asgd.wire import Sparse
+
+LET_GO_S = 5.0  # how long a stage's end waits for a push in flight after a failure
 
 
 class PushExchange(Exchange):
@@ -35,6 +39,8 @@ class PushExchange(Exchange):
         # it answers that another push came first; again after an "own" reply
         self.weights_ok = mode.folds_into_update
         self.own_guesses = [0, 0]  # models of an "own" reply made while waiting for it; of those, answered "own"
+        self.held = HeldBase()  # whether an encoded update is pushed from the central model the client holds
+        self.held_push: HeldPush | None = None  # ... such a push in flight
 
     def after_step(self) -> None:
         if self.since_push >= self.mode.push_every:
@@ -43,7 +49,8 @@ class PushExchange(Exchange):
             self.pull_keeping_progress()
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "own_guesses": self.own_guesses[0], "own_guesses_right": self.own_guesses[1]}
+        return {**super().stats(), "own_guesses": self.own_guesses[0], "own_guesses_right": self.own_guesses[1],
+                "held_base_pushes": self.held.pushes, "held_base_raced": self.held.raced}
 
     @property
     def lookahead(self) -> bool:
@@ -64,6 +71,11 @@ class PushExchange(Exchange):
                 and self.dense(tensors) and self.scale() == 1.0 and (cheap_refusal or link.world_size == 1)
                 and self.push_weights(tensors)):
             return
+        kind = self.held_base_kind(tensors, want_model)
+        if kind is not None:
+            self.push_from_held(tensors, kind)
+            return
+        self.leave_held_base()
         update, deltas, exact = self.update(tensors)
         self.since_push = 0
         base = self.version
@@ -133,8 +145,102 @@ class PushExchange(Exchange):
             self.load(reply)
         return True
 
+    # -- pushing from the held central model (plug_asgd.exchange.held_base) -------------------------
+
+    def held_base_kind(self, tensors: dict[str, Tensor], want_model: bool) -> str | None:
+        """The held base this push goes from (``RESIDUAL`` or ``CENTRAL``), or None for the exchange's own: an
+        encoded update of float32 CPU tensors, a pull due, the client holding the central model of our version,
+        and nothing to scale or look ahead for (the pushes land on the version they were based on)."""
+        held = getattr(self._link.client, "held", None)
+        if (not want_model or self.dense(tensors) or held is None or held.model_id is None or not held.exact
+                or held.version != self.version or not tensors.keys() <= held.tensors.keys()
+                or self.scale() != 1.0 or (self.lookahead and self.compensator.config.lookahead
+                                           and self.compensator.staleness > 0)
+                or host_arrays(tensors) is None):
+            return None
+        return RESIDUAL if self.pending_residual() is not None else CENTRAL
+
+    def push_from_held(self, tensors: dict[str, Tensor], kind: str) -> None:
+        """Push ``w - c`` (encoded), ``c`` the central model the client holds, from a thread of its own
+        (:class:`HeldPush`); the next step's forward and backward compute meanwhile, and the reply is taken before
+        its optimizer writes the weights (:meth:`before_update`)."""
+        self.finish()
+        weights = host_arrays(tensors)
+        assert weights is not None
+        client = self._link.client
+        central = client.held.lend()  # type: ignore[union-attr]
+        self.held.enter(kind, weights, self.base, central, self.pending_residual() or (lambda name: None))
+        self.held_push = HeldPush(self.held, self.encoder, client, weights, central,  # type: ignore[arg-type]
+                                  self.version, self.scaled_for())
+        self.since_push = 0
+        if __import__("os").environ.get("SYNC_HELD"):
+            self.finish()
+
+    def mask_sent(self, push: HeldPush) -> None:
+        """Zero the optimizers' momentum where ``push``'s update was sent (once), before they step again."""
+        if not push.masked:
+            push.masked = True
+            tensors = self._link.tensors()
+            for name, sent in push.encoded().items():
+                if isinstance(sent, Sparse):
+                    self.compensator.mask(self.optimizers, tensors[name], sent.indices)
+
+    def before_update(self) -> None:
+        """The push from the held base in flight, taken before the optimizer writes the weights."""
+        self.finish()
+
+    def finish(self) -> None:
+        """Take the reply of the push from the held base in flight, if any."""
+        push, self.held_push = self.held_push, None
+        if push is not None:
+            self.mask_sent(push)
+            reply = push.settle(self._link.client.held)  # type: ignore[union-attr]
+            self.count_staleness(reply, push.base)
+            self.based_on(reply)
+
+    def flush(self) -> None:
+        super().flush()
+        self.finish()  # a push flush() made from the held base is answered before anything else
+
+    def leave_held_base(self) -> None:
+        """Back to the exchange's own base (before anything else reads or changes the weights or the held model:
+        a pull, a load, a push of another kind)."""
+        if self.held.kind is not None:
+            weights = host_arrays(self._link.tensors())
+            assert weights is not None
+            self.held.leave(weights, self.base, self._link.client.held.tensors,  # type: ignore[union-attr]
+                            getattr(self.encoder, "set_pending", None))
+
+    def load(self, reply: ModelReply, ahead: bool = False) -> None:
+        self.leave_held_base()
+        super().load(reply, ahead)
+
+    def refresh(self) -> None:
+        self.flush()
+        self.leave_held_base()
+        super().refresh()
+
+    def leave(self) -> None:
+        self.flush()
+        self.leave_held_base()
+        super().leave()
+
+    def central_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        self.finish()
+        self.leave_held_base()
+        return super().central_state(state)
+
+    def let_go(self) -> None:
+        """After a failure the socket is the held push's until it is done: wait a little, then give up on it."""
+        push, self.held_push = self.held_push, None
+        if push is not None:
+            push.thread.join(LET_GO_S)
+            if push.thread.is_alive():
+                raise PSUnreachableError("a push is still in flight")
+
     def pull_keeping_progress(self) -> None:
         """DOWNPOUR's fetch: ``w = central + (w - w_base)``, so steps not yet pushed are not lost."""
+        self.leave_held_base()
         reply = self._link.client.pull()
         tensors = self._link.tensors()
         with torch.no_grad():  # the weights hold the pending steps while the base becomes the central model

@@ -193,6 +193,11 @@ class FoldRule(ABC):
     def __init__(self) -> None:
         self.training_ranks: frozenset[int] = frozenset()
 
+    def adds_exactly(self, update: Tensor) -> bool:
+        """Whether this rule folds ``update`` (decoded), pushed on the current version without correction, as
+        ``central + update`` in the central dtype: its worker can then make the new model itself, bit for bit."""
+        return self.folds_into_update
+
     @property
     def trainers(self) -> int:
         return len(self.training_ranks)
@@ -242,6 +247,11 @@ class AdaCompRule(FoldRule):
         super().__init__()
         self.history: deque[tuple[int, dict[str, np.ndarray | None]]] = deque(maxlen=history)
         self.truncated = 0
+
+    def adds_exactly(self, update: Tensor) -> bool:
+        """A sparse update on the current version: each coordinate is scaled by ``1 / max(1, 0)``, which leaves its
+        float32 value as it is. A dense one is divided in float64 before the addition: not the worker's sum."""
+        return isinstance(update, Sparse)
 
     def staleness(self, base_version: int, name: str, indices: np.ndarray) -> np.ndarray:
         """``s_i`` for each of ``indices`` of tensor ``name``, for an update based on ``base_version``."""

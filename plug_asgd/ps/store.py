@@ -61,7 +61,8 @@ class PushIn:
 @dataclass
 class Folded:
     """What became of a push: ``status``; the pushes resolved now; ``own_version``: the version this
-    push alone made (it was folded in exactly); its staleness and the bytes read from shared memory."""
+    push alone made, where its worker can make that model itself (the base plus the update as folded here, bit for
+    bit); its staleness and the bytes read from shared memory."""
 
     status: str
     resolutions: list[Resolution] = field(default_factory=list)
@@ -196,9 +197,14 @@ class Store(ABC):
         correction = self._correction(push.scaled_for, staleness)  # refused before anything is read
         sent, local_bytes = self._read_local(push.session, push.tensors)
         update = self._decode(sent)
+        fresh = staleness == 0 and correction == 1.0 and not self.resumed
         # Exactly base + this update once folded: nothing else folded in since the base, dense values used as sent.
-        exact = (staleness == 0 and correction == 1.0 and not self.resumed and self.rule.folds_into_update
-                 and all(isinstance(u, np.ndarray) and u is sent[n] for n, u in update.items()))
+        exact = fresh and self.rule.folds_into_update and all(
+            isinstance(u, np.ndarray) and u is sent[n] for n, u in update.items())
+        # The worker can make the new model itself, base + what it sent decoded as here (the same float additions):
+        # it is answered "own" if it asks (codecs too; not where the downlink tracks what each worker holds)
+        own = exact or (fresh and not push.weights and self.downlink is None
+                        and all(self.rule.adds_exactly(u) for u in update.values()))
         if self.stopped:
             check_finite(update)
             self.last_seq[push.session] = push.seq
@@ -226,7 +232,7 @@ class Store(ABC):
         self.stats.weights_pushes += push.weights
         self.stats.push_local_bytes_in += local_bytes
         self._after_fold(push, update, out, lends, before)
-        return Folded(FOLDED, resolutions, self.state.version if exact else None, staleness, local_bytes)
+        return Folded(FOLDED, resolutions, self.state.version if own else None, staleness, local_bytes)
 
     def _correction(self, scaled_for: float | None, staleness: int) -> float:
         """``(1 + scaled_for) / (1 + max(scaled_for, staleness))``: a worker's update, scaled by ``1 / (1 +

@@ -1,0 +1,84 @@
+"""The exchange's cost per step at a real model's size, on the CPU: every mode and codec against plain Lightning.
+
+    PYTHONPATH=. python -m bench exchange [--quick] [--rounds N] [--steps N] [--configs a,b,...] [--out FILE]
+
+One worker, one process (the embedded PS in its own), a model of four square ``nn.Linear`` layers with
+biases (11.2M parameters at full size, ``--quick`` 1.05M) and almost no compute (batch 2), momentum SGD at
+lr 0.05: what is left of a step is the memory traffic of the parameters, which the exchange adds to.
+Each configuration's milliseconds per step over plain Lightning's, in the same round
+(:mod:`bench.step_timing`); the median over the rounds, and the spread. Targets: asgd at most 1.10, the
+others at most 1.30.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from bench.step_timing import SquareLinears, fit_steps, quiet, rounds, strategies
+
+WIDTH = {"full": 1673, "quick": 512}  # 4 * (w * w + w): 11,202,408 and 1,050,624 parameters
+TARGETS = {"plain": None, "asgd": 1.10}
+OTHER_TARGET = 1.30
+BATCH = 2
+BATCHES = 2000  # the epoch each fit is stopped in: long enough that randomk's default fraction is 1%
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the 1.05M-parameter model, 2 rounds of 20 steps")
+    parser.add_argument("--rounds", type=int, help="rounds of every configuration (default 5; quick 2)")
+    parser.add_argument("--steps", type=int, help="steps timed per fit (default 60; quick 20)")
+    parser.add_argument("--configs", help="comma-separated configurations (plain is always run): "
+                                          + ", ".join(strategies()))
+    parser.add_argument("--out", type=Path, help="where to write the results as JSON")
+    args = parser.parse_args(argv)
+    size = "quick" if args.quick else "full"
+    count = args.rounds or (2 if args.quick else 5)
+    steps = args.steps or (20 if args.quick else 60)
+    configs = strategies()
+    if args.configs:
+        wanted = ["plain", *[c for c in args.configs.split(",") if c and c != "plain"]]
+        unknown = [c for c in wanted if c not in configs]
+        if unknown:
+            parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(configs)}")
+        configs = {c: configs[c] for c in wanted}
+    quiet()
+    width = WIDTH[size]
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(BATCHES * BATCH, width), torch.randn(BATCHES * BATCH, width) * 0.1)
+    loader = DataLoader(data, batch_size=BATCH)
+
+    def fit(strategy: object) -> tuple[float, dict[str, object]]:
+        torch.manual_seed(0)
+        return fit_steps(lambda: SquareLinears(width), loader, strategy, steps, warmup=10,
+                         trainer_kwargs={"accelerator": "cpu", "devices": 1})
+
+    results = rounds(configs, fit, count)
+    params = sum(p.numel() for p in SquareLinears(width).parameters())
+    print(f"\nthe exchange at {params:,} parameters, batch {BATCH}, one worker, {os.cpu_count()} cores, "
+          f"{count} rounds of {steps} steps: ms per step and its ratio to plain Lightning's in the same round")
+    print(f"{'configuration':28s} {'ms/step':>8s} {'ratio':>7s} {'min':>6s} {'max':>6s} target")
+    failed = []
+    for name, r in results.items():
+        target = TARGETS.get(name, OTHER_TARGET)
+        mark = "" if target is None else ("ok" if r["ratio_median"] <= target else "MISSED")
+        if mark == "MISSED":
+            failed.append(name)
+        print(f"{name:28s} {r['ms_per_step_median']:8.2f} {r['ratio_median']:7.3f} {r['ratio_min']:6.3f} "
+              f"{r['ratio_max']:6.3f} {'' if target is None else f'<= {target:.2f} {mark}'}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"size": size, "parameters": params, "batch": BATCH, "rounds": count,
+                                        "steps": steps, "cores": os.cpu_count(), "results": results}, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Encoding the difference of two arrays without making it whole: the worker's update is ``w - c``.
+
+A worker whose base is the central model it holds (``c``) pushes ``w - c`` (plus what error feedback
+keeps). Made whole, that difference costs a pass that writes the model's size, and a codec then reads
+it again once or more: at ResNet size each pass over the model costs about as much as a training step
+of a small batch. Here each tensor is walked in chunks small enough to stay in the core's cache
+(:data:`CHUNK` values): the difference of a chunk is made, used and forgotten, so the model is read
+once and written nowhere. The functions take flat float arrays; the results are those of the plain
+computation on the whole difference, bit for bit (the same float operations on the same values).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+
+# values per chunk: four float32 arrays of it (the two read, two scratch) fit a core's 1 MiB L2 cache
+CHUNK = 1 << 16
+
+# a tensor of at least this many coordinates, of which at most 1/FEW_ASKED are asked for, has its top k chosen
+# among the coordinates above a threshold estimated from a strided sample of SAMPLE of them (top_k)
+SAMPLED_FROM = 65_536
+FEW_ASKED = 16
+SAMPLE = 8192
+
+
+class Scratch:
+    """Per-chunk work arrays, kept across calls (no allocation per push)."""
+
+    def __init__(self) -> None:
+        self.values = np.empty(0, dtype=np.float32)
+        self.magnitudes = np.empty(0, dtype=np.float32)
+        self.mask = np.empty(0, dtype=bool)
+
+    def get(self, size: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Two float arrays of ``size`` values of ``dtype`` and a mask of ``size``."""
+        if self.values.size < size or self.values.dtype != dtype:
+            self.values = np.empty(size, dtype=dtype)
+            self.magnitudes = np.empty(size, dtype=dtype)
+            self.mask = np.empty(size, dtype=bool)
+        return self.values[:size], self.magnitudes[:size], self.mask[:size]
+
+
+_scratch = threading.local()
+
+
+def scratch() -> Scratch:
+    """This thread's scratch: the encoders of several tensors may run at once, each in a thread of its own."""
+    found = getattr(_scratch, "arrays", None)
+    if found is None:
+        found = _scratch.arrays = Scratch()
+    return found
+
+
+def chunks(size: int, chunk: int = CHUNK) -> Iterator[slice]:
+    """Consecutive slices of ``chunk`` values covering ``range(size)``."""
+    for start in range(0, size, chunk):
+        yield slice(start, min(size, start + chunk))
+
+
+def difference(out: np.ndarray, w: np.ndarray, c: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """``out = scale * (w - c)``, whole (the codecs that need all of it at once)."""
+    np.subtract(w, c, out=out)
+    if scale != 1.0:
+        out *= out.dtype.type(scale)
+    return out
+
+
+def accumulate(residual: np.ndarray, w: np.ndarray, c: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """``residual += scale * (w - c)`` in chunks: the difference is never whole. Returns ``residual``."""
+    arrays = scratch()
+    for part in chunks(residual.size):
+        d, _, _ = arrays.get(part.stop - part.start, residual.dtype)
+        difference(d, w[part], c[part], scale)
+        residual[part] += d
+    return residual
+
+
+def top_k(mag: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest of ``mag`` (in no order), exactly the set ``np.argpartition`` gives, ties aside.
+
+    Where few are asked for, a threshold is read off a strided sample (the sample's quantile that about
+    ``FACTORS[0] * k`` of the whole exceed) and only the coordinates at or above it (NaN included) are
+    partitioned: exact whenever at least k are, which is checked, else again lower (``FACTORS[1] * k``);
+    where that lets too few or too many through (a tensor of many equal values), the whole is partitioned.
+    """
+    n = mag.size
+    if sampled(n, k):
+        sample = mag[:: n // SAMPLE]
+        for factor in FACTORS:
+            threshold = sample_threshold(sample, n, k, factor)
+            candidates = np.flatnonzero(np.logical_not(mag < threshold))  # not below: NaN is a candidate, as it
+            # is the largest for argpartition
+            if k <= candidates.size <= n // 4:
+                mags = mag[candidates]
+                return candidates[np.argpartition(mags, mags.size - k)[mags.size - k:]]
+    return np.argpartition(mag, n - k)[n - k:]
+
+
+# The sampled threshold lets through about FACTORS[0] * k coordinates: few, since finding them (np.flatnonzero)
+# costs about in proportion; a sample that misjudged it (fewer than k through) is read again for FACTORS[1] * k.
+FACTORS = (1.25, 3.0)
+
+
+def sampled(n: int, k: int) -> bool:
+    """Whether the top ``k`` of ``n`` are chosen above a sampled threshold (few asked of many)."""
+    return n >= SAMPLED_FROM and k * FEW_ASKED <= n
+
+
+def sample_threshold(sample: np.ndarray, n: int, k: int, factor: float) -> np.floating:
+    """The value about ``factor * k`` of ``n`` exceed, read off ``sample`` (magnitudes at a stride of
+    ``n // SAMPLE``)."""
+    above = min(sample.size - 1, math.ceil(factor * k * sample.size / n))
+    return np.partition(sample, sample.size - 1 - above)[sample.size - 1 - above]
+
+
+def largest_differences(w: np.ndarray, c: np.ndarray, k: int, residual: np.ndarray | None = None,
+                        scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Ascending int64 indices of the ``k`` largest ``|v|`` and ``v`` there, exact zeros left out, where ``v`` is
+    ``w - c`` (``residual`` None) or ``residual + scale * (w - c)``, written into ``residual``.
+
+    The same indices as :func:`plug_asgd.compressors.sparse.largest_magnitudes` of ``v`` made whole, and
+    the same values: the threshold is read off ``|v|`` at the same sample positions, computed there alone,
+    and the candidates are gathered chunk by chunk.
+    """
+    n = w.size
+    if k >= n or not sampled(n, k):
+        return _whole(w, c, k, residual, scale)
+    positions = slice(None, None, n // SAMPLE)
+    sample = np.abs(_v(w[positions], c[positions], residual[positions] if residual is not None else None, scale))
+    candidates, signed = _above(sample_threshold(sample, n, k, FACTORS[0]), w, c, residual, scale)
+    if candidates.size < k:  # the sample misjudged the threshold: again, lower (the residual holds v by now)
+        candidates, signed = _above(sample_threshold(sample, n, k, FACTORS[1]), w, c, residual, scale,
+                                    made=residual is not None)
+    if not k <= candidates.size <= n // 4:  # too few or too many above the threshold: partition the whole
+        if residual is not None:
+            return _chosen(residual, np.argpartition(np.abs(residual), n - k)[n - k:])
+        return _whole(w, c, k, None, scale)
+    # the top k of the candidates; positions in them ascend as their indices do, so sorting one sorts both
+    mags = np.abs(signed)
+    pos = np.argpartition(mags, mags.size - k)[mags.size - k:]
+    pos.sort()
+    pos = pos[signed[pos] != 0]
+    return candidates[pos].astype(np.int64, copy=False), signed[pos]
+
+
+def _above(threshold: np.floating, w: np.ndarray, c: np.ndarray, residual: np.ndarray | None, scale: float,
+           made: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The indices where ``|v|`` is not below ``threshold`` (NaN too, as argpartition ranks it largest) and ``v``
+    there, chunk by chunk; ``v`` as :func:`largest_differences`'s, added into ``residual`` unless ``made`` (the
+    residual holds ``v`` already)."""
+    arrays = scratch()
+    found: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    for part in chunks(w.size):
+        d, mag, mask = arrays.get(part.stop - part.start, w.dtype)
+        if residual is not None and made:
+            d = residual[part]
+        else:
+            difference(d, w[part], c[part], scale)
+            if residual is not None:
+                r = residual[part]
+                r += d
+                d = r
+        np.abs(d, out=mag)
+        np.less(mag, threshold, out=mask)
+        np.logical_not(mask, out=mask)
+        idx = np.flatnonzero(mask)
+        found.append(idx + part.start)
+        values.append(d[idx])  # gathered while the chunk is in cache, signed
+    return np.concatenate(found), np.concatenate(values)
+
+
+def _v(w: np.ndarray, c: np.ndarray, residual: np.ndarray | None, scale: float) -> np.ndarray:
+    """``residual + scale * (w - c)`` (``w - c`` scaled, where no residual), computed as the chunks compute it."""
+    v = difference(np.empty_like(w), w, c, scale)
+    if residual is not None:
+        v = residual + v
+    return v
+
+
+def _whole(w: np.ndarray, c: np.ndarray, k: int, residual: np.ndarray | None,
+           scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`largest_differences` with ``v`` made whole (small tensors, or most of a tensor asked for)."""
+    if residual is not None:
+        accumulate(residual, w, c, scale)
+        v = residual
+    else:
+        v = difference(np.empty_like(w), w, c, scale)
+    if k >= v.size:
+        return _chosen(v, np.arange(v.size))
+    return _chosen(v, top_k(np.abs(v), k))
+
+
+def _chosen(v: np.ndarray, chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    chosen = np.sort(chosen[v[chosen] != 0]).astype(np.int64)
+    return chosen, v[chosen]
