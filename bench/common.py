@@ -238,7 +238,7 @@ def payload_bytes(shapes: dict[str, tuple[int, ...]], compressor: str, *, fracti
         elif compressor in ("topk", "randomk", "adacomp"):
             total += sparse_bytes(n, k_for(fraction, n))
         elif compressor == "qsgd":
-            total += -(-n * (bits + 1) // 8)
+            total += -(-n * bits // 8) + -(-n // 8)  # the levels, then a sign bit each
         elif compressor == "sign":
             total += -(-n // 8)
         elif compressor == "powersgd":

@@ -122,6 +122,10 @@ def ps_config(arguments: Any, bind: str, trainer: Any, shard: str | None = None)
                     threads=arguments.ps_threads, **arguments.downlink, shard=shard, **options)
 
 
+# the variables that set the thread count of the BLAS libraries numpy may use (OpenBLAS, MKL, OpenMP's)
+BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
+
+
 class EmbeddedPS:
     """The embedded PS's processes (one, or one per shard): started from configs, watched while workers wait,
     stopped at exit."""
@@ -135,8 +139,12 @@ class EmbeddedPS:
         return self.processes[0] if self.processes else None
 
     def start(self, *configs: PSConfig) -> None:
-        """Starts a PS for each config in a fresh interpreter (:func:`~plug_asgd.ps.embedded_command`)."""
-        self.processes = [subprocess.Popen(embedded_command(c), stdin=subprocess.DEVNULL) for c in configs]
+        """Starts a PS for each config in a fresh interpreter (:func:`~plug_asgd.ps.embedded_command`).
+
+        Its numpy computes on one thread unless the environment says otherwise: the PS's threads are its own
+        (``ps_threads``), and the idle threads of a BLAS library spin, on the cores the workers train on."""
+        env = {**{name: "1" for name in BLAS_THREADS}, **os.environ}
+        self.processes = [subprocess.Popen(embedded_command(c), stdin=subprocess.DEVNULL, env=env) for c in configs]
 
     @property
     def running(self) -> bool:

@@ -60,7 +60,7 @@ def frame_bytes(compressor: str, fraction: float) -> int:
             total += 4 * 4 * (shape[0] + n // shape[0])
         else:
             total += {"none": 4 * n, "powersgd": 4 * n, "fp16": 2 * n, "bf16": 2 * n,
-                      "qsgd": math.ceil(n * 9 / 8), "sign": math.ceil(n / 8)}[compressor]
+                      "qsgd": n + math.ceil(n / 8), "sign": math.ceil(n / 8)}[compressor]
     return total
 
 

@@ -8,6 +8,7 @@ import zlib
 import numpy as np
 
 from plug_asgd.compressors.base import Codec, bad_payload, check_int, check_meta, expect, packed_arrays
+from plug_asgd.compressors.blas import one_thread
 from plug_asgd.wire import FLOAT_DTYPES, Packed, Tensor
 
 
@@ -62,8 +63,9 @@ class PowerSGD(Codec):
         if q is None or q.shape != (m, r) or q.dtype != ct or not np.isfinite(q).all():
             rng = np.random.default_rng([self.seed, zlib.crc32(key.encode())])
             q = rng.standard_normal((m, r)).astype(ct)
-        p, _ = np.linalg.qr(matrix @ q)
-        q = matrix.T @ p
+        with one_thread():
+            p, _ = np.linalg.qr(matrix @ q)
+            q = matrix.T @ p
         self.q[key] = q
         return Packed("powersgd", tuple(x.shape), {}, (np.ascontiguousarray(p), q))
 
@@ -95,5 +97,6 @@ class PowerSGD(Codec):
         expect(packed, "P", left, FLOAT_DTYPES, (n, rank))
         expect(packed, "Q", right, FLOAT_DTYPES, (m, rank))
         ct = np.result_type(left.dtype, right.dtype, np.float32)
-        return (left.astype(ct, copy=False) @ right.astype(ct, copy=False).T).reshape(packed.shape).astype(
-            dtype, copy=False)
+        with one_thread():  # one kernel, the same bits wherever it runs (a worker answered "own" decodes it too)
+            product = left.astype(ct, copy=False) @ right.astype(ct, copy=False).T
+        return product.reshape(packed.shape).astype(dtype, copy=False)

@@ -15,26 +15,29 @@ from plug_asgd.compressors.base import (
     meta_scale,
     packed_arrays,
 )
+from plug_asgd.compressors.difference import Scratch, chunks, difference, scratch
 from plug_asgd.wire import Packed, Tensor
 
 
 class QSGD(Codec):
     """Stochastic uniform quantisation (Alistarh et al., NeurIPS 2017), unbiased.
 
-    With ``s = 2**bits - 1`` levels and ``norm = ||x||_2`` (rounded to float32, sent in meta),
-    each coordinate becomes ``sign(x_i) * norm * l_i / s`` where ``l_i`` is ``floor(r_i)`` or
-    ``floor(r_i) + 1`` for ``r_i = s * |x_i| / norm``, the latter with probability ``r_i -
+    With ``s = 2**bits - 1`` levels and ``norm = ||x||_2`` (summed in float64, rounded to float32, sent in
+    meta), each coordinate becomes ``sign(x_i) * norm * l_i / s`` where ``l_i`` is ``floor(r_i)`` or
+    ``floor(r_i) + 1`` for ``r_i = s * |x_i| / norm`` (in float32), the latter with probability ``r_i -
     floor(r_i)``: so ``E[l_i] = r_i`` and the decoded tensor is the update in expectation, with a
-    per-coordinate variance ``(norm / s)**2 * p_i * (1 - p_i) <= (norm / s)**2 / 4``. Each
-    coordinate is ``bits + 1`` bits (the level, then the sign bit set for ``x_i < 0``), packed
-    least significant bit first into ``Packed("qsgd", shape, {"bits", "norm"}, (uint8 codes,))``:
-    ``ceil(numel * (bits + 1) / 8)`` bytes. The decoder computes ``l_i * (norm / s)`` in float64.
-    An update holding NaN or Inf is sent dense, for the PS to refuse as not finite.
+    per-coordinate variance ``(norm / s)**2 * p_i * (1 - p_i) <= (norm / s)**2 / 4``. Sent as
+    ``Packed("qsgd", shape, {"bits", "norm"}, (levels, signs))``: the levels at ``bits`` bits each (bytes
+    as they are for 8 bits, 16-bit words for 16, least significant first otherwise), ``ceil(numel * bits /
+    8)`` bytes, and one sign bit per coordinate (set for ``x_i < 0``), ``ceil(numel / 8)`` bytes. The decoder
+    computes ``l_i * (norm / s)`` in float64. An update holding NaN or Inf is sent dense, for the PS to
+    refuse as not finite.
     """
 
     name = "qsgd"
-    sends = "Packed: `bits`-bit stochastic levels and signs, the norm in the header (Alistarh et al. 2017); unbiased"
-    wire_formula = "ceil(numel * (bits + 1) / 8)"
+    sends = ("Packed: `bits`-bit stochastic levels and a sign bit each, the norm in the header "
+             "(Alistarh et al. 2017); unbiased")
+    wire_formula = "ceil(numel * bits / 8) + ceil(numel / 8)"
     independent_keys = False  # one random generator rounds every tensor, in order
 
     def __init__(self, bits: int = 8, seed: int = 0, *, error_feedback: bool | None = None) -> None:
@@ -46,21 +49,42 @@ class QSGD(Codec):
 
     def encode(self, key: str, update: np.ndarray) -> Tensor:
         x = np.asarray(update)
-        magnitude = np.abs(x.reshape(-1)).astype(np.float64)
+        return self._encode(x.reshape(-1), None, 1.0, tuple(x.shape), x)
+
+    def encode_difference(self, key: str, w: np.ndarray, c: np.ndarray, scale: float = 1.0) -> Tensor:
+        """``encode(key, scale * (w - c))`` chunk by chunk: the difference is made twice (for the norm, then for
+        the levels) and never whole."""
+        return self._encode(w.reshape(-1), c.reshape(-1), scale, tuple(w.shape), None)
+
+    def _encode(self, w: np.ndarray, c: np.ndarray | None, scale: float, shape: tuple[int, ...],
+                whole: np.ndarray | None) -> Tensor:
+        """The levels and signs of ``x = scale * (w - c)`` (``w`` itself where ``c`` is None)."""
+        arrays = scratch()
+        total = 0.0
+        for part in chunks(w.size):
+            x = _chunk(arrays, w, c, part, scale)
+            total += float(np.add.reduce(np.square(x, out=arrays.get(x.size, x.dtype)[1]), dtype=np.float64))
         with np.errstate(over="ignore"):
-            norm = np.float32(math.sqrt(float(np.dot(magnitude, magnitude))))
+            norm = np.float32(math.sqrt(total))
         if not np.isfinite(norm):
-            return x
-        uniform = self.rng.random(magnitude.size)
-        if norm > 0:
-            r = np.minimum(magnitude * (self.levels / float(norm)), self.levels)
+            if whole is not None:
+                return whole
+            return difference(np.empty(shape, dtype=w.dtype), w.reshape(shape), c.reshape(shape), scale)  # type: ignore[union-attr]
+        ratio = np.float32(self.levels / float(norm)) if norm > 0 else np.float32(0)
+        levels = np.empty(w.size, dtype=np.uint8 if self.bits <= 8 else np.uint16)
+        negative = np.empty(w.size, dtype=bool)
+        for part in chunks(w.size):
+            x = _chunk(arrays, w, c, part, scale)
+            np.less(x, 0, out=negative[part])
+            _, r, _ = arrays.get(x.size, np.float32)
+            np.multiply(np.abs(x, out=r), ratio, out=r, casting="unsafe")
+            np.minimum(r, np.float32(self.levels), out=r)
             low = np.floor(r)
-            level = (low + (uniform < r - low)).astype(np.uint32)
-        else:
-            level = np.zeros(magnitude.size, dtype=np.uint32)
-        codes = level | ((x.reshape(-1) < 0).astype(np.uint32) << np.uint32(self.bits))
-        return Packed("qsgd", tuple(x.shape), {"bits": self.bits, "norm": float(norm)},
-                      (pack_bits(codes, self.bits + 1),))
+            r -= low  # the chance of the upper level
+            low += self.rng.random(r.size, dtype=np.float32) < r
+            levels[part] = low
+        return Packed("qsgd", shape, {"bits": self.bits, "norm": float(norm)},
+                      (pack_levels(levels, self.bits), np.packbits(negative, bitorder="little")))
 
     def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
         return qsgd_bytes(math.prod(shape), self.bits)
@@ -70,18 +94,24 @@ class QSGD(Codec):
         check_meta(packed, "bits", "norm")
         bits = meta_int(packed, "bits", 1, 16)
         norm = meta_scale(packed, "norm")
-        (stream,) = packed_arrays(packed, 1)
-        expect(packed, "the codes", stream, {"uint8"}, (qsgd_bytes(packed.numel, bits),))
-        codes = unpack_bits(stream, packed.numel, bits + 1)
-        magnitude = (codes & ((1 << bits) - 1)) * (norm / ((1 << bits) - 1))
-        return np.where(codes >> bits, -magnitude, magnitude).reshape(packed.shape).astype(dtype)
+        stream, signs = packed_arrays(packed, 2)
+        expect(packed, "the levels", stream, {"uint8"} if bits != 16 else {"uint16"},
+               (-(-packed.numel * bits // 8) if bits != 16 else packed.numel,))
+        expect(packed, "the signs", signs, {"uint8"}, (-(-packed.numel // 8),))
+        # the level with its sign, in integers (exact), then scaled in float64: -(l * q) is (-l) * q, bit for bit,
+        # without np.where's branch per coordinate
+        sign = 1 - 2 * np.unpackbits(signs, count=packed.numel, bitorder="little").view(np.int8)
+        signed = np.multiply(unpack_levels(stream, packed.numel, bits), sign, dtype=np.int32)
+        return (signed * (norm / ((1 << bits) - 1))).reshape(packed.shape).astype(dtype)
 
     @classmethod
     def slice_packed(cls, packed: Packed, start: int, stop: int) -> Packed:
-        """The slice's codes, packed again, with the whole tensor's norm: each decodes as it would whole."""
-        width = int(packed.meta["bits"]) + 1
-        codes = unpack_bits(np.asarray(packed.arrays[0]), packed.numel, width)[start:stop]
-        return Packed("qsgd", (stop - start,), dict(packed.meta), (pack_bits(codes, width),))
+        """The slice's levels and signs, packed again, with the whole tensor's norm: each decodes as it would whole."""
+        bits = int(packed.meta["bits"])
+        levels = unpack_levels(np.asarray(packed.arrays[0]), packed.numel, bits)[start:stop]
+        negative = np.unpackbits(np.asarray(packed.arrays[1]), count=packed.numel, bitorder="little")[start:stop]
+        return Packed("qsgd", (stop - start,), dict(packed.meta),
+                      (pack_levels(levels, bits), np.packbits(negative, bitorder="little")))
 
 
 class Sign(Codec):
@@ -89,9 +119,9 @@ class Sign(Codec):
 
     Sends ``Packed("sign", shape, {"scale": mean(|x|)}, (bits,))``: ``bits`` is
     ``np.packbits(x < 0, bitorder="little")``, ``ceil(numel / 8)`` bytes, and the scale (float32,
-    in meta) is the mean magnitude, so each coordinate decodes to ``-scale`` where its bit is set
-    and ``+scale`` otherwise (zero included). Biased: error feedback is on by default, where it is a
-    contraction (``||x - decoded||**2 = ||x||**2 - numel * scale**2``). An update holding NaN or Inf
+    in meta) is the mean magnitude (summed in float64), so each coordinate decodes to ``-scale`` where its
+    bit is set and ``+scale`` otherwise (zero included). Biased: error feedback is on by default, where it is
+    a contraction (``||x - decoded||**2 = ||x||**2 - numel * scale**2``). An update holding NaN or Inf
     is sent dense, for the PS to refuse as not finite.
     """
 
@@ -102,13 +132,30 @@ class Sign(Codec):
 
     def encode(self, key: str, update: np.ndarray) -> Tensor:
         x = np.asarray(update)
-        flat = x.reshape(-1)
+        return self._encode(x.reshape(-1), None, 1.0, tuple(x.shape), x)
+
+    def encode_difference(self, key: str, w: np.ndarray, c: np.ndarray, scale: float = 1.0) -> Tensor:
+        """``encode(key, scale * (w - c))`` in one pass of chunks: the difference is never whole."""
+        return self._encode(w.reshape(-1), c.reshape(-1), scale, tuple(w.shape), None)
+
+    def _encode(self, w: np.ndarray, c: np.ndarray | None, scale: float, shape: tuple[int, ...],
+                whole: np.ndarray | None) -> Tensor:
+        arrays = scratch()
+        total = 0.0
+        signs = np.empty(-(-w.size // 8), dtype=np.uint8)
+        for part in chunks(w.size):  # a chunk is a multiple of 8 values: its bits fill whole bytes
+            x = _chunk(arrays, w, c, part, scale)
+            _, magnitude, negative = arrays.get(x.size, x.dtype)
+            total += float(np.add.reduce(np.abs(x, out=magnitude), dtype=np.float64))
+            np.less(x, 0, out=negative)
+            signs[part.start // 8:-(-part.stop // 8)] = np.packbits(negative, bitorder="little")
         with np.errstate(over="ignore"):
-            scale = np.float32(np.mean(np.abs(flat), dtype=np.float64)) if flat.size else np.float32(0)
-        if not np.isfinite(scale):
-            return x
-        return Packed("sign", tuple(x.shape), {"scale": float(scale)},
-                      (np.packbits(flat < 0, bitorder="little"),))
+            scale_ = np.float32(total / w.size) if w.size else np.float32(0)
+        if not np.isfinite(scale_):
+            if whole is not None:
+                return whole
+            return difference(np.empty(shape, dtype=w.dtype), w.reshape(shape), c.reshape(shape), scale)  # type: ignore[union-attr]
+        return Packed("sign", shape, {"scale": float(scale_)}, (signs,))
 
     def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
         return -(-math.prod(shape) // 8)
@@ -119,15 +166,42 @@ class Sign(Codec):
         scale = meta_scale(packed, "scale")
         (bits,) = packed_arrays(packed, 1)
         expect(packed, "the signs", bits, {"uint8"}, (-(-packed.numel // 8),))
-        negative = np.unpackbits(bits, count=packed.numel, bitorder="little").astype(bool)
+        negative = np.unpackbits(bits, count=packed.numel, bitorder="little")
         value = dtype.type(scale)
-        return np.where(negative, -value, value).astype(dtype, copy=False).reshape(packed.shape)
+        # value - 2 * value where negative: -value, exactly (doubling and the difference are exact), without
+        # np.where's branch per coordinate
+        return (value - negative * (value + value)).astype(dtype, copy=False).reshape(packed.shape)
 
     @classmethod
     def slice_packed(cls, packed: Packed, start: int, stop: int) -> Packed:
         """The slice's sign bits, packed again, with the whole tensor's scale: each decodes as it would whole."""
         negative = np.unpackbits(np.asarray(packed.arrays[0]), count=packed.numel, bitorder="little")[start:stop]
         return Packed("sign", (stop - start,), dict(packed.meta), (np.packbits(negative, bitorder="little"),))
+
+
+def _chunk(arrays: Scratch, w: np.ndarray, c: np.ndarray | None, part: slice, scale: float) -> np.ndarray:
+    """``scale * (w - c)`` over ``part`` (``w``'s values where ``c`` is None), in this thread's scratch."""
+    if c is None:
+        return w[part]
+    d, _, _ = arrays.get(part.stop - part.start, w.dtype)
+    return difference(d, w[part], c[part], scale)
+
+
+def pack_levels(levels: np.ndarray, bits: int) -> np.ndarray:
+    """Levels below ``2**bits``, ``bits`` each: the bytes of 8-bit levels and the words of 16-bit ones as they
+    are, else packed least significant bit first (``ceil(n * bits / 8)`` bytes, the last padded with zeros)."""
+    if bits == 8:
+        return levels.astype(np.uint8, copy=False)
+    if bits == 16:
+        return levels.astype(np.uint16, copy=False)
+    return pack_bits(levels.astype(np.uint32), bits)
+
+
+def unpack_levels(stream: np.ndarray, count: int, bits: int) -> np.ndarray:
+    """The levels :func:`pack_levels` packed."""
+    if bits in (8, 16):
+        return stream
+    return unpack_bits(stream, count, bits)
 
 
 def pack_bits(codes: np.ndarray, width: int) -> np.ndarray:
@@ -150,4 +224,4 @@ def unpack_bits(stream: np.ndarray, count: int, width: int) -> np.ndarray:
 
 
 def qsgd_bytes(numel: int, bits: int) -> int:
-    return -(-numel * (bits + 1) // 8)
+    return -(-numel * bits // 8) + -(-numel // 8)

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from plug_asgd.client import HeldModel, ModelReply, PSClient
 from plug_asgd.compressors import Compressor, decode
+from plug_asgd.exchange.in_flight import InFlight
 from plug_asgd.wire import Sparse
 
 _UNCHANGED = np.zeros(0, dtype=np.int64)
@@ -99,7 +100,7 @@ class HeldBase:
             return encoder.encode_difference(name, w, central[name].reshape(w.shape), **implicit)  # type: ignore[attr-defined]
 
         names = sorted(weights, key=lambda n: -weights[n].size)  # the largest first: the threads end together
-        threads = int(__import__("os").environ.get("ENC_THREADS", torch.get_num_threads())) if getattr(encoder, "independent_keys", False) else 1
+        threads = torch.get_num_threads() if getattr(encoder, "independent_keys", False) else 1
         sent = dict(zip(names, _map(one, names, threads), strict=True))
         return {name: sent[name] for name in weights}
 
@@ -153,7 +154,7 @@ class HeldBase:
         self.kind = None
 
 
-class HeldPush:
+class HeldPush(InFlight):
     """One push from the held base, encoded and sent by a thread of its own while the next step's forward and
     backward compute: they only read the weights, which the optimizer writes after them (the exchange waits for
     the encoding there, :meth:`encoded`). With the residual implicit an "own" reply leaves the weights as they
@@ -164,44 +165,30 @@ class HeldPush:
         self.held, self.weights, self.central, self.base = held, weights, central, base
         self.update: dict[str, Any] = {}
         self.decoded: dict[str, Any] = {}
-        self.reply: ModelReply | None = None
-        self.error: BaseException | None = None
         self.masked = False  # the optimizers' momentum was masked where the update was sent
         self._encoded = threading.Event()
 
-        def run() -> None:
+        def work() -> ModelReply:
             try:
                 self.update = held.encode(encoder, weights, central)
-                self._encoded.set()
-                self.reply = client.push(base, self.update, want_model="unless_own", scaled_for=scaled_for,
-                                         while_waiting=lambda: self.decoded.update(held.decoded(self.update, weights)))
-            except BaseException as exc:  # re-raised in the training thread
-                self.error = exc
             finally:
                 self._encoded.set()
+            return client.push(base, self.update, want_model="unless_own", scaled_for=scaled_for,
+                               while_waiting=lambda: self.decoded.update(held.decoded(self.update, weights)))
 
-        self.thread = threading.Thread(target=run, name="plug_asgd-held-push", daemon=True)
-        self.thread.start()
+        super().__init__(work)
 
     def encoded(self) -> dict[str, Any]:
         """The update, once encoded (the weights may change from then on)."""
         self._encoded.wait()
-        if self.error is not None and not self.update:
-            raise self.error
+        if not self.update:
+            self.answered()  # raises what went wrong
         return self.update
-
-    def answered(self) -> ModelReply:
-        """The PS's reply, once it came; what was sent is decoded by then."""
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        assert self.reply is not None
-        if not self.decoded:  # the push was sent again after a reconnection: decoded here
-            self.decoded.update(self.held.decoded(self.update, self.weights))
-        return self.reply
 
     def settle(self, held: HeldModel) -> ModelReply:
         """Take the reply (:meth:`HeldBase.settle`) and return it."""
         reply = self.answered()
+        if not self.decoded:  # the push was sent again after a reconnection: decoded here
+            self.decoded.update(self.held.decoded(self.update, self.weights))
         self.held.settle(reply, held, self.weights, self.central, self.decoded)
         return reply

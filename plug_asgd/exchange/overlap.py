@@ -11,12 +11,11 @@ import numpy as np
 import torch
 
 from plug_asgd.client import ModelReply, PSUnreachableError
-from plug_asgd.exchange.held_base import RESIDUAL
+from plug_asgd.exchange.held_base import RESIDUAL, HeldPush
 from plug_asgd.exchange.push import LET_GO_S, PushExchange
 from plug_asgd.modes import APPLIED, PushMode
 from plug_asgd.staleness import keeps_momentum
 from plug_asgd.tensors import assign
-
 
 
 class OverlapExchange(PushExchange):
@@ -226,8 +225,8 @@ class OverlapExchange(PushExchange):
     def before_update(self) -> None:
         """A push from the held base is encoded before the optimizer writes the weights; its reply waits for the
         next push, as every reply here."""
-        if self.held_push is not None:
-            self.mask_sent(self.held_push)
+        if self.pending is not None and isinstance(self.pending[0], HeldPush):
+            self.mask_sent(self.pending[0])
 
     def let_go(self) -> None:
         """After a failure the socket is the sender's until it is done: wait a little, then give up on it."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,7 @@ from plug_asgd.client import ModelReply, PSUnreachableError
 from plug_asgd.compressors import NoCompression
 from plug_asgd.exchange.base import Exchange
 from plug_asgd.exchange.held_base import CENTRAL, RESIDUAL, HeldBase, HeldPush, host_arrays
+from plug_asgd.exchange.in_flight import InFlight
 from plug_asgd.modes import PushMode
 from plug_asgd.wire import Sparse
 
@@ -40,7 +42,8 @@ class PushExchange(Exchange):
         self.weights_ok = mode.folds_into_update
         self.own_guesses = [0, 0]  # models of an "own" reply made while waiting for it; of those, answered "own"
         self.held = HeldBase()  # whether an encoded update is pushed from the central model the client holds
-        self.held_push: HeldPush | None = None  # ... such a push in flight
+        # a push sent by a thread of its own (of weights, or from the held base) and how its reply is taken
+        self.pending: tuple[InFlight, Callable[[], None]] | None = None
 
     def after_step(self) -> None:
         if self.since_push >= self.mode.push_every:
@@ -67,6 +70,7 @@ class PushExchange(Exchange):
         tensors = link.tensors()
         want_model = self.mode.pull_every is None or self.since_pull >= self.mode.pull_every
         cheap_refusal = self.shared_buffers and link.client.shares_memory  # else a lone worker's only
+        self.finish()  # (a push of weights answered "not_current" sends its update from here)
         if (want_model and self.weights_ok and link.client.takes_weights and self.base_is_central
                 and self.dense(tensors) and self.scale() == 1.0 and (cheap_refusal or link.world_size == 1)
                 and self.push_weights(tensors)):
@@ -112,7 +116,8 @@ class PushExchange(Exchange):
             self.based_on(reply, central=False)
 
     def push_weights(self, tensors: dict[str, Tensor]) -> bool:
-        """Push ``w`` itself; False, with nothing folded, if the PS's model moved on since our base.
+        """Push ``w`` itself, from a thread of its own (its reply is taken before the next step writes the weights,
+        :meth:`settle_weights`); False, with nothing sent, where the buffers it goes from are not ready.
 
         For a lone worker the PS's new model is then ``w``, bit for bit: no ``w - base`` to
         compute here, no ``base + delta`` there and again here. ``w`` is copied into the update
@@ -125,15 +130,21 @@ class PushExchange(Exchange):
         with torch.no_grad():
             for name, t in tensors.items():
                 sent[name].copy_(t.detach())
-        base = self.version
-        lend = self.shared_buffers
-        reply = self._link.client.push(base, self.staging.to_host(sent), want_model="unless_own",
-                                       weights=True, lend=lend)
+        base, lend, client, host = self.version, self.shared_buffers, self._link.client, self.staging.to_host(sent)
+        push = InFlight(lambda: client.push(base, host, want_model="unless_own", weights=True, lend=lend))
+        self.pending = (push, lambda: self.settle_weights(push, sent, base, lend))
+        self.since_push = 0
+        return True
+
+    def settle_weights(self, push: InFlight, sent: dict[str, Tensor], base: int, lend: bool) -> None:
+        """Take the reply to a push of weights: "own" (the weights sent are the base now), the whole model, or
+        "not_current" (another push came first, nothing was folded: ``w - base`` is pushed now instead)."""
+        reply = push.answered()
         if reply.status == "not_current":
             self.weights_ok = False
             self.base_lent = False
-            return False
-        self.since_push = 0
+            self.send()
+            return
         self.count_staleness(reply, base)
         if reply.own:  # the PS's model is what we sent: it is our base now
             self.delta_buffers, self.base = self.base, sent
@@ -143,7 +154,6 @@ class PushExchange(Exchange):
             self.base_lent = lend
         else:  # the PS had stopped, or held the reply (ssp) while others pushed: the whole model came
             self.load(reply)
-        return True
 
     # -- pushing from the held central model (plug_asgd.exchange.held_base) -------------------------
 
@@ -164,17 +174,21 @@ class PushExchange(Exchange):
         """Push ``w - c`` (encoded), ``c`` the central model the client holds, from a thread of its own
         (:class:`HeldPush`); the next step's forward and backward compute meanwhile, and the reply is taken before
         its optimizer writes the weights (:meth:`before_update`)."""
-        self.finish()
         weights = host_arrays(tensors)
         assert weights is not None
         client = self._link.client
         central = client.held.lend()  # type: ignore[union-attr]
         self.held.enter(kind, weights, self.base, central, self.pending_residual() or (lambda name: None))
-        self.held_push = HeldPush(self.held, self.encoder, client, weights, central,  # type: ignore[arg-type]
-                                  self.version, self.scaled_for())
+        push = HeldPush(self.held, self.encoder, client, weights, central,  # type: ignore[arg-type]
+                        self.version, self.scaled_for())
+        self.pending = (push, lambda: self.settle_held(push))
         self.since_push = 0
-        if __import__("os").environ.get("SYNC_HELD"):
-            self.finish()
+
+    def settle_held(self, push: HeldPush) -> None:
+        self.mask_sent(push)
+        reply = push.settle(self._link.client.held)  # type: ignore[union-attr]
+        self.count_staleness(reply, push.base)
+        self.based_on(reply)
 
     def mask_sent(self, push: HeldPush) -> None:
         """Zero the optimizers' momentum where ``push``'s update was sent (once), before they step again."""
@@ -186,21 +200,18 @@ class PushExchange(Exchange):
                     self.compensator.mask(self.optimizers, tensors[name], sent.indices)
 
     def before_update(self) -> None:
-        """The push from the held base in flight, taken before the optimizer writes the weights."""
+        """The push in flight, taken before the optimizer writes the weights."""
         self.finish()
 
     def finish(self) -> None:
-        """Take the reply of the push from the held base in flight, if any."""
-        push, self.held_push = self.held_push, None
-        if push is not None:
-            self.mask_sent(push)
-            reply = push.settle(self._link.client.held)  # type: ignore[union-attr]
-            self.count_staleness(reply, push.base)
-            self.based_on(reply)
+        """Take the reply of the push in flight, if any."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending[1]()
 
     def flush(self) -> None:
         super().flush()
-        self.finish()  # a push flush() made from the held base is answered before anything else
+        self.finish()  # a push flush() made from a thread is answered before anything else
 
     def leave_held_base(self) -> None:
         """Back to the exchange's own base (before anything else reads or changes the weights or the held model:
@@ -231,11 +242,11 @@ class PushExchange(Exchange):
         return super().central_state(state)
 
     def let_go(self) -> None:
-        """After a failure the socket is the held push's until it is done: wait a little, then give up on it."""
-        push, self.held_push = self.held_push, None
-        if push is not None:
-            push.thread.join(LET_GO_S)
-            if push.thread.is_alive():
+        """After a failure the socket is the push's in flight until it is done: wait a little, then give up."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending[0].thread.join(LET_GO_S)
+            if pending[0].thread.is_alive():
                 raise PSUnreachableError("a push is still in flight")
 
     def pull_keeping_progress(self) -> None:
