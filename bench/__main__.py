@@ -10,6 +10,11 @@ if sys.argv[1:2] == ["exchange"]:  # one process, fits alternated (bench.exchang
 
     sys.exit(exchange(sys.argv[2:]))
 
+if sys.argv[1:2] == ["gpu"]:  # a GPU's worker against plain Lightning (bench.gpu)
+    from bench.gpu import main as gpu
+
+    sys.exit(gpu(sys.argv[2:]))
+
 from bench.runner import main
 
 sys.exit(main())

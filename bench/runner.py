@@ -285,6 +285,7 @@ def analyse_adacomp(runs: list[dict[str, Any]]) -> dict[str, Any]:
                      # both ways, every message (init, pulls, collectives included), as a link would carry them
                      "bytes_in": r.get("bytes_in"), "bytes_out": r.get("bytes_out"),
                      "model_bytes_out": r.get("model_bytes_out"), "delta_replies": r.get("delta_replies"),
+                     "own_replies": r.get("own_replies"),
                      "approx_replies": r.get("approx_replies"),
                      "down_over_up": r["bytes_out"] / r["bytes_in"] if r.get("bytes_in") else None,
                      "asgd_total_over_these": (asgd["bytes_in"] + asgd["bytes_out"]) / (r["bytes_in"] + r["bytes_out"])

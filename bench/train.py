@@ -265,7 +265,8 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
     if ps is not None:
         result.update(push_bytes=ps["push_bytes_in"], push_local_bytes=ps["push_local_bytes_in"],
                       bytes_in=ps["bytes_in"], bytes_out=ps["bytes_out"], model_bytes_out=ps.get("model_bytes_out"),
-                      delta_replies=ps.get("delta_replies"), model_replies=ps.get("model_replies"),
+                      delta_replies=ps.get("delta_replies"), own_replies=ps.get("own_replies"),
+                      model_replies=ps.get("model_replies"),
                       approx_replies=ps.get("approx_replies"),
                       pushes=ps["pushes_applied"] + ps["pushes_dropped"],
                       pushes_applied=ps["pushes_applied"], ps_version=ps["version"],
@@ -275,7 +276,7 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
         if "shards" in ps:  # a sharded PS: the counters above are shard 0's but the traffic, summed over shards
             result["shards"] = [{k: s.get(k) for k in ("version", "pushes_applied", "pushes_dropped", "push_bytes_in",
                                                        "push_local_bytes_in", "bytes_in", "bytes_out",
-                                                       "delta_replies")} for s in ps["shards"]]
+                                                       "delta_replies", "own_replies")} for s in ps["shards"]]
     if clock.snapshots:
         dm.setup("test")
         test_x, test_y = dm.test_set.tensors

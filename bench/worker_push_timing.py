@@ -10,7 +10,8 @@ prints, as one JSON line, the calls and median milliseconds of the pieces of its
 whole push (``PushExchange.send``), the update (``update``), loading a reply's model (``load``), the
 client's request (send to reply, with whatever the worker does while it waits), and the whole
 optimizer step (forward, backward and the push), and AdaComp's selection of what to send
-(``encode``, adacomp only: one call per tensor of each push); and the guesses of an "own" reply it made
+(``encode``, adacomp only: one call per tensor of each push; ``encode_difference`` where the push went from the
+client's held central model, plug_asgd.exchange.held_base); and the guesses of an "own" reply it made
 (``comm_stats``). Rank 0 then prints the run's samples/s and the PS's time per push.
 Diagnostic only: it wraps those methods, so it measures this code, not a protocol.
 """
@@ -29,7 +30,7 @@ from typing import Any
 from bench.common import FASHION, ROOT, time_calls
 
 PIECES = (("PushExchange", "send"), ("PushExchange", "update"), ("Exchange", "load"), ("PSClient", "request"),
-          ("AsyncPSStrategy", "optimizer_step"), ("TopKResidual", "encode"))
+          ("AsyncPSStrategy", "optimizer_step"), ("TopKResidual", "encode"), ("TopKResidual", "encode_difference"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -386,12 +386,21 @@ def test_a_push_nothing_else_raced_is_answered_without_the_model_which_the_worke
         b.push(1, delta)  # version 2: a's next push, based on 1, is raced
         reply = a.push(1, delta, want_model="unless_own")
         assert not reply.own and set(reply.tensors) == {"w", "b"}
-        # not exact either: a sparse update, and an update in another dtype than the central one
-        reply = a.push(3, {"w": Sparse(np.array([0]), np.array([1.0], np.float32), (2, 3))}, want_model="unless_own")
-        assert not reply.own and set(reply.tensors) == {"w", "b"}
-        reply = a.push(4, {"b": np.ones(2, np.float16)}, want_model="unless_own")
-        assert not reply.own and set(reply.tensors) == {"w", "b"}
-        assert a.stats()["own_replies"] == 1
+        # an encoded update too, where the worker can decode it as the PS does (a sparse update, an update in
+        # another dtype than the central one): the model is what it held plus that, bit for bit
+        for version, update in ((3, {"w": Sparse(np.array([0]), np.array([1.0], np.float32), (2, 3))}),
+                                (4, {"b": np.ones(2, np.float16)})):
+            before = {n: np.array(t) for n, t in a.pull().tensors.items()}
+            reply = a.push(version, update, want_model="unless_own")
+            assert reply.own and reply.tensors == {} and reply.version == version + 1
+            after = a.pull().tensors
+            if "w" in update:
+                before["w"].reshape(-1)[0] += np.float32(1.0)
+            else:
+                before["b"] += np.ones(2, np.float16).astype(np.float32)
+            for n in before:
+                np.testing.assert_array_equal(after[n].view(np.uint32), before[n].view(np.uint32))
+        assert a.stats()["own_replies"] == 3
         with pytest.raises(ValueError, match="unless_own"):
             a.push(5, delta, want_model="yes")
     finally:

@@ -36,10 +36,12 @@ TIMEOUT_S = 60.0  # a request's limit, and each thread's: a failure ends in an e
 
 
 def fit_in_threads(make_model: Callable[[], torch.nn.Module], data: TensorDataset, *, epochs: int, batch_size: int,
-                   seed: int = 0, **strategy: Any) -> torch.nn.Module:
-    """Rank 0's model after a fit of :data:`WORKERS` threads (``strategy``: ``AsyncPSStrategy``'s arguments), which
+                   seed: int = 0, workers: int = WORKERS, stats: list[dict[str, Any]] | None = None,
+                   **strategy: Any) -> torch.nn.Module:
+    """Rank 0's model after a fit of ``workers`` threads (``strategy``: ``AsyncPSStrategy``'s arguments), which
     holds the central model as the strategy's does. ``make_model`` builds a module with ``configure_optimizers``
-    (the same initial weights on every call, as seeded ranks have)."""
+    (the same initial weights on every call, as seeded ranks have). ``stats`` receives each rank's exchange and
+    client counters at the end."""
     arguments = AsyncPSStrategy(**strategy)  # parsed and checked as a user's; it starts nothing
     tag = uuid.uuid4().hex  # the PS's address, and the name of hogwild's shared model
     address = f"inproc://plug-asgd-quick-{tag}"
@@ -47,16 +49,17 @@ def fit_in_threads(make_model: Callable[[], torch.nn.Module], data: TensorDatase
     server = ParameterServer(dataclasses.replace(ps_config(arguments.connection, address, None), parent_pid=None))
     serving = threading.Thread(target=server.serve_forever, name="ps", daemon=True)
     serving.start()
-    models = [make_model() for _ in range(WORKERS)]
+    models = [make_model() for _ in range(workers)]
     errors: list[BaseException] = []
     try:
-        workers = [threading.Thread(target=_worker, name=f"rank{r}", daemon=True, args=(
-            arguments, address, tag, r, models[r], data, epochs, batch_size, seed, errors)) for r in range(WORKERS)]
-        for w in workers:
+        threads = [threading.Thread(target=_worker, name=f"rank{r}", daemon=True, args=(
+            arguments, address, tag, r, workers, models[r], data, epochs, batch_size, seed, errors,
+            stats if stats is not None else [])) for r in range(workers)]
+        for w in threads:
             w.start()
-        for w in workers:
+        for w in threads:
             w.join(TIMEOUT_S * 4)
-        if any(w.is_alive() for w in workers):
+        if any(w.is_alive() for w in threads):
             raise TimeoutError(f"a worker of {strategy} did not finish within {TIMEOUT_S * 4:.0f} s")
         if errors:
             raise errors[0]
@@ -67,9 +70,10 @@ def fit_in_threads(make_model: Callable[[], torch.nn.Module], data: TensorDatase
     return models[0]
 
 
-def _worker(arguments: AsyncPSStrategy, address: str, tag: str, rank: int, model: Any, data: TensorDataset, epochs: int,
-            batch_size: int, seed: int, errors: list[BaseException]) -> None:
-    client = PSClient(address, rank=rank, world_size=WORKERS, mode=arguments.mode.name, request_timeout=TIMEOUT_S,
+def _worker(arguments: AsyncPSStrategy, address: str, tag: str, rank: int, workers: int, model: Any,
+            data: TensorDataset, epochs: int, batch_size: int, seed: int, errors: list[BaseException],
+            stats: list[dict[str, Any]]) -> None:
+    client = PSClient(address, rank=rank, world_size=workers, mode=arguments.mode.name, request_timeout=TIMEOUT_S,
                       lost_timeout=TIMEOUT_S, heartbeat_s=None)
     exchange = make_exchange(arguments.mode, codec=arguments.compressor,
                              compensation=arguments.staleness_compensation, shm_pushes=False)
@@ -83,17 +87,17 @@ def _worker(arguments: AsyncPSStrategy, address: str, tag: str, rank: int, model
             return client.gather(1, next(seq), obj, tensors, kind=kind)
 
         barrier = Collectives(gather).barrier
-        exchange.attach(Link(client=client, tensors=lambda: synced_tensors(model), rank=rank, world_size=WORKERS,
+        exchange.attach(Link(client=client, tensors=lambda: synced_tensors(model), rank=rank, world_size=workers,
                              stage=1, fitting=True, barrier=barrier, stop=lambda: None, shared_tag=tag,
                              one_cpu_machine=True))
         # Lightning's setup hook waits for every rank (after each said hello), before any push: without these, a
         # sync round could close on rank 0's push alone, rank 1 not yet counted by the PS (seen: sync 1.79, not 2.72)
         barrier("pre_setup")
         barrier("post_setup")
-        exchange.start_fit([optimizer], rank, WORKERS)
+        exchange.start_fit([optimizer], rank, workers)
         arguments.mode.check_optimizers([optimizer])
         exchange.join(init=not welcome.get("initialized"))
-        sampler = DistributedSampler(data, num_replicas=WORKERS, rank=rank, shuffle=True, seed=seed)
+        sampler = DistributedSampler(data, num_replicas=workers, rank=rank, shuffle=True, seed=seed)
         # as AsyncPSStrategy.on_train_start: randomk's fraction follows the fit's length (without it, 1%, not 10.4%)
         exchange.fit_length(epochs * -(-len(sampler) // batch_size))
         for epoch in range(epochs):
@@ -106,6 +110,7 @@ def _worker(arguments: AsyncPSStrategy, address: str, tag: str, rank: int, model
 
                 exchange.step(run, optimizer)
         exchange.leave()
+        stats.append({**client.counters.as_dict(), **exchange.stats(), "rank": rank})
     except BaseException as exc:  # noqa: BLE001 (handed to the test's thread)
         errors.append(exc)
     finally:

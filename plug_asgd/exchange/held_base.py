@@ -74,9 +74,10 @@ class HeldBase:
         self.raced = 0  # ... and answered with a model another push had changed
 
     def enter(self, kind: str, weights: dict[str, np.ndarray], base: Mapping[str, Tensor],
-              central: Mapping[str, np.ndarray], residual: Callable[[str], np.ndarray | None]) -> None:
+              central: Mapping[str, np.ndarray], residual: Callable[[str], np.ndarray | None], version: int) -> None:
         """Push from the held base from now on: the weights are made ``c (+ r) + (w - b)``, the progress kept,
-        which is what the exchange's own base would push next. Nothing to do where already there."""
+        which is what the exchange's own base would push next (``c``: ``central``, the held model of
+        ``version``). Nothing to do where already there."""
         if self.kind == kind:
             return
         for name, w in weights.items():
@@ -99,8 +100,10 @@ class HeldBase:
             w = weights[name]
             return encoder.encode_difference(name, w, central[name].reshape(w.shape), **implicit)  # type: ignore[attr-defined]
 
-        names = sorted(weights, key=lambda n: -weights[n].size)  # the largest first: the threads end together
         threads = torch.get_num_threads() if getattr(encoder, "independent_keys", False) else 1
+        names = list(weights)  # in order: a codec with one random generator draws for each tensor in turn
+        if threads > 1:
+            names.sort(key=lambda n: -weights[n].size)  # the largest first: the threads end together
         sent = dict(zip(names, _map(one, names, threads), strict=True))
         return {name: sent[name] for name in weights}
 

@@ -65,6 +65,8 @@ class OverlapExchange(PushExchange):
                 self.result["next_step_at"] = time.monotonic()
             if self.in_flight.is_alive():
                 self.overlapped_steps += 1  # this step computes while the last update is on its way
+        elif self.pending is not None and self.pending[0].thread.is_alive():
+            self.overlapped_steps += 1  # ... a push from the held base (plug_asgd.exchange.held_base)
         return super().step(run, optimizer)
 
     def after_step(self) -> None:
@@ -79,8 +81,9 @@ class OverlapExchange(PushExchange):
         """Finish the push in flight, then send this update from a background thread."""
         self.finish()
         tensors = self._link.tensors()
-        if self.share == 1.0 and self.held_base_kind(tensors, True) == RESIDUAL:
-            self.push_from_held(tensors, RESIDUAL)  # its reply is taken at the next push, as any here
+        found = self.held_base_for(tensors, True) if self.share == 1.0 else None
+        if found is not None and found[1] == RESIDUAL:
+            self.push_from_held(tensors, found)  # its reply is taken at the next push, as any here
             return
         self.leave_held_base()
         update, deltas, exact = self.update(tensors)

@@ -13,6 +13,7 @@ from plug_asgd.client import ModelReply, PSUnreachableError
 from plug_asgd.compressors import NoCompression
 from plug_asgd.exchange.base import Exchange
 from plug_asgd.exchange.held_base import CENTRAL, RESIDUAL, HeldBase, HeldPush, host_arrays
+from plug_asgd.exchange.held_device import DeviceHeldBase, device_tensors, selects_on_device
 from plug_asgd.exchange.in_flight import InFlight
 from plug_asgd.modes import PushMode
 from plug_asgd.wire import Sparse
@@ -30,6 +31,9 @@ class PushExchange(Exchange):
     """
 
     mode: PushMode
+    # where pushes from the held base work: None, where the tensors are (True: on the device path for CPU tensors
+    # too, as the tests run it)
+    held_on_device: bool | None = None
 
     def __init__(self, mode: PushMode, **kwargs: Any) -> None:
         super().__init__(mode, **kwargs)
@@ -41,7 +45,8 @@ class PushExchange(Exchange):
         # it answers that another push came first; again after an "own" reply
         self.weights_ok = mode.folds_into_update
         self.own_guesses = [0, 0]  # models of an "own" reply made while waiting for it; of those, answered "own"
-        self.held = HeldBase()  # whether an encoded update is pushed from the central model the client holds
+        # whether an encoded update is pushed from the central model the client holds, on the host or the device
+        self.held_host, self.held_device = HeldBase(), DeviceHeldBase()
         # a push sent by a thread of its own (of weights, or from the held base) and how its reply is taken
         self.pending: tuple[InFlight, Callable[[], None]] | None = None
 
@@ -53,7 +58,8 @@ class PushExchange(Exchange):
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "own_guesses": self.own_guesses[0], "own_guesses_right": self.own_guesses[1],
-                "held_base_pushes": self.held.pushes, "held_base_raced": self.held.raced}
+                "held_base_pushes": self.held_host.pushes + self.held_device.pushes,
+                "held_base_raced": self.held_host.raced + self.held_device.raced}
 
     @property
     def lookahead(self) -> bool:
@@ -75,9 +81,9 @@ class PushExchange(Exchange):
                 and self.dense(tensors) and self.scale() == 1.0 and (cheap_refusal or link.world_size == 1)
                 and self.push_weights(tensors)):
             return
-        kind = self.held_base_kind(tensors, want_model)
-        if kind is not None:
-            self.push_from_held(tensors, kind)
+        found = self.held_base_for(tensors, want_model)
+        if found is not None:
+            self.push_from_held(tensors, found)
             return
         self.leave_held_base()
         update, deltas, exact = self.update(tensors)
@@ -157,29 +163,46 @@ class PushExchange(Exchange):
 
     # -- pushing from the held central model (plug_asgd.exchange.held_base) -------------------------
 
-    def held_base_kind(self, tensors: dict[str, Tensor], want_model: bool) -> str | None:
-        """The held base this push goes from (``RESIDUAL`` or ``CENTRAL``), or None for the exchange's own: an
-        encoded update of float32 CPU tensors, a pull due, the client holding the central model of our version,
-        and nothing to scale or look ahead for (the pushes land on the version they were based on)."""
+    def held_base_for(self, tensors: dict[str, Tensor], want_model: bool) -> tuple[HeldBase, str, dict] | None:
+        """The held base this push goes from (its arrays, ``RESIDUAL`` or ``CENTRAL``, and the weights it
+        works on), or None for the exchange's own: an encoded update, a pull due, the client holding the
+        central model of our version, and nothing to scale or look ahead for (the pushes land on the version
+        they were based on). Float32 CPU tensors as numpy views; on a GPU, where the codec selects the top of
+        the difference and keeps its residual in the model, the tensors themselves (:mod:`.held_device`)."""
         held = getattr(self._link.client, "held", None)
         if (not want_model or self.dense(tensors) or held is None or held.model_id is None or not held.exact
                 or held.version != self.version or not tensors.keys() <= held.tensors.keys()
                 or self.scale() != 1.0 or (self.lookahead and self.compensator.config.lookahead
-                                           and self.compensator.staleness > 0)
-                or host_arrays(tensors) is None):
+                                           and self.compensator.staleness > 0)):
             return None
-        return RESIDUAL if self.pending_residual() is not None else CENTRAL
+        kind = RESIDUAL if self.pending_residual() is not None else CENTRAL
+        on_device = self.held_on_device
+        if on_device is None:
+            on_device = any(t.device.type != "cpu" for t in tensors.values())
+        if on_device:
+            weights = device_tensors(tensors)
+            usable = weights is not None and kind == RESIDUAL and selects_on_device(self.encoder)
+            return (self.held_device, kind, weights) if usable else None  # type: ignore[return-value]
+        arrays = host_arrays(tensors)
+        return (self.held_host, kind, arrays) if arrays is not None else None
 
-    def push_from_held(self, tensors: dict[str, Tensor], kind: str) -> None:
+    @property
+    def held(self) -> HeldBase:
+        """The held base pushed from (host or device), or the host's when none is."""
+        return self.held_device if self.held_device.kind is not None else self.held_host
+
+    def push_from_held(self, tensors: dict[str, Tensor], found: tuple[HeldBase, str, dict]) -> None:
         """Push ``w - c`` (encoded), ``c`` the central model the client holds, from a thread of its own
         (:class:`HeldPush`); the next step's forward and backward compute meanwhile, and the reply is taken before
         its optimizer writes the weights (:meth:`before_update`)."""
-        weights = host_arrays(tensors)
-        assert weights is not None
+        held, kind, weights = found
+        if held is not self.held:
+            self.leave_held_base()
         client = self._link.client
         central = client.held.lend()  # type: ignore[union-attr]
-        self.held.enter(kind, weights, self.base, central, self.pending_residual() or (lambda name: None))
-        push = HeldPush(self.held, self.encoder, client, weights, central,  # type: ignore[arg-type]
+        residual = self.pending_residual() or (lambda name: None)
+        held.enter(kind, weights, self.base, central, residual, client.held.version)  # type: ignore[union-attr]
+        push = HeldPush(held, self.encoder, client, weights, central,  # type: ignore[arg-type]
                         self.version, self.scaled_for())
         self.pending = (push, lambda: self.settle_held(push))
         self.since_push = 0
@@ -216,11 +239,13 @@ class PushExchange(Exchange):
     def leave_held_base(self) -> None:
         """Back to the exchange's own base (before anything else reads or changes the weights or the held model:
         a pull, a load, a push of another kind)."""
-        if self.held.kind is not None:
-            weights = host_arrays(self._link.tensors())
+        held = self.held
+        if held.kind is not None:
+            tensors = self._link.tensors()
+            weights = device_tensors(tensors) if held is self.held_device else host_arrays(tensors)
             assert weights is not None
-            self.held.leave(weights, self.base, self._link.client.held.tensors,  # type: ignore[union-attr]
-                            getattr(self.encoder, "set_pending", None))
+            held.leave(weights, self.base, self._link.client.held.tensors,  # type: ignore[union-attr]
+                       getattr(self.encoder, "set_pending", None))
 
     def load(self, reply: ModelReply, ahead: bool = False) -> None:
         self.leave_held_base()
