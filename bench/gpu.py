@@ -93,8 +93,10 @@ def shared_gpu(mode: str, steps: int, batch: int, args: argparse.Namespace) -> f
     processes = []
     for rank in range(WORKERS):
         path = os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": path, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "NODE_RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(WORKERS)}
+        env = {**os.environ, "PYTHONPATH": path}
+        if mode != "plain":  # a node of one job (the plain processes know nothing of each other)
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(rank), LOCAL_RANK="0",
+                       WORLD_SIZE=str(WORKERS))
         command = [sys.executable, "-m", "bench.gpu", "--node", mode, "--steps", str(steps), "--batch", str(batch),
                    "--device", args.device, "--out", str(out / f"{rank}.json")] + (["--quick"] if args.quick else [])
         processes.append(subprocess.Popen(command, env=env))

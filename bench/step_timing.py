@@ -58,8 +58,9 @@ def fit_steps(make_module: Callable[[], pl.LightningModule], loader: Any, strate
               trainer_kwargs: Mapping[str, Any]) -> tuple[float, dict[str, Any]]:
     """The median seconds per step of one fit of ``steps`` after ``warmup``, and the strategy's counters."""
     clock = StepClock(warmup + steps + 1)
-    trainer = pl.Trainer(max_epochs=1, strategy=strategy, callbacks=[clock], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs)
+    trainer = pl.Trainer(**{"max_epochs": 1, "strategy": strategy, "callbacks": [clock], "logger": False,
+                            "enable_checkpointing": False, "enable_progress_bar": False,
+                            "enable_model_summary": False, **trainer_kwargs})
     trainer.fit(make_module(), loader)
     times = [b - a for a, b in zip(clock.ends[warmup:], clock.ends[warmup + 1:], strict=False)]
     if not times:

@@ -225,6 +225,10 @@ class OverlapExchange(PushExchange):
         self.spare = {n: old[n] for n in sent if n in old}
         return True
 
+    @property
+    def overlaps(self) -> bool:
+        return True
+
     def before_update(self) -> None:
         """A push from the held base is encoded before the optimizer writes the weights; its reply waits for the
         next push, as every reply here."""

@@ -47,6 +47,9 @@ class PushExchange(Exchange):
         self.own_guesses = [0, 0]  # models of an "own" reply made while waiting for it; of those, answered "own"
         # whether an encoded update is pushed from the central model the client holds, on the host or the device
         self.held_host, self.held_device = HeldBase(), DeviceHeldBase()
+        # whether the last push from the held base was answered "own": the next one is then taken after the next
+        # step's backward (its weights stay as they are); after a raced one, before that step
+        self.held_answered_own = True
         # a push sent by a thread of its own (of weights, or from the held base) and how its reply is taken
         self.pending: tuple[InFlight, Callable[[], None]] | None = None
 
@@ -166,14 +169,14 @@ class PushExchange(Exchange):
     def held_base_for(self, tensors: dict[str, Tensor], want_model: bool) -> tuple[HeldBase, str, dict] | None:
         """The held base this push goes from (its arrays, ``RESIDUAL`` or ``CENTRAL``, and the weights it
         works on), or None for the exchange's own: an encoded update, a pull due, the client holding the
-        central model of our version, and nothing to scale or look ahead for (the pushes land on the version
-        they were based on). Float32 CPU tensors as numpy views; on a GPU, where the codec selects the top of
-        the difference and keeps its residual in the model, the tensors themselves (:mod:`.held_device`)."""
+        central model of our version, and the worker's pushes landing on the version they were based on (its
+        staleness estimate 0: nothing to scale or look ahead for). Float32 CPU tensors as numpy views; on a
+        GPU, where the codec selects the top of the difference and keeps its residual in the model, the tensors
+        themselves (:mod:`.held_device`)."""
         held = getattr(self._link.client, "held", None)
         if (not want_model or self.dense(tensors) or held is None or held.model_id is None or not held.exact
                 or held.version != self.version or not tensors.keys() <= held.tensors.keys()
-                or self.scale() != 1.0 or (self.lookahead and self.compensator.config.lookahead
-                                           and self.compensator.staleness > 0)):
+                or self.scale() != 1.0 or self.compensator.staleness > 0):
             return None
         kind = RESIDUAL if self.pending_residual() is not None else CENTRAL
         on_device = self.held_on_device
@@ -206,10 +209,18 @@ class PushExchange(Exchange):
                         self.version, self.scaled_for())
         self.pending = (push, lambda: self.settle_held(push))
         self.since_push = 0
+        if not self.held_answered_own and not self.overlaps:
+            self.finish()  # the last one was raced: this one's reply may change the weights before the next step
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether a reply is taken after the next step by design (``overlap``), not before it."""
+        return False
 
     def settle_held(self, push: HeldPush) -> None:
         self.mask_sent(push)
         reply = push.settle(self._link.client.held)  # type: ignore[union-attr]
+        self.held_answered_own = reply.own
         self.count_staleness(reply, push.base)
         self.based_on(reply)
 
