@@ -219,11 +219,11 @@ class PSClient(Transport):
              lend: bool = False, scaled_for: float | None = None) -> ModelReply:
         """Push an update; the reply carries the central model unless ``want_model`` is False.
 
-        ``"unless_own"``: no tensors either when the PS folded the update, as sent, into a model
-        that nothing else had changed since ``base_version`` (``reply.own``). The worker then
-        makes the central model itself, ``base + update`` with the same float additions as the
-        PS: the same bits, without the model's bytes on the wire. Dense updates of the central
-        dtype only; the PS decides, and answers with the whole model otherwise.
+        ``"unless_own"``: no tensors either when the PS folded the update into a model that nothing
+        else had changed since ``base_version``, as ``base + decoded update`` (``reply.own``). The
+        worker then makes the central model itself, with the same decoding and float additions as
+        the PS (:meth:`HeldModel.add`): the same bits, without the model's bytes on the wire. The PS
+        decides, and answers with the model otherwise.
 
         ``while_waiting`` runs once the push is sent, while the PS folds it (see :meth:`request`);
         not again if the push has to be sent a second time.
