@@ -62,7 +62,7 @@ def machine() -> dict[str, Any]:
 
 def ps_push_ms(stats: dict[str, Any]) -> dict[str, float | None] | None:
     """The PS's mean time per push (ms) from its stats, in all and on a core; None before any push."""
-    from plug_asgd.dashboard import push_ms  # (plug_asgd imports Lightning: not for every user of this module)
+    from plug_asgd.cli.dashboard import push_ms  # (plug_asgd imports Lightning: not for every user of this module)
 
     per_push = push_ms(stats)
     if per_push is None:

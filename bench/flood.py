@@ -39,9 +39,9 @@ import zmq
 
 from bench.common import ROOT, commit, free_port_block, machine, start, stop, write_json
 from bench.zmqtools import model, update
-from plug_asgd.client import PSClient
+from plug_asgd.protocol.wire import PROTOCOL_VERSION, encode
 from plug_asgd.ps import PSConfig, embedded_command
-from plug_asgd.wire import PROTOCOL_VERSION, encode
+from plug_asgd.worker.client import PSClient
 
 OUT = Path(__file__).resolve().parent / "results" / "flood.json"
 

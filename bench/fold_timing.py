@@ -6,7 +6,7 @@
 ``bench.ps_floor`` times the fold inside the round trip, where the update arrives from the
 socket. This times the same pieces on arrays that stay in this process: numpy's add, the PS's
 NaN/Inf check (``modes.all_finite``), both (``bench.zmqtools.fold_into``, the minimal server's
-fold), that fold split over the PS's fold threads (``plug_asgd.slices.SlicePool``, 2 threads),
+fold), that fold split over the PS's fold threads (``plug_asgd.modes.slices.SlicePool``, 2 threads),
 and the fold in torch on its intra-op threads (``bench.zmqtools.torch_fold``, ``OMP_NUM_THREADS``).
 Each folds into the same update again and again, as the PS folds into a push's buffer. A pause
 between calls leaves the helper threads idle, as they are between pushes. It prints the median
@@ -26,7 +26,7 @@ import torch
 
 from bench.zmqtools import fold_into, torch_fold
 from plug_asgd.modes.rules import _quiet, all_finite
-from plug_asgd.slices import SlicePool
+from plug_asgd.modes.slices import SlicePool
 
 # the recipe CNN's largest tensor, 128 x 9216; the fold of the other 20K values is noise beside it
 CNN_LARGEST = 128 * 9216

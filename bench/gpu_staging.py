@@ -1,10 +1,10 @@
-"""The recipe CNN's tensors between a CUDA device and numpy: a ``.cpu()`` per tensor against plug_asgd.staging.
+"""The recipe CNN's tensors between a CUDA device and numpy: a ``.cpu()`` per tensor against plug_asgd.worker.staging.
 
     PYTHONPATH=. python -m bench.gpu_staging [repeats]
 
 Times, per model's worth (the push's direction, then the reply's): today's per-tensor copies
 (``tensors.to_numpy``: a synchronous ``.cpu()`` into fresh pageable memory; ``tensors.assign``:
-a pageable tensor copied synchronously) and :class:`plug_asgd.staging.Staging` (pinned buffers
+a pageable tensor copied synchronously) and :class:`plug_asgd.worker.staging.Staging` (pinned buffers
 kept, non-blocking copies, one wait per push). Checks that both give the same bits. Needs a CUDA
 GPU: without one it says so and exits with status 0 (nothing is measured).
 """
@@ -33,8 +33,8 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 def main(repeats: int) -> None:
     from plug_asgd.recipes.mnist import MnistCNN
-    from plug_asgd.staging import Staging
-    from plug_asgd.tensors import assign, to_numpy
+    from plug_asgd.worker.staging import Staging
+    from plug_asgd.worker.tensors import assign, to_numpy
 
     model = MnistCNN().cuda()
     tensors = dict(model.named_parameters())

@@ -32,10 +32,10 @@ from torch import nn
 from plug_asgd import compressors, modes
 from plug_asgd.compressors import TopKResidual, decode
 from plug_asgd.modes import CentralState, Push
+from plug_asgd.protocol.wire import Sparse
 from plug_asgd.recipes.idx import load_mnist
 from plug_asgd.recipes.mnist import MnistCNN, normalize
-from plug_asgd.staleness import MOMENTUM_STATE_KEYS
-from plug_asgd.wire import Sparse
+from plug_asgd.worker.compensation import MOMENTUM_STATE_KEYS
 
 TREATMENTS = ("scale", "la", "localres", "mask", "mcomp", "lrscale", "flush", "flushavg")
 

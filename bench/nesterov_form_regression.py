@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     from momentum_regression import threaded_fit
 
     from plug_asgd.modes import get
-    from plug_asgd.staleness import resolve
+    from plug_asgd.worker.compensation import resolve
 
     for row in args.rows:
         mode = row.partition("+")[0]

@@ -33,9 +33,9 @@ import zmq
 
 from bench.common import free_port_block, ps_push_ms, start, stop, summary
 from bench.zmqtools import MINIMAL_WORK, model, split_update, update
-from plug_asgd.client import PSClient
+from plug_asgd.protocol.wire import Message, decode, encode
 from plug_asgd.ps import PSConfig, embedded_command
-from plug_asgd.wire import Message, decode, encode
+from plug_asgd.worker.client import PSClient
 
 
 def dealer(ctx: zmq.Context, address: str) -> zmq.Socket:

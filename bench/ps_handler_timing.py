@@ -21,9 +21,9 @@ import zmq
 import bench.zmqtools as zt
 from bench.common import time_calls
 from plug_asgd.modes import rules
+from plug_asgd.protocol.wire import encode
 from plug_asgd.ps import ParameterServer, PSConfig
 from plug_asgd.ps import server as serving
-from plug_asgd.wire import encode
 
 TIMES: dict[str, list[float]] = defaultdict(list)
 

@@ -21,12 +21,12 @@ import time
 import numpy as np
 import torch
 
-from plug_asgd.client import Changes, ModelReply
-from plug_asgd.exchange import Link, make_exchange
-from plug_asgd.exchange.overlap import OverlapExchange
 from plug_asgd.modes import APPLIED, AdaComp
 from plug_asgd.recipes.mnist import MnistCNN
-from plug_asgd.staleness import resolve
+from plug_asgd.worker.client import Changes, ModelReply
+from plug_asgd.worker.compensation import resolve
+from plug_asgd.worker.exchange import Link, make_exchange
+from plug_asgd.worker.exchange.overlap import OverlapExchange
 
 WARMUP = 50
 

@@ -26,10 +26,10 @@ from typing import Any
 import pytorch_lightning as pl
 
 from bench.common import FASHION, ps_push_ms, time_calls
-from plug_asgd.client import PSClient
-from plug_asgd.exchange import PushExchange
 from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
 from plug_asgd.strategy import AsyncPSStrategy
+from plug_asgd.worker.client import PSClient
+from plug_asgd.worker.exchange import PushExchange
 
 TIMES: dict[str, list[float]] = defaultdict(list)
 

@@ -32,7 +32,7 @@ OPTIMIZERS = {"sgd": 0.05, "nesterov": 0.05, "adam": 0.001}  # each one's defaul
 def default(settings: dict[str, Any]) -> dict[str, Any]:
     """The row's default compensation, as a dict of its fields."""
     from plug_asgd.modes import get
-    from plug_asgd.staleness import resolve
+    from plug_asgd.worker.compensation import resolve
 
     mode = get(settings["mode"])
     return dataclasses.asdict(resolve(None, mode.name, mode.compensate))

@@ -406,8 +406,8 @@ def bench_ps_roundtrip(size: dict[str, Any], work: Path) -> dict[str, Any]:
 
     from bench.ps_floor import dealer, pusher
     from bench.zmqtools import CNN_PARAMETERS, model, update
-    from plug_asgd.client import PSClient
-    from plug_asgd.wire import encode, message_bytes
+    from plug_asgd.protocol.wire import encode, message_bytes
+    from plug_asgd.worker.client import PSClient
 
     work.mkdir(parents=True, exist_ok=True)
     servers = {"ps": _ps(work, "asgd"), "ps_2_threads": _ps(work, "asgd", threads=2), "ps_raw": _ps(work, "asgd")}
@@ -499,7 +499,7 @@ def bench_ps_roundtrip(size: dict[str, Any], work: Path) -> dict[str, Any]:
 
 def bench_ingest(size: dict[str, Any], work: Path) -> dict[str, Any]:
     from bench.zmqtools import CNN_PARAMETERS, model
-    from plug_asgd.client import PSClient
+    from plug_asgd.worker.client import PSClient
 
     work.mkdir(parents=True, exist_ok=True)
     rates: dict[str, list[float]] = {}

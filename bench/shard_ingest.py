@@ -5,7 +5,8 @@
 **What runs.** Each PS shard is a real ``plug-asgd serve-ps`` (``--shard I/N`` with 2 shards, none with
 1), mode asgd, on a host of its own (a :class:`bench.netns.Topology` namespace) whose link is capped by
 htb at ``--rate`` Mbit/s (1 Gbit/s) in both directions. The pushing clients are real workers' clients,
-one process per host: :func:`plug_asgd.sharding.connect` gives a :class:`~plug_asgd.sharded_client.ShardedClient`
+one process per host: :func:`plug_asgd.sharding.config.connect` gives a
+:class:`~plug_asgd.sharding.client.ShardedClient`
 over the shards (a ``PSClient`` for one PS, as the strategy does), each push the recipe CNN's 1,199,882
 float32 values as a dense update, asked back ``want_model="unless_own"`` as a worker asks (a push raced
 by another worker's comes back with the model, which for a dense update is every value again). The
@@ -41,7 +42,7 @@ from typing import Any
 from bench.common import ROOT, child_env, free_port_block, machine, start, stop, summary, write_json
 from bench.netns import Topology, TopologyError
 from bench.zmqtools import CNN_PARAMETERS, CNN_SHAPES, model, update
-from plug_asgd.ps.partition import Partition
+from plug_asgd.protocol.partition import Partition
 
 PS_PORT = 2223  # each shard is its own host: a fixed port clashes with nothing
 TARGET = 1.8  # issue 21: aggregate dense ingest of 2 shards over 1, each behind a 1 Gbit/s link
@@ -65,7 +66,7 @@ def client_main(addresses: list[str], rank: int, clients: int, until: float, out
     """One pushing worker: hello, rank 0 initialises, pull; push the same dense update until ``until``; bye.
 
     Writes the time of every reply (``time.time()``, the clock every namespace shares) and its status."""
-    from plug_asgd.sharding import connect
+    from plug_asgd.sharding.config import connect
 
     client = connect(addresses, CNN_SHAPES, rank=rank, world_size=clients, mode="asgd", request_timeout=60.0)
     times: list[float] = []
@@ -94,7 +95,7 @@ def client_main(addresses: list[str], rank: int, clients: int, until: float, out
 
 def stats_main(addresses: list[str]) -> None:
     """Print each PS's counters (a bystander's stats request), as one JSON list."""
-    from plug_asgd.client import PSClient
+    from plug_asgd.worker.client import PSClient
 
     each = []
     for address in addresses:
@@ -163,7 +164,7 @@ def run_phase(place: Place, shards: int, size: dict[str, Any], work: Path) -> di
         for i in range(shards):
             prefix, host, port = place.shard(i)
             addresses.append(f"tcp://{host}:{port}")
-            cmd = [*prefix, sys.executable, "-m", "plug_asgd.cli", "serve-ps", "--host", host, "--port", str(port),
+            cmd = [*prefix, sys.executable, "-m", "plug_asgd.cli.app", "serve-ps", "--host", host, "--port", str(port),
                    "--mode", "asgd", "--quiet", "--log-every", "0", "--run-dir", str(work / f"ps{i}"),
                    *(["--insecure"] if place.topo is not None else []),
                    *(["--shard", f"{i}/{shards}"] if shards > 1 else [])]

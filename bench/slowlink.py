@@ -166,7 +166,7 @@ def launch_lightning(topo: Topology, name: str, size: dict[str, Any], out: Path)
     ps = None
     try:
         if cfg["kind"] == "asgd":
-            ps = start([*pinned(ps_host.prefix, host_cores(size, None)), sys.executable, "-m", "plug_asgd.cli",
+            ps = start([*pinned(ps_host.prefix, host_cores(size, None)), sys.executable, "-m", "plug_asgd.cli.app",
                         "serve-ps", "--host", ps_host.address, "--port", str(PS_PORT), "--mode", cfg["mode"],
                         "--workers", "2", "--linger", "1", "--insecure", "--quiet", "--log-every", "0",
                         *cfg.get("ps_args", [])],

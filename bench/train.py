@@ -40,11 +40,11 @@ import pytorch_lightning as pl
 import torch
 
 from bench.common import ports_needed, ps_push_ms
-from plug_asgd.client import PSError
 from plug_asgd.recipes.common import mode_and_codec
 from plug_asgd.recipes.data import Arrays
 from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
 from plug_asgd.strategy import AsyncPSStrategy
+from plug_asgd.worker.client import PSError
 
 
 class StepClock(pl.Callback):

@@ -11,7 +11,7 @@ whole push (``PushExchange.send``), the update (``update``), loading a reply's m
 client's request (send to reply, with whatever the worker does while it waits), and the whole
 optimizer step (forward, backward and the push), and AdaComp's selection of what to send
 (``encode``, adacomp only: one call per tensor of each push; ``encode_difference`` where the push went from the
-client's held central model, plug_asgd.exchange.held_base); and the guesses of an "own" reply it made
+client's held central model, plug_asgd.worker.exchange.held_base); and the guesses of an "own" reply it made
 (``comm_stats``). Rank 0 then prints the run's samples/s and the PS's time per push.
 Diagnostic only: it wraps those methods, so it measures this code, not a protocol.
 """
@@ -60,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"workers": 2, "data_dir": str(FASHION), "test_subset": 500, "runs": [run]}
 
     from bench import train
-    from plug_asgd.client import PSClient
     from plug_asgd.compressors.sparse import TopKResidual
-    from plug_asgd.exchange import Exchange, PushExchange
     from plug_asgd.strategy import AsyncPSStrategy
+    from plug_asgd.worker.client import PSClient
+    from plug_asgd.worker.exchange import Exchange, PushExchange
 
     owners = {"AsyncPSStrategy": AsyncPSStrategy, "PSClient": PSClient, "Exchange": Exchange,
               "PushExchange": PushExchange, "TopKResidual": TopKResidual}

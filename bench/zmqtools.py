@@ -2,7 +2,7 @@
 
 Run as ``python -m bench.zmqtools echo ADDRESS``, ``python -m bench.zmqtools minimal ADDRESS [WORK]``,
 ``python -m bench.zmqtools split ADDRESS`` or ``python -m bench.zmqtools ingest ADDRESS KIND RANK``.
-Like the embedded PS, they import only ``plug_asgd.client``/``wire`` (``import plug_asgd`` imports
+Like the embedded PS, they import only ``plug_asgd.worker.client``/``wire`` (``import plug_asgd`` imports
 neither torch nor Lightning), so they start in a fraction of a second.
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import zmq
 
-from plug_asgd.client import PSClient
 from plug_asgd.compressors import TopKResidual
 from plug_asgd.modes import all_finite
-from plug_asgd.wire import decode, encode
+from plug_asgd.protocol.wire import decode, encode
+from plug_asgd.worker.client import PSClient
 
 # The recipe CNN's tensors (plug_asgd.recipes.mnist.MnistCNN): 1,199,882 float32 parameters.
 CNN_SHAPES: dict[str, tuple[int, ...]] = {

@@ -1,7 +1,7 @@
 """plug_asgd: asynchronous and compressed parameter-server SGD for any Lightning model.
 
 ``Trainer(strategy=AsyncPSStrategy(mode="adacomp"))`` or ``Trainer(strategy="async_ps")``, with
-``pytorch_lightning`` or ``lightning`` (``plug_asgd.namespaces``). Importing this package imports
+``pytorch_lightning`` or ``lightning`` (``plug_asgd.lightning_bridge.namespaces``). Importing this package imports
 no Lightning and none of its modules: the names below load on first use, and the strategy names
 ``async_ps``, ``async_ps_adacomp`` and ``async_ps_sync`` are registered with each Lightning
 namespace as soon as both it and plug_asgd are imported, in either order.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from plug_asgd import namespaces
+from plug_asgd.lightning_bridge import namespaces
 
 __all__ = ["AGN", "BF16", "EAMSGD", "EASGD", "FP16", "LOSP", "OSP", "QSGD", "SAGN", "SSP", "AdaComp", "Asgd",
            "AsyncPSStrategy", "Codec", "CommunicationMonitor", "Downpour", "DynSGD", "Hogwild", "LocalSGD", "Mode",
@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 
 _HOME = {"AsyncPSStrategy": "plug_asgd.strategy", "CommunicationMonitor": "plug_asgd.callbacks",
          "PSCheckpoint": "plug_asgd.callbacks", "Supervisor": "plug_asgd.callbacks",
-         "load_central_weights": "plug_asgd.callbacks", "StalenessCompensation": "plug_asgd.staleness",
+         "load_central_weights": "plug_asgd.callbacks", "StalenessCompensation": "plug_asgd.worker.compensation",
          **dict.fromkeys(("AGN", "EAMSGD", "EASGD", "LOSP", "OSP", "SAGN", "SSP", "AdaComp", "Asgd", "Downpour",
                           "DynSGD", "Hogwild", "LocalSGD", "Mode", "Sync"), "plug_asgd.modes"),
          **dict.fromkeys(("BF16", "FP16", "QSGD", "Codec", "NoCompression", "PowerSGD", "RandomK", "Sign", "TopK"),
@@ -48,8 +48,8 @@ if TYPE_CHECKING:
         Mode,
         Sync,
     )
-    from plug_asgd.staleness import StalenessCompensation
     from plug_asgd.strategy import AsyncPSStrategy
+    from plug_asgd.worker.compensation import StalenessCompensation
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: the public names, imported when first used

@@ -13,7 +13,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 
 from plug_asgd import callbacks, strategy
 from plug_asgd.callbacks import load_central_weights
-from plug_asgd.staleness import StalenessCompensation
+from plug_asgd.worker.compensation import StalenessCompensation
 
 __all__ = ["AsyncPSStrategy", "CommunicationMonitor", "PSCheckpoint", "StalenessCompensation", "Supervisor",
            "load_central_weights"]

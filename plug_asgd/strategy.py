@@ -4,7 +4,7 @@ Lightning launches the worker processes exactly as it does for DDP (its subproce
 multiprocessing launcher, or an external one such as torchrun or SLURM), injects the
 distributed sampler, and runs the user's LightningModule and optimizer untouched. This class
 replaces DDP's gradient all-reduce by the parameter-server protocol: after a local optimizer
-step its exchange (:mod:`plug_asgd.exchange`, chosen by the mode) pushes ``delta = w - w_base``
+step its exchange (:mod:`plug_asgd.worker.exchange`, chosen by the mode) pushes ``delta = w - w_base``
 to the PS and loads the central weights the PS answers with. No torch.distributed process group
 exists; barriers, broadcasts and the metric reductions of evaluation travel through the PS, while
 a reduction requested during training (``self.log(..., sync_dist=True)`` in ``training_step``)
@@ -26,20 +26,20 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from plug_asgd import compressors, modes
-from plug_asgd.client import PSClient
-from plug_asgd.collectives import Collectives
 from plug_asgd.compressors import Codec
-from plug_asgd.exchange import Link, make_exchange
+from plug_asgd.connection import PSConnection
+from plug_asgd.lightning_bridge.plumbing import DDPPlumbing
 from plug_asgd.modes import Mode
-from plug_asgd.plumbing import DDPPlumbing
 from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT
-from plug_asgd.ps_connection import PSConnection
-from plug_asgd.sharded_client import ShardedClient
-from plug_asgd.staleness import StalenessCompensation, resolve
+from plug_asgd.sharding.client import ShardedClient
+from plug_asgd.worker.client import PSClient
+from plug_asgd.worker.collectives import Collectives
+from plug_asgd.worker.compensation import StalenessCompensation, resolve
+from plug_asgd.worker.exchange import Link, make_exchange
 
 log = logging.getLogger("plug_asgd.strategy")
 
-if TYPE_CHECKING:  # either namespace's classes (plug_asgd.namespaces); pytorch_lightning's names them here
+if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); pytorch_lightning's names them here
     import pytorch_lightning as pl
     from pytorch_lightning.accelerators import Accelerator
     from pytorch_lightning.plugins import CheckpointIO, ClusterEnvironment, Precision
@@ -71,16 +71,17 @@ class AsyncPSStrategy(DDPPlumbing):
         compressor: how pushed updates are encoded (``plug_asgd.compressors``): a name, a configured
             codec (``TopK(0.01)``, ``PowerSGD(rank=4)``) or a dict; the mode refuses those it cannot take.
         staleness_compensation: what an asynchronous worker does so that staleness does not act as extra
-            momentum (``plug_asgd.staleness``, ``docs/momentum.md``): on by default for the modes that fold
+            momentum (``plug_asgd.worker.compensation``, ``docs/momentum.md``): on by default for the modes that fold
             stale updates in, ``False`` turns it off, a ``StalenessCompensation`` (or a dict of it) picks.
         ps_address: ``tcp://host:port`` of a PS started with ``plug-asgd serve-ps``, or a list of them, one per
             shard of a sharded PS in the order of their ``--shard I/N``; by default global rank 0 starts an embedded
             PS on the cluster's main address, port ``ps_port``.
         ps_port: port of the embedded PS (default: the cluster's main port, + 1 under torchrun).
         ps_shards: rank 0 starts this many embedded PS processes (ports ``ps_port`` on), each holding a share of the
-            model, and every worker pushes to all at once (``plug_asgd.sharding``: the modes and codecs that work).
+            model, and every worker pushes to all at once (``plug_asgd.sharding.config``: the modes and codecs that
+            work).
             ``"per_node"``: one shard on each node of a multi-node job, started by the node's local rank 0 on the
-            node's address, port ``ps_port + node_rank`` (``plug_asgd.per_node``: which address, and how every
+            node's address, port ``ps_port + node_rank`` (``plug_asgd.sharding.per_node``: which address, and how every
             rank learns them); with one node, the lone embedded PS.
         connect_timeout: seconds to wait for the PS to answer the first time.
         request_timeout: seconds to wait for any reply (a sync round or a barrier included).
@@ -98,7 +99,7 @@ class AsyncPSStrategy(DDPPlumbing):
         ps_insecure: let the embedded PS listen beyond loopback without keys (unsafe).
         ps_threads: threads with which the embedded PS folds each large dense update in.
         shm_pushes: a worker on the PS's machine writes its dense float32 updates (or lends its weights)
-            in shared memory the PS maps, the socket carrying only where they lie (``plug_asgd.push_memory``).
+            in shared memory the PS maps, the socket carrying only where they lie (``plug_asgd.protocol.push_memory``).
         delta_replies: the PS answers with only what changed since the model the worker holds, where that is
             less (sparse codecs: ``plug_asgd.ps.changes``); off, every reply carries the whole model.
         downlink_fraction, downlink_bound: the embedded PS answers pushes with only this share of each tensor,
@@ -144,7 +145,7 @@ class AsyncPSStrategy(DDPPlumbing):
         self.mode = modes.get(mode)
         self.compressor = compressors.get(compressor)
         self.mode.check_compressor(self.compressor)
-        # the PS's arguments, placement and client (plug_asgd.ps_connection)
+        # the PS's arguments, placement and client (plug_asgd.connection)
         self.connection = PSConnection(
             self.mode, self.compressor, ps_address=ps_address, ps_port=ps_port, ps_shards=ps_shards,
             max_updates=max_updates, connect_timeout=connect_timeout, request_timeout=request_timeout,
@@ -261,7 +262,7 @@ class AsyncPSStrategy(DDPPlumbing):
         self._exchange.joined = False
         super().teardown()
 
-    # -- the parameter server: its placement and client are plug_asgd.ps_connection's ------------
+    # -- the parameter server: its placement and client are plug_asgd.connection's ------------
 
     @property
     def per_node(self) -> bool:
@@ -364,7 +365,7 @@ class AsyncPSStrategy(DDPPlumbing):
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Among the training loop's batches (the ``Timer``'s stop flag, every batch), answered without waiting for
-        the other workers (:mod:`plug_asgd.notices`); elsewhere a collective through the PS."""
+        the other workers (:mod:`plug_asgd.worker.notices`); elsewhere a collective through the PS."""
         collectives = self._collectives()
         if collectives.gather is not None and self._in_batches:
             assert self.connection.client is not None

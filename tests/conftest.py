@@ -360,8 +360,8 @@ def serving_pair(address: str, tensors: dict, session: str = "raw") -> tuple:
     to it that said hello as rank 1 in ``session``: the PS checks what it sends, not whether it may send."""
     import zmq
 
-    from plug_asgd.client import PSClient
-    from plug_asgd.wire import decode, encode
+    from plug_asgd.protocol.wire import decode, encode
+    from plug_asgd.worker.client import PSClient
 
     good = PSClient(address, rank=0, world_size=2, mode="asgd", request_timeout=10)
     good.hello(stage=1, training=True, timeout=20)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plug_asgd.client import PSClient
+from plug_asgd.worker.client import PSClient
 from tests.conftest import PYTHON
 
 pytestmark = pytest.mark.integration

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import zmq
 
-from plug_asgd.client import PSClient, PSError
-from plug_asgd.wire import PROTOCOL_VERSION, decode, encode
+from plug_asgd.protocol.wire import PROTOCOL_VERSION, decode, encode
+from plug_asgd.worker.client import PSClient, PSError
 from tests.conftest import serving_pair
 
 pytestmark = pytest.mark.timeout(60)

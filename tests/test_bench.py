@@ -83,7 +83,7 @@ def test_payload_formulas_match_the_readme():
 def test_the_runners_formula_is_the_readme_table_and_the_codecs_own_wire_bytes(compressor):
     from plug_asgd.compressors import get
     from plug_asgd.compressors.sparse import k_for
-    from plug_asgd.wire import sparse_wire_bytes
+    from plug_asgd.protocol.wire import sparse_wire_bytes
 
     if compressor == "adacomp":  # its TopKResidual has no codec class: the wire's own sparse formula
         wire = sum(sparse_wire_bytes(math.prod(s), k_for(0.01, math.prod(s))) for s in CNN_SHAPES.values())
@@ -401,7 +401,7 @@ def test_the_minimal_server_folds_each_push_into_the_model_it_answers_with(procs
     import zmq
 
     from bench.common import free_port_block
-    from plug_asgd.wire import decode, encode
+    from plug_asgd.protocol.wire import decode, encode
 
     address = f"tcp://127.0.0.1:{free_port_block(1)}"
     server = procs.start([PYTHON, "-m", "bench.zmqtools", "minimal", address, work])
@@ -438,7 +438,7 @@ def test_the_split_server_folds_a_push_part_by_part_and_answers_after_the_last(p
 
     from bench.common import free_port_block
     from bench.zmqtools import split_update
-    from plug_asgd.wire import decode, encode
+    from plug_asgd.protocol.wire import decode, encode
 
     address = f"tcp://127.0.0.1:{free_port_block(1)}"
     server = procs.start([PYTHON, "-m", "bench.zmqtools", "split", address])
@@ -498,7 +498,7 @@ def test_the_central_snapshot_is_the_model_the_client_holds_and_none_where_it_ho
     import torch
 
     from bench.train import central_weights
-    from plug_asgd.client import HeldModel
+    from plug_asgd.worker.client import HeldModel
 
     module = torch.nn.Linear(3, 2)
     held = HeldModel()

@@ -10,9 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from plug_asgd import callbacks
-from plug_asgd.callbacks import CommunicationMonitor, PSCheckpoint, Supervisor
-from plug_asgd.checkpoint import CheckpointPolicy, list_checkpoints
+from plug_asgd.callbacks import CommunicationMonitor, PSCheckpoint, Supervisor, communication_monitor, supervisor
+from plug_asgd.protocol.checkpoint import CheckpointPolicy, list_checkpoints
 from plug_asgd.ps import PSConfig
 
 
@@ -29,7 +28,8 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     c = Clock(100.0)
-    monkeypatch.setattr(callbacks, "time", SimpleNamespace(monotonic=c, time=lambda: 0.0))
+    for module in (communication_monitor, supervisor):
+        monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=c, time=lambda: 0.0))
     return c
 
 
@@ -103,7 +103,7 @@ def run_supervisor(monkeypatch, tmp_path, clock, polls: int, rate: int, **every)
     tensors = {"weight": torch.tensor([[1.0, 0.0], [0.0, 1.0]]), "bias": torch.zeros(2)}
     batch = (torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 2.0], [1.0, 0.0]]), torch.tensor([0, 1, 0, 1]))
     client = FakeClient(rate, tensors)
-    monkeypatch.setattr(callbacks, "PSClient", lambda *a, **k: client)
+    monkeypatch.setattr(supervisor, "PSClient", lambda *a, **k: client)
     sup = Supervisor([batch], dirpath=tmp_path, **every)
     sup._file, sup._start, sup._stop = tmp_path / "supervisor.jsonl", clock.now, Ticks(clock, polls)
     sup._watch(torch.nn.Linear(2, 2), "tcp://unused:1", "asgd")
@@ -142,7 +142,7 @@ def test_supervisor_defaults_to_every_10_seconds():
 
 @pytest.fixture
 def policy_clock(monkeypatch):
-    from plug_asgd import checkpoint
+    from plug_asgd.protocol import checkpoint
 
     c = Clock(1000.0)
     monkeypatch.setattr(checkpoint, "time", SimpleNamespace(monotonic=c, time=lambda: 0.0))

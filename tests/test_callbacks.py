@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from plug_asgd import load_central_weights
-from plug_asgd.checkpoint import list_checkpoints
+from plug_asgd.protocol.checkpoint import list_checkpoints
 from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
 from tests.conftest import ACCURACY_THRESHOLD, FASHION, PLUG_ASGD, PYTHON, RECIPE, RECIPE_RUN_TIMEOUT_S, ProcessGroups
 
@@ -109,7 +109,7 @@ def test_ps_writes_its_counters_to_its_run_directory(run):
 
 
 def test_plot_draws_the_runs_own_supervisor_file(run, tmp_path):
-    from plug_asgd.plotting import load_series
+    from plug_asgd.cli.plot import load_series
 
     _, log_dir, _ = run
     out = tmp_path / "acc.png"

@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from plug_asgd.checkpoint import (
+from plug_asgd.modes import AdaCompRule, CentralState, Push
+from plug_asgd.protocol.checkpoint import (
     CheckpointError,
     CheckpointPolicy,
     central_tensors,
@@ -19,10 +20,9 @@ from plug_asgd.checkpoint import (
     resolve_checkpoint,
     write_checkpoint,
 )
-from plug_asgd.client import PSClient
-from plug_asgd.modes import AdaCompRule, CentralState, Push
+from plug_asgd.protocol.wire import Sparse
 from plug_asgd.ps import PSConfig, embedded_command
-from plug_asgd.wire import Sparse
+from plug_asgd.worker.client import PSClient
 from tests.conftest import free_port
 
 W = {"model/w": np.arange(12, dtype=np.float32).reshape(3, 4), "model/b": np.ones(3, np.float64)}
@@ -141,7 +141,7 @@ def test_resume_refuses_a_corrupt_checkpoint_with_a_clear_message(procs, tmp_pat
 
 
 def test_a_worker_whose_ps_vanishes_stops_after_lost_timeout_naming_it(procs):
-    from plug_asgd.client import PSUnreachableError
+    from plug_asgd.worker.client import PSUnreachableError
 
     address = f"tcp://127.0.0.1:{free_port()}"
     ps = procs.start(embedded_command(PSConfig(bind=address)))

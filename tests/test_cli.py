@@ -19,16 +19,17 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from plug_asgd import cli, ps_status
-from plug_asgd.client import PSClient
+from plug_asgd.cli import app as cli
+from plug_asgd.cli import status as ps_status
 from plug_asgd.modes import MODES
+from plug_asgd.worker.client import PSClient
 from tests.conftest import child_env, kill_group
 
 CLI_ENV = child_env(COLUMNS="200", NO_COLOR="1")
 
 pytestmark = pytest.mark.timeout(60)
 
-CLI = [sys.executable, "-m", "plug_asgd.cli"]
+CLI = [sys.executable, "-m", "plug_asgd.cli.app"]
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 runner = CliRunner()
 

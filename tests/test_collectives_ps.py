@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.distributed import ReduceOp
 
-from plug_asgd.client import PSClient
-from plug_asgd.collectives import Collectives
+from plug_asgd.worker.client import PSClient
+from plug_asgd.worker.collectives import Collectives
 
 X = [torch.tensor([1.0, -3.0, 2.5]), torch.tensor([4.0, 0.5, -1.0])]  # rank 0's and rank 1's
 N = [torch.tensor([3, -7], dtype=torch.int64), torch.tensor([-2, 10], dtype=torch.int64)]

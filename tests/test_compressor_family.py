@@ -24,8 +24,8 @@ from plug_asgd.compressors import (
     TopKResidual,
     decode,
 )
-from plug_asgd.wire import PROTOCOL_VERSION, Packed, Sparse, WireError, encode
-from plug_asgd.wire import decode as wire_decode
+from plug_asgd.protocol.wire import PROTOCOL_VERSION, Packed, Sparse, WireError, encode
+from plug_asgd.protocol.wire import decode as wire_decode
 
 
 def _frames(tensor):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from plug_asgd.compressors import NoCompression, TopKResidual
-from plug_asgd.wire import Sparse, encode, sparse_wire_bytes
+from plug_asgd.protocol.wire import Sparse, encode, sparse_wire_bytes
 
 
 def test_selects_exactly_the_largest_magnitudes_per_layer():

@@ -25,8 +25,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from plug_asgd import cli, ps_status
-from plug_asgd.dashboard import (
+from plug_asgd.cli import app as cli
+from plug_asgd.cli import status as ps_status
+from plug_asgd.cli.dashboard import (
     Dashboard,
     human_bytes,
     human_duration,
@@ -267,7 +268,7 @@ def test_serve_ps_dashboard_on_a_terminal(tmp_path):
         os.close(master)
 
 
-# -- a sharded PS: status --watch ADDR0 ADDR1 (plug_asgd.shard_status) ----------------------------
+# -- a sharded PS: status --watch ADDR0 ADDR1 (plug_asgd.cli.shard_status) ----------------------------
 
 SHARDS = ["tcp://10.0.0.1:2223", "tcp://10.0.0.2:2224"]
 
@@ -289,7 +290,7 @@ def _rows(text: str) -> dict[str, list[str]]:
 
 
 def test_the_sharded_live_view_shows_every_shard_and_the_totals():
-    from plug_asgd.shard_status import render_shards
+    from plug_asgd.cli.shard_status import render_shards
 
     stats = [_shard(0), _shard(1)]
     # 2 s earlier: 34 updates fewer on each shard, 1 MB fewer in on shard 0
@@ -315,7 +316,7 @@ def test_the_sharded_live_view_shows_every_shard_and_the_totals():
 
 
 def test_the_sharded_live_view_says_which_shard_does_not_answer_or_is_out_of_place():
-    from plug_asgd.shard_status import render_shards
+    from plug_asgd.cli.shard_status import render_shards
 
     text = text_of(render_shards(SHARDS, [_shard(0, lost=[2]), None], None, [None, "no reply within 5 s"]),
                    width=160)
@@ -330,7 +331,7 @@ def test_the_sharded_live_view_says_which_shard_does_not_answer_or_is_out_of_pla
 
 
 def test_the_sharded_dashboard_measures_each_shards_rates_over_its_own_window():
-    from plug_asgd.shard_status import ShardsDashboard
+    from plug_asgd.cli.shard_status import ShardsDashboard
 
     dash = ShardsDashboard(SHARDS, Console(file=io.StringIO(), width=160), window_s=2.0)
     snaps = [[_shard(i, uptime_s=0.5 * t, version=10 * t) for i in range(2)] for t in range(10)]

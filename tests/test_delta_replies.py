@@ -1,4 +1,4 @@
-"""Replies that carry only what a worker lacks (plug_asgd/ps/changes.py, HeldModel in plug_asgd/client.py).
+"""Replies that carry only what a worker lacks (plug_asgd/ps/changes.py, HeldModel in plug_asgd/worker/client.py).
 
 The worker's copy, patched with each delta, must be the central model bit for bit; a delta
 carries the current values of the coordinates changed since the worker's version, and its
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import zmq
 
-from plug_asgd.client import HeldModel, PSClient, PSError
+from plug_asgd.protocol.wire import Sparse, WireError, decode, encode, message_bytes, num_blocks
 from plug_asgd.ps import PSConfig
 from plug_asgd.ps.changes import ChangeLog, parse_have
 from plug_asgd.ps.fast_store import FastStore
 from plug_asgd.ps.store import PushIn, ReferenceStore
-from plug_asgd.wire import Sparse, WireError, decode, encode, message_bytes, num_blocks
+from plug_asgd.worker.client import HeldModel, PSClient, PSError
 
 SHAPES = {"w": (300, 400), "b": (400,)}  # w: 120,000 coordinates, two sparse blocks
 

@@ -12,8 +12,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from plug_asgd import checkpoint
-from plug_asgd.checkpoint import (
+from plug_asgd.protocol import checkpoint
+from plug_asgd.protocol.checkpoint import (
     LIMITS,
     CheckpointError,
     HeaderTooLarge,
@@ -22,12 +22,12 @@ from plug_asgd.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
+from plug_asgd.protocol.wire import Limits
 from plug_asgd.ps import PSConfig, disk, persistence
 from plug_asgd.ps.fast_store import FastStore
 from plug_asgd.ps.membership import Membership
 from plug_asgd.ps.persistence import Persistence
 from plug_asgd.ps.stats import Stats
-from plug_asgd.wire import Limits
 
 W = {"model/w": np.arange(4, dtype=np.float32)}
 

@@ -24,9 +24,15 @@ import numpy as np
 import pytest
 import zmq
 
-from plug_asgd.checkpoint import CheckpointError, central_tensors, checkpoint_name, read_checkpoint, write_checkpoint
-from plug_asgd.client import PSClient
+from plug_asgd.protocol.checkpoint import (
+    CheckpointError,
+    central_tensors,
+    checkpoint_name,
+    read_checkpoint,
+    write_checkpoint,
+)
 from plug_asgd.ps import PSConfig, embedded_command
+from plug_asgd.worker.client import PSClient
 from tests.conftest import free_port, skip_unless_required
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration]

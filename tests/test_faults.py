@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plug_asgd.checkpoint import list_checkpoints, resolve_checkpoint
-from plug_asgd.client import PSClient
-from plug_asgd.security import generate_keys
+from plug_asgd.protocol.checkpoint import list_checkpoints, resolve_checkpoint
+from plug_asgd.protocol.security import generate_keys
+from plug_asgd.worker.client import PSClient
 from tests.conftest import (
     ACCURACY_THRESHOLD,
     PLUG_ASGD,

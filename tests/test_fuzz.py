@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from plug_asgd.compressors import QSGD
-from plug_asgd.wire import PROTOCOL_VERSION, Sparse, decode, encode
+from plug_asgd.protocol.wire import PROTOCOL_VERSION, Sparse, decode, encode
 from tests.conftest import serving_pair
 
 pytestmark = pytest.mark.timeout(120)

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import zmq
 
-from plug_asgd.client import PSClient
+from plug_asgd.protocol.wire import PROTOCOL_VERSION, decode, encode
 from plug_asgd.ps import PSConfig, embedded_command, limits
-from plug_asgd.wire import PROTOCOL_VERSION, decode, encode
+from plug_asgd.worker.client import PSClient
 from tests.conftest import ProcessGroups, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

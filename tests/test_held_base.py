@@ -1,4 +1,4 @@
-"""Pushing from the held central model (plug_asgd.exchange.held_base) and encoding a difference chunk by chunk
+"""Pushing from the held central model (plug_asgd.worker.exchange.held_base) and encoding a difference chunk by chunk
 (plug_asgd.compressors.difference): the same selections, values and residuals as the plain computation on the
 difference made whole, the held model's copies, the merges by hand, and a lone worker's fit against the exchange's
 own base."""
@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from plug_asgd.client import Changes, HeldModel, ModelReply
 from plug_asgd.compressors import QSGD, PowerSGD, RandomK, Sign, TopK, TopKResidual, largest_magnitudes
 from plug_asgd.compressors.difference import CHUNK, FACTORS, SAMPLE, largest_differences, sample_threshold, top_k
-from plug_asgd.exchange.held_base import CENTRAL, RESIDUAL, HeldBase
-from plug_asgd.exchange.push import PushExchange
-from plug_asgd.wire import Sparse
+from plug_asgd.protocol.wire import Sparse
+from plug_asgd.worker.client import Changes, HeldModel, ModelReply
+from plug_asgd.worker.exchange.held_base import CENTRAL, RESIDUAL, HeldBase
+from plug_asgd.worker.exchange.push import PushExchange
 from tests.threaded_fit import fit_in_threads
 
 
@@ -285,7 +285,7 @@ def test_a_lone_workers_fit_from_the_held_base_is_its_own_bases_with_own_replies
                                       {"mode": "asgd", "compressor": "topk"}],
                          ids=["adacomp", "adacomp-fp16", "topk"])
 def test_the_device_path_on_cpu_tensors_trains_the_bits_of_the_numpy_path(strategy, monkeypatch):
-    """The held base on the device (plug_asgd.exchange.held_device: torch's topk, torch's indexing) run on CPU
+    """The held base on the device (plug_asgd.worker.exchange.held_device: torch's topk, torch's indexing) run on CPU
     tensors, against numpy's on the same fit: the same selections, merges and momentum masks, bit for bit."""
     torch.manual_seed(1)
     data = TensorDataset(torch.randn(512, 64), torch.randn(512, 4))
@@ -301,7 +301,7 @@ def test_the_device_path_on_cpu_tensors_trains_the_bits_of_the_numpy_path(strate
 
 
 def test_the_device_selection_is_the_hosts():
-    from plug_asgd.exchange.held_device import largest_differences as on_device
+    from plug_asgd.worker.exchange.held_device import largest_differences as on_device
 
     w, c = _pair(200_000, seed=11)
     chosen, values = on_device(torch.from_numpy(w), torch.from_numpy(c), 2000)
@@ -312,7 +312,7 @@ def test_the_device_selection_is_the_hosts():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on the project's own machines)")
 def test_the_selection_on_a_gpu_is_the_hosts():
-    from plug_asgd.exchange.held_device import largest_differences as on_device
+    from plug_asgd.worker.exchange.held_device import largest_differences as on_device
 
     w, c = _pair(2_000_000, seed=12)
     chosen, values = on_device(torch.from_numpy(w).cuda(), torch.from_numpy(c).cuda(), 20_000)

@@ -1,4 +1,4 @@
-"""The CURVE key loader's error paths (plug_asgd.security): each broken layout is refused with a
+"""The CURVE key loader's error paths (plug_asgd.protocol.security): each broken layout is refused with a
 KeysError naming the file at fault and how to make keys, never a zmq traceback or a PS that no worker
 can reach. Pure file handling: quick."""
 
@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from plug_asgd.security import KeysError, generate_keys, load_server_keys, load_worker_keys
+from plug_asgd.protocol.security import KeysError, generate_keys, load_server_keys, load_worker_keys
 
 HINT = r"plug-asgd keygen DIR"
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from plug_asgd.protocol.wire import Message, WireError
 from plug_asgd.ps import limits
-from plug_asgd.ps.collectives import Collectives
+from plug_asgd.ps.gathers import Gathers
 from plug_asgd.ps.membership import Membership
 from plug_asgd.ps.stats import Stats
-from plug_asgd.wire import Message, WireError
 
 
 def nested(levels: int) -> list:
@@ -43,7 +43,7 @@ def test_completed_collectives_are_kept_by_bytes(monkeypatch):
     monkeypatch.setattr(limits, "COMPLETED_MAX_BYTES", 5 * (1 << 20) // 2)
     members = Membership(60.0, Stats())
     sent = []
-    collectives = Collectives(members, members.stats, lambda *a: sent.append(a), lambda *a: sent.append(a))
+    collectives = Gathers(members, members.stats, lambda *a: sent.append(a), lambda *a: sent.append(a))
     members.hello(b"id", Message("hello", {"rank": 0, "world_size": 1, "stage": 1, "session": "s"}), 0)
     for seq in range(5):
         collectives.gather(b"id", seq, Message("gather", {"rank": 0, "stage": 1, "seq": seq},
@@ -56,7 +56,7 @@ def test_completed_collectives_are_kept_by_bytes(monkeypatch):
 def test_objects_that_would_make_a_gather_reply_too_large_to_read_are_refused():
     members = Membership(60.0, Stats())
     sent = []
-    collectives = Collectives(members, members.stats, lambda *a: sent.append(a), lambda *a: sent.append(a))
+    collectives = Gathers(members, members.stats, lambda *a: sent.append(a), lambda *a: sent.append(a))
     for rank in range(3):
         members.hello(b"%d" % rank, Message("hello", {"rank": rank, "world_size": 3, "stage": 1, "session": "s"}), 0)
     big = "x" * (limits.MAX_GATHER_OBJ_BYTES // 2 - 8)  # two fit, a third would pass the bound

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from plug_asgd.protocol.wire import decode, encode
 from plug_asgd.ps import membership
 from plug_asgd.ps.membership import Membership
 from plug_asgd.ps.stats import Stats
-from plug_asgd.wire import decode, encode
 
 TIMEOUT = 1.0
 TOKENS: dict[int, str] = {}

@@ -1,4 +1,4 @@
-"""Exact results of whole rounds: the worker's exchange (plug_asgd.exchange) and the PS's fold rule
+"""Exact results of whole rounds: the worker's exchange (plug_asgd.worker.exchange) and the PS's fold rule
 (plug_asgd.modes.rules) together, in this process, on a two-coordinate model whose every value is a
 sum of powers of two, so the expected tensors below are computed by hand and compared bit for bit."""
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from plug_asgd.client import ModelReply
-from plug_asgd.exchange import Exchange, Link, make_exchange
 from plug_asgd.modes import EASGD, LOSP, SAGN, LocalSGD, Mode
 from plug_asgd.modes.rules import APPLIED, CentralState, Push
-from plug_asgd.staleness import resolve
+from plug_asgd.worker.client import ModelReply
+from plug_asgd.worker.compensation import resolve
+from plug_asgd.worker.exchange import Exchange, Link, make_exchange
 
 CENTRAL0 = [1.0, -2.0]
 

@@ -5,7 +5,7 @@ import pytest
 
 from plug_asgd import modes
 from plug_asgd.modes import APPLIED, DROPPED, AdaCompRule, AsgdRule, CentralState, Push, SyncRule
-from plug_asgd.wire import Sparse
+from plug_asgd.protocol.wire import Sparse
 
 
 def sparse(idx, val, n=8):
@@ -136,7 +136,7 @@ def test_folding_out_of_place_gives_the_same_bits_and_never_writes_the_old_model
     """Into the push's own buffers (received frames), or into spare arrays while the update is read-only
     (a worker's shared memory): the bits of an in-place fold, and nothing but ``out`` is written."""
     from plug_asgd.modes import MODES
-    from plug_asgd.slices import SlicePool
+    from plug_asgd.modes.slices import SlicePool
 
     rng = np.random.default_rng(3)
     w0 = {"w": rng.standard_normal((5, 7)).astype(np.float32), "b": rng.standard_normal(7).astype(np.float32)}
@@ -172,8 +172,8 @@ def test_folding_out_of_place_gives_the_same_bits_and_never_writes_the_old_model
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, 3e38])
 def test_a_push_folded_out_of_place_that_is_or_would_make_the_model_non_finite_is_refused_whole(bad, threads):
-    from plug_asgd.slices import SlicePool
-    from plug_asgd.wire import WireError
+    from plug_asgd.modes.slices import SlicePool
+    from plug_asgd.protocol.wire import WireError
 
     state = CentralState({"a": np.ones(3, np.float32), "b": np.full(4, 3e38, np.float32)}, version=7,
                          pool=SlicePool(threads, min_split=2))
@@ -218,7 +218,7 @@ def test_ssp_holds_a_worker_more_than_the_bound_ahead_until_the_slowest_pushes()
 
 
 def test_a_slice_pool_covers_the_range_once_in_order_and_splits_only_large_ranges():
-    from plug_asgd.slices import SlicePool
+    from plug_asgd.modes.slices import SlicePool
 
     pool = SlicePool(3, min_split=10)
     try:
@@ -347,8 +347,8 @@ def test_modes_and_codecs_import_neither_torch_nor_lightning():
 
 
 def test_agns_window_left_unset_is_the_number_of_workers_and_a_fit_runs_it_so():
-    from plug_asgd.exchange import make_exchange
     from plug_asgd.modes import AGN, Asgd, Downpour
+    from plug_asgd.worker.exchange import make_exchange
 
     auto = modes.get("agn")
     assert auto == AGN() and auto.push_every is None and modes.get(auto.config()) == auto

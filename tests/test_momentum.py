@@ -229,7 +229,7 @@ def test_the_recipes_train_momentum_sgd_at_its_usual_learning_rate_by_default():
         assert adam["lr"] == 1e-3 and "betas" in adam
         assert model(optimizer="sgd", lr=0.2).configure_optimizers().param_groups[0]["lr"] == 0.2
     from plug_asgd.recipes.common import make_strategy
-    from plug_asgd.staleness import OFF
+    from plug_asgd.worker.compensation import OFF
 
     assert make_strategy(build_parser().parse_args(["--no-staleness-compensation"])).staleness_compensation == OFF
     assert make_strategy(build_parser().parse_args([])).staleness_compensation.scale

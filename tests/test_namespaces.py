@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from plug_asgd import namespaces
+from plug_asgd.lightning_bridge import namespaces
 from tests.conftest import PYTHON, ROOT, free_port, run_to_end
 
 STEPS = 2 * 2 * 16  # 2 workers x 2 epochs x 16 batches

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from plug_asgd.notices import Notices
+from plug_asgd.protocol.schema import NOTICE_BYTES, NOTICE_KEYS
+from plug_asgd.protocol.wire import DEFAULT_LIMITS, WireError, decode, encode
 from plug_asgd.ps.board import NOTICE_ENTRIES, Board
-from plug_asgd.wire import DEFAULT_LIMITS, WireError, decode, encode
-from plug_asgd.wire_schema import NOTICE_BYTES, NOTICE_KEYS
+from plug_asgd.worker.notices import Notices
 from tests.conftest import PYTHON, free_port, run_to_end
 
 MAX_TIME = 4  # seconds: Trainer(max_time=...) of tests/scripts/timed_fit.py

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from plug_asgd.client import PSClient
-from plug_asgd.exchange import Link, make_exchange
-from plug_asgd.exchange.overlap import OverlapExchange
-from plug_asgd.exchange.push import PushExchange
 from plug_asgd.modes import AdaComp
 from plug_asgd.ps import ParameterServer, PSConfig
-from plug_asgd.staleness import resolve
+from plug_asgd.worker.client import PSClient
+from plug_asgd.worker.compensation import resolve
+from plug_asgd.worker.exchange import Link, make_exchange
+from plug_asgd.worker.exchange.overlap import OverlapExchange
+from plug_asgd.worker.exchange.push import PushExchange
 
 SHAPES = {"w": (8, 8), "b": (8,)}  # 1/16 of each: 4 and 1 coordinates a push
 ROUNDS = 12

@@ -1,4 +1,5 @@
-"""One PS shard per node (``AsyncPSStrategy(ps_shards="per_node")``, plug_asgd/per_node.py): where a node's shard
+"""One PS shard per node (``AsyncPSStrategy(ps_shards="per_node")``, plug_asgd/sharding/per_node.py): where a
+node's shard
 listens, how the shards' addresses are gathered, the arguments refused; and a 2-node Lightning job on 2 emulated
 hosts (bench/netns.py) whose node 1 holds shard 1 on its own address."""
 
@@ -9,7 +10,14 @@ import json
 
 import pytest
 
-from plug_asgd.per_node import ADDRESS_VARIABLE, PER_NODE, node_address, routed_address, shard_endpoint, shard_list
+from plug_asgd.sharding.per_node import (
+    ADDRESS_VARIABLE,
+    PER_NODE,
+    node_address,
+    routed_address,
+    shard_endpoint,
+    shard_list,
+)
 from tests.conftest import PYTHON, require_emulated_hosts, run_on_emulated_hosts
 
 PER_NODE_FIT_TIMEOUT_S = 90  # measured: 13 s on 2 cores (two hosts' interpreters, 8 steps each)
@@ -82,8 +90,9 @@ def test_the_strategy_takes_per_node_and_refuses_what_contradicts_it():
 def test_a_nodes_shard_beyond_loopback_needs_keys_and_is_refused_before_anything_starts(monkeypatch):
     from lightning_fabric.plugins.environments import LightningEnvironment
 
-    from plug_asgd import AsyncPSStrategy, ps_connection
-    from plug_asgd.security import InsecureBindError
+    from plug_asgd import AsyncPSStrategy
+    from plug_asgd import connection as ps_connection
+    from plug_asgd.protocol.security import InsecureBindError
 
     for name, value in {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "NODE_RANK": "1"}.items():
         monkeypatch.setenv(name, value)

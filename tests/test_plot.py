@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from plug_asgd import cli, plotting
+from plug_asgd.cli import app as cli
+from plug_asgd.cli import plot as plotting
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import zmq
 
-from plug_asgd.client import PSClient, PSError
+from plug_asgd.protocol.wire import PROTOCOL_VERSION, Sparse, decode, encode
 from plug_asgd.ps import ParameterServer, PSConfig
-from plug_asgd.wire import PROTOCOL_VERSION, Sparse, decode, encode
+from plug_asgd.worker.client import PSClient, PSError
 
 BEAT = 0.25  # heartbeat of the clients in the liveness tests, whose PSes time out after 1 s
 # A worker lost after 1 s of silence releases what waits for it no sooner than about 1 s (the PS checks

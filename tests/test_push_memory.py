@@ -9,11 +9,11 @@ import threading
 import numpy as np
 import pytest
 
-from plug_asgd import push_memory
-from plug_asgd.client import PSClient, PSError
+from plug_asgd.protocol import push_memory
+from plug_asgd.protocol.push_memory import HEADER_BYTES, PushSegment
+from plug_asgd.protocol.wire import Local, Sparse
 from plug_asgd.ps import ParameterServer, PSConfig, embedded_command
-from plug_asgd.push_memory import HEADER_BYTES, PushSegment
-from plug_asgd.wire import Local, Sparse
+from plug_asgd.worker.client import PSClient, PSError
 
 pytestmark = pytest.mark.skipif(not push_memory.available(), reason="no sealed shared memory here (memfd: Linux)")
 
@@ -252,7 +252,7 @@ def test_after_a_ps_restart_the_worker_pushes_its_buffers_as_bytes(start_ps, tmp
 
 
 def test_the_wire_carries_a_local_reference_without_a_frame():
-    from plug_asgd.wire import decode, encode
+    from plug_asgd.protocol.wire import decode, encode
 
     seg = PushSegment({"w": ((2, 3), np.float32), "b": ((3,), np.float32)})
     try:

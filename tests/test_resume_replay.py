@@ -15,9 +15,9 @@ import time
 import numpy as np
 import pytest
 
-from plug_asgd.checkpoint import list_checkpoints, read_checkpoint
-from plug_asgd.client import PSClient
-from plug_asgd.transport import PSError
+from plug_asgd.protocol.checkpoint import list_checkpoints, read_checkpoint
+from plug_asgd.worker.client import PSClient
+from plug_asgd.worker.transport import PSError
 from tests.conftest import PLUG_ASGD, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from plug_asgd import cli
-from plug_asgd.client import PSClient, PSUnreachableError
+from plug_asgd.cli import app as cli
+from plug_asgd.protocol.security import InsecureBindError, KeysError, generate_keys, is_loopback, load_worker_keys
 from plug_asgd.ps import ParameterServer, PSConfig, embedded_command
-from plug_asgd.security import InsecureBindError, KeysError, generate_keys, is_loopback, load_worker_keys
+from plug_asgd.worker.client import PSClient, PSUnreachableError
 from tests.conftest import PLUG_ASGD, free_port
 
 pytestmark = pytest.mark.timeout(90)
@@ -273,8 +273,8 @@ def test_every_shard_takes_the_same_keys_and_refuses_a_worker_without_them_each_
     """Two shards of one model (serve-ps --shard I/2) started with the same keys serve a keyed worker; a worker
     without keys is refused by each shard, which counts it and sends it nothing; a shard started with other
     keys refuses the worker the first one serves, naming its own address."""
-    from plug_asgd.ps.partition import Partition
-    from plug_asgd.sharded_client import ShardedClient
+    from plug_asgd.protocol.partition import Partition
+    from plug_asgd.sharding.client import ShardedClient
 
     keys, other = tmp_path / "keys", tmp_path / "other"
     generate_keys(keys)

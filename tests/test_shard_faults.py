@@ -21,18 +21,18 @@ import numpy as np
 import pytest
 
 from bench.common import free_port_block
-from plug_asgd.checkpoint import CheckpointError, list_checkpoints, read_checkpoint, resolve_checkpoint
-from plug_asgd.client import PSClient
+from plug_asgd.protocol.checkpoint import CheckpointError, list_checkpoints, read_checkpoint, resolve_checkpoint
+from plug_asgd.protocol.partition import Partition
+from plug_asgd.protocol.wire import WireError
 from plug_asgd.ps import PSConfig
 from plug_asgd.ps.fast_store import FastStore
 from plug_asgd.ps.membership import Membership
-from plug_asgd.ps.partition import Partition
 from plug_asgd.ps.persistence import Persistence
 from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.stats import Stats
-from plug_asgd.sharded_client import ShardedClient
-from plug_asgd.sharding import shard_folder
-from plug_asgd.wire import WireError
+from plug_asgd.sharding.client import ShardedClient
+from plug_asgd.sharding.config import shard_folder
+from plug_asgd.worker.client import PSClient
 from tests.conftest import PLUG_ASGD, PYTHON
 
 PUSHER = "tests/scripts/shard_pusher.py"
@@ -94,7 +94,7 @@ def test_a_shard_refuses_the_checkpoint_of_another_shard_index_or_count(tmp_path
 
 
 def test_a_checkpoint_written_before_shards_were_recorded_is_taken_as_it_is(tmp_path):
-    from plug_asgd.checkpoint import write_checkpoint
+    from plug_asgd.protocol.checkpoint import write_checkpoint
 
     old = write_checkpoint(tmp_path / "ps-v0000000003.ckpt", {"mode": "asgd", "version": 3, "world_size": 2},
                            {"model/w[0:8]": np.ones(8, np.float32)})
@@ -230,8 +230,8 @@ def _counters(shard: str | None, version: int, digest: str = "d1", **extra) -> d
 def test_status_of_several_shards_is_one_table_with_totals_and_says_what_is_out_of_place():
     from rich.console import Console
 
-    from plug_asgd.dashboard import human_bytes
-    from plug_asgd.shard_status import order_problems, sharded_table
+    from plug_asgd.cli.dashboard import human_bytes
+    from plug_asgd.cli.shard_status import order_problems, sharded_table
 
     addresses = ["tcp://a:1", "tcp://b:1"]
     stats = [_counters("0/2", 50), _counters("1/2", 41, resumed_from="/ck1/ps-v0000000040-r.ckpt")]
@@ -251,7 +251,7 @@ def test_status_of_several_shards_is_one_table_with_totals_and_says_what_is_out_
 # -- the model of a sharded PS's checkpoints, assembled for inference ----------------------------------------
 
 def _write_shards(folder: Path, model: dict, digest: str | None = None, specs=("0/2", "1/2")) -> None:
-    from plug_asgd.checkpoint import checkpoint_name, write_checkpoint
+    from plug_asgd.protocol.checkpoint import checkpoint_name, write_checkpoint
 
     part = Partition(SHAPES, 2)
     for i, pieces in enumerate(part.split(model)):
@@ -333,7 +333,7 @@ def test_load_central_weights_reads_shards_whose_codec_kept_a_tensor_whole(tmp_p
     import torch
 
     from plug_asgd.callbacks import load_central_weights
-    from plug_asgd.checkpoint import checkpoint_name, write_checkpoint
+    from plug_asgd.protocol.checkpoint import checkpoint_name, write_checkpoint
 
     held = [{"w": np.arange(64, dtype=np.float32)}, {"b": -np.ones(8, np.float32)}]  # w whole on shard 0
     for i, tensors in enumerate(held):

@@ -24,7 +24,7 @@ def can_make_hosts():
 @pytest.mark.integration
 @pytest.mark.timeout(SHARD_INGEST_QUICK_TIMEOUT_S + 60)
 def test_quick_shard_ingest_moves_each_shards_pieces_through_its_own_link(can_make_hosts, tmp_path):
-    from plug_asgd.ps.partition import Partition
+    from plug_asgd.protocol.partition import Partition
     from plug_asgd.recipes.mnist import MnistCNN
 
     rc, output = run_on_emulated_hosts([PYTHON, "-m", "bench.shard_ingest", "--quick", "--out", str(tmp_path)],

@@ -16,11 +16,11 @@ import pytest
 
 from bench.common import free_port_block
 from plug_asgd import compressors, modes
-from plug_asgd.client import PSClient, PSError
-from plug_asgd.ps.partition import PIECES_PER_SHARD, Partition, parse_shard
-from plug_asgd.sharded_client import ShardedClient, ShardVersions
-from plug_asgd.sharding import SHARDED_CODECS, SHARDED_MODES, check_sharded, shard_count
-from plug_asgd.wire import Sparse
+from plug_asgd.protocol.partition import PIECES_PER_SHARD, Partition, parse_shard
+from plug_asgd.protocol.wire import Sparse
+from plug_asgd.sharding.client import ShardedClient, ShardVersions
+from plug_asgd.sharding.config import SHARDED_CODECS, SHARDED_MODES, check_sharded, shard_count
+from plug_asgd.worker.client import PSClient, PSError
 from tests.conftest import ACCURACY_THRESHOLD, PLUG_ASGD, PYTHON, ProcessGroups, needs_fashion
 from tests.test_training import run_recipe
 
@@ -284,7 +284,7 @@ def test_a_push_goes_to_every_shard_at_once_not_one_after_the_other(monkeypatch)
     import threading
     import time
 
-    from plug_asgd.client import ModelReply
+    from plug_asgd.worker.client import ModelReply
 
     calls: list[tuple[str, float, float, str]] = []
 

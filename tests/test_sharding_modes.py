@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 from plug_asgd import compressors, modes
-from plug_asgd.client import PSClient
 from plug_asgd.compressors import decode, slice_packed
-from plug_asgd.exchange.push import PushExchange
-from plug_asgd.ps.partition import Partition
-from plug_asgd.sharded_client import PARTLY_APPLIED, ShardedClient, ShardVersions, combined_status
-from plug_asgd.sharding import partition
-from plug_asgd.wire import Packed, Sparse
+from plug_asgd.protocol.partition import Partition
+from plug_asgd.protocol.wire import Packed, Sparse
+from plug_asgd.sharding.client import PARTLY_APPLIED, ShardedClient, ShardVersions, combined_status
+from plug_asgd.sharding.config import make_partition
+from plug_asgd.worker.client import PSClient
+from plug_asgd.worker.exchange.push import PushExchange
 from tests.test_sharding import one_ps_and_shards, same_bits
 
 FOLD_SHAPES = {"w": (48, 40), "b": (40,), "v": (7,), "k": (3, 3, 4)}
@@ -53,24 +53,24 @@ def test_a_packed_update_cut_into_slices_decodes_to_the_slices_of_the_whole_bit_
 
 def test_powersgd_keeps_the_matrices_it_factors_whole_and_the_partition_says_so():
     shapes = {"fc.weight": (300, 70), "fc.bias": (300,), "head": (10, 300), "vec": (5000,)}
-    plain = partition(shapes, 2)
+    plain = make_partition(shapes, 2)
     assert any(p.name == "fc.weight" and not p.whole for p in plain.pieces), "the test must cut the matrix"
-    low = partition(shapes, 2, compressors.get({"name": "powersgd", "rank": 4}))
+    low = make_partition(shapes, 2, compressors.get({"name": "powersgd", "rank": 4}))
     kept = {p.name for p in low.pieces if p.whole}
     assert {"fc.weight", "head"} <= kept  # factored: 4 * (300 + 70) < 300 * 70, 4 * (10 + 300) < 10 * 300
     assert any(p.name == "vec" and not p.whole for p in low.pieces)  # sent dense: still cut
     assert low.digest != plain.digest  # a worker that cuts otherwise is refused by the shards
     # every worker computes the same partition from the same codec
-    assert partition(dict(reversed(list(shapes.items()))), 2, compressors.get("powersgd")).digest == low.digest
+    assert make_partition(dict(reversed(list(shapes.items()))), 2, compressors.get("powersgd")).digest == low.digest
     # a codec that cuts everything leaves the partition as it was
-    assert partition(shapes, 2, compressors.get("sign")).digest == plain.digest
+    assert make_partition(shapes, 2, compressors.get("sign")).digest == plain.digest
 
 
 def test_the_partition_cuts_a_packed_update_through_its_codec_and_refuses_one_it_cannot_cut():
     part = Partition({"big": (300, 70)}, 2)
     x = np.random.default_rng(4).standard_normal((300, 70)).astype(np.float32)
     packed = compressors.get("sign").encoder(0).encode("big", x)
-    parts = part.split({"big": packed})
+    parts = part.split({"big": packed}, compressors.slice_packed)
     whole = decode(packed, np.float32).reshape(-1)
     for shard, pieces in enumerate(parts):
         for key, piece in pieces.items():
@@ -78,7 +78,7 @@ def test_the_partition_cuts_a_packed_update_through_its_codec_and_refuses_one_it
             assert decode(piece, np.float32, shape=(p.size,)).tobytes() == whole[p.start:p.stop].tobytes()
     factors = compressors.get("powersgd").encoder(0).encode("big", x)
     with pytest.raises(ValueError, match="packs a tensor as a whole.*whole tensors"):
-        part.split({"big": factors})
+        part.split({"big": factors}, compressors.slice_packed)
 
 
 def test_the_status_of_a_push_is_the_shards_where_they_agree_and_partly_applied_where_not():
@@ -228,7 +228,7 @@ def test_a_sync_push_one_shard_takes_into_its_round_and_another_drops_is_partly_
         first.start()
         wait_for(lambda: all(w.stats()["push_messages"] >= 1 for w in watchers), what="a's push")
         # c reaches shard 0 alone: shard 0's round is a and c
-        c_split = part.split(ups[2])
+        c_split = part.split(ups[2], compressors.slice_packed)
         replies["c0"] = c.clients[0].push(0, c_split[0])
         # b reaches both: late on shard 0 (dropped at once), second on shard 1 (its round is a and b)
         replies["b"] = b.push(base, ups[1])
@@ -265,8 +265,8 @@ def worker_steps(client: Any, mode: Any, codec: Any, steps: int) -> tuple[dict, 
     central model. Deterministic: the same bits on one PS and on shards if the sharded fold is the PS's."""
     import torch
 
-    from plug_asgd.exchange import Link, make_exchange
-    from plug_asgd.staleness import resolve
+    from plug_asgd.worker.compensation import resolve
+    from plug_asgd.worker.exchange import Link, make_exchange
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.Tanh(), torch.nn.Linear(30, 3))
@@ -321,7 +321,7 @@ def test_a_workers_exchange_over_two_shards_makes_the_bits_of_one_ps(start_ps, c
     plain = PSClient(one, **options)
     plain.takes_weights = False  # as a sharded client: the updates themselves, not the weights, are pushed
     shapes = {"0.weight": (30, 20), "0.bias": (30,), "2.weight": (3, 30), "2.bias": (3,)}
-    part = partition(shapes, 2, codec)
+    part = make_partition(shapes, 2, codec)
     sharded = ShardedClient(shards, part, **options)
     try:
         if case == "powersgd":

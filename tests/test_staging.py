@@ -1,4 +1,4 @@
-"""plug_asgd.staging: a worker's tensors to numpy and back. No GPU here, so the CUDA path is driven on CPU
+"""plug_asgd.worker.staging: a worker's tensors to numpy and back. No GPU here, so the CUDA path is driven on CPU
 tensors through the seams (``staged``: which devices go through buffers; ``pin``; ``mark``: what records
 the end of a batch of copies and is waited on), with every aten copy recorded with its non_blocking flag."""
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from plug_asgd.exchange import Exchange, Link, make_exchange
 from plug_asgd.modes import EASGD, Asgd, Downpour, Mode
-from plug_asgd.staging import Staging
-from plug_asgd.staleness import OFF, Compensator, StalenessCompensation
+from plug_asgd.worker.compensation import OFF, Compensator, StalenessCompensation
+from plug_asgd.worker.exchange import Exchange, Link, make_exchange
+from plug_asgd.worker.staging import Staging
 from tests.test_mode_rounds import LocalPS, StubClient
 
 

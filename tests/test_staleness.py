@@ -12,7 +12,7 @@ import torch
 from plug_asgd import AsyncPSStrategy, StalenessCompensation, compressors
 from plug_asgd.compressors import TopKResidual
 from plug_asgd.modes import MODES
-from plug_asgd.staleness import OFF, Compensator, resolve, scaled_step, warn_unknown_optimizers
+from plug_asgd.worker.compensation import OFF, Compensator, resolve, scaled_step, warn_unknown_optimizers
 
 
 def test_the_scale_is_one_over_one_plus_the_median_staleness_of_the_last_window_pushes():
@@ -175,7 +175,7 @@ def test_the_lr_scale_of_the_sgd_step_matches_a_plain_sgd_step():
 
 
 def test_the_scale_is_left_out_where_every_optimizer_normalizes_its_steps():
-    from plug_asgd.staleness import normalizes_steps
+    from plug_asgd.worker.compensation import normalizes_steps
 
     w = torch.nn.Parameter(torch.zeros(2))
     for opt in (torch.optim.Adam([w]), torch.optim.AdamW([w]), torch.optim.RMSprop([w]), torch.optim.Adagrad([w])):
@@ -188,8 +188,8 @@ def test_the_scale_is_left_out_where_every_optimizer_normalizes_its_steps():
 def test_under_adam_only_a_push_of_several_steps_is_scaled():
     """A push of one normalized step goes in unscaled, a chunk of several (downpour, or asgd with push_every > 1)
     at 1/(1 + s) as with SGD; the modes with remedies of their own (agn's division, losp's rounds) keep them."""
-    from plug_asgd.exchange import OverlapExchange, PushExchange
     from plug_asgd.modes import get
+    from plug_asgd.worker.exchange import OverlapExchange, PushExchange
 
     w = torch.nn.Parameter(torch.zeros(2))
     for spec, exchange_kind, scale in (("asgd", PushExchange, 1.0), ("adacomp", PushExchange, 1.0),
@@ -207,8 +207,8 @@ def test_under_adam_only_a_push_of_several_steps_is_scaled():
 def test_agn_looks_ahead_where_its_optimizer_normalizes_its_steps_and_takes_nesterovs_form_where_it_does_not():
     """With several local steps per push only agn under Adam (and its kin) looks ahead: under heavy-ball SGD it takes
     Nesterov's form instead, and the other modes' chunks (downpour's) do not look ahead (docs/momentum.md)."""
-    from plug_asgd.exchange import PushExchange
     from plug_asgd.modes import get
+    from plug_asgd.worker.exchange import PushExchange
 
     w = torch.nn.Parameter(torch.zeros(2))
     sgd = torch.optim.SGD([w], lr=0.05, momentum=0.9)
@@ -228,8 +228,8 @@ def test_agn_looks_ahead_where_its_optimizer_normalizes_its_steps_and_takes_nest
 
 
 def test_a_worker_tells_the_ps_what_staleness_its_update_was_scaled_for_and_only_when_it_scaled_it():
-    from plug_asgd.exchange import PushExchange
     from plug_asgd.modes import get
+    from plug_asgd.worker.exchange import PushExchange
 
     w = torch.nn.Parameter(torch.zeros(2))
     sgd, adam = torch.optim.SGD([w], lr=0.05, momentum=0.9), torch.optim.Adam([w])
@@ -284,7 +284,7 @@ def test_a_worker_tells_the_ps_what_staleness_its_update_was_scaled_for_and_only
 def test_a_heavy_ball_step_in_nesterovs_form_is_torchs_nesterov_step(weight_decay, maximize):
     """The same gradients through SGD(momentum=0.9) in Nesterov's form and through SGD(nesterov=True) give the
     same weights, step after step (the first step included: its momentum is created by the step)."""
-    from plug_asgd.staleness import nesterov_form
+    from plug_asgd.worker.compensation import nesterov_form
 
     torch.manual_seed(0)
     a = torch.nn.Parameter(torch.randn(4, 3))
@@ -305,7 +305,7 @@ def test_a_heavy_ball_step_in_nesterovs_form_is_torchs_nesterov_step(weight_deca
 
 def test_nesterovs_form_leaves_alone_what_is_not_a_heavy_ball_step():
     """Nesterov's SGD, dampened or plain SGD, Adam, and no optimizer at all step exactly as without it."""
-    from plug_asgd.staleness import nesterov_form
+    from plug_asgd.worker.compensation import nesterov_form
 
     def step(make, form: bool) -> torch.Tensor:
         torch.manual_seed(1)
@@ -330,8 +330,8 @@ def test_nesterovs_form_acts_in_every_mode_that_folds_stale_steps_and_only_while
     """downpour and agn (several steps per push), hogwild, and the modes with the look-ahead whose workers scale
     take it; not a lone worker (staleness 0: plain Lightning's bits), nor a config that leaves it out, nor a worker
     that looks ahead without scaling (dynsgd's with the scale turned off, its PS scaling by staleness alone)."""
-    from plug_asgd.exchange import PushExchange, SharedExchange
     from plug_asgd.modes import get
+    from plug_asgd.worker.exchange import PushExchange, SharedExchange
 
     w = torch.nn.Parameter(torch.zeros(2))
     sgd = torch.optim.SGD([w], lr=0.05, momentum=0.9)
@@ -364,8 +364,8 @@ def test_nesterovs_form_acts_in_every_mode_that_folds_stale_steps_and_only_while
 
 
 def test_an_optimizer_with_a_momentum_out_of_reach_of_nesterovs_form_is_warned_about():
-    from plug_asgd.exchange import PushExchange
     from plug_asgd.modes import get
+    from plug_asgd.worker.exchange import PushExchange
 
     class HeavyBall(torch.optim.Optimizer):  # momentum of its own, not torch's SGD
         def __init__(self, params):
@@ -395,8 +395,8 @@ def test_an_exchange_takes_the_steps_of_a_fit_in_nesterovs_form():
     steps, hogwild's the Nesterov steps of half the learning rate (its scaled step, 2 workers)."""
     from types import SimpleNamespace
 
-    from plug_asgd.exchange import PushExchange, SharedExchange
     from plug_asgd.modes import get
+    from plug_asgd.worker.exchange import PushExchange, SharedExchange
 
     for kind, name, factor in ((PushExchange, "downpour", 1.0), (SharedExchange, "hogwild", 0.5)):
         torch.manual_seed(0)

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import zmq
 
-from plug_asgd import push_memory
 from plug_asgd.modes import APPLIED, MODES
+from plug_asgd.protocol import push_memory
+from plug_asgd.protocol.push_memory import PushSegment
+from plug_asgd.protocol.wire import Sparse, WireError, decode, encode
 from plug_asgd.ps import PSConfig
 from plug_asgd.ps.fast_store import FastStore
 from plug_asgd.ps.store import FOLDED, NOT_CURRENT, PushIn, ReferenceStore, Store
-from plug_asgd.push_memory import PushSegment
-from plug_asgd.wire import Sparse, WireError, decode, encode
 
 SHAPES = {"w": (24, 40), "b": (40,), "h": (3, 5)}
 WORKERS = 3

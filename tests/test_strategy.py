@@ -18,11 +18,11 @@ from torch.distributed import ReduceOp
 from torch.utils.data import DataLoader, TensorDataset
 
 from plug_asgd import AsyncPSStrategy
-from plug_asgd.client import PSClient, PSError, PSUnreachableError
-from plug_asgd.collectives import op_name
 from plug_asgd.compressors import RandomK
 from plug_asgd.modes import AGN, EASGD, OSP, SSP, AdaComp, Asgd, Downpour, Sync
 from plug_asgd.strategy import synced_tensors
+from plug_asgd.worker.client import PSClient, PSError, PSUnreachableError
+from plug_asgd.worker.collectives import op_name
 from tests.conftest import free_port, group_members
 
 

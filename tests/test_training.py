@@ -15,7 +15,7 @@ import pytest
 
 from bench.common import free_port_block
 from bench.zmqtools import CNN_SHAPES
-from plug_asgd.client import PSClient, PSError, PSUnreachableError
+from plug_asgd.worker.client import PSClient, PSError, PSUnreachableError
 from tests.conftest import (
     ACCURACY_THRESHOLD,
     FASHION,
@@ -195,15 +195,15 @@ def ps_versions(run: dict) -> list[int]:
 
 def push_frames(codec_spec, shards: int) -> int:
     """The frame bytes of one push of the recipe CNN's update through the codec, summed over the pieces each shard
-    gets (plug_asgd.sharding.partition): a tensor cut into slices sends each slice as the codec encodes that many
+    gets (sharding.config.make_partition): a tensor cut into slices sends each slice as the codec encodes that many
     values (a packed update is cut by its codec), but a sparse update keeps the whole tensor's k coordinates, spread
     over its slices, each slice with block counts of its own."""
     from plug_asgd.compressors import get
-    from plug_asgd.sharding import partition
-    from plug_asgd.wire_schema import num_blocks
+    from plug_asgd.protocol.schema import num_blocks
+    from plug_asgd.sharding.config import make_partition
 
     codec = get(codec_spec)
-    pieces = partition(CNN_SHAPES, shards, codec).pieces if shards > 1 else ()
+    pieces = make_partition(CNN_SHAPES, shards, codec).pieces if shards > 1 else ()
     total = 0
     for name, shape in CNN_SHAPES.items():
         slices = [p.size for p in pieces if p.name == name and not p.whole]

@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from plug_asgd.wire import PROTOCOL_VERSION, Limits, Sparse, WireError, decode, encode, sparse_wire_bytes
+from plug_asgd.protocol.wire import PROTOCOL_VERSION, Limits, Sparse, WireError, decode, encode, sparse_wire_bytes
 
 
 def test_dense_round_trip_keeps_values_dtype_and_shape():

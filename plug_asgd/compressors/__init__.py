@@ -1,7 +1,7 @@
 """Update codecs: what of a worker's update goes on the wire, and how the parameter server reads it.
 
 A codec (a :class:`Codec`: :class:`TopK`, :class:`PowerSGD`, ...) turns one tensor's update into
-what is sent (a dense array, a :class:`~plug_asgd.wire.Sparse` or a :class:`~plug_asgd.wire.Packed`);
+what is sent (a dense array, a :class:`~plug_asgd.protocol.wire.Sparse` or a :class:`~plug_asgd.protocol.wire.Packed`);
 a worker encodes with :meth:`Codec.encoder`, a fresh copy that keeps per-tensor state (the residual
 of error feedback, PowerSGD's warm-started factor). The parameter server turns what arrives back
 into something it can fold in with :func:`decode`. :func:`get` takes a name, a configured codec or

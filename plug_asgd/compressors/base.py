@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from plug_asgd.compressors.difference import accumulate, difference
-from plug_asgd.wire import FLOAT_DTYPES, Packed, Sparse, Tensor, WireError, dtype_name
+from plug_asgd.protocol.wire import FLOAT_DTYPES, Packed, Sparse, Tensor, WireError, dtype_name
 
 
 class Compressor(Protocol):
@@ -89,7 +89,7 @@ class Codec(ABC):
     def slice_packed(cls, packed: Packed, start: int, stop: int) -> Packed:
         """A ``Packed`` that decodes to values ``start:stop`` of ``packed``'s flat decoded tensor, bit for bit.
 
-        What a sharded PS needs of a tensor cut over shards (:mod:`plug_asgd.ps.partition`): each shard is
+        What a sharded PS needs of a tensor cut over shards (:mod:`plug_asgd.protocol.partition`): each shard is
         sent its slice of the tensor as encoded whole, so the worker's codec state (residual, norm, scale)
         stays the one tensor's and every shard decodes what one PS would. Only codecs whose decoding is
         elementwise can; the others keep the tensors they pack whole (:meth:`keeps_whole`)."""
@@ -249,7 +249,7 @@ def decode(tensor: Tensor, dtype: np.dtype | type, *, shape: tuple[int, ...] | N
     """What the parameter server folds in for a tensor a compressor sent: a dense array or a Sparse of ``dtype``.
 
     Dense arrays are cast to ``dtype``, Sparse values are cast to ``dtype``, and a
-    :class:`~plug_asgd.wire.Packed` is decoded by the registered codec of its name
+    :class:`~plug_asgd.protocol.wire.Packed` is decoded by the registered codec of its name
     (:meth:`Codec.decode_packed`). Anything that cannot be what one of the codecs sent (an unknown
     codec, arrays of the wrong number, dtype or shape, out-of-range indices or parameters, a
     non-finite scale) raises ``WireError("bad_payload", ...)``; so does a tensor whose shape is

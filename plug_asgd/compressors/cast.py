@@ -8,7 +8,7 @@ import numpy as np
 
 from plug_asgd.compressors.base import Codec, check_meta, expect, packed_arrays
 from plug_asgd.compressors.sparse import FP16_MAX
-from plug_asgd.wire import Packed, Tensor
+from plug_asgd.protocol.wire import Packed, Tensor
 
 
 class FP16(Codec):

@@ -9,7 +9,7 @@ import numpy as np
 
 from plug_asgd.compressors.base import Codec, bad_payload, check_int, check_meta, expect, packed_arrays
 from plug_asgd.compressors.blas import one_thread
-from plug_asgd.wire import FLOAT_DTYPES, Packed, Tensor
+from plug_asgd.protocol.wire import FLOAT_DTYPES, Packed, Tensor
 
 
 class PowerSGD(Codec):

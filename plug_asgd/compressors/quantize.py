@@ -16,7 +16,7 @@ from plug_asgd.compressors.base import (
     packed_arrays,
 )
 from plug_asgd.compressors.difference import Scratch, chunks, difference, scratch
-from plug_asgd.wire import Packed, Tensor
+from plug_asgd.protocol.wire import Packed, Tensor
 
 
 class QSGD(Codec):

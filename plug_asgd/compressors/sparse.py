@@ -1,4 +1,4 @@
-"""Sparse codecs: a few coordinates per tensor, sent as a :class:`~plug_asgd.wire.Sparse`."""
+"""Sparse codecs: a few coordinates per tensor, sent as a :class:`~plug_asgd.protocol.wire.Sparse`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 
 from plug_asgd.compressors.base import Codec
 from plug_asgd.compressors.difference import largest_differences, top_k
-from plug_asgd.wire import Sparse, Tensor, sparse_wire_bytes
+from plug_asgd.protocol.wire import Sparse, Tensor, sparse_wire_bytes
 
 SPARSE_VALUES = ("float32", "float16")
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
@@ -46,7 +46,7 @@ class TopKResidual:
     are not sent: they would change nothing) and keeps the remainder as the residual that is
     added to the next update, so ``sent + residual == v`` exactly and nothing is lost, only
     delayed. On the wire a float32 tensor costs
-    ``4 * ceil(numel / 65536) + 6 * nnz`` bytes (:func:`plug_asgd.wire.sparse_wire_bytes`).
+    ``4 * ceil(numel / 65536) + 6 * nnz`` bytes (:func:`plug_asgd.protocol.wire.sparse_wire_bytes`).
 
     ``values="float16"`` sends the chosen values as IEEE halves (clipped to +-65504) and keeps
     what the rounding lost in the residual too: ``4 * ceil(numel / 65536) + 4 * nnz`` bytes, and

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from plug_asgd.slices import SlicePool
-from plug_asgd.wire import Sparse, Tensor, WireError
+from plug_asgd.modes.slices import SlicePool
+from plug_asgd.protocol.wire import Sparse, Tensor, WireError
 
 APPLIED = "applied"
 DROPPED = "dropped"

@@ -31,9 +31,10 @@ def _check_count(name: str, value: int | None, meaning: str = "local optimizer s
 class Mode:
     """A training scheme. Class attributes say what it is; instance fields are its knobs.
 
-    ``exchange`` names the worker's exchange (:mod:`plug_asgd.exchange`): ``"push"``, ``"overlap"``,
+    ``exchange`` names the worker's exchange (:mod:`plug_asgd.worker.exchange`): ``"push"``, ``"overlap"``,
     ``"elastic"`` or ``"shared"``. ``compensate`` says which staleness remedies its workers apply by
-    default (:func:`plug_asgd.staleness.resolve`): ``"full"``, ``"unscaled"``, ``"step"``, ``"round"`` or ``"none"``.
+    default (:func:`plug_asgd.worker.compensation.resolve`): ``"full"``, ``"unscaled"``, ``"step"``, ``"round"``
+    or ``"none"``.
     """
 
     name: ClassVar[str]

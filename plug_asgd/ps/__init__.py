@@ -3,13 +3,13 @@
 - :mod:`~plug_asgd.ps.config`: :class:`PSConfig`, every option of a PS;
 - :mod:`~plug_asgd.ps.server`: the serving loop (socket, CURVE, dispatch, error replies);
 - :mod:`~plug_asgd.ps.membership`: hello and bye, heartbeats, lost and taken back;
-- :mod:`~plug_asgd.ps.collectives`: the gather behind barriers, broadcasts and reductions;
+- :mod:`~plug_asgd.ps.gathers`: the gather behind barriers, broadcasts and reductions;
 - :mod:`~plug_asgd.ps.store` and :mod:`~plug_asgd.ps.fast_store`: the central tensors, their fold and
   who owns each buffer (the reference store, and the one that serves);
 - :mod:`~plug_asgd.ps.persistence` and :mod:`~plug_asgd.ps.stats`: checkpoints, metrics, counters;
 - :mod:`~plug_asgd.ps.disk`: failed writes counted and retried, the file-descriptor limit;
 - :mod:`~plug_asgd.ps.embedded`: the PS as a process of its own;
-- :mod:`~plug_asgd.ps.partition` and :mod:`~plug_asgd.ps.shard_guard`: a model cut over the shards of a
+- :mod:`~plug_asgd.protocol.partition` and :mod:`~plug_asgd.ps.shard_guard`: a model cut over the shards of a
   sharded PS, and what a shard checks of its workers' partition.
 
 The PS knows nothing of torch or Lightning: it holds named float arrays.

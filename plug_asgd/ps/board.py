@@ -4,7 +4,7 @@ Lightning's ``Timer`` (``Trainer(max_time=...)``) broadcasts rank 0's decision t
 training batch. Made a gather, that broadcast holds every worker to the slowest, batch by batch:
 the lockstep that asynchronous training exists to avoid. Inside the training loop a broadcast
 posts the source rank's value here instead, and the other ranks read the latest value posted for
-the same call (the worker's side, and why that is safe, is :mod:`plug_asgd.notices`). Bounded:
+the same call (the worker's side, and why that is safe, is :mod:`plug_asgd.worker.notices`). Bounded:
 ``NOTICE_KEYS`` calls per batch, ``NOTICE_BYTES`` per value, the stages still running.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 
 import msgpack
 
-from plug_asgd.wire import Message, WireError
-from plug_asgd.wire_schema import NOTICE_BYTES, NOTICE_KEYS
+from plug_asgd.protocol.schema import NOTICE_BYTES, NOTICE_KEYS
+from plug_asgd.protocol.wire import Message, WireError
 
 NOTICE_ENTRIES = 4096  # what the board holds at most, stages and ranks together
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from plug_asgd.wire import Sparse, Tensor, WireError, sparse_wire_bytes
+from plug_asgd.protocol.wire import Sparse, Tensor, WireError, sparse_wire_bytes
 
 MODEL_ID_CHARS = 32  # a uuid4's hex
 

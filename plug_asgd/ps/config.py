@@ -2,7 +2,7 @@
 command line, the recipes and the strategy are all made from :class:`PSConfig`.
 
 Each field's metadata holds its help text and bounds; :meth:`PSConfig.check` applies them (and the
-few rules between fields), and ``plug_asgd.cli`` turns the same metadata into typer options.
+few rules between fields), and ``plug_asgd.cli.app`` turns the same metadata into typer options.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plug_asgd.checkpoint import CheckpointPolicy, check_run_id
 from plug_asgd.modes import MODES
 from plug_asgd.modes import get as get_mode
-from plug_asgd.ps.partition import parse_shard
-from plug_asgd.security import check_bind
-from plug_asgd.wire import DEFAULT_LIMITS, Limits
+from plug_asgd.protocol.checkpoint import CheckpointPolicy, check_run_id
+from plug_asgd.protocol.partition import parse_shard
+from plug_asgd.protocol.security import check_bind
+from plug_asgd.protocol.wire import DEFAULT_LIMITS, Limits
 
 DEFAULT_WORKER_TIMEOUT = 20.0  # seconds of silence (no heartbeat, no request) before a worker is lost
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plug_asgd.wire import Sparse, sparse_wire_bytes
+from plug_asgd.protocol.wire import Sparse, sparse_wire_bytes
 
 
 @dataclass

@@ -24,10 +24,10 @@ import numpy as np
 import zmq
 
 from plug_asgd.modes import can_fold_into
+from plug_asgd.protocol.wire import Local, Sparse, Tensor, encode
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.stats import Stats
 from plug_asgd.ps.store import PushIn, Store
-from plug_asgd.wire import Local, Sparse, Tensor, encode
 
 
 class FastStore(Store):

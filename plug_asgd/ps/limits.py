@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from plug_asgd.wire import Limits, Message, WireError
+from plug_asgd.protocol.wire import Limits, Message, WireError
 
 MAX_WORLD_SIZE = 1 << 14  # ranks one PS serves
 MAX_SESSION_CHARS = 128  # a worker's session string (PSClient's is 32 hex digits)

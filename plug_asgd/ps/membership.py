@@ -24,9 +24,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from plug_asgd.protocol.wire import Message, WireError
 from plug_asgd.ps import limits
 from plug_asgd.ps.stats import Stats
-from plug_asgd.wire import Message, WireError
 
 log = logging.getLogger("plug_asgd.ps")
 

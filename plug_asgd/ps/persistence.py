@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from plug_asgd.checkpoint import (
+from plug_asgd.protocol.checkpoint import (
     CheckpointError,
     HeaderTooLarge,
     checkpoint_candidates,
@@ -31,13 +31,13 @@ from plug_asgd.checkpoint import (
     run_of,
     runs_in,
 )
+from plug_asgd.protocol.wire import FLOAT_DTYPES
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.disk import Retry, append_line
 from plug_asgd.ps.membership import Membership
 from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.stats import Stats
 from plug_asgd.ps.store import Snapshot, Store
-from plug_asgd.wire import FLOAT_DTYPES
 
 log = logging.getLogger("plug_asgd.ps")
 

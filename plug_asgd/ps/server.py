@@ -6,7 +6,7 @@ that breaks the protocol gets an ``error`` reply and a counter; the PS keeps ser
 tensors are untouched. What each request does lives in the parts this loop holds: the store
 (:mod:`plug_asgd.ps.store`), membership, collectives and persistence.
 
-It listens on loopback unless given keys (CURVE, see :mod:`plug_asgd.security`) or told
+It listens on loopback unless given keys (CURVE, see :mod:`plug_asgd.protocol.security`) or told
 ``insecure``; a peer refused in the CURVE handshake is counted as ``refused["auth"]``. It ends by
 itself on :meth:`ParameterServer.request_stop` (SIGINT/SIGTERM), when the process that started
 it dies (``parent_pid``), or once ``expected_workers`` have joined and all have left (or been
@@ -27,18 +27,18 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.modes import APPLIED
+from plug_asgd.protocol.security import load_server_keys
+from plug_asgd.protocol.wire import Local, Message, Tensor, WireError, decode, encode, message_bytes
 from plug_asgd.ps import limits as bounds
 from plug_asgd.ps.changes import parse_have
-from plug_asgd.ps.collectives import Collectives
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.fast_store import FastStore
+from plug_asgd.ps.gathers import Gathers
 from plug_asgd.ps.membership import Membership
 from plug_asgd.ps.persistence import Persistence
 from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.stats import Stats
 from plug_asgd.ps.store import FOLDED, MAX_SCALED_FOR, NOT_CURRENT, PushIn
-from plug_asgd.security import load_server_keys
-from plug_asgd.wire import Local, Message, Tensor, WireError, decode, encode, message_bytes
 
 log = logging.getLogger("plug_asgd.ps")
 
@@ -90,7 +90,7 @@ class ParameterServer:
         self.limits = config.limits()
         self.stats = Stats()
         self.members = Membership(config.worker_timeout, self.stats, config.expected_workers)
-        self.collectives = Collectives(self.members, self.stats, self._send, self._error)
+        self.collectives = Gathers(self.members, self.stats, self._send, self._error)
         self.store = FastStore(config, self.stats)
         self.shard = ShardGuard(config.shard)  # the partition its workers agree on, when it is one of several
         self.persistence = Persistence(config, self.store, self.members, self.stats, shard=self.shard)
@@ -342,7 +342,7 @@ class ParameterServer:
         })
 
     def _on_attach(self, identity: bytes, rid: Any, msg: Message) -> None:
-        """A worker on this machine offers its push segment (see :mod:`plug_asgd.push_memory`)."""
+        """A worker on this machine offers its push segment (see :mod:`plug_asgd.protocol.push_memory`)."""
         session = msg.str_field("session")
         worker = self.members.by_identity.get(identity)
         if worker is None or worker.session != session:

@@ -1,4 +1,4 @@
-"""What a PS checks of a worker's partition (:mod:`plug_asgd.ps.partition`) in its hello and init.
+"""What a PS checks of a worker's partition (:mod:`plug_asgd.protocol.partition`) in its hello and init.
 
 A shard started with ``--shard I/N`` takes only workers that spread the model over N shards and take
 it for shard I; the first worker to name a partition digest fixes it (as the first hello fixes the
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from plug_asgd.checkpoint import CheckpointError
-from plug_asgd.ps.partition import parse_shard
-from plug_asgd.wire import WireError
+from plug_asgd.protocol.checkpoint import CheckpointError
+from plug_asgd.protocol.partition import parse_shard
+from plug_asgd.protocol.wire import WireError
 
 CODE = "partition_mismatch"
 

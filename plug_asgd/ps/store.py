@@ -19,14 +19,14 @@ import numpy as np
 from plug_asgd.compressors import decode as decode_update
 from plug_asgd.modes import CentralState, FoldRule, Push, Resolution, all_finite
 from plug_asgd.modes import get as get_mode
+from plug_asgd.modes.slices import SlicePool
+from plug_asgd.protocol.push_memory import AttachedSegments
+from plug_asgd.protocol.push_memory import available as shm_available
+from plug_asgd.protocol.wire import FLOAT_DTYPES, Local, Sparse, Tensor, WireError, encode
 from plug_asgd.ps.changes import ChangeLog
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.downlink import Downlink
 from plug_asgd.ps.stats import Stats
-from plug_asgd.push_memory import AttachedSegments
-from plug_asgd.push_memory import available as shm_available
-from plug_asgd.slices import SlicePool
-from plug_asgd.wire import FLOAT_DTYPES, Local, Sparse, Tensor, WireError, encode
 
 NOT_CURRENT = "not_current"  # weights based on an older model: nothing folded (see PSClient.push)
 STOPPED = "stopped"  # the PS reached max_updates: nothing folded
@@ -146,7 +146,7 @@ class Store(ABC):
         self.changes.reset(snap.version)
 
     def attach(self, session: str, pid: object, fd: object, token: object) -> int:
-        """Map ``session``'s push segment (see :mod:`plug_asgd.push_memory`); its size."""
+        """Map ``session``'s push segment (see :mod:`plug_asgd.protocol.push_memory`); its size."""
         if self.segments is None:
             raise WireError("bad_local", "this parameter server takes pushes over its socket only (it was started "
                                          "with --no-shm-pushes, or this system cannot share sealed memory)")

@@ -17,9 +17,9 @@ from plug_asgd import compressors, modes
 from plug_asgd.callbacks import CommunicationMonitor, PSCheckpoint, Supervisor
 from plug_asgd.compressors import COMPRESSORS, SPARSE_VALUES, Codec
 from plug_asgd.modes import MODES, Mode
-from plug_asgd.per_node import PER_NODE
 from plug_asgd.ps.config import ps_argument
 from plug_asgd.recipes.idx import DatasetNotFoundError
+from plug_asgd.sharding.per_node import PER_NODE
 from plug_asgd.strategy import AsyncPSStrategy
 
 

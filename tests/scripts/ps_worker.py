@@ -20,7 +20,7 @@ _package = types.ModuleType("plug_asgd")
 _package.__path__ = [str(Path(__file__).resolve().parents[2] / "plug_asgd")]
 sys.modules.setdefault("plug_asgd", _package)
 
-from plug_asgd.client import PSClient  # noqa: E402
+from plug_asgd.worker.client import PSClient  # noqa: E402
 
 SHAPE = (4,)
 

@@ -19,7 +19,7 @@ import torch
 from bn_sched import BNNet, loader
 
 from plug_asgd import AsyncPSStrategy, PSCheckpoint, compressors, modes
-from plug_asgd.sharding import connect
+from plug_asgd.sharding.config import connect
 from plug_asgd.strategy import synced_tensors
 
 # fit name: (mode, compressor, the strategy's other arguments); every fit at the same step size (--lr)

@@ -19,8 +19,8 @@ _package = types.ModuleType("plug_asgd")
 _package.__path__ = [str(Path(__file__).resolve().parents[2] / "plug_asgd")]
 sys.modules.setdefault("plug_asgd", _package)
 
-from plug_asgd.ps.partition import Partition  # noqa: E402
-from plug_asgd.sharded_client import ShardedClient  # noqa: E402
+from plug_asgd.protocol.partition import Partition  # noqa: E402
+from plug_asgd.sharding.client import ShardedClient  # noqa: E402
 
 # "w" is cut over both shards (more than a quarter of a shard's share), "b" stays whole
 SHAPES = {"w": (64,), "b": (8,)}

@@ -1,0 +1,87 @@
+"""Per worker, what it computed and what it sent, recorded while training runs."""
+
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from plug_asgd.callbacks.common import require_strategy, run_dir
+from plug_asgd.lightning_bridge.namespaces import LightningBound
+
+if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); pytorch_lightning's names them here
+    import pytorch_lightning as pl
+
+
+class CommunicationMonitor(LightningBound):
+    """Per worker: local steps, mean training loss, bytes up and down, compute vs communication time,
+    and the staleness of its pushes, every ``every_n_steps`` local steps and at the end of training.
+
+    Each worker appends its records to ``dirpath/worker{rank}.jsonl`` (default: ``comm/`` in the
+    trainer's log dir), since workers do not wait for each other to merge them; rank 0 also logs
+    its own to the trainer's loggers as ``comm/...``. Counts run from the start of training;
+    bytes are counted on the wire; ``comm_s`` is time spent waiting for the PS's replies.
+    """
+
+    def __init__(self, every_n_steps: int = 50, dirpath: str | os.PathLike[str] | None = None) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.dirpath = dirpath
+        self.records: list[dict[str, Any]] = []
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._strategy = require_strategy(trainer, "CommunicationMonitor")
+        self._file = run_dir(trainer, self.dirpath, "comm") / f"worker{trainer.global_rank}.jsonl"
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._file.parent.mkdir(parents=True, exist_ok=True)
+        self._baseline = self._strategy.comm_stats()  # counters since the client connected, setup included
+        self._start = time.monotonic()
+        self._losses: list[float] = []
+        self._steps = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, Tensor):
+            self._losses.append(float(loss.detach()))
+        self._steps += 1
+        if self._steps % self.every_n_steps == 0:
+            self._record(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._steps % self.every_n_steps:
+            self._record(trainer)
+
+    def _record(self, trainer: pl.Trainer) -> None:
+        stats = self._strategy.comm_stats()
+        since = {k: stats.get(k, 0) - self._baseline.get(k, 0)
+                 for k in ("wait_seconds", "bytes_up", "bytes_down", "push_bytes_up", "push_local_bytes_up", "pushes",
+                           "own_replies", "local_steps")}
+        wall = time.monotonic() - self._start
+        comm = since["wait_seconds"]
+        record = {
+            "rank": trainer.global_rank, "local_steps": since["local_steps"],
+            "train_loss_mean": sum(self._losses) / len(self._losses) if self._losses else None,
+            "bytes_up": since["bytes_up"], "bytes_down": since["bytes_down"],
+            "push_bytes_up": since["push_bytes_up"], "push_local_bytes_up": since["push_local_bytes_up"],
+            "pushes": since["pushes"], "own_replies": since["own_replies"],
+            "wall_s": round(wall, 3), "comm_s": round(comm, 3), "compute_s": round(max(0.0, wall - comm), 3),
+            "staleness_mean": stats.get("staleness_mean", 0.0), "staleness_max": stats.get("staleness_max", 0),
+            "version": stats.get("version", 0), "time": round(time.time(), 3),
+        }
+        self._losses = []
+        self.records.append(record)
+        with open(self._file, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if trainer.is_global_zero:
+            metrics = {f"comm/{k}": float(v) for k, v in record.items()
+                       if k not in ("rank", "time") and v is not None}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)

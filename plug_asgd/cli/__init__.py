@@ -1,0 +1,2 @@
+"""The ``plug-asgd`` command (``plug_asgd.cli.app``): serving the PS, its live status (``status``,
+``shard_status``, ``dashboard``), the plots of a run's metrics (``plot``), and the recipes."""

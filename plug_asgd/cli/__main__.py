@@ -1,0 +1,3 @@
+from plug_asgd.cli.app import app
+
+app()

@@ -1,0 +1,69 @@
+"""What Lightning asks of a parallel strategy (devices, ranks, launcher, sampler), answered as its DDP strategy does.
+
+Written once for both Lightning namespaces, as :class:`~plug_asgd.strategy.AsyncPSStrategy` is: it
+imports neither; the namespace's launchers and torchrun environment are class attributes that
+``plug_asgd.pytorch_lightning`` and ``plug_asgd.lightning`` set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_only
+
+from plug_asgd.lightning_bridge.namespaces import LightningBound
+
+
+class DDPPlumbing(LightningBound):
+    """A ``ParallelStrategy``'s plumbing as DDP's: one process per device, ranks from the cluster environment."""
+
+    # the namespace's launchers and torchrun environment, set by plug_asgd.pytorch_lightning / plug_asgd.lightning
+    script_launcher: Any
+    process_launcher: Any
+    elastic_environment: Any
+    # set by the strategy's __init__; parallel_devices, cluster_environment and the ranks are Lightning's
+    _start_method: str
+    _num_nodes: int
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = self.script_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = self.process_launcher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)

@@ -1,0 +1,185 @@
+"""The embedded parameter server: the PS that global rank 0 of an ``AsyncPSStrategy`` starts in a process of its own.
+
+Its :class:`~plug_asgd.ps.PSConfig` is made from the strategy's arguments and the trainer's
+callbacks (:class:`ConfiguresPS`); :class:`EmbeddedPS` starts it, watches it and stops it.
+Imports neither Lightning namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from plug_asgd.protocol.security import check_bind
+from plug_asgd.ps import PSConfig, embedded_command
+from plug_asgd.sharding.client import ShardedClient
+from plug_asgd.sharding.config import shard_folder
+from plug_asgd.worker.client import DEFAULT_HEARTBEAT_S, PSClient, PSError, PSUnreachableError
+
+
+@runtime_checkable
+class ConfiguresPS(Protocol):
+    """A callback that sets options of the embedded PS (``PSCheckpoint``: its checkpoint policy)."""
+
+    def ps_options(self) -> dict[str, Any]: ...
+
+
+def configurer(trainer: Any) -> ConfiguresPS | None:
+    """The first of ``trainer``'s callbacks that sets options of the embedded PS; None if none does."""
+    found = [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, ConfiguresPS)]
+    return found[0] if found else None
+
+
+def check_arguments(*, max_updates: int | None, heartbeat_s: float | str | None, worker_timeout: float,
+                    ps_address: str | Sequence[str] | None, ps_threads: int, **ps_options: Any) -> float | None:
+    """Refuses the strategy's PS arguments that are out of range; returns ``heartbeat_s`` with ``"auto"`` resolved.
+
+    ``ps_options``: fields of :class:`PSConfig` by name (``downlink_fraction=...``), checked as the PS checks them."""
+    for name, value in ps_options.items():
+        PSConfig.check(name, value)
+    if max_updates is not None and max_updates < 1:
+        raise ValueError(f"max_updates must be >= 1, got {max_updates}")
+    if heartbeat_s == "auto":
+        heartbeat_s = min(DEFAULT_HEARTBEAT_S, worker_timeout / 4)
+    if heartbeat_s is not None and not 0 < heartbeat_s <= worker_timeout / 2:  # type: ignore[operator]
+        raise ValueError(f"heartbeat_s must be in (0, worker_timeout / 2 = {worker_timeout / 2:g}] so that one "
+                         f"late beat does not make a live worker lost, got {heartbeat_s}")
+    for address in [ps_address] if isinstance(ps_address, str) else ps_address or []:
+        if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"ps_address must look like tcp://host:port (or be a list of such, one per shard), "
+                             f"got {address!r}")
+    if not 1 <= ps_threads <= 256:
+        raise ValueError(f"ps_threads must be between 1 and 256, got {ps_threads}")
+    return heartbeat_s  # type: ignore[return-value]
+
+
+def endpoint(ps_address: str | None, ps_port: int | None, env: Any, elastic: bool) -> tuple[str, str | None]:
+    """The address workers connect to, and the one rank 0 binds (None: an external PS at ``ps_address``).
+
+    Without torch.distributed the cluster's main port is free for the PS (Lightning chose it free),
+    except under torchrun (``elastic``), whose agent serves its store there: the PS takes the next one."""
+    if ps_address is not None:
+        return ps_address, None
+    assert env is not None
+    host = env.main_address
+    port = ps_port or env.main_port + (1 if elastic else 0)
+    return f"tcp://{host}:{port}", f"tcp://{socket.gethostbyname(host)}:{port}"
+
+
+def endpoints(ps_address: str | Sequence[str] | None, ps_port: int | None, shards: int, env: Any,
+              elastic: bool) -> tuple[list[str], list[str] | None]:
+    """:func:`endpoint` for each shard: the listed addresses (external shards), or ``shards`` embedded ones on
+    consecutive ports from the first's."""
+    if ps_address is not None:
+        return ([ps_address] if isinstance(ps_address, str) else list(ps_address)), None
+    first, bind = endpoint(None, ps_port, env, elastic)
+    assert bind is not None
+    head, _, port = first.rpartition(":")
+    bind_head = bind.rpartition(":")[0]
+    ports = [int(port) + i for i in range(shards)]
+    return [f"{head}:{p}" for p in ports], [f"{bind_head}:{p}" for p in ports]
+
+
+def check_placement(address: str, bind: str | None, *, embedded_options: bool, keys: Any, insecure: bool) -> None:
+    """Refuses options of the embedded PS (``embedded_options`` true) for an external one (``bind`` None), and
+    an embedded PS listening beyond loopback without keys; every rank refuses alike, none waits for a PS."""
+    if bind is None and embedded_options:
+        raise ValueError(f"the PS at {address} is external: PSCheckpoint and resume_from configure the "
+                         "embedded PS only; give the external one `plug-asgd serve-ps --checkpoint-dir DIR` "
+                         "or `--resume DIR` instead")
+    if bind is not None:
+        check_bind(bind, keys is not None, insecure)
+
+
+def check_placements(addresses: Sequence[str], binds: Sequence[str] | None, *, embedded_options: bool, keys: Any,
+                     insecure: bool) -> None:
+    """:func:`check_placement` for each shard."""
+    for address, bind in zip(addresses, binds or [None] * len(addresses), strict=True):
+        check_placement(address, bind, embedded_options=embedded_options, keys=keys, insecure=insecure)
+
+
+def ps_config(arguments: Any, bind: str, trainer: Any, shard: str | None = None) -> PSConfig:
+    """The embedded PS's config: the strategy's PS ``arguments`` (its :class:`~plug_asgd.connection.PSConnection`),
+    the options of ``trainer``'s :class:`ConfiguresPS` (``shard``: ``"I/N"``, one of several embedded shards, whose
+    checkpoints, resume and metrics are those of a lone PS in a folder ``shard-I`` of the same place:
+    :func:`~plug_asgd.sharding.config.shard_folder`)."""
+    checkpoint = configurer(trainer)
+    run_dir = arguments.ps_run_dir
+    if run_dir is None and trainer is not None and trainer.loggers and trainer.log_dir is not None:
+        run_dir = os.path.join(trainer.log_dir, "ps")
+    options = checkpoint.ps_options() if checkpoint is not None else {}
+    if options.get("checkpoint_dir") is not None:
+        options["checkpoint_dir"] = shard_folder(options["checkpoint_dir"], shard)
+    return PSConfig(bind=bind, mode=arguments.mode.name, parent_pid=os.getpid(), run=arguments.run,
+                    max_updates=arguments.max_updates,
+                    **arguments.mode.server_options(),
+                    resume=shard_folder(arguments.resume_from, shard), worker_timeout=arguments.worker_timeout,
+                    run_dir=shard_folder(run_dir, shard), keys=arguments.ps_keys, insecure=arguments.ps_insecure,
+                    threads=arguments.ps_threads, **arguments.downlink, shard=shard, **options)
+
+
+# the variables that set the thread count of the BLAS libraries numpy may use (OpenBLAS, MKL, OpenMP's)
+BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+class EmbeddedPS:
+    """The embedded PS's processes (one, or one per shard): started from configs, watched while workers wait,
+    stopped at exit."""
+
+    def __init__(self) -> None:
+        self.processes: list[subprocess.Popen] = []
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """The (first shard's) process; None before it is started."""
+        return self.processes[0] if self.processes else None
+
+    def start(self, *configs: PSConfig) -> None:
+        """Starts a PS for each config in a fresh interpreter (:func:`~plug_asgd.ps.embedded_command`).
+
+        Its numpy computes on one thread unless the environment says otherwise: the PS's threads are its own
+        (``ps_threads``), and the idle threads of a BLAS library spin, on the cores the workers train on."""
+        env = {**{name: "1" for name in BLAS_THREADS}, **os.environ}
+        self.processes = [subprocess.Popen(embedded_command(c), stdin=subprocess.DEVNULL, env=env) for c in configs]
+
+    @property
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.processes)
+
+    def gone(self) -> str | None:
+        """Why a worker must stop waiting for them: one exited; None while they run (or were never started)."""
+        for i, process in enumerate(self.processes):
+            if process.poll() is not None:
+                which = f" (shard {i})" if len(self.processes) > 1 else ""
+                return (f"the embedded parameter server{which} exited with code {process.returncode} before "
+                        "answering (its message is above); if the port is taken, pass ps_port=")
+        return None
+
+    def wait_for_workers(self, client: PSClient | ShardedClient, seconds: float) -> None:
+        """While it runs, waits up to ``seconds`` for every worker to have left it (asked through ``client``)."""
+        if not self.running:
+            return
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                if not client.stats(timeout=2.0)["workers"]:
+                    break
+            except (PSError, PSUnreachableError):
+                break
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """Terminates them (killed if one takes over 10 s) and forgets them; nothing if none was started."""
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes = []

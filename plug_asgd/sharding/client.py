@@ -1,0 +1,239 @@
+"""ShardedClient: one worker's connection to a sharded PS, one :class:`PSClient` per shard, all asked at once.
+
+It speaks to the exchange as a :class:`PSClient` does. Each push is cut by the partition
+(:mod:`plug_asgd.protocol.partition`) and sent to every shard at once: shard 0's request from the calling
+thread, the others' from a thread each, so the replies are awaited together and a push costs the
+slowest shard's round trip, not their sum. A model reply is assembled from every shard's pieces.
+
+Versions are per shard. A reply's ``version`` is a :class:`ShardVersions`: an int (the newest
+shard's version, for the exchange's staleness arithmetic) that carries each shard's version, and the
+push based on it sends each shard its own base version, so every shard's rule (adacomp's
+per-coordinate staleness, dynsgd's scale) sees the base that worker really had there.
+
+A push is done once every shard has answered it. Where a shard holds its reply (a synchronous round
+not complete yet, an ssp worker too far ahead), the worker waits for it as it would for one PS; each
+shard runs its own rounds. Where the shards answered differently (a sync push that one shard took into
+its round and another dropped as late: with ``replicas_to_aggregate`` below the training workers,
+each shard averages the first pushes it received), the reply says ``partly_applied``.
+
+Per shard, as on one PS: delta replies (each client's :class:`~plug_asgd.worker.client.HeldModel`),
+approximate replies (``downlink_fraction``: each shard keeps its own copy of what the worker holds),
+heartbeats, duplicate detection. Not sharded yet: pushes of weights (a shard could take them while
+another refuses, and the update sent next would fold twice where they were taken) and shared-memory
+pushes; a sharded worker pushes updates over the sockets. Collectives, notices and stats go to shard 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal, TypeVar
+
+from plug_asgd.compressors import slice_packed
+from plug_asgd.protocol.partition import Partition
+from plug_asgd.protocol.wire import Tensor
+from plug_asgd.worker.client import CommCounters, ModelReply, PSClient
+from plug_asgd.worker.notices import Notices
+
+T = TypeVar("T")
+
+# the PS's counters that add up over shards (what crossed every shard's socket)
+_TRAFFIC = ("bytes_in", "bytes_out", "push_bytes_in", "push_local_bytes_in", "model_bytes_out", "messages_in",
+            "push_messages")
+# the worker's counters that add up over its shard clients (bytes, requests); pushes are counted once per push
+_SUMMED = ("bytes_up", "bytes_down", "push_bytes_up", "push_local_bytes_up", "requests", "delta_replies")
+# a push some shards folded in and others dropped (see the module's docstring)
+PARTLY_APPLIED = "partly_applied"
+
+
+def combined_status(statuses: Sequence[str]) -> str:
+    """The status of a push from each shard's: theirs where they agree; ``partly_applied`` where some applied it
+    and the others dropped it; else the first that is not "applied" (stopped, duplicate)."""
+    if all(s == statuses[0] for s in statuses):
+        return statuses[0]
+    if set(statuses) == {"applied", "dropped"}:
+        return PARTLY_APPLIED
+    return next(s for s in statuses if s != "applied")
+
+
+class ShardVersions(int):
+    """The version of a model held by several shards: the newest shard's, with each shard's in ``per_shard``."""
+
+    per_shard: tuple[int, ...]
+
+    def __new__(cls, versions: Sequence[int]) -> ShardVersions:
+        obj = super().__new__(cls, max(versions))
+        obj.per_shard = tuple(int(v) for v in versions)
+        return obj
+
+    def __repr__(self) -> str:
+        return f"ShardVersions({list(self.per_shard)})"
+
+
+class ShardedClient:
+    """Requests to every shard of a sharded PS, made together; what the exchange and the strategy ask of a PSClient."""
+
+    takes_weights = False  # see the module's docstring: a push of weights is not made sharded
+
+    def __init__(self, addresses: Sequence[str], partition: Partition, **client_options: Any) -> None:
+        """``addresses``: the shards', in the order of their ``--shard``; ``client_options``: each PSClient's."""
+        if len(addresses) != partition.shards:
+            raise ValueError(f"{len(addresses)} shard addresses for a partition over {partition.shards} shards")
+        self.partition = partition
+        self.clients = [PSClient(a, **client_options) for a in addresses]
+        for index, client in enumerate(self.clients):
+            client.partition = {**partition.describe(), "shard": index}
+        self._pool = ThreadPoolExecutor(len(addresses) - 1, thread_name_prefix="plug_asgd-shard")
+        self._last: ShardVersions | None = None
+        self.pushes = self.own_replies = self.partly_applied = 0
+
+    # -- what a PSClient offers ------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.clients[0].rank
+
+    @property
+    def shares_memory(self) -> bool:
+        return False
+
+    def push_buffers(self, shapes: Mapping[str, Any]) -> None:
+        """None: a sharded worker pushes over the sockets (see the module's docstring)."""
+        return None
+
+    @property
+    def counters(self) -> CommCounters:
+        """Bytes and requests over every shard; pushes and "own" replies counted once per push of the worker."""
+        total = CommCounters()
+        for client in self.clients:
+            for name in _SUMMED:
+                setattr(total, name, getattr(total, name) + getattr(client.counters, name))
+        total.pushes, total.own_replies, total.partly_applied = self.pushes, self.own_replies, self.partly_applied
+        total.wait_seconds = max(c.counters.wait_seconds for c in self.clients)
+        total.weights_not_current = 0
+        return total
+
+    @property
+    def reconnections(self) -> int:
+        return sum(c.reconnections for c in self.clients)
+
+    def hello(self, stage: int, training: bool, *, timeout: float | None = None,
+              alive: Callable[[], str | None] | None = None) -> dict[str, Any]:
+        """Join every shard; shard 0's welcome, ``initialized`` only once every shard holds its pieces."""
+        welcomes = self._each(lambda c, _: c.hello(stage, training, timeout=timeout, alive=alive))
+        return {**welcomes[0], "initialized": all(w.get("initialized") for w in welcomes)}
+
+    def init(self, tensors: Mapping[str, Any]) -> bool:
+        """Offer each shard its pieces; True if every shard took them (another worker may have come first on some)."""
+        parts = self.partition.split(tensors, slice_packed)
+        return all(self._each(lambda c, i: c.init(parts[i])))
+
+    def pull(self) -> ModelReply:
+        return self._combine(self._each(lambda c, _: c.pull()))
+
+    def pull_once_initialized(self, within: float) -> ModelReply | None:
+        replies = self._each(lambda c, _: c.pull_once_initialized(within))
+        return None if any(r is None for r in replies) else self._combine(replies)  # type: ignore[arg-type]
+
+    def push(self, base_version: int, update: Mapping[str, Tensor],
+             want_model: bool | Literal["unless_own"] = True,
+             while_waiting: Callable[[], None] | None = None, weights: bool = False,
+             lend: bool = False, scaled_for: float | None = None) -> ModelReply:
+        """The push of ``PSClient.push``, each shard sent its pieces and its own base version, all at once
+        (``scaled_for`` to each: each shard corrects its pieces by the staleness they land with there).
+
+        An "own" reply only when every shard answered "own". Where only some did (another worker's push reached
+        the others first), the model comes back whole: those shards' pieces are pulled."""
+        if weights or lend:
+            raise ValueError("a sharded PS takes no pushes of weights (ShardedClient.takes_weights)")
+        bases = self._bases(base_version)
+        parts = self.partition.split(update, slice_packed)
+        if not all(parts):  # a shard's version counts its pushes: each must get one
+            raise ValueError("a sharded push carries a piece for every shard: push the update of every tensor")
+        replies = self._each(lambda c, i: c.push(bases[i], parts[i], want_model,
+                                                 while_waiting=while_waiting if i == 0 else None,
+                                                 scaled_for=scaled_for))
+        self.pushes += 1
+        status = combined_status([r.status for r in replies])  # the push's, whatever the pulls below answer
+        self.partly_applied += status == PARTLY_APPLIED
+        if all(r.own for r in replies):
+            self.own_replies += 1
+            return self._combine(replies, status, own=True)
+        partly_own = any(r.own for r in replies)
+        if partly_own:
+            pulled = self._each(lambda c, i: c.pull() if replies[i].own else None)
+            replies = [p if p is not None else r for p, r in zip(pulled, replies, strict=True)]
+        return self._combine(replies, status, tensors=partly_own or want_model is not False)
+
+    def gather(self, *args: Any, **kwargs: Any) -> list[tuple[int, Any, dict[str, Any]]]:
+        """A collective: through shard 0 only."""
+        return self.clients[0].gather(*args, **kwargs)
+
+    def notices(self) -> Notices:
+        """The broadcasts inside the training loop: through shard 0 only."""
+        return self.clients[0].notices()
+
+    def stats(self, timeout: float | None = None) -> dict[str, Any]:
+        """Shard 0's counters (version, workers, pushes...) but the traffic, summed over shards; every shard's
+        own under ``shards``."""
+        each = self._each(lambda c, _: c.stats(timeout=timeout))
+        summed = {k: sum(s.get(k) or 0 for s in each) for k in _TRAFFIC}
+        return {**each[0], **summed, "shards": each}
+
+    def bye(self, stage: int, timeout: float = 5.0) -> None:
+        self._each(lambda c, _: c.bye(stage, timeout=timeout))
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        self._pool.shutdown(wait=True)
+
+    # -- the parts ----------------------------------------------------------------------------------
+
+    def _each(self, request: Callable[[PSClient, int], T]) -> list[T]:
+        """``request(client, index)`` on every shard at once: shard 0's in this thread, the others' in the pool.
+
+        Every one is waited for before any error is raised: no socket may be left in use by a pool thread."""
+
+        def call(i: int) -> T:
+            return request(self.clients[i], i)
+
+        try:
+            futures = [self._pool.submit(call, i) for i in range(1, len(self.clients))]
+        except RuntimeError:  # the interpreter is exiting (the pool takes no more work): one shard after another
+            return [call(i) for i in range(len(self.clients))]
+        results: list[Any] = []
+        error: BaseException | None = None
+        try:
+            results.append(call(0))
+        except BaseException as exc:
+            error = exc
+        for future in futures:
+            try:
+                results.append(future.result())
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
+
+    def _bases(self, base_version: int) -> tuple[int, ...]:
+        """Each shard's base version of a push based on ``base_version`` (a reply's version)."""
+        if isinstance(base_version, ShardVersions):
+            return base_version.per_shard
+        if self._last is not None and base_version == self._last:
+            return self._last.per_shard
+        raise ValueError(f"base version {base_version!r} is not one this sharded client handed out: base a push on "
+                         "the version of a reply of this client")
+
+    def _combine(self, replies: Sequence[ModelReply], status: str | None = None, *, own: bool = False,
+                 tensors: bool = True) -> ModelReply:
+        """One reply from every shard's: versions kept per shard; the status given, or :func:`combined_status`."""
+        version = ShardVersions([r.version for r in replies])
+        self._last = version
+        if status is None:
+            status = combined_status([r.status for r in replies])
+        model = self.partition.assemble([r.tensors for r in replies]) if tensors and not own else {}
+        return ModelReply(version=version, status=status, stop=any(r.stop for r in replies), tensors=model,
+                          own=own, approx=any(r.approx for r in replies))
+

@@ -1,0 +1,427 @@
+"""PSClient: one worker's connection to the parameter server, and the protocol it speaks.
+
+Requests travel through :class:`~plug_asgd.worker.transport.Transport` (timeouts, reconnection,
+heartbeats, byte counters). Pushes carry a sequence number, so one that the PS had already
+applied before a reconnection is refused as a duplicate and never counted twice.
+
+On the PS's machine the client can push through shared memory (:meth:`PSClient.push_buffers`,
+:mod:`plug_asgd.protocol.push_memory`); should the PS lose the segment (a restart), the push is sent again
+as bytes, and so are all later ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import zmq
+
+from plug_asgd.protocol import push_memory
+from plug_asgd.protocol.wire import DEFAULT_LIMITS, Limits, Message, Sparse, Tensor
+from plug_asgd.worker.notices import Notices
+from plug_asgd.worker.transport import DEFAULT_HEARTBEAT_S, CommCounters, PSError, PSUnreachableError, Transport
+
+__all__ = ["DEFAULT_HEARTBEAT_S", "Changes", "CommCounters", "HeldModel", "ModelReply", "PSClient", "PSError",
+           "PSUnreachableError"]
+
+log = logging.getLogger("plug_asgd.worker.client")
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What a delta reply changed of the model its client held (version ``since``): per tensor, the ascending flat
+    indices of the coordinates it set, or None where the tensor came whole; a tensor not named did not change.
+    A worker that keeps its own arrays beside the central ones updates them at these coordinates only."""
+
+    since: int
+    indices: dict[str, np.ndarray | None]
+
+
+@dataclass
+class ModelReply:
+    """The PS's answer to a pull or a push: central version and tensors, and whether to stop."""
+
+    version: int
+    status: str
+    stop: bool
+    tensors: dict[str, np.ndarray]
+    own: bool = False  # no tensors: the central model is exactly the worker's base plus its update (or its weights)
+    approx: bool = False  # near the central model, not it: the PS sent only the largest differences (downlink)
+    changed: Changes | None = None  # a delta reply's changes; None: the whole model came, or none
+
+
+class PSClient(Transport):
+    """Requests to one parameter server, with timeouts that end in a clear error, never a hang."""
+
+    takes_weights = True  # a push may carry the worker's weights (push(weights=True)); a sharded PS's may not
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        rank: int,
+        world_size: int,
+        mode: str,
+        request_timeout: float = 600.0,
+        lost_timeout: float = 60.0,
+        heartbeat_s: float | None = DEFAULT_HEARTBEAT_S,
+        limits: Limits = DEFAULT_LIMITS,
+        context: zmq.Context | None = None,
+        keys: str | os.PathLike[str] | None = None,
+        delta_replies: bool = True,
+        run: int | None = None,
+    ) -> None:
+        """``keys``: the worker's CURVE keys (``DIR/worker`` or ``DIR`` of ``plug-asgd keygen``), for a keyed PS.
+
+        ``delta_replies``: keep the last central model received, and ask the PS for only what changed since
+        (see :class:`HeldModel`); off, every model reply carries the whole model. ``run``: sent in hello, so that an
+        embedded PS of another run on the same port (a previous Trainer's, not yet stopped) refuses this worker
+        instead of training it; hello asks again until the run's own PS answers."""
+        super().__init__(address, rank=rank, request_timeout=request_timeout, lost_timeout=lost_timeout,
+                         heartbeat_s=heartbeat_s, limits=limits, context=context, keys=keys)
+        self.world_size = world_size
+        self.mode = mode
+        self._seq = itertools.count(1)
+        self.shm_offered = False  # the PS takes pushes through shared memory (its hello reply says)
+        self._segment: push_memory.PushSegment | None = None
+        self._notices: Notices | None = None
+        self.held = HeldModel() if delta_replies else None
+        # on one shard of a sharded PS: {shards, shard, digest} of the worker's partition, in hello and init
+        self.partition: dict[str, Any] | None = None
+        self.run = run
+
+    def close(self) -> None:
+        if not self._closed:
+            if self._notices is not None:
+                self._notices.close()
+            super().close()
+            if self._segment is not None:
+                self._segment.close()  # the buffers stay mapped while the worker holds them
+
+    def notices(self) -> Notices:
+        """This worker's broadcasts inside the training loop, answered without waiting
+        (:mod:`plug_asgd.worker.notices`)."""
+        if self._notices is None:
+            self._notices = Notices(self.side_socket(hwm=16), self.rank, self.session, self.token, self.limits)
+        self._notices.token = self.token  # the rank's proof, which a hello after a reconnection may have renewed
+        return self._notices
+
+    # -- protocol ------------------------------------------------------------------------------
+
+    def hello(self, stage: int, training: bool, *, timeout: float | None = None,
+              alive: Callable[[], str | None] | None = None) -> dict[str, Any]:
+        """Join (or rejoin) the run as this rank. The PS's token is kept and sent with every later hello
+        and heartbeat: it proves this is the worker that holds the rank. A rank still held by a live
+        worker (a restarted process whose predecessor is not yet declared lost), or a PS of another run
+        (``run_mismatch``), is asked again every half second until ``timeout``."""
+        fields = {"rank": self.rank, "world_size": self.world_size, "stage": stage, "training": training,
+                  "mode": self.mode, "session": self.session, "heartbeat_s": self.heartbeat_s}
+        if self.token is not None:
+            fields["token"] = self.token
+        if self.partition is not None:
+            fields["partition"] = self.partition
+        if self.run is not None:
+            fields["run"] = self.run
+        deadline = time.monotonic() + (self.request_timeout if timeout is None else timeout)
+        while True:
+            try:
+                reply = self.request("hello", fields, timeout=max(0.001, deadline - time.monotonic()), alive=alive)
+                break
+            except PSError as exc:
+                if exc.code not in ("rank_taken", "run_mismatch") or time.monotonic() + 0.5 > deadline:
+                    raise
+                log.info("rank %d: %s; asking again", self.rank, exc)
+                time.sleep(0.5)
+        token = reply.fields.get("token")
+        self.token = token if isinstance(token, str) else None
+        self._hello_fields = {**fields, "token": self.token} if self.token else fields
+        self._start_heartbeat()
+        limit = reply.fields.get("max_message_bytes")
+        self.max_message_bytes = limit if isinstance(limit, int) and limit > 0 else None
+        self.shm_offered = reply.fields.get("shm") is True
+        return reply.fields
+
+    def push_buffers(self, shapes: Mapping[str, tuple[tuple[int, ...], Any]]) -> dict[str, np.ndarray] | None:
+        """Buffers (name -> shape, dtype) that :meth:`push` hands the PS through shared memory, not the socket.
+
+        None where the PS cannot take them: it is on another machine, runs as another user, does
+        not offer it, or this system has no sealed shared memory (Linux's memfd). An update made in
+        these buffers must not change until its push has been answered; another array is sent as
+        bytes, as always.
+        """
+        if not (self.shm_offered and push_memory.available()):
+            return None
+        try:
+            segment = push_memory.PushSegment(shapes)
+        except OSError as exc:
+            log.info("pushing over the socket: cannot get shared memory for the updates (%s)", exc)
+            return None
+        if self.max_message_bytes is not None and segment.size > self.max_message_bytes:
+            segment.close()
+            return None
+        try:
+            self.request("attach", {"session": self.session, "pid": os.getpid(), "fd": segment.fd,
+                                    "token": segment.token})
+        except PSError as exc:
+            segment.close()
+            log.info("pushing over the socket: the parameter server cannot map this worker's memory (%s)", exc)
+            return None
+        self._segment = segment
+        return segment.buffers
+
+    @property
+    def shares_memory(self) -> bool:
+        """Whether the PS maps this client's :meth:`push_buffers` (until it loses them, in a restart)."""
+        return self._segment is not None
+
+    def init(self, tensors: Mapping[str, np.ndarray]) -> bool:
+        """Offer this worker's tensors as the initial central model; False if another came first.
+
+        Taken, they are the central model this client holds (copied): the next pull carries only what
+        changed since."""
+        fields = {"rank": self.rank, **({"partition": self.partition} if self.partition is not None else {})}
+        reply = self.request("init", fields, tensors)
+        accepted = bool(reply.fields.get("accepted"))
+        if accepted and self.held is not None:
+            self.held.keep(reply.fields.get("model_id"), int(reply.fields.get("version", 0)),
+                           {n: np.array(t, copy=True) for n, t in tensors.items()})
+        return accepted
+
+    def pull_once_initialized(self, within: float) -> ModelReply | None:
+        """The central model as soon as a worker has sent it, waiting at most ``within`` seconds; None after.
+
+        What a worker that need not initialise does first: its own model, sent while another's is on
+        its way, would be bytes the PS refuses (the model's size on every link at every start)."""
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                return self.pull()
+            except PSError as exc:
+                if exc.code != "not_initialized":
+                    raise
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def pull(self) -> ModelReply:
+        """The central model; as this rank once it said hello, else as a bystander (a Supervisor, a test)."""
+        fields = {"rank": self.rank} if self._hello_fields is not None else {}
+        return self._model(self.request("pull", self._with_have(fields)))
+
+    def push(self, base_version: int, update: Mapping[str, Tensor],
+             want_model: bool | Literal["unless_own"] = True,
+             while_waiting: Callable[[], None] | None = None, weights: bool = False,
+             lend: bool = False, scaled_for: float | None = None) -> ModelReply:
+        """Push an update; the reply carries the central model unless ``want_model`` is False.
+
+        ``"unless_own"``: no tensors either when the PS folded the update into a model that nothing
+        else had changed since ``base_version``, as ``base + decoded update`` (``reply.own``). The
+        worker then makes the central model itself, with the same decoding and float additions as
+        the PS (:meth:`HeldModel.add`): the same bits, without the model's bytes on the wire. The PS
+        decides, and answers with the model otherwise.
+
+        ``while_waiting`` runs once the push is sent, while the PS folds it (see :meth:`request`);
+        not again if the push has to be sent a second time.
+
+        ``weights``: ``update`` holds the worker's weights ``w``, not ``w - base``. If nothing else
+        changed the model since ``base_version`` (a lone worker), the PS takes them as its model:
+        ``base + (w - base)`` without the rounding of that sum, and without the two passes over
+        the model that computing it takes on each side. Otherwise it folds nothing and answers
+        ``status == "not_current"``: push ``w - base`` instead. Dense tensors of the central dtype,
+        in modes whose PS folds ``w += delta`` (asgd, dynsgd, ssp); other modes answer "not_current".
+
+        ``lend`` (with ``weights`` held in :meth:`push_buffers`): the PS may keep these very
+        buffers as its model, checked but not copied, until it has answered this client's next
+        push or pull. Do not write them before that answer: the next push of weights goes from
+        another set of buffers (the strategy keeps two and swaps them). The PS keeps them only if
+        it took them as its model, and copies them first if it must send or change the model
+        meanwhile.
+
+        ``scaled_for``: the update was scaled by ``1 / (1 + scaled_for)`` for that staleness (an
+        estimate); the PS multiplies it by ``(1 + scaled_for) / (1 + max(scaled_for, s))``, ``s``
+        the staleness it lands with: a push staler than its estimate is folded in scaled for its
+        own. Modes whose PS folds each push as it arrives (asgd, adacomp, downpour, dynsgd, ssp, ...; dynsgd's
+        PS then scales it no further); sync's rounds refuse it (``bad_field``).
+        """
+        if want_model not in (True, False, "unless_own"):
+            raise ValueError(f"want_model must be True, False or 'unless_own', got {want_model!r}")
+        fields = {"rank": self.rank, "base_version": base_version, "seq": next(self._seq),
+                  "session": self.session, "model": want_model}
+        if weights:
+            fields["weights"] = True
+        if lend:
+            fields["lend"] = True
+        if scaled_for is not None:
+            fields["scaled_for"] = float(scaled_for)
+        if want_model is not False:
+            fields = self._with_have(fields)
+        try:
+            return self._send_push(fields, update, while_waiting)
+        except PSError as exc:
+            if exc.code != "duplicate":
+                raise
+            # sent twice around a reconnection and applied the first time: take the model as it is now
+            reply = self.pull()
+            return ModelReply(reply.version, "duplicate", reply.stop, reply.tensors)
+
+    def _send_push(self, fields: dict[str, Any], update: Mapping[str, Tensor],
+                   while_waiting: Callable[[], None] | None) -> ModelReply:
+        """One push, its tensors in shared memory where they lie in the segment (over the socket if the PS lost it)."""
+        local = None
+        if self._segment is not None:
+            local = {n: o for n, t in update.items() if (o := self._segment.offset(t)) is not None} or None
+        try:
+            reply = self._model(self.request("push", fields, update, local=local, while_waiting=while_waiting))
+        except PSError as exc:
+            if exc.code != "bad_local" or not local:
+                raise
+            log.warning("the parameter server no longer maps this worker's memory (%s); pushing over the socket "
+                        "from now on", exc)
+            self._segment = local = None
+            reply = self._model(self.request("push", fields, update))
+        self.counters.own_replies += reply.own
+        if reply.status == "not_current":  # sent, but neither folded nor dropped: the PS read nothing
+            self.counters.pushes -= 1
+            self.counters.weights_not_current += 1
+            if local:
+                self.counters.push_local_bytes_up -= sum(np.asarray(update[n]).nbytes for n in local)
+        return reply
+
+    def gather(self, stage: int, seq: int, obj: Any = None, tensors: Mapping[str, np.ndarray] | None = None,
+               kind: str = "") -> list[tuple[int, Any, dict[str, np.ndarray]]]:
+        """Contribute to collective ``seq`` of ``stage``; returns every rank's (rank, obj, tensors).
+
+        ``kind`` ("barrier:NAME", "broadcast", ...) lets the PS refuse ranks that disagree on what
+        this collective is, instead of pairing one rank's broadcast with another's barrier.
+        """
+        fields = {"rank": self.rank, "stage": stage, "seq": seq, "obj": obj, "kind": kind}
+        reply = self.request("gather", fields, tensors)
+        out = []
+        for r, o in zip(reply.fields["ranks"], reply.fields["objs"], strict=True):
+            prefix = f"{r}/"
+            out.append((r, o, {k[len(prefix):]: v for k, v in reply.tensors.items() if k.startswith(prefix)}))
+        return out
+
+    def bye(self, stage: int, timeout: float = 5.0) -> None:
+        """Leave ``stage``: the PS no longer counts this connection as the rank's (a later pull is a bystander's,
+        and a reconnection says no hello) until :meth:`hello` again."""
+        self.request("bye", {"rank": self.rank, "stage": stage}, timeout=timeout)
+        self._hello_fields = None
+
+    def stats(self, timeout: float | None = None) -> dict[str, Any]:
+        return dict(self.request("stats", timeout=timeout).fields["stats"])
+
+    def _with_have(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """``fields`` with the model this client holds, if any: the PS may then send only what changed since."""
+        have = self.held.have if self.held is not None else None
+        if have is None:
+            return fields
+        return {**fields, "have" if self.held.exact else "held": list(have)}  # type: ignore[union-attr]
+
+    def _model(self, reply: Message) -> ModelReply:
+        version = int(reply.fields["version"])
+        tensors: dict[str, np.ndarray] = dict(reply.tensors)  # type: ignore[arg-type]
+        changed = None
+        if reply.fields.get("delta") is True:
+            if self.held is None:
+                raise PSError("bad_reply", "the parameter server sent part of the model to a client that keeps none")
+            changed = Changes(self.held.version, {n: t.indices if isinstance(t, Sparse) else None
+                                                  for n, t in tensors.items()})
+            tensors = self.held.patch(tensors, version, exact=reply.fields.get("approx") is not True)
+            self.counters.delta_replies += 1
+        elif tensors and self.held is not None:
+            self.held.keep(reply.fields.get("model_id"), version, tensors)
+        return ModelReply(version=version, status=str(reply.fields.get("status")),
+                          stop=bool(reply.fields.get("stop")), tensors=tensors, own=reply.fields.get("own") is True,
+                          approx=reply.fields.get("approx") is True, changed=changed)
+
+
+class HeldModel:
+    """The last central model a client received, which the PS may bring up to date with only what changed.
+
+    A worker that trains with a sparse codec (AdaComp, top-k, random-k) changes a few coordinates per
+    push; once the PS knows the worker holds version ``v`` of its model (``have``), it answers with the
+    current values of the coordinates changed since, or with the tensors that changed whole
+    (``plug_asgd.ps.changes``). The patched arrays are the central model of the reply's version, bit for
+    bit. An array a reply returned is never written afterwards (a change goes into a copy), so a caller
+    may keep it, as the staleness compensation keeps the last central model; nor is one :meth:`lend` gave
+    out, by a reply. The rest are written in place: a worker whose pushes are answered "own" (:meth:`add`)
+    copies nothing per push.
+    """
+
+    def __init__(self) -> None:
+        self.model_id: str | None = None
+        self.version = -1
+        self.tensors: dict[str, np.ndarray] = {}
+        self.exact = True  # the central model of ``version``, not a copy near it (approximate replies)
+        self._returned: set[str] = set()  # arrays a reply returned: never written again
+        self._lent: set[str] = set()  # arrays lend() gave out: written by add() only
+
+    @property
+    def have(self) -> tuple[str, int] | None:
+        return (self.model_id, self.version) if self.model_id is not None else None
+
+    def keep(self, model_id: Any, version: int, tensors: dict[str, np.ndarray]) -> None:
+        """A whole model arrived (the received arrays are kept as they are: no copy)."""
+        self.exact = True
+        self._returned, self._lent = set(tensors), set()
+        if isinstance(model_id, str) and model_id:
+            self.model_id, self.version, self.tensors = model_id, version, dict(tensors)
+        else:  # a PS that does not send deltas
+            self.model_id, self.version, self.tensors = None, -1, {}
+
+    def patch(self, delta: dict[str, Tensor], version: int, exact: bool = True) -> dict[str, np.ndarray]:
+        """Apply what changed (sparse: current values at the changed coordinates; dense: whole tensors); not
+        ``exact``: only the largest differences were sent. Returns the model as read-only views."""
+        for name, part in delta.items():
+            held = self.tensors.get(name)
+            if held is None or tuple(part.shape) != held.shape:
+                self.keep(None, -1, {})  # all or nothing: the next request asks for the whole model
+                raise PSError("bad_reply", f"the parameter server sent a change of tensor {name!r} of shape "
+                                           f"{tuple(part.shape)}, which this client does not hold")
+        for name, part in delta.items():
+            if isinstance(part, Sparse):
+                self._writable(name, self._returned | self._lent).reshape(-1)[part.indices] = part.values
+            else:
+                self.tensors[name] = np.asarray(part)
+        self.version, self.exact = version, exact
+        self._returned, self._lent = set(self.tensors), set()
+        out = {}
+        for name, array in self.tensors.items():
+            view = array.view()
+            view.flags.writeable = False
+            out[name] = view
+        return out
+
+    def lend(self) -> dict[str, np.ndarray]:
+        """The arrays as they are now, for a worker to read while its push is answered: a reply writes copies
+        from now on, so these stay the model of this version unless the worker itself :meth:`add` s to them."""
+        self._lent = set(self.tensors)
+        return dict(self.tensors)
+
+    def add(self, update: dict[str, np.ndarray | Sparse], version: int) -> None:
+        """The PS answered "own": its model is this one plus ``update``, decoded as it decoded it
+        (:func:`plug_asgd.compressors.decode`), added with the same float operations: the same bits. In place
+        (lent arrays too), but into copies of arrays a reply returned."""
+        for name, part in update.items():
+            held = self._writable(name, self._returned)
+            if isinstance(part, Sparse):
+                held.reshape(-1)[part.indices] += part.values
+            else:
+                np.add(held, part, out=held)
+        self.version = version
+
+    def _writable(self, name: str, kept: set[str]) -> np.ndarray:
+        """``name``'s array to write, copied first where it is among ``kept`` (or a read-only received frame)."""
+        array = self.tensors[name]
+        if name in kept or not array.flags.writeable:
+            array = self.tensors[name] = np.array(array, copy=True)
+            self._returned.discard(name)
+            self._lent.discard(name)
+        return array

@@ -1,0 +1,197 @@
+"""The held base: a worker's update is its weights less the central model its client holds (``w - c``).
+
+The push exchange keeps a base ``b`` of its own, the weights after the last merge, and pushes ``r + s * (w
+- b)`` (``r`` the codec's residual, ``s`` the staleness scale). Each push then walks the model several
+times: the difference, the residual's sum, the codec's reading of it, ``b = w`` and, after the reply, the
+weights and the base set again. Where the worker is alone with the central model (its pushes land on the
+version they were based on, ``s = 1``, no look-ahead), two things hold:
+
+- **the residual is implicit** (codecs whose residual stays in the model, ``RESIDUAL``): the weights are
+  the central model plus what was not sent plus the progress since, ``w = c + r + p``, so the update is
+  ``w - c`` itself, with nothing kept beside it;
+- **the base is the central model** (every other codec, ``CENTRAL``): ``w = c + p``, so the update is
+  ``r + (w - c)``, ``r`` the residual error feedback keeps outside the model (powersgd's), if any.
+
+The codec encodes ``w - c`` chunk by chunk (``Codec.encode_difference``) and the PS answers "own": the
+new central model is ``c`` plus what was sent, decoded as the PS decodes it, and the client makes it
+itself (:meth:`plug_asgd.worker.client.HeldModel.add`). With the residual implicit the weights are then right as
+they are, ``w - c_new`` being the new residual plus the progress: nothing is written but the sparse
+coordinates sent. A reply that another worker's push raced is merged as ``w += (c_new - c_old) -
+sent`` (``c_old``: the arrays the client lent, which its replies do not write), which keeps the invariant.
+
+The rule is that of the exchange's own base, computed in another order: the two agree up to the rounding
+of the residual's additions (``tests/test_held_base.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from plug_asgd.compressors import Compressor, decode
+from plug_asgd.protocol.wire import Sparse
+from plug_asgd.worker.client import HeldModel, ModelReply, PSClient
+from plug_asgd.worker.exchange.in_flight import InFlight
+
+_UNCHANGED = np.zeros(0, dtype=np.int64)
+RESIDUAL = "residual"  # w = c + r + p: the residual is w - c less the progress, kept nowhere else
+CENTRAL = "central"  # w = c + p: the base is the central model held
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _map(fn: Callable[[str], Any], names: list[str], threads: int) -> list[Any]:
+    """``fn`` of each name, in order, by up to ``threads`` threads (kept between calls)."""
+    global _pool
+    threads = min(threads, len(names))
+    if threads <= 1:
+        return [fn(n) for n in names]
+    if _pool is None or _pool._max_workers < threads:
+        _pool = ThreadPoolExecutor(threads, thread_name_prefix="plug_asgd-encode")
+    return list(_pool.map(fn, names))
+
+
+def host_arrays(tensors: Mapping[str, Tensor]) -> dict[str, np.ndarray] | None:
+    """The tensors' own memory as numpy arrays, where every one is a contiguous float32 CPU tensor; else None."""
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors.values()):
+        return None
+    return {name: t.detach().numpy() for name, t in tensors.items()}
+
+
+class HeldBase:
+    """Which held base the exchange pushes from (``kind``: ``RESIDUAL``, ``CENTRAL`` or None: its own base)."""
+
+    def __init__(self) -> None:
+        self.kind: str | None = None
+        self.pushes = 0  # pushed from the held base
+        self.raced = 0  # ... and answered with a model another push had changed
+
+    def enter(self, kind: str, weights: dict[str, np.ndarray], base: Mapping[str, Tensor],
+              central: Mapping[str, np.ndarray], residual: Callable[[str], np.ndarray | None], version: int) -> None:
+        """Push from the held base from now on: the weights are made ``c (+ r) + (w - b)``, the progress kept,
+        which is what the exchange's own base would push next (``c``: ``central``, the held model of
+        ``version``). Nothing to do where already there."""
+        if self.kind == kind:
+            return
+        for name, w in weights.items():
+            progress = np.subtract(w, base[name].detach().numpy(), out=w)
+            progress += central[name].reshape(w.shape)
+            r = residual(name) if kind == RESIDUAL else None
+            if r is not None:
+                progress += r.reshape(w.shape)
+        self.kind = kind
+
+    def encode(self, encoder: Compressor, weights: dict[str, np.ndarray],
+               central: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """Each tensor's update ``w - c`` (plus the residual kept outside the model, for ``CENTRAL``), encoded: by
+        as many threads as torch computes with, where the codec encodes each tensor on its own (numpy lets go of
+        the interpreter in its loops, and the training's threads are idle meanwhile)."""
+        implicit = {"implicit_residual": True} if self.kind == RESIDUAL else {}
+        self.pushes += 1
+
+        def one(name: str) -> Any:
+            w = weights[name]
+            return encoder.encode_difference(name, w, central[name].reshape(w.shape), **implicit)  # type: ignore[attr-defined]
+
+        threads = torch.get_num_threads() if getattr(encoder, "independent_keys", False) else 1
+        names = list(weights)  # in order: a codec with one random generator draws for each tensor in turn
+        if threads > 1:
+            names.sort(key=lambda n: -weights[n].size)  # the largest first: the threads end together
+        sent = dict(zip(names, _map(one, names, threads), strict=True))
+        return {name: sent[name] for name in weights}
+
+    @staticmethod
+    def decoded(update: Mapping[str, Any], weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | Sparse]:
+        """What the PS folds in of ``update``, decoded as it decodes it (the same function, the same bits)."""
+        return {name: decode(sent, weights[name].dtype, shape=weights[name].shape) for name, sent in update.items()}
+
+    def settle(self, reply: ModelReply, held: HeldModel, weights: dict[str, np.ndarray],
+               central_before: Mapping[str, np.ndarray], decoded: Mapping[str, np.ndarray | Sparse]) -> None:
+        """Take the reply to a push from the held base: "own" (the held model plus what was sent, made here), or
+        the central model with another worker's pushes in it, merged keeping the invariant."""
+        if reply.own:
+            held.add(dict(decoded), reply.version)
+            if self.kind == CENTRAL:
+                for name, w in weights.items():
+                    np.copyto(w, held.tensors[name].reshape(w.shape))
+            return
+        self.raced += 1
+        if self.kind == CENTRAL:  # w = c_new: the progress was all pushed
+            for name, w in weights.items():
+                np.copyto(w, np.asarray(reply.tensors[name]).reshape(w.shape))
+            return
+        changed = reply.changed
+        for name, w in weights.items():
+            flat, new = w.reshape(-1), np.asarray(reply.tensors[name]).reshape(-1)
+            old = central_before[name].reshape(-1)  # lent: the reply's changes went into copies
+            idx = changed.indices.get(name, _UNCHANGED) if changed is not None else None
+            if idx is None:  # the tensor came whole: w += c_new - c_old
+                flat += new
+                flat -= old
+            elif idx.size:
+                flat[idx] += new[idx] - old[idx]
+            sent = decoded[name]
+            if isinstance(sent, Sparse):
+                flat[sent.indices] -= sent.values
+            else:
+                flat -= sent.reshape(-1)
+
+    def leave(self, weights: dict[str, np.ndarray], base: Mapping[str, Tensor], central: Mapping[str, np.ndarray],
+              set_residual: Callable[[str, np.ndarray], None] | None) -> None:
+        """Back to the exchange's own base, after a merge (no progress pending): ``b = w`` and, where the residual
+        was implicit, ``r = w - c`` kept by the codec again."""
+        if self.kind is None:
+            return
+        for name, w in weights.items():
+            if self.kind == RESIDUAL:
+                assert set_residual is not None  # (only a codec that keeps a residual keeps it in the model)
+                set_residual(name, np.subtract(w, central[name].reshape(w.shape)))
+            base[name].detach().numpy()[...] = w
+        self.kind = None
+
+
+class HeldPush(InFlight):
+    """One push from the held base, encoded and sent by a thread of its own while the next step's forward and
+    backward compute: they only read the weights, which the optimizer writes after them (the exchange waits for
+    the encoding there, :meth:`encoded`). With the residual implicit an "own" reply leaves the weights as they
+    are, so a lone worker trains the same steps as if it had waited; a raced reply is merged one step later."""
+
+    def __init__(self, held: HeldBase, encoder: Compressor, client: PSClient, weights: dict[str, np.ndarray],
+                 central: dict[str, np.ndarray], base: int, scaled_for: float | None) -> None:
+        self.held, self.weights, self.central, self.base = held, weights, central, base
+        self.update: dict[str, Any] = {}
+        self.decoded: dict[str, Any] = {}
+        self.masked = False  # the optimizers' momentum was masked where the update was sent
+        self._encoded = threading.Event()
+
+        def work() -> ModelReply:
+            try:
+                self.update = held.encode(encoder, weights, central)
+            finally:
+                self._encoded.set()
+            return client.push(base, self.update, want_model="unless_own", scaled_for=scaled_for,
+                               while_waiting=lambda: self.decoded.update(held.decoded(self.update, weights)))
+
+        super().__init__(work)
+
+    def encoded(self) -> dict[str, Any]:
+        """The update, once encoded (the weights may change from then on)."""
+        self._encoded.wait()
+        if not self.update:
+            self.answered()  # raises what went wrong
+        return self.update
+
+    def settle(self, held: HeldModel) -> ModelReply:
+        """Take the reply (:meth:`HeldBase.settle`) and return it."""
+        reply = self.answered()
+        if not self.decoded:  # the push was sent again after a reconnection: decoded here
+            self.decoded.update(self.held.decoded(self.update, self.weights))
+        self.held.settle(reply, held, self.weights, self.central, self.decoded)
+        return reply

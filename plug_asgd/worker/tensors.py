@@ -1,0 +1,25 @@
+"""Copying one tensor to or from a numpy array: the CPU path of :mod:`plug_asgd.worker.staging` (which the exchanges
+use for the whole model), and what the collectives and the callbacks use for their one-off tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def to_numpy(t: Tensor) -> np.ndarray:
+    """``t``'s values as a numpy array on the CPU (bfloat16, which numpy lacks, as float32)."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.cpu().numpy()
+
+
+def assign(target: Tensor, array: np.ndarray) -> None:
+    """Copy ``array`` into ``target`` in place (parameters keep their identity for the optimizer)."""
+    with torch.no_grad():
+        if target.device.type == "cpu" and target.dtype != torch.bfloat16:
+            target.detach().numpy()[...] = array.reshape(target.shape)
+        else:
+            target.copy_(torch.tensor(array).reshape(target.shape))
