@@ -45,8 +45,8 @@ _FAILED_EXIT_S = 5.0
 Shapes = Callable[[], Mapping[str, tuple[int, ...]]]  # the model's synced tensors' shapes, asked once it exists
 
 # The connections of this process that hold a client or embedded PS processes. Weakly: a strategy its Trainer no longer
-# uses is freed with its model and data (an atexit entry per strategy kept each one, about 135 MB a fit in a process
-# that runs many fits), and its PS is stopped when the next strategy connects, or at exit.
+# uses is freed with its model and data (an atexit entry per strategy would keep each one, in a process that runs
+# many fits), and its PS is stopped when the next strategy connects, or at exit.
 _LIVE: weakref.WeakSet[PSConnection] = weakref.WeakSet()
 # Each connection's run: the how-many-th strategy connected in this process, which every rank of a job counts alike.
 # Its embedded PS refuses a hello for another run, so that a worker of the next Trainer never trains against the

@@ -51,7 +51,7 @@ if not HAVE_FASHION and os.environ.get("PLUG_ASGD_REQUIRE_DATA") == "1":
 # The one accuracy threshold of the training tests (every mode, every compressor, on one PS and on 2 shards, the
 # callbacks' run, the fault tests' finished runs), at the settings of RECIPE. Chance is 0.10. Measured over 10
 # launches of all 21 mode and codec cases on one PS (`python tests/scripts/threshold_runs.py --repeats 10 --out
-# DIR`, 2026-11-24 at 80f859f, on 2 cores shared with a test suite for about half of them): the lowest
+# DIR`, on 2 cores shared with a test suite for about half of them): the lowest
 # case downpour 0.769-0.793, then dynsgd 0.776-0.800, eamsgd 0.776-0.811, randomk (1%) 0.777-0.798; every other
 # case's minimum 0.779-0.805. On 2 shards, 3 launches: 0.777 (downpour) and up. The threshold is the lowest of
 # the 210 one-PS runs less about 2 points. A case that cannot reach it fails (or is marked xfail with its
@@ -101,10 +101,8 @@ INTEGRATION_FIXTURES = {"procs", "start_ps"}
 
 
 # pytest-xdist (`-n 2 --dist loadfile`, pyproject.toml) keeps a file's tests on one worker, so its module
-# fixtures are set up once, and starts the files with the most tests first (its default order, which made the
-# longest-first order this file once gave moot; with `--no-loadscope-reorder` and three workers, longest first took
-# 927 s where xdist's order took 885, one run each on a Zen 4 EPYC, 2026-11-27). (Not `loadgroup`: under pytest 9.2
-# it ignores its groups, pytest-xdist issue 1386.)
+# fixtures are set up once, and starts the files with the most tests first (its default order: longest-first
+# gained nothing over it). (Not `loadgroup`: under pytest 9.2 it ignores its groups, pytest-xdist issue 1386.)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,14 +17,12 @@ from tests.conftest import PYTHON, needs_fashion
 HEADER_BOUND = 4096  # bytes of msgpack header a push may add to its tensor frames
 BENCH_QUICK_TIMEOUT_S = 420  # the quick fixture's run of every benchmark; its first test waits for it
 QUICK_TEST_TIMEOUT_S = BENCH_QUICK_TIMEOUT_S + 60
-# Accuracy of the quick size's short runs (chance 0.10), over 10 runs on 2 cores: 3 at a8e4da4 (2 of
-# `python -m bench adacomp time_to_accuracy --quick`, 1 of this file's fixture, beside other tests) and 7 of that
-# command at 484287d/365613d on an idle machine (2026-11-24). The adacomp rows (10 steps per worker): 0.366-0.676,
-# the lowest randomk (0.366 to 0.412 over the 10), then the downlink rows (0.450 to 0.502) and powersgd (0.474 to
-# 0.568). Each time-to-accuracy curve's best: 0.642-0.782; the lowest the 3 runs at a8e4da4 (one process
-# 0.642-0.654 under load), on the idle machine 0.714 (adacomp) to 0.772. Thresholds: about 0.07 under the lowest
-# row, and 0.09 under the lowest curve (its 4 s window makes it depend on the load). Not to be moved without a
-# note here.
+# Accuracy of the quick size's short runs (chance 0.10), over 10 runs on 2 cores, loaded and idle (`python -m
+# bench adacomp time_to_accuracy --quick`, and this file's fixture beside other tests). The adacomp rows (10 steps
+# per worker): 0.366-0.676, the lowest randomk (0.366 to 0.412 over the 10), then the downlink rows (0.450 to
+# 0.502) and powersgd (0.474 to 0.568). Each time-to-accuracy curve's best: 0.642-0.782, the lowest under load.
+# Thresholds: about 0.07 under the lowest row, and 0.09 under the lowest curve (its 4 s window makes it depend on
+# the load). Not to be moved without a note here.
 BENCH_ROW_ACCURACY_MIN = 0.30
 BENCH_CURVE_ACCURACY_MIN = 0.55
 

@@ -40,12 +40,11 @@ def test_supervisor_records_a_rising_central_accuracy_while_workers_train(run):
     assert [r["wall_s"] for r in records] == sorted(r["wall_s"] for r in records)
     assert [r["bytes_pushed"] for r in records] == sorted(r["bytes_pushed"] for r in records)
     # The first evaluation lands some updates in (the thread pulls 0.2 s after the start while the
-    # other worker already trains): 0.28 to 0.48 at versions 6-8 (909791b), 0.217 at version 2
-    # (h23), 0.625 on a CI machine. A fixed rise over it (once +0.2, which CI's 0.625 failed) would
-    # be a bound on timing, not on training: the rise is asserted over whatever the first record is,
-    # provided it came early, and the end level is the common threshold of every training test
-    # (tests/conftest.py; it was 0.7 here): the last evaluation comes late in training (248 of 250 updates,
-    # 0.810, in h23's run). The cadence itself is tested exactly in test_callback_clocks.py.
+    # other worker already trains): 0.28 to 0.48 at versions 6-8, 0.217 at version 2, 0.625 on a CI machine.
+    # A fixed rise over it (once +0.2, which CI's 0.625 failed) would be a bound on timing, not on training: the
+    # rise is asserted over whatever the first record is, provided it came early, and the end level is the common
+    # threshold of every training test (tests/conftest.py): the last evaluation comes late in training (248 of
+    # 250 updates, 0.810, in one run). The cadence itself is tested exactly in test_callback_clocks.py.
     accs = [r["test_acc"] for r in records]
     assert versions[0] < summary["ps_version"] / 2
     assert accs[-1] >= ACCURACY_THRESHOLD and accs[-1] > accs[0]

@@ -290,7 +290,7 @@ def test_resume_falls_back_past_a_corrupt_newest_ignores_another_run_and_prunes_
     for v in (8, 12):  # the points at 8 (over the corrupt file) and 12; the 2 newest of run a are kept
         w.push(4)
         wait_for(lambda v=v: _readable(ck / checkpoint_name(v, "a")), f"the checkpoint at {v}")
-    # the PS prunes after it wrote the newest: a loaded machine can be looked at in between (the CI run at 637875b)
+    # the PS prunes after it wrote the newest: a loaded machine can be looked at in between (a CI run was)
     kept = sorted([checkpoint_name(8, "a"), checkpoint_name(12, "a"), *(p.name for p in theirs)])
     wait_for(lambda: names(ck) == kept, f"the checkpoints pruned to {kept}")
     assert [p.read_bytes() for p in theirs] == before

@@ -24,8 +24,8 @@ from momentum_regression import Regression, one_process_loss, threaded_fit, val_
 
 # The regression case's bound: the median of 3 fits of each mode at most 2x the validation loss one process
 # reaches at the same batch (6.81). Single fits of the asynchronous modes have a heavy tail on 2 cores: over
-# 12 launches of asgd, downpour, dynsgd and ssp (2026-11-24, quiet machine, 6 of them at 49fe200, before
-# this bound was set) they ended at 1.2 to 13.9, 6 of the 48 above the 1.25x (8.51) first set from 5
+# 12 launches of asgd, downpour, dynsgd and ssp (a quiet machine, 6 of them before this bound
+# was set) they ended at 1.2 to 13.9, 6 of the 48 above the 1.25x (8.51) first set from 5
 # launches, which made this test fail about one run in three. Diverging, they end at 97 to 63,508 (asgd, ssp,
 # downpour) and beyond 1e8 (adacomp, the codecs). The tail came from pushes folded at a lagging scale where the
 # workers' pace changed; since the PS corrects that (StalenessCompensation.correct, docs/momentum.md) 48 fits of
@@ -35,15 +35,15 @@ from momentum_regression import Regression, one_process_loss, threaded_fit, val_
 REGRESSION_BOUND = 2.0
 REPEATS = 3  # fits of each mode with compensation: the bound holds for their median
 # Fitted once: the synchronous modes fold each round in rank order, so their fits are the same bits (measured: 3
-# fits each, identical to the last digit, 2026-11-25), and a median of 3 would be the one fit three times.
+# fits each, identical to the last digit), and a median of 3 would be the one fit three times.
 DETERMINISTIC = ("sync", "localsgd", "sagn", "osp", "losp")
 # Without compensation a mode must miss the bound in at least one of this many fits. One fit is not enough:
-# downpour's ended below the bound in 1 of 11 launches (6.7 and, in the CI run that failed on it at b0bdd1f,
-# 7.4) and diverged in the other 10 (14.4 to 6.9e6, 2026-11-24); with compensation 2 of its 26 single fits
-# diverged too (95, 398), which the median of 3 absorbs. Both tails are issue 17's open work on downpour.
-# The other modes are fitted as often: fitted once (tried at 82d7ac6), powersgd without compensation ended at 11.2,
+# downpour's ended below the bound in 1 of 11 launches (6.7 and, in a CI run that failed on it,
+# 7.4) and diverged in the other 10 (14.4 to 6.9e6); with compensation 2 of its 26 single fits
+# diverged too (95, 398), which the median of 3 absorbs. Both tails are open work on downpour.
+# The other modes are fitted as often: fitted once, powersgd without compensation ended at 11.2,
 # below the bound, where its earlier fits had passed 2e4. 5 since asgd's 3 ended at 9.7, 13.6 and 12.4 in a
-# fresh-clone suite run on 2 loaded cores (2026-11-27, at ed09bbe; the bound 13.617), where 6 fits on the idle
+# fresh-clone suite run on 2 loaded cores (the bound 13.617), where 6 fits on the idle
 # machine ended at 809 to 1.4e6: under load its workers race less.
 OFF_REPEATS = 5
 # the modes fitted without compensation too, to show that it is what makes them train: those that diverge without
@@ -53,24 +53,24 @@ OFF_MODES = ("asgd", "adacomp", "downpour", "ssp", "losp")
 # suite's budget does not hold), which single runs of this size cannot show: one configuration run twice varied
 # by up to 6.5 points (agn, Nesterov: 0.718 and 0.783, the same algorithm with compensation on and off) and 2.6 (asgd,
 # SGD lr 0.01: 0.732 and 0.758); the worst of 2 to 3 runs of each mode tested here was downpour's -3.4
-# (Nesterov) and dynsgd's -2.2 (2026-11-24). Without compensation adacomp, downpour, topk, randomk and
+# (Nesterov) and dynsgd's -2.2. Without compensation adacomp, downpour, topk, randomk and
 # powersgd end 6 to 74 points below DDP here or diverge; asgd, ssp, dynsgd and hogwild do not at this size
 # (the regression case above is where they do).
 FASHION_POINTS = 5.0
 # FASHION_RERUN: a row whose single run misses the bound is run twice more, and the median of its 3 runs decides.
-# A single run has a tail: in the CI run at 480affa asgd (SGD) ended 6.3 points below DDP (0.705), where 12 runs of
+# A single run has a tail: in a CI run asgd (SGD) ended 6.3 points below DDP (0.705), where 12 runs of
 # the same row beside 2 and 4 busy processes, with and without the PS's correction, ended 0.3 to 4.4 points
-# above it (0.778 to 0.819, DDP 0.775; 2026-11-25). The median of 3 is what the regression case above is held to.
+# above it (0.778 to 0.819, DDP 0.775). The median of 3 is what the regression case above is held to.
 # asgd under every codec with error feedback (adacomp is a mode: its own top-k)
 CODECS = ("asgd+topk", "asgd+randomk", "asgd+sign", "asgd+powersgd")
 # What the issue asks of the codecs on the regression case: they train without diverging. One bound for all, a
 # fraction of the starting loss (57.5), set from the worst codec's measured spread. 1% of this 321-parameter model
 # is 1 to 3 coordinates per tensor and push, so the central model gets each coordinate about twice in the 192
-# pushes and lags the workers. Measured (single fits, 2026-11-24): topk 2.4, powersgd 3.4, sign 8.1, and randomk
+# pushes and lags the workers. Measured (single fits): topk 2.4, powersgd 3.4, sign 8.1, and randomk
 # at 1% 6.1 to 20.9 over 15 launches on 2 cores (quiet and loaded; a push of each worker's residual at the end of
 # the fit changed nothing: 7.4 to 20.9 over 8), against 2e4 to 2e9 without compensation; randomk alone was then
 # held to half the start (28.8). Its default fraction now follows the fit's length (10 / 96 pushes per worker:
-# 10.4%, docs/momentum.md), and 6 fits of it ended at 1.5 to 2.4 (topk beside it 1.6 to 2.3; 2026-11-27,
+# 10.4%, docs/momentum.md), and 6 fits of it ended at 1.5 to 2.4 (topk beside it 1.6 to 2.3;
 # `tests/scripts/momentum_regression.py --modes asgd+randomk,asgd+topk --repeats 6`), so every codec is held to a
 # quarter (14.4), the bound the other three were first held to. Do not move it without a note saying why.
 CODEC_BOUND = 0.25
@@ -144,7 +144,7 @@ def test_a_deterministic_fit_in_threads_is_the_fit_of_real_processes(regression,
 # Every mode that folds or keeps stale progress, and every codec. Left out: eamsgd (Nesterov's own, in its rows) and
 # the modes that average synchronous rounds with nothing in flight (sync, localsgd, sagn): no update of theirs is
 # stale, so there is nothing to compensate (the regression case above fits them with momentum SGD; test_training
-# fits them on Fashion-MNIST; in the suite at 4470170 they ended 0.1 to 1.8 points above DDP). Their three runs
+# fits them on Fashion-MNIST; in a suite run they ended 0.1 to 1.8 points above DDP). Their three runs
 # cost this launch an eighth, where the suite's 12 minutes are short.
 ROUND_MODES = ("sync", "localsgd", "sagn")
 SGD_ROWS = [(m, {"mode": m}) for m in MODES if m != "eamsgd" and m not in ROUND_MODES] + [
@@ -189,9 +189,8 @@ def fashion(tmp_path_factory):
             named.setdefault(r["name"].rsplit(" ", 1)[0] if r["kind"] != "ddp" else r["name"], []).append(r)
         return named
 
-    # 840 s as test_training's launches: 600 s ran out after 20 of the 22 runs on a 2-core AMD EPYC without
-    # AVX-512 in a suite run beside a pip install, and the launch took 617 s in a fresh-clone CI run there
-    # (2026-11-26; that suite 23 min 54 s, where a 2-core Xeon took 13 min 36 s)
+    # 840 s as test_training's launches: 600 s ran out after 20 of the 22 runs on a slow 2-core machine in a suite
+    # run beside a pip install, and the launch took 617 s in a fresh-clone CI run there
     named = run(fashion_runs(), "fashion", 840)
     missed = [name for name, runs in named.items() if not name.startswith("ddp ")
               and fashion_gap(runs, named[f"ddp {name.rsplit(' ', 1)[1]}"][0]) < -FASHION_POINTS]

@@ -373,7 +373,7 @@ FIT_MODES = ["asgd", "adacomp", "dynsgd", "ssp", "downpour", "agn", "asgd_overla
 PUSH_EVERY = {"downpour": 4, "agn": 2, "localsgd": 4, "sagn": 4, "losp": 4, "easgd": 4, "eamsgd": 4}
 # a synchronous round is one version for both workers' pushes
 ROUNDS = {"sync", "localsgd", "sagn", "osp", "losp"}
-# every fit's bar, at shard_fit's common step size (0.4; no fit has settings of its own). Measured at 9556e18 on 2
+# every fit's bar, at shard_fit's common step size (0.4; no fit has settings of its own). Measured on 2
 # loaded cores, 5 launches: every fit but sagn's ended at 0.924-0.977 (the lowest: agn 0.924, eamsgd 0.930, easgd
 # 0.955, downpour 0.963; the others 0.961 or more); the bar is bn_sched's for this model (test_training's BatchNorm
 # test), 2.4 points under the lowest. sagn cannot reach it: its 10 synchronous rounds, each the workers' 4 steps

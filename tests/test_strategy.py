@@ -535,7 +535,7 @@ def test_an_unreachable_ps_is_reported_with_its_address_not_a_hang(fault_report)
 @pytest.mark.timeout(60)
 def test_a_request_with_no_connection_to_queue_on_ends_within_its_timeout_not_a_hang(fault_report):
     """A worker's socket can be left with nowhere to queue a request: libzmq gives a connection up for good
-    after some handshake failures (seen in CI at c65f463: a keyed shard refusing a worker without keys, where
+    after some handshake failures (seen in CI: a keyed shard refusing a worker without keys, where
     test_security's sharded refusal hung for 120 s in a blocking send). Made here for certain with libzmq's
     own ZMQ_IMMEDIATE (queue only on completed connections) towards a port where nothing listens: the
     request must end within its timeout, naming the PS, as a request whose reply never comes does."""

@@ -121,9 +121,9 @@ class Codec(ABC):
             return None
         return (f"plug_asgd: {self!r} sends each coordinate about once in {lag:g} pushes; this fit makes about "
                 f"{pushes:.0f} pushes per worker, fewer than {SHORT_FIT_PERIODS} times that, so its central model "
-                "will end behind its workers' by what their residuals hold back (measured: up to 4.5 points of "
-                "accuracy below DDP; docs/momentum.md). Train longer, raise the fraction (left unset, it follows "
-                "the fit's length), or use topk.")
+                "will end behind its workers' by what their residuals hold back (docs/momentum.md, \"randomk's lag "
+                "and the length of a fit\"). Train longer, raise the fraction (left unset, it follows the fit's "
+                "length), or use topk.")
 
     def config(self) -> dict[str, Any]:
         """The knobs this codec was built with, by name (what ``get({"name": ..., **knobs})`` takes)."""

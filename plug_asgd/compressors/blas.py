@@ -2,8 +2,8 @@
 
 Two reasons. The PS and a worker answered "own" must decode the same factors to the same bits: one
 thread runs one kernel, whatever the machine's cores. And on a worker, the idle threads of OpenBLAS
-spin for a long while after each call, on the cores its training computes on: measured, PowerSGD's
-products cost a worker several times more with them than without. The thread count is OpenBLAS's
+spin for a long while after each call, on the cores its training computes on (what they cost PowerSGD:
+bench/results/README.md, "The exchange at ResNet size"). The thread count is OpenBLAS's
 (numpy's wheels bundle it); where numpy uses another BLAS, nothing is changed.
 """
 

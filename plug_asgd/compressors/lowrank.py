@@ -32,7 +32,7 @@ class PowerSGD(Codec):
              "iteration (Vogels et al. 2019)")
     wire_formula = "4 * rank * (n + m) (float32), else dense"
     error_feedback_by_default = True
-    # measured: with its residual in the model, workers drift along the directions outside its rank (docs/momentum.md)
+    # with its residual in the model, workers drift along the directions outside its rank (docs/momentum.md)
     residual_in_model = False
 
     def __init__(self, rank: int = 4, seed: int = 0, *, error_feedback: bool | None = None) -> None:

@@ -178,8 +178,7 @@ class RandomK(Codec):
 
     ``fraction=None`` (the default): 1%, raised for a fit too short for it (:meth:`for_fit`). With error feedback a
     coordinate waits about ``1 / fraction`` pushes whatever it holds, and a fit of few such waits ends its central
-    model behind the workers' (measured at 1%: up to 4.5 points below DDP in fits of 125 pushes per worker, above it
-    in fits of 500; docs/momentum.md).
+    model behind the workers' (docs/momentum.md, "randomk's lag and the length of a fit").
     """
 
     name = "randomk"
@@ -213,10 +212,8 @@ class RandomK(Codec):
 
     def for_fit(self, pushes: float) -> Codec:
         """With the default fraction and error feedback: 1%, or ``fit_periods / pushes`` where that is more, so
-        that a coordinate's mean wait is at most a tenth of the fit. Measured (one epoch of 16,000 images, seeds 0
-        and 1, gap to DDP): at 4 workers, 125 pushes each, 1% -3.3 (SGD lr 0.05), 4% -1.0 (SGD) and -2.6
-        (Nesterov), 8% -1.5 (Nesterov), 10% -0.4 (SGD) and -1.5 (Nesterov); at 2 workers, 250 pushes each, 1%
-        -1.1 and -1.4, 2% +0.3 and +0.7 (SGD lr 0.05 and 0.01). A fraction the user gave stays as given."""
+        that a coordinate's mean wait is at most a tenth of the fit (the gaps to DDP it was chosen by:
+        docs/momentum.md). A fraction the user gave stays as given."""
         if not self.auto or not self.error_feedback or not pushes > 0:
             return self
         fraction = min(1.0, max(self.default_fraction, self.fit_periods / pushes))

@@ -105,7 +105,7 @@ def _union(parts: list[np.ndarray], size: int) -> np.ndarray:
     """The sorted union of index arrays of one tensor of ``size`` coordinates."""
     total = sum(p.size for p in parts)
     if total * 8 < size:  # few: merge them. Each part is sorted, so a stable sort (timsort) merges its runs in
-        # linear time, where np.unique's sort does not (measured 11 us against 435 us for 2 x 3,893 of 1.2M)
+        # linear time, where np.unique's sort does not
         merged = np.concatenate(parts)
         merged.sort(kind="stable")
         keep = np.empty(merged.size, dtype=bool)

@@ -1,17 +1,15 @@
 """The store the PS runs: the reference's bits, without the copies that measurably cost.
 
-Four ways of not copying, with their figures from ``bench/results/NOTES.md`` (and which have
-none of their own) in ``docs/design.md``, "The parameter server":
+Four ways of not copying (what each saved: ``docs/design.md``, "The parameter server", and
+``bench/results/NOTES.md``):
 
-- a dense push is folded into its own received buffers, and replies resend those very frames
-  (the PS round trip over an echo: 1.50-1.60 -> 1.28-1.40);
+- a dense push is folded into its own received buffers, and replies resend those very frames;
 - the model goes out zero-copy from the store's own arrays; a write while such a reply may still
   be read copies first (copy-on-write, the frames tracked; pyzmq copies small frames anyway);
 - a push read from a worker's shared memory is folded into spare arrays of the store's own, the
-  replaced ones becoming the next spares (part of shared-memory pushes: the request 3.2 -> 1.5 ms);
+  replaced ones becoming the next spares;
 - a lone worker's weights in its shared memory are kept as the model where they lie (lent) until
-  that worker is next answered (``bench.push_timeline``: the PS's time on a core per push
-  1.07-1.17 -> 0.55-0.57 ms, the request 1.5 -> 0.9 ms).
+  that worker is next answered.
 
 ``tests/test_store.py`` holds it to :class:`~plug_asgd.ps.store.ReferenceStore`'s bits.
 """

@@ -238,9 +238,9 @@ class Store(ABC):
         """``(1 + scaled_for) / (1 + max(scaled_for, staleness))``: a worker's update, scaled by ``1 / (1 +
         estimate)``, lands scaled for its own staleness where that is larger. The worker's estimate (a median
         over its recent pushes) lags where the workers' pace changes (one starts late, stalls, or is
-        descheduled on a loaded machine): measured, such pushes folded at the lagging scale gave the heavy tail
-        of docs/momentum.md. Never scaled back up: in downpour a push that lands with staleness 0 is not alone
-        (the others are between their pushes), and folding it unscaled measured worse."""
+        descheduled on a loaded machine): such pushes folded at the lagging scale gave the heavy tail of
+        docs/momentum.md. Never scaled back up: in downpour a push that lands with staleness 0 is not alone
+        (the others are between their pushes), and folding it unscaled trained worse."""
         if scaled_for is None:
             return 1.0
         if not self.rule.corrects:

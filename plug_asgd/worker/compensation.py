@@ -1,47 +1,11 @@
 """Staleness compensation: what an asynchronous worker does so that staleness does not act as momentum.
 
-With N workers pushing asynchronously, each update lands on a central model that moved by the
-others' updates since the worker's base, which acts as extra momentum (Mitliagkas et al. 2016)
-on top of the optimizer's own; with momentum SGD the sum diverges. Five remedies, chosen by
-measurement (``docs/momentum.md``):
-
-- **scale**: each update is folded in at ``1 / (1 + s)``, ``s`` the worker's recent median
-  staleness: N equal workers then average their updates as DDP does. The push says what it was
-  scaled for (``scaled_for``), and the PS scales it down further where it lands staler than that
-  (``correct``, where an optimizer keeps momentum): the median lags where the workers' pace changes
-  (one starts late, stalls, or is descheduled), and pushes folded at the lagging scale made the heavy
-  tail of the regression case.
-  Not for pushes of one step of an optimizer that normalizes its steps (Adam and its kin): those stay
-  bounded, and the scale only slowed them; a push of several (downpour's) is scaled under Adam too.
-  agn is not scaled (it divides by its N steps, which stands for a scale at N - 1), but its pushes are
-  corrected where they land staler than that. dynsgd's PS, which scales a push by its own staleness,
-  scales one its worker scaled no further: its staleness is floored at the worker's estimate.
-- **look-ahead** (modes that push every step): the worker computes its next step at ``central +
-  s * v``, ``v`` the central model's change per version since its last reply: where the model
-  will be when the update lands. With several local steps per push it extrapolates what a heavy
-  ball's momentum already carries, and hurts: left out there, but for agn under Adam and its kin,
-  whose normalized steps take no Nesterov's form and whose chunks landed closer to DDP with it.
-- **local residual** (codecs with error feedback: adacomp, topk, randomk, sign; not powersgd): the
-  worker's model keeps what its codec has not sent yet (``central + residual``), so its gradients
-  see its own pending progress instead of pushing the same coordinates again until they are sent.
-- **momentum masking** (sparse codecs only): the optimizer's momentum is zeroed where an update
-  was just sent (Deep Gradient Compression's momentum factor masking), so a coordinate's
-  momentum does not keep pushing after its delayed residual landed.
-- **Nesterov's form** (every mode that folds stale steps, while the worker's staleness is above 0): a
-  heavy-ball SGD step ``lr * buf`` is taken as Nesterov's, ``lr * (d + mu * buf)``, by adding
-  ``lr * mu`` times the momentum's change. Nesterov's momentum is a look-ahead of its own: where the
-  library's look-ahead does not act (several local steps per push, as downpour and agn, or hogwild's
-  shared model) it is stable with a stale gradient at learning rates several times those of the heavy
-  ball (``python -m bench.momentum_stability``), at the same speed along flat directions; beside the
-  look-ahead it makes the steps those of ``SGD(nesterov=True)``, which every mode trains close to DDP.
-
-The first three need no optimizer state; masking needs the optimizer's momentum under the names
-torch uses (``momentum_buffer``, ``exp_avg``), Nesterov's form torch's SGD. Hogwild's workers write
-one shared model and push nothing: their optimizer's step is scaled instead, through its learning
-rate during the step, and taken in Nesterov's form.
-losp's rounds each land a round late, while its workers keep training: where an optimizer keeps
-momentum, each worker keeps only its own share of the round in flight and its rounds are scaled
-by 1/2 (``plug_asgd.worker.exchange.overlap``).
+With N workers pushing asynchronously, each update lands on a central model that moved by the others'
+updates since the worker's base, which acts as extra momentum (Mitliagkas et al. 2016) on top of the
+optimizer's own; with momentum SGD the sum diverges. The remedies (:class:`StalenessCompensation`'s fields:
+the scale, corrected at the PS; the look-ahead; the residual kept in the model; momentum masking; Nesterov's
+form; hogwild's scaled step; losp's own share of a round), where each acts and why, and what they were
+chosen by: docs/momentum.md, "What the library does".
 """
 
 from __future__ import annotations
@@ -77,7 +41,7 @@ class StalenessCompensation:
     window: int = 16
     # the PS rescales each push for its own staleness where that is larger than the estimate (``scaled_for``);
     # only where an optimizer keeps momentum: without it a push staler than estimated is no risk, and the
-    # correction only slowed training (measured under load: plain SGD 0.92 against 0.935, docs/momentum.md)
+    # correction only slowed training (docs/momentum.md)
     correct: bool = True
     # heavy-ball momentum SGD steps taken in Nesterov's form while the worker's updates are stale: the momentum's
     # own look-ahead, the dynamics of SGD(nesterov=True); beside the look-ahead only where the worker scales its
@@ -140,7 +104,7 @@ def resolve(value: StalenessCompensation | Mapping[str, Any] | bool | None, mode
 
 
 # optimizers that divide their step by a running magnitude of the gradient: however stale the model, a step
-# stays about ``lr`` per coordinate, so the scale is left out for them (measured: it only slowed Adam)
+# stays about ``lr`` per coordinate, so the scale is left out for them (it only slowed Adam: docs/momentum.md)
 _NORMALIZED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax,
                torch.optim.SparseAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta)
 

@@ -256,8 +256,8 @@ class Exchange(ABC):
     def nesterov_steps(self) -> bool:
         """Whether heavy-ball steps go in Nesterov's form: while others race this worker (a lone one's staleness is
         0: it trains the bits of plain Lightning); beside the look-ahead only where the worker scales its updates
-        (dynsgd's worker scaled none before 2026-11-27, its PS scaling each push by its own staleness alone: with
-        the form it diverged on the regression case under load)."""
+        (with a PS that scales each push by its own staleness alone, the form diverged on the regression case under
+        load: docs/momentum.md, "dynsgd's floor")."""
         return self.nesterov_form_here and self.compensator.staleness > 0
 
     @property
