@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -24,6 +25,7 @@ from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor
+from typing_extensions import override
 
 from plug_asgd import compressors, modes
 from plug_asgd.compressors import Codec
@@ -47,6 +49,15 @@ if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); p
 
 # TrainerFn.FITTING and RunningStage.TRAINING of either namespace (str enums, equal to their values)
 _FITTING, _TRAINING = "fit", "train"
+
+
+class Phase(Enum):
+    """Where a worker is in a Lightning stage (a fit, a validation, a test, a prediction), as the strategy sees it."""
+
+    IDLE = "idle"  # between stages: no collective goes through the PS
+    STAGE = "stage"  # in a stage, outside the training loop's batches (setup, evaluation, their hooks)
+    BATCHES = "batches"  # in the training loop's batches: a broadcast is a notice, answered without waiting
+    FAILED = "failed"  # an exception ended the stage's work: teardown says goodbye without leaving the fit
 
 def synced_tensors(module: Any) -> dict[str, Tensor]:
     """``module``'s floating-point parameters and buffers (BatchNorm statistics): what the PS holds."""
@@ -156,13 +167,16 @@ class AsyncPSStrategy(DDPPlumbing):
         self.staleness_compensation = resolve(staleness_compensation, self.mode.name, self.mode.compensate)
         self._start_method = start_method
         self._num_nodes = 1
-        self._stage = self._collective_seq = 0
-        self._ps_initialized = self._in_stage = self._fitting = self._failed = False
-        self._in_batches, self._batches = False, 0  # in the training loop's batches: broadcasts are notices
+        self._stage = self._collective_seq = 0  # this process's stages so far; the collectives of this one
+        self._phase = Phase.IDLE
+        self._fitting = False  # whether the stage is a fit
+        self._ps_initialized = False  # whether the PS holds a model (else this worker's offers its own)
+        self._batches = 0  # the training loop's batches so far: a notice's number
         self._exchange = make_exchange(self.mode, codec=self.compressor, compensation=self.staleness_compensation,
                                        shm_pushes=shm_pushes)
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         for mode in ("asgd", "adacomp", "sync"):
             name = "async_ps" if mode == "asgd" else f"async_ps_{mode}"
@@ -172,6 +186,7 @@ class AsyncPSStrategy(DDPPlumbing):
 
     # -- stage life cycle ------------------------------------------------------------------------
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
@@ -184,16 +199,14 @@ class AsyncPSStrategy(DDPPlumbing):
                            "torch.distributed.destroy_process_group() before fitting with it.")
         trainer = self._trainer()
         self._fitting = trainer is not None and trainer.state.fn == _FITTING
-        self._in_batches = False
         self._stage += 1
         self._collective_seq = 0
-        self._failed = False
         self._exchange.joined = False
         client = self._connect()
         welcome = self.connection.hello(self._stage, self._fitting)
         self._ps_initialized = bool(welcome.get("initialized"))
         self._exchange.attach(self._link(client))
-        self._in_stage = True
+        self._phase = Phase.STAGE
 
     def _link(self, client: PSClient | ShardedClient) -> Link:
         """What the exchange needs of this worker for the stage that starts."""
@@ -203,6 +216,7 @@ class AsyncPSStrategy(DDPPlumbing):
                     stop=self._request_stop, shared_tag=f"{port}_{self._stage}",
                     one_cpu_machine=self.num_nodes == 1 and self.root_device.type == "cpu")
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -216,6 +230,7 @@ class AsyncPSStrategy(DDPPlumbing):
             self._exchange.start_fit(self.optimizers, self.global_rank if self.cluster_environment else 0,
                                      self.world_size)
 
+    @override
     def on_train_start(self) -> None:
         self.mode.check_optimizers(self.optimizers)
         # the fit's length matters to randomk's lag only; estimated_stepping_batches is inf where it is unknown
@@ -231,34 +246,46 @@ class AsyncPSStrategy(DDPPlumbing):
                 rank_zero_warn(short)
         self._join()
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._in_batches, self._batches = True, self._batches + 1
+        self._phase, self._batches = Phase.BATCHES, self._batches + 1
 
+    @override
     def on_train_end(self) -> None:
-        self._in_batches = False
+        self._leave_batches()
 
+    @override
     def on_validation_start(self) -> None:
-        self._in_batches = False
+        self._leave_batches()
         self._refresh()
 
+    @override
     def on_test_start(self) -> None:
         self._refresh()
 
+    @override
     def on_predict_start(self) -> None:
         self._refresh()
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
+        self._phase = Phase.FAILED
 
+    def _leave_batches(self) -> None:
+        if self._phase is Phase.BATCHES:
+            self._phase = Phase.STAGE
+
+    @override
     def teardown(self) -> None:
-        if self.connection.client is not None and self._in_stage:
+        if self.connection.client is not None and self._phase is not Phase.IDLE:
+            failed = self._phase is Phase.FAILED
             try:
-                if self._fitting and self._exchange.joined and not self._failed:
+                if self._fitting and self._exchange.joined and not failed:
                     self._exchange.leave()
             finally:
-                self._in_stage = False  # only now: the barriers above are collectives of this stage
+                self._phase = Phase.IDLE  # only now: the barriers above are collectives of this stage
                 # after a failure: the socket is a sender's until it is done, hence let_go first
-                self.connection.goodbye(self._stage, self._failed, settle=self._exchange.let_go)
+                self.connection.goodbye(self._stage, failed, settle=self._exchange.let_go)
         self._exchange.joined = False
         super().teardown()
 
@@ -315,7 +342,7 @@ class AsyncPSStrategy(DDPPlumbing):
 
         Between stages they are those this worker saw as it left the last one: the embedded PS
         stops once every worker has left, so asking it again could wait for a server that is gone."""
-        return self.connection.stats(self._in_stage, settle=self._exchange.finish)
+        return self.connection.stats(self._phase is not Phase.IDLE, settle=self._exchange.finish)
 
     # -- synchronising the model with the PS -----------------------------------------------------
 
@@ -335,6 +362,7 @@ class AsyncPSStrategy(DDPPlumbing):
         if self._fitting and self.lightning_module is not None:
             self.lightning_module.trainer.should_stop = True
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def run() -> Any:
             return super(AsyncPSStrategy, self).optimizer_step(optimizer, self._exchange.closure(closure), model,
@@ -342,6 +370,7 @@ class AsyncPSStrategy(DDPPlumbing):
 
         return self._exchange.step(run, optimizer)
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The state dict with the central tensors: a checkpoint holds the central model."""
         state = super().lightning_module_state_dict()
@@ -350,7 +379,7 @@ class AsyncPSStrategy(DDPPlumbing):
     # -- collectives through the PS --------------------------------------------------------------
 
     def _collectives(self) -> Collectives:
-        active = self.connection.client is not None and self._in_stage and self.world_size > 1
+        active = self.connection.client is not None and self._phase is not Phase.IDLE and self.world_size > 1
         return Collectives(self._gather if active else None)
 
     def _gather(self, kind: str, obj: Any = None, tensors: dict[str, np.ndarray] | None = None) -> list[Any]:
@@ -360,21 +389,25 @@ class AsyncPSStrategy(DDPPlumbing):
         self._collective_seq += 1
         return self.connection.client.gather(self._stage, seq, obj, tensors, kind=kind)
 
+    @override
     def barrier(self, name: str | None = None) -> None:
         self._collectives().barrier(name)
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Among the training loop's batches (the ``Timer``'s stop flag, every batch), answered without waiting for
         the other workers (:mod:`plug_asgd.worker.notices`); elsewhere a collective through the PS."""
         collectives = self._collectives()
-        if collectives.gather is not None and self._in_batches:
+        if collectives.gather is not None and self._phase is Phase.BATCHES:
             assert self.connection.client is not None
             return self.connection.client.notices().broadcast(obj, src, self._stage, self._batches)
         return collectives.broadcast(obj, src, self.global_rank)
 
+    @override
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
         return self._collectives().all_gather(tensor, sync_grads)
 
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Reduce across workers during evaluation; during training the local value is returned."""
         trainer = self._trainer()

@@ -183,3 +183,16 @@ def test_ps_checkpoint_callback_hands_its_time_policy_to_the_embedded_ps(tmp_pat
         tmp_path.resolve(), None, 12.5, 4)
     with pytest.raises(ValueError, match="every_n_seconds must be > 0"):
         PSCheckpoint(tmp_path, every_n_seconds=0)
+
+
+def test_the_stateful_callbacks_keep_their_records_across_a_lightning_checkpoint():
+    """What Lightning saves of a callback (``state_dict``) and gives back on resume (``load_state_dict``)."""
+    records = [{"version": 3, "test_acc": 0.5}, {"version": 7, "test_acc": 0.6}]
+    for make in (lambda: CommunicationMonitor(every_n_steps=1), lambda: Supervisor([])):
+        saved = make()
+        saved.records = list(records)
+        state = saved.state_dict()
+        resumed = make()
+        assert resumed.records == []
+        resumed.load_state_dict(state)
+        assert resumed.records == records and resumed.records is not saved.records

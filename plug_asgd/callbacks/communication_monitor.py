@@ -7,12 +7,15 @@ import json
 import os
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
+from typing_extensions import override
 
 from plug_asgd.callbacks.common import require_strategy, run_dir
 from plug_asgd.lightning_bridge.namespaces import LightningBound
+from plug_asgd.strategy import AsyncPSStrategy
 
 if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); pytorch_lightning's names them here
     import pytorch_lightning as pl
@@ -34,11 +37,20 @@ class CommunicationMonitor(LightningBound):
         self.every_n_steps = every_n_steps
         self.dirpath = dirpath
         self.records: list[dict[str, Any]] = []
+        # set up with the trainer, and at the start of training
+        self._strategy: AsyncPSStrategy | None = None
+        self._file: Path | None = None
+        self._baseline: dict[str, Any] = {}
+        self._start = 0.0
+        self._losses: list[float] = []
+        self._steps = 0
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._strategy = require_strategy(trainer, "CommunicationMonitor")
         self._file = run_dir(trainer, self.dirpath, "comm") / f"worker{trainer.global_rank}.jsonl"
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._file.parent.mkdir(parents=True, exist_ok=True)
         self._baseline = self._strategy.comm_stats()  # counters since the client connected, setup included
@@ -46,6 +58,7 @@ class CommunicationMonitor(LightningBound):
         self._losses: list[float] = []
         self._steps = 0
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
@@ -55,9 +68,19 @@ class CommunicationMonitor(LightningBound):
         if self._steps % self.every_n_steps == 0:
             self._record(trainer)
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._steps % self.every_n_steps:
             self._record(trainer)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The records so far: a fit resumed from a Lightning checkpoint goes on with them."""
+        return {"records": list(self.records)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.records = list(state_dict.get("records", []))
 
     def _record(self, trainer: pl.Trainer) -> None:
         stats = self._strategy.comm_stats()

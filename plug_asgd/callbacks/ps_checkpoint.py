@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from typing_extensions import override
 
 from plug_asgd.callbacks.common import require_strategy
 from plug_asgd.lightning_bridge.namespaces import LightningBound
@@ -82,5 +83,6 @@ class PSCheckpoint(LightningBound):
         return {"checkpoint_dir": str(self.dirpath.resolve()), "checkpoint_every_updates": self.every_n_updates,
                 "checkpoint_every_seconds": self.every_n_seconds, "keep": self.keep}
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         require_strategy(trainer, "PSCheckpoint")

@@ -11,10 +11,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from typing_extensions import override
 
 from plug_asgd.callbacks.common import require_strategy, run_dir
 from plug_asgd.lightning_bridge.namespaces import LightningBound
@@ -73,11 +75,15 @@ class Supervisor(LightningBound):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._file: Path | None = None  # set up with the trainer (its log dir)
+        self._start = 0.0
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         require_strategy(trainer, "Supervisor")
         self._file = run_dir(trainer, self.dirpath, "") / "supervisor.jsonl"
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = require_strategy(trainer, "Supervisor")
         if not trainer.is_global_zero:
@@ -91,6 +97,15 @@ class Supervisor(LightningBound):
                                                                   strategy.connection.ps_keys, strategy.compressor),
                                         name="plug_asgd-supervisor", daemon=True)
         self._thread.start()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The evaluations so far: a fit resumed from a Lightning checkpoint goes on with them."""
+        return {"records": list(self.records)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.records = list(state_dict.get("records", []))
 
     def _watch(self, model: torch.nn.Module, address: str | list[str], mode: str, keys: Any = None,
                codec: Any = None) -> None:
@@ -152,11 +167,13 @@ class Supervisor(LightningBound):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=int(record["version"]))
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._thread is not None:
             self._flush(trainer)
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._thread is not None:
             self._stop.set()
@@ -164,5 +181,6 @@ class Supervisor(LightningBound):
             self._thread = None
             self._flush(trainer)
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop.set()

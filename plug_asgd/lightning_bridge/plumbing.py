@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_only
+from typing_extensions import override
 
 from plug_asgd.lightning_bridge.namespaces import LightningBound
 
@@ -27,11 +28,13 @@ class DDPPlumbing(LightningBound):
     _num_nodes: int
 
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
 
     @property
+    @override
     def num_nodes(self) -> int:
         return self._num_nodes
 
@@ -40,17 +43,21 @@ class DDPPlumbing(LightningBound):
         self._num_nodes = num_nodes
 
     @property
+    @override
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
+    @override
     def is_distributed(self) -> bool:
         return True
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
@@ -58,12 +65,14 @@ class DDPPlumbing(LightningBound):
         else:
             self._launcher = self.process_launcher(self, start_method=self._start_method)
 
+    @override
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
