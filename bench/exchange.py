@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from bench.common import free_port_block
 from bench.step_timing import SquareLinears, fit_steps, quiet, rounds, strategies
 
 WIDTH = {"full": 1673, "quick": 512}  # 4 * (w * w + w): 11,202,408 and 1,050,624 parameters
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(configs)}")
         configs = {c: configs[c] for c in wanted}
     quiet()
+    # the fits' embedded PS listens on Lightning's main port: one nothing else holds
+    os.environ.setdefault("MASTER_PORT", str(free_port_block(4)))
     width = WIDTH[size]
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(BATCHES * BATCH, width), torch.randn(BATCHES * BATCH, width) * 0.1)

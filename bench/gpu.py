@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from bench.common import free_port_block
 from bench.step_timing import fit_steps, quiet, rounds
 from plug_asgd import AdaComp, AsyncPSStrategy
 from plug_asgd.recipes.cifar10_models import ResNet18Cifar
@@ -87,7 +88,7 @@ def one_worker(precision: str, batch: int) -> dict[str, Any]:
 def shared_gpu(mode: str, steps: int, batch: int, args: argparse.Namespace) -> float:
     """Summed samples/s of :data:`WORKERS` processes at once on the device: nodes of one job (``mode``), or
     plain Lightning processes side by side (``"plain"``)."""
-    port = 29500 + (os.getpid() % 1000) * 4
+    port = free_port_block(WORKERS + 2)  # DDP's store, then the embedded PS
     out = Path(args.work) / f"shared-{mode}"
     out.mkdir(parents=True, exist_ok=True)
     processes = []
@@ -140,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "gpu" and not torch.cuda.is_available():
         parser.error("no CUDA GPU here: this benchmark measures one (--device cpu --quick checks its code)")
     quiet()
+    # the fits' embedded PS listens on ports from Lightning's main port: a block nothing else holds
+    os.environ.setdefault("MASTER_PORT", str(free_port_block(8)))
     steps = args.steps or (5 if args.quick else 60)
     warmup = 3 if args.quick else 20
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if args.device == "gpu" else "cpu"}

@@ -269,7 +269,8 @@ class AsyncPSStrategy(DDPPlumbing):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._phase = Phase.FAILED
+        if self._phase is not Phase.IDLE:  # (an exception before the stage began, as the PS's, has nothing to end)
+            self._phase = Phase.FAILED
 
     def _leave_batches(self) -> None:
         if self._phase is Phase.BATCHES:
