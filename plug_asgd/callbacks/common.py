@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from plug_asgd.strategy import AsyncPSStrategy
 
@@ -25,3 +25,16 @@ def run_dir(trainer: pl.Trainer, dirpath: str | os.PathLike[str] | None, leaf: s
         return Path(dirpath)
     log_dir = trainer.log_dir
     return Path(log_dir if trainer.loggers and log_dir is not None else trainer.default_root_dir) / leaf
+
+
+class KeepsRecords:
+    """A callback whose ``records`` (its evaluations, its measurements) a Lightning checkpoint keeps: what
+    ``Callback.state_dict`` saves and ``load_state_dict`` gives back, so a resumed fit goes on with them."""
+
+    records: list[dict[str, Any]]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"records": list(self.records)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.records = list(state_dict.get("records", []))

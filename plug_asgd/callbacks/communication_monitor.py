@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 from typing_extensions import override
 
-from plug_asgd.callbacks.common import require_strategy, run_dir
+from plug_asgd.callbacks.common import KeepsRecords, require_strategy, run_dir
 from plug_asgd.lightning_bridge.namespaces import LightningBound
 from plug_asgd.strategy import AsyncPSStrategy
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); p
     import pytorch_lightning as pl
 
 
-class CommunicationMonitor(LightningBound):
+class CommunicationMonitor(KeepsRecords, LightningBound):
     """Per worker: local steps, mean training loss, bytes up and down, compute vs communication time,
     and the staleness of its pushes, every ``every_n_steps`` local steps and at the end of training.
 
@@ -72,15 +72,6 @@ class CommunicationMonitor(LightningBound):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._steps % self.every_n_steps:
             self._record(trainer)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        """The records so far: a fit resumed from a Lightning checkpoint goes on with them."""
-        return {"records": list(self.records)}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.records = list(state_dict.get("records", []))
 
     def _record(self, trainer: pl.Trainer) -> None:
         stats = self._strategy.comm_stats()

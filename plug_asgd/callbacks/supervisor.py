@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from typing_extensions import override
 
-from plug_asgd.callbacks.common import require_strategy, run_dir
+from plug_asgd.callbacks.common import KeepsRecords, require_strategy, run_dir
 from plug_asgd.lightning_bridge.namespaces import LightningBound
 from plug_asgd.sharding.config import connect
 from plug_asgd.strategy import synced_tensors
@@ -42,7 +42,7 @@ def classification_metrics(module: torch.nn.Module, batch: Any) -> dict[str, flo
             "correct": float((logits.argmax(dim=1) == y).sum()), "count": float(y.numel())}
 
 
-class Supervisor(LightningBound):
+class Supervisor(KeepsRecords, LightningBound):
     """Evaluates the central model on ``dataloader`` while training runs, as the seeds' Supervisor node.
 
     On global rank 0, a thread with its own connection to the PS pulls the central model every
@@ -97,15 +97,6 @@ class Supervisor(LightningBound):
                                                                   strategy.connection.ps_keys, strategy.compressor),
                                         name="plug_asgd-supervisor", daemon=True)
         self._thread.start()
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        """The evaluations so far: a fit resumed from a Lightning checkpoint goes on with them."""
-        return {"records": list(self.records)}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.records = list(state_dict.get("records", []))
 
     def _watch(self, model: torch.nn.Module, address: str | list[str], mode: str, keys: Any = None,
                codec: Any = None) -> None:
