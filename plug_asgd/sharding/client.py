@@ -16,7 +16,7 @@ shard runs its own rounds. Where the shards answered differently (a sync push th
 its round and another dropped as late: with ``replicas_to_aggregate`` below the training workers,
 each shard averages the first pushes it received), the reply says ``partly_applied``.
 
-Per shard, as on one PS: delta replies (each client's :class:`~plug_asgd.worker.client.HeldModel`),
+Per shard, as on one PS: delta replies (each client's :class:`~plug_asgd.worker.held_model.HeldModel`),
 approximate replies (``downlink_fraction``: each shard keeps its own copy of what the worker holds),
 heartbeats, duplicate detection. Not sharded yet: pushes of weights (a shard could take them while
 another refuses, and the update sent next would fold twice where they were taken) and shared-memory

@@ -14,7 +14,7 @@ version they were based on, ``s = 1``, no look-ahead), two things hold:
 
 The codec encodes ``w - c`` chunk by chunk (``Codec.encode_difference``) and the PS answers "own": the
 new central model is ``c`` plus what was sent, decoded as the PS decodes it, and the client makes it
-itself (:meth:`plug_asgd.worker.client.HeldModel.add`). With the residual implicit the weights are then right as
+itself (:meth:`plug_asgd.worker.held_model.HeldModel.add`). With the residual implicit the weights are then right as
 they are, ``w - c_new`` being the new residual plus the progress: nothing is written but the sparse
 coordinates sent. A reply that another worker's push raced is merged as ``w += (c_new - c_old) -
 sent`` (``c_old``: the arrays the client lent, which its replies do not write), which keeps the invariant.
@@ -36,8 +36,9 @@ from torch import Tensor
 
 from plug_asgd.compressors import Compressor, decode
 from plug_asgd.protocol.wire import Sparse
-from plug_asgd.worker.client import HeldModel, ModelReply, PSClient
+from plug_asgd.worker.client import ModelReply, PSClient
 from plug_asgd.worker.exchange.in_flight import InFlight
+from plug_asgd.worker.held_model import HeldModel
 
 _UNCHANGED = np.zeros(0, dtype=np.int64)
 RESIDUAL = "residual"  # w = c + r + p: the residual is w - c less the progress, kept nowhere else

@@ -21,8 +21,9 @@ from torch import Tensor
 from plug_asgd.compressors import Compressor, ErrorFeedback, TopK, TopKResidual
 from plug_asgd.protocol.wire import Sparse
 from plug_asgd.protocol.wire import Tensor as WireTensor
-from plug_asgd.worker.client import HeldModel, ModelReply
+from plug_asgd.worker.client import ModelReply
 from plug_asgd.worker.exchange.held_base import RESIDUAL, HeldBase
+from plug_asgd.worker.held_model import HeldModel
 
 
 def largest_differences(w: Tensor, c: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,95 @@
+"""The central model a worker's client holds, brought up to date with only what changed (delta replies)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from plug_asgd.protocol.wire import Sparse, Tensor
+from plug_asgd.worker.transport import PSError
+
+
+class HeldModel:
+    """The last central model a client received, which the PS may bring up to date with only what changed.
+
+    A worker that trains with a sparse codec (AdaComp, top-k, random-k) changes a few coordinates per
+    push; once the PS knows the worker holds version ``v`` of its model (``have``), it answers with the
+    current values of the coordinates changed since, or with the tensors that changed whole
+    (``plug_asgd.ps.changes``). The patched arrays are the central model of the reply's version, bit for
+    bit. An array a reply returned is never written afterwards (a change goes into a copy), so a caller
+    may keep it, as the staleness compensation keeps the last central model; nor is one :meth:`lend` gave
+    out, by a reply. The rest are written in place: a worker whose pushes are answered "own" (:meth:`add`)
+    copies nothing per push.
+    """
+
+    def __init__(self) -> None:
+        self.model_id: str | None = None
+        self.version = -1
+        self.tensors: dict[str, np.ndarray] = {}
+        self.exact = True  # the central model of ``version``, not a copy near it (approximate replies)
+        self._returned: set[str] = set()  # arrays a reply returned: never written again
+        self._lent: set[str] = set()  # arrays lend() gave out: written by add() only
+
+    @property
+    def have(self) -> tuple[str, int] | None:
+        return (self.model_id, self.version) if self.model_id is not None else None
+
+    def keep(self, model_id: Any, version: int, tensors: dict[str, np.ndarray]) -> None:
+        """A whole model arrived (the received arrays are kept as they are: no copy)."""
+        self.exact = True
+        self._returned, self._lent = set(tensors), set()
+        if isinstance(model_id, str) and model_id:
+            self.model_id, self.version, self.tensors = model_id, version, dict(tensors)
+        else:  # a PS that does not send deltas
+            self.model_id, self.version, self.tensors = None, -1, {}
+
+    def patch(self, delta: dict[str, Tensor], version: int, exact: bool = True) -> dict[str, np.ndarray]:
+        """Apply what changed (sparse: current values at the changed coordinates; dense: whole tensors); not
+        ``exact``: only the largest differences were sent. Returns the model as read-only views."""
+        for name, part in delta.items():
+            held = self.tensors.get(name)
+            if held is None or tuple(part.shape) != held.shape:
+                self.keep(None, -1, {})  # all or nothing: the next request asks for the whole model
+                raise PSError("bad_reply", f"the parameter server sent a change of tensor {name!r} of shape "
+                                           f"{tuple(part.shape)}, which this client does not hold")
+        for name, part in delta.items():
+            if isinstance(part, Sparse):
+                self._writable(name, self._returned | self._lent).reshape(-1)[part.indices] = part.values
+            else:
+                self.tensors[name] = np.asarray(part)
+        self.version, self.exact = version, exact
+        self._returned, self._lent = set(self.tensors), set()
+        out = {}
+        for name, array in self.tensors.items():
+            view = array.view()
+            view.flags.writeable = False
+            out[name] = view
+        return out
+
+    def lend(self) -> dict[str, np.ndarray]:
+        """The arrays as they are now, for a worker to read while its push is answered: a reply writes copies
+        from now on, so these stay the model of this version unless the worker itself :meth:`add` s to them."""
+        self._lent = set(self.tensors)
+        return dict(self.tensors)
+
+    def add(self, update: dict[str, np.ndarray | Sparse], version: int) -> None:
+        """The PS answered "own": its model is this one plus ``update``, decoded as it decoded it
+        (:func:`plug_asgd.compressors.decode`), added with the same float operations: the same bits. In place
+        (lent arrays too), but into copies of arrays a reply returned."""
+        for name, part in update.items():
+            held = self._writable(name, self._returned)
+            if isinstance(part, Sparse):
+                held.reshape(-1)[part.indices] += part.values
+            else:
+                np.add(held, part, out=held)
+        self.version = version
+
+    def _writable(self, name: str, kept: set[str]) -> np.ndarray:
+        """``name``'s array to write, copied first where it is among ``kept`` (or a read-only received frame)."""
+        array = self.tensors[name]
+        if name in kept or not array.flags.writeable:
+            array = self.tensors[name] = np.array(array, copy=True)
+            self._returned.discard(name)
+            self._lent.discard(name)
+        return array
