@@ -75,11 +75,11 @@ class PushExchange(Exchange):
 
     def send(self) -> None:
         """Send ``w - w_base`` (over the steps it spans, for agn/sagn); take the central model if a pull is due."""
+        self.finish()  # the push in flight first: one request at a time
         link = self._link
         tensors = link.tensors()
         want_model = self.mode.pull_every is None or self.since_pull >= self.mode.pull_every
         cheap_refusal = self.shared_buffers and link.client.shares_memory  # else a lone worker's only
-        self.finish()  # (a push of weights answered "not_current" sends its update from here)
         if (want_model and self.weights_ok and link.client.takes_weights and self.base_is_central
                 and self.dense(tensors) and self.scale() == 1.0 and (cheap_refusal or link.world_size == 1)
                 and self.push_weights(tensors)):
@@ -88,6 +88,11 @@ class PushExchange(Exchange):
         if found is not None:
             self.push_from_held(tensors, found)
             return
+        self.push_update(tensors, want_model)
+
+    def push_update(self, tensors: dict[str, Tensor], want_model: bool) -> None:
+        """Push ``w - w_base`` (encoded) from the exchange's own base, and take the reply."""
+        link = self._link
         self.leave_held_base()
         update, deltas, exact = self.update(tensors)
         self.since_push = 0
@@ -149,10 +154,10 @@ class PushExchange(Exchange):
         """Take the reply to a push of weights: "own" (the weights sent are the base now), the whole model, or
         "not_current" (another push came first, nothing was folded: ``w - base`` is pushed now instead)."""
         reply = push.answered()
-        if reply.status == "not_current":
-            self.weights_ok = False
+        if reply.status == "not_current":  # nothing folded: the same progress goes as an update (the weights have
+            self.weights_ok = False        # not changed since: the optimizer writes them after this)
             self.base_lent = False
-            self.send()
+            self.push_update(self._link.tensors(), want_model=True)
             return
         self.count_staleness(reply, base)
         if reply.own:  # the PS's model is what we sent: it is our base now
