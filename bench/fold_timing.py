@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from bench.zmqtools import fold_into, torch_fold
-from plug_asgd.modes.rules import _quiet, all_finite
+from plug_asgd.modes.fold import _quiet, all_finite
 from plug_asgd.modes.slices import SlicePool
 
 # the recipe CNN's largest tensor, 128 x 9216; the fold of the other 20K values is noise beside it

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from enum import Enum
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -38,6 +37,8 @@ from plug_asgd.worker.client import PSClient
 from plug_asgd.worker.collectives import Collectives
 from plug_asgd.worker.compensation import StalenessCompensation, resolve
 from plug_asgd.worker.exchange import Link, make_exchange
+from plug_asgd.worker.phase import Phase
+from plug_asgd.worker.tensors import synced_tensors
 
 log = logging.getLogger("plug_asgd.strategy")
 
@@ -47,24 +48,7 @@ if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); p
     from pytorch_lightning.plugins import CheckpointIO, ClusterEnvironment, Precision
 
 
-# TrainerFn.FITTING and RunningStage.TRAINING of either namespace (str enums, equal to their values)
-_FITTING, _TRAINING = "fit", "train"
-
-
-class Phase(Enum):
-    """Where a worker is in a Lightning stage (a fit, a validation, a test, a prediction), as the strategy sees it."""
-
-    IDLE = "idle"  # between stages: no collective goes through the PS
-    STAGE = "stage"  # in a stage, outside the training loop's batches (setup, evaluation, their hooks)
-    BATCHES = "batches"  # in the training loop's batches: a broadcast is a notice, answered without waiting
-    FAILED = "failed"  # an exception ended the stage's work: teardown says goodbye without leaving the fit
-
-def synced_tensors(module: Any) -> dict[str, Tensor]:
-    """``module``'s floating-point parameters and buffers (BatchNorm statistics): what the PS holds."""
-    assert module is not None
-    tensors = {n: p for n, p in module.named_parameters() if p.is_floating_point()}
-    tensors.update((n, b) for n, b in module.named_buffers() if b.is_floating_point())
-    return tensors
+_FITTING, _TRAINING = "fit", "train"  # TrainerFn.FITTING and RunningStage.TRAINING of either namespace (str enums)
 
 
 class AsyncPSStrategy(DDPPlumbing):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from plug_asgd.modes import EASGD, LOSP, SAGN, LocalSGD, Mode
-from plug_asgd.modes.rules import APPLIED, CentralState, Push
+from plug_asgd.modes.fold import APPLIED, CentralState, Push
 from plug_asgd.worker.client import ModelReply
 from plug_asgd.worker.compensation import resolve
 from plug_asgd.worker.exchange import Exchange, Link, make_exchange

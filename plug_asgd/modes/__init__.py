@@ -13,21 +13,8 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from plug_asgd import registry
-from plug_asgd.modes.rules import (
-    APPLIED,
-    DROPPED,
-    AdaCompRule,
-    AsgdRule,
-    CentralState,
-    DynSGDRule,
-    FoldRule,
-    Push,
-    Resolution,
-    SSPRule,
-    SyncRule,
-    all_finite,
-    can_fold_into,
-)
+from plug_asgd.modes.fold import APPLIED, DROPPED, CentralState, Push, Resolution, all_finite, can_fold_into
+from plug_asgd.modes.rules import AdaCompRule, AsgdRule, DynSGDRule, FoldRule, SSPRule, SyncRule
 from plug_asgd.modes.schemes import (
     AGN,
     EAMSGD,

@@ -1,7 +1,10 @@
-"""Copying one tensor to or from a numpy array: the CPU path of :mod:`plug_asgd.worker.staging` (which the exchanges
-use for the whole model), and what the collectives and the callbacks use for their one-off tensors."""
+"""A module's tensors that the PS holds (:func:`synced_tensors`), and copying one tensor to or from a numpy array:
+the CPU path of :mod:`plug_asgd.worker.staging` (which the exchanges use for the whole model), and what the
+collectives and the callbacks use for their one-off tensors."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,3 +26,11 @@ def assign(target: Tensor, array: np.ndarray) -> None:
             target.detach().numpy()[...] = array.reshape(target.shape)
         else:
             target.copy_(torch.tensor(array).reshape(target.shape))
+
+
+def synced_tensors(module: Any) -> dict[str, Tensor]:
+    """``module``'s floating-point parameters and buffers (BatchNorm statistics): what the PS holds."""
+    assert module is not None
+    tensors = {n: p for n, p in module.named_parameters() if p.is_floating_point()}
+    tensors.update((n, b) for n, b in module.named_buffers() if b.is_floating_point())
+    return tensors
