@@ -20,7 +20,7 @@ import zmq
 
 import bench.zmqtools as zt
 from bench.common import time_calls
-from plug_asgd.modes import rules
+from plug_asgd.modes import fold
 from plug_asgd.protocol.wire import encode
 from plug_asgd.ps import ParameterServer, PSConfig
 from plug_asgd.ps import server as serving
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         for frames in pushes[:warm]:
             server.on_frames(frames)
         for owner, name, label in ((ParameterServer, "on_frames", "whole handling"), (serving, "decode", "decode"),
-                                   (rules, "_fold_out_of_place", "fold and check"),
+                                   (fold, "_fold_out_of_place", "fold and check"),
                                    (ParameterServer, "_send_model", "reply")):
             time_calls(owner, name, TIMES[label])
         for frames in pushes[warm:]:
