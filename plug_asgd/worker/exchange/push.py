@@ -38,6 +38,7 @@ class PushExchange(Exchange):
     def __init__(self, mode: PushMode, **kwargs: Any) -> None:
         super().__init__(mode, **kwargs)
         self.delta_buffers: dict[str, Tensor] = {}
+        self.encoded_buffers: dict[str, Tensor] = {}  # an update to encode, made here (not in the PS's memory)
         # whether those buffers and the base are in memory the PS maps: a push of weights the PS does not
         # take then cost a header; over the socket, the model's bytes, so only a lone worker sends them
         self.shared_buffers = False
@@ -138,7 +139,7 @@ class PushExchange(Exchange):
         buffers (the PS reads them, or the socket sends them, while ``w`` is free to change), and
         on an "own" reply those buffers become the base: no copy back.
         """
-        if not self.buffers_fit(tensors):
+        if not self.buffers_fit(tensors, self.delta_buffers):
             self.delta_buffers = self.new_delta_buffers(tensors)
         sent = self.delta_buffers
         with torch.no_grad():
@@ -306,29 +307,28 @@ class PushExchange(Exchange):
     def update(self, tensors: dict[str, Tensor]) -> tuple[dict[str, Any], dict[str, Tensor], bool]:
         """The update to push (``w - w_base``, encoded), the deltas, and whether the PS may answer "own".
 
-        A dense float32 update is made in buffers kept across pushes (no 4.8 MB allocation per
-        step for the recipe CNN; in memory the PS maps, when it offers that), free again once the
-        PS has replied. Sent as it is, it can be answered "your base plus this" instead of the
-        model (see ``PSClient.push``).
+        The update is made in buffers kept across pushes (no allocation of the model's size per
+        step; a dense float32 one in memory the PS maps, when it offers that), free again once the
+        PS has replied (an encoder keeps nothing of what it is given). Sent as it is, a dense update
+        can be answered "your base plus this" instead of the model (see ``PSClient.push``).
         """
         scale = self.scale()
         dense = self.dense(tensors)
         exact = dense and self.base_is_central and scale == 1.0
-        if dense and not self.buffers_fit(tensors):
+        if dense and not self.buffers_fit(tensors, self.delta_buffers):
             self.delta_buffers = self.new_delta_buffers(tensors)
+        if not dense and not self.buffers_fit(tensors, self.encoded_buffers):
+            self.encoded_buffers = {n: torch.empty_like(t.detach()) for n, t in tensors.items()}
+        buffers = self.delta_buffers if dense else self.encoded_buffers
         deltas = {}
         for name, t in tensors.items():
-            if dense:
-                deltas[name] = torch.sub(t.detach(), self.base[name], out=self.delta_buffers[name])
-                if scale != 1.0:
-                    deltas[name].mul_(scale)
-            else:
-                deltas[name] = t.detach() - self.base[name]
+            deltas[name] = torch.sub(t.detach(), self.base[name], out=buffers[name])
+            if scale != 1.0:
+                deltas[name].mul_(scale)
         update: dict[str, Any] = self.staging.to_host(deltas)  # on a GPU: every copy queued, one wait
         if not dense:
             for name, t in tensors.items():
-                delta = update[name]
-                update[name] = self.encoder.encode(name, delta * scale if scale != 1.0 else delta)
+                update[name] = self.encoder.encode(name, update[name])
                 if isinstance(update[name], Sparse):
                     self.compensator.mask(self.optimizers, t, update[name].indices)
         return update, deltas, exact
@@ -356,10 +356,11 @@ class PushExchange(Exchange):
     def dense(self, tensors: dict[str, Tensor]) -> bool:
         return isinstance(self.encoder, NoCompression) and all(t.dtype == torch.float32 for t in tensors.values())
 
-    def buffers_fit(self, tensors: dict[str, Tensor]) -> bool:
-        buffers = self.delta_buffers
+    @staticmethod
+    def buffers_fit(tensors: dict[str, Tensor], buffers: dict[str, Tensor]) -> bool:
         return buffers.keys() == tensors.keys() and all(
-            buffers[n].shape == t.shape and buffers[n].device == t.device for n, t in tensors.items())
+            buffers[n].shape == t.shape and buffers[n].device == t.device and buffers[n].dtype == t.dtype
+            for n, t in tensors.items())
 
     def new_delta_buffers(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """Buffers for dense updates: in memory the PS maps where it can (``shm_pushes``), else private.
