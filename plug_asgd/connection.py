@@ -6,8 +6,8 @@ stage connects, places the PS: one embedded PS, ``ps_shards=N`` embedded shards,
 (:mod:`plug_asgd.ps_launcher`), connects one client (a :class:`~plug_asgd.worker.client.PSClient`, or a
 :class:`~plug_asgd.sharding.client.ShardedClient` over the shards) that every later stage reuses, says goodbye at a
 stage's end and shuts both down at exit. Kept apart from the strategy so that its Lightning life cycle does not
-carry the PS's placement; the strategy hands in what only Lightning knows (itself as the :class:`Job`, the model's
-shapes, the trainer). Imports neither Lightning namespace.
+carry the PS's placement; the strategy hands in what only Lightning knows (the worker's :class:`Placement`, the
+model's shapes, the trainer). Imports neither Lightning namespace.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from plug_asgd.compressors import Codec
 from plug_asgd.modes import Mode
+from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT, PSConfig
 from plug_asgd.ps_launcher import (
     EmbeddedPS,
     check_arguments,
@@ -67,53 +69,128 @@ def _release(embedded: EmbeddedPS, clients: list[PSClient | ShardedClient]) -> N
     embedded.stop()
 
 
-class Job(Protocol):
-    """This worker's place in the job: what a Lightning ``ParallelStrategy`` knows (the strategy passes itself), read
-    only where needed, as the ranks are known only once the workers are launched."""
+@dataclass(frozen=True)
+class Placement:
+    """This worker's place in the job, as the strategy knows it once Lightning has launched the workers.
 
-    elastic_environment: Any  # torchrun's environment class, whose agent serves its store on the main port
+    Attributes:
+        main_address: the cluster's main address (None: no cluster environment, so no embedded PS to place).
+        main_port: the cluster's main port.
+        elastic: whether torchrun launched the job (its agent serves its store on the main port).
+        num_nodes: the job's node count.
+        node_rank: this worker's node.
+        local_rank: this worker's rank on its node.
+        global_rank: this worker's rank in the job.
+        world_size: the job's worker count.
+    """
+
+    main_address: str | None
+    main_port: int
+    elastic: bool
+    num_nodes: int
+    node_rank: int
+    local_rank: int
+    global_rank: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class PSSettings:
+    """The strategy's parameter-server arguments, checked once when built (``AsyncPSStrategy``'s Args say each).
+
+    Attributes:
+        ps_address: an external PS's address, or one per shard; None: an embedded PS.
+        ps_port: the embedded PS's port (None: the cluster's main port, + 1 under torchrun).
+        ps_shards: embedded shards, a count or ``"per_node"``; None: one PS.
+        max_updates: the PS stops every worker after this many updates.
+        connect_timeout: seconds to wait for the PS's first answer.
+        request_timeout: seconds to wait for any reply.
+        lost_timeout: seconds to wait for a PS whose connection dropped.
+        heartbeat_s: seconds between heartbeats, ``"auto"`` or None.
+        worker_timeout: seconds of silence after which the embedded PS declares a worker lost.
+        resume_from: a PS checkpoint file or folder the embedded PS starts from.
+        ps_run_dir: where the embedded PS writes its metrics.
+        ps_keys: CURVE keys folder.
+        ps_insecure: let the embedded PS listen beyond loopback without keys.
+        ps_threads: the embedded PS's fold threads.
+        delta_replies: replies carry only what changed, where that is less.
+        downlink_fraction: the share of each tensor a reply carries (None: all).
+        downlink_bound: every coordinate off by more than this is sent too.
+
+    Raises:
+        ValueError: an argument out of range (:func:`~plug_asgd.ps_launcher.check_arguments`).
+    """
+
+    ps_address: str | list[str] | None = None
+    ps_port: int | None = None
+    ps_shards: int | Literal["per_node"] | None = None
+    max_updates: int | None = None
+    connect_timeout: float = 60.0
+    request_timeout: float = 600.0
+    lost_timeout: float = 60.0
+    heartbeat_s: float | Literal["auto"] | None = "auto"
+    worker_timeout: float = DEFAULT_WORKER_TIMEOUT
+    resume_from: str | os.PathLike[str] | None = None
+    ps_run_dir: str | os.PathLike[str] | None = None
+    ps_keys: str | os.PathLike[str] | None = None
+    ps_insecure: bool = False
+    ps_threads: int = 1
+    delta_replies: bool = True
+    downlink_fraction: float | None = None
+    downlink_bound: float | None = None
+
+    def __post_init__(self) -> None:
+        check_arguments(max_updates=self.max_updates, heartbeat_s=self.heartbeat_s,
+                        worker_timeout=self.worker_timeout, ps_address=self.ps_address, ps_threads=self.ps_threads,
+                        downlink_fraction=self.downlink_fraction, downlink_bound=self.downlink_bound)
 
     @property
-    def cluster_environment(self) -> Any: ...  # the main address and port
+    def heartbeat_seconds(self) -> float | None:
+        """``heartbeat_s`` with ``"auto"`` resolved against ``worker_timeout``."""
+        return check_arguments(max_updates=self.max_updates, heartbeat_s=self.heartbeat_s,
+                               worker_timeout=self.worker_timeout, ps_address=self.ps_address,
+                               ps_threads=self.ps_threads)
+
     @property
-    def num_nodes(self) -> int: ...
-    @property
-    def node_rank(self) -> int: ...
-    @property
-    def local_rank(self) -> int: ...
-    @property
-    def global_rank(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
+    def downlink(self) -> dict[str, float | None]:
+        """The downlink's options, as :class:`~plug_asgd.ps.PSConfig` names them."""
+        return {"downlink_fraction": self.downlink_fraction, "downlink_bound": self.downlink_bound}
 
 
-def _elastic(job: Job) -> bool:
-    return isinstance(job.cluster_environment, job.elastic_environment)
+@dataclass(frozen=True)
+class PSHandle:
+    """What a callback is handed of the PS that a strategy trains against (``AsyncPSStrategy.ps_handle()``).
+
+    Attributes:
+        endpoints: every shard's address, in order (one: an unsharded PS).
+        mode: the mode's name, which the PS checks at hello.
+        codec: the workers' codec, which decides how a sharded PS cuts the model.
+        keys: the CURVE keys the workers connect with (None: none).
+        comm_stats: this worker's communication counters (``AsyncPSStrategy.comm_stats``).
+        ps_stats: the PS's counters (``AsyncPSStrategy.ps_stats``).
+    """
+
+    endpoints: list[str]
+    mode: str
+    codec: Codec
+    keys: str | os.PathLike[str] | None
+    comm_stats: Callable[[], dict[str, Any]]
+    ps_stats: Callable[[], dict[str, Any]]
 
 
 class PSConnection:
-    """The strategy's PS: its arguments, its placement, the embedded processes this rank started, this worker's client.
+    """The strategy's PS: its settings, its placement, the embedded processes this rank started, this worker's client.
 
-    The arguments keep the strategy's names (those :func:`~plug_asgd.ps_launcher.ps_config` reads)."""
+    Args:
+        mode: the training scheme, whose name the PS checks and whose server options it takes.
+        codec: the workers' codec (it decides how a sharded PS cuts the model).
+        settings: the strategy's PS arguments.
+    """
 
-    def __init__(self, mode: Mode, codec: Codec, *, ps_address: str | list[str] | None, ps_port: int | None,
-                 ps_shards: int | Literal["per_node"] | None, max_updates: int | None, connect_timeout: float,
-                 request_timeout: float, lost_timeout: float, heartbeat_s: float | Literal["auto"] | None,
-                 worker_timeout: float, resume_from: str | os.PathLike[str] | None,
-                 ps_run_dir: str | os.PathLike[str] | None, ps_keys: str | os.PathLike[str] | None, ps_insecure: bool,
-                 ps_threads: int, delta_replies: bool, downlink_fraction: float | None,
-                 downlink_bound: float | None) -> None:
-        self.heartbeat_s = check_arguments(max_updates=max_updates, heartbeat_s=heartbeat_s,
-                                           worker_timeout=worker_timeout, ps_address=ps_address, ps_threads=ps_threads,
-                                           downlink_fraction=downlink_fraction, downlink_bound=downlink_bound)
-        self.mode, self.codec = mode, codec
-        self.max_updates, self.ps_address, self.ps_port = max_updates, ps_address, ps_port
-        self.shards = sharded(ps_address, ps_shards, mode, codec)  # a count, or "per_node"
-        self.connect_timeout, self.request_timeout, self.lost_timeout = connect_timeout, request_timeout, lost_timeout
-        self.worker_timeout, self.resume_from, self.ps_run_dir = worker_timeout, resume_from, ps_run_dir
-        self.ps_keys, self.ps_insecure, self.ps_threads = ps_keys, ps_insecure, ps_threads
-        self.delta_replies = delta_replies
-        self.downlink = {"downlink_fraction": downlink_fraction, "downlink_bound": downlink_bound}
+    def __init__(self, mode: Mode, codec: Codec, settings: PSSettings) -> None:
+        self.mode, self.codec, self.settings = mode, codec, settings
+        self.heartbeat_s = settings.heartbeat_seconds
+        self.shards = sharded(settings.ps_address, settings.ps_shards, mode, codec)  # a count, or "per_node"
         self.client: PSClient | ShardedClient | None = None
         self.embedded = EmbeddedPS()
         self.stats_at_exit: dict[str, Any] | None = None  # the PS's counters as this worker last left a stage
@@ -129,28 +206,50 @@ class PSConnection:
         return self.shards == PER_NODE
 
     def shard_count(self, num_nodes: int) -> int:
-        """How many shards the PS has (1: one PS); with ``ps_shards="per_node"``, the job's ``num_nodes``."""
+        """How many shards the PS has (1: one PS); with ``ps_shards="per_node"``, the job's ``num_nodes``.
+
+        Args:
+            num_nodes: the job's node count.
+        """
         return num_nodes if self.per_node else int(self.shards)
 
-    def endpoints(self, job: Job) -> tuple[list[str], list[str] | None]:
-        """The addresses workers connect to (one per shard), and those rank 0 binds (None: an external PS)."""
+    def endpoints(self, job: Placement) -> tuple[list[str], list[str] | None]:
+        """The addresses workers connect to (one per shard), and those rank 0 binds (None: an external PS).
+
+        Args:
+            job: this worker's place in the job (its cluster's main address and port, the node count).
+
+        Raises:
+            RuntimeError: with ``ps_shards="per_node"`` on several nodes, before the workers connected (the shards'
+                addresses are learned then).
+        """
         if self.per_node and job.num_nodes > 1:
             if self._shard_addresses is None:
                 raise RuntimeError("with ps_shards='per_node' the shards' addresses are known once the workers have "
                                    "connected (trainer.fit, validate or test)")
             return self._shard_addresses, None
-        env = job.cluster_environment
-        return endpoints(self.ps_address, self.ps_port, self.shard_count(job.num_nodes), env, _elastic(job))
+        settings = self.settings
+        return endpoints(settings.ps_address, settings.ps_port, self.shard_count(job.num_nodes), job.main_address,
+                         job.main_port, job.elastic)
 
-    def connect(self, job: Job, shapes: Shapes, trainer: Any,
+    def connect(self, job: Placement, shapes: Shapes, trainer: Any,
                 on_shutdown: Callable[[], None] | None = None) -> PSClient | ShardedClient:
         """This worker's client (made once: later stages reuse it), after starting the embedded PS or shards this rank
         owns. A placement every rank would refuse (an embedded PS's options for an external one, a bind beyond
         loopback without keys) is refused before anything starts.
 
         One strategy at a time holds a PS in a process: the first connect of a new one (the next Trainer's) shuts the
-        previous ones down, their embedded PS included, before its own starts on the same port. ``on_shutdown`` runs
-        when this one is shut down."""
+        previous ones down, their embedded PS included, before its own starts on the same port.
+
+        Args:
+            job: this worker's place in the job: which rank starts which embedded PS, and where.
+            shapes: the model's synced tensors' shapes, asked once (a sharded PS cuts the model by them).
+            trainer: the Trainer, whose callbacks may configure the embedded PS (None: none).
+            on_shutdown: run when this connection is shut down (the strategy's exchange releases its resources).
+
+        Raises:
+            RuntimeError: this connection was shut down because a later strategy of this process connected.
+        """
         if self.client is not None:
             return self.client
         if self.succeeded:
@@ -169,44 +268,57 @@ class PSConnection:
             self.run = next(_RUNS)
             weakref.finalize(self, _release, self.embedded, self._clients).atexit = False
         _LIVE.add(self)
-        options = {"request_timeout": self.request_timeout, "lost_timeout": self.lost_timeout,
-                   "heartbeat_s": self.heartbeat_s, "keys": self.ps_keys, "delta_replies": self.delta_replies,
+        settings = self.settings
+        options = {"request_timeout": settings.request_timeout, "lost_timeout": settings.lost_timeout,
+                   "heartbeat_s": self.heartbeat_s, "keys": settings.ps_keys, "delta_replies": settings.delta_replies,
                    "run": self.run}
         if self.per_node and job.num_nodes > 1:
             self._shard_addresses = addresses = self._start_per_node(job, shapes, trainer, options)
         else:
             addresses, binds = self.endpoints(job)
-            embedded_options = self.resume_from is not None or configurer(trainer) is not None
-            check_placements(addresses, binds, embedded_options=embedded_options, keys=self.ps_keys,
-                             insecure=self.ps_insecure)
+            embedded_options = settings.resume_from is not None or configurer(trainer) is not None
+            check_placements(addresses, binds, embedded_options=embedded_options, keys=settings.ps_keys,
+                             insecure=settings.ps_insecure)
             if binds is not None and job.global_rank == 0:
-                self.embedded.start(*(ps_config(self, bind, trainer, shard) for bind, shard in shards(binds)))
+                self.embedded.start(*(self._config(bind, trainer, shard) for bind, shard in shards(binds)))
         self.client = connect(addresses, shapes(), self.codec, rank=job.global_rank, world_size=job.world_size,
                               mode=self.mode.name, **options)
         self._clients[:] = [self.client]
         return self.client
 
-    def _start_per_node(self, job: Job, shapes: Shapes, trainer: Any, client_options: dict[str, Any]) -> list[str]:
+    def _start_per_node(self, job: Placement, shapes: Shapes, trainer: Any,
+                        client_options: dict[str, Any]) -> list[str]:
         """``ps_shards="per_node"`` on several nodes: local rank 0 starts this node's shard; every rank learns every
         shard's address through shard 0 (:mod:`plug_asgd.sharding.per_node`). The shards' addresses, in order."""
-        env = job.cluster_environment
-        assert env is not None
-        first, _ = endpoint(None, self.ps_port, env, _elastic(job))
+        assert job.main_address is not None
+        settings = self.settings
+        first, _ = endpoint(None, settings.ps_port, job.main_address, job.main_port, job.elastic)
         port = int(first.rpartition(":")[2])
         # node 0's: the address every node reaches it at, as one embedded PS's (first); another's: its own
-        own = shard_endpoint(node_address(env.main_address, job.node_rank), port, job.node_rank)
-        check_placement(own, own, embedded_options=False, keys=self.ps_keys, insecure=self.ps_insecure)
+        own = shard_endpoint(node_address(job.main_address, job.node_rank), port, job.node_rank)
+        check_placement(own, own, embedded_options=False, keys=settings.ps_keys, insecure=settings.ps_insecure)
         part = make_partition(shapes(), job.num_nodes, self.codec)
         if job.local_rank == 0:
-            self.embedded.start(ps_config(self, own, trainer, f"{job.node_rank}/{job.num_nodes}"))
+            self.embedded.start(self._config(own, trainer, f"{job.node_rank}/{job.num_nodes}"))
         return gather_addresses(first, part, node_rank=job.node_rank, own=own if job.local_rank == 0 else None,
-                        rank=job.global_rank, world_size=job.world_size, mode=self.mode.name,
-                        timeout=self.connect_timeout, alive=self.embedded.gone, **client_options)
+                                rank=job.global_rank, world_size=job.world_size, mode=self.mode.name,
+                                timeout=settings.connect_timeout, alive=self.embedded.gone, **client_options)
+
+    def _config(self, bind: str, trainer: Any, shard: str | None) -> PSConfig:
+        return ps_config(self.settings, self.mode, self.run, bind, trainer, shard)
 
     def hello(self, stage: int, fitting: bool) -> dict[str, Any]:
-        """Joins ``stage`` on the connected PS, waiting up to ``connect_timeout`` (less if the embedded PS exits)."""
+        """Joins ``stage`` on the connected PS, waiting up to ``connect_timeout`` (less if the embedded PS exits).
+
+        Args:
+            stage: this process's stage number (fit, validate, test...: one each, counted alike on every rank).
+            fitting: whether the stage is a fit.
+
+        Raises:
+            RuntimeError: another PS than the one this rank started answers on the embedded PS's port.
+        """
         assert self.client is not None
-        welcome = self.client.hello(stage, fitting, timeout=self.connect_timeout, alive=self.embedded.gone)
+        welcome = self.client.hello(stage, fitting, timeout=self.settings.connect_timeout, alive=self.embedded.gone)
         process = self.embedded.process
         if process is not None and not self.per_node and welcome.get("pid") not in (None, process.pid):
             raise RuntimeError(f"another parameter server (pid {welcome.get('pid')}) answers on the embedded PS's "
@@ -220,7 +332,13 @@ class PSConnection:
 
         Rank 0 stops the embedded PS as soon as every worker has left, hence the counters kept now. After a failure
         (Ctrl-C stops the embedded PS too) this is a courtesy: a PS that went away must not hold the exit up for the
-        client's lost_timeout."""
+        client's lost_timeout.
+
+        Args:
+            stage: the stage being left.
+            failed: whether it ended in an exception: each request then waits a few seconds at most.
+            settle: lets the exchange finish with the socket (one request at a time on it).
+        """
         assert self.client is not None
         try:
             settle()
@@ -231,14 +349,26 @@ class PSConnection:
 
     def counters(self, exchange_stats: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """This worker's counters: the client's (bytes on the wire, waits, staleness), the exchange's
-        (``exchange_stats``) and the reconnections; none before it connected."""
+        (``exchange_stats``) and the reconnections; none before it connected.
+
+        Args:
+            exchange_stats: the exchange's counters (pushes, own replies, local steps...).
+        """
         if self.client is None:
             return {}
         return {**self.client.counters.as_dict(), **exchange_stats(), "reconnections": self.client.reconnections}
 
     def stats(self, in_stage: bool, settle: Callable[[], None]) -> dict[str, Any]:
         """The PS's counters: asked (after ``settle``: one request at a time on the socket) within a stage; between
-        stages those kept as this worker left the last one, for the embedded PS may be gone."""
+        stages those kept as this worker left the last one, for the embedded PS may be gone.
+
+        Args:
+            in_stage: whether a stage is running (the PS is then asked).
+            settle: lets the exchange finish with the socket before the request.
+
+        Raises:
+            RuntimeError: never connected, so no PS to ask and no counters kept.
+        """
         if not in_stage and self.stats_at_exit is not None:
             return dict(self.stats_at_exit)
         if self.client is None:
@@ -248,7 +378,11 @@ class PSConnection:
 
     def shutdown(self, wait_for_workers: float = 30.0) -> None:
         """At exit, or when a later strategy of this process connects: ``on_shutdown``, then let the other workers
-        finish with the PS, then close the client and stop the embedded PS."""
+        finish with the PS, then close the client and stop the embedded PS.
+
+        Args:
+            wait_for_workers: seconds to wait for the other workers to leave the PS before stopping it.
+        """
         _LIVE.discard(self)
         on_shutdown, self._on_shutdown = self._on_shutdown, None
         if on_shutdown is not None:

@@ -21,6 +21,8 @@ NAMESPACE = "lightning.pytorch"
 
 
 class AsyncPSStrategy(strategy.AsyncPSStrategy, ParallelStrategy):
+    """``lightning.pytorch``'s :class:`plug_asgd.strategy.AsyncPSStrategy`, with the original's docstring."""
+
     __doc__ = strategy.AsyncPSStrategy.__doc__
     lightning_namespace = NAMESPACE
     script_launcher = _SubprocessScriptLauncher
@@ -29,16 +31,22 @@ class AsyncPSStrategy(strategy.AsyncPSStrategy, ParallelStrategy):
 
 
 class Supervisor(callbacks.Supervisor, Callback):
+    """``lightning.pytorch``'s :class:`plug_asgd.callbacks.Supervisor`, with the original's docstring."""
+
     __doc__ = callbacks.Supervisor.__doc__
     lightning_namespace = NAMESPACE
 
 
 class PSCheckpoint(callbacks.PSCheckpoint, Callback):
+    """``lightning.pytorch``'s :class:`plug_asgd.callbacks.PSCheckpoint`, with the original's docstring."""
+
     __doc__ = callbacks.PSCheckpoint.__doc__
     lightning_namespace = NAMESPACE
 
 
 class CommunicationMonitor(callbacks.CommunicationMonitor, Callback):
+    """``lightning.pytorch``'s :class:`plug_asgd.callbacks.CommunicationMonitor`, with the original's docstring."""
+
     __doc__ = callbacks.CommunicationMonitor.__doc__
     lightning_namespace = NAMESPACE
 

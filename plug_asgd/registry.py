@@ -9,7 +9,19 @@ T = TypeVar("T")
 
 
 def get(value: str | T | Mapping[str, Any], base: type[T], registry: Mapping[str, type[T]], what: str) -> T:
-    """``value`` as an instance of ``base``: itself, the class named (its defaults), or ``{"name": ..., **knobs}``."""
+    """``value`` as an instance of ``base``: itself, the class named (its defaults), or ``{"name": ..., **knobs}``.
+
+    Args:
+        value: an instance of ``base`` (returned as it is), a registered name, or a mapping of ``"name"`` and the
+            knobs to build it with (as a YAML file gives it).
+        base: the class every entry of ``registry`` derives from (``Mode``, ``Codec``).
+        registry: the registered classes by name.
+        what: what is looked up (``"mode"``, ``"compressor"``), for the error messages.
+
+    Raises:
+        TypeError: where ``value`` is neither a ``base``, a name nor a mapping.
+        ValueError: where the name is not registered, or the class refuses the knobs given.
+    """
     if isinstance(value, base):
         return value
     if isinstance(value, str):

@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from plug_asgd import compressors, modes
 from plug_asgd.compressors import Codec
-from plug_asgd.connection import PSConnection
+from plug_asgd.connection import Placement, PSConnection, PSHandle, PSSettings
 from plug_asgd.lightning_bridge.plumbing import DDPPlumbing
 from plug_asgd.modes import Mode
 from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT
@@ -97,8 +97,29 @@ class AsyncPSStrategy(DDPPlumbing):
             in shared memory the PS maps, the socket carrying only where they lie (``plug_asgd.protocol.push_memory``).
         delta_replies: the PS answers with only what changed since the model the worker holds, where that is
             less (sparse codecs: ``plug_asgd.ps.changes``); off, every reply carries the whole model.
-        downlink_fraction, downlink_bound: the embedded PS answers pushes with only this share of each tensor,
-            where the worker is furthest off, and every coordinate off by more than the bound (``ps.downlink``).
+        downlink_fraction: the embedded PS answers pushes with only this share of each tensor, where the worker is
+            furthest off (``plug_asgd.ps.downlink``); None: the whole tensor.
+        downlink_bound: with ``downlink_fraction``, every coordinate off by more than this is sent too.
+        accelerator: Lightning's, as for DDP's strategy (the Trainer sets it from ``accelerator=``).
+        parallel_devices: this node's devices, one worker each (the Trainer sets them from ``devices=``).
+        cluster_environment: where the ranks and the main address come from (the Trainer picks it: local, SLURM,
+            torchrun...).
+        checkpoint_io: Lightning's checkpoint writer, as for any strategy.
+        precision_plugin: Lightning's precision plugin (the Trainer sets it from ``precision=``).
+
+    Example:
+        >>> import pytorch_lightning as pl
+        >>> from plug_asgd import AdaComp, AsyncPSStrategy
+        >>> trainer = pl.Trainer(strategy=AsyncPSStrategy(mode=AdaComp(overlap=True)), devices=2, accelerator="cpu",
+        ...                      max_epochs=1, logger=False, enable_progress_bar=False)
+        >>> type(trainer.strategy).__module__  # the strategy of the namespace the program imported
+        'plug_asgd.pytorch_lightning'
+        >>> trainer.strategy.mode.name, trainer.strategy.world_size
+        ('adacomp', 2)
+
+        Nothing starts until ``trainer.fit(model)``: Lightning then launches the two workers as for DDP, and global
+        rank 0 starts the embedded PS. The registered names need no import of the classes:
+        ``pl.Trainer(strategy="async_ps_adacomp", ...)``.
     """
 
     strategy_name = "async_ps"
@@ -141,12 +162,13 @@ class AsyncPSStrategy(DDPPlumbing):
         self.compressor = compressors.get(compressor)
         self.mode.check_compressor(self.compressor)
         # the PS's arguments, placement and client (plug_asgd.connection)
-        self.connection = PSConnection(
-            self.mode, self.compressor, ps_address=ps_address, ps_port=ps_port, ps_shards=ps_shards,
-            max_updates=max_updates, connect_timeout=connect_timeout, request_timeout=request_timeout,
-            lost_timeout=lost_timeout, heartbeat_s=heartbeat_s, worker_timeout=worker_timeout, resume_from=resume_from,
-            ps_run_dir=ps_run_dir, ps_keys=ps_keys, ps_insecure=ps_insecure, ps_threads=ps_threads,
-            delta_replies=delta_replies, downlink_fraction=downlink_fraction, downlink_bound=downlink_bound)
+        settings = PSSettings(ps_address=ps_address, ps_port=ps_port, ps_shards=ps_shards, max_updates=max_updates,
+                              connect_timeout=connect_timeout, request_timeout=request_timeout,
+                              lost_timeout=lost_timeout, heartbeat_s=heartbeat_s, worker_timeout=worker_timeout,
+                              resume_from=resume_from, ps_run_dir=ps_run_dir, ps_keys=ps_keys, ps_insecure=ps_insecure,
+                              ps_threads=ps_threads, delta_replies=delta_replies,
+                              downlink_fraction=downlink_fraction, downlink_bound=downlink_bound)
+        self.connection = PSConnection(self.mode, self.compressor, settings)
         self.shm_pushes = shm_pushes
         self.staleness_compensation = resolve(staleness_compensation, self.mode.name, self.mode.compensate)
         self._start_method = start_method
@@ -295,14 +317,29 @@ class AsyncPSStrategy(DDPPlumbing):
     @property
     def ps_endpoints(self) -> list[str]:
         """Every shard's address, in order (one: an unsharded PS's)."""
-        return self.connection.endpoints(self)[0]
+        return self.connection.endpoints(self.placement())[0]
+
+    def placement(self) -> Placement:
+        """This worker's place in the job (its ranks, the cluster's main address), as the PS's placement needs it."""
+        env = self.cluster_environment
+        return Placement(main_address=env.main_address if env is not None else None,
+                         main_port=env.main_port if env is not None else 0,
+                         elastic=isinstance(env, self.elastic_environment), num_nodes=self.num_nodes,
+                         node_rank=self.node_rank, local_rank=self.local_rank, global_rank=self.global_rank,
+                         world_size=self.world_size)
+
+    def ps_handle(self) -> PSHandle:
+        """What a callback needs of the PS this strategy trains against (its addresses, keys and counters)."""
+        return PSHandle(endpoints=self.ps_endpoints, mode=self.mode.name, codec=self.compressor,
+                        keys=self.connection.settings.ps_keys, comm_stats=self.comm_stats, ps_stats=self.ps_stats)
 
     def _connect(self) -> PSClient | ShardedClient:
         """This worker's client, connected (and the embedded PS started) at the first stage; shut down at exit, or
         when a later strategy of this process connects (``PSConnection.connect``)."""
         client = self.connection.client
         if client is None:
-            client = self.connection.connect(self, self._shapes, self._trainer(), on_shutdown=self._exchange.close)
+            client = self.connection.connect(self.placement(), self._shapes, self._trainer(),
+                                             on_shutdown=self._exchange.close)
         return client
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:

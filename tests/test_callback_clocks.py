@@ -44,13 +44,16 @@ class FakeStrategy:
     def comm_stats(self) -> dict:
         return dict(self.stats)
 
+    def ps_handle(self) -> SimpleNamespace:  # what the monitor reads of AsyncPSStrategy.ps_handle()
+        return SimpleNamespace(comm_stats=self.comm_stats)
+
 
 def test_communication_monitor_reports_the_wall_and_wait_times_it_was_given(tmp_path, clock):
     monitor = CommunicationMonitor(every_n_steps=2, dirpath=tmp_path)
     strategy = FakeStrategy()
     strategy.stats.update(wait_seconds=5.0, bytes_up=1000, pushes=3, local_steps=3)  # before training: setup
-    monitor._strategy, monitor._file = strategy, tmp_path / "worker0.jsonl"
-    trainer = SimpleNamespace(global_rank=0, is_global_zero=False, loggers=[], global_step=0)
+    monitor._file = tmp_path / "worker0.jsonl"
+    trainer = SimpleNamespace(global_rank=0, is_global_zero=False, loggers=[], global_step=0, strategy=strategy)
     monitor.on_train_start(trainer, None)
     # three steps: each 2.5 s of wall time, of which 0.75 s waiting for the PS, 100 bytes up, one push
     for step in range(3):

@@ -1,4 +1,5 @@
-"""Supervisor, PSCheckpoint and CommunicationMonitor on one real 2-worker Fashion-MNIST run."""
+"""Supervisor, PSCheckpoint and CommunicationMonitor on one real 2-worker Fashion-MNIST run; and PSCheckpoint
+beside Lightning's ModelCheckpoint, on a Trainer only built."""
 
 from __future__ import annotations
 
@@ -7,16 +8,18 @@ import json
 from pathlib import Path
 
 import pytest
+import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 
-from plug_asgd import load_central_weights
+from plug_asgd import AsyncPSStrategy, PSCheckpoint, load_central_weights
 from plug_asgd.protocol.checkpoint import list_checkpoints
 from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
 from tests.conftest import ACCURACY_THRESHOLD, FASHION, PLUG_ASGD, PYTHON, RECIPE, RECIPE_RUN_TIMEOUT_S, ProcessGroups
 
-# every test trains in processes; the first sets up recipe_run, and a test starts at most one run of its own
-# (the resume, 120 s; the plot, 60 s)
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(RECIPE_RUN_TIMEOUT_S + 120 + 60)]
+# every test of the run trains in processes (integration); the first sets up recipe_run, and a test starts at most
+# one run of its own (the resume, 120 s; the plot, 60 s). The last test starts nothing (quick).
+RUN_TIMEOUT = pytest.mark.timeout(RECIPE_RUN_TIMEOUT_S + 120 + 60)
 
 STEPS = 125  # 8000 images / 2 workers / batch 32
 
@@ -31,6 +34,8 @@ def run(recipe_run):
     return recipe_run
 
 
+@pytest.mark.integration
+@RUN_TIMEOUT
 def test_supervisor_records_a_rising_central_accuracy_while_workers_train(run):
     _, log_dir, summary = run
     records = jsonl(log_dir / "supervisor.jsonl")
@@ -55,6 +60,8 @@ def test_supervisor_records_a_rising_central_accuracy_while_workers_train(run):
     assert [int(float(r["central/version"])) for r in rows] == versions
 
 
+@pytest.mark.integration
+@RUN_TIMEOUT
 def test_ps_checkpoint_holds_the_final_central_model(run):
     tmp, _, summary = run
     files = list_checkpoints(tmp / "ck")
@@ -72,12 +79,16 @@ def test_ps_checkpoint_holds_the_final_central_model(run):
     assert correct / 1000 == pytest.approx(summary["test_acc"], abs=1e-6)
 
 
+@pytest.mark.integration
+@RUN_TIMEOUT
 def test_load_central_weights_refuses_a_mismatched_module(run):
     tmp, _, _ = run
     with pytest.raises(KeyError, match="does not match"):
         load_central_weights(torch.nn.Linear(3, 2), tmp / "ck")
 
 
+@pytest.mark.integration
+@RUN_TIMEOUT
 def test_communication_monitor_counts_each_worker_on_the_wire(run):
     _, log_dir, summary = run
     last = [jsonl(log_dir / "comm" / f"worker{r}.jsonl")[-1] for r in (0, 1)]
@@ -98,6 +109,8 @@ def test_communication_monitor_counts_each_worker_on_the_wire(run):
     assert max(r["staleness_mean"] for r in last) > 0  # the two workers really overlapped
 
 
+@pytest.mark.integration
+@RUN_TIMEOUT
 def test_ps_writes_its_counters_to_its_run_directory(run):
     _, log_dir, summary = run
     lines = jsonl(log_dir / "ps" / "ps_metrics.jsonl")
@@ -107,6 +120,8 @@ def test_ps_writes_its_counters_to_its_run_directory(run):
     assert sum(lines[-1]["staleness"].values()) == 2 * STEPS
 
 
+@pytest.mark.integration
+@RUN_TIMEOUT
 def test_plot_draws_the_runs_own_supervisor_file(run, tmp_path):
     from plug_asgd.cli.plot import load_series
 
@@ -120,6 +135,8 @@ def test_plot_draws_the_runs_own_supervisor_file(run, tmp_path):
     assert series.test_acc == [r["test_acc"] for r in records] and series.wall_s == [r["wall_s"] for r in records]
 
 
+@pytest.mark.integration
+@RUN_TIMEOUT
 def test_a_new_run_resumes_the_embedded_ps_from_the_checkpoint(run, tmp_path):
     tmp, _, summary = run
     groups = ProcessGroups()
@@ -131,3 +148,15 @@ def test_a_new_run_resumes_the_embedded_ps_from_the_checkpoint(run, tmp_path):
     resumed = json.loads((tmp_path / "m.json").read_text())
     assert resumed["ps_version"] == summary["ps_version"] + 2 * 5  # continued from the checkpoint's version
     assert resumed["test_acc"] >= summary["test_acc"] - 0.05  # and from its model, not from scratch
+
+
+def test_ps_checkpoint_leaves_the_trainer_its_model_checkpoint(tmp_path):
+    """PSCheckpoint is no Lightning ``Checkpoint``: the Trainer still adds its default ModelCheckpoint, the one
+    ``trainer.checkpoint_callback`` (and ``ckpt_path="best"``) reads."""
+    strategy = AsyncPSStrategy()
+    trainer = pl.Trainer(strategy=strategy, callbacks=[PSCheckpoint(tmp_path)], accelerator="cpu", devices=1,
+                         logger=False)
+    model_checkpoints = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+    assert len(model_checkpoints) == 1 and trainer.checkpoint_callback is model_checkpoints[0]
+    assert [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, PSCheckpoint)] == ["PSCheckpoint"]
+    assert strategy.connection.client is None and strategy.connection.embedded.process is None  # nothing started

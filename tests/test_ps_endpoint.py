@@ -23,7 +23,7 @@ def test_under_torchrun_the_embedded_ps_takes_the_port_after_the_agents_store(to
     strategy = AsyncPSStrategy(cluster_environment=TorchElasticEnvironment())
     assert strategy.ps_endpoint == "tcp://127.0.0.1:29518"
     # rank 0 binds it too
-    assert strategy.connection.endpoints(strategy) == (["tcp://127.0.0.1:29518"], ["tcp://127.0.0.1:29518"])
+    assert strategy.connection.endpoints(strategy.placement()) == (["tcp://127.0.0.1:29518"], ["tcp://127.0.0.1:29518"])
     # embedded shards: consecutive ports from there, shard 0's the one the collectives (and ps_endpoint) use
     sharded = AsyncPSStrategy(ps_shards=2, cluster_environment=TorchElasticEnvironment())
     assert sharded.ps_endpoints == ["tcp://127.0.0.1:29518", "tcp://127.0.0.1:29519"]
@@ -39,8 +39,8 @@ def test_under_lightnings_own_launcher_the_embedded_ps_takes_the_main_port_itsel
 
 def test_an_explicit_ps_port_wins_under_torchrun_and_an_external_ps_is_not_bound(torchrun_env):
     env = TorchElasticEnvironment()
-    assert endpoint(None, 40123, env, elastic=True) == ("tcp://127.0.0.1:40123", "tcp://127.0.0.1:40123")
-    assert endpoint("tcp://10.0.0.5:7000", None, env, elastic=True) == ("tcp://10.0.0.5:7000", None)
+    main = (env.main_address, env.main_port)
+    assert endpoint(None, 40123, *main, elastic=True) == ("tcp://127.0.0.1:40123", "tcp://127.0.0.1:40123")
+    assert endpoint("tcp://10.0.0.5:7000", None, *main, elastic=True) == ("tcp://10.0.0.5:7000", None)
     # the address workers connect to keeps the host's name; rank 0 binds its resolved address
-    assert endpoint(None, None, type("Env", (), {"main_address": "localhost", "main_port": 29517})(),
-                    elastic=True) == ("tcp://localhost:29518", "tcp://127.0.0.1:29518")
+    assert endpoint(None, None, "localhost", 29517, elastic=True) == ("tcp://localhost:29518", "tcp://127.0.0.1:29518")

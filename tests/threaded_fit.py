@@ -46,7 +46,8 @@ def fit_in_threads(make_model: Callable[[], torch.nn.Module], data: TensorDatase
     tag = uuid.uuid4().hex  # the PS's address, and the name of hogwild's shared model
     address = f"inproc://plug-asgd-quick-{tag}"
     # the embedded PS's config; no parent process to outlive: this PS is a thread of the test's
-    server = ParameterServer(dataclasses.replace(ps_config(arguments.connection, address, None), parent_pid=None))
+    config = ps_config(arguments.connection.settings, arguments.mode, None, address, None)
+    server = ParameterServer(dataclasses.replace(config, parent_pid=None))
     serving = threading.Thread(target=server.serve_forever, name="ps", daemon=True)
     serving.start()
     models = [make_model() for _ in range(workers)]

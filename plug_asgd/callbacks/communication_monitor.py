@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 from typing_extensions import override
 
-from plug_asgd.callbacks.common import KeepsRecords, require_strategy, run_dir
+from plug_asgd.callbacks.common import KeepsRecords, ps_handle, require_ps, run_dir
+from plug_asgd.connection import PSHandle
 from plug_asgd.lightning_bridge.namespaces import LightningBound
-from plug_asgd.strategy import AsyncPSStrategy
 
 if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); pytorch_lightning's names them here
     import pytorch_lightning as pl
@@ -29,6 +29,22 @@ class CommunicationMonitor(KeepsRecords, LightningBound):
     trainer's log dir), since workers do not wait for each other to merge them; rank 0 also logs
     its own to the trainer's loggers as ``comm/...``. Counts run from the start of training;
     bytes are counted on the wire; ``comm_s`` is time spent waiting for the PS's replies.
+
+    Args:
+        every_n_steps: record every this many local steps of each worker.
+        dirpath: the folder of the ``worker{rank}.jsonl`` files (None: ``comm/`` in the trainer's log dir).
+
+    Raises:
+        ValueError: ``every_n_steps`` below 1.
+
+    Example:
+        >>> import pytorch_lightning as pl
+        >>> from plug_asgd import AsyncPSStrategy, CommunicationMonitor, TopK
+        >>> monitor = CommunicationMonitor(every_n_steps=20)
+        >>> trainer = pl.Trainer(strategy=AsyncPSStrategy(compressor=TopK(0.01)), callbacks=[monitor], devices=2,
+        ...                      accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False)
+        >>> monitor.records  # after trainer.fit: this worker's records, as in its worker{rank}.jsonl
+        []
     """
 
     def __init__(self, every_n_steps: int = 50, dirpath: str | os.PathLike[str] | None = None) -> None:
@@ -38,7 +54,7 @@ class CommunicationMonitor(KeepsRecords, LightningBound):
         self.dirpath = dirpath
         self.records: list[dict[str, Any]] = []
         # set up with the trainer, and at the start of training
-        self._strategy: AsyncPSStrategy | None = None
+        self._ps: PSHandle | None = None
         self._file: Path | None = None
         self._baseline: dict[str, Any] = {}
         self._start = 0.0
@@ -47,13 +63,14 @@ class CommunicationMonitor(KeepsRecords, LightningBound):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._strategy = require_strategy(trainer, "CommunicationMonitor")
+        require_ps(trainer, "CommunicationMonitor")
         self._file = run_dir(trainer, self.dirpath, "comm") / f"worker{trainer.global_rank}.jsonl"
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._file.parent.mkdir(parents=True, exist_ok=True)
-        self._baseline = self._strategy.comm_stats()  # counters since the client connected, setup included
+        self._ps = ps_handle(trainer, "CommunicationMonitor")
+        self._baseline = self._ps.comm_stats()  # counters since the client connected, setup included
         self._start = time.monotonic()
         self._losses: list[float] = []
         self._steps = 0
@@ -74,7 +91,8 @@ class CommunicationMonitor(KeepsRecords, LightningBound):
             self._record(trainer)
 
     def _record(self, trainer: pl.Trainer) -> None:
-        stats = self._strategy.comm_stats()
+        assert self._ps is not None
+        stats = self._ps.comm_stats()
         since = {k: stats.get(k, 0) - self._baseline.get(k, 0)
                  for k in ("wait_seconds", "bytes_up", "bytes_down", "push_bytes_up", "push_local_bytes_up", "pushes",
                            "own_replies", "local_steps")}

@@ -18,12 +18,11 @@ import torch
 import torch.nn.functional as F
 from typing_extensions import override
 
-from plug_asgd.callbacks.common import KeepsRecords, require_strategy, run_dir
+from plug_asgd.callbacks.common import KeepsRecords, ps_handle, require_ps, run_dir
 from plug_asgd.lightning_bridge.namespaces import LightningBound
 from plug_asgd.sharding.config import connect
-from plug_asgd.strategy import synced_tensors
 from plug_asgd.worker.client import PSClient, PSError, PSUnreachableError
-from plug_asgd.worker.tensors import assign
+from plug_asgd.worker.tensors import assign, synced_tensors
 
 if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); pytorch_lightning's names them here
     import pytorch_lightning as pl
@@ -35,7 +34,12 @@ EvaluateFn = Callable[[torch.nn.Module, Any], Mapping[str, float]]
 
 
 def classification_metrics(module: torch.nn.Module, batch: Any) -> dict[str, float]:
-    """Sums over a batch ``(x, y)`` of a classifier: cross-entropy and correct predictions."""
+    """Sums over a batch ``(x, y)`` of a classifier: cross-entropy and correct predictions.
+
+    Args:
+        module: the classifier, holding the central weights; it returns logits.
+        batch: ``(x, y)`` (anything further is ignored), ``y`` the class indices.
+    """
     x, y = batch[0], batch[1]
     logits = module(x)
     return {"loss": float(F.cross_entropy(logits, y, reduction="sum")),
@@ -58,6 +62,26 @@ class Supervisor(KeepsRecords, LightningBound):
     (:func:`classification_metrics`) gives ``loss``, ``correct`` and ``count`` of a classifier
     whose batches are ``(x, y)``. The thread shares rank 0's cores and torch threads, so rank 0
     trains a little slower while an evaluation runs; the other workers are not affected.
+
+    Args:
+        dataloader: the batches the central model is evaluated on, each time in full.
+        every_n_updates: evaluate once the PS has folded in this many updates since the last evaluation.
+        every_n_seconds: evaluate once this many seconds have passed since the last one; with neither set, 10.
+        dirpath: the folder of ``supervisor.jsonl`` (None: the trainer's log dir).
+        evaluate: ``evaluate(module, batch)``, the sums over one batch (a ``count`` key makes them means).
+
+    Example:
+        >>> import pytorch_lightning as pl
+        >>> import torch
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> from plug_asgd import AsyncPSStrategy, Supervisor
+        >>> held_out = DataLoader(TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,))), batch_size=32)
+        >>> supervisor = Supervisor(held_out, every_n_seconds=5)
+        >>> trainer = pl.Trainer(strategy=AsyncPSStrategy(), callbacks=[supervisor], devices=2, accelerator="cpu",
+        ...                      max_epochs=1, logger=False, enable_progress_bar=False)
+        >>> with torch.no_grad():  # as the Supervisor's thread evaluates: the sums over one batch
+        ...     sorted(supervisor.evaluate(torch.nn.Linear(8, 3), next(iter(held_out))))
+        ['correct', 'count', 'loss']
     """
 
     def __init__(self, dataloader: Iterable[Any], every_n_updates: int | None = None,
@@ -80,21 +104,21 @@ class Supervisor(KeepsRecords, LightningBound):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        require_strategy(trainer, "Supervisor")
+        require_ps(trainer, "Supervisor")
         self._file = run_dir(trainer, self.dirpath, "") / "supervisor.jsonl"
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        strategy = require_strategy(trainer, "Supervisor")
+        handle = ps_handle(trainer, "Supervisor")
         if not trainer.is_global_zero:
             return
         self._file.parent.mkdir(parents=True, exist_ok=True)
         model = copy.deepcopy(pl_module).cpu().eval()
-        address = strategy.ps_endpoints if strategy.ps_shards > 1 else strategy.ps_endpoint
+        address = handle.endpoints if len(handle.endpoints) > 1 else handle.endpoints[0]
         self._start = time.monotonic()
         self._stop.clear()
-        self._thread = threading.Thread(target=self._watch, args=(model, address, strategy.mode.name,
-                                                                  strategy.connection.ps_keys, strategy.compressor),
+        self._thread = threading.Thread(target=self._watch, args=(model, address, handle.mode, handle.keys,
+                                                                  handle.codec),
                                         name="plug_asgd-supervisor", daemon=True)
         self._thread.start()
 

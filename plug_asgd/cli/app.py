@@ -43,6 +43,8 @@ RECIPES: dict[str, tuple[str, str]] = {
     "cifar10": ("plug_asgd.recipes.cifar10", "a CNN, AlexNet or ResNet-18 on the CIFAR-10 python batches"),
 }
 
+# A command's docstring is its --help text up to its line ``\f`` (where click and typer cut it); the Args: and
+# Raises: below that line are for readers of the code.
 app = typer.Typer(
     help="Asynchronous and compressed parameter-server SGD for PyTorch Lightning.",
     no_args_is_help=True,
@@ -126,6 +128,19 @@ def serve_ps(*, host: str, port: int, log_level: str, quiet: bool, log_every: fl
     terminal, it prints a plain line of counters every --log-every seconds instead. Another
     shell can query it with 'plug-asgd status tcp://HOST:PORT'. Beyond 127.0.0.1 it needs
     --keys (made by 'plug-asgd keygen DIR'), or --insecure.
+    \f
+
+    Args:
+        host: the interface to listen on (``0.0.0.0`` or ``*`` for every interface).
+        port: the TCP port to listen on.
+        log_level: the PS's logging level (its records go to stderr, or above the dashboard).
+        quiet: no live dashboard, plain lines of counters only (also where stdout is not a terminal).
+        log_every: without the dashboard, seconds between two plain lines of counters (0: none).
+        **options: the PS's options, one per ``PSConfig`` field that has a flag.
+
+    Raises:
+        Exit: always, when the PS stops (its exit code); with code 2 where the PS cannot start (the port
+            in use, a refused option, a bad checkpoint).
     """
     live = not quiet and sys.stdout.isatty() and not console.is_dumb_terminal
     if live:  # log records go through the dashboard's console, above the live view
@@ -215,6 +230,13 @@ def keygen(
     Copy DIR/server to the PS machine only ('plug-asgd serve-ps --keys DIR/server') and DIR/worker to
     every worker machine ('--ps-keys DIR/worker'; AsyncPSStrategy(ps_keys=...)). With an embedded PS,
     or a shared file system, pass DIR itself to both. The *_secret files are readable by you alone.
+    \f
+
+    Args:
+        directory: the folder to write the keys into (made where missing; existing keys are never overwritten).
+
+    Raises:
+        Exit: with code 2 where the keys cannot be written (they exist already, or the folder cannot be made).
     """
     try:
         files = generate_keys(directory)
@@ -255,6 +277,14 @@ def train(
     """Train a ready-made recipe (mnist, cifar10); every argument after RECIPE goes to the recipe unchanged.
 
     Lightning starts the other worker processes by re-running this same command line.
+    \f
+
+    Args:
+        ctx: the command's context; its extra arguments (everything after RECIPE) go to the recipe.
+        recipe: the recipe's name (a key of ``RECIPES``); None, ``--help`` or ``-h`` to list the recipes.
+
+    Raises:
+        Exit: with code 0 after the help asked for, or 2 where RECIPE is missing or unknown.
     """
     args = list(ctx.args)
     if recipe is None or recipe in ("--help", "-h"):
@@ -288,7 +318,21 @@ def status(
                                                 "shard and the totals", show_default=False)] = None,
 ) -> None:
     """Show the counters of a running parameter server (version, workers, traffic, staleness...); of every
-    shard of a sharded PS, side by side, given their addresses; live with --watch."""
+    shard of a sharded PS, side by side, given their addresses; live with --watch.
+    \f
+
+    Args:
+        addresses: the PS's endpoint, or a sharded PS's shards' endpoints in shard order (``tcp://`` may be
+            left out).
+        timeout: seconds to wait for each PS's answer.
+        as_json: print the counters as JSON (a list, one per shard, for several addresses) instead of a table.
+        keys: the worker CURVE keys folder, for a PS started with ``--keys``; None for a PS without keys.
+        watch: seconds between redraws of a live view until Ctrl-C; None for the counters once.
+
+    Raises:
+        Exit: with code 2 where ``--watch`` and ``--json`` are both given; with code 1 or 2 where a PS does
+            not answer or cannot be asked (see :func:`plug_asgd.cli.status.ask`).
+    """
     from plug_asgd.cli import status as ps_status
 
     addresses = [a if "://" in a else f"tcp://{a}" for a in addresses]
@@ -329,7 +373,17 @@ def plot(
                                                     "(default: each run's directory name)", show_default=False)]
     = None,
 ) -> None:
-    """Plot test accuracy against wall time and against bytes pushed, one curve per run."""
+    """Plot test accuracy against wall time and against bytes pushed, one curve per run.
+    \f
+
+    Args:
+        runs: the runs: supervisor.jsonl files, or directories searched for them.
+        out: the image file to write (PNG unless its suffix names another format).
+        label: one curve name per supervisor.jsonl found, in order; None for each run's directory name.
+
+    Raises:
+        Exit: with code 2 where matplotlib is missing, a run cannot be read, or the image cannot be written.
+    """
     from plug_asgd.cli import plot as plotting
 
     try:

@@ -30,7 +30,14 @@ MAX_WORKER_ROWS = 24  # past that, the table ends with a "... N more" row
 
 
 def human_bytes(n: Any) -> str:
-    """``2500000`` -> ``"2.50 MB"`` (decimal units, as ``plug-asgd status`` prints them)."""
+    """``2500000`` -> ``"2.50 MB"`` (decimal units, as ``plug-asgd status`` prints them).
+
+    Args:
+        n: a byte count (or bytes per second); None reads as 0.
+
+    Raises:
+        AssertionError: never: the loop returns at ``TB`` at the latest (the raise marks the end unreachable).
+    """
     value = float(n or 0)
     if value < 1000:
         return f"{int(value)} B"
@@ -42,7 +49,11 @@ def human_bytes(n: Any) -> str:
 
 
 def human_duration(seconds: Any) -> str:
-    """``4.25`` -> ``"4.2 s"``, ``83`` -> ``"1m 23s"``, ``7384`` -> ``"2h 03m 04s"``."""
+    """``4.25`` -> ``"4.2 s"``, ``83`` -> ``"1m 23s"``, ``7384`` -> ``"2h 03m 04s"``.
+
+    Args:
+        seconds: the duration in seconds; None reads as 0, a negative one as 0.
+    """
     s = max(0.0, float(seconds or 0))
     if s < 60:
         return f"{s:.1f} s"
@@ -53,11 +64,23 @@ def human_duration(seconds: Any) -> str:
 
 
 def plural(n: int, word: str) -> str:
+    """``n`` and ``word``, with an ``s`` unless ``n`` is 1: ``"1 worker"``, ``"3 workers"``.
+
+    Args:
+        n: the count.
+        word: the noun in the singular (one made plural by an ``s``).
+    """
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def recent_rate(snapshot: Snapshot, previous: Snapshot | None, key: str = "version") -> float | None:
-    """Change of ``snapshot[key]`` per second of PS uptime since ``previous``; None without a usable previous."""
+    """Change of ``snapshot[key]`` per second of PS uptime since ``previous``; None without a usable previous.
+
+    Args:
+        snapshot: the PS's newest counters.
+        previous: an older snapshot of the same PS; None where there is none yet.
+        key: the counter whose rate to measure (``version``: updates per second).
+    """
     if previous is None:
         return None
     dt = float(snapshot.get("uptime_s") or 0) - float(previous.get("uptime_s") or 0)
@@ -67,7 +90,12 @@ def recent_rate(snapshot: Snapshot, previous: Snapshot | None, key: str = "versi
 
 
 def updates_per_s(snapshot: Snapshot, previous: Snapshot | None) -> tuple[float, bool]:
-    """(updates per second, True when measured over the recent window rather than since start)."""
+    """(updates per second, True when measured over the recent window rather than since start).
+
+    Args:
+        snapshot: the PS's newest counters.
+        previous: an older snapshot of the same PS; None for the average since the PS started.
+    """
     rate = recent_rate(snapshot, previous)
     if rate is None:
         return float(snapshot.get("updates_per_s") or 0), False
@@ -75,7 +103,11 @@ def updates_per_s(snapshot: Snapshot, previous: Snapshot | None) -> tuple[float,
 
 
 def push_ms(snapshot: Snapshot) -> tuple[float, float | None] | None:
-    """The PS's mean time per push, ms: in all, and on a core (None if the PS does not say); None before a push."""
+    """The PS's mean time per push, ms: in all, and on a core (None if the PS does not say); None before a push.
+
+    Args:
+        snapshot: the PS's counters, as ``ParameterServer.snapshot()`` returns them.
+    """
     pushes = int(snapshot.get("push_messages") or 0)
     if not pushes:
         return None
@@ -90,6 +122,10 @@ def busy_text(snapshot: Snapshot, previous: Snapshot | None = None) -> str | Non
     Near 100% the PS is the bottleneck: more workers will not train faster (give it ``--threads``,
     a compressor, or fewer pushes). A push's time on a core well below its wall time means the
     PS waits for a core: the machine is oversubscribed.
+
+    Args:
+        snapshot: the PS's newest counters.
+        previous: an older snapshot of the same PS, for the recent share; None to show the share since start only.
     """
     busy = snapshot.get("busy_s")
     if busy is None:
@@ -111,6 +147,9 @@ def disk_text(snapshot: Snapshot) -> str | None:
 
     A failed checkpoint or metrics write does not stop the PS: it is counted and tried again, and
     the updates since the last checkpoint written (``last_checkpoint``) are at risk until one is.
+
+    Args:
+        snapshot: the PS's counters, as ``ParameterServer.snapshot()`` returns them.
     """
     errors = snapshot.get("io_errors")
     if not errors:
@@ -121,14 +160,24 @@ def disk_text(snapshot: Snapshot) -> str | None:
 
 
 def counts_text(counts: Mapping[str, Any] | None, empty: str = "none") -> str:
-    """``{"bad_tensor": 3, "duplicate": 1}`` -> ``"bad_tensor:3 duplicate:1"``."""
+    """``{"bad_tensor": 3, "duplicate": 1}`` -> ``"bad_tensor:3 duplicate:1"``.
+
+    Args:
+        counts: the counts by key, shown in the map's order; None or empty for none.
+        empty: the text shown where there are none.
+    """
     if not counts:
         return empty
     return " ".join(f"{k}:{v}" for k, v in counts.items())
 
 
 def staleness_buckets(hist: Mapping[Any, Any] | None, max_buckets: int = 10) -> list[tuple[str, int]]:
-    """The staleness histogram in order of staleness, the tail past ``max_buckets - 1`` folded into ``">=k"``."""
+    """The staleness histogram in order of staleness, the tail past ``max_buckets - 1`` folded into ``">=k"``.
+
+    Args:
+        hist: pushes by staleness (keys are staleness values, as strings or integers); None for none.
+        max_buckets: the most buckets returned, the last one folding the tail.
+    """
     items = sorted(((int(k), int(v)) for k, v in (hist or {}).items()), key=lambda kv: kv[0])
     if len(items) <= max_buckets:
         return [(str(k), v) for k, v in items]
@@ -137,13 +186,22 @@ def staleness_buckets(hist: Mapping[Any, Any] | None, max_buckets: int = 10) -> 
 
 
 def staleness_text(hist: Mapping[Any, Any] | None, max_buckets: int = 10) -> str:
-    """``{"0": 120, "1": 30, "2": 4}`` -> ``"0:120 1:30 2:4"``."""
+    """``{"0": 120, "1": 30, "2": 4}`` -> ``"0:120 1:30 2:4"``.
+
+    Args:
+        hist: pushes by staleness, as :func:`staleness_buckets` takes it; None for none.
+        max_buckets: the most buckets shown, the last one folding the tail.
+    """
     buckets = staleness_buckets(hist, max_buckets)
     return " ".join(f"{k}:{v}" for k, v in buckets) if buckets else "none"
 
 
 def sparkline(values: list[int]) -> str:
-    """One block character per value, scaled to the largest (a nonzero count never shows as blank)."""
+    """One block character per value, scaled to the largest (a nonzero count never shows as blank).
+
+    Args:
+        values: the counts to draw, in order; empty (or all zero) for an empty string.
+    """
     top = max(values, default=0)
     if top <= 0:
         return ""
@@ -250,13 +308,23 @@ def render(snapshot: Snapshot, previous: Snapshot | None = None, address: str | 
 
     ``previous`` is an older snapshot of the same PS (a few ticks back): rates are measured
     between the two. Without one, updates/s is the average since the PS started.
+
+    Args:
+        snapshot: the PS's newest counters.
+        previous: an older snapshot of the same PS, for the rates; None where there is none yet.
+        address: the PS's address, shown in the title; None for none.
     """
     body = Group(_header(snapshot, previous), _workers_table(snapshot), _counters_table(snapshot, previous))
     return Panel(body, title=_title(address or "", snapshot), title_align="left", border_style="green")
 
 
 def log_line(snapshot: Snapshot, previous: Snapshot | None = None) -> str:
-    """One plain line of the main counters (what ``serve-ps --quiet`` prints every ``--log-every`` seconds)."""
+    """One plain line of the main counters (what ``serve-ps --quiet`` prints every ``--log-every`` seconds).
+
+    Args:
+        snapshot: the PS's newest counters.
+        previous: an older snapshot of the same PS, for the recent rate; None for the average since start.
+    """
     rate, _ = updates_per_s(snapshot, previous)
     workers = len(snapshot.get("workers") or [])
     return (f"version {snapshot.get('version')} | {rate:.2f} updates/s | {plural(workers, 'worker')} | "
@@ -268,6 +336,11 @@ class Dashboard:
 
     ``with Dashboard(address) as dash: server.serve_forever(on_tick=dash.on_tick)``; rates are
     measured over the last ``window_s`` seconds of snapshots.
+
+    Args:
+        address: the PS's address, shown in the title.
+        console: where the view is drawn; None for a new console.
+        window_s: seconds of snapshots the recent rates are measured over.
     """
 
     def __init__(self, address: str, console: Console | None = None, *, window_s: float = 5.0) -> None:
@@ -279,6 +352,12 @@ class Dashboard:
         self.live = Live(console=self.console, auto_refresh=False, transient=False)
 
     def render(self, snapshot: Snapshot, previous: Snapshot | None = None) -> RenderableType:
+        """The view of one snapshot, as :func:`render` draws it, titled with this PS's address.
+
+        Args:
+            snapshot: the PS's newest counters.
+            previous: an older snapshot of the same PS, for the rates; None where there is none yet.
+        """
         return render(snapshot, previous, self.address)
 
     def _previous(self, snapshot: Snapshot) -> Snapshot | None:
@@ -292,9 +371,19 @@ class Dashboard:
         return previous
 
     def update(self, snapshot: Snapshot) -> None:
+        """Remember ``snapshot`` and redraw the view, rates measured over the window.
+
+        Args:
+            snapshot: the PS's newest counters.
+        """
         self.live.update(self.render(snapshot, self._previous(snapshot)), refresh=True)
 
     def on_tick(self, server: Any) -> None:
+        """Redraw from the server's counters now; meant for ``serve_forever(on_tick=...)``, in the serving thread.
+
+        Args:
+            server: the ``ParameterServer`` to show (anything with a ``snapshot()`` method).
+        """
         self.update(server.snapshot())
 
     def __enter__(self) -> Dashboard:

@@ -30,7 +30,16 @@ class MatplotlibMissing(ImportError):
 
 @dataclass
 class Series:
-    """One run's evaluations, in file order; points without a test accuracy are left out."""
+    """One run's evaluations, in file order; points without a test accuracy are left out.
+
+    Attributes:
+        path: the supervisor.jsonl file read.
+        label: the curve's name in the legend.
+        wall_s: seconds since the run started, one per evaluation.
+        bytes_pushed: bytes all workers had pushed by then, one per evaluation.
+        test_acc: the central model's test accuracy, one per evaluation.
+        version: the central model's version evaluated, one per evaluation; None where the line has none.
+    """
 
     path: Path
     label: str
@@ -41,7 +50,14 @@ class Series:
 
 
 def find_supervisor_files(run: str | Path) -> list[Path]:
-    """The supervisor.jsonl files of one RUN argument: the file itself, or every one under the directory."""
+    """The supervisor.jsonl files of one RUN argument: the file itself, or every one under the directory.
+
+    Args:
+        run: a supervisor.jsonl file, or a directory searched for them (recursively).
+
+    Raises:
+        RunError: where ``run`` does not exist, or is a directory with no supervisor.jsonl in or below it.
+    """
     path = Path(run)
     if path.is_file():
         return [path]
@@ -62,7 +78,16 @@ def _number(value: Any, key: str, where: str) -> float | None:
 
 
 def load_series(path: str | Path, label: str | None = None) -> Series:
-    """Read one supervisor.jsonl; raises :class:`RunError` naming the file (and line) when it cannot be used."""
+    """Read one supervisor.jsonl; raises :class:`RunError` naming the file (and line) when it cannot be used.
+
+    Args:
+        path: the supervisor.jsonl file.
+        label: the curve's name; None for the name of the file's directory.
+
+    Raises:
+        RunError: where the file cannot be read, is empty, has a line that is not a JSON object with finite
+            ``wall_s``, ``bytes_pushed`` and ``test_acc``, or has no test accuracy at all.
+    """
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -102,7 +127,16 @@ def load_series(path: str | Path, label: str | None = None) -> Series:
 
 
 def load_runs(runs: Sequence[str | Path], labels: Sequence[str] | None = None) -> list[Series]:
-    """Every curve of the RUN arguments, labelled by their directory name or by ``labels`` (one per curve)."""
+    """Every curve of the RUN arguments, labelled by their directory name or by ``labels`` (one per curve).
+
+    Args:
+        runs: the RUN arguments: supervisor.jsonl files or directories holding them.
+        labels: one name per supervisor.jsonl found, in order; None or empty for their directory names.
+
+    Raises:
+        RunError: where no run is given, the labels do not match the files found one for one, or a run
+            cannot be read.
+    """
     files = [f for run in runs for f in find_supervisor_files(run)]
     if not files:
         raise RunError("no run given")
@@ -131,7 +165,11 @@ def _default_labels(files: list[Path]) -> list[str]:
 
 
 def require_matplotlib() -> Any:
-    """Import matplotlib with the Agg backend; raises :class:`MatplotlibMissing` with the install hint."""
+    """Import matplotlib with the Agg backend; raises :class:`MatplotlibMissing` with the install hint.
+
+    Raises:
+        MatplotlibMissing: where matplotlib is not installed.
+    """
     try:
         import matplotlib
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
@@ -142,13 +180,21 @@ def require_matplotlib() -> Any:
 
 
 def title_for(labels: Sequence[str]) -> str:
-    """``["sync", "asgd"]`` -> ``"sync vs asgd: test accuracy of the central model"``."""
+    """``["sync", "asgd"]`` -> ``"sync vs asgd: test accuracy of the central model"``.
+
+    Args:
+        labels: the curves' names; more than four are counted instead of listed.
+    """
     names = " vs ".join(labels) if len(labels) <= 4 else f"{len(labels)} runs"
     return f"{names}: test accuracy of the central model"
 
 
 def make_figure(series: Sequence[Series]) -> Any:
-    """A matplotlib Figure (Agg canvas) with the two panels; one line per series in each."""
+    """A matplotlib Figure (Agg canvas) with the two panels; one line per series in each.
+
+    Args:
+        series: the runs' curves, as :func:`load_runs` returns them.
+    """
     require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -181,7 +227,13 @@ def make_figure(series: Sequence[Series]) -> Any:
 
 
 def plot_runs(paths: Sequence[str | Path], out: str | Path, labels: Sequence[str] | None = None) -> Path:
-    """Draw the runs at ``paths`` into ``out`` (PNG unless its suffix names another format); returns ``out``."""
+    """Draw the runs at ``paths`` into ``out`` (PNG unless its suffix names another format); returns ``out``.
+
+    Args:
+        paths: the RUN arguments: supervisor.jsonl files or directories holding them.
+        out: the image file to write (its folder is made where missing).
+        labels: one name per supervisor.jsonl found, in order; None for their directory names.
+    """
     require_matplotlib()
     series = load_runs(paths, labels)
     fig = make_figure(series)

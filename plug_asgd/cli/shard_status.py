@@ -27,7 +27,12 @@ from plug_asgd.cli.dashboard import Dashboard, human_bytes, recent_rate, stalene
 
 def order_problems(addresses: Sequence[str], stats: Sequence[Mapping[str, Any]]) -> list[str]:
     """What is wrong with the shards as listed: one started without ``--shard``, another shard count, out of
-    order, or holding a model cut by another partition than the others; empty when they form one PS."""
+    order, or holding a model cut by another partition than the others; empty when they form one PS.
+
+    Args:
+        addresses: the shards' endpoints, in the order given (shard ``i`` at ``addresses[i]``).
+        stats: each shard's counters, in the same order.
+    """
     problems = []
     count = len(addresses)
     digests = {s.get("partition_digest") for s in stats if s.get("partition_digest")}
@@ -51,7 +56,15 @@ def sharded_table(addresses: Sequence[str], stats: Sequence[Mapping[str, Any] | 
 
     ``stats[i]`` None: shard i did not answer (the live view's), its column blank, the totals over the others.
     ``previous``: an older snapshot of each shard (None where there is none yet), for the live view: rows of
-    the recent rates (updates, bytes in and out per second) measured between the two, and the staleness."""
+    the recent rates (updates, bytes in and out per second) measured between the two, and the staleness.
+
+    Args:
+        addresses: the shards' endpoints, in the order given.
+        stats: each shard's counters, in the same order; None for a shard that did not answer.
+        fmt_bytes: formats a byte count (or rate) for a cell.
+        previous: each shard's older snapshot, for the recent rates; None for the one-off table without them.
+        title: the table's title; None for one naming the shard count.
+    """
     table = Table(title=f"sharded parameter server, {len(addresses)} shards" if title is None else title,
                   show_header=True, title_justify="left")
     table.add_column("counter", style="cyan", no_wrap=True)
@@ -116,7 +129,14 @@ def render_shards(addresses: Sequence[str], stats: Sequence[Mapping[str, Any] | 
     what is wrong: a shard that does not answer (``stats[i]`` None, ``errors[i]`` why), one listed out of
     order or cut by another partition.
 
-    ``previous``: each shard's snapshot a few seconds back (None where there is none), for the rates."""
+    ``previous``: each shard's snapshot a few seconds back (None where there is none), for the rates.
+
+    Args:
+        addresses: the shards' endpoints, in the order given.
+        stats: each shard's counters, in the same order; None for a shard that did not answer.
+        previous: each shard's snapshot a few seconds back; None where there are none yet.
+        errors: why each shard that did not answer did not; None where none is known.
+    """
     count = len(addresses)
     previous = list(previous) if previous is not None else [None] * count
     errors = list(errors) if errors is not None else [None] * count
@@ -155,7 +175,13 @@ def render_shards(addresses: Sequence[str], stats: Sequence[Mapping[str, Any] | 
 
 class ShardsDashboard:
     """The live view of a sharded PS, redrawn from each shard's snapshots (None for one that did not answer);
-    rates are measured per shard over the last ``window_s`` seconds of its snapshots, as :class:`Dashboard`'s."""
+    rates are measured per shard over the last ``window_s`` seconds of its snapshots, as :class:`Dashboard`'s.
+
+    Args:
+        addresses: the shards' endpoints, in the order given.
+        console: where the view is drawn; None for a new console.
+        window_s: seconds of snapshots the recent rates are measured over.
+    """
 
     def __init__(self, addresses: Sequence[str], console: Console | None = None, *, window_s: float = 5.0) -> None:
         self.addresses = list(addresses)
@@ -164,7 +190,11 @@ class ShardsDashboard:
         self.live = Live(console=self.console, auto_refresh=False, transient=False)
 
     def previous(self, stats: Sequence[Mapping[str, Any] | None]) -> list[Mapping[str, Any] | None]:
-        """Remember each shard's snapshot; each one's oldest within the window (None: none yet, or no answer)."""
+        """Remember each shard's snapshot; each one's oldest within the window (None: none yet, or no answer).
+
+        Args:
+            stats: each shard's newest counters; None for a shard that did not answer.
+        """
         out: list[Mapping[str, Any] | None] = []
         for shard, snapshot in zip(self.shards, stats, strict=True):
             if snapshot is None:
@@ -176,6 +206,12 @@ class ShardsDashboard:
         return out
 
     def update(self, stats: Sequence[Mapping[str, Any] | None], errors: Sequence[str | None] | None = None) -> None:
+        """Redraw the view from each shard's newest counters.
+
+        Args:
+            stats: each shard's newest counters, in shard order; None for a shard that did not answer.
+            errors: why each shard that did not answer did not; None where none is known.
+        """
         self.live.update(render_shards(self.addresses, stats, self.previous(stats), errors), refresh=True)
 
     def __enter__(self) -> ShardsDashboard:

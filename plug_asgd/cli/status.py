@@ -23,13 +23,24 @@ from plug_asgd.worker.client import PSClient, PSError, PSUnreachableError
 
 
 def histogram_text(counts: dict[str, Any] | None, empty: str = "none") -> str:
+    """A counter map as one line, ``key: value`` pairs in the map's order.
+
+    Args:
+        counts: the counts by key (a histogram, refusals by code, ...); None or empty for none.
+        empty: the text shown where there are none.
+    """
     if not counts:
         return empty
     return "  ".join(f"{k}: {v}" for k, v in counts.items())
 
 
 def stats_table(address: str, stats: dict[str, Any]) -> Table:
-    """A rich table of a PS's ``snapshot()`` counters."""
+    """A rich table of a PS's ``snapshot()`` counters.
+
+    Args:
+        address: the PS's address, shown in the title.
+        stats: the PS's counters, as its ``stats`` reply holds them.
+    """
     table = Table(title=f"parameter server {address}", show_header=True, title_justify="left")
     table.add_column("counter", style="cyan", no_wrap=True)
     table.add_column("value", overflow="fold")
@@ -65,7 +76,12 @@ def stats_table(address: str, stats: dict[str, Any]) -> Table:
 
 
 class StatusError(Exception):
-    """A PS's counters could not be had: ``code`` 1 (unreachable, refused) or 2 (bad address, keys)."""
+    """A PS's counters could not be had: ``code`` 1 (unreachable, refused) or 2 (bad address, keys).
+
+    Args:
+        message: what went wrong, the exception's text.
+        code: the exit code the command ends with: 1 (unreachable, refused) or 2 (bad address, keys).
+    """
 
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
@@ -73,7 +89,17 @@ class StatusError(Exception):
 
 
 def ask(address: str, timeout: float, keys: Path | None) -> dict[str, Any]:
-    """One PS's counters, asked as a bystander; raises :class:`StatusError`."""
+    """One PS's counters, asked as a bystander; raises :class:`StatusError`.
+
+    Args:
+        address: the PS's endpoint, ``tcp://HOST:PORT``.
+        timeout: seconds to wait for the answer.
+        keys: the worker keys folder for a PS with CURVE keys; None for a PS without.
+
+    Raises:
+        StatusError: where the keys or the address are bad (code 2), or the PS does not answer or refuses
+            (code 1).
+    """
     try:
         client = PSClient(address, rank=0, world_size=1, mode="", request_timeout=timeout, keys=keys)
     except KeysError as exc:
@@ -94,7 +120,17 @@ def watch(addresses: list[str], first: list[dict[str, Any]], timeout: float, key
 
     ``first``: every PS's counters, asked once by the caller (a PS that does not answer then ends the command, as
     without --watch). Later, a shard that stops answering is shown as such and asked again at the next redraw
-    (one PS: a line above the view)."""
+    (one PS: a line above the view).
+
+    Args:
+        addresses: the PS's endpoint, or every shard's in shard order.
+        first: every PS's counters, asked once by the caller, in the order of ``addresses``.
+        timeout: seconds to wait for each answer.
+        keys: the worker keys folder for a PS with CURVE keys; None for a PS without.
+        every: seconds between redraws.
+        console: where the live view is drawn.
+        err_console: where a lone PS's missed answers are printed.
+    """
     each: list[dict[str, Any] | None] = list(first)
     errors: list[str | None] = [None] * len(addresses)
     if len(addresses) == 1:

@@ -39,7 +39,11 @@ CodecLike = str | Codec | Mapping[str, Any]
 
 def get(codec: CodecLike) -> Codec:
     """The codec ``codec`` stands for: a name of :data:`COMPRESSORS` (its defaults), a configured
-    instance (itself), or a dict ``{"name": ..., **knobs}`` (as a YAML file gives it)."""
+    instance (itself), or a dict ``{"name": ..., **knobs}`` (as a YAML file gives it).
+
+    Args:
+        codec: a registered name (``"topk"``), a configured :class:`Codec`, or a mapping of ``"name"`` and knobs.
+    """
     return registry.get(codec, Codec, COMPRESSORS, "compressor")
 
 

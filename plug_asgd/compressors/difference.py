@@ -36,7 +36,12 @@ class Scratch:
         self.mask = np.empty(0, dtype=bool)
 
     def get(self, size: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Two float arrays of ``size`` values of ``dtype`` and a mask of ``size``."""
+        """Two float arrays of ``size`` values of ``dtype`` and a mask of ``size``.
+
+        Args:
+            size: the values each array holds (at most :data:`CHUNK` where the callers walk in chunks).
+            dtype: the float arrays' dtype; another than the last call's replaces the kept arrays.
+        """
         if self.values.size < size or self.values.dtype != dtype:
             self.values = np.empty(size, dtype=dtype)
             self.magnitudes = np.empty(size, dtype=dtype)
@@ -56,13 +61,25 @@ def scratch() -> Scratch:
 
 
 def chunks(size: int, chunk: int = CHUNK) -> Iterator[slice]:
-    """Consecutive slices of ``chunk`` values covering ``range(size)``."""
+    """Consecutive slices of ``chunk`` values covering ``range(size)``.
+
+    Args:
+        size: the values to cover.
+        chunk: the values per slice (the last one may hold fewer).
+    """
     for start in range(0, size, chunk):
         yield slice(start, min(size, start + chunk))
 
 
 def difference(out: np.ndarray, w: np.ndarray, c: np.ndarray, scale: float = 1.0) -> np.ndarray:
-    """``out = scale * (w - c)``, whole (the codecs that need all of it at once)."""
+    """``out = scale * (w - c)``, whole (the codecs that need all of it at once).
+
+    Args:
+        out: the array written and returned, of ``w``'s shape.
+        w: the worker's values.
+        c: the central values it holds, of ``w``'s shape.
+        scale: the factor the difference is multiplied by, in ``out``'s dtype (1: not multiplied).
+    """
     np.subtract(w, c, out=out)
     if scale != 1.0:
         out *= out.dtype.type(scale)
@@ -70,7 +87,14 @@ def difference(out: np.ndarray, w: np.ndarray, c: np.ndarray, scale: float = 1.0
 
 
 def accumulate(residual: np.ndarray, w: np.ndarray, c: np.ndarray, scale: float = 1.0) -> np.ndarray:
-    """``residual += scale * (w - c)`` in chunks: the difference is never whole. Returns ``residual``."""
+    """``residual += scale * (w - c)`` in chunks: the difference is never whole. Returns ``residual``.
+
+    Args:
+        residual: the flat array added into.
+        w: the worker's values, flat, of ``residual``'s size.
+        c: the central values it holds, flat, of ``residual``'s size.
+        scale: the factor the difference is multiplied by before it is added.
+    """
     arrays = scratch()
     for part in chunks(residual.size):
         d, _, _ = arrays.get(part.stop - part.start, residual.dtype)
@@ -86,6 +110,10 @@ def top_k(mag: np.ndarray, k: int) -> np.ndarray:
     ``FACTORS[0] * k`` of the whole exceed) and only the coordinates at or above it (NaN included) are
     partitioned: exact whenever at least k are, which is checked, else again lower (``FACTORS[1] * k``);
     where that lets too few or too many through (a tensor of many equal values), the whole is partitioned.
+
+    Args:
+        mag: the magnitudes, flat.
+        k: how many to choose, at most ``mag.size``.
     """
     n = mag.size
     if sampled(n, k):
@@ -106,13 +134,25 @@ FACTORS = (1.25, 3.0)
 
 
 def sampled(n: int, k: int) -> bool:
-    """Whether the top ``k`` of ``n`` are chosen above a sampled threshold (few asked of many)."""
+    """Whether the top ``k`` of ``n`` are chosen above a sampled threshold (few asked of many).
+
+    Args:
+        n: the values chosen among.
+        k: how many are asked for.
+    """
     return n >= SAMPLED_FROM and k * FEW_ASKED <= n
 
 
 def sample_threshold(sample: np.ndarray, n: int, k: int, factor: float) -> np.floating:
     """The value about ``factor * k`` of ``n`` exceed, read off ``sample`` (magnitudes at a stride of
-    ``n // SAMPLE``)."""
+    ``n // SAMPLE``).
+
+    Args:
+        sample: the magnitudes at a stride of ``n // SAMPLE``.
+        n: the values the sample was taken from.
+        k: how many of them are asked for.
+        factor: how many times ``k`` the threshold is to let through (one of :data:`FACTORS`).
+    """
     above = min(sample.size - 1, math.ceil(factor * k * sample.size / n))
     return np.partition(sample, sample.size - 1 - above)[sample.size - 1 - above]
 
@@ -125,6 +165,13 @@ def largest_differences(w: np.ndarray, c: np.ndarray, k: int, residual: np.ndarr
     The same indices as :func:`plug_asgd.compressors.sparse.largest_magnitudes` of ``v`` made whole, and
     the same values: the threshold is read off ``|v|`` at the same sample positions, computed there alone,
     and the candidates are gathered chunk by chunk.
+
+    Args:
+        w: the worker's values, flat.
+        c: the central values it holds, flat, of ``w``'s size.
+        k: how many coordinates to choose.
+        residual: error feedback's residual, flat, which ``v`` is added into and left in; None: no residual.
+        scale: the factor ``w - c`` is multiplied by.
     """
     n = w.size
     if k >= n or not sampled(n, k):

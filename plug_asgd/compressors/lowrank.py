@@ -6,6 +6,7 @@ import math
 import zlib
 
 import numpy as np
+from typing_extensions import override
 
 from plug_asgd.compressors.base import Codec, bad_payload, check_int, check_meta, expect, packed_arrays
 from plug_asgd.compressors.blas import one_thread
@@ -25,6 +26,21 @@ class PowerSGD(Codec):
     tensor of fewer than 2 dimensions, or one where that would not be smaller than dense
     (``r * (n + m) >= n * m``, which includes ``r >= min(n, m)``), or holding NaN or Inf, is sent
     dense: ``itemsize * numel`` bytes. Biased: error feedback is on by default.
+
+    Args:
+        rank: the factors' columns ``r``, at least 1.
+        seed: seeds the first ``Q`` of each tensor (with the tensor's name); a worker's encoder adds its rank.
+        error_feedback: whether a worker keeps what the approximation leaves for its next push; None: on.
+
+    Example:
+        >>> import numpy as np
+        >>> from plug_asgd import PowerSGD
+        >>> from plug_asgd.compressors import decode
+        >>> m = np.outer([1, 2, 3, 4], np.ones(6)).astype(np.float32)  # a [4, 6] matrix of rank 1
+        >>> codec = PowerSGD(rank=1)
+        >>> sent = codec.encode("w", m)
+        >>> [a.shape for a in sent.arrays], codec.wire_bytes(m.shape), np.allclose(decode(sent, np.float32), m)
+        ([(4, 1), (6, 1)], 40, True)
     """
 
     name = "powersgd"
@@ -49,6 +65,7 @@ class PowerSGD(Codec):
         m = math.prod(shape) // n if n else 0
         return (n, m) if self.rank * (n + m) < n * m else None
 
+    @override
     def encode(self, key: str, update: np.ndarray) -> Tensor:
         x = np.asarray(update)
         factored = self._factored(x.shape)
@@ -69,10 +86,12 @@ class PowerSGD(Codec):
         self.q[key] = q
         return Packed("powersgd", tuple(x.shape), {}, (np.ascontiguousarray(p), q))
 
+    @override
     def keeps_whole(self, shape: tuple[int, ...]) -> bool:
         """A factored tensor: ``P @ Q.T`` is the whole matrix's approximation, not one of its slices'."""
         return self._factored(tuple(shape)) is not None
 
+    @override
     def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
         factored = self._factored(shape)
         if factored is None:
@@ -80,6 +99,7 @@ class PowerSGD(Codec):
         return max(itemsize, 4) * self.rank * sum(factored)
 
     @classmethod
+    @override
     def decode_packed(cls, packed: Packed, dtype: np.dtype) -> np.ndarray:
         check_meta(packed)
         if len(packed.shape) < 2:

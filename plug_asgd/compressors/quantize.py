@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from typing_extensions import override
 
 from plug_asgd.compressors.base import (
     Codec,
@@ -32,6 +33,22 @@ class QSGD(Codec):
     8)`` bytes, and one sign bit per coordinate (set for ``x_i < 0``), ``ceil(numel / 8)`` bytes. The decoder
     computes ``l_i * (norm / s)`` in float64. An update holding NaN or Inf is sent dense, for the PS to
     refuse as not finite.
+
+    Args:
+        bits: the bits of each level, 1 to 16 (``2**bits - 1`` levels above zero).
+        seed: seeds the one generator that rounds every tensor, in order; a worker's encoder adds its rank.
+        error_feedback: whether a worker keeps what the rounding leaves for its next push (off by default: the
+            rounding is unbiased).
+
+    Example:
+        >>> import numpy as np
+        >>> from plug_asgd import QSGD
+        >>> from plug_asgd.compressors import decode
+        >>> sent = QSGD(bits=4).encode("w", np.array([3.0, -4.0, 0.0, 0.0], dtype=np.float32))
+        >>> sent.meta, decode(sent, np.float32)  # 3 and 4 are levels 9 and 12 of 15 of the norm 5: exact
+        ({'bits': 4, 'norm': 5.0}, array([ 3., -4.,  0.,  0.], dtype=float32))
+        >>> QSGD(bits=4).wire_bytes((4,))  # 4 levels of 4 bits, 4 sign bits
+        3
     """
 
     name = "qsgd"
@@ -47,10 +64,12 @@ class QSGD(Codec):
         self.levels = (1 << self.bits) - 1
         self.rng = np.random.default_rng(seed)
 
+    @override
     def encode(self, key: str, update: np.ndarray) -> Tensor:
         x = np.asarray(update)
         return self._encode(x.reshape(-1), None, 1.0, tuple(x.shape), x)
 
+    @override
     def encode_difference(self, key: str, w: np.ndarray, c: np.ndarray, scale: float = 1.0) -> Tensor:
         """``encode(key, scale * (w - c))`` chunk by chunk: the difference is made twice (for the norm, then for
         the levels) and never whole."""
@@ -86,10 +105,12 @@ class QSGD(Codec):
         return Packed("qsgd", shape, {"bits": self.bits, "norm": float(norm)},
                       (pack_levels(levels, self.bits), np.packbits(negative, bitorder="little")))
 
+    @override
     def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
         return qsgd_bytes(math.prod(shape), self.bits)
 
     @classmethod
+    @override
     def decode_packed(cls, packed: Packed, dtype: np.dtype) -> np.ndarray:
         check_meta(packed, "bits", "norm")
         bits = meta_int(packed, "bits", 1, 16)
@@ -105,6 +126,7 @@ class QSGD(Codec):
         return (signed * (norm / ((1 << bits) - 1))).reshape(packed.shape).astype(dtype)
 
     @classmethod
+    @override
     def slice_packed(cls, packed: Packed, start: int, stop: int) -> Packed:
         """The slice's levels and signs, packed again, with the whole tensor's norm: each decodes as it would whole."""
         bits = int(packed.meta["bits"])
@@ -123,6 +145,17 @@ class Sign(Codec):
     bit is set and ``+scale`` otherwise (zero included). Biased: error feedback is on by default, where it is
     a contraction (``||x - decoded||**2 = ||x||**2 - numel * scale**2``). An update holding NaN or Inf
     is sent dense, for the PS to refuse as not finite.
+
+    Args:
+        error_feedback: whether a worker keeps what the signs leave for its next push; None: on.
+
+    Example:
+        >>> import numpy as np
+        >>> from plug_asgd import Sign
+        >>> from plug_asgd.compressors import decode
+        >>> sent = Sign().encode("w", np.array([0.5, -2.0, 0.25, 1.0], dtype=np.float32))
+        >>> sent.meta, decode(sent, np.float32)  # each value becomes +-mean(|x|)
+        ({'scale': 0.9375}, array([ 0.9375, -0.9375,  0.9375,  0.9375], dtype=float32))
     """
 
     name = "sign"
@@ -130,10 +163,12 @@ class Sign(Codec):
     wire_formula = "ceil(numel / 8)"
     error_feedback_by_default = True
 
+    @override
     def encode(self, key: str, update: np.ndarray) -> Tensor:
         x = np.asarray(update)
         return self._encode(x.reshape(-1), None, 1.0, tuple(x.shape), x)
 
+    @override
     def encode_difference(self, key: str, w: np.ndarray, c: np.ndarray, scale: float = 1.0) -> Tensor:
         """``encode(key, scale * (w - c))`` in one pass of chunks: the difference is never whole."""
         return self._encode(w.reshape(-1), c.reshape(-1), scale, tuple(w.shape), None)
@@ -157,10 +192,12 @@ class Sign(Codec):
             return difference(np.empty(shape, dtype=w.dtype), w.reshape(shape), c.reshape(shape), scale)  # type: ignore[union-attr]
         return Packed("sign", shape, {"scale": float(scale_)}, (signs,))
 
+    @override
     def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
         return -(-math.prod(shape) // 8)
 
     @classmethod
+    @override
     def decode_packed(cls, packed: Packed, dtype: np.dtype) -> np.ndarray:
         check_meta(packed, "scale")
         scale = meta_scale(packed, "scale")
@@ -173,6 +210,7 @@ class Sign(Codec):
         return (value - negative * (value + value)).astype(dtype, copy=False).reshape(packed.shape)
 
     @classmethod
+    @override
     def slice_packed(cls, packed: Packed, start: int, stop: int) -> Packed:
         """The slice's sign bits, packed again, with the whole tensor's scale: each decodes as it would whole."""
         negative = np.unpackbits(np.asarray(packed.arrays[0]), count=packed.numel, bitorder="little")[start:stop]
@@ -189,7 +227,12 @@ def _chunk(arrays: Scratch, w: np.ndarray, c: np.ndarray | None, part: slice, sc
 
 def pack_levels(levels: np.ndarray, bits: int) -> np.ndarray:
     """Levels below ``2**bits``, ``bits`` each: the bytes of 8-bit levels and the words of 16-bit ones as they
-    are, else packed least significant bit first (``ceil(n * bits / 8)`` bytes, the last padded with zeros)."""
+    are, else packed least significant bit first (``ceil(n * bits / 8)`` bytes, the last padded with zeros).
+
+    Args:
+        levels: the levels, unsigned integers.
+        bits: the bits of each level, 1 to 16.
+    """
     if bits == 8:
         return levels.astype(np.uint8, copy=False)
     if bits == 16:
@@ -198,7 +241,13 @@ def pack_levels(levels: np.ndarray, bits: int) -> np.ndarray:
 
 
 def unpack_levels(stream: np.ndarray, count: int, bits: int) -> np.ndarray:
-    """The levels :func:`pack_levels` packed."""
+    """The levels :func:`pack_levels` packed.
+
+    Args:
+        stream: what :func:`pack_levels` returned.
+        count: how many levels it holds.
+        bits: the bits of each level, 1 to 16.
+    """
     if bits in (8, 16):
         return stream
     return unpack_bits(stream, count, bits)
@@ -208,6 +257,10 @@ def pack_bits(codes: np.ndarray, width: int) -> np.ndarray:
     """Unsigned ``codes`` (each below ``2**width``) as ``width`` bits each, least significant first.
 
     That is ``ceil(n * width / 8)`` bytes, the last one padded with zero bits.
+
+    Args:
+        codes: the codes, unsigned integers.
+        width: the bits of each code.
     """
     bits = np.empty((codes.size, width), dtype=np.uint8)
     for j in range(width):
@@ -216,6 +269,13 @@ def pack_bits(codes: np.ndarray, width: int) -> np.ndarray:
 
 
 def unpack_bits(stream: np.ndarray, count: int, width: int) -> np.ndarray:
+    """The uint32 codes :func:`pack_bits` packed.
+
+    Args:
+        stream: what :func:`pack_bits` returned (uint8).
+        count: how many codes it holds.
+        width: the bits of each code.
+    """
     bits = np.unpackbits(stream, count=count * width, bitorder="little").reshape(count, width)
     codes = np.zeros(count, dtype=np.uint32)
     for j in range(width):
@@ -224,4 +284,10 @@ def unpack_bits(stream: np.ndarray, count: int, width: int) -> np.ndarray:
 
 
 def qsgd_bytes(numel: int, bits: int) -> int:
+    """The frame bytes of a tensor of ``numel`` values that :class:`QSGD` sends: its levels, then its sign bits.
+
+    Args:
+        numel: the tensor's values.
+        bits: the bits of each level.
+    """
     return -(-numel * bits // 8) + -(-numel // 8)

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import numpy as np
+from typing_extensions import override
 
 from plug_asgd.compressors.base import Codec
 from plug_asgd.compressors.difference import largest_differences, top_k
@@ -18,7 +19,13 @@ FP16_MAX = float(np.finfo(np.float16).max)  # 65504
 def largest_magnitudes(flat: np.ndarray, k: int, scratch: np.ndarray | None = None) -> np.ndarray:
     """Ascending int64 indices of the ``k`` largest ``|flat|`` (exact zeros left out: sending them changes nothing).
 
-    ``scratch``, an array of ``flat``'s shape and dtype, takes ``|flat|`` in place of a new one."""
+    ``scratch``, an array of ``flat``'s shape and dtype, takes ``|flat|`` in place of a new one.
+
+    Args:
+        flat: the values, a 1-d float array.
+        k: how many to choose (all of them where ``k >= flat.size``).
+        scratch: an array to write ``|flat|`` into (one of another shape or dtype is not used); None: a new one.
+    """
     if k >= flat.size:
         chosen = np.arange(flat.size)
     else:
@@ -28,6 +35,14 @@ def largest_magnitudes(flat: np.ndarray, k: int, scratch: np.ndarray | None = No
 
 
 def check_fraction(fraction: float) -> float:
+    """``fraction`` as a float, refused unless a number in ``(0, 1]``: a sparse codec's share of coordinates.
+
+    Args:
+        fraction: the share of each tensor's coordinates sent.
+
+    Raises:
+        ValueError: where ``fraction`` is no number (a bool neither) or outside ``(0, 1]``.
+    """
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must be a fraction of the coordinates in (0, 1], got {fraction!r} "
                          "(0.01 sends 1% of each tensor)")
@@ -35,6 +50,12 @@ def check_fraction(fraction: float) -> float:
 
 
 def k_for(fraction: float, numel: int) -> int:
+    """The coordinates sent of a tensor of ``numel``: ``ceil(fraction * numel)``, at least 1 and at most all.
+
+    Args:
+        fraction: the share of coordinates sent.
+        numel: the tensor's values.
+    """
     return min(numel, max(1, math.ceil(fraction * numel)))
 
 
@@ -52,6 +73,13 @@ class TopKResidual:
     what the rounding lost in the residual too: ``4 * ceil(numel / 65536) + 4 * nnz`` bytes, and
     ``sent + residual == v`` still holds exactly for ``|v| <= 131008`` (the difference of a value
     and its rounding is exact in float32 there).
+
+    Args:
+        fraction: the share of each tensor's coordinates sent per push, in ``(0, 1]``.
+        values: the dtype the chosen values are sent as, one of :data:`SPARSE_VALUES`.
+
+    Raises:
+        ValueError: where ``values`` is not one of :data:`SPARSE_VALUES` or ``fraction`` is not in ``(0, 1]``.
     """
 
     name = "topk"
@@ -68,9 +96,20 @@ class TopKResidual:
         self.magnitudes: dict[str, np.ndarray] = {}  # scratch for |v|, kept across pushes as the residuals are
 
     def k_for(self, numel: int) -> int:
+        """The coordinates sent of a tensor of ``numel`` values.
+
+        Args:
+            numel: the tensor's values.
+        """
         return k_for(self.fraction, numel)
 
     def encode(self, key: str, update: np.ndarray) -> Tensor:
+        """The top ``k`` of ``update`` plus the residual of ``key``, as a Sparse; the rest becomes the residual.
+
+        Args:
+            key: the tensor's name: its residual is kept under it.
+            update: the tensor's update, a float array of the tensor's shape.
+        """
         # v = residual + update, made in the residual's array (which becomes the next residual), |v| in a kept
         # one: no array of the tensor's size is allocated
         flat = self.residuals.get(key)
@@ -91,7 +130,18 @@ class TopKResidual:
         """``encode(key, scale * (w - c))`` without making the difference whole (:mod:`.difference`).
 
         ``implicit_residual``: the residual is ``w - c`` itself, kept by the worker's model (its weights are the
-        central model ``c`` plus what was not sent): nothing is kept here, and ``scale`` must be 1."""
+        central model ``c`` plus what was not sent): nothing is kept here, and ``scale`` must be 1.
+
+        Args:
+            key: the tensor's name: its residual is kept under it.
+            w: the worker's weights of the tensor.
+            c: the central model's values of the tensor that the worker holds (its base), of ``w``'s shape.
+            scale: the factor ``w - c`` is multiplied by before the residual is added.
+            implicit_residual: whether the residual is ``w - c`` itself, held by the worker's model.
+
+        Raises:
+            ValueError: where ``implicit_residual`` comes with a ``scale`` other than 1.
+        """
         shape = tuple(w.shape)
         w, c = w.reshape(-1), c.reshape(-1)
         k = self.k_for(w.size)
@@ -120,11 +170,20 @@ class TopKResidual:
         return Sparse(indices=chosen, values=values, shape=shape)
 
     def set_pending(self, key: str, residual: np.ndarray) -> None:
-        """Make ``residual`` what is kept of ``key`` (stored flat): the worker's model held it."""
+        """Make ``residual`` what is kept of ``key`` (stored flat): the worker's model held it.
+
+        Args:
+            key: the tensor's name.
+            residual: what is to be added to the tensor's next update, of its shape or flat; not copied.
+        """
         self.residuals[key] = residual.reshape(-1)
 
     def pending(self, key: str) -> np.ndarray | None:
-        """What is kept of ``key`` for a later push (flat), or None before its first."""
+        """What is kept of ``key`` for a later push (flat), or None before its first.
+
+        Args:
+            key: the tensor's name.
+        """
         return self.residuals.get(key)
 
 
@@ -135,6 +194,19 @@ class TopK(Codec):
     exact zeros (they change nothing), so ``nnz = min(k, count_nonzero(x))``. On the wire:
     ``4 * max(1, ceil(numel / 65536)) + (2 + itemsize) * nnz`` bytes (6 per sent float32
     coordinate). Biased: error feedback is on by default, which makes it AdaComp's :class:`TopKResidual`.
+
+    Args:
+        fraction: the share of each tensor's coordinates sent per push, in ``(0, 1]``.
+        error_feedback: whether a worker keeps the coordinates not sent for its next push; None: on.
+
+    Example:
+        >>> import numpy as np
+        >>> from plug_asgd import TopK
+        >>> sent = TopK(fraction=0.5).encode("w", np.array([0.5, -2.0, 0.25, 1.0], dtype=np.float32))
+        >>> sent.indices, sent.values  # the 2 of 4 of largest magnitude
+        (array([1, 3]), array([-2.,  1.], dtype=float32))
+        >>> TopK(fraction=0.01).wire_bytes((100_000,))  # 1,000 float32 values with 2-byte indices, 8-byte header
+        6008
     """
 
     name = "topk"
@@ -147,13 +219,20 @@ class TopK(Codec):
         self.fraction = check_fraction(fraction)
 
     def k_for(self, numel: int) -> int:
+        """The coordinates sent of a tensor of ``numel`` values.
+
+        Args:
+            numel: the tensor's values.
+        """
         return k_for(self.fraction, numel)
 
+    @override
     def encode(self, key: str, update: np.ndarray) -> Tensor:
         flat = np.asarray(update).reshape(-1)
         chosen = largest_magnitudes(flat, self.k_for(flat.size))
         return Sparse(indices=chosen, values=flat[chosen], shape=tuple(update.shape))
 
+    @override
     def encode_difference(self, key: str, w: np.ndarray, c: np.ndarray, scale: float = 1.0) -> Tensor:
         """The top k of ``scale * (w - c)``, chosen chunk by chunk (:func:`.difference.largest_differences`)."""
         if scale != 1.0:
@@ -161,6 +240,7 @@ class TopK(Codec):
         chosen, values = largest_differences(w.reshape(-1), c.reshape(-1), self.k_for(w.size))
         return Sparse(indices=chosen, values=values, shape=tuple(w.shape))
 
+    @override
     def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
         numel = math.prod(shape)
         return sparse_wire_bytes(numel, min(self.k_for(numel), numel if nonzero is None else nonzero), itemsize)
@@ -179,6 +259,22 @@ class RandomK(Codec):
     ``fraction=None`` (the default): 1%, raised for a fit too short for it (:meth:`for_fit`). With error feedback a
     coordinate waits about ``1 / fraction`` pushes whatever it holds, and a fit of few such waits ends its central
     model behind the workers' (docs/momentum.md, "randomk's lag and the length of a fit").
+
+    Args:
+        fraction: the share of each tensor's coordinates drawn per push, in ``(0, 1]``; None: 1%, raised for a
+            short fit.
+        seed: seeds the one generator that draws every tensor's coordinates, in order; a worker's encoder adds
+            its rank.
+        unbiased: whether the values sent are scaled by ``numel / k``; None: where there is no error feedback.
+        error_feedback: whether a worker keeps the coordinates not drawn for its next push; None: on.
+
+    Example:
+        >>> import numpy as np
+        >>> from plug_asgd import RandomK
+        >>> x = np.arange(1.0, 9.0, dtype=np.float32)
+        >>> sent = RandomK(fraction=0.25, unbiased=True).encode("w", x)
+        >>> sent.indices.size, sent.values / x[sent.indices]  # 2 of 8 drawn, each scaled by 8 / 2
+        (2, array([4., 4.], dtype=float32))
     """
 
     name = "randomk"
@@ -198,18 +294,26 @@ class RandomK(Codec):
         self.unbiased = not self.error_feedback if unbiased is None else bool(unbiased)
         self.rng = np.random.default_rng(seed)
 
+    @override
     def config(self) -> dict[str, Any]:
         return {**super().config(), "fraction": None} if self.auto else super().config()
 
     def k_for(self, numel: int) -> int:
+        """The coordinates drawn of a tensor of ``numel`` values.
+
+        Args:
+            numel: the tensor's values.
+        """
         return k_for(self.fraction, numel)
 
+    @override
     def lag_pushes(self) -> float | None:
         """With error feedback, ``1 / fraction``: each coordinate is drawn with that chance at every push, so the
         residual holds it for that many pushes on average, however large it grew (less in a tensor of fewer than
         ``1 / fraction`` coordinates, which sends one at every push). Unbiased, nothing waits."""
         return 1.0 / self.fraction if self.error_feedback and self.fraction < 1.0 else None
 
+    @override
     def for_fit(self, pushes: float) -> Codec:
         """With the default fraction and error feedback: 1%, or ``fit_periods / pushes`` where that is more, so
         that a coordinate's mean wait is at most a tenth of the fit (the gaps to DDP it was chosen by:
@@ -221,6 +325,7 @@ class RandomK(Codec):
             return self
         return type(self)(**{**self.config(), "fraction": fraction})  # rebuilt as encoder() does
 
+    @override
     def encode(self, key: str, update: np.ndarray) -> Tensor:
         flat = np.asarray(update).reshape(-1)
         k = self.k_for(flat.size)
@@ -232,6 +337,7 @@ class RandomK(Codec):
         return Sparse(indices=chosen.astype(np.int64), values=values.astype(flat.dtype, copy=False),
                       shape=tuple(update.shape))
 
+    @override
     def encode_difference(self, key: str, w: np.ndarray, c: np.ndarray, scale: float = 1.0) -> Tensor:
         """``scale * (w - c)`` at the drawn coordinates only: nothing else of the difference is needed."""
         k = self.k_for(w.size)
@@ -246,6 +352,7 @@ class RandomK(Codec):
         return Sparse(indices=chosen.astype(np.int64), values=values.astype(w.dtype, copy=False),
                       shape=tuple(w.shape))
 
+    @override
     def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
         numel = math.prod(shape)
         return sparse_wire_bytes(numel, self.k_for(numel), itemsize)

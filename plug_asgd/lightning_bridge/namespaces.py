@@ -24,7 +24,12 @@ BINDINGS = {"pytorch_lightning": "plug_asgd.pytorch_lightning", "lightning.pytor
 
 
 def in_use() -> str:
-    """The Lightning namespace this program imported; if neither yet, the installed one (pytorch_lightning first)."""
+    """The Lightning namespace this program imported; if neither yet, the installed one (pytorch_lightning first).
+
+    Raises:
+        RuntimeError: both namespaces are imported, so which Trainer the program uses is unknown.
+        ModuleNotFoundError: neither is installed.
+    """
     imported = [ns for ns in BINDINGS if ns in sys.modules]
     if len(imported) > 1:
         raise RuntimeError("both pytorch_lightning and lightning are imported, so plug_asgd cannot tell which "
@@ -39,7 +44,16 @@ def in_use() -> str:
 
 
 def bound(cls: type, namespace: str) -> type:
-    """``cls`` (a class written once) as a class of ``namespace``."""
+    """``cls`` (a class written once) as a class of ``namespace``.
+
+    Args:
+        cls: the class written once (``AsyncPSStrategy``, a callback, or a user's subclass of one).
+        namespace: ``"pytorch_lightning"`` or ``"lightning.pytorch"`` (a key of :data:`BINDINGS`).
+
+    Raises:
+        TypeError: the namespace's module has no subclass of ``cls`` by its name (a user's subclass of a class
+            written once must subclass the namespace's class instead).
+    """
     made = getattr(importlib.import_module(BINDINGS[namespace]), cls.__name__, None)
     if not (isinstance(made, type) and issubclass(made, cls)):
         raise TypeError(f"{cls.__qualname__} has no {namespace} class: subclass {cls.__name__} from "

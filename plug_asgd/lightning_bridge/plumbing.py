@@ -34,22 +34,27 @@ class DDPPlumbing(LightningBound):
         return self.parallel_devices[self.local_rank]
 
     @property
-    @override
     def num_nodes(self) -> int:
+        """The job's node count: the Trainer sets it (``num_nodes=``) on a strategy that has one, as on DDP's."""
         return self._num_nodes
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
+        """Set by the Trainer's accelerator connector from ``Trainer(num_nodes=...)``.
+
+        Args:
+            num_nodes: the job's node count.
+        """
         self._num_nodes = num_nodes
 
     @property
-    @override
     def num_processes(self) -> int:
+        """Workers on this node, one per device; Lightning's process launcher starts this many."""
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
-    @override
     def is_distributed(self) -> bool:
+        """Always: the workers are separate processes, even where one node runs them all."""
         return True
 
     @property
@@ -65,8 +70,9 @@ class DDPPlumbing(LightningBound):
         else:
             self._launcher = self.process_launcher(self, start_method=self._start_method)
 
-    @override
     def set_world_ranks(self) -> None:
+        """Gives the cluster environment this worker's global rank and the world size, and Lightning's rank-zero
+        helpers the rank, as DDP's strategy does (Lightning calls it once the environment is known)."""
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)

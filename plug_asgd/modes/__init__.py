@@ -45,7 +45,11 @@ ModeLike = str | Mode | Mapping[str, Any]
 
 def get(mode: ModeLike) -> Mode:
     """The mode ``mode`` stands for: a name of :data:`MODES` (its defaults), a configured instance
-    (itself), or a dict ``{"name": ..., **knobs}`` (as a YAML file gives it)."""
+    (itself), or a dict ``{"name": ..., **knobs}`` (as a YAML file gives it).
+
+    Args:
+        mode: a registered name (``"ssp"``), a configured :class:`Mode`, or a mapping of ``"name"`` and knobs.
+    """
     return registry.get(mode, Mode, MODES, "mode")
 
 

@@ -18,7 +18,13 @@ DROPPED = "dropped"
 
 @dataclass
 class CentralState:
-    """The central model: named float tensors and the number of updates folded in so far."""
+    """The central model: named float tensors and the number of updates folded in so far.
+
+    Attributes:
+        tensors: the central tensors by name, written by the fold rules (in place, or replaced by ``Push.out``).
+        version: the updates folded in so far; a push is based on one of them.
+        pool: the threads a large tensor's fold is split over; None: folds run in the calling thread.
+    """
 
     tensors: dict[str, np.ndarray]
     version: int = 0
@@ -27,7 +33,18 @@ class CentralState:
 
 @dataclass
 class Push:
-    """One worker update, based on central version ``base_version``. ``token`` is opaque to rules."""
+    """One worker update, based on central version ``base_version``. ``token`` is opaque to rules.
+
+    Attributes:
+        token: what the PS answers the push by; a rule hands it back in its resolutions.
+        rank: the pushing worker's global rank.
+        base_version: the central version the worker's update is based on.
+        update: the decoded tensors by name (dense arrays or Sparse), deltas unless ``replace``.
+        out: where a folding rule writes each new central tensor, out of place; None: into the central tensors.
+        replace: whether ``update`` holds weights to take as they are, not a delta.
+        scale: what the PS multiplies the push by besides its rule's own scaling (1: nothing).
+        scaled_by_worker: whether the worker scaled the update for its staleness itself.
+    """
 
     token: Any
     rank: int
@@ -67,7 +84,12 @@ def _add_into(target: np.ndarray, update: Tensor, scale: float | np.ndarray = 1.
 
 
 def can_fold_into(update: Tensor, target: np.ndarray) -> bool:
-    """Whether ``update`` can take the fold of ``target``: a writable dense array of its dtype and shape."""
+    """Whether ``update`` can take the fold of ``target``: a writable dense array of its dtype and shape.
+
+    Args:
+        update: a push's tensor, as decoded.
+        target: the central tensor it is folded into.
+    """
     return (isinstance(update, np.ndarray) and update.dtype == target.dtype and update.shape == target.shape
             and update.flags.writeable)
 
@@ -78,6 +100,9 @@ def all_finite(array: np.ndarray) -> bool:
     ``x . x`` is a sum of non-negative squares: NaN or Inf anywhere makes it NaN or Inf, and no
     cancellation can hide one. It is finite, so every value is, unless a square or the sum
     overflows (values beyond about 1e19); the exact elementwise test then decides.
+
+    Args:
+        array: the values checked, of any shape and float dtype.
     """
     with np.errstate(over="ignore", invalid="ignore"):
         return _finite(array.reshape(-1))

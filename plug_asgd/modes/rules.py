@@ -14,6 +14,7 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+from typing_extensions import override
 
 from plug_asgd.modes.fold import APPLIED, DROPPED, CentralState, Push, Resolution, _add_into, _fold_all
 from plug_asgd.protocol.wire import Sparse, Tensor
@@ -41,19 +42,34 @@ class FoldRule(ABC):
 
     def adds_exactly(self, update: Tensor) -> bool:
         """Whether this rule folds ``update`` (decoded), pushed on the current version without correction, as
-        ``central + update`` in the central dtype: its worker can then make the new model itself, bit for bit."""
+        ``central + update`` in the central dtype: its worker can then make the new model itself, bit for bit.
+
+        Args:
+            update: one tensor of a push, as decoded (dense or Sparse).
+        """
         return self.folds_into_update
 
     @property
     def trainers(self) -> int:
+        """How many workers are training now (:meth:`set_trainers`' ranks)."""
         return len(self.training_ranks)
 
     @abstractmethod
     def push(self, state: CentralState, push: Push) -> list[Resolution]:
-        """Fold ``push`` in now, drop it, or hold it; return the pushes resolved by this call."""
+        """Fold ``push`` in now, drop it, or hold it; return the pushes resolved by this call.
+
+        Args:
+            state: the central model, folded into in place (its ``version`` counts the updates).
+            push: the worker's update.
+        """
 
     def set_trainers(self, state: CentralState, ranks: frozenset[int]) -> list[Resolution]:
-        """Called when workers join or leave training; a waiting push may now be released."""
+        """Called when workers join or leave training; a waiting push may now be released.
+
+        Args:
+            state: the central model, for a rule that completes a round now.
+            ranks: the global ranks of the workers training from now on.
+        """
         self.training_ranks = ranks
         return []
 
@@ -62,7 +78,12 @@ class FoldRule(ABC):
         return {}, {}
 
     def restore(self, fields: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:  # noqa: B027 (optional hook)
-        """Take back what :meth:`state` returned, from a checkpoint."""
+        """Take back what :meth:`state` returned, from a checkpoint.
+
+        Args:
+            fields: the header fields :meth:`state` returned.
+            arrays: the arrays :meth:`state` returned, by name.
+        """
 
 
 class AsgdRule(FoldRule):
@@ -72,6 +93,7 @@ class AsgdRule(FoldRule):
     changes_only_pushed = True
     corrects = True
 
+    @override
     def push(self, state: CentralState, push: Push) -> list[Resolution]:
         _fold_all(state, push)
         state.version += 1
@@ -84,6 +106,9 @@ class AdaCompRule(FoldRule):
     The PS remembers which coordinates each of the last ``history`` updates touched (a dense
     update touches all). A push based on a version older than that memory is scaled by what
     is remembered, a lower bound of its staleness; ``truncated`` counts such pushes.
+
+    Args:
+        history: how many of the last updates' touched coordinates are remembered.
     """
 
     changes_only_pushed = True
@@ -94,13 +119,20 @@ class AdaCompRule(FoldRule):
         self.history: deque[tuple[int, dict[str, np.ndarray | None]]] = deque(maxlen=history)
         self.truncated = 0
 
+    @override
     def adds_exactly(self, update: Tensor) -> bool:
         """A sparse update on the current version: each coordinate is scaled by ``1 / max(1, 0)``, which leaves its
         float32 value as it is. A dense one is divided in float64 before the addition: not the worker's sum."""
         return isinstance(update, Sparse)
 
     def staleness(self, base_version: int, name: str, indices: np.ndarray) -> np.ndarray:
-        """``s_i`` for each of ``indices`` of tensor ``name``, for an update based on ``base_version``."""
+        """``s_i`` for each of ``indices`` of tensor ``name``, for an update based on ``base_version``.
+
+        Args:
+            base_version: the central version the update is based on.
+            name: the tensor's name.
+            indices: the flat coordinates of the tensor asked about, ascending.
+        """
         counts = np.zeros(indices.size, dtype=np.int64)
         for version, touched in self.history:
             if version <= base_version:
@@ -115,6 +147,7 @@ class AdaCompRule(FoldRule):
                 counts += hit
         return counts
 
+    @override
     def push(self, state: CentralState, push: Push) -> list[Resolution]:
         if self.history and push.base_version < self.history[0][0] - 1:
             self.truncated += 1
@@ -134,6 +167,7 @@ class AdaCompRule(FoldRule):
         self.history.append((state.version, touched))
         return [(push.token, APPLIED)]
 
+    @override
     def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         entries, arrays = [], {}
         for i, (version, touched) in enumerate(self.history):
@@ -142,6 +176,7 @@ class AdaCompRule(FoldRule):
             arrays.update((f"{i}/{n}", idx) for n, idx in touched.items() if idx is not None)
         return {"history": entries, "truncated": self.truncated}, arrays
 
+    @override
     def restore(self, fields: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         self.history.clear()
         for i, (version, dense, sparse) in enumerate(fields.get("history", [])):
@@ -166,6 +201,12 @@ class SyncRule(FoldRule):
     pushes make the same bits whichever came first, so a run's rounds do not depend on timing
     (beyond which pushes a round holds), and the shards of a sharded PS, each of which may receive
     a worker's pushes in another order, make together the bits of one PS.
+
+    Args:
+        replicas_to_aggregate: the updates averaged per round; None: every worker training.
+
+    Raises:
+        ValueError: where ``replicas_to_aggregate`` is below 1.
     """
 
     def __init__(self, replicas_to_aggregate: int | None = None) -> None:
@@ -177,15 +218,18 @@ class SyncRule(FoldRule):
 
     @property
     def target(self) -> int:
+        """The updates the current round waits for: ``replicas_to_aggregate``, at most the workers training."""
         want = self.replicas_to_aggregate or self.trainers
         return max(1, min(want, self.trainers)) if self.trainers else 1
 
+    @override
     def push(self, state: CentralState, push: Push) -> list[Resolution]:
         if push.base_version != state.version or any(p.rank == push.rank for p in self.pending):
             return [(push.token, DROPPED)]
         self.pending.append(push)
         return self._maybe_complete(state)
 
+    @override
     def set_trainers(self, state: CentralState, ranks: frozenset[int]) -> list[Resolution]:
         super().set_trainers(state, ranks)
         return self._maybe_complete(state)
@@ -220,6 +264,7 @@ class DynSGDRule(FoldRule):
     corrects = True
     scales_by_staleness = True
 
+    @override
     def push(self, state: CentralState, push: Push) -> list[Resolution]:
         scale = 1.0 if push.scaled_by_worker else 1.0 / (state.version - push.base_version + 1)
         _fold_all(state, push, scale)
@@ -233,6 +278,12 @@ class SSPRule(FoldRule):
     A worker's clock is the number of its pushes in this training stage. Its push is folded in
     at once, but the reply (and so its next step) waits while its clock is more than
     ``staleness_bound`` ahead of the slowest training worker's.
+
+    Args:
+        staleness_bound: how many pushes a worker's clock may run ahead of the slowest's before its reply waits.
+
+    Raises:
+        ValueError: where ``staleness_bound`` is negative.
     """
 
     folds_into_update = True
@@ -247,6 +298,7 @@ class SSPRule(FoldRule):
         self.clocks: dict[int, int] = {}
         self.waiting: list[tuple[Any, int]] = []
 
+    @override
     def push(self, state: CentralState, push: Push) -> list[Resolution]:
         _fold_all(state, push)
         state.version += 1
@@ -254,6 +306,7 @@ class SSPRule(FoldRule):
         self.waiting.append((push.token, push.rank))
         return self._release()
 
+    @override
     def set_trainers(self, state: CentralState, ranks: frozenset[int]) -> list[Resolution]:
         super().set_trainers(state, ranks)
         return self._release()

@@ -21,7 +21,15 @@ MIN_SPLIT = 1 << 17
 
 
 class SlicePool:
-    """``threads`` threads (the caller's and ``threads - 1`` others) over slices of one range."""
+    """``threads`` threads (the caller's and ``threads - 1`` others) over slices of one range.
+
+    Args:
+        threads: the threads a range is split over, the caller's included (1: no other thread is started).
+        min_split: the least size split over them; a smaller range runs in the caller's thread alone.
+
+    Raises:
+        ValueError: where ``threads`` is below 1.
+    """
 
     def __init__(self, threads: int, min_split: int = MIN_SPLIT) -> None:
         if threads < 1:
@@ -31,7 +39,15 @@ class SlicePool:
         self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="plug_asgd-fold") if threads > 1 else None
 
     def map(self, fn: Callable[[slice], T], size: int) -> list[T]:
-        """``fn`` over contiguous slices covering ``range(size)``, in parallel when ``size`` is large."""
+        """``fn`` over contiguous slices covering ``range(size)``, in parallel when ``size`` is large.
+
+        Args:
+            fn: the work on one slice; it must release the GIL (numpy ufuncs do) for the threads to help.
+            size: the length of the range covered.
+
+        Returns:
+            ``fn``'s results, in the order of the slices.
+        """
         if self._pool is None or size < self.min_split:
             return [fn(slice(0, size))]
         bounds = [size * i // self.threads for i in range(self.threads + 1)]
@@ -41,5 +57,6 @@ class SlicePool:
         return [first, *(f.result() for f in futures)]
 
     def close(self) -> None:
+        """Stop the other threads, once the work given to them is done."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)

@@ -45,7 +45,12 @@ class CheckpointError(ValueError):
 
 
 class HeaderTooLarge(CheckpointError):
-    """The header would exceed what the reader accepts; nothing was written. ``excess``: bytes over."""
+    """The header would exceed what the reader accepts; nothing was written. ``excess``: bytes over.
+
+    Args:
+        message: the explanation, the exception's text.
+        excess: bytes of the header beyond the limit (zero or less where only the frame count is over).
+    """
 
     def __init__(self, message: str, excess: int) -> None:
         super().__init__(message)
@@ -59,6 +64,15 @@ def write_checkpoint(path: str | os.PathLike[str], fields: dict[str, Any], tenso
     Refuses (:class:`HeaderTooLarge`) what :func:`read_checkpoint` with the same ``limits`` would
     refuse, before writing a byte; on any OSError (a full or read-only disk) the temporary file is
     removed and the error raised, the files already there untouched.
+
+    Args:
+        path: the checkpoint file to write (its folder must exist); an existing file is replaced.
+        fields: the header fields (msgpack values: the version, the run id, counters, ...).
+        tensors: the tensors to store by name (``model/NAME`` for the central model's).
+        limits: the bounds the reader will enforce; the writer refuses what goes beyond them.
+
+    Raises:
+        HeaderTooLarge: where the header or the frame count goes beyond ``limits`` (nothing is written).
     """
     path = Path(path)
     frames = encode("checkpoint", fields, tensors)
@@ -101,7 +115,16 @@ def _write_frames(tmp: Path, frames: list[Any]) -> None:
 
 
 def read_checkpoint(path: str | os.PathLike[str], limits: Limits = LIMITS) -> Message:
-    """The checkpoint's header fields and tensors, or :class:`CheckpointError` saying what is wrong."""
+    """The checkpoint's header fields and tensors, or :class:`CheckpointError` saying what is wrong.
+
+    Args:
+        path: the checkpoint file to read.
+        limits: the bounds its frames are checked against, as the wire checks a message.
+
+    Raises:
+        CheckpointError: where the file cannot be read, is not a checkpoint, is truncated or corrupt, has
+            another format, or holds a message that breaks the protocol or is not a checkpoint.
+    """
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -141,12 +164,24 @@ def read_checkpoint(path: str | os.PathLike[str], limits: Limits = LIMITS) -> Me
 
 
 def checkpoint_name(version: int, run_id: str | None = None) -> str:
-    """``ps-vVERSION-RUN.ckpt`` (``ps-vVERSION.ckpt`` without a run: an older plug_asgd's name)."""
+    """``ps-vVERSION-RUN.ckpt`` (``ps-vVERSION.ckpt`` without a run: an older plug_asgd's name).
+
+    Args:
+        version: the central model's version (updates applied) the checkpoint holds.
+        run_id: the run the file belongs to; None for the name without a run.
+    """
     return f"ps-v{version:010d}-{run_id}.ckpt" if run_id else f"ps-v{version:010d}.ckpt"
 
 
 def check_run_id(run_id: str) -> str:
-    """``run_id`` if it may name a run (it goes into file names), else a ValueError saying what may."""
+    """``run_id`` if it may name a run (it goes into file names), else a ValueError saying what may.
+
+    Args:
+        run_id: the run id to check.
+
+    Raises:
+        ValueError: where ``run_id`` is not 1 to 64 letters, digits or ``_.-`` starting with a letter or digit.
+    """
     if not isinstance(run_id, str) or not RUN_ID.match(run_id):
         raise ValueError(f"a run id is 1 to 64 letters, digits or '_.-', starting with a letter or digit; "
                          f"got {run_id!r:.80}")
@@ -154,13 +189,21 @@ def check_run_id(run_id: str) -> str:
 
 
 def run_of(path: Path) -> str | None:
-    """The run a checkpoint file's name says it belongs to (None: an older plug_asgd's file)."""
+    """The run a checkpoint file's name says it belongs to (None: an older plug_asgd's file).
+
+    Args:
+        path: the checkpoint file (only its name is read).
+    """
     match = _NAME.match(path.name)
     return match.group(2) if match else None
 
 
 def list_checkpoints(dirpath: str | os.PathLike[str]) -> list[Path]:
-    """Checkpoint files of a folder, every run's, oldest version first."""
+    """Checkpoint files of a folder, every run's, oldest version first.
+
+    Args:
+        dirpath: the folder to list; a missing one holds none.
+    """
     dirpath = Path(dirpath)
     if not dirpath.is_dir():
         return []
@@ -169,7 +212,11 @@ def list_checkpoints(dirpath: str | os.PathLike[str]) -> list[Path]:
 
 
 def runs_in(dirpath: str | os.PathLike[str]) -> dict[str | None, list[Path]]:
-    """A folder's checkpoint files by run (None: an older plug_asgd's, of no known run), each run's oldest first."""
+    """A folder's checkpoint files by run (None: an older plug_asgd's, of no known run), each run's oldest first.
+
+    Args:
+        dirpath: the folder to list; a missing one holds none.
+    """
     runs: dict[str | None, list[Path]] = {}
     for p in list_checkpoints(dirpath):
         runs.setdefault(run_of(p), []).append(p)
@@ -177,13 +224,27 @@ def runs_in(dirpath: str | os.PathLike[str]) -> dict[str | None, list[Path]]:
 
 
 def resolve_checkpoint(path: str | os.PathLike[str], run_id: str | None = None) -> Path:
-    """A checkpoint file, or the newest one of a folder (of run ``run_id``, needed if it holds several runs)."""
+    """A checkpoint file, or the newest one of a folder (of run ``run_id``, needed if it holds several runs).
+
+    Args:
+        path: a checkpoint file, or a folder of them.
+        run_id: the run whose newest file to take from a folder; None where the folder holds one run only.
+    """
     return checkpoint_candidates(path, run_id)[0]
 
 
 def checkpoint_candidates(path: str | os.PathLike[str], run_id: str | None = None) -> list[Path]:
     """What a resume from ``path`` may load, best first: the file itself; in a folder, one run's files,
-    newest first (run ``run_id``; without it, the folder's only run). CheckpointError if none."""
+    newest first (run ``run_id``; without it, the folder's only run). CheckpointError if none.
+
+    Args:
+        path: a checkpoint file, or a folder of them.
+        run_id: the run whose files to take from a folder; None where the folder holds one run only.
+
+    Raises:
+        CheckpointError: where ``path`` does not exist, the folder holds no file of the run (or none at all),
+            or, without ``run_id``, holds several runs' files.
+    """
     path = Path(path)
     if not path.is_dir():
         if not path.exists():
@@ -205,14 +266,31 @@ def checkpoint_candidates(path: str | os.PathLike[str], run_id: str | None = Non
 
 
 def central_tensors(msg: Message) -> dict[str, np.ndarray]:
-    """The central model's tensors of a checkpoint, by parameter name."""
+    """The central model's tensors of a checkpoint, by parameter name.
+
+    Args:
+        msg: the checkpoint, as :func:`read_checkpoint` returns it.
+    """
     return {name[len("model/"):]: t for name, t in msg.tensors.items()
             if name.startswith("model/") and isinstance(t, np.ndarray)}
 
 
 @dataclass
 class CheckpointPolicy:
-    """When the PS writes a checkpoint, where, and how many it keeps."""
+    """When the PS writes a checkpoint, where, and how many it keeps.
+
+    Attributes:
+        dirpath: the folder the files go to (made at the first save).
+        every_n_updates: write once this many updates were applied since the last try; None for no such point.
+        every_n_seconds: write once this many seconds passed since the last try; None for no such point (where
+            both are None, every 60 seconds).
+        keep: how many of this run's newest files are kept; older ones are removed.
+        run_id: the run its files are named for: it lists and prunes only these; None for names without a run.
+        limits: the bounds the files must stay within, those the reader enforces.
+
+    Raises:
+        ValueError: where ``keep`` is below 1.
+    """
 
     dirpath: Path
     every_n_updates: int | None = None
@@ -232,7 +310,11 @@ class CheckpointPolicy:
         self._last_time = time.monotonic()
 
     def due(self, version: int) -> bool:
-        """Whether a checkpoint point is reached: ``every_n_updates`` since the last try, or ``every_n_seconds``."""
+        """Whether a checkpoint point is reached: ``every_n_updates`` since the last try, or ``every_n_seconds``.
+
+        Args:
+            version: the central model's current version; never due where it is the one saved last.
+        """
         if version == self._last_version:
             return False
         if self.every_n_updates is not None and version - max(self._last_attempt, 0) >= self.every_n_updates:
@@ -240,14 +322,29 @@ class CheckpointPolicy:
         return self.every_n_seconds is not None and time.monotonic() - self._last_time >= self.every_n_seconds
 
     def failed(self, version: int) -> None:
-        """A try at ``version`` failed: the next point counts from it (the disk may be back by then)."""
+        """A try at ``version`` failed: the next point counts from it (the disk may be back by then).
+
+        Args:
+            version: the version whose checkpoint could not be written.
+        """
         self._last_attempt, self._last_time = version, time.monotonic()
 
     def unsaved(self, version: int) -> bool:
+        """Whether ``version`` differs from the version saved last (so a final checkpoint would add something).
+
+        Args:
+            version: the central model's current version.
+        """
         return version != self._last_version
 
     def save(self, version: int, fields: dict[str, Any], tensors: dict[str, Tensor]) -> Path:
-        """Write the checkpoint of ``version``, then remove this run's files beyond the newest ``keep``."""
+        """Write the checkpoint of ``version``, then remove this run's files beyond the newest ``keep``.
+
+        Args:
+            version: the central model's version the checkpoint holds (it names the file).
+            fields: the header fields, as :func:`write_checkpoint` takes them.
+            tensors: the tensors to store, as :func:`write_checkpoint` takes them.
+        """
         self.dirpath.mkdir(parents=True, exist_ok=True)
         path = write_checkpoint(self.dirpath / checkpoint_name(version, self.run_id), fields, tensors, self.limits)
         self.saved_version(version)
@@ -257,5 +354,9 @@ class CheckpointPolicy:
         return path
 
     def saved_version(self, version: int) -> None:
-        """Mark ``version`` as already on disk (after a resume), so it is not written again at once."""
+        """Mark ``version`` as already on disk (after a resume), so it is not written again at once.
+
+        Args:
+            version: the version of the checkpoint on disk.
+        """
         self._last_version = self._last_attempt = version

@@ -32,7 +32,14 @@ PIECES_PER_SHARD = 4
 
 
 def parse_shard(spec: str) -> tuple[int, int]:
-    """``"I/N"`` (serve-ps --shard) as ``(I, N)``, ``0 <= I < N``; a ValueError that says the form otherwise."""
+    """``"I/N"`` (serve-ps --shard) as ``(I, N)``, ``0 <= I < N``; a ValueError that says the form otherwise.
+
+    Args:
+        spec: the text given, ``"I/N"``: this PS holds shard ``I`` of ``N``, counted from 0.
+
+    Raises:
+        ValueError: where ``spec`` is not two integers ``I/N`` with ``0 <= I < N``.
+    """
     try:
         index_text, count_text = spec.split("/")
         index, count = int(index_text), int(count_text)
@@ -49,7 +56,13 @@ _SLICE_KEY = re.compile(r"^(.*)\[(\d+):(\d+)\]$")  # Piece.key of a slice
 
 def piece_span(key: str, shapes: Mapping[str, Sequence[int]]) -> tuple[str, int, int]:
     """(tensor name, start, stop) of the piece named ``key`` (:attr:`Piece.key`): ``name[start:stop]`` of a cut
-    tensor's flat view, or a whole tensor of ``shapes`` (an unknown name: ``(key, 0, 0)``)."""
+    tensor's flat view, or a whole tensor of ``shapes`` (an unknown name: ``(key, 0, 0)``).
+
+    Args:
+        key: the piece's name, a tensor's name or ``name[start:stop]``.
+        shapes: the model's tensor shapes by name; a key found here is a whole tensor even where it looks
+            like a slice.
+    """
     match = _SLICE_KEY.match(key)
     if match and key not in shapes:
         return match.group(1), int(match.group(2)), int(match.group(3))
@@ -58,7 +71,15 @@ def piece_span(key: str, shapes: Mapping[str, Sequence[int]]) -> tuple[str, int,
 
 @dataclass(frozen=True)
 class Piece:
-    """Values ``start:stop`` of tensor ``name``'s flat view, held by shard ``shard`` under the name ``key``."""
+    """Values ``start:stop`` of tensor ``name``'s flat view, held by shard ``shard`` under the name ``key``.
+
+    Attributes:
+        name: the tensor's name in the model.
+        start: the first value of the piece in the tensor's flat view.
+        stop: one past its last value.
+        shard: the index of the shard that holds it.
+        whole: whether it is the whole tensor, held under its own name and shape.
+    """
 
     name: str
     start: int
@@ -68,19 +89,30 @@ class Piece:
 
     @property
     def key(self) -> str:
+        """The name its shard holds it under: the tensor's name where whole, else ``name[start:stop]``."""
         return self.name if self.whole else f"{self.name}[{self.start}:{self.stop}]"
 
     @property
     def size(self) -> int:
+        """Values it holds."""
         return self.stop - self.start
 
 
 class Partition:
-    """The pieces of a model over ``shards`` shards; see the module's docstring for the rule."""
+    """The pieces of a model over ``shards`` shards; see the module's docstring for the rule.
+
+    Args:
+        shapes: the model's tensor shapes by name.
+        shards: how many shards the model is spread over.
+        max_piece: the most values of a piece a tensor is cut into; None for a quarter of a shard's mean share.
+        whole: names of tensors never cut (see the module's docstring); names not in ``shapes`` are ignored.
+
+    Raises:
+        ValueError: where ``shards`` or ``max_piece`` is below 1, or the model has fewer values than shards.
+    """
 
     def __init__(self, shapes: Mapping[str, Sequence[int]], shards: int, max_piece: int | None = None,
                  whole: Collection[str] = ()) -> None:
-        """``whole``: names of tensors never cut (see the module's docstring); names not in ``shapes`` are ignored."""
         if shards < 1:
             raise ValueError(f"shards must be >= 1, got {shards}")
         self.shards = shards
@@ -118,7 +150,17 @@ class Partition:
         counted from its start), a packed update (a codec's own form) by ``slice_packed`` (its codec's,
         :func:`plug_asgd.compressors.slice_packed`), where its decoding is elementwise (bf16, qsgd, sign: each
         slice decodes to the values the whole would, bit for bit); a tensor that a codec packs as a whole
-        (PowerSGD) must be kept whole (``whole``)."""
+        (PowerSGD) must be kept whole (``whole``).
+
+        Args:
+            tensors: the tensors (dense, sparse or packed) by model name.
+            slice_packed: cuts a packed update to the values ``start:stop`` of its flat view; None where no
+                packed tensor is cut.
+
+        Raises:
+            ValueError: where a packed update of a cut tensor cannot be sliced (no ``slice_packed``, or its
+                codec packs the tensor as a whole).
+        """
         out: list[dict[str, Tensor]] = [{} for _ in range(self.shards)]
         for piece in self.pieces:
             if piece.name not in tensors:
@@ -144,7 +186,15 @@ class Partition:
         return out
 
     def assemble(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        """The model from each shard's pieces (a whole tensor as its shard sent it; a cut one joined, a copy)."""
+        """The model from each shard's pieces (a whole tensor as its shard sent it; a cut one joined, a copy).
+
+        Args:
+            parts: each shard's pieces by piece key, in shard order.
+
+        Raises:
+            KeyError: where a shard did not send one of its pieces (it serves another model, or shards are
+                out of order).
+        """
         out: dict[str, np.ndarray] = {}
         cut: dict[str, list[np.ndarray]] = {}
         for piece in self.pieces:

@@ -58,6 +58,9 @@ class PushSegment:
     the memory (``buffers``); :meth:`offset` tells whether an array is one of them, and where.
     Raises OSError where the memory cannot be had (no memfd, or too little shared memory left:
     it is reserved here, so that a full ``/dev/shm`` is an error now, not a fault at a write).
+
+    Args:
+        shapes: each tensor's shape and dtype by name; each gets a 64-byte aligned buffer, in this order.
     """
 
     def __init__(self, shapes: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> None:
@@ -83,7 +86,11 @@ class PushSegment:
                         for name, (o, shape, dtype) in layout.items()}
 
     def offset(self, array: np.ndarray) -> int | None:
-        """``array``'s byte offset in the memory, if it is a C-contiguous array inside it; else None."""
+        """``array``'s byte offset in the memory, if it is a C-contiguous array inside it; else None.
+
+        Args:
+            array: the array to place, typically one of ``buffers`` (or a view of one).
+        """
         if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
             return None
         offset = array.ctypes.data - self._start
@@ -95,7 +102,11 @@ class PushSegment:
 
 
 class AttachedSegments:
-    """The PS's side: the memory each worker session attached, mapped read-only."""
+    """The PS's side: the memory each worker session attached, mapped read-only.
+
+    Args:
+        max_bytes: the most bytes of tensors one worker's memory may hold (its header excluded).
+    """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -105,7 +116,18 @@ class AttachedSegments:
         return len(self._maps)
 
     def attach(self, session: str, pid: object, fd: object, token: object) -> int:
-        """Map the memory descriptor ``fd`` of process ``pid`` for ``session`` (replacing its previous); its size."""
+        """Map the memory descriptor ``fd`` of process ``pid`` for ``session`` (replacing its previous); its size.
+
+        Args:
+            session: the worker session the memory belongs to.
+            pid: the worker's process id, as the worker sent it (checked to be an integer).
+            fd: the worker's descriptor of the memory, as it sent it (checked to be an integer).
+            token: the random bytes the worker wrote at the memory's start, proving the memory is its own.
+
+        Raises:
+            WireError: where the arguments are malformed, the memory cannot be opened (another machine or
+                user), is not a sealed memfd of an allowed size, or does not hold ``token``.
+        """
         if not (isinstance(pid, int) and isinstance(fd, int) and 0 < pid < _MAX_PID and 0 <= fd < _MAX_FD):
             raise WireError("bad_local", "attach needs the worker's pid and the descriptor of its memory (integers)")
         if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
@@ -136,7 +158,15 @@ class AttachedSegments:
         return info.st_size
 
     def resolve(self, session: str, ref: Local) -> np.ndarray:
-        """The read-only array ``ref`` names in ``session``'s segment (checked against its bounds)."""
+        """The read-only array ``ref`` names in ``session``'s segment (checked against its bounds).
+
+        Args:
+            session: the worker session that sent ``ref``.
+            ref: the local reference of a pushed tensor.
+
+        Raises:
+            WireError: where ``session`` has no memory attached, or ``ref`` lies outside it or is misaligned.
+        """
         memory = self._maps.get(session)
         if memory is None:
             raise WireError("bad_local", "this worker has no shared segment attached here (the parameter server "
@@ -148,7 +178,13 @@ class AttachedSegments:
         return memory[ref.offset:end].view(ref.dtype).reshape(ref.shape)
 
     def drop(self, session: str) -> None:
+        """Forget ``session``'s memory (unmapped once no array of it is left); nothing where it has none.
+
+        Args:
+            session: the worker session that is gone.
+        """
         self._maps.pop(session, None)
 
     def clear(self) -> None:
+        """Forget every session's memory."""
         self._maps.clear()

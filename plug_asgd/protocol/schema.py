@@ -39,7 +39,12 @@ CODEC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012
 
 
 class WireError(ValueError):
-    """A message that does not follow the protocol. ``code`` is a short machine-readable tag."""
+    """A message that does not follow the protocol. ``code`` is a short machine-readable tag.
+
+    Args:
+        code: the short machine-readable tag (``"bad_field"``, ...) a peer or a test can match on.
+        message: the human-readable explanation, the exception's text.
+    """
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -48,7 +53,14 @@ class WireError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Upper bounds a receiver enforces before it trusts a message."""
+    """Upper bounds a receiver enforces before it trusts a message.
+
+    Attributes:
+        max_header_bytes: the most bytes the JSON header frame may hold.
+        max_frames: the most frames one message may have (the header included).
+        max_message_bytes: the most bytes of all its frames together.
+        max_ndim: the most dimensions a tensor's shape may have.
+    """
 
     max_header_bytes: int = 1 << 20
     max_frames: int = 1 << 16
@@ -61,7 +73,13 @@ DEFAULT_LIMITS = Limits()
 
 @dataclass(frozen=True)
 class Sparse:
-    """A sparse tensor: ascending unique flat ``indices`` into a tensor of ``shape``, and ``values``."""
+    """A sparse tensor: ascending unique flat ``indices`` into a tensor of ``shape``, and ``values``.
+
+    Attributes:
+        indices: the flat positions of the stored elements, ascending and unique.
+        values: the stored elements, one per index.
+        shape: the shape of the dense tensor it stands for.
+    """
 
     indices: np.ndarray
     values: np.ndarray
@@ -69,13 +87,16 @@ class Sparse:
 
     @property
     def numel(self) -> int:
+        """Elements of the dense tensor it stands for."""
         return math.prod(self.shape)
 
     @property
     def nnz(self) -> int:
+        """Elements it stores (the nonzeros)."""
         return int(self.indices.size)
 
     def to_dense(self) -> np.ndarray:
+        """The dense tensor of ``shape``: ``values`` at ``indices``, zeros elsewhere."""
         out = np.zeros(self.numel, dtype=self.values.dtype)
         out[self.indices] = self.values
         return out.reshape(self.shape)
@@ -89,6 +110,12 @@ class Packed:
     tensor it decodes to, ``meta`` holds small scalars (int, float or str; they travel in the
     header) and ``arrays`` the codec's arrays (each travels as one raw frame, with its dtype and
     shape in the header; the dtypes allowed are those of dense tensors).
+
+    Attributes:
+        codec: the codec's name, which picks the decoder.
+        shape: the shape of the tensor it decodes to.
+        meta: the codec's small scalars by name.
+        arrays: the codec's arrays, in the order its decoder reads them.
     """
 
     codec: str
@@ -103,6 +130,7 @@ class Packed:
 
     @property
     def numel(self) -> int:
+        """Elements of the tensor it decodes to."""
         return math.prod(self.shape)
 
     @property
@@ -113,7 +141,13 @@ class Packed:
 
 @dataclass(frozen=True)
 class Local:
-    """A dense tensor the receiver reads from the sender's shared segment: where it is, not its bytes."""
+    """A dense tensor the receiver reads from the sender's shared segment: where it is, not its bytes.
+
+    Attributes:
+        offset: where its bytes start in the segment, in bytes.
+        dtype: the dtype of its elements.
+        shape: its shape.
+    """
 
     offset: int
     dtype: np.dtype
@@ -121,6 +155,7 @@ class Local:
 
     @property
     def nbytes(self) -> int:
+        """Bytes it spans in the segment."""
         return math.prod(self.shape) * self.dtype.itemsize
 
 
@@ -130,7 +165,14 @@ LOCAL_MAX_OFFSET = 1 << 48
 
 @dataclass
 class Message:
-    """A decoded message: its type, its header fields, and its tensors by name (in wire order)."""
+    """A decoded message: its type, its header fields, and its tensors by name (in wire order).
+
+    Attributes:
+        type: the message type (``"push"``, ``"pull"``, ...), which says what its fields mean.
+        fields: the header's fields by name (JSON values).
+        tensors: the tensors by name, in wire order.
+        frames: the frame that holds each dense tensor's bytes, by tensor name.
+    """
 
     type: str
     fields: dict[str, Any] = field(default_factory=dict)
@@ -140,7 +182,16 @@ class Message:
     frames: dict[str, Any] = field(default_factory=dict)
 
     def int_field(self, name: str, *, minimum: int | None = None, optional: bool = False) -> int | None:
-        """A header integer, validated; a missing or mistyped one is a protocol error."""
+        """A header integer, validated; a missing or mistyped one is a protocol error.
+
+        Args:
+            name: the field's name.
+            minimum: the smallest value allowed; None allows any.
+            optional: whether a missing field is allowed (it reads as None).
+
+        Raises:
+            WireError: where the field is missing (and not ``optional``), not an integer, or below ``minimum``.
+        """
         value = self.fields.get(name)
         if value is None and optional:
             return None
@@ -151,7 +202,17 @@ class Message:
         return value
 
     def float_field(self, name: str, *, minimum: float, maximum: float, optional: bool = False) -> float | None:
-        """A header number (an integer is taken too) in ``[minimum, maximum]``; NaN and Inf are refused."""
+        """A header number (an integer is taken too) in ``[minimum, maximum]``; NaN and Inf are refused.
+
+        Args:
+            name: the field's name.
+            minimum: the smallest value allowed.
+            maximum: the largest value allowed.
+            optional: whether a missing field is allowed (it reads as None).
+
+        Raises:
+            WireError: where the field is missing (and not ``optional``), not a number, or out of range.
+        """
         value = self.fields.get(name)
         if value is None and optional:
             return None
@@ -161,6 +222,15 @@ class Message:
         return float(value)
 
     def str_field(self, name: str, *, optional: bool = False) -> str | None:
+        """A header string; a missing or mistyped one is a protocol error.
+
+        Args:
+            name: the field's name.
+            optional: whether a missing field is allowed (it reads as None).
+
+        Raises:
+            WireError: where the field is missing (and not ``optional``) or not a string.
+        """
         value = self.fields.get(name)
         if value is None and optional:
             return None
@@ -170,14 +240,29 @@ class Message:
 
 
 def sparse_wire_bytes(numel: int, nnz: int, itemsize: int = 4) -> int:
-    """Bytes of a sparse tensor's frames: block counts, 16-bit offsets and values."""
+    """Bytes of a sparse tensor's frames: block counts, 16-bit offsets and values.
+
+    Args:
+        numel: elements of the dense tensor.
+        nnz: elements it stores.
+        itemsize: bytes of one value.
+    """
     return 4 * num_blocks(numel) + 2 * nnz + itemsize * nnz
 
 
 def num_blocks(numel: int) -> int:
+    """Blocks of ``BLOCK_SIZE`` elements a sparse tensor's indices are cut into (at least one).
+
+    Args:
+        numel: elements of the dense tensor.
+    """
     return max(1, -(-numel // BLOCK_SIZE))
 
 
 def dtype_name(dtype: np.dtype) -> str:
-    """``dtype.name``, fast for the dtypes that travel (little-endian ones are looked up, not computed)."""
+    """``dtype.name``, fast for the dtypes that travel (little-endian ones are looked up, not computed).
+
+    Args:
+        dtype: the dtype to name.
+    """
     return DTYPE_NAMES.get(dtype) or dtype.name

@@ -45,6 +45,14 @@ class InsecureBindError(ValueError):
 
 @dataclass(frozen=True)
 class ServerKeys:
+    """The PS's CURVE keypair and the folder of the worker public keys it accepts.
+
+    Attributes:
+        public: the PS's public key (Z85).
+        secret: the PS's secret key (Z85).
+        authorized_dir: the folder of the public keys (``*.key``) of the workers the PS accepts.
+    """
+
     public: bytes
     secret: bytes
     authorized_dir: Path
@@ -52,6 +60,14 @@ class ServerKeys:
 
 @dataclass(frozen=True)
 class WorkerKeys:
+    """A worker's CURVE keypair and the public key of the PS it expects to talk to.
+
+    Attributes:
+        public: the worker's public key (Z85).
+        secret: the worker's secret key (Z85).
+        server_public: the PS's public key (Z85), so the worker connects only to the real PS.
+    """
+
     public: bytes
     secret: bytes
     server_public: bytes
@@ -62,7 +78,14 @@ def _secret_file(path: Path) -> None:
 
 
 def generate_keys(directory: str | os.PathLike[str]) -> dict[str, Path]:
-    """Write a server and a worker keypair under ``directory`` (see the module doc); returns the files."""
+    """Write a server and a worker keypair under ``directory`` (see the module doc); returns the files.
+
+    Args:
+        directory: the folder to write ``server/`` and ``worker/`` in; made where missing.
+
+    Raises:
+        FileExistsError: where ``directory`` holds secret keys already (keys are never overwritten).
+    """
     root = Path(directory)
     server_dir, worker_dir = root / SERVER, root / WORKER
     authorized = server_dir / AUTHORIZED
@@ -104,7 +127,14 @@ def _load(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
 
 
 def load_server_keys(path: str | os.PathLike[str]) -> ServerKeys:
-    """The PS's keypair and its authorized-workers folder, from ``DIR/server`` (or ``DIR``)."""
+    """The PS's keypair and its authorized-workers folder, from ``DIR/server`` (or ``DIR``).
+
+    Args:
+        path: the folder keygen wrote (``DIR``) or its ``server`` subfolder.
+
+    Raises:
+        KeysError: where the secret key is missing or malformed, or no worker public key is authorized.
+    """
     d = _side(path, SERVER)
     public, secret = _load(d / "server.key_secret", secret=True)
     authorized = d / AUTHORIZED
@@ -116,7 +146,11 @@ def load_server_keys(path: str | os.PathLike[str]) -> ServerKeys:
 
 
 def load_worker_keys(path: str | os.PathLike[str]) -> WorkerKeys:
-    """A worker's keypair and the PS's public key, from ``DIR/worker`` (or ``DIR``)."""
+    """A worker's keypair and the PS's public key, from ``DIR/worker`` (or ``DIR``).
+
+    Args:
+        path: the folder keygen wrote (``DIR``) or its ``worker`` subfolder.
+    """
     d = _side(path, WORKER)
     public, secret = _load(d / "worker.key_secret", secret=True)
     server_public, _ = _load(d / "server.key", secret=False)
@@ -125,7 +159,11 @@ def load_worker_keys(path: str | os.PathLike[str]) -> WorkerKeys:
 
 
 def endpoint_host(endpoint: str) -> str | None:
-    """The host of a ``tcp://host:port`` endpoint (brackets of IPv6 removed); None for ipc/inproc."""
+    """The host of a ``tcp://host:port`` endpoint (brackets of IPv6 removed); None for ipc/inproc.
+
+    Args:
+        endpoint: a ZeroMQ endpoint (``tcp://...``, ``ipc://...``, ``inproc://...``).
+    """
     m = re.fullmatch(r"tcp://(\[[^\]]*\]|[^:]*):(\d+|\*)", endpoint)
     if m is None:
         return None if not endpoint.startswith("tcp://") else endpoint[len("tcp://"):]
@@ -133,7 +171,11 @@ def endpoint_host(endpoint: str) -> str | None:
 
 
 def is_loopback(endpoint: str) -> bool:
-    """Whether binding ``endpoint`` exposes nothing beyond this machine (ipc and inproc count as local)."""
+    """Whether binding ``endpoint`` exposes nothing beyond this machine (ipc and inproc count as local).
+
+    Args:
+        endpoint: the ZeroMQ endpoint to bind; a wildcard or host name counts as reachable from elsewhere.
+    """
     host = endpoint_host(endpoint)
     if host is None:
         return True
@@ -146,7 +188,16 @@ def is_loopback(endpoint: str) -> bool:
 
 
 def check_bind(endpoint: str, keyed: bool, insecure: bool) -> None:
-    """Refuse to listen beyond loopback without keys, unless explicitly told ``insecure``."""
+    """Refuse to listen beyond loopback without keys, unless explicitly told ``insecure``.
+
+    Args:
+        endpoint: the ZeroMQ endpoint the PS is to bind.
+        keyed: whether the PS has CURVE keys (authenticates and encrypts).
+        insecure: whether the user explicitly allowed listening beyond loopback without keys.
+
+    Raises:
+        InsecureBindError: where ``endpoint`` reaches beyond loopback, without keys and without ``insecure``.
+    """
     if not keyed and not insecure and not is_loopback(endpoint):
         raise InsecureBindError(
             f"refusing to listen on {endpoint} without authentication: anyone who reaches it could read and "

@@ -102,6 +102,20 @@ def encode(
     (``Message.frames``); that frame is sent in place of the array's buffer. With pyzmq,
     resending a received frame shares its memory at no cost, whereas each new zero-copy buffer
     is released later through pyzmq's garbage-collection thread.
+
+    Args:
+        msg_type: the message type (``"push"``, ``"pull"``, ...).
+        fields: the header fields, msgpack scalars, strings, lists and maps only; None for none.
+        tensors: the tensors by name, sent in this order; None for none.
+        reuse: received frames to send in place of dense tensors' buffers, by tensor name; None for none.
+        local: byte offsets in the sender's attached segment of dense tensors that travel as
+            :class:`Local` references, by tensor name; None for none.
+
+    Raises:
+        WireError: where a sparse tensor's indices and values differ in number, or a tensor's dtype cannot
+            travel.
+        ValueError: where a local tensor is not a C-contiguous little-endian array, or a frame to reuse
+            differs in size from its tensor (the caller's mistake, not a peer's).
     """
     specs: list[dict[str, Any]] = []
     frames: list[Any] = []
@@ -221,7 +235,15 @@ def _frame_array(frame: Any, dtype: np.dtype, count: int, what: str) -> np.ndarr
 
 
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
-    """Parse and validate a message; any departure from the protocol raises :class:`WireError`."""
+    """Parse and validate a message; any departure from the protocol raises :class:`WireError`.
+
+    Args:
+        frames: the message's frames as received (``zmq.Frame``, bytes or memoryview), header first.
+        limits: the bounds checked before a byte is interpreted.
+
+    Raises:
+        WireError: where the message departs from the protocol in any way (its ``code`` says how).
+    """
     msg_type, fields, specs = _header(frames, limits)
     tensors: dict[str, Tensor] = {}
     dense_frames: dict[str, Any] = {}
@@ -345,7 +367,11 @@ def _decode_packed(name: str, spec: Mapping[str, Any], frames: Sequence[Any], po
 
 
 def message_bytes(frames: Sequence[Any]) -> int:
-    """Bytes a message occupies on the wire (the sum of its frames), for the counters."""
+    """Bytes a message occupies on the wire (the sum of its frames), for the counters.
+
+    Args:
+        frames: the message's frames (``zmq.Frame``, bytes, memoryview or any buffer).
+    """
     total = 0
     for frame in frames:
         total += _nbytes(frame)

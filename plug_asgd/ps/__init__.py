@@ -2,6 +2,7 @@
 
 - :mod:`~plug_asgd.ps.config`: :class:`PSConfig`, every option of a PS;
 - :mod:`~plug_asgd.ps.server`: the serving loop (socket, CURVE, dispatch, error replies);
+- :mod:`~plug_asgd.ps.model_requests`: the ``init``, ``pull`` and ``push`` handlers and their model replies;
 - :mod:`~plug_asgd.ps.membership`: hello and bye, heartbeats, lost and taken back;
 - :mod:`~plug_asgd.ps.gathers`: the gather behind barriers, broadcasts and reductions;
 - :mod:`~plug_asgd.ps.store` and :mod:`~plug_asgd.ps.fast_store`: the central tensors, their fold and

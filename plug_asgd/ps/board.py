@@ -27,7 +27,17 @@ class Board:
         self.posted: dict[tuple[int, int, int], Any] = {}
 
     def notice(self, rank: int, world_size: int | None, msg: Message) -> dict[str, Any]:
-        """Post ``msg``'s value (from its source rank ``rank``) or read the latest posted; the reply's fields."""
+        """Post ``msg``'s value (from its source rank ``rank``) or read the latest posted; the reply's fields.
+
+        Args:
+            rank: the rank of the worker that sent ``msg``; only the notice's source rank may post its value.
+            world_size: the run's world size, which bounds the source rank; None while it is not known.
+            msg: the ``notice`` request: ``stage``, ``src``, ``key`` and, when it posts, ``value``.
+
+        Raises:
+            WireError: where the key or source rank is out of bounds (``bad_field``), a rank posts another's
+                notice (``bad_field``), or the value is over ``NOTICE_BYTES`` once packed (``too_large``).
+        """
         stage = msg.int_field("stage", minimum=0)
         src = msg.int_field("src", minimum=0)
         key = msg.int_field("key", minimum=0)
@@ -50,6 +60,10 @@ class Board:
         return {"stage": stage, "src": src, "key": key, "found": found, "value": self.posted.get(where)}
 
     def forget_stage(self, stage: int) -> None:
-        """Every rank is done with ``stage``."""
+        """Every rank is done with ``stage``: its notices are dropped.
+
+        Args:
+            stage: the stage (a fit, a validation...) whose notices no rank will read again.
+        """
         for where in [w for w in self.posted if w[0] == stage]:
             del self.posted[where]

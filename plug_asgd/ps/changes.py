@@ -28,7 +28,16 @@ MODEL_ID_CHARS = 32  # a uuid4's hex
 
 
 def parse_have(value: Any, field: str = "have") -> tuple[str, int] | None:
-    """A request's ``have`` (or ``held``) field: absent (None), or ``[model_id, version]`` (else refused)."""
+    """A request's ``have`` (or ``held``) field: absent (None), or ``[model_id, version]`` (else refused).
+
+    Args:
+        value: the field as it came in the request, or None where the request has no such field.
+        field: the field's name, for the error message.
+
+    Raises:
+        WireError: ``bad_field``, where the value is not a list of a model id of at most ``MODEL_ID_CHARS``
+            characters and a version >= 0.
+    """
     if value is None:
         return None
     if (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and len(value[0]) <= MODEL_ID_CHARS
@@ -39,7 +48,12 @@ def parse_have(value: Any, field: str = "have") -> tuple[str, int] | None:
 
 
 class ChangeLog:
-    """The coordinates each recent version changed, per tensor (None: all of it)."""
+    """The coordinates each recent version changed, per tensor (None: all of it).
+
+    Args:
+        max_versions: how many versions' changes it keeps at most; an older base gets the whole model.
+        max_indices: how many recorded indices it keeps at most, all versions together (its memory bound).
+    """
 
     def __init__(self, max_versions: int = 1024, max_indices: int = 4_000_000) -> None:
         self.max_versions = max_versions
@@ -50,18 +64,31 @@ class ChangeLog:
         self.indices = 0  # recorded in entries, in all
 
     def reset(self, version: int) -> None:
-        """A model the workers cannot hold yet (init, resume): deltas start from ``version`` of a new id."""
+        """A model the workers cannot hold yet (init, resume): deltas start from ``version`` of a new id.
+
+        Args:
+            version: the central version of the new model.
+        """
         self.model_id = uuid.uuid4().hex
         self.everything(version)
 
     def everything(self, version: int) -> None:
-        """Version ``version`` may have changed any coordinate (a dense update, a synchronous round)."""
+        """Version ``version`` may have changed any coordinate (a dense update, a synchronous round).
+
+        Args:
+            version: the central version from which deltas start again.
+        """
         self.since = version
         self.entries.clear()
         self.indices = 0
 
     def record(self, version: int, update: dict[str, Tensor]) -> None:
-        """``version`` was made by folding ``update`` in, and nothing else (``FoldRule.changes_only_pushed``)."""
+        """``version`` was made by folding ``update`` in, and nothing else (``FoldRule.changes_only_pushed``).
+
+        Args:
+            version: the central version the fold made.
+            update: the update folded in, by tensor name; a sparse tensor's indices are what it touched.
+        """
         if not self.model_id:
             return
         if not any(isinstance(u, Sparse) for u in update.values()):
@@ -77,7 +104,13 @@ class ChangeLog:
 
     def delta(self, have: tuple[str, int] | None, version: int,
               tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray | Sparse] | None:
-        """What a worker holding ``have`` lacks of ``tensors`` (version ``version``); None: all of it."""
+        """What a worker holding ``have`` lacks of ``tensors`` (version ``version``); None: all of it.
+
+        Args:
+            have: the ``[model_id, version]`` the worker says it holds, or None where it holds none.
+            version: the central version ``tensors`` are at.
+            tensors: the central tensors, by name.
+        """
         if have is None or have[0] != self.model_id or not self.since <= have[1] <= version:
             return None
         touched: dict[str, list[np.ndarray] | None] = {}

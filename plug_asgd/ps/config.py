@@ -37,7 +37,47 @@ _PATHS = ("checkpoint_dir", "resume", "run_dir", "keys")
 
 @dataclass(frozen=True)
 class PSConfig:
-    """What a parameter server is told at start; checked when made, so a bad option fails at once."""
+    """What a parameter server is told at start; checked when made, so a bad option fails at once.
+
+    Each field's help text (its ``serve-ps`` flag's) says more; in short:
+
+    Attributes:
+        bind: the ZeroMQ endpoint to listen on; beyond loopback it needs ``keys`` or ``insecure``.
+        mode: the training scheme (a name of :data:`plug_asgd.modes.MODES`); workers must ask for the same one.
+        expected_workers: once that many workers have joined and all have left for ``linger`` s, the PS exits;
+            None: it runs until stopped.
+        linger: seconds to wait, after the last expected worker has left, for one to come back.
+        replicas_to_aggregate: ``sync``: updates averaged per round; None: every training worker's.
+        staleness_bound: ``ssp``: pushes a worker may be ahead of the slowest; None: the mode's default.
+        max_updates: the central version at which workers are told to stop; None: no such version.
+        checkpoint_dir: where checkpoints of the central state are written; None: none are.
+        checkpoint_every_updates: central updates between two checkpoints; None: not counted in updates.
+        checkpoint_every_seconds: seconds between two checkpoints; None: the policy's default.
+        keep: how many checkpoints of the run are kept (the newest).
+        resume: a checkpoint, or a folder of them, to start from; None: start empty.
+        run_id: the run the checkpoints belong to (in their names); None: a new one, or the resumed one's.
+        run_dir: where ``ps_metrics.jsonl`` goes; None: a new ``runs/ps-DATE-TIME``.
+        metrics_every: seconds between two lines of ``ps_metrics.jsonl``.
+        io_retry_seconds: seconds before a failed checkpoint or metrics write is tried again (doubled after each
+            failure in a row).
+        worker_timeout: seconds without a heartbeat after which a worker is declared lost.
+        keys: the PS's CURVE key folder (``plug-asgd keygen``); None: no encryption nor authentication.
+        insecure: listen beyond loopback without keys (anyone who reaches the port can read and write the model).
+        max_message_bytes: the largest request accepted, in bytes; None: the wire's default.
+        threads: threads that fold a large dense update in, each on a slice.
+        shm_pushes: let workers on this machine push dense updates through shared memory.
+        downlink_fraction: the share of each tensor's coordinates a push's reply carries; None: exact replies.
+        downlink_bound: with ``downlink_fraction``: also send every coordinate off by more than this; None: no
+            such bound.
+        shard: ``"I/N"``: this PS holds shard I of N of a sharded model; None: the whole model.
+        parent_pid: stop once the process of this pid is no longer the parent; None: never for that reason.
+        run: refuse a hello that names another run (the embedded PS's); None: accept any.
+
+    Raises:
+        ValueError: where a field is out of its bounds, or checkpoint intervals are given without
+            ``checkpoint_dir``; an :class:`~plug_asgd.protocol.security.InsecureBindError` where ``bind`` reaches
+            beyond loopback without ``keys`` nor ``insecure``.
+    """
 
     bind: str = _option("tcp://127.0.0.1:2223", "the endpoint to listen on (serve-ps: --host and --port)",
                         cli=False)
@@ -117,7 +157,16 @@ class PSConfig:
 
     @classmethod
     def check(cls, name: str, value: Any) -> Any:
-        """``value`` if field ``name`` may hold it, else a ValueError that says what it may hold."""
+        """``value`` if field ``name`` may hold it, else a ValueError that says what it may hold.
+
+        Args:
+            name: the name of a field of :class:`PSConfig`.
+            value: the value to check for it.
+
+        Raises:
+            ValueError: where a number is out of the field's bounds (and as the mode, run id and shard
+                parsers raise for theirs).
+        """
         meta = _FIELDS[name].metadata
         if name == "mode":
             get_mode(value)  # the error lists the modes
@@ -153,7 +202,15 @@ class PSConfig:
 
     @classmethod
     def from_json(cls, text: str) -> PSConfig:
-        """The config :meth:`to_json` wrote; unknown names are refused, naming the known ones."""
+        """The config :meth:`to_json` wrote; unknown names are refused, naming the known ones.
+
+        Args:
+            text: a JSON object of field names and values.
+
+        Raises:
+            ValueError: where ``text`` is not JSON, not an object, or names an unknown field (and as
+                :class:`PSConfig` raises for a bad value).
+        """
         try:
             values = json.loads(text)
         except ValueError as exc:
@@ -172,7 +229,13 @@ FIELD_TYPES: dict[str, Any] = typing.get_type_hints(PSConfig)
 
 def ps_argument(parser: argparse.ArgumentParser, name: str, flag: str | None = None) -> None:
     """Add the flag of PSConfig field ``name`` to an argparse parser (the recipes' PS options): its type,
-    default, help and bounds come from the field; ``flag`` replaces ``--name-with-dashes``."""
+    default, help and bounds come from the field; ``flag`` replaces ``--name-with-dashes``.
+
+    Args:
+        parser: the parser to add the flag to.
+        name: the name of a field of :class:`PSConfig`.
+        flag: the flag's name; None: ``--`` and the field's name with dashes.
+    """
     f = _FIELDS[name]
     flag = flag or "--" + name.replace("_", "-")
     hint = FIELD_TYPES[name]

@@ -25,7 +25,11 @@ MAX_BACKOFF_S = 300.0  # a failing write is tried at least this often (unless th
 
 
 def error_kind(exc: BaseException) -> str:
-    """``ENOSPC``, ``EROFS``, ``EACCES``, ``EMFILE``...: the errno's name (what the counters are keyed by)."""
+    """``ENOSPC``, ``EROFS``, ``EACCES``, ``EMFILE``...: the errno's name (what the counters are keyed by).
+
+    Args:
+        exc: the failure; one without an errno is named by its class.
+    """
     code = getattr(exc, "errno", None)
     if isinstance(code, int):
         return errno.errorcode.get(code, f"errno{code}")
@@ -38,6 +42,12 @@ class Retry:
     After ``n`` failures in a row the next try waits ``first_s * 2**(n-1)`` seconds, at most
     ``max(first_s, MAX_BACKOFF_S)``; a success starts over. ``clock`` is ``time.monotonic`` (a test's
     own clock otherwise).
+
+    Args:
+        what: the kind of write (``"checkpoint"``, ``"metrics"``): the counters' key and the log's word.
+        stats: the counters its failures go to (``io_errors``, ``io_last_error``).
+        first_s: the delay, in seconds, after a first failure.
+        clock: what tells the time, in seconds.
     """
 
     def __init__(self, what: str, stats: Stats, first_s: float, clock: Callable[[], float] = time.monotonic) -> None:
@@ -47,6 +57,7 @@ class Retry:
 
     @property
     def failing(self) -> bool:
+        """True from a failure until the next success."""
         return self.in_a_row > 0
 
     def waiting(self) -> bool:
@@ -54,7 +65,12 @@ class Retry:
         return self.failing and self.clock() < self.retry_at
 
     def failed(self, exc: Exception, final: bool = False) -> None:
-        """Count and log ``exc``; put the next try off (a final try, at exit, is the last: no retry)."""
+        """Count and log ``exc``; put the next try off (a final try, at exit, is the last: no retry).
+
+        Args:
+            exc: why the write failed.
+            final: whether it was the try at exit (logged as such).
+        """
         kind = error_kind(exc)
         self.stats.io_errors[f"{self.what} {kind}"] += 1
         self.in_a_row += 1
@@ -69,6 +85,7 @@ class Retry:
                       self.what, kind, exc, delay, exc_info=trace)
 
     def succeeded(self) -> None:
+        """The write went through: the backoff starts over (logged where it had failed)."""
         if self.failing:
             log.warning("%s written again after %d failure(s)", self.what, self.in_a_row)
         self.in_a_row = 0
@@ -77,7 +94,12 @@ class Retry:
 
 def append_line(path: Path, line: str) -> None:
     """Append ``line`` (one JSON line) to ``path`` whole or not at all: a write cut short by a full disk is
-    taken back, so the file never holds half a line that the next one would be glued to."""
+    taken back, so the file never holds half a line that the next one would be glued to.
+
+    Args:
+        path: the file to append to (made, with its folder, where missing).
+        line: the text to append, its newline included.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

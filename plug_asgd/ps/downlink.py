@@ -34,7 +34,15 @@ class _Copy:
 
 
 class Downlink:
-    """What each worker holds, for approximate replies to its pushes (top ``fraction`` per tensor)."""
+    """What each worker holds, for approximate replies to its pushes (top ``fraction`` per tensor).
+
+    Args:
+        fraction: the share of each tensor's coordinates a reply carries (those furthest off), in (0, 1].
+        bound: also send every coordinate off by more than this, so that no copy is further off; None: no bound.
+
+    Raises:
+        ValueError: where ``fraction`` is not in (0, 1].
+    """
 
     def __init__(self, fraction: float, bound: float | None = None) -> None:
         if not 0 < fraction <= 1:
@@ -45,13 +53,29 @@ class Downlink:
         self.gap_max = 0.0  # the largest coordinate left out of a reply, over all replies
 
     def holds(self, rank: int, model_id: str, version: int, tensors: dict[str, np.ndarray]) -> None:
-        """Rank ``rank`` was sent the central model (``tensors``, copied) of ``version`` exactly."""
+        """Rank ``rank`` was sent the central model (``tensors``, copied) of ``version`` exactly.
+
+        Args:
+            rank: the worker's rank.
+            model_id: the id of the central model it was sent (see :class:`~plug_asgd.ps.changes.ChangeLog`).
+            version: the central version it was sent.
+            tensors: the central tensors it was sent, by name.
+        """
         self.copies[rank] = _Copy(model_id, version, {n: np.array(t, copy=True) for n, t in tensors.items()})
 
     def reply(self, rank: int, held: tuple[str, int] | None, model_id: str, version: int,
               tensors: dict[str, np.ndarray], exact: bool = False) -> dict[str, Sparse | np.ndarray] | None:
         """What to set in ``rank``'s copy, which it says it holds (``held``): the largest differences, or
-        (``exact``) all of them, a tensor whole where that is smaller; None: the PS knows no such copy."""
+        (``exact``) all of them, a tensor whole where that is smaller; None: the PS knows no such copy.
+
+        Args:
+            rank: the worker's rank.
+            held: the ``[model_id, version]`` of the copy the worker says it holds, or None.
+            model_id: the id of the central model now.
+            version: the central version now (the copy's once it is answered).
+            tensors: the central tensors now, by name.
+            exact: whether to send every difference rather than the largest ``fraction``.
+        """
         copy = self.copies.get(rank)
         if copy is None or held != (copy.model_id, copy.version) or model_id != copy.model_id:
             return None

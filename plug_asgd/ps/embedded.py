@@ -21,7 +21,11 @@ _RUN_MAIN = "import sys; sys.path.insert(0, {path!r}); from plug_asgd.ps.embedde
 
 
 def serve(config: PSConfig) -> int:
-    """Run a parameter server in this process until it ends; SIGINT and SIGTERM stop it cleanly."""
+    """Run a parameter server in this process until it ends; SIGINT and SIGTERM stop it cleanly.
+
+    Args:
+        config: the server's options.
+    """
     raise_fd_limit()  # an idle connection holds a file descriptor: leave room for the checkpoints
     server = ParameterServer(config)
     signal.signal(signal.SIGTERM, server.request_stop)
@@ -30,13 +34,21 @@ def serve(config: PSConfig) -> int:
 
 
 def embedded_command(config: PSConfig) -> list[str]:
-    """The command that runs a PS with ``config`` in a fresh interpreter, as rank 0 starts the embedded one."""
+    """The command that runs a PS with ``config`` in a fresh interpreter, as rank 0 starts the embedded one.
+
+    Args:
+        config: the options the PS is to run with (passed whole as ``--config`` JSON).
+    """
     parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return [sys.executable, "-c", _RUN_MAIN.format(path=parent), "--config", config.to_json()]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the embedded PS process (see :func:`embedded_command`); 2 for a refused config."""
+    """Entry point of the embedded PS process (see :func:`embedded_command`); 2 for a refused config.
+
+    Args:
+        argv: the command-line arguments; None: ``sys.argv[1:]``.
+    """
     parser = argparse.ArgumentParser(description="plug_asgd parameter server (embedded)")
     parser.add_argument("--config", required=True, help="a PSConfig as JSON (PSConfig.to_json)")
     args = parser.parse_args(argv)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+from typing_extensions import override
 
 from plug_asgd.modes import can_fold_into
 from plug_asgd.protocol.wire import Local, Sparse, Tensor, encode
@@ -29,10 +30,15 @@ from plug_asgd.ps.store import PushIn, Store
 
 
 class FastStore(Store):
-    """Lends, reuses received frames and spare arrays, and copies on write only while a reply may read."""
+    """Lends, reuses received frames and spare arrays, and copies on write only while a reply may read.
+
+    Args:
+        config: the server's options (as :class:`~plug_asgd.ps.store.Store` reads them).
+        stats: the counters it adds to; None: counters of its own.
+        copy_threshold: the socket's; pyzmq copies smaller frames itself, so those are not tracked.
+    """
 
     def __init__(self, config: PSConfig, stats: Stats | None = None, copy_threshold: int = zmq.COPY_THRESHOLD) -> None:
-        """``copy_threshold``: the socket's; pyzmq copies smaller frames itself, so those are not tracked."""
         super().__init__(config, stats)
         self.copy_threshold = copy_threshold
         self._in_flight: list[zmq.MessageTracker] = []  # replies sent zero-copy from the store's arrays
@@ -60,10 +66,12 @@ class FastStore(Store):
         self._in_flight += [p.tracker for p in parts if isinstance(p, zmq.Frame) and p.tracker is not None]
         return parts
 
+    @override
     def release(self, session: str | None = None) -> None:
         if self._lender is not None and (session is None or session == self._lender):
             self._release_lent()
 
+    @override
     def before_answer(self, session: str, request: int) -> None:
         if request != self._lent_at:
             self.release(session)

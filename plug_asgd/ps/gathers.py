@@ -30,7 +30,14 @@ Error = Callable[[bytes, Any, str, str], None]
 
 
 class Gathers:
-    """Gathers in progress and those recently completed; answers through ``send`` and ``error``."""
+    """Gathers in progress and those recently completed; answers through ``send`` and ``error``.
+
+    Args:
+        members: the PS's membership: who holds each rank, who left or came late to a stage.
+        stats: the counters it adds to.
+        send: sends a reply: ``send(identity, rid, type, fields, tensors)``.
+        error: sends an error reply: ``error(identity, rid, code, text)``.
+    """
 
     def __init__(self, members: Membership, stats: Stats, send: Send, error: Error) -> None:
         self.members = members
@@ -44,7 +51,18 @@ class Gathers:
         self.completed_bytes = 0
 
     def gather(self, identity: bytes, rid: Any, msg: Message) -> None:
-        """One rank's contribution; answered now if it completes the gather (or was completed already)."""
+        """One rank's contribution; answered now if it completes the gather (or was completed already).
+
+        Args:
+            identity: the ROUTER identity of the connection that sent it (where the reply goes).
+            rid: the request's id, echoed in the reply.
+            msg: the ``gather`` request: ``stage``, ``seq``, ``kind``, its object and tensors.
+
+        Raises:
+            WireError: where the rank has already left the stage (``bad_field``), or another rank called a
+                different collective at the same point (``collective_mismatch``, which every waiting rank is
+                answered too).
+        """
         rank = self.members.member(identity, msg).rank
         stage = msg.int_field("stage", minimum=0)
         seq = msg.int_field("seq", minimum=0)
@@ -81,9 +99,16 @@ class Gathers:
         self._maybe_finish(key)
 
     def notice(self, identity: bytes, rid: Any, msg: Message) -> None:
-        """A broadcast inside the training loop: the source's value posted, or the latest one read, at once."""
+        """A broadcast inside the training loop: the source's value posted, or the latest one read, at once.
+
+        Args:
+            identity: the ROUTER identity of the connection that sent it (where the reply goes).
+            rid: the request's id, echoed in the reply.
+            msg: the ``notice`` request (see :meth:`~plug_asgd.ps.board.Board.notice`).
+        """
         rank = self.members.sender(msg)
         self._send(identity, rid, "noticed", self.board.notice(rank, self.members.world_size, msg), {})
+
     def _check_objects(self, key: tuple[int, int], rank: int, obj_bytes: int) -> None:
         """Refuse (``limit``) an object that would take the gather's objects past what its reply may carry."""
         if obj_bytes <= 1:  # None, or an empty container: the common case
@@ -107,24 +132,41 @@ class Gathers:
                 "collectives_kept": len(self.completed), "collectives_kept_bytes": self.completed_bytes}
 
     def recheck(self, stage: int | None = None) -> None:
-        """Fewer ranks to wait for (of ``stage``, or of every stage): finish the gathers now complete."""
+        """Fewer ranks to wait for (of ``stage``, or of every stage): finish the gathers now complete.
+
+        Args:
+            stage: the stage whose gathers to look at; None: every stage's.
+        """
         for key in [k for k in self.gathers if stage is None or k[0] == stage]:
             self._maybe_finish(key)
 
     def joined(self, rank: int, stage: int) -> None:
-        """``rank`` is in ``stage``: it has left every earlier one (what a PS restarted mid-run learns)."""
+        """``rank`` is in ``stage``: it has left every earlier one (what a PS restarted mid-run learns).
+
+        Args:
+            rank: the rank that said hello.
+            stage: the stage it is in.
+        """
         for key in [k for k in self.gathers if k[0] < stage]:
             self.members.left[key[0]].add(rank)
             self._maybe_finish(key)
 
     def forget_stage(self, stage: int) -> None:
-        """Every rank is done with ``stage``: its results are needed no more."""
+        """Every rank is done with ``stage``: its results are needed no more.
+
+        Args:
+            stage: the stage every rank has left.
+        """
         for key in [k for k in self.completed if k[0] == stage]:
             self._drop_completed(key)
         self.board.forget_stage(stage)
 
     def left(self, stage: int) -> None:
-        """A rank left ``stage``: finish the gathers it no longer holds up; forget the stage once all have left."""
+        """A rank left ``stage``: finish the gathers it no longer holds up; forget the stage once all have left.
+
+        Args:
+            stage: the stage the rank left.
+        """
         self.recheck(stage)
         if self.members.stage_done(stage):
             self.forget_stage(stage)

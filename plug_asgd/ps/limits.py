@@ -33,7 +33,14 @@ REPLY_HWM = 32
 
 
 def session(msg: Message) -> str:
-    """The message's ``session`` field, a string of at most :data:`MAX_SESSION_CHARS` characters."""
+    """The message's ``session`` field, a string of at most :data:`MAX_SESSION_CHARS` characters.
+
+    Args:
+        msg: a request that carries a ``session``.
+
+    Raises:
+        WireError: ``limit``, where the session is empty or longer than :data:`MAX_SESSION_CHARS`.
+    """
     value = msg.str_field("session")
     assert value is not None
     if not 0 < len(value) <= MAX_SESSION_CHARS:
@@ -42,7 +49,14 @@ def session(msg: Message) -> str:
 
 
 def token(msg: Message) -> str | None:
-    """The hello's ``token`` (given by this PS, or by one before a restart), if any."""
+    """The hello's ``token`` (given by this PS, or by one before a restart), if any.
+
+    Args:
+        msg: the ``hello`` request.
+
+    Raises:
+        WireError: ``bad_field``, where the token is not a string of :data:`TOKEN_CHARS` characters.
+    """
     value = msg.fields.get("token")
     if value is None:
         return None
@@ -52,7 +66,14 @@ def token(msg: Message) -> str | None:
 
 
 def world_size(msg: Message) -> int:
-    """The hello's ``world_size``, at most :data:`MAX_WORLD_SIZE`."""
+    """The hello's ``world_size``, at most :data:`MAX_WORLD_SIZE`.
+
+    Args:
+        msg: the ``hello`` request.
+
+    Raises:
+        WireError: ``limit``, where the world size is above :data:`MAX_WORLD_SIZE`.
+    """
     value = msg.int_field("world_size", minimum=1)
     assert value is not None
     if value > MAX_WORLD_SIZE:
@@ -62,7 +83,12 @@ def world_size(msg: Message) -> int:
 
 
 def depth(obj: Any, limit: int) -> int:
-    """Nesting depth of ``obj`` (a scalar is 0), counted without recursion; stops once past ``limit``."""
+    """Nesting depth of ``obj`` (a scalar is 0), counted without recursion; stops once past ``limit``.
+
+    Args:
+        obj: a decoded msgpack value (dicts, lists, tuples and scalars).
+        limit: the depth past which counting stops (the result is then some depth above it).
+    """
     deepest, stack = 0, [(obj, 0)]
     while stack:
         item, level = stack.pop()
@@ -79,7 +105,15 @@ def depth(obj: Any, limit: int) -> int:
 
 
 def gather_obj(msg: Message) -> tuple[Any, int]:
-    """A gather's ``obj`` and its packed bytes, refused (``limit``) if too deep or too large; ``kind`` too."""
+    """A gather's ``obj`` and its packed bytes, refused (``limit``) if too deep or too large; ``kind`` too.
+
+    Args:
+        msg: the ``gather`` request.
+
+    Raises:
+        WireError: ``limit``, where ``kind`` is not a string of at most :data:`MAX_KIND_CHARS` characters, or
+            the object nests deeper than :data:`MAX_OBJ_DEPTH` or packs to more than :data:`MAX_OBJ_BYTES`.
+    """
     kind = msg.fields.get("kind", "")
     if not isinstance(kind, str) or len(kind) > MAX_KIND_CHARS:
         raise WireError("limit", f"a gather's kind must be a string of at most {MAX_KIND_CHARS} characters")
@@ -93,14 +127,23 @@ def gather_obj(msg: Message) -> tuple[Any, int]:
 
 
 def rid(fields: dict[str, Any]) -> Any:
-    """The request id a reply echoes: an integer or None (anything else is never echoed back)."""
+    """The request id a reply echoes: an integer or None (anything else is never echoed back).
+
+    Args:
+        fields: the request's header fields.
+    """
     value = fields.get("rid")
     return value if value is None or (isinstance(value, int) and not isinstance(value, bool)) else None
 
 
 def trim_sessions(last_seq: dict[str, int], world_size: int | None) -> None:
     """Keep the most recent ``SESSIONS_PER_RANK * world_size`` sessions of a resumed checkpoint (the store keeps
-    them most recent last), so that a PS resumed again and again does not pile them up."""
+    them most recent last), so that a PS resumed again and again does not pile them up.
+
+    Args:
+        last_seq: the last push number of each session, most recent last; trimmed in place.
+        world_size: the run's world size; None where it is not known (counted as 1).
+    """
     keep = SESSIONS_PER_RANK * max(1, world_size or 1)
     for session in list(last_seq)[:max(0, len(last_seq) - keep)]:
         del last_seq[session]
@@ -112,6 +155,9 @@ def frame_cap(limits: Limits) -> int:
     libzmq applies MAXMSGSIZE to each frame and drops the sender's connection without a word, which
     the PS could neither answer nor count; so the PS checks ``max_message_bytes`` itself on the whole
     message (an ``error`` reply ``too_large``), and libzmq only bounds memory.
+
+    Args:
+        limits: the wire's limits for the PS's requests.
     """
     return min(2 * limits.max_message_bytes, (1 << 63) - 1)
 
@@ -120,7 +166,12 @@ def configure_router(socket: zmq.Socket, limits: Limits) -> None:
     """The PS's ROUTER: frames bounded (:func:`frame_cap`), and at most :data:`REPLY_HWM` replies queued per
     connection. A reply beyond that, or to a connection that is gone, fails at once (ROUTER_MANDATORY, sent
     NOBLOCK) and the PS drops and counts it, instead of pinning a model version per reply for a connection
-    that does not read."""
+    that does not read.
+
+    Args:
+        socket: the PS's ROUTER socket, before it binds.
+        limits: the wire's limits for the PS's requests.
+    """
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.MAXMSGSIZE, frame_cap(limits))
     socket.setsockopt(zmq.SNDHWM, REPLY_HWM)

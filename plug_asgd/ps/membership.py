@@ -33,6 +33,20 @@ log = logging.getLogger("plug_asgd.ps")
 
 @dataclass
 class WorkerInfo:
+    """A worker that said hello: who it is, where it is, and what the PS knows of it.
+
+    Attributes:
+        rank: its rank in the run.
+        identity: the ROUTER identity of the connection that said hello (replies go there).
+        session: the session string of its process; a new one is a restarted process.
+        stage: the stage (a fit, a validation...) it said hello for.
+        training: whether it trains in that stage (pushes), so that sync rounds and ssp wait for it.
+        last_seen: when it last spoke, in ``time.time()`` seconds.
+        pushes: how many of its pushes were folded in.
+        heartbeat_s: the heartbeat interval its hello announced, in seconds; None: never declared lost.
+        token: the membership token the hello reply gave it: a hello that carries it may take the rank over.
+    """
+
     rank: int
     identity: bytes
     session: str
@@ -46,7 +60,14 @@ class WorkerInfo:
 
 class Membership:
     """The workers of a run by rank, and by the identity of their connection; the methods that change
-    who trains return what the serving loop must then tell the store (``trainers``)."""
+    who trains return what the serving loop must then tell the store (``trainers``).
+
+    Args:
+        worker_timeout: seconds of silence after which a heartbeating worker is declared lost.
+        stats: the counters it adds to (refused, lost, back).
+        world_size: the run's world size when it is fixed from the start (``--workers``); None: the first
+            hellos set it.
+    """
 
     def __init__(self, worker_timeout: float, stats: Stats, world_size: int | None = None) -> None:
         self.worker_timeout = worker_timeout
@@ -65,11 +86,16 @@ class Membership:
 
     @property
     def world_size(self) -> int | None:
+        """The run's world size; None until a hello (or ``--workers``, or a resumed checkpoint) gives it."""
         return self._world_size
 
     @world_size.setter
     def world_size(self, value: int | None) -> None:
-        """Set by a resumed checkpoint: kept unless the run fixed it (``--workers``)."""
+        """Set by a resumed checkpoint: kept unless the run fixed it (``--workers``).
+
+        Args:
+            value: the world size the checkpoint holds; None where it holds none.
+        """
         if not self.world_fixed:
             self._world_size = value
 
@@ -78,11 +104,25 @@ class Membership:
         return frozenset(r for r, w in self.workers.items() if w.training)
 
     def absent(self, stage: int) -> set[int]:
-        """Ranks a collective of ``stage`` does not wait for: those that left it and those lost."""
+        """Ranks a collective of ``stage`` does not wait for: those that left it and those lost.
+
+        Args:
+            stage: the stage of the collective.
+        """
         return self.left.get(stage, set()) | self.late.get(stage, set()) | set(self.lost)
 
     def member(self, identity: bytes, msg: Message, *, session: bool = False) -> WorkerInfo:
-        """The worker that said hello on this connection; the message's rank (and ``session``) must be its own."""
+        """The worker that said hello on this connection; the message's rank (and ``session``) must be its own.
+
+        Args:
+            identity: the ROUTER identity of the connection the request came on.
+            msg: the request; its ``rank`` (optional in a pull) must be the connection's.
+            session: whether its ``session`` must be the connection's too (a push's).
+
+        Raises:
+            WireError: ``not_member`` where the connection holds no rank; ``not_owner`` where the message names
+                another rank or session.
+        """
         worker = self.by_identity.get(identity)
         if worker is None:
             raise WireError("not_member", f"a {msg.type!r} from a connection that holds no rank (it has not said "
@@ -95,7 +135,11 @@ class Membership:
         return worker
 
     def seen(self, identity: bytes) -> bool:
-        """A request came from ``identity``; True if that took a lost worker back."""
+        """A request came from ``identity``; True if that took a lost worker back.
+
+        Args:
+            identity: the ROUTER identity of the connection the request came on.
+        """
         worker = self.by_identity.get(identity)
         if worker is not None:
             worker.last_seen = time.time()
@@ -109,7 +153,11 @@ class Membership:
         """From a worker's heartbeat socket (another identity): keeps it alive if it carries the rank's session
         and token; True if it took a lost worker back. One for a rank held (live or lost) by another session or
         token is counted as ``not_member``, with no reply (that socket never reads); one for a rank nobody
-        holds (a worker that said bye, a PS restarted before the hello) is ignored."""
+        holds (a worker that said bye, a PS restarted before the hello) is ignored.
+
+        Args:
+            msg: the ``heartbeat`` message: ``rank``, ``session`` and ``token``.
+        """
         rank = msg.int_field("rank", minimum=0)
         worker = self.workers.get(rank)
         if _proves(worker, msg):
@@ -126,7 +174,14 @@ class Membership:
 
     def sender(self, msg: Message) -> int:
         """The rank of a notice, which comes from a worker's other socket: it must carry the rank's session and
-        token (as a heartbeat does), else ``not_member``."""
+        token (as a heartbeat does), else ``not_member``.
+
+        Args:
+            msg: the ``notice`` request: ``rank``, ``session`` and ``token``.
+
+        Raises:
+            WireError: ``not_member``, where no worker of that rank, live or lost, has that session and token.
+        """
         rank = msg.int_field("rank", minimum=0)
         worker = self.workers.get(rank) or self.lost.get(rank)
         if not _proves(worker, msg):
@@ -144,7 +199,11 @@ class Membership:
         log.warning("rank %d is back after %.1f s of silence", worker.rank, silent)
 
     def check_liveness(self, now: float | None = None) -> list[int]:
-        """Declare lost the heartbeating workers silent for ``worker_timeout`` s; returns their ranks."""
+        """Declare lost the heartbeating workers silent for ``worker_timeout`` s; returns their ranks.
+
+        Args:
+            now: the time to judge silence at, in ``time.time()`` seconds; None: now.
+        """
         now = time.time() if now is None else now
         gone = [w for w in self.workers.values()
                 if w.heartbeat_s is not None and now - w.last_seen > self.worker_timeout]
@@ -190,7 +249,13 @@ class Membership:
         self._world_size = world_size
 
     def hello(self, identity: bytes, msg: Message, version: int) -> tuple[WorkerInfo, str | None]:
-        """A worker (re)joins; the worker, and the session it replaces (a restarted process), if any."""
+        """A worker (re)joins; the worker, and the session it replaces (a restarted process), if any.
+
+        Args:
+            identity: the ROUTER identity of the connection that said hello.
+            msg: the ``hello`` request: rank, world size, stage, session, training, heartbeat and token.
+            version: the central version now (logged where a lost rank restarts from it).
+        """
         rank, world_size, token = self._check_claim(identity, msg)
         stage = msg.int_field("stage", minimum=0)
         session = limits.session(msg)
@@ -231,7 +296,15 @@ class Membership:
             self.forgotten.append(owned.pop(0))
 
     def bye(self, identity: bytes, msg: Message) -> int:
-        """The connection's own rank leaves its stage (for good, or to begin the next one); returns the stage."""
+        """The connection's own rank leaves its stage (for good, or to begin the next one); returns the stage.
+
+        Args:
+            identity: the ROUTER identity of the connection that said bye.
+            msg: the ``bye`` request: its ``rank`` and ``stage``.
+
+        Raises:
+            WireError: ``bad_field``, where the stage is not the one the rank is in.
+        """
         worker = self.member(identity, msg)
         stage = msg.int_field("stage", minimum=0)
         assert stage is not None
@@ -243,7 +316,11 @@ class Membership:
         return stage
 
     def stage_done(self, stage: int) -> bool:
-        """Whether every rank has left ``stage``; if so, forget who left it."""
+        """Whether every rank has left ``stage``; if so, forget who left it.
+
+        Args:
+            stage: the stage a rank just left.
+        """
         if self.world_size is None or len(self.left[stage]) < self.world_size:
             return False
         del self.left[stage]
@@ -251,7 +328,12 @@ class Membership:
         return True
 
     def run_over(self, expected: int | None, linger: float) -> bool:
-        """Whether ``expected`` workers have joined and all have left (or been lost) for ``linger`` seconds."""
+        """Whether ``expected`` workers have joined and all have left (or been lost) for ``linger`` seconds.
+
+        Args:
+            expected: the workers the run expects (``--workers``); None: the run is never over by itself.
+            linger: seconds the PS stays with no worker before the run is over.
+        """
         if expected is None or len(self.ever_joined) < expected:
             return False
         if self.workers:

@@ -49,7 +49,18 @@ def new_run_id() -> str:
 
 def check_folder(dirpath: Path, run_id: str, *, named: bool, continued: bool) -> None:
     """Refuse a checkpoint folder that holds another run's files, unless this run was ``named`` (--run-id: the
-    runs' files are kept apart) or ``continued`` from this folder; and a fresh named run whose files are there."""
+    runs' files are kept apart) or ``continued`` from this folder; and a fresh named run whose files are there.
+
+    Args:
+        dirpath: the checkpoint folder.
+        run_id: this run's id.
+        named: whether the run was given its id (``--run-id``), so that its files are kept apart from others'.
+        continued: whether this run continues one resumed from this very folder.
+
+    Raises:
+        CheckpointError: where the folder holds files of this run id and the run does not continue it, or
+            holds another run's files and this run is neither named nor continued.
+    """
     runs = runs_in(dirpath)
     if run_id in runs and not continued:
         raise CheckpointError(f"{dirpath} already holds checkpoints of run {run_id} (newest {runs[run_id][-1].name}): "
@@ -65,11 +76,20 @@ def check_folder(dirpath: Path, run_id: str, *, named: bool, continued: bool) ->
 
 
 class Persistence:
-    """Writes the checkpoints and the metrics lines of one PS when due; resumes it from a checkpoint."""
+    """Writes the checkpoints and the metrics lines of one PS when due; resumes it from a checkpoint.
+
+    Args:
+        config: the server's options (checkpoint policy, run id and folder, metrics interval, retries).
+        store: the central model it saves and restores.
+        members: the membership whose world size a checkpoint keeps.
+        stats: the counters a checkpoint keeps and the metrics lines show.
+        clock: what tells the time for the intervals and backoffs, in seconds.
+        shard: this PS's place in a sharded PS, recorded in its checkpoints and checked on resume; None: the
+            one ``config.shard`` names.
+    """
 
     def __init__(self, config: PSConfig, store: Store, members: Membership, stats: Stats,
                  clock: Callable[[], float] = time.monotonic, shard: ShardGuard | None = None) -> None:
-        """``shard``: this PS's place in a sharded PS, recorded in its checkpoints and checked on resume."""
         self.config = config
         self.shard = shard if shard is not None else ShardGuard(config.shard)
         self.policy = config.checkpoint_policy()
@@ -96,7 +116,11 @@ class Persistence:
 
     def housekeeping(self, final: bool = False) -> int:
         """Checkpoint and metrics line when due (and at exit); called between requests. A failed write is
-        counted and retried, never raised; returns 1 if the checkpoint at exit failed (its updates are lost)."""
+        counted and retried, never raised; returns 1 if the checkpoint at exit failed (its updates are lost).
+
+        Args:
+            final: whether this is the last call, at exit: write what is unsaved, with no retry after.
+        """
         policy, version, retry = self.policy, self.store.version, self.checkpoint_retry
         code = 0
         if policy is not None and self.store.initialized and (
@@ -155,7 +179,15 @@ class Persistence:
 
     def resume(self, where: str | os.PathLike[str]) -> None:
         """Start from the checkpoint ``where`` (a file; in a folder, the newest readable one of its run, a corrupt
-        newer one skipped with a warning); CheckpointError if unusable."""
+        newer one skipped with a warning); CheckpointError if unusable.
+
+        Args:
+            where: a checkpoint file, or a folder of checkpoints.
+
+        Raises:
+            CheckpointError: where the checkpoint was written in another mode, or holds no dense float model
+                (and where none is readable, or it belongs to another shard).
+        """
         path, msg = self._read_newest(where)
         f = msg.fields
         mode = self.config.mode

@@ -4,7 +4,8 @@ Requests are answered in the order they are resolved: most at once, a ``sync`` p
 round completes, a collective when every rank still in the stage has contributed. A request
 that breaks the protocol gets an ``error`` reply and a counter; the PS keeps serving and its
 tensors are untouched. What each request does lives in the parts this loop holds: the store
-(:mod:`plug_asgd.ps.store`), membership, collectives and persistence.
+(:mod:`plug_asgd.ps.store`), membership, collectives and persistence; the handlers of the requests on
+the model itself (init, pull, push) are in :mod:`plug_asgd.ps.model_requests`.
 
 It listens on loopback unless given keys (CURVE, see :mod:`plug_asgd.protocol.security`) or told
 ``insecure``; a peer refused in the CURVE handshake is counted as ``refused["auth"]``. It ends by
@@ -20,25 +21,22 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from plug_asgd.modes import APPLIED
 from plug_asgd.protocol.security import load_server_keys
 from plug_asgd.protocol.wire import Local, Message, Tensor, WireError, decode, encode, message_bytes
 from plug_asgd.ps import limits as bounds
-from plug_asgd.ps.changes import parse_have
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.fast_store import FastStore
 from plug_asgd.ps.gathers import Gathers
 from plug_asgd.ps.membership import Membership
+from plug_asgd.ps.model_requests import ModelRequests
 from plug_asgd.ps.persistence import Persistence
 from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.stats import Stats
-from plug_asgd.ps.store import FOLDED, MAX_SCALED_FOR, NOT_CURRENT, PushIn
 
 log = logging.getLogger("plug_asgd.ps")
 
@@ -61,26 +59,17 @@ def _authenticate(ctx: zmq.Context, socket: zmq.Socket, keys: Any) -> tuple[Any,
     return auth, socket.get_monitor_socket(_HANDSHAKE_FAILED)
 
 
-@dataclass
-class _Reply:
-    """Where a push's answer goes, and what it should carry (``want``: all, none or unless_own)."""
+class ParameterServer(ModelRequests):
+    """Serves one central model to the workers of a run, as ``config`` says.
 
-    identity: bytes
-    rid: Any
-    want: str
-    own_version: int | None = None  # the version this push alone made, when it was folded in exactly
-    have: tuple[str, int] | None = None  # the central model its worker holds (ps/changes.py) ...
-    held: tuple[str, int] | None = None  # ... or the copy it holds of one (ps/downlink.py)
-    rank: int | None = None
+    Args:
+        config: the server's options; None: the defaults (loopback, asgd).
+        context: the ZeroMQ context to make its socket in; None: a context of its own where it has keys (a ZAP
+            handler is one per context), else the process's shared one.
 
-
-def _holds(msg: Message) -> dict[str, tuple[str, int] | None]:
-    """What a request says its worker holds: the central model of a version (``have``), or a copy (``held``)."""
-    return {"have": parse_have(msg.fields.get("have")), "held": parse_have(msg.fields.get("held"), "held")}
-
-
-class ParameterServer:
-    """Serves one central model to the workers of a run, as ``config`` says."""
+    Raises:
+        OSError: where it cannot listen on ``config.bind`` (the port is taken, say).
+    """
 
     def __init__(self, config: PSConfig | None = None, *, context: zmq.Context | None = None) -> None:
         config = config if config is not None else PSConfig()
@@ -148,7 +137,11 @@ class ParameterServer:
     # -- serving -------------------------------------------------------------------------------
 
     def request_stop(self, *_: Any) -> None:
-        """Stop serving after the request in hand (a signal handler: any arguments are ignored)."""
+        """Stop serving after the request in hand (a signal handler: any arguments are ignored).
+
+        Args:
+            _: a signal handler's signal number and frame, ignored.
+        """
         self._stop = True
         try:
             os.write(self._wake_w, b"\0")
@@ -158,7 +151,14 @@ class ParameterServer:
     def serve_forever(self, poll_ms: int = 200, on_tick: Callable[[ParameterServer], None] | None = None,
                       tick_s: float = 0.5) -> int:
         """Serve until told to stop or the run is over; returns an exit code (1: the checkpoint at exit failed).
-        ``on_tick(server)`` runs every ``tick_s`` s in the serving thread, between requests (the dashboard's)."""
+        ``on_tick(server)`` runs every ``tick_s`` s in the serving thread, between requests (the dashboard's).
+
+        Args:
+            poll_ms: the longest wait for a request, in milliseconds, between two checks of liveness and
+                housekeeping.
+            on_tick: called with the server every ``tick_s`` seconds; None: nothing is.
+            tick_s: seconds between two calls of ``on_tick``.
+        """
         log.info("parameter server listening on %s, mode %s", self.address, self.mode)
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
@@ -204,7 +204,11 @@ class ParameterServer:
         return self.members.run_over(self.config.expected_workers, self.config.linger)
 
     def on_frames(self, frames: list[Any]) -> None:
-        """Handle one request (identity frame first), and count the time it took (how loaded the PS is)."""
+        """Handle one request (identity frame first), and count the time it took (how loaded the PS is).
+
+        Args:
+            frames: the frames received on the ROUTER: the sender's identity, then the message's.
+        """
         start, start_cpu = time.perf_counter(), time.thread_time()
         kind = self._handle(frames)
         spent, spent_cpu = time.perf_counter() - start, time.thread_time() - start_cpu
@@ -273,38 +277,17 @@ class ParameterServer:
         self._before_reply(identity)
         self._send(identity, rid, "error", {"code": code, "message": text})
 
-    def _send_model(self, identity: bytes, rid: Any, fields: dict[str, Any], with_tensors: bool = True,
-                    token: _Reply | None = None, push: bool = False) -> None:
-        fields = {**fields, "version": self.store.version, "stop": self.store.stopped, "rid": rid}
-        if with_tensors:
-            frames = self.store.reply_payload(fields, token and token.have, rank=token and token.rank,
-                                              held=token and token.held, push=push)
-            self.stats.model_bytes_out += self._send_frames(identity, frames)
-        else:
-            self._before_reply(identity)
-            self._send_frames(identity, encode("model", fields))
-
-    def _resolve(self, resolutions: list[tuple[Any, str]]) -> None:
-        for token, status in resolutions:
-            applied = status == APPLIED
-            self.stats.pushes_applied += applied
-            self.stats.pushes_dropped += not applied
-            if applied and token.want == "unless_own" and token.own_version == self.store.version:
-                # nothing but this push changed the model since the worker's base: it adds its update to
-                # its base itself (same float additions, same bits); the model stays here
-                self.stats.own_replies += 1
-                self._send_model(token.identity, token.rid, {"status": status, "own": True}, False)
-            else:
-                self._send_model(token.identity, token.rid, {"status": status}, token.want != "none" or not applied,
-                                 token, push=True)
-
     # -- membership and collectives ------------------------------------------------------------
 
     def _update_trainers(self) -> None:
         self._resolve(self.store.set_trainers(self.members.trainers()))
 
     def check_liveness(self, now: float | None = None) -> list[int]:
-        """Declare lost the heartbeating workers silent for ``worker_timeout`` s; returns their ranks."""
+        """Declare lost the heartbeating workers silent for ``worker_timeout`` s; returns their ranks.
+
+        Args:
+            now: the time to judge silence at, in ``time.time()`` seconds; None: now.
+        """
         gone = self.members.check_liveness(now)
         if gone:
             self._update_trainers()
@@ -361,54 +344,6 @@ class ParameterServer:
 
     def _on_notice(self, identity: bytes, rid: Any, msg: Message) -> None:
         self.collectives.notice(identity, rid, msg)
-
-    # -- the model -----------------------------------------------------------------------------
-
-    def _on_init(self, identity: bytes, rid: Any, msg: Message) -> None:
-        self.shard.check(msg.fields, self.address)
-        accepted = self.store.init(msg.tensors)
-        if accepted:
-            log.info("central model initialised by rank %s: %d tensors, %d values", msg.fields.get("rank"),
-                     len(msg.tensors), sum(t.size for t in self.store.state.tensors.values()))
-        self._send(identity, rid, "init_ok", {"accepted": accepted, "version": self.store.version,
-                                              "model_id": self.store.changes.model_id})
-
-    def _on_pull(self, identity: bytes, rid: Any, msg: Message) -> None:
-        rank = None
-        if "rank" in msg.fields or identity in self.members.by_identity:  # else a bystander's (a Supervisor's)
-            rank = self.members.member(identity, msg).rank
-        self.store.require_init()
-        token = _Reply(identity, rid, "all", rank=rank, **_holds(msg))
-        self._send_model(identity, rid, {"status": "pulled"}, True, token)
-
-    def _on_push(self, identity: bytes, rid: Any, msg: Message) -> None:
-        worker = self.members.member(identity, msg, session=True)
-        if not msg.tensors:
-            raise WireError("empty", "a push must carry at least one tensor")
-        self.store.require_init()
-        rank, session = worker.rank, worker.session
-        base = msg.int_field("base_version", minimum=0)
-        seq = msg.int_field("seq", minimum=0)
-        scaled_for = msg.float_field("scaled_for", minimum=0.0, maximum=MAX_SCALED_FOR, optional=True)
-        model = msg.fields.get("model", True)
-        flags = {name: msg.fields.get(name, False) for name in ("weights", "lend")}
-        for name, value in flags.items():
-            if not isinstance(value, bool):  # (1 == True: a membership test would let 1 through)
-                raise WireError("bad_field", f"field {name!r} must be true or false, got {value!r:.40}")
-        token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all",
-                       rank=worker.rank, **_holds(msg))
-        folded = self.store.fold(PushIn(token, rank, session, seq, base, msg.tensors, msg.frames,
-                                        request=self.stats.messages_in, scaled_for=scaled_for, **flags))
-        if folded.status != FOLDED:  # not_current, or stopped
-            self._send_model(identity, rid, {"status": folded.status}, folded.status != NOT_CURRENT
-                             and model is not False, token)
-            return
-        token.own_version = folded.own_version
-        self.stats.staleness[folded.staleness] += 1
-        self.stats.pushes_by_rank[rank] += 1
-        worker.pushes += 1
-        self.store.last_seq[session] = self.store.last_seq.pop(session)  # most recent last: see trim_sessions
-        self._resolve(folded.resolutions)
 
     # -- introspection -------------------------------------------------------------------------
 

@@ -25,7 +25,11 @@ CODE = "partition_mismatch"
 
 
 class ShardGuard:
-    """This PS's shard (``"I/N"``, None: the whole model) and the partition digest its workers agree on."""
+    """This PS's shard (``"I/N"``, None: the whole model) and the partition digest its workers agree on.
+
+    Args:
+        shard: ``"I/N"``: this PS holds shard I of N; None: it holds the whole model.
+    """
 
     def __init__(self, shard: str | None) -> None:
         self.index, self.count = parse_shard(shard) if shard is not None else (0, 1)
@@ -47,7 +51,15 @@ class ShardGuard:
         (one that held the whole model included); take its partition digest.
 
         A checkpoint without a ``shard`` field was written before it was recorded: it is taken as it is, its
-        digest left to the first worker, as then."""
+        digest left to the first worker, as then.
+
+        Args:
+            fields: the checkpoint's header fields (``shard``, ``partition_digest``).
+            path: the checkpoint's path, for the error message.
+
+        Raises:
+            CheckpointError: where the checkpoint's shard is not this PS's.
+        """
         if "shard" not in fields:
             return
         saved = fields["shard"]
@@ -68,7 +80,16 @@ class ShardGuard:
             self.digest = digest
 
     def check(self, fields: dict[str, Any], address: str = "") -> None:
-        """Refuses (``partition_mismatch``) a hello or init whose ``partition`` field this shard cannot take."""
+        """Refuses (``partition_mismatch``) a hello or init whose ``partition`` field this shard cannot take.
+
+        Args:
+            fields: the request's header fields; its ``partition`` is None for a worker of a whole model.
+            address: this PS's address, for the error message.
+
+        Raises:
+            WireError: ``partition_mismatch`` where the worker's partition is not this shard's (whole model or
+                sharded, shard count, shard index, or digest); ``bad_field`` where the field is malformed.
+        """
         part = fields.get("partition")
         here = f"the parameter server {address}".rstrip()
         if part is None:

@@ -9,7 +9,43 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Stats:
-    """Global counters of one PS; the store counts its buffers' fates here, the serving loop the rest."""
+    """Global counters of one PS; the store counts its buffers' fates here, the serving loop the rest.
+
+    Attributes:
+        started: when the PS started, in ``time.time()`` seconds.
+        messages_in: requests received.
+        bytes_in: bytes received, every request's.
+        bytes_out: bytes of the replies sent.
+        push_bytes_in: bytes of the pushes received over the socket.
+        push_local_bytes_in: bytes of pushes read from workers' shared memory.
+        pushes_applied: pushes the mode's rule folded in.
+        pushes_dropped: pushes the mode's rule resolved without folding them in (``dropped``).
+        pushes_after_stop: pushes that came after the central model reached ``max_updates``.
+        push_messages: pushes received, whatever became of them.
+        busy_s: wall seconds the serving thread spent handling requests.
+        busy_cpu_s: of ``busy_s``, the seconds it ran on a core.
+        push_busy_s: wall seconds it spent handling pushes.
+        push_busy_cpu_s: of ``push_busy_s``, the seconds on a core.
+        copies_on_write: writes that copied the central arrays first, as a reply might still read them.
+        own_replies: replies that told a worker its own push alone made the new model ("own").
+        model_replies: replies that carried model tensors.
+        delta_replies: of those, the ones with only what their worker lacked.
+        approx_replies: of those, the ones with only the largest differences (``downlink_fraction``).
+        model_bytes_out: the bytes of the replies that carried model tensors.
+        weights_pushes: pushes of weights taken as the model.
+        weights_not_current: pushes of weights answered ``not_current`` instead (nothing folded).
+        weights_lent: pushes of weights kept as the model in the worker's own memory (``lend``).
+        lent_copies: lent weights copied after all.
+        workers_lost: workers declared lost for their silence.
+        workers_back: lost workers taken back when they spoke again.
+        refused: refused requests, by error code.
+        replies_dropped: replies dropped, by why (``queue_full``, ``gone``).
+        staleness: folded pushes by staleness (central versions behind).
+        pushes_by_rank: folded pushes by rank.
+        bytes_out_by_rank: reply bytes by the rank of the connection they went to.
+        io_errors: failed writes by what and errno name (``"checkpoint ENOSPC"``).
+        io_last_error: the last failed write, as text; None while none failed.
+    """
 
     started: float = field(default_factory=time.time)
     messages_in: int = 0
@@ -55,7 +91,11 @@ class Stats:
                 "pushes_by_rank": {str(k): v for k, v in self.pushes_by_rank.items()}}
 
     def restore(self, saved: dict[str, object]) -> None:
-        """Take back :meth:`saved` (from a checkpoint)."""
+        """Take back :meth:`saved` (from a checkpoint).
+
+        Args:
+            saved: what :meth:`saved` returned, read back from a checkpoint's header.
+        """
         for name in self.SAVED:
             setattr(self, name, int(saved.get(name, 0)))  # type: ignore[call-overload]
         self.staleness.update({int(k): v for k, v in saved.get("staleness", {}).items()})  # type: ignore[union-attr]

@@ -40,10 +40,22 @@ MAX_SCALED_FOR = 1e6
 
 @dataclass
 class PushIn:
-    """One push as received. ``seq``: its number in ``session`` (each is folded at most once); ``tensors`` may
-    name a worker's shared memory (:class:`Local`); ``frames``: the received frames of its dense tensors;
-    ``request``: the number of the request it came in; ``scaled_for``: the staleness its worker scaled it for
-    (staleness compensation's estimate), corrected here to the staleness it lands with."""
+    """One push as received.
+
+    Attributes:
+        token: what the mode's rule hands back when it resolves the push (where its answer goes).
+        rank: the pushing worker's rank.
+        session: the session of the worker's process.
+        seq: its number in ``session``: each is folded at most once.
+        base_version: the central version the update was computed from.
+        tensors: the update, by name; a tensor may name a worker's shared memory (:class:`Local`).
+        frames: the received frames of its dense tensors, by name.
+        weights: whether it carries weights to take as the model rather than an update.
+        lend: whether the store may keep those weights where they lie, in the worker's memory.
+        request: the number of the request it came in.
+        scaled_for: the staleness its worker scaled it for (staleness compensation's estimate), corrected here
+            to the staleness it lands with; None: not scaled.
+    """
 
     token: Any
     rank: int
@@ -60,9 +72,16 @@ class PushIn:
 
 @dataclass
 class Folded:
-    """What became of a push: ``status``; the pushes resolved now; ``own_version``: the version this
-    push alone made, where its worker can make that model itself (the base plus the update as folded here, bit for
-    bit); its staleness and the bytes read from shared memory."""
+    """What became of a push.
+
+    Attributes:
+        status: ``folded``, ``stopped`` or ``not_current``.
+        resolutions: the pushes the rule resolved now, this one or others (a completed sync round).
+        own_version: the version this push alone made, where its worker can make that model itself (the base
+            plus the update as folded here, bit for bit); None otherwise.
+        staleness: central versions between the push's base and the model it was folded into.
+        local_bytes: the bytes read from the worker's shared memory.
+    """
 
     status: str
     resolutions: list[Resolution] = field(default_factory=list)
@@ -73,7 +92,15 @@ class Folded:
 
 @dataclass
 class Snapshot:
-    """The state a checkpoint keeps: the tensors (read them before the store serves another request)."""
+    """The state a checkpoint keeps: the tensors (read them before the store serves another request).
+
+    Attributes:
+        version: the central version.
+        tensors: the central tensors, by name (the store's own arrays, not copies).
+        last_seq: the last push number of each session, so that a push sent again after a resume is refused.
+        rule_fields: the mode's rule's state, as plain data.
+        rule_arrays: the mode's rule's state, as arrays by name.
+    """
 
     version: int
     tensors: dict[str, np.ndarray]
@@ -83,7 +110,12 @@ class Snapshot:
 
 
 class Store(ABC):
-    """The central model and its fold; ``fold`` takes a push, ``reply_payload`` makes a model reply."""
+    """The central model and its fold; ``fold`` takes a push, ``reply_payload`` makes a model reply.
+
+    Args:
+        config: the server's options (mode and its options, threads, max updates, shared memory, downlink).
+        stats: the counters it adds to; None: counters of its own.
+    """
 
     def __init__(self, config: PSConfig, stats: Stats | None = None) -> None:
         self.rule: FoldRule = get_mode(config.mode).make_rule(
@@ -113,7 +145,14 @@ class Store(ABC):
     # -- life ----------------------------------------------------------------------------------
 
     def init(self, tensors: dict[str, Tensor]) -> bool:
-        """Take the first worker's model (copied); False if the model is set already."""
+        """Take the first worker's model (copied); False if the model is set already.
+
+        Args:
+            tensors: the model, by name.
+
+        Raises:
+            WireError: ``bad_tensor`` for no tensors or one not a dense float array; ``not_finite`` for NaN/Inf.
+        """
         if self.initialized:
             return False
         own: dict[str, np.ndarray] = {}
@@ -136,7 +175,11 @@ class Store(ABC):
         return Snapshot(self.state.version, dict(self.state.tensors), dict(self.last_seq), fields, arrays)
 
     def restore(self, snap: Snapshot) -> None:
-        """Start from a checkpoint's state (copied)."""
+        """Start from a checkpoint's state (copied).
+
+        Args:
+            snap: the state the checkpoint holds.
+        """
         self.state = CentralState(tensors={n: np.array(t) for n, t in snap.tensors.items()}, version=snap.version,
                                   pool=self.state.pool)
         self.last_seq = dict(snap.last_seq)
@@ -146,14 +189,28 @@ class Store(ABC):
         self.changes.reset(snap.version)
 
     def attach(self, session: str, pid: object, fd: object, token: object) -> int:
-        """Map ``session``'s push segment (see :mod:`plug_asgd.protocol.push_memory`); its size."""
+        """Map ``session``'s push segment (see :mod:`plug_asgd.protocol.push_memory`); its size.
+
+        Args:
+            session: the session of the worker that offers it.
+            pid: the worker's process id, as the request gave it.
+            fd: the segment's file descriptor in that process, as the request gave it.
+            token: the segment's token, as the request gave it.
+
+        Raises:
+            WireError: ``bad_local``, where this store takes pushes over the socket only.
+        """
         if self.segments is None:
             raise WireError("bad_local", "this parameter server takes pushes over its socket only (it was started "
                                          "with --no-shm-pushes, or this system cannot share sealed memory)")
         return self.segments.attach(session, pid, fd, token)
 
     def forget(self, session: str) -> None:
-        """``session`` is replaced by another process: give back what it lent, unmap its segment."""
+        """``session`` is replaced by another process: give back what it lent, unmap its segment.
+
+        Args:
+            session: the replaced session.
+        """
         self.release(session)
         if self.segments is not None:
             self.segments.drop(session)
@@ -167,7 +224,11 @@ class Store(ABC):
             self.state.pool.close()
 
     def set_trainers(self, ranks: frozenset[int]) -> list[Resolution]:
-        """Workers began or stopped training: a waiting push may now be resolved (a sync round may fold)."""
+        """Workers began or stopped training: a waiting push may now be resolved (a sync round may fold).
+
+        Args:
+            ranks: the ranks training now.
+        """
         self._before_write(in_place=not self.rule.folds_into_update)
         version = self.state.version
         resolutions = self.rule.set_trainers(self.state, ranks)
@@ -176,14 +237,26 @@ class Store(ABC):
         return resolutions
 
     def require_init(self) -> None:
-        """Refuse to serve the model before a worker has sent it."""
+        """Refuse to serve the model before a worker has sent it.
+
+        Raises:
+            WireError: ``not_initialized``, before an init.
+        """
         if not self.initialized:
             raise WireError("not_initialized", "the central model is not initialised yet: a worker sends it first")
 
     # -- a push --------------------------------------------------------------------------------
 
     def fold(self, push: PushIn) -> Folded:
-        """Check ``push`` and hand it to the mode's rule; a WireError says why it is refused (nothing changed)."""
+        """Check ``push`` and hand it to the mode's rule; a WireError says why it is refused (nothing changed).
+
+        Args:
+            push: the push as received.
+
+        Raises:
+            WireError: ``bad_field`` for a base ahead of the central version; ``duplicate`` for a push received
+                already (and the refusals of its decoding and checks).
+        """
         self.require_init()
         base = push.base_version
         if base > self.state.version:
@@ -299,7 +372,15 @@ class Store(ABC):
         Only what the worker lacks, where that is less (``delta``): the changes since the central version it
         holds (``have``, ``ps/changes.py``), or, with a downlink fraction, the differences from the copy it
         holds (``held``, ``ps/downlink.py``), of which a reply to a ``push`` carries only the largest
-        (``approx``). ``rank``: the worker's, if a member."""
+        (``approx``). ``rank``: the worker's, if a member.
+
+        Args:
+            fields: the reply's header fields.
+            have: the ``[model_id, version]`` of the central model the worker holds, or None.
+            rank: the worker's rank; None: not a member (no downlink copy is kept for it).
+            held: the ``[model_id, version]`` of the downlink copy the worker holds, or None.
+            push: whether the reply answers a push (which may be approximate).
+        """
         self.release()  # a reply in flight must not read memory its worker may write again
         model_id, version, central = self.changes.model_id, self.state.version, self.state.tensors
         fields = {**fields, "model_id": model_id}
@@ -328,14 +409,31 @@ class Store(ABC):
         """The frames of a ``model`` reply of ``tensors`` (central arrays, or sparse gathers of them)."""
 
     def release(self, session: str | None = None) -> None:  # noqa: B027 (a hook: only a lending store lends)
-        """Stop using memory a worker lent (``session``'s only, if given), copying what is still the model."""
+        """Stop using memory a worker lent (``session``'s only, if given), copying what is still the model.
+
+        Args:
+            session: the session whose lent memory to stop using; None: any.
+        """
 
     def before_answer(self, session: str, request: int) -> None:  # noqa: B027 (a hook, as release)
         """Called before ``session`` is answered in request number ``request``: once it has the answer, the
-        worker may write the memory it lent, unless it lent it in this very request."""
+        worker may write the memory it lent, unless it lent it in this very request.
+
+        Args:
+            session: the session about to be answered.
+            request: the number of the request being answered.
+        """
+
 
 def check_finite(update: dict[str, Tensor]) -> None:
-    """Refuse an update with NaN or Inf, before any of it is folded in."""
+    """Refuse an update with NaN or Inf, before any of it is folded in.
+
+    Args:
+        update: the decoded update, by name.
+
+    Raises:
+        WireError: ``not_finite``, where a tensor holds NaN or Inf.
+    """
     for name, t in update.items():
         if not all_finite(t.values if isinstance(t, Sparse) else t):
             raise WireError("not_finite", f"update refused: tensor {name!r} holds NaN or Inf (has the worker's "

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from typing_extensions import override
 
 from plug_asgd.recipes.cifar10_files import (
     CIFAR10_CLASSES,
@@ -71,7 +72,11 @@ __all__ = [
 
 
 def normalize(images: np.ndarray | Tensor) -> Tensor:
-    """Turn uint8 images [N, 3, 32, 32] into float input normalised with :data:`CIFAR10_MEAN` / :data:`CIFAR10_STD`."""
+    """Turn uint8 images [N, 3, 32, 32] into float input normalised with :data:`CIFAR10_MEAN` / :data:`CIFAR10_STD`.
+
+    Args:
+        images: uint8 images [N, 3, 32, 32] (channels R, G, B), a numpy array or a tensor.
+    """
     x = torch.as_tensor(images).float() / 255.0
     mean = torch.tensor(CIFAR10_MEAN, dtype=x.dtype).view(1, 3, 1, 1)
     std = torch.tensor(CIFAR10_STD, dtype=x.dtype).view(1, 3, 1, 1)
@@ -84,6 +89,11 @@ def random_crop_flip(images: Tensor, padding: int = 4, generator: torch.Generato
     Each image is zero-padded by ``padding`` pixels on every side, cropped back to H x W at a random
     offset, and flipped left-right with probability 1/2 (torchvision's ``RandomCrop(32, padding=4)``
     followed by ``RandomHorizontalFlip()``, drawn per image).
+
+    Args:
+        images: the batch [B, C, H, W], of any dtype.
+        padding: the zero pixels added on each side before the crop.
+        generator: the random generator of the offsets and flips; None: torch's default one.
     """
     b, c, h, w = images.shape
     padded = F.pad(images, (padding, padding, padding, padding))
@@ -112,7 +122,14 @@ class _Collate:
 
 
 class Cifar10Classifier(ImageClassifier):
-    """One of :data:`ARCHS` trained with cross-entropy, logging exactly as :class:`MnistCNN` does."""
+    """One of :data:`ARCHS` trained with cross-entropy, logging exactly as :class:`MnistCNN` does.
+
+    Args:
+        arch: the network, a key of :data:`ARCHS`.
+        lr: the learning rate; None: the optimizer's default in :data:`plug_asgd.recipes.data.DEFAULT_LR`.
+        momentum: SGD's momentum (unused by Adam).
+        optimizer: ``"sgd"``, ``"nesterov"`` or ``"adam"``.
+    """
 
     def __init__(self, arch: str = "cnn", lr: float | None = None, momentum: float = 0.9,
                  optimizer: str = "adam") -> None:
@@ -129,6 +146,15 @@ class Cifar10DataModule(SplitDataModule):
 
     Images stay uint8 in memory (150 MB for the training set per worker); each batch is augmented
     (training only) and normalised as it is collated.
+
+    Args:
+        data_dir: the folder holding ``cifar-10-batches-py/``, or that folder itself.
+        batch_size: the images per batch, per worker.
+        train_subset: train on this many images only (the same fixed-seed subset on every rank); None: all.
+        test_subset: validate and test on this many images only; None: all.
+        download: whether missing files may be downloaded.
+        augment: whether training batches are randomly cropped and flipped.
+        seed: seeds the choice of the subsets.
     """
 
     def __init__(
@@ -144,13 +170,16 @@ class Cifar10DataModule(SplitDataModule):
         super().__init__(data_dir, batch_size, train_subset, test_subset, download, seed)
         self.augment = augment
 
+    @override
     def prepare_data(self) -> None:
         """Find (or download, on one process per node) the files; arrays are loaded in :meth:`setup`."""
         ensure_cifar10(self.data_dir, download=self.download)
 
+    @override
     def load_arrays(self) -> Arrays:
         return load_cifar10(self.data_dir, download=self.download)
 
+    @override
     def collate(self, train: bool) -> _Collate:
         return _Collate(train and self.augment)
 
@@ -159,7 +188,11 @@ class Cifar10DataModule(SplitDataModule):
 
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The recipe's data, model and optimiser flags: the MNIST recipe's, with ``--arch`` added."""
+    """The recipe's data, model and optimiser flags: the MNIST recipe's, with ``--arch`` added.
+
+    Args:
+        parser: the parser the flags are added to, and which is returned.
+    """
     default_dir = Path(os.environ.get("PLUG_ASGD_CIFAR10") or DEFAULT_DATA_DIR).expanduser()
     parser.add_argument(
         "--data-dir",
@@ -177,6 +210,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The recipe's command line: its data, model and optimiser flags and the strategy's."""
     from plug_asgd.recipes.common import add_strategy_arguments
 
     prog = "plug-asgd train cifar10" if Path(sys.argv[0]).name == "plug-asgd" else None
@@ -186,7 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    """Entry point of ``recipes/cifar10.py`` and ``plug-asgd train cifar10``."""
+    """Entry point of ``recipes/cifar10.py`` and ``plug-asgd train cifar10``.
+
+    Args:
+        argv: the command line's arguments, without the program's name; None: ``sys.argv``'s.
+
+    Returns:
+        The run's summary (test accuracy, PS counters, bytes, times) on global rank 0; None on the other ranks.
+    """
     from plug_asgd.recipes.common import train_and_test
 
     args = build_parser().parse_args(argv)

@@ -133,6 +133,13 @@ def read_cifar10_batch(path: str | os.PathLike[str]) -> tuple[np.ndarray, np.nda
 
     Each row of the file's ``data`` is the 1024 red, then 1024 green, then 1024 blue values of a
     32x32 image, each plane row-major, so a reshape to [N, 3, 32, 32] is the CHW layout torch uses.
+
+    Args:
+        path: the batch file (``data_batch_1``, ``test_batch``...).
+
+    Raises:
+        Cifar10FormatError: where the file cannot be read or unpickled, or does not hold uint8 images and as
+            many labels in 0..9.
     """
     path = Path(path)
     batch = _unpickle(path)
@@ -163,7 +170,14 @@ def read_cifar10_batch(path: str | os.PathLike[str]) -> tuple[np.ndarray, np.nda
 
 
 def read_cifar10_meta(folder: str | os.PathLike[str]) -> list[str]:
-    """The class names from ``batches.meta`` (b'label_names'), in label order."""
+    """The class names from ``batches.meta`` (b'label_names'), in label order.
+
+    Args:
+        folder: the ``cifar-10-batches-py`` folder.
+
+    Raises:
+        Cifar10FormatError: where ``batches.meta`` cannot be read, or holds no list of names.
+    """
     path = Path(folder) / META_FILE
     meta = _unpickle(path)
     names = meta.get(b"label_names") if isinstance(meta, dict) else None
@@ -180,7 +194,11 @@ def _required() -> tuple[str, ...]:
 
 
 def find_cifar10(data_dir: str | os.PathLike[str]) -> Path | None:
-    """The ``cifar-10-batches-py`` folder at ``data_dir`` itself or just under it, or None if neither is complete."""
+    """The ``cifar-10-batches-py`` folder at ``data_dir`` itself or just under it, or None if neither is complete.
+
+    Args:
+        data_dir: the folder holding ``cifar-10-batches-py/``, or that folder itself (``~`` expanded).
+    """
     root = Path(data_dir).expanduser()
     for folder in (root, root / CIFAR10_FOLDER):
         if all((folder / name).is_file() for name in _required()):
@@ -235,6 +253,15 @@ def download_cifar10(data_dir: str | os.PathLike[str], timeout: float = DOWNLOAD
     files land in it. The archive is extracted into a staging folder first (refusing members with
     absolute paths, '..' or links) and its files then moved into place, so a failed download leaves
     nothing half-written behind. Raises :class:`DatasetNotFoundError` if anything fails.
+
+    Args:
+        data_dir: the folder to hold ``cifar-10-batches-py/``, or that folder itself; created if missing.
+        timeout: seconds a connection may stay silent before the download fails.
+        url: where the archive is downloaded from; None: :data:`CIFAR10_URL`.
+
+    Raises:
+        DatasetNotFoundError: where the folder cannot be created, the download or the extraction fails, or the
+            archive lacks a batch.
     """
     root = Path(data_dir).expanduser()
     url = url or CIFAR10_URL
@@ -272,7 +299,15 @@ def download_cifar10(data_dir: str | os.PathLike[str], timeout: float = DOWNLOAD
 
 
 def ensure_cifar10(data_dir: str | os.PathLike[str], download: bool = True) -> Path:
-    """The ``cifar-10-batches-py`` folder for ``data_dir``, downloading it if missing and allowed."""
+    """The ``cifar-10-batches-py`` folder for ``data_dir``, downloading it if missing and allowed.
+
+    Args:
+        data_dir: the folder holding ``cifar-10-batches-py/``, or that folder itself.
+        download: whether a missing dataset may be downloaded.
+
+    Raises:
+        DatasetNotFoundError: where the dataset is missing and ``download`` is False.
+    """
     root = Path(data_dir).expanduser()
     folder = find_cifar10(root)
     if folder is not None:
@@ -288,6 +323,10 @@ def load_cifar10(
     """Return ``(train_x, train_y, test_x, test_y)``: images uint8 [N, 3, 32, 32], labels int64 [N].
 
     ``data_dir`` may be the ``cifar-10-batches-py`` folder itself or its parent.
+
+    Args:
+        data_dir: the folder holding ``cifar-10-batches-py/``, or that folder itself.
+        download: whether a missing dataset may be downloaded.
     """
     folder = ensure_cifar10(data_dir, download=download)
     parts = [read_cifar10_batch(folder / name) for name in TRAIN_BATCHES]

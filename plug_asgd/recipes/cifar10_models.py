@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from typing_extensions import override
 
 
 class SmallCNN(nn.Module):
@@ -17,6 +18,9 @@ class SmallCNN(nn.Module):
 
     Two blocks of two 3x3 convolutions with max-pooling and dropout, then a 512-unit dense layer,
     which holds most of the parameters, as the Keras ``mnist_cnn`` of the MNIST recipe does.
+
+    Args:
+        num_classes: the logits of the last layer.
     """
 
     def __init__(self, num_classes: int = 10) -> None:
@@ -33,6 +37,7 @@ class SmallCNN(nn.Module):
             nn.Flatten(), nn.Linear(64 * 6 * 6, 512), nn.ReLU(), nn.Dropout(0.5), nn.Linear(512, num_classes),
         )
 
+    @override
     def forward(self, x: Tensor) -> Tensor:
         return self.classifier(self.features(x))
 
@@ -43,6 +48,9 @@ class AlexNetCifar(nn.Module):
     AlexNet's five convolutions (64-192-384-256-256 channels) with a 3x3 stride-2 stem instead of the
     11x11 stride-4 one, and its two 4096-unit dense layers on the 256x2x2 feature map, the variant
     commonly used for CIFAR-10 in distributed-SGD work. The dense layers make it communication-heavy.
+
+    Args:
+        num_classes: the logits of the last layer.
     """
 
     def __init__(self, num_classes: int = 10) -> None:
@@ -61,12 +69,19 @@ class AlexNetCifar(nn.Module):
             nn.Linear(4096, num_classes),
         )
 
+    @override
     def forward(self, x: Tensor) -> Tensor:
         return self.classifier(self.features(x))
 
 
 class BasicBlock(nn.Module):
-    """ResNet's two-3x3-convolution residual block, with a 1x1 projection when the shape changes."""
+    """ResNet's two-3x3-convolution residual block, with a 1x1 projection when the shape changes.
+
+    Args:
+        in_planes: the input's channels.
+        planes: the output's channels.
+        stride: the first convolution's stride (2 halves the height and width).
+    """
 
     expansion = 1
 
@@ -81,6 +96,7 @@ class BasicBlock(nn.Module):
             self.shortcut = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False),
                                           nn.BatchNorm2d(planes))
 
+    @override
     def forward(self, x: Tensor) -> Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
@@ -92,6 +108,9 @@ class ResNet18Cifar(nn.Module):
 
     The standard CIFAR variant (as in He et al.'s CIFAR experiments and the common PyTorch
     reference): four stages of two BasicBlocks, 64-128-256-512 channels, global average pool.
+
+    Args:
+        num_classes: the logits of the last layer.
     """
 
     def __init__(self, num_classes: int = 10) -> None:
@@ -107,6 +126,7 @@ class ResNet18Cifar(nn.Module):
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.linear = nn.Linear(512, num_classes)
 
+    @override
     def forward(self, x: Tensor) -> Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.pool(self.layers(out))
@@ -117,7 +137,14 @@ ARCHS: dict[str, Callable[[], nn.Module]] = {"cnn": SmallCNN, "alexnet": AlexNet
 
 
 def build_model(arch: str) -> nn.Module:
-    """A fresh network for ``arch`` ("cnn", "alexnet" or "resnet18"), mapping [B, 3, 32, 32] to logits [B, 10]."""
+    """A fresh network for ``arch`` ("cnn", "alexnet" or "resnet18"), mapping [B, 3, 32, 32] to logits [B, 10].
+
+    Args:
+        arch: the network's name, a key of :data:`ARCHS`.
+
+    Raises:
+        ValueError: where ``arch`` is not one of :data:`ARCHS`.
+    """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {', '.join(map(repr, ARCHS))}, got {arch!r}")
     return ARCHS[arch]()

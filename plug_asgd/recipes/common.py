@@ -24,7 +24,11 @@ from plug_asgd.strategy import AsyncPSStrategy
 
 
 def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Flags of AsyncPSStrategy and of the run, spelled the same by every recipe and the CLI."""
+    """Flags of AsyncPSStrategy and of the run, spelled the same by every recipe and the CLI.
+
+    Args:
+        parser: the parser the flags are added to, and which is returned.
+    """
     parser.add_argument("--workers", type=int, default=2, help="worker processes on this machine (default: 2)")
     parser.add_argument("--num-nodes", type=int, default=1, help="machines (launched by torchrun/SLURM)")
     schemes = "; ".join(f"{name}: {cls.summary}" for name, cls in MODES.items())
@@ -85,6 +89,15 @@ def mode_and_codec(mode: str, compressor: str = "none", *, compression: float | 
 
     ``compression`` is adacomp's fraction, else the codec's (topk, randomk), else unused; any other
     knob that neither takes is refused.
+
+    Args:
+        mode: the mode's name, a key of :data:`plug_asgd.modes.MODES`.
+        compressor: the codec's name, a key of :data:`plug_asgd.compressors.COMPRESSORS`.
+        compression: the share of coordinates sent (``--compression``); None: the default.
+        **knobs: the other knobs by name (``bits``, ``push_every``...), a value of None leaving the default.
+
+    Raises:
+        ValueError: where a knob given applies to neither the mode nor the codec.
     """
     mode_knobs = {f.name for f in fields(modes.get(mode))}
     codec_knobs = set(inspect.signature(type(compressors.get(compressor))).parameters)
@@ -99,6 +112,11 @@ def mode_and_codec(mode: str, compressor: str = "none", *, compression: float | 
 
 
 def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
+    """The AsyncPSStrategy the parsed flags of :func:`add_strategy_arguments` ask for.
+
+    Args:
+        args: the parsed command line.
+    """
     mode, codec = mode_and_codec(args.mode, args.compressor, compression=args.compression, values=args.values,
                                  bits=args.bits, rank=args.rank, push_every=args.push_every,
                                  pull_every=args.pull_every, tau=args.tau, alpha=args.alpha,
@@ -128,7 +146,12 @@ def _addresses(text: str | None) -> str | list[str] | None:
 
 
 def make_callbacks(args: argparse.Namespace, datamodule: pl.LightningDataModule) -> list[pl.Callback]:
-    """The callbacks the flags ask for; the Supervisor evaluates on the data module's test set."""
+    """The callbacks the flags ask for; the Supervisor evaluates on the data module's test set.
+
+    Args:
+        args: the parsed command line.
+        datamodule: the recipe's data module (set up for testing where a Supervisor is asked for).
+    """
     callbacks: list[pl.Callback] = []
     if args.supervise_every is not None:
         datamodule.setup("test")
@@ -142,7 +165,17 @@ def make_callbacks(args: argparse.Namespace, datamodule: pl.LightningDataModule)
 
 def train_and_test(name: str, model: pl.LightningModule, datamodule: pl.LightningDataModule,
                    args: argparse.Namespace) -> dict[str, Any] | None:
-    """Fit under AsyncPSStrategy, test the central model; rank 0 prints and returns the summary."""
+    """Fit under AsyncPSStrategy, test the central model; rank 0 prints and returns the summary.
+
+    Args:
+        name: the recipe's name, for the logs and the summary.
+        model: the LightningModule trained.
+        datamodule: its data.
+        args: the parsed command line (:func:`add_strategy_arguments` and the recipe's own flags).
+
+    Raises:
+        SystemExit: where the strategy refuses a flag or the dataset is missing: the error, without a traceback.
+    """
     pl.seed_everything(args.seed, workers=True, verbose=False)
     try:
         strategy = make_strategy(args)

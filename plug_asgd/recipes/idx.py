@@ -84,6 +84,12 @@ def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
 
     Checks the header against the payload so a truncated download fails loudly here rather
     than producing a silently short dataset.
+
+    Args:
+        path: the file; read through gzip where its name ends with ``.gz``.
+
+    Raises:
+        IDXFormatError: where the file cannot be decompressed, or its header or size is not an IDX file's.
     """
     path = Path(path)
     try:
@@ -125,7 +131,16 @@ def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
 
 
 def write_idx(path: str | os.PathLike[str], array: np.ndarray) -> None:
-    """Write ``array`` as IDX (gzip'd if the name ends with ``.gz``); the inverse of :func:`read_idx`."""
+    """Write ``array`` as IDX (gzip'd if the name ends with ``.gz``); the inverse of :func:`read_idx`.
+
+    Args:
+        path: the file written (replaced if it exists).
+        array: the values, of a dtype IDX stores (uint8, int8, int16, int32, float32, float64).
+
+    Raises:
+        TypeError: where IDX cannot store ``array``'s dtype.
+        ValueError: where ``array`` has more than 255 dimensions.
+    """
     path = Path(path)
     array = np.asarray(array)
     key = (array.dtype.kind, array.dtype.itemsize)
@@ -158,6 +173,9 @@ def find_mnist_files(data_dir: str | os.PathLike[str]) -> dict[str, Path] | None
 
     Also looks in ``data_dir/MNIST/raw`` and ``data_dir/raw`` so an existing torchvision
     download can be reused without copying.
+
+    Args:
+        data_dir: the folder looked in (``~`` expanded).
     """
     root = Path(data_dir).expanduser()
     dirs = [root, root / "MNIST" / "raw", root / "raw"]
@@ -198,6 +216,13 @@ def download_mnist(data_dir: str | os.PathLike[str], timeout: float = 15.0) -> d
 
     Files already present are kept. Raises :class:`DatasetNotFoundError` with instructions for
     getting the data by hand when no mirror works (e.g. on a machine without internet).
+
+    Args:
+        data_dir: the folder the files are downloaded into; created if missing.
+        timeout: seconds a connection may stay silent before that mirror fails.
+
+    Raises:
+        DatasetNotFoundError: where the folder cannot be created or no mirror serves a file.
     """
     root = Path(data_dir).expanduser()
     try:
@@ -234,7 +259,15 @@ def download_mnist(data_dir: str | os.PathLike[str], timeout: float = 15.0) -> d
 
 
 def ensure_mnist(data_dir: str | os.PathLike[str], download: bool = True) -> dict[str, Path]:
-    """The four IDX files for ``data_dir``, downloaded if missing and allowed; nothing is read."""
+    """The four IDX files for ``data_dir``, downloaded if missing and allowed; nothing is read.
+
+    Args:
+        data_dir: the folder holding the files (or ``MNIST/raw`` or ``raw`` under it).
+        download: whether missing files may be downloaded.
+
+    Raises:
+        DatasetNotFoundError: where a file is missing and ``download`` is False.
+    """
     root = Path(data_dir).expanduser()
     files = find_mnist_files(root)
     if files is not None:
@@ -254,6 +287,13 @@ def load_mnist(
 
     Finds the files under ``data_dir`` (downloading them if allowed) and checks that images and
     labels agree, so a mismatched pair of files is caught before training starts.
+
+    Args:
+        data_dir: the folder holding the files (or ``MNIST/raw`` or ``raw`` under it).
+        download: whether missing files may be downloaded.
+
+    Raises:
+        IDXFormatError: where the images are not uint8 [N, H, W], the labels not 1-D, or their numbers differ.
     """
     files = ensure_mnist(data_dir, download=download)
     out: list[np.ndarray] = []

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import Tensor, nn
+from typing_extensions import override
 
 from plug_asgd.recipes.data import Arrays, ImageClassifier, SplitDataModule, add_common_data_arguments
 from plug_asgd.recipes.idx import ensure_mnist, load_mnist
@@ -39,7 +40,11 @@ DEFAULT_DATA_DIR = "~/.cache/plug_asgd/mnist"
 
 
 def normalize(images: np.ndarray | Tensor) -> Tensor:
-    """Turn uint8 images [N, 28, 28] into the float [N, 1, 28, 28] input :class:`MnistCNN` expects."""
+    """Turn uint8 images [N, 28, 28] into the float [N, 1, 28, 28] input :class:`MnistCNN` expects.
+
+    Args:
+        images: uint8 images [N, 28, 28], a numpy array or a tensor.
+    """
     x = torch.as_tensor(images)
     return ((x.float() / 255.0 - PIXEL_MEAN) / PIXEL_STD).unsqueeze(1)
 
@@ -49,6 +54,11 @@ class MnistCNN(ImageClassifier):
 
     Chosen because it is the classic reference model for asynchronous SGD on MNIST, so results
     can be compared with published ones.
+
+    Args:
+        lr: the learning rate; None: the optimizer's default in :data:`plug_asgd.recipes.data.DEFAULT_LR`.
+        momentum: SGD's momentum (unused by Adam).
+        optimizer: ``"sgd"``, ``"nesterov"`` or ``"adam"``.
     """
 
     def __init__(self, lr: float | None = None, momentum: float = 0.9, optimizer: str = "adam") -> None:
@@ -72,19 +82,26 @@ class MnistCNN(ImageClassifier):
 class MnistDataModule(SplitDataModule):
     """MNIST / Fashion-MNIST from IDX files, with optional deterministic subsets for quick runs."""
 
+    @override
     def prepare_data(self) -> None:
         """Find (or download, on one process per node) the files; arrays are loaded in :meth:`setup`."""
         ensure_mnist(self.data_dir, download=self.download)
 
+    @override
     def load_arrays(self) -> Arrays:
         return load_mnist(self.data_dir, download=self.download)
 
+    @override
     def inputs(self, x: np.ndarray) -> Tensor:
         return normalize(x)
 
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the recipe's data and optimiser flags, so every entry point spells them the same way."""
+    """Add the recipe's data and optimiser flags, so every entry point spells them the same way.
+
+    Args:
+        parser: the parser the flags are added to, and which is returned.
+    """
     default_dir = Path(os.environ.get("PLUG_ASGD_DATA") or DEFAULT_DATA_DIR).expanduser()
     parser.add_argument(
         "--data-dir",
@@ -97,6 +114,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The recipe's command line: its data and optimiser flags and the strategy's."""
     from plug_asgd.recipes.common import add_strategy_arguments
 
     prog = "plug-asgd train mnist" if Path(sys.argv[0]).name == "plug-asgd" else None
@@ -106,7 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    """Entry point of ``recipes/mnist.py`` and ``plug-asgd train mnist``."""
+    """Entry point of ``recipes/mnist.py`` and ``plug-asgd train mnist``.
+
+    Args:
+        argv: the command line's arguments, without the program's name; None: ``sys.argv``'s.
+
+    Returns:
+        The run's summary (test accuracy, PS counters, bytes, times) on global rank 0; None on the other ranks.
+    """
     from plug_asgd.recipes.common import train_and_test
 
     args = build_parser().parse_args(argv)

@@ -30,7 +30,14 @@ _SHARD_DIR = re.compile(r"^shard-(\d+)$")
 
 def shard_folders(path: str | os.PathLike[str]) -> list[Path]:
     """``path``'s folders ``shard-0`` .. ``shard-{N-1}``, in order; empty when it has none (a lone PS's folder).
-    CheckpointError when some index is missing: the model cannot be assembled without every shard."""
+    CheckpointError when some index is missing: the model cannot be assembled without every shard.
+
+    Args:
+        path: the folder of a run's checkpoints.
+
+    Raises:
+        CheckpointError: where some shard's folder is missing (the indices found are not 0 to N-1).
+    """
     path = Path(path)
     if not path.is_dir():
         return []
@@ -45,7 +52,17 @@ def shard_folders(path: str | os.PathLike[str]) -> list[Path]:
 def read_sharded(path: str | os.PathLike[str], shapes: Mapping[str, Sequence[int]],
                  run_id: str | None = None) -> tuple[list[int], dict[str, np.ndarray]]:
     """Each shard's version and the model assembled from the newest checkpoint (of run ``run_id``) of every
-    ``path/shard-I``, as tensors of ``shapes`` (the module's parameters and float buffers)."""
+    ``path/shard-I``, as tensors of ``shapes`` (the module's parameters and float buffers).
+
+    Args:
+        path: the folder that holds the ``shard-I`` folders.
+        shapes: the shape of each of the module's tensors, by name.
+        run_id: the run whose checkpoints to read; None: the one run each folder holds.
+
+    Raises:
+        CheckpointError: where ``path`` holds no shard folders, a file lies in another shard's folder, the
+            shards' partitions differ, or the pieces do not cover the module's tensors exactly once.
+    """
     folders = shard_folders(path)
     if not folders:
         raise CheckpointError(f"{path} holds no shard-I folders of a sharded PS's checkpoints")

@@ -48,7 +48,11 @@ PARTLY_APPLIED = "partly_applied"
 
 def combined_status(statuses: Sequence[str]) -> str:
     """The status of a push from each shard's: theirs where they agree; ``partly_applied`` where some applied it
-    and the others dropped it; else the first that is not "applied" (stopped, duplicate)."""
+    and the others dropped it; else the first that is not "applied" (stopped, duplicate).
+
+    Args:
+        statuses: each shard's status of the push, in shard order (at least one).
+    """
     if all(s == statuses[0] for s in statuses):
         return statuses[0]
     if set(statuses) == {"applied", "dropped"}:
@@ -71,12 +75,20 @@ class ShardVersions(int):
 
 
 class ShardedClient:
-    """Requests to every shard of a sharded PS, made together; what the exchange and the strategy ask of a PSClient."""
+    """Requests to every shard of a sharded PS, made together; what the exchange and the strategy ask of a PSClient.
+
+    Args:
+        addresses: the shards' addresses, in the order of their ``--shard``.
+        partition: how the model is cut over the shards (as many as ``addresses``).
+        **client_options: each shard's :class:`PSClient`'s options.
+
+    Raises:
+        ValueError: where there are not as many addresses as the partition has shards.
+    """
 
     takes_weights = False  # see the module's docstring: a push of weights is not made sharded
 
     def __init__(self, addresses: Sequence[str], partition: Partition, **client_options: Any) -> None:
-        """``addresses``: the shards', in the order of their ``--shard``; ``client_options``: each PSClient's."""
         if len(addresses) != partition.shards:
             raise ValueError(f"{len(addresses)} shard addresses for a partition over {partition.shards} shards")
         self.partition = partition
@@ -91,14 +103,20 @@ class ShardedClient:
 
     @property
     def rank(self) -> int:
+        """This worker's rank (every shard client's)."""
         return self.clients[0].rank
 
     @property
     def shares_memory(self) -> bool:
+        """False: a sharded worker pushes over the sockets (see the module's docstring)."""
         return False
 
     def push_buffers(self, shapes: Mapping[str, Any]) -> None:
-        """None: a sharded worker pushes over the sockets (see the module's docstring)."""
+        """None: a sharded worker pushes over the sockets (see the module's docstring).
+
+        Args:
+            shapes: the buffers a :class:`PSClient` would be asked for (name -> shape, dtype); unused.
+        """
         return None
 
     @property
@@ -115,23 +133,42 @@ class ShardedClient:
 
     @property
     def reconnections(self) -> int:
+        """The reconnections of every shard's client, summed."""
         return sum(c.reconnections for c in self.clients)
 
     def hello(self, stage: int, training: bool, *, timeout: float | None = None,
               alive: Callable[[], str | None] | None = None) -> dict[str, Any]:
-        """Join every shard; shard 0's welcome, ``initialized`` only once every shard holds its pieces."""
+        """Join every shard; shard 0's welcome, ``initialized`` only once every shard holds its pieces.
+
+        Args:
+            stage: the number of the Lightning stage being joined.
+            training: whether the stage is a fit (the worker trains) rather than an evaluation.
+            timeout: seconds each shard's client keeps asking; None: its ``request_timeout``.
+            alive: says why the PS cannot answer (its process died), or None while it may.
+        """
         welcomes = self._each(lambda c, _: c.hello(stage, training, timeout=timeout, alive=alive))
         return {**welcomes[0], "initialized": all(w.get("initialized") for w in welcomes)}
 
     def init(self, tensors: Mapping[str, Any]) -> bool:
-        """Offer each shard its pieces; True if every shard took them (another worker may have come first on some)."""
+        """Offer each shard its pieces; True if every shard took them (another worker may have come first on some).
+
+        Args:
+            tensors: this worker's model by name (parameters and floating-point buffers), whole.
+        """
         parts = self.partition.split(tensors, slice_packed)
         return all(self._each(lambda c, i: c.init(parts[i])))
 
     def pull(self) -> ModelReply:
+        """The central model, assembled from every shard's pieces."""
         return self._combine(self._each(lambda c, _: c.pull()))
 
     def pull_once_initialized(self, within: float) -> ModelReply | None:
+        """The central model once every shard holds its pieces, each waited for at most ``within`` seconds; None
+        where one does not by then.
+
+        Args:
+            within: seconds to wait for another worker's initial model, on each shard.
+        """
         replies = self._each(lambda c, _: c.pull_once_initialized(within))
         return None if any(r is None for r in replies) else self._combine(replies)  # type: ignore[arg-type]
 
@@ -143,7 +180,20 @@ class ShardedClient:
         (``scaled_for`` to each: each shard corrects its pieces by the staleness they land with there).
 
         An "own" reply only when every shard answered "own". Where only some did (another worker's push reached
-        the others first), the model comes back whole: those shards' pieces are pulled."""
+        the others first), the model comes back whole: those shards' pieces are pulled.
+
+        Args:
+            base_version: the version of the reply the update was based on (a :class:`ShardVersions`).
+            update: the update of every tensor, by name, whole: it is cut here.
+            want_model: whether the reply carries the model (``"unless_own"``: not where every shard says "own").
+            while_waiting: runs once the push is sent, while the shards fold it (with shard 0's request).
+            weights: must be False: a sharded PS takes no pushes of weights.
+            lend: must be False, as ``weights``.
+            scaled_for: the staleness the worker scaled the update for, sent to every shard; None: not scaled.
+
+        Raises:
+            ValueError: for a push of weights, or one that leaves some shard without a piece.
+        """
         if weights or lend:
             raise ValueError("a sharded PS takes no pushes of weights (ShardedClient.takes_weights)")
         bases = self._bases(base_version)
@@ -166,7 +216,12 @@ class ShardedClient:
         return self._combine(replies, status, tensors=partly_own or want_model is not False)
 
     def gather(self, *args: Any, **kwargs: Any) -> list[tuple[int, Any, dict[str, Any]]]:
-        """A collective: through shard 0 only."""
+        """A collective: through shard 0 only.
+
+        Args:
+            *args: :meth:`PSClient.gather`'s arguments.
+            **kwargs: :meth:`PSClient.gather`'s keyword arguments.
+        """
         return self.clients[0].gather(*args, **kwargs)
 
     def notices(self) -> Notices:
@@ -175,15 +230,26 @@ class ShardedClient:
 
     def stats(self, timeout: float | None = None) -> dict[str, Any]:
         """Shard 0's counters (version, workers, pushes...) but the traffic, summed over shards; every shard's
-        own under ``shards``."""
+        own under ``shards``.
+
+        Args:
+            timeout: seconds to wait for each shard's reply; None: the clients' ``request_timeout``.
+        """
         each = self._each(lambda c, _: c.stats(timeout=timeout))
         summed = {k: sum(s.get(k) or 0 for s in each) for k in _TRAFFIC}
         return {**each[0], **summed, "shards": each}
 
     def bye(self, stage: int, timeout: float = 5.0) -> None:
+        """Leave ``stage`` on every shard.
+
+        Args:
+            stage: the number of the stage being left.
+            timeout: seconds to wait for each shard's answer.
+        """
         self._each(lambda c, _: c.bye(stage, timeout=timeout))
 
     def close(self) -> None:
+        """Close every shard's client, then the threads that made their requests."""
         for client in self.clients:
             client.close()
         self._pool.shutdown(wait=True)

@@ -44,7 +44,16 @@ SHARDED_CODECS = ("none", "fp16", "bf16", "topk", "randomk", "qsgd", "sign", "po
 
 def shard_count(ps_address: str | Sequence[str] | None, ps_shards: int | str | None) -> int | str:
     """How many shards the strategy's arguments name (1: one PS; ``"per_node"``: one per node, counted once the
-    job's nodes are known); refuses a count that contradicts the list."""
+    job's nodes are known); refuses a count that contradicts the list.
+
+    Args:
+        ps_address: the strategy's ``ps_address``: one address, one per shard, or None (embedded).
+        ps_shards: the strategy's ``ps_shards``: a count, ``"per_node"``, or None (as many as addresses).
+
+    Raises:
+        ValueError: where ``ps_shards`` is not a count >= 1 nor ``"per_node"``, ``"per_node"`` comes with
+            addresses, the list is empty, or the count is not the list's length.
+    """
     if ps_shards == PER_NODE:
         if ps_address is not None:
             raise ValueError("ps_shards='per_node' starts one embedded shard on each node, and ps_address names a PS "
@@ -65,7 +74,16 @@ def shard_count(ps_address: str | Sequence[str] | None, ps_shards: int | str | N
 
 def check_sharded(mode: Mode, codec: Codec, shards: int | str) -> None:
     """Refuses, when the strategy is built, a mode or codec not known to work sharded (``shards``: a count, or
-    ``"per_node"``, refused alike: the job may have several nodes)."""
+    ``"per_node"``, refused alike: the job may have several nodes).
+
+    Args:
+        mode: the strategy's mode.
+        codec: the strategy's compressor.
+        shards: the shard count (:func:`shard_count`).
+
+    Raises:
+        ValueError: where the mode or the codec is not known to work sharded.
+    """
     if shards == 1:
         return
     if mode.name in UNSHARDED_MODES:
@@ -82,7 +100,14 @@ def check_sharded(mode: Mode, codec: Codec, shards: int | str) -> None:
 
 def sharded(ps_address: str | Sequence[str] | None, ps_shards: int | str | None, mode: Mode,
             codec: Codec) -> int | str:
-    """The shard count of the strategy's arguments (:func:`shard_count`), once :func:`check_sharded` let it be."""
+    """The shard count of the strategy's arguments (:func:`shard_count`), once :func:`check_sharded` let it be.
+
+    Args:
+        ps_address: the strategy's ``ps_address`` (see :func:`shard_count`).
+        ps_shards: the strategy's ``ps_shards`` (see :func:`shard_count`).
+        mode: the strategy's mode.
+        codec: the strategy's compressor.
+    """
     shards = shard_count(ps_address, ps_shards)
     check_sharded(mode, codec, shards)
     return shards
@@ -93,14 +118,23 @@ def shard_folder(path: str | os.PathLike[str] | None, shard: str | None) -> Path
 
     Each shard checkpoints its own pieces, and resumes from its own folder (``resume_from=DIR`` of a
     sharded run: ``DIR/shard-0``, ``DIR/shard-1``...); a shard checkpoint records its ``I/N``, so one
-    resumed from another shard's folder is refused. A lone PS (``shard`` None) keeps ``path`` as it is."""
+    resumed from another shard's folder is refused. A lone PS (``shard`` None) keeps ``path`` as it is.
+
+    Args:
+        path: the folder a lone embedded PS would use (checkpoints, resume, metrics), or None.
+        shard: the embedded PS's ``"I/N"``, or None for a lone PS.
+    """
     if path is None or shard is None:
         return None if path is None else Path(path)
     return Path(path) / f"shard-{shard.split('/')[0]}"
 
 
 def shards(binds: Sequence[str]) -> list[tuple[str, str | None]]:
-    """Each embedded PS's bind address and its ``--shard`` (``"I/N"``; None for a lone PS)."""
+    """Each embedded PS's bind address and its ``--shard`` (``"I/N"``; None for a lone PS).
+
+    Args:
+        binds: the embedded PS processes' bind addresses, in shard order.
+    """
     return [(bind, f"{i}/{len(binds)}" if len(binds) > 1 else None) for i, bind in enumerate(binds)]
 
 
@@ -110,7 +144,13 @@ def make_partition(shapes: Mapping[str, Sequence[int]], shards: int, codec: Code
     The codec decides which tensors stay whole (:meth:`Codec.keeps_whole`: those PowerSGD factors), so every
     worker, the Supervisor and any bystander that assembles the model must name the run's codec; the
     partition's digest, which each shard checks, then differs where a worker names another that cuts
-    otherwise."""
+    otherwise.
+
+    Args:
+        shapes: the shape of each of the model's tensors, by name.
+        shards: the number of shards.
+        codec: the codec the workers push through; None: no compression.
+    """
     codec = codec if codec is not None else NoCompression()
     whole = [name for name, shape in shapes.items() if codec.keeps_whole(tuple(int(d) for d in shape))]
     return Partition(shapes, shards, whole=whole)
@@ -118,7 +158,14 @@ def make_partition(shapes: Mapping[str, Sequence[int]], shards: int, codec: Code
 
 def connect(addresses: Sequence[str], shapes: Mapping[str, Sequence[int]], codec: Codec | None = None,
             **client_options: Any) -> PSClient | ShardedClient:
-    """A PSClient for one PS; a ShardedClient over the partition of ``shapes`` (for ``codec``) for several."""
+    """A PSClient for one PS; a ShardedClient over the partition of ``shapes`` (for ``codec``) for several.
+
+    Args:
+        addresses: the PS's address, or each shard's, in shard order.
+        shapes: the shape of each of the model's tensors, by name.
+        codec: the codec the workers push through; None: no compression.
+        **client_options: passed to each :class:`~plug_asgd.worker.client.PSClient`.
+    """
     if len(addresses) == 1:
         return PSClient(addresses[0], **client_options)
     return ShardedClient(addresses, make_partition(shapes, len(addresses), codec), **client_options)

@@ -38,7 +38,12 @@ log = logging.getLogger("plug_asgd.worker.client")
 class Changes:
     """What a delta reply changed of the model its client held (version ``since``): per tensor, the ascending flat
     indices of the coordinates it set, or None where the tensor came whole; a tensor not named did not change.
-    A worker that keeps its own arrays beside the central ones updates them at these coordinates only."""
+    A worker that keeps its own arrays beside the central ones updates them at these coordinates only.
+
+    Attributes:
+        since: the central version the client held before the reply.
+        indices: per tensor the reply changed, the flat indices it set (ascending), or None where it came whole.
+    """
 
     since: int
     indices: dict[str, np.ndarray | None]
@@ -46,7 +51,18 @@ class Changes:
 
 @dataclass
 class ModelReply:
-    """The PS's answer to a pull or a push: central version and tensors, and whether to stop."""
+    """The PS's answer to a pull or a push: central version and tensors, and whether to stop.
+
+    Attributes:
+        version: the central model's version after the request.
+        status: what the PS did with a push (``applied``, ``dropped``, ``not_current``, ``duplicate``, ...) or
+            ``pulled`` for a pull.
+        stop: whether the PS asks the workers to stop training.
+        tensors: the central model by name (a delta reply's already patched in); empty where none came.
+        own: no tensors: the central model is exactly the worker's base plus its update (or its weights).
+        approx: the tensors are near the central model, not it: the PS sent only the largest differences.
+        changed: a delta reply's changes; None where the whole model came, or none.
+    """
 
     version: int
     status: str
@@ -58,7 +74,25 @@ class ModelReply:
 
 
 class PSClient(Transport):
-    """Requests to one parameter server, with timeouts that end in a clear error, never a hang."""
+    """Requests to one parameter server, with timeouts that end in a clear error, never a hang.
+
+    Args:
+        address: the PS's ZeroMQ address (``tcp://host:port``).
+        rank: this worker's rank.
+        world_size: the number of workers in the run, which hello tells the PS.
+        mode: the name of the training mode, which the PS checks against its own.
+        request_timeout: seconds a request may wait for its reply before :class:`PSUnreachableError`.
+        lost_timeout: seconds a dropped connection may stay away before a waiting request gives up.
+        heartbeat_s: seconds between heartbeats once the worker has said hello; None: no heartbeats.
+        limits: the largest messages accepted from the PS.
+        context: the ZeroMQ context to make sockets in (None: the process's shared one).
+        keys: the worker's CURVE keys (``DIR/worker`` or ``DIR`` of ``plug-asgd keygen``), for a keyed PS.
+        delta_replies: keep the last central model received, and ask the PS for only what changed since
+            (see :class:`HeldModel`); off, every model reply carries the whole model.
+        run: sent in hello, so that an embedded PS of another run on the same port (a previous Trainer's, not
+            yet stopped) refuses this worker instead of training it; hello asks again until the run's own PS
+            answers. None: any PS.
+    """
 
     takes_weights = True  # a push may carry the worker's weights (push(weights=True)); a sharded PS's may not
 
@@ -78,12 +112,6 @@ class PSClient(Transport):
         delta_replies: bool = True,
         run: int | None = None,
     ) -> None:
-        """``keys``: the worker's CURVE keys (``DIR/worker`` or ``DIR`` of ``plug-asgd keygen``), for a keyed PS.
-
-        ``delta_replies``: keep the last central model received, and ask the PS for only what changed since
-        (see :class:`HeldModel`); off, every model reply carries the whole model. ``run``: sent in hello, so that an
-        embedded PS of another run on the same port (a previous Trainer's, not yet stopped) refuses this worker
-        instead of training it; hello asks again until the run's own PS answers."""
         super().__init__(address, rank=rank, request_timeout=request_timeout, lost_timeout=lost_timeout,
                          heartbeat_s=heartbeat_s, limits=limits, context=context, keys=keys)
         self.world_size = world_size
@@ -98,6 +126,7 @@ class PSClient(Transport):
         self.run = run
 
     def close(self) -> None:
+        """Close the notices' socket and the transport, then give up the shared push segment."""
         if not self._closed:
             if self._notices is not None:
                 self._notices.close()
@@ -120,7 +149,17 @@ class PSClient(Transport):
         """Join (or rejoin) the run as this rank. The PS's token is kept and sent with every later hello
         and heartbeat: it proves this is the worker that holds the rank. A rank still held by a live
         worker (a restarted process whose predecessor is not yet declared lost), or a PS of another run
-        (``run_mismatch``), is asked again every half second until ``timeout``."""
+        (``run_mismatch``), is asked again every half second until ``timeout``.
+
+        Args:
+            stage: the number of the Lightning stage being joined.
+            training: whether the stage is a fit (the worker trains) rather than an evaluation.
+            timeout: seconds to keep asking; None: the client's ``request_timeout``.
+            alive: says why the PS cannot answer (its process died), or None while it may.
+
+        Returns:
+            The fields of the PS's hello reply.
+        """
         fields = {"rank": self.rank, "world_size": self.world_size, "stage": stage, "training": training,
                   "mode": self.mode, "session": self.session, "heartbeat_s": self.heartbeat_s}
         if self.token is not None:
@@ -155,6 +194,9 @@ class PSClient(Transport):
         not offer it, or this system has no sealed shared memory (Linux's memfd). An update made in
         these buffers must not change until its push has been answered; another array is sent as
         bytes, as always.
+
+        Args:
+            shapes: per tensor name, the shape and numpy dtype of the buffer to hold its update.
         """
         if not (self.shm_offered and push_memory.available()):
             return None
@@ -185,7 +227,11 @@ class PSClient(Transport):
         """Offer this worker's tensors as the initial central model; False if another came first.
 
         Taken, they are the central model this client holds (copied): the next pull carries only what
-        changed since."""
+        changed since.
+
+        Args:
+            tensors: this worker's model by name (parameters and floating-point buffers).
+        """
         fields = {"rank": self.rank, **({"partition": self.partition} if self.partition is not None else {})}
         reply = self.request("init", fields, tensors)
         accepted = bool(reply.fields.get("accepted"))
@@ -198,7 +244,11 @@ class PSClient(Transport):
         """The central model as soon as a worker has sent it, waiting at most ``within`` seconds; None after.
 
         What a worker that need not initialise does first: its own model, sent while another's is on
-        its way, would be bytes the PS refuses (the model's size on every link at every start)."""
+        its way, would be bytes the PS refuses (the model's size on every link at every start).
+
+        Args:
+            within: seconds to wait for another worker's initial model.
+        """
         deadline = time.monotonic() + within
         while True:
             try:
@@ -249,6 +299,18 @@ class PSClient(Transport):
         the staleness it lands with: a push staler than its estimate is folded in scaled for its
         own. Modes whose PS folds each push as it arrives (asgd, adacomp, downpour, dynsgd, ssp, ...; dynsgd's
         PS then scales it no further); sync's rounds refuse it (``bad_field``).
+
+        Args:
+            base_version: the central version the update was computed from.
+            update: the update by tensor name (dense or sparse, as the codec encoded it), or the weights.
+            want_model: whether the reply carries the central model: True, False or ``"unless_own"``.
+            while_waiting: work to run once the push is sent, while the PS folds it.
+            weights: ``update`` holds the worker's weights, not a difference.
+            lend: the PS may keep the pushed weight buffers as its model until its next answer to this client.
+            scaled_for: the staleness the update was scaled for; None: not scaled.
+
+        Raises:
+            ValueError: where ``want_model`` is none of True, False and ``"unless_own"``.
         """
         if want_model not in (True, False, "unless_own"):
             raise ValueError(f"want_model must be True, False or 'unless_own', got {want_model!r}")
@@ -300,6 +362,13 @@ class PSClient(Transport):
 
         ``kind`` ("barrier:NAME", "broadcast", ...) lets the PS refuse ranks that disagree on what
         this collective is, instead of pairing one rank's broadcast with another's barrier.
+
+        Args:
+            stage: the number of the Lightning stage the collective belongs to.
+            seq: the collective's place among the stage's collectives (the same on every rank).
+            obj: this rank's msgpack data for it (None: none).
+            tensors: this rank's arrays for it, by name (None: none).
+            kind: what the collective is, which every rank must agree on.
         """
         fields = {"rank": self.rank, "stage": stage, "seq": seq, "obj": obj, "kind": kind}
         reply = self.request("gather", fields, tensors)
@@ -311,11 +380,21 @@ class PSClient(Transport):
 
     def bye(self, stage: int, timeout: float = 5.0) -> None:
         """Leave ``stage``: the PS no longer counts this connection as the rank's (a later pull is a bystander's,
-        and a reconnection says no hello) until :meth:`hello` again."""
+        and a reconnection says no hello) until :meth:`hello` again.
+
+        Args:
+            stage: the number of the stage being left.
+            timeout: seconds to wait for the PS's answer.
+        """
         self.request("bye", {"rank": self.rank, "stage": stage}, timeout=timeout)
         self._hello_fields = None
 
     def stats(self, timeout: float | None = None) -> dict[str, Any]:
+        """The PS's statistics (versions, pushes, staleness, ...), as its ``stats`` reply carries them.
+
+        Args:
+            timeout: seconds to wait for the reply; None: the client's ``request_timeout``.
+        """
         return dict(self.request("stats", timeout=timeout).fields["stats"])
 
     def _with_have(self, fields: dict[str, Any]) -> dict[str, Any]:

@@ -32,6 +32,33 @@ class StalenessCompensation:
     """Which remedies an asynchronous worker applies; ``window`` pushes make its staleness estimate.
 
     ``AsyncPSStrategy(staleness_compensation=False)`` turns all off (the seeds' plain fold).
+
+    Args:
+        scale: each update is pushed scaled by ``1 / (1 + s)``, ``s`` the worker's staleness estimate (left out
+            for optimizers whose steps are normalized, as Adam's).
+        lookahead: the model a reply brings is put ``s`` versions ahead, along the central model's last move.
+        local_residual: what a sparse codec has not sent yet stays in the worker's model, not only in the codec.
+        mask_momentum: the optimizer's momentum is zeroed at the coordinates a sparse update just sent.
+        window: how many of the worker's last applied pushes its staleness estimate (their median) is made of.
+        correct: the PS rescales a push for its own staleness where that is larger than the estimate, where an
+            optimizer keeps momentum.
+        nesterov: heavy-ball momentum SGD steps are taken in Nesterov's form while the updates are stale.
+
+    Raises:
+        ValueError: where ``window`` is not an int of at least 1.
+
+    Example:
+        >>> from plug_asgd import AsyncPSStrategy, StalenessCompensation
+        >>> compensation = StalenessCompensation(mask_momentum=False, window=8)
+        >>> strategy = AsyncPSStrategy("asgd", staleness_compensation=compensation)  # connects to nothing yet
+        >>> strategy.staleness_compensation == compensation
+        True
+        >>> StalenessCompensation(window=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: window must be an int >= 1, got 0
+
+        The strategy then goes to a Trainer as usual: ``Trainer(strategy=strategy)``.
     """
 
     scale: bool = True
@@ -54,6 +81,7 @@ class StalenessCompensation:
 
     @property
     def active(self) -> bool:
+        """Whether any remedy is on (``window`` and ``correct`` alone do nothing)."""
         return self.scale or self.lookahead or self.local_residual or self.mask_momentum or self.nesterov
 
 
@@ -66,6 +94,17 @@ def resolve(value: StalenessCompensation | Mapping[str, Any] | bool | None, mode
 
     None or True: the mode's default; False: off; an instance (or the dict of its fields, as a YAML
     file gives it): as given, refused for a mode that has no staleness to compensate.
+
+    Args:
+        value: what the strategy was given as ``staleness_compensation``.
+        mode: the mode's name, for the error messages.
+        kind: the mode's ``Mode.compensate``: which remedies its workers can apply.
+
+    Raises:
+        ValueError: where a dict holds a field the class lacks, or the remedies asked for do not go with the
+            mode (a shared model takes only a scaled step in Nesterov's form; synchronous rounds only a scale;
+            a mode without stale updates none).
+        TypeError: where ``value`` is none of the accepted kinds.
     """
     if value is False:
         return OFF
@@ -110,25 +149,44 @@ _NORMALIZED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.opt
 
 
 def normalizes_steps(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer``'s steps are normalized (Adam and its kin, RMSprop, Adagrad, or any with ``betas``)."""
+    """Whether ``optimizer``'s steps are normalized (Adam and its kin, RMSprop, Adagrad, or any with ``betas``).
+
+    Args:
+        optimizer: one of the LightningModule's optimizers.
+    """
     return isinstance(optimizer, _NORMALIZED) or "betas" in optimizer.defaults
 
 
 def keeps_momentum(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` may carry momentum: any group with ``momentum`` > 0, or one without the key at all
-    (an optimizer of unknown kind is assumed to). Plain SGD (``momentum=0``) does not."""
+    (an optimizer of unknown kind is assumed to). Plain SGD (``momentum=0``) does not.
+
+    Args:
+        optimizer: one of the LightningModule's optimizers.
+    """
     return any(group.get("momentum", 1.0) or group.get("nesterov") for group in optimizer.param_groups)
 
 
 def momentum_state_known(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether masking can find ``optimizer``'s momentum: torch's own, or one configured with the usual names."""
+    """Whether masking can find ``optimizer``'s momentum: torch's own, or one configured with the usual names.
+
+    Args:
+        optimizer: one of the LightningModule's optimizers.
+    """
     if type(optimizer).__module__.startswith("torch.optim"):
         return True
     return "momentum" in optimizer.defaults or "betas" in optimizer.defaults
 
 
 class Compensator:
-    """A worker's compensation state: its staleness estimate and the central model of its last reply."""
+    """A worker's compensation state: its staleness estimate and the central model of its last reply.
+
+    Args:
+        config: the remedies to apply, as :func:`resolve` gave them.
+        prior_staleness: the staleness assumed until a push has been applied (the number of other workers).
+        scale: whether updates are scaled; None: as ``config`` says (False for one-step pushes of normalized
+            steps).
+    """
 
     def __init__(self, config: StalenessCompensation, prior_staleness: float, scale: bool | None = None) -> None:
         self.config = config
@@ -149,6 +207,11 @@ class Compensator:
         return float(statistics.median(self.recent)) if self.recent else self.prior
 
     def observe(self, staleness: int) -> None:
+        """Count the staleness one of this worker's pushes was applied with into the estimate.
+
+        Args:
+            staleness: the central versions the push's base was behind when the PS applied it.
+        """
         self.recent.append(int(staleness))
 
     def update_scale(self) -> float:
@@ -169,6 +232,16 @@ class Compensator:
         A float32 CPU tensor is written in place; the others (a GPU's) are computed on the host and
         put in one batch through ``staging`` (the exchange's, whose pinned buffers are kept).
         Returns True where the model put is the central one itself.
+
+        Args:
+            tensors: the worker's parameters and buffers, by name, to overwrite.
+            central: the central model of the reply, by the same names; kept (not copied) for the next look-ahead.
+            version: the central version of ``central``.
+            lookahead: whether this load may look ahead (where the config does too).
+            pending: the codec's residual of a tensor not yet sent (None: none), added where the config keeps it
+                local.
+            staging: the exchange's staging, whose pinned buffers take what is not written in place (None: a
+                new one).
         """
         previous, since = self._previous, self._previous_version
         ahead = self.staleness if self.config.lookahead and lookahead else 0.0
@@ -195,7 +268,13 @@ class Compensator:
         return exact
 
     def mask(self, optimizers: Iterable[torch.optim.Optimizer], param: Tensor, indices: np.ndarray) -> None:
-        """Zero ``param``'s momentum in every optimizer at the flat ``indices`` just sent."""
+        """Zero ``param``'s momentum in every optimizer at the flat ``indices`` just sent.
+
+        Args:
+            optimizers: the LightningModule's optimizers; those that hold no state for ``param`` are skipped.
+            param: the parameter whose update was sent.
+            indices: the flat indices of the coordinates sent.
+        """
         if not self.config.mask_momentum or indices.size == 0:
             return
         index = None
@@ -214,7 +293,12 @@ class Compensator:
 
 @contextmanager
 def scaled_step(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
-    """Every param group's ``lr`` times ``factor`` during the block: a step scaled without touching its state."""
+    """Every param group's ``lr`` times ``factor`` during the block: a step scaled without touching its state.
+
+    Args:
+        optimizer: the optimizer whose step the block takes; its learning rates are restored after it.
+        factor: what the learning rates are multiplied by (1.0: left as they are).
+    """
     if factor == 1.0:
         yield
         return
@@ -255,7 +339,11 @@ def _put(t: Tensor, c: np.ndarray, prev: np.ndarray | None, step: float,
 
 
 def warn_unknown_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None:
-    """Say which optimizers masking cannot reach: their sparse updates get the state-free remedies only."""
+    """Say which optimizers masking cannot reach: their sparse updates get the state-free remedies only.
+
+    Args:
+        optimizers: the LightningModule's optimizers; one warning for each that masking cannot reach.
+    """
     for optimizer in optimizers:
         if not momentum_state_known(optimizer):
             warnings.warn(f"plug_asgd: {type(optimizer).__name__} keeps no momentum under the names plug_asgd knows "
@@ -266,7 +354,11 @@ def warn_unknown_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None
 def nesterov_form_reaches(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer``'s momentum, if any, is one :func:`nesterov_form` takes: torch's SGD (or a subclass)
     whose every group with momentum is heavy ball without dampening or Nesterov's already, or none to take (no
-    momentum; steps normalized, as Adam's, which the form leaves as they are)."""
+    momentum; steps normalized, as Adam's, which the form leaves as they are).
+
+    Args:
+        optimizer: one of the LightningModule's optimizers.
+    """
     if isinstance(optimizer, torch.optim.SGD):
         return all(not g.get("momentum") or g.get("nesterov") or not g.get("dampening")
                    for g in optimizer.param_groups)
@@ -274,7 +366,11 @@ def nesterov_form_reaches(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def warn_no_nesterov_form(optimizers: Iterable[torch.optim.Optimizer]) -> None:
-    """Say which optimizers keep a momentum that :func:`nesterov_form` cannot take: their steps go as they are."""
+    """Say which optimizers keep a momentum that :func:`nesterov_form` cannot take: their steps go as they are.
+
+    Args:
+        optimizers: the LightningModule's optimizers; one warning for each that the form cannot take.
+    """
     for optimizer in optimizers:
         if not nesterov_form_reaches(optimizer):
             what = ("dampens its momentum, which plug_asgd's Nesterov's form does not take"
@@ -297,7 +393,11 @@ def _heavy_ball_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]
 def nesterov_form(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """The block's heavy-ball steps taken in Nesterov's form: each parameter moved by ``lr * mu`` times its
     momentum's change on top, which makes ``lr * (d + mu * buf)`` of the step ``lr * buf``. The look-ahead of
-    the momentum itself: a stale gradient, as under asynchrony, then moves the model as Nesterov's would."""
+    the momentum itself: a stale gradient, as under asynchrony, then moves the model as Nesterov's would.
+
+    Args:
+        optimizer: the optimizer whose step the block takes; only torch SGD's heavy-ball groups change.
+    """
     groups = _heavy_ball_groups(optimizer)
     if not groups:
         yield

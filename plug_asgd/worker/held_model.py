@@ -33,10 +33,18 @@ class HeldModel:
 
     @property
     def have(self) -> tuple[str, int] | None:
+        """``(model_id, version)`` of the model held, which a request tells the PS; None: none held yet."""
         return (self.model_id, self.version) if self.model_id is not None else None
 
     def keep(self, model_id: Any, version: int, tensors: dict[str, np.ndarray]) -> None:
-        """A whole model arrived (the received arrays are kept as they are: no copy)."""
+        """A whole model arrived (the received arrays are kept as they are: no copy).
+
+        Args:
+            model_id: the PS's name for its model, sent with the reply; anything but a non-empty string (a PS
+                that does not send deltas) drops what is held, so that no request asks for a delta.
+            version: the central version of ``tensors``.
+            tensors: the central model, by name; never written afterwards (a change goes into a copy).
+        """
         self.exact = True
         self._returned, self._lent = set(tensors), set()
         if isinstance(model_id, str) and model_id:
@@ -46,7 +54,17 @@ class HeldModel:
 
     def patch(self, delta: dict[str, Tensor], version: int, exact: bool = True) -> dict[str, np.ndarray]:
         """Apply what changed (sparse: current values at the changed coordinates; dense: whole tensors); not
-        ``exact``: only the largest differences were sent. Returns the model as read-only views."""
+        ``exact``: only the largest differences were sent. Returns the model as read-only views.
+
+        Args:
+            delta: what changed since the version held, by tensor name; tensors not named are unchanged.
+            version: the central version the patched model is (or, not ``exact``, is near).
+            exact: whether the patched model is the central model of ``version`` bit for bit.
+
+        Raises:
+            PSError: ``bad_reply``, where ``delta`` names a tensor not held or of another shape; what is held
+                is dropped first, so that the next request asks for the whole model.
+        """
         for name, part in delta.items():
             held = self.tensors.get(name)
             if held is None or tuple(part.shape) != held.shape:
@@ -76,7 +94,12 @@ class HeldModel:
     def add(self, update: dict[str, np.ndarray | Sparse], version: int) -> None:
         """The PS answered "own": its model is this one plus ``update``, decoded as it decoded it
         (:func:`plug_asgd.compressors.decode`), added with the same float operations: the same bits. In place
-        (lent arrays too), but into copies of arrays a reply returned."""
+        (lent arrays too), but into copies of arrays a reply returned.
+
+        Args:
+            update: this worker's pushed update as the PS decoded it, by tensor name (sparse or dense).
+            version: the central version after the PS applied it.
+        """
         for name, part in update.items():
             held = self._writable(name, self._returned)
             if isinstance(part, Sparse):

@@ -20,7 +20,11 @@ _ALIGN = 64
 
 
 def shared_path(tag: str) -> Path:
-    """Where the shared model of a run lives (``/dev/shm`` when the machine has it)."""
+    """Where the shared model of a run lives (``/dev/shm`` when the machine has it).
+
+    Args:
+        tag: what names the run's file, the same on every worker of the run and unlike any other run's.
+    """
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
     return base / f"plug_asgd_hogwild_{tag}"
 
@@ -35,7 +39,12 @@ def _layout(tensors: dict[str, Tensor]) -> tuple[dict[str, tuple[int, np.dtype]]
 
 
 def create(path: Path, tensors: dict[str, Tensor]) -> None:
-    """Write ``tensors`` into a new shared file at ``path`` (atomically: temp name, then rename)."""
+    """Write ``tensors`` into a new shared file at ``path`` (atomically: temp name, then rename).
+
+    Args:
+        path: where the file goes (see :func:`shared_path`); one already there is replaced.
+        tensors: the initial model, by name, in the module's order (which fixes the layout).
+    """
     offsets, size = _layout(tensors)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     mm = np.memmap(tmp, dtype=np.uint8, mode="w+", shape=(size,))
@@ -49,7 +58,15 @@ def create(path: Path, tensors: dict[str, Tensor]) -> None:
 
 
 def attach(path: Path, tensors: dict[str, Tensor]) -> np.memmap:
-    """Rebind each tensor's storage to its slice of the shared file; keep the returned map alive."""
+    """Rebind each tensor's storage to its slice of the shared file; keep the returned map alive.
+
+    Args:
+        path: the shared file that :func:`create` wrote.
+        tensors: this worker's parameters and buffers, by name, in the module's order; each is rebound in place.
+
+    Raises:
+        RuntimeError: where the file is missing or its size is not what ``tensors``' layout needs.
+    """
     offsets, size = _layout(tensors)
     if not path.exists() or path.stat().st_size != size:
         raise RuntimeError(f"shared model {path} is missing or has another layout: do all workers train the "
@@ -63,6 +80,10 @@ def attach(path: Path, tensors: dict[str, Tensor]) -> np.memmap:
 
 
 def detach(tensors: dict[str, Tensor]) -> None:
-    """Give each tensor private storage again, holding the shared model's current values."""
+    """Give each tensor private storage again, holding the shared model's current values.
+
+    Args:
+        tensors: the tensors that :func:`attach` rebound.
+    """
     for t in tensors.values():
         t.data = t.data.clone()

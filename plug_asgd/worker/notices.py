@@ -29,10 +29,17 @@ from plug_asgd.protocol.wire import Limits, WireError, decode, encode
 
 
 class Notices:
-    """One worker's training-loop broadcasts, over ``socket`` (a DEALER of its own to the PS)."""
+    """One worker's training-loop broadcasts, over ``socket`` (a DEALER of its own to the PS).
+
+    Args:
+        socket: a DEALER socket of its own, connected to the PS; :meth:`close` closes it.
+        rank: this worker's rank.
+        session: what the PS knows this worker by (its hello's), as on its heartbeats.
+        token: the token of this worker's hello, as on its heartbeats (None: the PS gave none).
+        limits: the largest messages accepted from the PS, which its replies are decoded within.
+    """
 
     def __init__(self, socket: zmq.Socket, rank: int, session: str, token: str | None, limits: Limits) -> None:
-        """``session`` and ``token``: what the PS knows this worker by (its hello's), as on its heartbeats."""
         self.socket = socket
         self.rank = rank
         self.session, self.token = session, token
@@ -43,7 +50,19 @@ class Notices:
         self._key = 0
 
     def broadcast(self, obj: Any, src: int, stage: int, batch: Any) -> Any:
-        """``src``'s latest value for this call; ``obj`` itself on ``src``, and until ``src``'s value has come."""
+        """``src``'s latest value for this call; ``obj`` itself on ``src``, and until ``src``'s value has come.
+
+        Args:
+            obj: this worker's value: the one posted where this worker is ``src``, the answer until then elsewhere.
+            src: the rank whose value every worker takes.
+            stage: the number of the stage, which keeps one stage's notices from another's.
+            batch: what identifies the training batch; the calls within one batch are told apart by their order.
+
+        Raises:
+            RuntimeError: where a batch makes more broadcasts than the PS keeps (``NOTICE_KEYS``).
+            TypeError: where this worker is ``src`` and ``obj`` is not msgpack data.
+            ValueError: where this worker is ``src`` and ``obj`` packs into more than ``NOTICE_BYTES`` bytes.
+        """
         if batch != self._batch:
             self._batch, self._key = batch, 0
         key = self._key
@@ -83,4 +102,5 @@ class Notices:
                 self.latest[(int(f["stage"]), int(f["src"]), int(f["key"]))] = f.get("value")
 
     def close(self) -> None:
+        """Close the socket at once, dropping any notice not yet sent."""
         self.socket.close(0)

@@ -23,17 +23,27 @@ from plug_asgd.worker.tensors import assign, to_numpy
 class Waitable(Protocol):
     """What :class:`Staging` waits on: a CUDA event recorded after a batch of copies."""
 
-    def synchronize(self) -> None: ...
+    def synchronize(self) -> None:
+        """Block the host until every copy queued before the mark was recorded is done."""
+        ...
 
 
 def on_cuda(device: torch.device) -> bool:
-    """Whether tensors on ``device`` go through pinned buffers (a CUDA device; nothing else is pinned)."""
+    """Whether tensors on ``device`` go through pinned buffers (a CUDA device; nothing else is pinned).
+
+    Args:
+        device: where a tensor to stage lives.
+    """
     return device.type == "cuda"
 
 
 def cuda_mark(device: torch.device) -> Waitable:
     """An event recorded now on ``device``'s current stream, the one ``copy_`` queues its copies on:
-    done once every copy queued there before it is."""
+    done once every copy queued there before it is.
+
+    Args:
+        device: the CUDA device whose copies are waited for.
+    """
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
@@ -51,6 +61,11 @@ class Staging:
     ``staged``, ``pin`` and ``mark`` are seams for tests without a GPU: which devices are staged
     (CUDA), whether the buffers are pinned (where CUDA is available) and what records the end of a
     batch of copies (a CUDA event on the device's current stream).
+
+    Args:
+        staged: whether a tensor on a device goes through a host buffer (default: a CUDA device).
+        pin: whether the host buffers are pinned; None: where CUDA is available.
+        mark: records the end of the copies queued so far on a device, to wait on (default: a CUDA event).
     """
 
     def __init__(self, *, staged: Callable[[torch.device], bool] = on_cuda, pin: bool | None = None,
@@ -65,7 +80,11 @@ class Staging:
 
     def to_host(self, tensors: Mapping[str, Tensor]) -> dict[str, np.ndarray]:
         """Each tensor's values as a numpy array (bfloat16 as float32): a view on the CPU, a pinned buffer
-        on CUDA, filled by non-blocking copies and waited for once, before any array is handed out."""
+        on CUDA, filled by non-blocking copies and waited for once, before any array is handed out.
+
+        Args:
+            tensors: the tensors to read, by name; none is changed.
+        """
         out: dict[str, np.ndarray | Tensor] = {}
         devices: list[torch.device] = []
         with torch.no_grad():
@@ -92,6 +111,10 @@ class Staging:
         ``copy_`` to or from the parameter later, a checkpoint's ``.cpu()`` included). What must wait is
         the host, before it writes a pinned buffer that a copy may still be reading: the next load
         waits for this one's copies first (an event, long done by then: a step ran in between).
+
+        Args:
+            targets: the tensors to overwrite, by name.
+            arrays: their new values, by the same names, each of its target's number of elements.
         """
         staged = [(n, t) for n, t in targets.items() if self.staged(t.device)]
         for name, t in targets.items():

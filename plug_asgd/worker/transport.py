@@ -39,7 +39,12 @@ _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_
 
 
 class PSError(RuntimeError):
-    """The parameter server refused a request; ``code`` says why (see the PS's error codes)."""
+    """The parameter server refused a request; ``code`` says why (see the PS's error codes).
+
+    Args:
+        code: the PS's short name of the reason (``not_member``, ``too_large``, ``bad_reply``, ...).
+        message: the explanation, for a person.
+    """
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -52,7 +57,21 @@ class PSUnreachableError(ConnectionError):
 
 @dataclass
 class CommCounters:
-    """What this worker moved: bytes by direction, request counts and time spent waiting."""
+    """What this worker moved: bytes by direction, request counts and time spent waiting.
+
+    Attributes:
+        bytes_up: bytes of every frame sent to the PS (resends included).
+        bytes_down: bytes of every frame received from the PS.
+        push_bytes_up: the part of ``bytes_up`` that pushes sent.
+        push_local_bytes_up: bytes of pushed tensors written to shared memory for the PS instead of sent.
+        requests: requests sent (a resend not counted again).
+        pushes: pushes sent.
+        own_replies: pushes answered without the model: the PS's model is the worker's plus its update.
+        delta_replies: model replies that carried only what changed since the model held.
+        weights_not_current: pushes of weights the PS did not take (not counted in ``pushes``).
+        partly_applied: on a sharded PS, pushes some shards folded in and others dropped (sync rounds).
+        wait_seconds: seconds spent waiting for replies, not counting work done meanwhile.
+    """
 
     bytes_up: int = 0
     bytes_down: int = 0
@@ -67,6 +86,7 @@ class CommCounters:
     wait_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
+        """The counters by name, as the callbacks log and the benchmarks report them (seconds to the µs)."""
         return {"bytes_up": self.bytes_up, "bytes_down": self.bytes_down, "push_bytes_up": self.push_bytes_up,
                 "push_local_bytes_up": self.push_local_bytes_up,
                 "requests": self.requests, "pushes": self.pushes, "own_replies": self.own_replies,
@@ -76,12 +96,26 @@ class CommCounters:
 
 
 class Transport:
-    """Requests to one parameter server, with timeouts that end in a clear error, never a hang."""
+    """Requests to one parameter server, with timeouts that end in a clear error, never a hang.
+
+    Args:
+        address: the PS's ZeroMQ address (``tcp://host:port``).
+        rank: this worker's rank, which its heartbeats carry.
+        request_timeout: seconds a request may wait for its reply before :class:`PSUnreachableError`.
+        lost_timeout: seconds a dropped connection may stay away before a waiting request gives up.
+        heartbeat_s: seconds between heartbeats once the worker has said hello; None: no heartbeats.
+        limits: the largest messages accepted from the PS.
+        context: the ZeroMQ context to make sockets in (None: the process's shared one).
+        keys: the worker's CURVE keys (``DIR/worker`` or ``DIR`` of ``plug-asgd keygen``), for a keyed PS;
+            None: no encryption.
+
+    Raises:
+        ValueError: where ``heartbeat_s`` is not None and not within (0, 3600) seconds.
+    """
 
     def __init__(self, address: str, *, rank: int, request_timeout: float = 600.0, lost_timeout: float = 60.0,
                  heartbeat_s: float | None = DEFAULT_HEARTBEAT_S, limits: Limits = DEFAULT_LIMITS,
                  context: zmq.Context | None = None, keys: str | os.PathLike[str] | None = None) -> None:
-        """``keys``: the worker's CURVE keys (``DIR/worker`` or ``DIR`` of ``plug-asgd keygen``), for a keyed PS."""
         if heartbeat_s is not None and not 0 < heartbeat_s < 3600:
             raise ValueError(f"heartbeat_s must be in (0, 3600) seconds or None, got {heartbeat_s}")
         worker_keys = load_worker_keys(keys) if keys is not None else None
@@ -127,9 +161,22 @@ class Transport:
                 while_waiting: Callable[[], None] | None = None) -> Message:
         """Send one request and wait for its reply; ``alive`` may explain a silent PS (a dead process).
 
-        ``local``: tensors that are in this client's shared segment, by their offset in it (pushes only).
-        ``while_waiting``: work to do once the request is sent, before its reply is awaited (its
-        time is not counted as waiting).
+        A refusal by the PS comes as :class:`PSError`; a reply the PS asks to repeat after a reconnection
+        (``not_member``) is repeated first.
+
+        Args:
+            msg_type: the request's type (``hello``, ``push``, ``pull``, ``gather``, ...).
+            fields: the request's fields; its request id is added.
+            tensors: the tensors it carries, by name (None: none).
+            timeout: seconds to wait for the reply; None: ``request_timeout``.
+            alive: says why the PS cannot answer (its process died), or None while it may.
+            local: tensors that are in this client's shared segment, by their offset in it (pushes only).
+            while_waiting: work to do once the request is sent, before its reply is awaited (its
+                time is not counted as waiting).
+
+        Raises:
+            PSUnreachableError: where this transport is closed, no reply comes within the timeout, or ``alive``
+                says the PS is gone.
         """
         if self._closed:
             raise PSUnreachableError("this PSClient is closed")
@@ -287,7 +334,11 @@ class Transport:
 
     def side_socket(self, hwm: int) -> zmq.Socket:
         """Another connection to the PS, for messages that must not wait behind a request (heartbeats,
-        notices): at most ``hwm`` messages queue either way while the PS is away or slow."""
+        notices): at most ``hwm`` messages queue either way while the PS is away or slow.
+
+        Args:
+            hwm: the most messages that queue in either direction (ZeroMQ's high-water mark).
+        """
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
@@ -323,6 +374,7 @@ class Transport:
                 f"keys= on PSClient); {KEYGEN_HINT}")
 
     def close(self) -> None:
+        """Stop the heartbeats and close the sockets; a later request raises :class:`PSUnreachableError`."""
         if not self._closed:
             self._closed = True
             self._heartbeat_stop.set()

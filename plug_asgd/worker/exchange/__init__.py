@@ -24,5 +24,10 @@ EXCHANGES: dict[str, type[Exchange]] = {"push": PushExchange, "overlap": Overlap
 
 
 def make_exchange(mode: Mode, **kwargs: Any) -> Exchange:
-    """The exchange ``mode`` trades its model with (``kwargs``: :class:`Exchange`'s)."""
+    """The exchange ``mode`` trades its model with (``kwargs``: :class:`Exchange`'s).
+
+    Args:
+        mode: the configured mode; its ``exchange`` names the class (``EXCHANGES``).
+        **kwargs: :class:`Exchange`'s keyword arguments (codec, compensation, shm_pushes).
+    """
     return EXCHANGES[mode.exchange](mode, **kwargs)

@@ -34,7 +34,20 @@ INIT_WAIT_S = 10.0  # how long a rank other than 0 waits for rank 0's model befo
 
 @dataclass
 class Link:
-    """What the strategy hands an exchange for one stage: the PS client and the worker's side of Lightning."""
+    """What the strategy hands an exchange for one stage: the PS client and the worker's side of Lightning.
+
+    Attributes:
+        client: the PS's client, or a sharded PS's (every shard's).
+        tensors: returns the floating-point parameters and buffers the PS holds, by name.
+        rank: this worker's global rank.
+        world_size: the number of workers.
+        stage: the number of the stage, among this process's stages.
+        fitting: whether the stage is a fit.
+        barrier: a barrier of every worker, through the PS, by name.
+        stop: asks Lightning to stop this fit (the PS said so).
+        shared_tag: names hogwild's shared-memory file, one per stage.
+        one_cpu_machine: every worker is on this machine's CPU (what hogwild needs).
+    """
 
     client: PSClient | ShardedClient  # one PS's, or every shard's of a sharded PS
     tensors: Callable[[], dict[str, Tensor]]  # the floating-point parameters and buffers the PS holds
@@ -54,6 +67,13 @@ class Exchange(ABC):
     The base keeps the model the worker is based on (``base``, central version ``version``) and
     takes a reply's model; a subclass says what happens after a step (:meth:`after_step`) and what
     a flush sends (:meth:`send`).
+
+    Args:
+        mode: the configured mode; a fit runs it as :meth:`Mode.for_workers` makes it for its workers.
+        codec: how pushed updates are encoded (None: no compression).
+        compensation: the staleness remedies, as :func:`~plug_asgd.worker.compensation.resolve` gave them
+            (default: none).
+        shm_pushes: a worker on the PS's machine may push through shared memory the PS maps.
     """
 
     def __init__(self, mode: Mode, *, codec: Codec | None = None, compensation: StalenessCompensation = OFF,
@@ -89,11 +109,21 @@ class Exchange(ABC):
     # -- what the strategy calls ---------------------------------------------------------------------
 
     def attach(self, link: Link) -> None:
-        """Start of a stage: the client and the worker's side of Lightning for it."""
+        """Start of a stage: the client and the worker's side of Lightning for it.
+
+        Args:
+            link: what the strategy hands the exchange for the stage.
+        """
         self.link = link
 
     def start_fit(self, optimizers: list[Any], rank: int, world_size: int) -> None:
-        """A fit begins: a fresh encoder (no residuals) and compensator, and the optimizers it steps."""
+        """A fit begins: a fresh encoder (no residuals) and compensator, and the optimizers it steps.
+
+        Args:
+            optimizers: the LightningModule's optimizers, which decide the remedies (momentum, normalized steps).
+            rank: this worker's global rank, which seeds the encoder.
+            world_size: the number of workers: the fit's mode, and the staleness assumed before any push lands.
+        """
         self.optimizers = optimizers
         self.mode = self.configured_mode.for_workers(world_size)
         self.rank, self.fit_codec = rank, self.codec
@@ -117,7 +147,11 @@ class Exchange(ABC):
         """The fit makes about ``steps`` local steps per worker (inf where unknown): where the codec's lag depends
         on the fit's length (randomk's), it encodes with the codec set for the pushes those steps make
         (:meth:`Codec.for_fit`), through a fresh encoder (called before the first push: no residual is lost);
-        returns that codec and the pushes, or None where the length does not matter."""
+        returns that codec and the pushes, or None where the length does not matter.
+
+        Args:
+            steps: the local steps per worker the fit is expected to make (``inf`` where unknown).
+        """
         if self.codec.lag_pushes() is None:
             return None
         pushes = steps / getattr(self.mode, "push_every", 1)  # the fit's mode (Mode.for_workers)
@@ -130,7 +164,11 @@ class Exchange(ABC):
         """Start of a stage: offer our weights if the PS has none yet (``init``), then take the central ones.
 
         Rank 0 offers at once; another rank first waits a little for rank 0's (``INIT_WAIT_S``), and
-        offers its own only if none came (rank 0 slow to start, or gone)."""
+        offers its own only if none came (rank 0 slow to start, or gone).
+
+        Args:
+            init: whether the PS holds no model yet (its hello reply said so).
+        """
         client = self._link.client
         reply = None
         if init and self._link.rank != 0:
@@ -155,7 +193,11 @@ class Exchange(ABC):
 
     def closure(self, closure: Callable[..., Any]) -> Callable[..., Any]:
         """``closure`` (Lightning's forward and backward, which the optimizer runs before it writes the weights),
-        followed by :meth:`before_update`: what the last exchange still does runs beside them."""
+        followed by :meth:`before_update`: what the last exchange still does runs beside them.
+
+        Args:
+            closure: Lightning's closure, which the optimizer calls.
+        """
 
         def then_update(*args: Any, **kwargs: Any) -> Any:
             out = closure(*args, **kwargs)
@@ -172,7 +214,12 @@ class Exchange(ABC):
         """Run the local optimizer step ``run``, then exchange with the PS if one is due.
 
         An optimizer that does not call its closure (:meth:`closure`) would write the weights while the last
-        exchange may still read them: once one is seen, the exchange waits before each step instead."""
+        exchange may still read them: once one is seen, the exchange waits before each step instead.
+
+        Args:
+            run: takes the optimizer's step (Lightning's ``optimizer.step(closure)``); its result is returned.
+            optimizer: the optimizer that steps, taken in Nesterov's form where the compensation says.
+        """
         nesterov = self._link.fitting and self.nesterov_steps
         if not self.closure_runs or nesterov:  # (Nesterov's form reads the momentum before the step: masked first)
             self.before_update()
@@ -213,7 +260,11 @@ class Exchange(ABC):
         """At exit: release what the exchange holds outside this process."""
 
     def central_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """``state`` (a state dict) with the central tensors in place of this worker's."""
+        """``state`` (a state dict) with the central tensors in place of this worker's.
+
+        Args:
+            state: the module's state dict, changed in place and returned.
+        """
         self.finish()
         if self.joined:
             central = self._link.client.pull().tensors
@@ -278,7 +329,15 @@ class Exchange(ABC):
         return self.encoder.pending if config.active and config.local_residual and self.local_residual else None
 
     def load(self, reply: ModelReply, ahead: bool = False) -> None:
-        """Take the reply's model as weights and base: the central one, or (``ahead``) where it is heading."""
+        """Take the reply's model as weights and base: the central one, or (``ahead``) where it is heading.
+
+        Args:
+            reply: the PS's reply, which carries the whole model.
+            ahead: whether the compensation may put the model ahead (look-ahead, local residual), where active.
+
+        Raises:
+            RuntimeError: where the reply's model lacks a tensor of the worker's (another model's PS).
+        """
         tensors = self._link.tensors()
         missing = sorted(set(tensors) - set(reply.tensors))
         if missing:
@@ -304,7 +363,12 @@ class Exchange(ABC):
         self.base_is_central = central and not reply.approx
 
     def based_on(self, reply: ModelReply, central: bool = True) -> None:
-        """``base`` is now version ``reply.version``: the central model itself, unless ``central`` is False."""
+        """``base`` is now version ``reply.version``: the central model itself, unless ``central`` is False.
+
+        Args:
+            reply: the PS's reply the base now stands for; its ``stop`` stops the fit.
+            central: whether ``base`` is the central model of that version (False: the worker's own weights).
+        """
         self.base_is_central = central and not reply.approx  # an approximate reply: near the central model
         self.base_lent = False  # whatever the PS held of ours, it gave back before this reply
         self.version = reply.version
@@ -314,6 +378,12 @@ class Exchange(ABC):
             self._link.stop()
 
     def count_staleness(self, reply: ModelReply, base: int) -> None:
+        """Count an applied push's staleness into the compensator's estimate and this worker's counters.
+
+        Args:
+            reply: the PS's reply to the push; only an ``applied`` one counts.
+            base: the central version the push was based on.
+        """
         if reply.status == "applied":
             staleness = reply.version - base - 1
             self.compensator.observe(staleness)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from typing_extensions import override
 
 from plug_asgd.modes import EASGD
 from plug_asgd.worker.exchange.base import Exchange
@@ -13,10 +14,12 @@ class ElasticExchange(Exchange):
 
     mode: EASGD
 
+    @override
     def after_step(self) -> None:
         if self.since_push >= self.mode.tau:
             self.send()
 
+    @override
     def send(self) -> None:
         link = self._link
         reply = link.client.pull()

@@ -60,7 +60,11 @@ def _map(fn: Callable[[str], Any], names: list[str], threads: int) -> list[Any]:
 
 
 def host_arrays(tensors: Mapping[str, Tensor]) -> dict[str, np.ndarray] | None:
-    """The tensors' own memory as numpy arrays, where every one is a contiguous float32 CPU tensor; else None."""
+    """The tensors' own memory as numpy arrays, where every one is a contiguous float32 CPU tensor; else None.
+
+    Args:
+        tensors: the worker's parameters and buffers, by name; writing an array returned writes its tensor.
+    """
     if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors.values()):
         return None
     return {name: t.detach().numpy() for name, t in tensors.items()}
@@ -78,7 +82,16 @@ class HeldBase:
               central: Mapping[str, np.ndarray], residual: Callable[[str], np.ndarray | None], version: int) -> None:
         """Push from the held base from now on: the weights are made ``c (+ r) + (w - b)``, the progress kept,
         which is what the exchange's own base would push next (``c``: ``central``, the held model of
-        ``version``). Nothing to do where already there."""
+        ``version``). Nothing to do where already there.
+
+        Args:
+            kind: the held base to push from, ``RESIDUAL`` or ``CENTRAL``.
+            weights: the worker's weights as host arrays (:func:`host_arrays`), rewritten in place.
+            base: the exchange's own base, ``b``: the weights after the last merge.
+            central: the central model the client holds, of ``version``.
+            residual: the codec's residual of a tensor (None: none), folded into the weights for ``RESIDUAL``.
+            version: the central version of ``central``.
+        """
         if self.kind == kind:
             return
         for name, w in weights.items():
@@ -93,7 +106,13 @@ class HeldBase:
                central: Mapping[str, np.ndarray]) -> dict[str, Any]:
         """Each tensor's update ``w - c`` (plus the residual kept outside the model, for ``CENTRAL``), encoded: by
         as many threads as torch computes with, where the codec encodes each tensor on its own (numpy lets go of
-        the interpreter in its loops, and the training's threads are idle meanwhile)."""
+        the interpreter in its loops, and the training's threads are idle meanwhile).
+
+        Args:
+            encoder: the worker's codec state, which encodes each tensor's difference (and keeps its residual).
+            weights: the worker's weights as host arrays, by name; only read.
+            central: the central model the client holds, by the same names.
+        """
         implicit = {"implicit_residual": True} if self.kind == RESIDUAL else {}
         self.pushes += 1
 
@@ -110,13 +129,26 @@ class HeldBase:
 
     @staticmethod
     def decoded(update: Mapping[str, Any], weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | Sparse]:
-        """What the PS folds in of ``update``, decoded as it decodes it (the same function, the same bits)."""
+        """What the PS folds in of ``update``, decoded as it decodes it (the same function, the same bits).
+
+        Args:
+            update: the encoded update that was pushed, by tensor name.
+            weights: the worker's weights by name, whose dtypes and shapes the update decodes to.
+        """
         return {name: decode(sent, weights[name].dtype, shape=weights[name].shape) for name, sent in update.items()}
 
     def settle(self, reply: ModelReply, held: HeldModel, weights: dict[str, np.ndarray],
                central_before: Mapping[str, np.ndarray], decoded: Mapping[str, np.ndarray | Sparse]) -> None:
         """Take the reply to a push from the held base: "own" (the held model plus what was sent, made here), or
-        the central model with another worker's pushes in it, merged keeping the invariant."""
+        the central model with another worker's pushes in it, merged keeping the invariant.
+
+        Args:
+            reply: the PS's answer to the push.
+            held: the central model the client holds, brought up to the reply's version here on an "own" reply.
+            weights: the worker's weights as host arrays, written in place.
+            central_before: the central arrays the push was based on (lent by the client: no reply wrote them).
+            decoded: the pushed update as the PS decoded it (:meth:`decoded`).
+        """
         if reply.own:
             held.add(dict(decoded), reply.version)
             if self.kind == CENTRAL:
@@ -147,7 +179,14 @@ class HeldBase:
     def leave(self, weights: dict[str, np.ndarray], base: Mapping[str, Tensor], central: Mapping[str, np.ndarray],
               set_residual: Callable[[str, np.ndarray], None] | None) -> None:
         """Back to the exchange's own base, after a merge (no progress pending): ``b = w`` and, where the residual
-        was implicit, ``r = w - c`` kept by the codec again."""
+        was implicit, ``r = w - c`` kept by the codec again.
+
+        Args:
+            weights: the worker's weights as host arrays.
+            base: the exchange's own base, set to the weights.
+            central: the central model the client holds.
+            set_residual: hands the codec a tensor's residual back (needed where the residual was implicit).
+        """
         if self.kind is None:
             return
         for name, w in weights.items():
@@ -162,7 +201,17 @@ class HeldPush(InFlight):
     """One push from the held base, encoded and sent by a thread of its own while the next step's forward and
     backward compute: they only read the weights, which the optimizer writes after them (the exchange waits for
     the encoding there, :meth:`encoded`). With the residual implicit an "own" reply leaves the weights as they
-    are, so a lone worker trains the same steps as if it had waited; a raced reply is merged one step later."""
+    are, so a lone worker trains the same steps as if it had waited; a raced reply is merged one step later.
+
+    Args:
+        held: the held base the push is made from (its kind already entered).
+        encoder: the worker's codec state, which encodes the update.
+        client: the client the push goes through.
+        weights: the worker's weights as host arrays; read by the encoding, which must end before they change.
+        central: the central model the client lent for this push (no reply writes it).
+        base: the central version the update is based on.
+        scaled_for: the staleness the update was scaled for (None: not scaled), which the PS corrects for.
+    """
 
     def __init__(self, held: HeldBase, encoder: Compressor, client: PSClient, weights: dict[str, np.ndarray],
                  central: dict[str, np.ndarray], base: int, scaled_for: float | None) -> None:
@@ -190,7 +239,11 @@ class HeldPush(InFlight):
         return self.update
 
     def settle(self, held: HeldModel) -> ModelReply:
-        """Take the reply (:meth:`HeldBase.settle`) and return it."""
+        """Take the reply (:meth:`HeldBase.settle`) and return it.
+
+        Args:
+            held: the central model the client holds.
+        """
         reply = self.answered()
         if not self.decoded:  # the push was sent again after a reconnection: decoded here
             self.decoded.update(self.held.decoded(self.update, self.weights))

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+from typing_extensions import override
 
 from plug_asgd.compressors import Compressor, ErrorFeedback, TopK, TopKResidual
 from plug_asgd.protocol.wire import Sparse
@@ -29,7 +30,13 @@ from plug_asgd.worker.held_model import HeldModel
 def largest_differences(w: Tensor, c: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Ascending indices of the ``k`` largest ``|w - c|`` (flat, exact zeros left out; NaN ranks largest) and
     ``w - c`` there, on the tensors' device: the set :func:`plug_asgd.compressors.difference.largest_differences`
-    chooses on the host, ties aside."""
+    chooses on the host, ties aside.
+
+    Args:
+        w: the worker's weights of one tensor.
+        c: the central values of the same tensor, on the same device.
+        k: how many coordinates to choose (all of them where ``k`` is at least the tensor's size).
+    """
     v = (w - c).reshape(-1)
     if k >= v.numel():
         chosen = torch.arange(v.numel(), device=v.device)
@@ -40,13 +47,21 @@ def largest_differences(w: Tensor, c: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 def selects_on_device(encoder: Compressor) -> bool:
-    """Whether ``encoder`` sends the top of the difference, which this module selects on the device."""
+    """Whether ``encoder`` sends the top of the difference, which this module selects on the device.
+
+    Args:
+        encoder: the worker's codec state (AdaComp's top-k with residual, or top-k under error feedback).
+    """
     inner = encoder.inner if isinstance(encoder, ErrorFeedback) else None
     return isinstance(encoder, TopKResidual) or isinstance(inner, TopK)
 
 
 def device_tensors(tensors: Mapping[str, Tensor]) -> dict[str, Tensor] | None:
-    """The tensors themselves, where every one is a contiguous float32 tensor of one device; else None."""
+    """The tensors themselves, where every one is a contiguous float32 tensor of one device; else None.
+
+    Args:
+        tensors: the worker's parameters and buffers, by name; the tensors returned are detached views of them.
+    """
     devices = {t.device for t in tensors.values()}
     if len(devices) != 1 or not all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors.values()):
         return None
@@ -69,8 +84,14 @@ class DeviceHeldBase(HeldBase):
             self.mirrored = version
         return self.mirror
 
+    @override
     def enter(self, kind: str, weights: dict[str, Any], base: Mapping[str, Tensor], central: Mapping[str, Any],
               residual: Callable[[str], np.ndarray | None], version: int) -> None:
+        """:meth:`HeldBase.enter` on the device, where the mirror of ``central`` is made first.
+
+        Raises:
+            ValueError: where ``kind`` is not ``RESIDUAL``, the only held base kept on a device.
+        """
         if kind != RESIDUAL:
             raise ValueError("the held base on a device keeps its residual in the model (RESIDUAL) only")
         device = next(iter(weights.values())).device
@@ -85,6 +106,7 @@ class DeviceHeldBase(HeldBase):
                     w.add_(torch.from_numpy(np.asarray(r)).to(device).view_as(w))
         self.kind = kind
 
+    @override
     def encode(self, encoder: Compressor, weights: dict[str, Any], central: Mapping[str, Any]) -> dict[str, Any]:
         """Each tensor's ``w - c``, its top chosen on the device; the indices and values copied to the host."""
         self.pushes += 1
@@ -103,9 +125,11 @@ class DeviceHeldBase(HeldBase):
         return out
 
     @staticmethod
+    @override
     def decoded(update: Mapping[str, Any], weights: Mapping[str, Any]) -> dict[str, np.ndarray | Sparse]:
         return HeldBase.decoded(update, {n: np.empty(tuple(t.shape), np.float32) for n, t in weights.items()})
 
+    @override
     def settle(self, reply: ModelReply, held: HeldModel, weights: dict[str, Any], central_before: Mapping[str, Any],
                decoded: Mapping[str, np.ndarray | Sparse]) -> None:
         """:meth:`HeldBase.settle` on the device: "own" adds what was sent to the mirror too; a raced reply's
@@ -141,6 +165,7 @@ class DeviceHeldBase(HeldBase):
                 flat[torch.from_numpy(sent.indices).to(device)] -= torch.from_numpy(sent.values).to(device)
             self.mirrored = reply.version
 
+    @override
     def leave(self, weights: dict[str, Any], base: Mapping[str, Tensor], central: Mapping[str, Any],
               set_residual: Callable[[str, np.ndarray], None] | None) -> None:
         if self.kind is None:

@@ -7,6 +7,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from typing_extensions import override
+
 from plug_asgd.worker import hogwild_memory as shared
 from plug_asgd.worker.compensation import nesterov_form, scaled_step
 from plug_asgd.worker.exchange.base import Exchange
@@ -14,29 +16,39 @@ from plug_asgd.worker.exchange.base import Exchange
 
 class SharedExchange(Exchange):
     """Rank 0 puts its model in shared memory and every worker's tensors become views of it; the PS only
-    serves Lightning's barriers. Each step is scaled by ``1/workers`` where the compensation scales."""
+    serves Lightning's barriers. Each step is scaled by ``1/workers`` where the compensation scales.
+
+    Args:
+        *args: :class:`Exchange`'s positional arguments (the mode).
+        **kwargs: :class:`Exchange`'s keyword arguments (codec, compensation, shm_pushes).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.shared_map: Any = None
 
+    @override
     def join(self, init: bool) -> None:
         if self._link.fitting:
             self._join_shared()
         self.joined = True
 
+    @override
     def refresh(self) -> None:
         """The module already is the shared, central model. During a fit every worker first stops stepping it
         (a barrier): all then evaluate, and a checkpoint holds, the same model (without it, a worker still
         training moved the model under another's validation: tests/test_features.py saw it)."""
         self.wait_for_the_others()
 
+    @override
     def after_step(self) -> None:
         """Nothing to push: the step landed in the shared model itself (``step`` is this exchange's own)."""
 
+    @override
     def send(self) -> None:
         """Nothing to send, as for :meth:`after_step`."""
 
+    @override
     def step(self, run: Callable[[], Any], optimizer: Any) -> Any:
         fitting = self._link.fitting
         # the workers' steps all land in one model: each at 1/workers, as DDP averages them
@@ -47,6 +59,7 @@ class SharedExchange(Exchange):
         self.local_steps += 1
         return out
 
+    @override
     def leave(self) -> None:
         link = self._link
         link.barrier("plug_asgd.fit_end")  # every worker's steps are in the shared model
@@ -54,10 +67,12 @@ class SharedExchange(Exchange):
         link.barrier("plug_asgd.hogwild_detached")
         self._drop_shared()
 
+    @override
     def close(self) -> None:
         if self.link is not None:
             self._drop_shared()  # a hogwild fit that failed leaves its shared file behind
 
+    @override
     def central_state(self, state: dict[str, Any]) -> dict[str, Any]:
         return state
 

@@ -10,7 +10,11 @@ from plug_asgd.worker.client import ModelReply
 
 class InFlight:
     """``work`` (a push, returning its reply) run by a daemon thread; :meth:`answered` waits for the reply and
-    re-raises, in the training thread, whatever went wrong."""
+    re-raises, in the training thread, whatever went wrong.
+
+    Args:
+        work: the request to run, which returns the PS's reply; it starts at once.
+    """
 
     def __init__(self, work: Callable[[], ModelReply]) -> None:
         self.reply: ModelReply | None = None
@@ -26,7 +30,11 @@ class InFlight:
         self.thread.start()
 
     def answered(self) -> ModelReply:
-        """The reply, once it came."""
+        """The reply, once it came.
+
+        Raises:
+            BaseException: whatever ``work`` raised (kept as ``error``), re-raised in the caller's thread.
+        """
         self.thread.join()
         if self.error is not None:
             raise self.error

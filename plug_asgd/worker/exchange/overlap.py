@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from typing_extensions import override
 
 from plug_asgd.modes import APPLIED, PushMode
 from plug_asgd.worker.client import ModelReply, PSUnreachableError
@@ -28,6 +29,10 @@ class OverlapExchange(PushExchange):
     late). Keeping it whole, each worker's model runs ahead of the central one by its own progress and
     the workers' differences are never averaged away: with momentum SGD they grow from round to round
     (docs/momentum.md).
+
+    Args:
+        mode: the configured mode, with its push period (and, for losp, the updates a round averages).
+        **kwargs: :class:`Exchange`'s keyword arguments (codec, compensation, shm_pushes).
     """
 
     def __init__(self, mode: PushMode, **kwargs: Any) -> None:
@@ -43,6 +48,7 @@ class OverlapExchange(PushExchange):
         self.spare: dict[str, torch.Tensor] = {}  # buffers for the next copy of the weights sent
         self.merges_of_changes = 0  # replies merged at the coordinates they changed only
 
+    @override
     def start_fit(self, optimizers: list[Any], rank: int, world_size: int) -> None:
         super().start_fit(optimizers, rank, world_size)
         replicas = getattr(self.mode, "replicas_to_aggregate", None) or world_size
@@ -51,14 +57,17 @@ class OverlapExchange(PushExchange):
         momentum = not optimizers or any(keeps_momentum(o) for o in optimizers)
         self.share = 1.0 / replicas if rounds and momentum and replicas > 1 else 1.0
 
+    @override
     def scale(self) -> float:
         if self.mode.compensate != "round":
             return super().scale()
         return 0.5 if self.share < 1.0 else 1.0  # a round lands one round late: 1 / (1 + 1)
 
+    @override
     def scaled_for(self) -> float | None:
         return None if self.mode.compensate == "round" else super().scaled_for()
 
+    @override
     def step(self, run: Callable[[], Any], optimizer: Any) -> Any:
         if self.in_flight is not None:
             if self.result.get("next_step_at") is None:
@@ -69,10 +78,12 @@ class OverlapExchange(PushExchange):
             self.overlapped_steps += 1  # ... a push from the held base (plug_asgd.worker.exchange.held_base)
         return super().step(run, optimizer)
 
+    @override
     def after_step(self) -> None:
         if self.since_push >= self.mode.push_every:
             self.push_overlapped()
 
+    @override
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "overlapped_steps": self.overlapped_steps, "overlap_trace": list(self.trace),
                 "merges_of_changes": self.merges_of_changes}
@@ -108,6 +119,7 @@ class OverlapExchange(PushExchange):
         self.in_flight = threading.Thread(target=send, name="plug_asgd-sender", daemon=True)
         self.in_flight.start()
 
+    @override
     def finish(self) -> None:
         """Take the reply of the push in flight: ``w = central + (w - w_at_send)`` keeps the steps made since."""
         super().finish()  # a push from the held base
@@ -163,12 +175,17 @@ class OverlapExchange(PushExchange):
                     base.add_(torch.as_tensor(residual, device=base.device).view(base.shape).to(base.dtype))
                 t.add_(base)  # central (+ the residual) + share * p
 
+    @override
     def based_on(self, reply: ModelReply, central: bool = True) -> None:
         super().based_on(reply, central)
         self.merged_from = None  # whatever the base is now, a merge that follows takes the whole model
 
     def copy_of(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The weights as they are sent, in buffers kept from an earlier merge where they fit."""
+        """The weights as they are sent, in buffers kept from an earlier merge where they fit.
+
+        Args:
+            tensors: the worker's parameters and buffers, by name; only read.
+        """
         out = {}
         with torch.no_grad():
             for name, t in tensors.items():
@@ -226,17 +243,24 @@ class OverlapExchange(PushExchange):
         return True
 
     @property
+    @override
     def overlaps(self) -> bool:
         return True
 
+    @override
     def before_update(self) -> None:
         """A push from the held base is encoded before the optimizer writes the weights; its reply waits for the
         next push, as every reply here."""
         if self.pending is not None and isinstance(self.pending[0], HeldPush):
             self.mask_sent(self.pending[0])
 
+    @override
     def let_go(self) -> None:
-        """After a failure the socket is the sender's until it is done: wait a little, then give up on it."""
+        """After a failure the socket is the sender's until it is done: wait a little, then give up on it.
+
+        Raises:
+            PSUnreachableError: where the push in flight is not done within ``LET_GO_S`` seconds.
+        """
         super().let_go()
         sender, self.in_flight = self.in_flight, None
         if sender is not None:

@@ -5,29 +5,33 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
+from typing_extensions import override
 
-from plug_asgd.compressors import NoCompression
 from plug_asgd.modes import PushMode
 from plug_asgd.protocol.wire import Sparse
 from plug_asgd.worker.client import ModelReply, PSUnreachableError
-from plug_asgd.worker.exchange.base import Exchange
 from plug_asgd.worker.exchange.held_base import CENTRAL, RESIDUAL, HeldBase, HeldPush, host_arrays
 from plug_asgd.worker.exchange.held_device import DeviceHeldBase, device_tensors, selects_on_device
 from plug_asgd.worker.exchange.in_flight import InFlight
+from plug_asgd.worker.exchange.update_making import UpdateMaking
 
 LET_GO_S = 5.0  # how long a stage's end waits for a push in flight after a failure
 
 
-class PushExchange(Exchange):
+class PushExchange(UpdateMaking):
     """Pushes the update (encoded by the mode's codec) and takes the central model, or its own "own" reply.
 
     A dense float32 update is made in buffers kept across pushes (in memory the PS maps, where it
     offers that: ``shm_pushes``); a worker that nothing raced pushes its weights instead (see
     ``PSClient.push(weights=True)``). Between pushes, a pull every ``pull_every`` steps keeps the
     progress not yet pushed (DOWNPOUR's fetch).
+
+    Args:
+        mode: the configured mode, with its push and pull periods.
+        **kwargs: :class:`~plug_asgd.worker.exchange.base.Exchange`'s keyword arguments (codec, compensation,
+            shm_pushes).
     """
 
     mode: PushMode
@@ -37,11 +41,6 @@ class PushExchange(Exchange):
 
     def __init__(self, mode: PushMode, **kwargs: Any) -> None:
         super().__init__(mode, **kwargs)
-        self.delta_buffers: dict[str, Tensor] = {}
-        self.encoded_buffers: dict[str, Tensor] = {}  # an update to encode, made here (not in the PS's memory)
-        # whether those buffers and the base are in memory the PS maps: a push of weights the PS does not
-        # take then cost a header; over the socket, the model's bytes, so only a lone worker sends them
-        self.shared_buffers = False
         # whether the next push may send the weights themselves: in the modes whose PS can take them, until
         # it answers that another push came first; again after an "own" reply
         self.weights_ok = mode.folds_into_update
@@ -54,18 +53,21 @@ class PushExchange(Exchange):
         # a push sent by a thread of its own (of weights, or from the held base) and how its reply is taken
         self.pending: tuple[InFlight, Callable[[], None]] | None = None
 
+    @override
     def after_step(self) -> None:
         if self.since_push >= self.mode.push_every:
             self.send()
         elif self.mode.pull_every is not None and self.since_pull >= self.mode.pull_every:
             self.pull_keeping_progress()
 
+    @override
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "own_guesses": self.own_guesses[0], "own_guesses_right": self.own_guesses[1],
                 "held_base_pushes": self.held_host.pushes + self.held_device.pushes,
                 "held_base_raced": self.held_host.raced + self.held_device.raced}
 
     @property
+    @override
     def lookahead(self) -> bool:
         """Where a worker pushes every step; and in agn where its optimizers normalize their steps (Adam's): with
         several local steps per push the look-ahead extrapolates what a heavy ball's momentum already carries, but
@@ -74,6 +76,7 @@ class PushExchange(Exchange):
         one_step = self.mode.push_every == 1 and self.mode.pull_every is None
         return one_step or (self.mode.normalize and self.normalized_steps)
 
+    @override
     def send(self) -> None:
         """Send ``w - w_base`` (over the steps it spans, for agn/sagn); take the central model if a pull is due."""
         self.finish()  # the push in flight first: one request at a time
@@ -92,7 +95,13 @@ class PushExchange(Exchange):
         self.push_update(tensors, want_model)
 
     def push_update(self, tensors: dict[str, Tensor], want_model: bool) -> None:
-        """Push ``w - w_base`` (encoded) from the exchange's own base, and take the reply."""
+        """Push ``w - w_base`` (encoded) from the exchange's own base, and take the reply.
+
+        Args:
+            tensors: the worker's parameters and buffers, by name.
+            want_model: whether the reply should carry the central model (a pull is due); without it the worker
+                keeps training from its own weights.
+        """
         link = self._link
         self.leave_held_base()
         update, deltas, exact = self.update(tensors)
@@ -138,6 +147,9 @@ class PushExchange(Exchange):
         compute here, no ``base + delta`` there and again here. ``w`` is copied into the update
         buffers (the PS reads them, or the socket sends them, while ``w`` is free to change), and
         on an "own" reply those buffers become the base: no copy back.
+
+        Args:
+            tensors: the worker's parameters and buffers, by name (dense float32).
         """
         if not self.buffers_fit(tensors, self.delta_buffers):
             self.delta_buffers = self.new_delta_buffers(tensors)
@@ -153,7 +165,14 @@ class PushExchange(Exchange):
 
     def settle_weights(self, push: InFlight, sent: dict[str, Tensor], base: int, lend: bool) -> None:
         """Take the reply to a push of weights: "own" (the weights sent are the base now), the whole model, or
-        "not_current" (another push came first, nothing was folded: ``w - base`` is pushed now instead)."""
+        "not_current" (another push came first, nothing was folded: ``w - base`` is pushed now instead).
+
+        Args:
+            push: the push of weights in flight.
+            sent: the buffers the weights were sent from, which become the base on an "own" reply.
+            base: the central version the push was based on.
+            lend: whether the PS may keep ``sent`` as its model until it answers this worker again.
+        """
         reply = push.answered()
         if reply.status == "not_current":  # nothing folded: the same progress goes as an update (the weights have
             self.weights_ok = False        # not changed since: the optimizer writes them after this)
@@ -178,7 +197,12 @@ class PushExchange(Exchange):
         central model of our version, and the worker's pushes landing on the version they were based on (its
         staleness estimate 0: nothing to scale or look ahead for). Float32 CPU tensors as numpy views; on a
         GPU, where the codec selects the top of the difference and keeps its residual in the model, the tensors
-        themselves (:mod:`.held_device`)."""
+        themselves (:mod:`.held_device`).
+
+        Args:
+            tensors: the worker's parameters and buffers, by name.
+            want_model: whether the reply should carry the central model (a pull is due).
+        """
         held = getattr(self._link.client, "held", None)
         if (not want_model or self.dense(tensors) or held is None or held.model_id is None or not held.exact
                 or held.version != self.version or not tensors.keys() <= held.tensors.keys()
@@ -203,7 +227,12 @@ class PushExchange(Exchange):
     def push_from_held(self, tensors: dict[str, Tensor], found: tuple[HeldBase, str, dict]) -> None:
         """Push ``w - c`` (encoded), ``c`` the central model the client holds, from a thread of its own
         (:class:`HeldPush`); the next step's forward and backward compute meanwhile, and the reply is taken before
-        its optimizer writes the weights (:meth:`before_update`)."""
+        its optimizer writes the weights (:meth:`before_update`).
+
+        Args:
+            tensors: the worker's parameters and buffers, by name.
+            found: what :meth:`held_base_for` returned: the held base, its kind and the weights it works on.
+        """
         held, kind, weights = found
         if held is not self.held:
             self.leave_held_base()
@@ -224,6 +253,12 @@ class PushExchange(Exchange):
         return False
 
     def settle_held(self, push: HeldPush) -> None:
+        """Take the reply to a push from the held base: the momentum masked where it was sent, the reply merged
+        (:meth:`HeldPush.settle`), its staleness counted and its version the base's.
+
+        Args:
+            push: the push from the held base in flight.
+        """
         self.mask_sent(push)
         reply = push.settle(self._link.client.held)  # type: ignore[union-attr]
         self.held_answered_own = reply.own
@@ -231,7 +266,11 @@ class PushExchange(Exchange):
         self.based_on(reply)
 
     def mask_sent(self, push: HeldPush) -> None:
-        """Zero the optimizers' momentum where ``push``'s update was sent (once), before they step again."""
+        """Zero the optimizers' momentum where ``push``'s update was sent (once), before they step again.
+
+        Args:
+            push: the push from the held base whose sparse update says where.
+        """
         if not push.masked:
             push.masked = True
             tensors = self._link.tensors()
@@ -239,16 +278,19 @@ class PushExchange(Exchange):
                 if isinstance(sent, Sparse):
                     self.compensator.mask(self.optimizers, tensors[name], sent.indices)
 
+    @override
     def before_update(self) -> None:
         """The push in flight, taken before the optimizer writes the weights."""
         self.finish()
 
+    @override
     def finish(self) -> None:
         """Take the reply of the push in flight, if any."""
         pending, self.pending = self.pending, None
         if pending is not None:
             pending[1]()
 
+    @override
     def flush(self) -> None:
         super().flush()
         self.finish()  # a push flush() made from a thread is answered before anything else
@@ -264,27 +306,36 @@ class PushExchange(Exchange):
             held.leave(weights, self.base, self._link.client.held.tensors,  # type: ignore[union-attr]
                        getattr(self.encoder, "set_pending", None))
 
+    @override
     def load(self, reply: ModelReply, ahead: bool = False) -> None:
         self.leave_held_base()
         super().load(reply, ahead)
 
+    @override
     def refresh(self) -> None:
         self.flush()
         self.leave_held_base()
         super().refresh()
 
+    @override
     def leave(self) -> None:
         self.flush()
         self.leave_held_base()
         super().leave()
 
+    @override
     def central_state(self, state: dict[str, Any]) -> dict[str, Any]:
         self.finish()
         self.leave_held_base()
         return super().central_state(state)
 
+    @override
     def let_go(self) -> None:
-        """After a failure the socket is the push's in flight until it is done: wait a little, then give up."""
+        """After a failure the socket is the push's in flight until it is done: wait a little, then give up.
+
+        Raises:
+            PSUnreachableError: where the push in flight is not done within ``LET_GO_S`` seconds.
+        """
         pending, self.pending = self.pending, None
         if pending is not None:
             pending[0].thread.join(LET_GO_S)
@@ -303,81 +354,3 @@ class PushExchange(Exchange):
             for name, t in tensors.items():
                 t.add_(self.base[name])
         self.based_on(reply)
-
-    def update(self, tensors: dict[str, Tensor]) -> tuple[dict[str, Any], dict[str, Tensor], bool]:
-        """The update to push (``w - w_base``, encoded), the deltas, and whether the PS may answer "own".
-
-        The update is made in buffers kept across pushes (no allocation of the model's size per
-        step; a dense float32 one in memory the PS maps, when it offers that), free again once the
-        PS has replied (an encoder keeps nothing of what it is given). Sent as it is, a dense update
-        can be answered "your base plus this" instead of the model (see ``PSClient.push``).
-        """
-        scale = self.scale()
-        dense = self.dense(tensors)
-        exact = dense and self.base_is_central and scale == 1.0
-        if dense and not self.buffers_fit(tensors, self.delta_buffers):
-            self.delta_buffers = self.new_delta_buffers(tensors)
-        if not dense and not self.buffers_fit(tensors, self.encoded_buffers):
-            self.encoded_buffers = {n: torch.empty_like(t.detach()) for n, t in tensors.items()}
-        buffers = self.delta_buffers if dense else self.encoded_buffers
-        deltas = {}
-        for name, t in tensors.items():
-            deltas[name] = torch.sub(t.detach(), self.base[name], out=buffers[name])
-            if scale != 1.0:
-                deltas[name].mul_(scale)
-        update: dict[str, Any] = self.staging.to_host(deltas)  # on a GPU: every copy queued, one wait
-        if not dense:
-            for name, t in tensors.items():
-                update[name] = self.encoder.encode(name, update[name])
-                if isinstance(update[name], Sparse):
-                    self.compensator.mask(self.optimizers, t, update[name].indices)
-        return update, deltas, exact
-
-    def scale(self) -> float:
-        """What the update is multiplied by: agn's ``1/steps`` and the staleness compensation's ``1/(1 + s)``."""
-        steps = self.since_push if self.mode.normalize and self.since_push else 1
-        return self.compensator.update_scale() / steps
-
-    def scaled_for(self) -> float | None:
-        """The staleness the update of :meth:`update` was scaled for, for the PS to correct; None if unscaled or if
-        no optimizer keeps momentum (nothing to correct).
-
-        agn's pushes are not scaled, but its division by ``push_every`` (N steps, N workers) stands for a scale of
-        ``1 / (1 + s)`` at the ``N - 1`` pushes of the others that land between two of its own: a push landing
-        staler than that, or than the worker's typical staleness, is corrected as downpour's are."""
-        if not self.correct:
-            return None
-        if self.compensator.scale:
-            return self.compensator.staleness
-        if self.mode.normalize and self.mode.rule.corrects:
-            return max(float(self.mode.push_every - 1), self.compensator.staleness)
-        return None
-
-    def dense(self, tensors: dict[str, Tensor]) -> bool:
-        return isinstance(self.encoder, NoCompression) and all(t.dtype == torch.float32 for t in tensors.values())
-
-    @staticmethod
-    def buffers_fit(tensors: dict[str, Tensor], buffers: dict[str, Tensor]) -> bool:
-        return buffers.keys() == tensors.keys() and all(
-            buffers[n].shape == t.shape and buffers[n].device == t.device and buffers[n].dtype == t.dtype
-            for n, t in tensors.items())
-
-    def new_delta_buffers(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Buffers for dense updates: in memory the PS maps where it can (``shm_pushes``), else private.
-
-        The base moves into that memory too: a push of weights (:meth:`push_weights`) swaps the
-        two sets, so both must be where the PS can read them.
-        """
-        if self.shm_pushes and all(t.device.type == "cpu" for t in tensors.values()):
-            shapes = {f"{kind}:{n}": (tuple(t.shape), np.float32) for n, t in tensors.items() for kind in "db"}
-            shared = self._link.client.push_buffers(shapes)
-            if shared is not None:
-                for name in tensors:
-                    base = torch.from_numpy(shared[f"b:{name}"])
-                    if name in self.base:
-                        base.copy_(self.base[name])
-                    self.base[name] = base
-                self.shared_buffers = True
-                return {n: torch.from_numpy(shared[f"d:{n}"]) for n in tensors}
-        self.shared_buffers = False
-        return {n: torch.empty_like(t.detach()) for n, t in tensors.items()}

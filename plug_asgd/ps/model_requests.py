@@ -1,0 +1,131 @@
+"""The requests on the central model itself: ``init``, ``pull`` and ``push``, and the model replies they get.
+
+:class:`ModelRequests` is the part of :class:`~plug_asgd.ps.server.ParameterServer` that turns these requests into
+calls on its store (:mod:`plug_asgd.ps.store`) and answers them: at once, or, for a push the mode holds back (a
+``sync`` round, an ``ssp`` bound), when the store resolves it. The serving loop dispatches to its ``_on_*`` methods
+by message type, as to its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from plug_asgd.modes import APPLIED
+from plug_asgd.protocol.wire import Message, WireError, encode
+from plug_asgd.ps.changes import parse_have
+from plug_asgd.ps.fast_store import FastStore
+from plug_asgd.ps.membership import Membership
+from plug_asgd.ps.shard_guard import ShardGuard
+from plug_asgd.ps.stats import Stats
+from plug_asgd.ps.store import FOLDED, MAX_SCALED_FOR, NOT_CURRENT, PushIn
+
+log = logging.getLogger("plug_asgd.ps")
+
+
+@dataclass
+class _Reply:
+    """Where a push's answer goes, and what it should carry (``want``: all, none or unless_own)."""
+
+    identity: bytes
+    rid: Any
+    want: str
+    own_version: int | None = None  # the version this push alone made, when it was folded in exactly
+    have: tuple[str, int] | None = None  # the central model its worker holds (ps/changes.py) ...
+    held: tuple[str, int] | None = None  # ... or the copy it holds of one (ps/downlink.py)
+    rank: int | None = None
+
+
+def _holds(msg: Message) -> dict[str, tuple[str, int] | None]:
+    """What a request says its worker holds: the central model of a version (``have``), or a copy (``held``)."""
+    return {"have": parse_have(msg.fields.get("have")), "held": parse_have(msg.fields.get("held"), "held")}
+
+
+class ModelRequests:
+    """The ``init``, ``pull`` and ``push`` handlers of :class:`~plug_asgd.ps.server.ParameterServer`, a base of it.
+
+    It holds no state of its own: it works on the server's store, membership, counters and shard guard, and sends
+    through the server's socket (the attributes and methods annotated below, which the server sets and defines).
+    """
+
+    store: FastStore
+    members: Membership
+    stats: Stats
+    shard: ShardGuard
+    address: str
+    _send: Callable[..., None]
+    _send_frames: Callable[[bytes, list[Any]], int]
+    _before_reply: Callable[[bytes], None]
+
+    def _send_model(self, identity: bytes, rid: Any, fields: dict[str, Any], with_tensors: bool = True,
+                    token: _Reply | None = None, push: bool = False) -> None:
+        fields = {**fields, "version": self.store.version, "stop": self.store.stopped, "rid": rid}
+        if with_tensors:
+            frames = self.store.reply_payload(fields, token and token.have, rank=token and token.rank,
+                                              held=token and token.held, push=push)
+            self.stats.model_bytes_out += self._send_frames(identity, frames)
+        else:
+            self._before_reply(identity)
+            self._send_frames(identity, encode("model", fields))
+
+    def _resolve(self, resolutions: list[tuple[Any, str]]) -> None:
+        for token, status in resolutions:
+            applied = status == APPLIED
+            self.stats.pushes_applied += applied
+            self.stats.pushes_dropped += not applied
+            if applied and token.want == "unless_own" and token.own_version == self.store.version:
+                # nothing but this push changed the model since the worker's base: it adds its update to
+                # its base itself (same float additions, same bits); the model stays here
+                self.stats.own_replies += 1
+                self._send_model(token.identity, token.rid, {"status": status, "own": True}, False)
+            else:
+                self._send_model(token.identity, token.rid, {"status": status}, token.want != "none" or not applied,
+                                 token, push=True)
+
+    def _on_init(self, identity: bytes, rid: Any, msg: Message) -> None:
+        self.shard.check(msg.fields, self.address)
+        accepted = self.store.init(msg.tensors)
+        if accepted:
+            log.info("central model initialised by rank %s: %d tensors, %d values", msg.fields.get("rank"),
+                     len(msg.tensors), sum(t.size for t in self.store.state.tensors.values()))
+        self._send(identity, rid, "init_ok", {"accepted": accepted, "version": self.store.version,
+                                              "model_id": self.store.changes.model_id})
+
+    def _on_pull(self, identity: bytes, rid: Any, msg: Message) -> None:
+        rank = None
+        if "rank" in msg.fields or identity in self.members.by_identity:  # else a bystander's (a Supervisor's)
+            rank = self.members.member(identity, msg).rank
+        self.store.require_init()
+        token = _Reply(identity, rid, "all", rank=rank, **_holds(msg))
+        self._send_model(identity, rid, {"status": "pulled"}, True, token)
+
+    def _on_push(self, identity: bytes, rid: Any, msg: Message) -> None:
+        worker = self.members.member(identity, msg, session=True)
+        if not msg.tensors:
+            raise WireError("empty", "a push must carry at least one tensor")
+        self.store.require_init()
+        rank, session = worker.rank, worker.session
+        base = msg.int_field("base_version", minimum=0)
+        seq = msg.int_field("seq", minimum=0)
+        scaled_for = msg.float_field("scaled_for", minimum=0.0, maximum=MAX_SCALED_FOR, optional=True)
+        model = msg.fields.get("model", True)
+        flags = {name: msg.fields.get(name, False) for name in ("weights", "lend")}
+        for name, value in flags.items():
+            if not isinstance(value, bool):  # (1 == True: a membership test would let 1 through)
+                raise WireError("bad_field", f"field {name!r} must be true or false, got {value!r:.40}")
+        token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all",
+                       rank=worker.rank, **_holds(msg))
+        folded = self.store.fold(PushIn(token, rank, session, seq, base, msg.tensors, msg.frames,
+                                        request=self.stats.messages_in, scaled_for=scaled_for, **flags))
+        if folded.status != FOLDED:  # not_current, or stopped
+            self._send_model(identity, rid, {"status": folded.status}, folded.status != NOT_CURRENT
+                             and model is not False, token)
+            return
+        token.own_version = folded.own_version
+        self.stats.staleness[folded.staleness] += 1
+        self.stats.pushes_by_rank[rank] += 1
+        worker.pushes += 1
+        self.store.last_seq[session] = self.store.last_seq.pop(session)  # most recent last: see trim_sessions
+        self._resolve(folded.resolutions)
