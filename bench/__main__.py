@@ -1,20 +1,29 @@
+"""``python -m bench NAME [options]``: one command per benchmark (bench/results/README.md lists them with their
+figures). A NAME below runs that module's own ``main``; any other name is one of the runner's benchmarks against
+DDP and one process (``all``, ``stragglers``, ``overhead``, ...: :mod:`bench.runner`)."""
+
+import importlib
 import sys
 
-if sys.argv[1:2] == ["slowlink"]:  # its own flags and hosts (bench.slowlink): not one of the runner's benchmarks
-    from bench.slowlink import main as slowlink
+# name: the module whose own flags (and hosts, processes, device) it takes; not one of the runner's launches
+MODULES = {
+    "slowlink": "bench.slowlink",  # emulated hosts on capped links (root); --push-cost, --push-timing: a push's time
+    "exchange": "bench.exchange",  # one process, fits alternated: a worker's step against plain Lightning
+    "gpu": "bench.gpu",  # a GPU's worker against plain Lightning, and four sharing the device
+    "momentum": "bench.momentum",  # modes x optimizers against DDP; --remedy, --stability
+    "flood": "bench.flood",  # a PS under a flood of connections and forged messages
+    "shard_ingest": "bench.shard_ingest",  # a sharded PS's ingest over capped links (root)
+    "ps_floor": "bench.ps_floor",  # the PS's round trip against a minimal server of its protocol
+}
 
-    sys.exit(slowlink(sys.argv[2:]))
 
-if sys.argv[1:2] == ["exchange"]:  # one process, fits alternated (bench.exchange): not one of the runner's launches
-    from bench.exchange import main as exchange
+def main(argv: list[str]) -> int:
+    if argv[:1] and argv[0] in MODULES:
+        return importlib.import_module(MODULES[argv[0]]).main(argv[1:])
+    from bench.runner import main as runner
 
-    sys.exit(exchange(sys.argv[2:]))
+    return runner(argv)
 
-if sys.argv[1:2] == ["gpu"]:  # a GPU's worker against plain Lightning (bench.gpu)
-    from bench.gpu import main as gpu
 
-    sys.exit(gpu(sys.argv[2:]))
-
-from bench.runner import main
-
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from bench.common import free_port_block
 from bench.step_timing import SquareLinears, fit_steps, quiet, rounds, strategies
+from harness.ports import free_port_block
 
 WIDTH = {"full": 1673, "quick": 512}  # 4 * (w * w + w): 11,202,408 and 1,050,624 parameters
 TARGETS = {"plain": None, "asgd": 1.10}

@@ -37,8 +37,10 @@ from typing import Any
 import msgpack
 import zmq
 
-from bench.common import ROOT, commit, free_port_block, machine, start, stop, write_json
+from bench.common import ROOT, commit, machine, write_json
 from bench.zmqtools import model, update
+from harness.ports import free_port_block
+from harness.processes import start, stop
 from plug_asgd.protocol.wire import PROTOCOL_VERSION, encode
 from plug_asgd.ps import PSConfig, embedded_command
 from plug_asgd.worker.client import PSClient

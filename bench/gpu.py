@@ -29,8 +29,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from bench.common import free_port_block
 from bench.step_timing import fit_steps, quiet, rounds
+from harness.ports import free_port_block
 from plug_asgd import AdaComp, AsyncPSStrategy
 from plug_asgd.recipes.cifar10_models import ResNet18Cifar
 

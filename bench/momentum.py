@@ -1,18 +1,34 @@
 """Modes x optimizers x staleness compensation (on, off): test accuracy at equal samples, and the gap to DDP.
 
-    PYTHONPATH=. python -m bench.momentum [--quick] [--workers 2 4] [--out DIR]
+    PYTHONPATH=. python -m bench.momentum [--quick] [--workers 2 4] [--seeds 0 1 2] [--rows ROW ...] [--out DIR]
+    PYTHONPATH=. python -m bench.momentum --remedy nesterov|scale|... [--optimizer sgd] [--rows ROW ...] [--seeds ...]
+    PYTHONPATH=. python -m bench.momentum --stability
 
 Every run trains the recipe CNN on the same Fashion-MNIST subset for one epoch (``--epochs``) with the same
 per-worker batch (32), so all see the same samples; DDP (gloo, the same optimizer and learning
 rate) is the reference of its optimizer and worker count. The runs of one worker count share
-one launch of Lightning processes (``bench.train``). Writes ``momentum.json`` and ``momentum.md``
-(the table bench/results/README.md links) into ``--out`` (default: ``bench/results``).
+one launch of Lightning processes (``bench.train``). Writes ``NAME.json`` and ``NAME.md`` (``--name``, default
+``momentum``: the tables bench/results/README.md links) into ``--out`` (default: ``bench/results``).
+
+``--remedy R`` pairs one remedy of the default staleness compensation on and off, by seed, against DDP: per seed,
+one launch of ``--workers`` workers (one torch thread each) runs DDP and every row with the library's default
+compensation, then one launch runs every row again with the same compensation but ``R=False`` (a field of
+``StalenessCompensation``): ``--optimizer`` with momentum 0.9 where it has one, batch 32 per worker, one epoch of
+``--train-subset`` images (default 16,000), the whole test set. Prints each run's points from DDP of its seed and
+the rows' means; writes ``DIR/results.json`` (default ``runs/remedy-R``).
+
+``--stability``: no training; the largest stable ``lr * h`` on a quadratic ``h w**2 / 2`` with exact gradients, N
+workers taking turns, each with its own momentum buffer (0.9), each update ``N - 1`` versions stale, for each
+remedy and pair of remedies: the smallest model of what ``docs/momentum.md`` compares (one process is stable up to
+``2 (1 + mu) = 3.8``), found by bisection in a few seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -150,6 +166,121 @@ def markdown(tables: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+REMEDIES = ("nesterov", "scale", "lookahead", "local_residual", "mask_momentum", "correct")
+REMEDY_LR = {"sgd": 0.05, "nesterov": 0.05, "adam": 0.001}  # --remedy: each optimizer's default learning rate
+REMEDY_ROWS = ("hogwild", "downpour", "agn", "asgd+randomk")  # --remedy's default rows
+
+
+def default_compensation(settings: dict[str, Any]) -> dict[str, Any]:
+    """A row's default compensation, as a dict of its fields."""
+    from plug_asgd.modes import get
+    from plug_asgd.worker.compensation import resolve
+
+    mode = get(settings["mode"])
+    return dataclasses.asdict(resolve(None, mode.name, mode.compensate))
+
+
+def without(settings: dict[str, Any], remedy: str) -> dict[str, Any]:
+    """A row's default compensation, as a dict of its fields, with ``remedy`` left out."""
+    return {**default_compensation(settings), remedy: False}
+
+
+def remedy_pairs(args: argparse.Namespace, out: Path) -> int:
+    """``--remedy``: per seed, a launch of DDP and the rows with the default compensation, then one of the rows
+    without the remedy; the points from DDP of each run and each row's mean over the seeds, on and off."""
+    rows, (workers,) = dict(ROWS), args.workers
+    common = {"bench": "momentum_remedy", "batch_size": 32, "train_subset": args.train_subset, "epochs": 1,
+              "test": True, "optimizer": args.optimizer, "lr": args.lr, "momentum": 0.9}
+    size = {"test_subset": None, "timeout": 1800}
+    gaps: dict[tuple[str, bool], list[float]] = {}
+    results: list[dict[str, Any]] = []
+    for seed in args.seeds:
+        ddp_run = {**common, "seed": seed, "kind": "ddp", "name": f"ddp seed {seed}"}
+        on = [{**common, **rows[r], "seed": seed, "kind": "asgd", "name": f"{r} on seed {seed}", "row": r,
+               "remedy_on": True} for r in args.rows]
+        off = [{**common, **rows[r], "seed": seed, "kind": "asgd", "name": f"{r} off seed {seed}", "row": r,
+                "remedy_on": False, "options": {"staleness_compensation": without(rows[r], args.remedy)}}
+               for r in args.rows]
+        got = (launch(workers, [ddp_run, *on], size, out / "work", label=f"_on_s{seed}", threads=1)
+               + launch(workers, off, size, out / "work", label=f"_off_s{seed}", threads=1))
+        failed = [r["launch_error"] for r in got if "launch_error" in r]
+        if failed:
+            print(f"[bench.momentum] {failed}", file=sys.stderr)
+            return 1
+        ddp = next(r["test_acc"] for r in got if r["kind"] == "ddp")
+        for r in got:
+            if r["kind"] != "ddp":
+                gap = 100 * (r["test_acc"] - ddp)
+                gaps.setdefault((r["row"], r["remedy_on"]), []).append(gap)
+                print(f"seed {seed} {r['row']:14s} {args.remedy} {'on ' if r['remedy_on'] else 'off'} "
+                      f"{r['test_acc']:.4f} ({gap:+.2f} points from DDP {ddp:.4f})", flush=True)
+        results += got
+    print(f"\npoints from DDP, mean over seeds {args.seeds} [min, max] ({workers} workers, {args.optimizer} lr "
+          f"{args.lr:g}; {args.remedy} off, then on):")
+    for row in args.rows:
+        cells = []
+        for remedy_on in (False, True):
+            g = gaps[(row, remedy_on)]
+            cells.append(f"{'on' if remedy_on else 'off'} {statistics.mean(g):+.2f} [{min(g):+.2f}, {max(g):+.2f}]")
+        print(f"  {row:14s} " + "   ".join(cells))
+    write_json(out / "results.json", {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
+                                      "runs": results})
+    return 0
+
+
+def diverges(lrh: float, workers: int, mu: float = 0.9, steps_per_push: int = 1, scale: float = 1.0,
+             lookahead: bool = False, worker_mu: float | None = None, nesterov: bool = False,
+             rounds: int = 4000) -> bool:
+    """Whether ``workers`` workers taking turns on the quadratic ``h w**2 / 2`` (``lrh``: ``lr * h``) diverge.
+
+    ``nesterov``: each worker's heavy-ball step ``lr * m`` taken in Nesterov's form, ``lr * (g + mu * m)``; hogwild
+    is the rows of one step per push with the scale (each step scaled by ``1/N``, each gradient read ``N - 1`` of the
+    others' steps before its own lands).
+    """
+    mu_w = mu if worker_mu is None else worker_mu
+    w, version = 1.0, 0
+    local, base, seen, seen_version = [w] * workers, [w] * workers, [w] * workers, [0] * workers
+    m = [0.0] * workers
+    for t in range(rounds):
+        k = t % workers
+        for _ in range(steps_per_push):
+            m[k] = mu_w * m[k] + local[k]
+            local[k] -= lrh * (local[k] + mu_w * m[k] if nesterov else m[k])
+        w += scale * (local[k] - base[k])
+        version += 1
+        velocity = (w - seen[k]) / max(1, version - seen_version[k])
+        seen[k], seen_version[k] = w, version
+        local[k] = base[k] = w + (workers - 1) * velocity if lookahead else w
+        if abs(w) > 1e6:
+            return True
+    return abs(w) > 0.5
+
+
+def stable_bound(**kw: float | int | bool | None) -> float:
+    """The largest stable ``lr * h`` of :func:`diverges` with ``kw``, by bisection."""
+    lo, hi = 1e-4, 10.0
+    for _ in range(36):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (lo, mid) if diverges(mid, **kw) else (mid, hi)  # type: ignore[arg-type]
+    return lo
+
+
+def stability() -> None:
+    """``--stability``: the quadratic's table (docs/momentum.md, "What was measured, and why these remedies")."""
+    print(f"one process: {stable_bound(workers=1):.3f} (heavy ball), "
+          f"{stable_bound(workers=1, nesterov=True):.3f} (Nesterov)")
+    print("workers  steps/push  none    scale   mcomp   la      la+mcomp  la+scale  scale+nesterov")
+    for workers, steps in ((2, 1), (4, 1), (8, 1), (2, 4)):
+        mcomp = max(0.0, 1 - workers * 0.1)
+        kw = {"workers": workers, "steps_per_push": steps}
+        row = [stable_bound(**kw), stable_bound(**kw, scale=1 / workers), stable_bound(**kw, worker_mu=mcomp),
+               stable_bound(**kw, lookahead=True), stable_bound(**kw, lookahead=True, worker_mu=mcomp),
+               stable_bound(**kw, lookahead=True, scale=1 / workers),
+               stable_bound(**kw, scale=1 / workers, nesterov=True)]
+        print(f"{workers:7d}  {steps:10d}  " + "  ".join(f"{b:6.3f}" for b in row))
+    print("hogwild: the rows of 1 step per push, columns scale (heavy ball) and scale+nesterov (Nesterov's form)")
+
+
 def _launches(workers: int, every: list[dict[str, Any]], size: dict[str, Any], out: Path,
               parallel: int, threads: int | None) -> list[dict[str, Any]]:
     """One launch per (optimizer, seed), ``parallel`` at a time."""
@@ -169,17 +300,21 @@ def _launches(workers: int, every: list[dict[str, Any]], size: dict[str, Any], o
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.momentum", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 rows, 1 optimizer, 1,280 images (CI size)")
-    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--workers", type=int, nargs="+", default=None,
+                        help="the tables' worker counts (default 2 4); --remedy: one count (default 2)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: bench/results (--quick: runs/bench-momentum-quick; --remedy: runs/remedy-R)")
     parser.add_argument("--optimizers", nargs="+", default=None, metavar="NAME",
                         help="rerun only these optimizers' columns (sgd, nesterov, adam), merging as --rows does")
     parser.add_argument("--rows", nargs="+", default=None, metavar="ROW",
                         help="rerun only these rows (" + ", ".join(n for n, _ in ROWS) + ") and merge them into the "
-                             "momentum.json already in --out")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                             "NAME.json already in --out; --remedy: the rows paired (default: "
+                             + " ".join(REMEDY_ROWS) + ")")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
                         help="repeat every run with these seeds (model initialization and training subset); "
-                             "the table shows means and the gap to DDP paired by seed")
-    parser.add_argument("--train-subset", type=int, default=None, help="images per run (default 8,000)")
+                             "the table shows means and the gap to DDP paired by seed (default 0; --remedy: 0 1 2)")
+    parser.add_argument("--train-subset", type=int, default=None,
+                        help="images per run (default 8,000; --remedy: 16,000)")
     parser.add_argument("--epochs", type=int, default=None, help="epochs over them (default 1)")
     parser.add_argument("--ddp", action="store_true",
                         help="with --rows, run DDP too (its earlier figures are of another size, say)")
@@ -195,13 +330,40 @@ def main(argv: list[str] | None = None) -> int:
                         help="launches at a time (a machine with many cores); give --threads with it")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank")
     parser.add_argument("--name", default="momentum", help="the files written: NAME.json and NAME.md")
+    parser.add_argument("--remedy", choices=REMEDIES, default=None,
+                        help="pair this StalenessCompensation field on and off, by seed, against DDP (no table)")
+    parser.add_argument("--optimizer", choices=tuple(REMEDY_LR), default="sgd", help="--remedy's optimizer")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="--remedy's learning rate (default: the optimizer's, sgd 0.05, adam 0.001)")
+    parser.add_argument("--stability", action="store_true",
+                        help="print the quadratic's largest stable lr * h of each remedy (no training)")
     args = parser.parse_args(argv)
-    unknown = set(args.rows or ()) - {n for n, _ in ROWS}
+    if args.stability:
+        stability()
+        return 0
+    rows = dict(ROWS)
+    unknown = set(args.rows or ()) - set(rows)
     if unknown:
-        parser.error(f"unknown row(s) {sorted(unknown)}")
+        parser.error(f"unknown row(s) {sorted(unknown)}: choose from {', '.join(rows)}")
+    if args.remedy is not None:
+        args.workers = args.workers or [2]
+        args.seeds = args.seeds or [0, 1, 2]
+        args.rows = args.rows or list(REMEDY_ROWS)
+        args.train_subset = args.train_subset or 16000
+        args.lr = REMEDY_LR[args.optimizer] if args.lr is None else args.lr
+        if len(args.workers) != 1 or args.workers[0] < 2:
+            parser.error(f"--remedy: --workers {' '.join(map(str, args.workers))}: one count, asynchrony needs 2 "
+                         "or more")
+        idle = [r for r in args.rows if not default_compensation(rows[r])[args.remedy]]
+        if idle:  # the remedy is off by default there: both launches would run the same thing
+            parser.error(f"rows {idle} do not take {args.remedy} by default: nothing to pair")
     if not (FASHION / "train-images-idx3-ubyte.gz").exists():
         parser.error(f"needs Fashion-MNIST in {FASHION}: apt-get install dataset-fashion-mnist "
                      "(or set PLUG_ASGD_FASHION to a folder with its four .gz files)")
+    if args.remedy is not None:
+        return remedy_pairs(args, args.out or ROOT / "runs" / f"remedy-{args.remedy.replace('_', '-')}")
+    args.workers = args.workers or [2, 4]
+    args.seeds = args.seeds or [0]
     out = args.out or (ROOT / "runs" / "bench-momentum-quick" if args.quick else ROOT / "bench" / "results")
     size = dict(SIZES["quick" if args.quick else "full"])
     if args.train_subset:

@@ -31,8 +31,10 @@ from typing import Any
 
 import zmq
 
-from bench.common import free_port_block, ps_push_ms, start, stop, summary
+from bench.common import ps_push_ms, summary
 from bench.zmqtools import MINIMAL_WORK, model, split_update, update
+from harness.ports import free_port_block
+from harness.processes import start, stop
 from plug_asgd.protocol.wire import Message, decode, encode
 from plug_asgd.ps import PSConfig, embedded_command
 from plug_asgd.worker.client import PSClient

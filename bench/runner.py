@@ -18,21 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    FASHION,
-    ROOT,
-    child_env,
-    free_port_block,
-    machine,
-    payload_bytes,
-    ports_needed,
-    run_module,
-    start,
-    stop,
-    summary,
-    wait_for,
-    write_json,
-)
+from bench.common import FASHION, ROOT, machine, payload_bytes, ports_needed, summary, write_json
+from harness.ports import free_port_block
+from harness.processes import child_env, run_module, start, stop, wait_for
 
 BENCHMARKS = ("stragglers", "overhead", "ps_roundtrip", "adacomp", "sync", "ingest", "time_to_accuracy")
 COMPRESSORS = ("fp16", "bf16", "topk", "randomk", "qsgd", "sign", "powersgd")

@@ -3,7 +3,7 @@
 ``python -m bench.shard_ingest [--quick] [--out DIR]`` (root: it makes network namespaces).
 
 **What runs.** Each PS shard is a real ``plug-asgd serve-ps`` (``--shard I/N`` with 2 shards, none with
-1), mode asgd, on a host of its own (a :class:`bench.netns.Topology` namespace) whose link is capped by
+1), mode asgd, on a host of its own (a :class:`harness.netns.Topology` namespace) whose link is capped by
 htb at ``--rate`` Mbit/s (1 Gbit/s) in both directions. The pushing clients are real workers' clients,
 one process per host: :func:`plug_asgd.sharding.config.connect` gives a
 :class:`~plug_asgd.sharding.client.ShardedClient`
@@ -39,9 +39,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, child_env, free_port_block, machine, start, stop, summary, write_json
-from bench.netns import Topology, TopologyError
+from bench.common import ROOT, machine, summary, write_json
 from bench.zmqtools import CNN_PARAMETERS, CNN_SHAPES, model, update
+from harness.netns import Topology, TopologyError
+from harness.ports import free_port_block
+from harness.processes import child_env, start, stop
 from plug_asgd.protocol.partition import Partition
 
 PS_PORT = 2223  # each shard is its own host: a fixed port clashes with nothing

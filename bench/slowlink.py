@@ -1,7 +1,7 @@
 """Slow links: time to accuracy and bytes per sample of every scheme, on emulated hosts.
 
 ``python -m bench.slowlink [--quick] [--rates 1000,100,20] [--configs ddp,asgd,...] --out DIR`` (root:
-it makes network namespaces). The PS and 2 workers are hosts of a :class:`bench.netns.Topology`
+it makes network namespaces). The PS and 2 workers are hosts of a :class:`harness.netns.Topology`
 whose links are capped at each rate in both directions, so each worker's traffic to the PS or to
 the other worker crosses two capped links. The workers are a 2-node Lightning job, one process
 per host (``NODE_RANK``, ``MASTER_ADDR`` = worker 0's address), as on a cluster; the asgd-family
@@ -18,6 +18,10 @@ the strategy's own counters are reported beside.
 N cores too, so that every host computes as fast as the one process, as on machines of one kind; the
 PS's host gets the cores left, or shares them all when none are (2 cores, N = 1: it floats over both).
 Without it the hosts share the machine's cores, and the one process has them all.
+
+``--push-cost`` and ``--push-timing CONFIG`` measure where a push's time goes, without emulated hosts (no root):
+one overlapped AdaComp push piece by piece in this process, and 2 racing workers' pushes over loopback
+(:mod:`bench.slowlink_pushes`).
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import FASHION, ROOT, child_env, machine, start, stop, write_json
-from bench.netns import DEVICE, Topology, TopologyError
+from bench.common import FASHION, ROOT, machine, write_json
 from bench.runner import ADACOMP_191, first_time_at
+from harness.netns import DEVICE, Topology, TopologyError
+from harness.processes import child_env, start, stop
 
 TARGET = 0.88
 BATCH = 32
@@ -364,7 +369,35 @@ def main(argv: list[str] | None = None) -> int:
                              "host gets the cores left, or floats over all (default: the hosts share every core)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other runs of the results.json already in --out (rerun some only)")
+    where = parser.add_argument_group("where a push's time goes (bench.slowlink_pushes; no emulated hosts)")
+    where.add_argument("--push-cost", action="store_true",
+                       help="an overlapped AdaComp push's CPU on its worker, piece by piece, in this process")
+    where.add_argument("--pushes", type=int, default=400, help="--push-cost: pushes timed (default 400)")
+    where.add_argument("--fraction", type=float, default=ADACOMP_191,
+                       help=f"--push-cost: adacomp's fraction (default {ADACOMP_191:g})")
+    where.add_argument("--seed", type=int, default=0, help="--push-cost's seed")
+    where.add_argument("--push-timing", default=None, metavar="CONFIG",
+                       help="2 workers of CONFIG (asgd, adacomp, adacomp-0.0033, ...) over loopback for --time-limit "
+                            "seconds (default 20), the pieces of their pushes timed (--out default: "
+                            "runs/slowlink-push-timing)")
     args = parser.parse_args(argv)
+    if args.push_cost:
+        from bench.slowlink_pushes import PUSH_COST_WARMUP, push_cost
+
+        if args.pushes <= PUSH_COST_WARMUP:
+            parser.error(f"--pushes {args.pushes}: more than the {PUSH_COST_WARMUP} warm-up pushes, please")
+        return push_cost(args.pushes, args.fraction, args.seed)
+    if args.push_timing is not None:
+        cfg = CONFIGS.get(args.push_timing, {})
+        if cfg.get("kind") != "asgd" or "ps_args" in cfg:
+            parser.error(f"--push-timing {args.push_timing}: choose one of the embedded PS's configurations, "
+                         + ", ".join(n for n, c in CONFIGS.items() if c["kind"] == "asgd" and "ps_args" not in c))
+        if not (FASHION / "train-images-idx3-ubyte.gz").exists():
+            parser.error(f"needs Fashion-MNIST in {FASHION}: apt-get install dataset-fashion-mnist")
+        from bench.slowlink_pushes import push_timing
+
+        return push_timing(cfg, args.push_timing, args.time_limit or 20.0,
+                           args.out or ROOT / "runs" / "slowlink-push-timing")
     size = dict(SIZES["quick" if args.quick else "full"])
     if args.time_limit:
         size.update(time_limit_s=args.time_limit, timeout=max(size["timeout"], args.time_limit * 2 + 90))

@@ -7,7 +7,7 @@ capped links, as between machines on a switched network (netem is not needed: no
 latency or loss). Namespaces are named with the pid, so parallel runs do not clash, and are
 deleted on exit (:meth:`Topology.down`, a context manager) even after a failure.
 
-``python -m bench.netns recv HOST PORT`` / ``send HOST PORT BYTES`` are the two ends of
+``python -m harness.netns recv HOST PORT`` / ``send HOST PORT BYTES`` are the two ends of
 :meth:`Topology.measure`, the transfer that checks a link's real rate.
 """
 
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import child_env, start, stop
+from harness.processes import child_env, start, stop
 
 PREFIX = "sl"  # namespaces of this module: sl<pid><host>; left-overs of dead pids are removed by up()
 SUBNET = "10.99.0"
@@ -154,7 +154,7 @@ class Topology:
         a, b = self.hosts[src], self.hosts[dst]
         port = 5201
         ready = Path(f"/tmp/{PREFIX}{self.tag}-recv-{time.monotonic_ns()}.json")
-        receiver = start([*b.prefix, sys.executable, "-m", "bench.netns", "recv", b.address, str(port), str(ready)],
+        receiver = start([*b.prefix, sys.executable, "-m", "harness.netns", "recv", b.address, str(port), str(ready)],
                          env=child_env())
         sender = None
         try:
@@ -163,7 +163,7 @@ class Topology:
                 if receiver.poll() is not None or time.monotonic() > deadline:
                     raise TopologyError(f"the receiver on {dst} did not start (rc {receiver.poll()})")
                 time.sleep(0.05)
-            sender = start([*a.prefix, sys.executable, "-m", "bench.netns", "send", b.address, str(port),
+            sender = start([*a.prefix, sys.executable, "-m", "harness.netns", "send", b.address, str(port),
                             str(nbytes)], env=child_env())
             receiver.wait(timeout=timeout)
             got = json.loads(ready.read_text())

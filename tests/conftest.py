@@ -27,13 +27,13 @@ from typing import Any
 import pytest
 
 # Under pytest-xdist (pyproject.toml) the workers share the cores: one torch/OpenMP thread per process that sets
-# none itself, as Lightning and bench's launcher give their ranks; threads beyond the cores only wait for them.
+# none itself, as Lightning and the benchmarks' launcher give their ranks; threads beyond the cores only wait for them.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # LAUNCHER_VARIABLES: set by Lightning's launchers in the launching process, a child that inherits them
 # believes it is one rank of an already launched job. group_members: the pids of a process group.
-from bench.common import LAUNCHER_VARIABLES, group_members
+from harness.processes import LAUNCHER_VARIABLES, group_members
 
 ROOT = Path(__file__).resolve().parent.parent
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -86,7 +86,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 
 # matplotlib builds its font cache on its first import by running fc-list, a process: on a fresh machine the first
-# quick test that draws a plot (bench.losp_rounds's, say) would trip the guard below for it. Build it here, once.
+# quick test that draws a plot (tests/test_plot.py's, say) would trip the guard below for it. Build it here, once.
 try:
     import matplotlib
 
@@ -374,9 +374,9 @@ def serving_pair(address: str, tensors: dict, session: str = "raw") -> tuple:
 
 
 def run_on_emulated_hosts(command: list[str], timeout: float) -> tuple[int, str]:
-    """Runs a benchmark that makes network namespaces (bench/netns.py) to its end; fails if it left a process
+    """Runs a benchmark that makes network namespaces (harness/netns.py) to its end; fails if it left a process
     or a namespace behind. Returns its exit code and output."""
-    from bench.netns import PREFIX
+    from harness.netns import PREFIX
 
     groups = ProcessGroups()
 
@@ -398,9 +398,9 @@ def run_on_emulated_hosts(command: list[str], timeout: float) -> tuple[int, str]
 
 
 def require_emulated_hosts(rate_mbit: float | None, tag: str, **topology: Any) -> None:
-    """Makes and removes a 2-host topology (bench/netns.py) to learn whether namespaces, veths, a bridge and htb
+    """Makes and removes a 2-host topology (harness/netns.py) to learn whether namespaces, veths, a bridge and htb
     can be made here (root, iproute2); skips if not, or fails where the suite must run everything."""
-    from bench.netns import Topology, TopologyError
+    from harness.netns import Topology, TopologyError
 
     try:
         with Topology(["a", "b"], rate_mbit, tag=f"{os.getpid()}{tag}", **topology):

@@ -275,90 +275,33 @@ def test_an_unknown_benchmark_is_refused(procs):
     assert rc == 2 and "unknown benchmark" in out
 
 
-@pytest.mark.parametrize("runs", ["not json", '{"mode": "asgd"}', '["asgd"]'])
-def test_the_sweep_refuses_runs_that_are_not_a_list_of_objects(tmp_path, capsys, runs):
-    from bench.sweep import main
+def test_a_benchmark_of_its_own_module_is_a_name_of_python_m_bench(procs):
+    """bench/__main__.py hands a module's name and the rest of the command line to that module's main."""
+    from bench.__main__ import MODULES  # (its dispatch runs only where a module's name comes first)
 
-    assert main([str(tmp_path), runs]) == 2
-    assert "JSON list of objects" in capsys.readouterr().err
-    assert not any(tmp_path.iterdir())  # nothing launched
-
-
-@pytest.mark.parametrize("argv,says", [(["--repeats", "0"], "--repeats 0"), (["--seconds", "-1"], "--seconds -1.0"),
-                                       ([], "Fashion-MNIST is not at")])
-def test_the_core_ceiling_refuses_what_would_measure_nothing(tmp_path, capsys, monkeypatch, argv, says):
-    from bench import core_ceiling
-
-    monkeypatch.setattr(core_ceiling, "FASHION", tmp_path / "no-fashion")
-    with pytest.raises(SystemExit) as refused:
-        core_ceiling.main([*argv, "--out", str(tmp_path / "work")])
-    assert refused.value.code == 2 and says in capsys.readouterr().err
-    assert not (tmp_path / "work").exists()  # nothing launched, nothing emptied
+    assert set(MODULES) == {"slowlink", "exchange", "gpu", "momentum", "flood", "shard_ingest", "ps_floor"}
+    rc, out = procs.run([PYTHON, "-m", "bench", "momentum", "--stability"], timeout=120)
+    assert rc == 0 and out.startswith("one process: 3.800 (heavy ball)"), out[-2000:]
 
 
 def test_the_push_cost_times_each_piece_of_an_overlapped_push_by_the_librarys_own_code(capsys):
-    from bench import push_cost
+    from bench.slowlink import main
 
-    assert push_cost.main(["--pushes", "60"]) == 0
+    assert main(["--push-cost", "--pushes", "60"]) == 0
     out = capsys.readouterr().out
     assert "the recipe CNN (1,199,882 values), adacomp at 0.0033, 10 pushes: median ms" in out
     for piece in ("update", "copy of the weights sent", "merge, changed coordinates", "merge, every coordinate"):
         line = next(line for line in out.splitlines() if line.strip().startswith(piece))
         assert float(line.split()[-1]) > 0, line
     with pytest.raises(SystemExit) as refused:
-        push_cost.main(["--pushes", "50"])
+        main(["--push-cost", "--pushes", "50"])
     assert refused.value.code == 2 and "more than the 50 warm-up pushes" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("values", [2, 0])
-def test_the_ps_handler_timing_times_each_piece_of_pushes_it_folds_in(procs, values):
-    rc, out = procs.run([PYTHON, "-m", "bench.ps_handler_timing", "--values", str(values), "--pushes", "100"],
-                        timeout=120)
-    assert rc == 0, out
-    lines = [line for line in out.splitlines() if line.endswith(" us  (median of 80)")]  # 20 warm-up pushes
-    times = {line[:16].strip(): float(line[16:].split()[0]) for line in lines}
-    assert set(times) == {"whole handling", "decode", "fold and check", "reply"}
-    assert all(t > 0 for t in times.values())
-    assert times["whole handling"] > times["decode"] + times["fold and check"]
-
-
-def test_the_fold_timing_times_each_piece_of_a_fold_on_warm_data(procs):
-    rc, out = procs.run([PYTHON, "-m", "bench.fold_timing", "--values", "300000", "--calls", "5", "--pause-ms", "0"],
-                        timeout=120)
-    assert rc == 0, out[-3000:]
-    report = json.loads(out[out.index("{\n"):])
-    assert report["values"] == 300000
-    pieces = ("add_ms", "check_ms", "fold_ms", "fold_2_threads_ms", "fold_torch_ms")
-    assert all(finite_positive(report[k]) for k in pieces), report
-    rc, out = procs.run([PYTHON, "-m", "bench.fold_timing", "--calls", "0"], timeout=60)
-    assert rc == 2 and "--values and --calls must be at least 1" in out
-
-
 @needs_fashion
-def test_the_push_timeline_of_a_lone_worker_shows_pushes_of_weights_only(procs):
-    from bench.common import free_port_block
-
-    cmd = [PYTHON, "-m", "bench.push_timeline", "--steps", "30", "--pairs", "1", "--port", str(free_port_block(2))]
-    rc, out = procs.run(cmd, timeout=180, env={"OMP_NUM_THREADS": "1"})
-    assert rc == 0, out[-3000:]
-    report = json.loads(out[out.index("{\n"):])
-    assert len(report["step_ms"]["plain"]) == len(report["step_ms"]["asgd"]) == 1
-    pieces = report["push_pieces"]
-    # every push of a lone worker sends its weights: no update (w - base) is ever computed
-    assert pieces["push"]["n"] == pieces["weights"]["n"] == 30 and "delta" not in pieces
-    assert 0 < pieces["weights"]["median_ms"] <= pieces["push"]["median_ms"]
-    # the PS's own time a push (its push_busy_s / push_messages): within the step that pushed
-    (ps,) = report["ps_ms_per_push"]
-    assert 0 < ps["on_a_core"] <= ps["wall"] < report["step_ms"]["asgd"][0]
-
-
-@needs_fashion
-def test_the_worker_push_timing_times_the_pushes_of_two_racing_workers(procs, tmp_path):
-    from bench.common import free_port_block
-
+def test_the_push_timing_times_the_pushes_of_two_racing_workers(procs, tmp_path):
     # adacomp: the pieces of asgd's pushes, and its selection of what to send, once per tensor of each push
-    cmd = [PYTHON, "-m", "bench.worker_push_timing", "--mode", "adacomp", "--seconds", "3", "--out", str(tmp_path),
-           "--port", str(free_port_block(3))]
+    cmd = [PYTHON, "-m", "bench", "slowlink", "--push-timing", "adacomp", "--time-limit", "3", "--out", str(tmp_path)]
     rc, out = procs.run(cmd, timeout=240)
     assert rc == 0, out[-3000:]
     ranks = {line[5]: json.loads(line[7:]) for line in out.splitlines() if line.startswith("rank ")}
@@ -398,7 +341,7 @@ def test_the_minimal_server_folds_each_push_into_the_model_it_answers_with(procs
     import numpy as np
     import zmq
 
-    from bench.common import free_port_block
+    from harness.ports import free_port_block
     from plug_asgd.protocol.wire import decode, encode
 
     address = f"tcp://127.0.0.1:{free_port_block(1)}"
@@ -434,8 +377,8 @@ def test_the_split_server_folds_a_push_part_by_part_and_answers_after_the_last(p
     import numpy as np
     import zmq
 
-    from bench.common import free_port_block
     from bench.zmqtools import split_update
+    from harness.ports import free_port_block
     from plug_asgd.protocol.wire import decode, encode
 
     address = f"tcp://127.0.0.1:{free_port_block(1)}"

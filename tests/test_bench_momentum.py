@@ -1,8 +1,9 @@
-"""bench.momentum's plan and table, on results made by hand (the launches themselves are bench.train's)."""
+"""bench.momentum's plan and table, on results made by hand (the launches themselves are bench.train's), its
+--remedy pairs' settings and refusals, and its --stability quadratic."""
 
 import pytest
 
-from bench.momentum import ROWS, SIZES, markdown, plan, table
+from bench.momentum import ROWS, SIZES, markdown, plan, stable_bound, table
 
 
 def test_the_plan_runs_ddp_then_every_row_on_and_off_per_optimizer_with_equal_samples():
@@ -80,7 +81,7 @@ def test_rows_rerun_merge_into_a_table_assembled_from_several_commands(tmp_path,
     ddp = {"name": "ddp sgd 0.05", "row": "ddp", "optimizer": "sgd", "lr": 0.05, "test_acc": 0.83, "seed": 0}
     old = {**_run("downpour", 0.80), "name": "downpour sgd 0.05 on", "seed": 0}
     kept = {**_run("asgd", 0.82), "name": "asgd sgd 0.05 on", "seed": 0}
-    # the shape of bench/results/momentum_reps.json: put together from several commands, no single "command"
+    # a table put together from several commands (a lent machine's launches, once), no single "command"
     (tmp_path / "m.json").write_text(json.dumps({"machine": {"cpu_count": 16}, "commands": ["a", "b"],
                                                  "runs": {"2": [ddp, old, kept]}}))
     launched = []
@@ -116,20 +117,10 @@ def test_rows_rerun_merge_into_a_table_assembled_from_several_commands(tmp_path,
     assert "means over seeds 0, 1 (the gap paired by seed, [min, max]); compensation off: seed 0" in markdown([t])
 
 
-def test_the_losp_simulation_diverges_as_written_and_trains_with_the_share_sent_at_half():
-    from bench.losp_rounds import simulate
-
-    # the regression case's bound (tests/test_momentum.py): 2x one process's 6.81; measured, seed 0: 132.8 as
-    # written, 2.45 with the default, 3.58 for localsgd's blocking rounds
-    assert simulate("as written (w = central + p)") > 13.6
-    assert simulate("own share, sent at 1/2 (the default)") < 13.6
-    assert simulate("localsgd") < 13.6
-
-
 def test_the_remedy_benchmark_leaves_out_its_remedy_alone_and_the_strategy_takes_what_it_gives():
-    """bench.remedy_pairs's "off" runs: each row's own default compensation with the one remedy off, nothing
+    """bench.momentum --remedy's "off" runs: each row's own default compensation with the one remedy off, nothing
     else changed (hogwild keeps its scaled step only, agn its unscaled fold), which the strategy accepts."""
-    from bench.remedy_pairs import without
+    from bench.momentum import without
     from plug_asgd import AsyncPSStrategy, StalenessCompensation
 
     settings = dict(ROWS)
@@ -143,25 +134,29 @@ def test_the_remedy_benchmark_leaves_out_its_remedy_alone_and_the_strategy_takes
 
 
 def test_the_remedy_benchmark_refuses_rows_it_does_not_know_and_a_lone_worker(tmp_path, capsys):
-    import pytest
+    from bench.momentum import main
 
-    from bench.nesterov_form import main
-
-    for argv, says in ((["--rows", "nonesuch"], "unknown rows ['nonesuch']"), (["--workers", "1"], "--workers 1"),
+    for argv, says in ((["--rows", "nonesuch"], "unknown row(s) ['nonesuch']"), (["--workers", "1"], "--workers 1"),
+                       (["--workers", "2", "4"], "--workers 2 4: one count"),
                        (["--remedy", "window"], "invalid choice: 'window'"),
                        (["--remedy", "scale", "--rows", "asgd", "agn"], "rows ['agn'] do not take scale by default")):
+        remedy = [] if "--remedy" in argv else ["--remedy", "nesterov"]
         with pytest.raises(SystemExit) as refused:
-            main([*argv, "--out", str(tmp_path / "work")])
+            main([*remedy, *argv, "--out", str(tmp_path / "work")])
         assert refused.value.code == 2 and says in capsys.readouterr().err
     assert not (tmp_path / "work").exists()  # nothing launched
 
 
-def test_the_nesterov_form_regression_benchmark_fits_each_row_both_ways(capsys):
-    """bench.nesterov_form_regression on sync (nothing stale: the form never acts), one fit each way: the loss of
-    its deterministic fit (tests/test_momentum.py's launch gives the same), twice."""
-    from bench.nesterov_form_regression import main
+def test_the_stability_quadratic_gives_the_bounds_docs_momentum_quotes(capsys):
+    """bench.momentum --stability: one process's bound is the heavy ball's 2 (1 + mu), Nesterov's 1.357, and the
+    look-ahead with the scale the widest of the remedies at 2 workers (docs/momentum.md's table: 1.254)."""
+    from bench.momentum import main
 
-    assert main(["--rows", "sync", "--fits", "1"]) == 0
+    assert stable_bound(workers=1) == pytest.approx(3.8, abs=1e-3)
+    assert stable_bound(workers=1, nesterov=True) == pytest.approx(1.357, abs=1e-3)
+    assert stable_bound(workers=2, lookahead=True, scale=0.5) == pytest.approx(1.254, abs=1e-3)
+    assert stable_bound(workers=2) == pytest.approx(0.190, abs=1e-3)
+    assert main(["--stability"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[:2] for line in lines] == [["sync", "as-is"], ["sync", "form"]]
-    assert [float(line.split()[3]) for line in lines] == [pytest.approx(2.724, abs=5e-3)] * 2
+    assert lines[0] == "one process: 3.800 (heavy ball), 1.357 (Nesterov)"
+    assert lines[2].split() == ["2", "1", "0.190", "0.379", "0.359", "0.627", "0.662", "1.254", "1.119"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.common import free_port_block
+from harness.ports import free_port_block
 from plug_asgd.modes import MODES
 from tests.conftest import PYTHON, run_to_end
 from tests.scripts.feature_fit import MAX_TIME

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import free_port_block
+from harness.ports import free_port_block
 from plug_asgd.modes import MODES
 from tests.conftest import HAVE_FASHION, PYTHON, ROOT, needs_fashion, run_to_end
 
@@ -30,8 +30,8 @@ from momentum_regression import Regression, one_process_loss, threaded_fit, val_
 # downpour) and beyond 1e8 (adacomp, the codecs). The tail came from pushes folded at a lagging scale where the
 # workers' pace changed; since the PS corrects that (StalenessCompensation.correct, docs/momentum.md) 48 fits of
 # downpour, asgd and ssp beside two busy processes ended at 0.9 to 7.1, against 1.2 to 109.6 without it
-# (`python -m bench.regression_tail`). The synchronous modes are deterministic (sync 2.72, localsgd 4.24, osp 3.72;
-# losp 3.05 with its compensation, 88 without).
+# (2026-11-25, docs/momentum.md, "The estimate, corrected at the PS"). The synchronous modes are deterministic
+# (sync 2.72, localsgd 4.24, osp 3.72; losp 3.05 with its compensation, 88 without).
 REGRESSION_BOUND = 2.0
 REPEATS = 3  # fits of each mode with compensation: the bound holds for their median
 # Fitted once: the synchronous modes fold each round in rank order, so their fits are the same bits (measured: 3

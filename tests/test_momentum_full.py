@@ -33,7 +33,8 @@ LAUNCH_TIMEOUT_S = 1800
 # Measured to miss the bound, and why. sagn divides each worker's update of its 4 local steps by 4 and the round
 # averages them: the central model moves one local step's worth per round, DDP with accumulate_grad_batches=4
 # at the same learning rate, a quarter of DDP's steps per sample. Synchronous, so no race moves it (on the
-# regression case its fits repeat to the last digit): -1.64, -2.59, -1.94 on seeds 0, 1, 2 (bench/results/momentum.md).
+# regression case its fits repeat to the last digit): -1.64, -2.59, -1.94 on seeds 0, 1, 2
+# (bench/results/momentum_full.json).
 # Strict: should it pass, the test says so.
 MISSES = {("sgd", "sagn"): "sagn's normalized rounds move a quarter of DDP's steps per sample at 2 workers"}
 

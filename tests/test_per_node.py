@@ -1,7 +1,7 @@
 """One PS shard per node (``AsyncPSStrategy(ps_shards="per_node")``, plug_asgd/sharding/per_node.py): where a
 node's shard
 listens, how the shards' addresses are gathered, the arguments refused; and a 2-node Lightning job on 2 emulated
-hosts (bench/netns.py) whose node 1 holds shard 1 on its own address."""
+hosts (harness/netns.py) whose node 1 holds shard 1 on its own address."""
 
 from __future__ import annotations
 

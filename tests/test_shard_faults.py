@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.common import free_port_block
+from harness.ports import free_port_block
 from plug_asgd.protocol.checkpoint import CheckpointError, list_checkpoints, read_checkpoint, resolve_checkpoint
 from plug_asgd.protocol.partition import Partition
 from plug_asgd.protocol.wire import WireError
@@ -302,7 +302,7 @@ def _bn_net():
 @pytest.mark.timeout(240)
 def test_embedded_shards_checkpoint_each_in_its_folder_and_a_fit_resumes_from_them(procs, tmp_path):
     from plug_asgd.callbacks import load_central_weights
-    from plug_asgd.strategy import synced_tensors
+    from plug_asgd.worker.tensors import synced_tensors
 
     ck = tmp_path / "ck"
 

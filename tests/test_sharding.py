@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.common import free_port_block
+from harness.ports import free_port_block
 from plug_asgd import compressors, modes
 from plug_asgd.protocol.partition import PIECES_PER_SHARD, Partition, parse_shard
 from plug_asgd.protocol.wire import Sparse

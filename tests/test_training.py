@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import free_port_block
-from bench.zmqtools import CNN_SHAPES
+from harness.ports import free_port_block
 from plug_asgd.worker.client import PSClient, PSError, PSUnreachableError
 from tests.conftest import (
     ACCURACY_THRESHOLD,
@@ -199,12 +198,14 @@ def push_frames(codec_spec, shards: int) -> int:
     over its slices, each slice with block counts of its own."""
     from plug_asgd.compressors import get
     from plug_asgd.protocol.schema import num_blocks
+    from plug_asgd.recipes.mnist import MnistCNN
     from plug_asgd.sharding.config import make_partition
 
     codec = get(codec_spec)
-    pieces = make_partition(CNN_SHAPES, shards, codec).pieces if shards > 1 else ()
+    shapes = {name: tuple(p.shape) for name, p in MnistCNN().named_parameters()}  # the recipe CNN's tensors
+    pieces = make_partition(shapes, shards, codec).pieces if shards > 1 else ()
     total = 0
-    for name, shape in CNN_SHAPES.items():
+    for name, shape in shapes.items():
         slices = [p.size for p in pieces if p.name == name and not p.whole]
         if not slices:
             total += codec.wire_bytes(shape)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import group_members
+from harness.processes import group_members
 from tests.conftest import PYTHON, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]

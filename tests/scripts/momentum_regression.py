@@ -59,7 +59,7 @@ def val_loss(model: Regression) -> float:
 
 def one_process_loss() -> float:
     """The model trained by one process at the same batch, learning rate and samples (6.81): the reference that
-    tests/test_momentum.py and bench.regression_tail bound the fits by."""
+    tests/test_momentum.py bounds the fits by."""
     pl.seed_everything(0, verbose=False)
     model = Regression()
     opt = model.configure_optimizers()
@@ -74,7 +74,7 @@ def one_process_loss() -> float:
 def threaded_fit(row: str, compensation=None) -> float:
     """The central model's validation loss after a fit of ``row`` ("mode" or "asgd+codec") whose 2 workers are
     threads of the calling process (``tests/threaded_fit.py``; the caller has the repository on its path): the
-    quick tier's regression case, and ``bench.nesterov_form_regression``'s. ``compensation``: as
+    quick tier's regression case. ``compensation``: as
     ``AsyncPSStrategy(staleness_compensation=...)``."""
     from tests.threaded_fit import fit_in_threads
 

@@ -1,4 +1,4 @@
-"""A 2-node Lightning job with one PS shard per node, on 2 emulated hosts (bench/netns.py: root).
+"""A 2-node Lightning job with one PS shard per node, on 2 emulated hosts (harness/netns.py: root).
 
 ``python tests/scripts/per_node_launch.py --out DIR``: hosts n0 and n1, one process of
 tests/scripts/per_node_fit.py on each (NODE_RANK, MASTER_ADDR = n0's address), as bench/slowlink.py launches
@@ -11,10 +11,10 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench, run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # harness, run as a script from anywhere
 
-from bench.common import child_env, start, stop  # noqa: E402
-from bench.netns import DEVICE, Topology  # noqa: E402
+from harness.netns import DEVICE, Topology  # noqa: E402
+from harness.processes import child_env, start, stop  # noqa: E402
 
 MASTER_PORT = 29500  # each host is its own namespace: a fixed port clashes with nothing
 SCRIPT = Path(__file__).with_name("per_node_fit.py")
