@@ -18,7 +18,7 @@ __all__ = ["AGN", "BF16", "EAMSGD", "EASGD", "FP16", "LOSP", "OSP", "QSGD", "SAG
            "AsyncPSStrategy", "Codec", "CommunicationMonitor", "Downpour", "DynSGD", "Hogwild", "LocalSGD", "Mode",
            "NoCompression", "PSCheckpoint", "PowerSGD", "RandomK", "Sign", "StalenessCompensation", "Supervisor",
            "Sync", "TopK", "load_central_weights"]
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the version's one place: pyproject.toml reads it ([tool.setuptools.dynamic])
 
 _HOME = {"AsyncPSStrategy": "plug_asgd.strategy", "CommunicationMonitor": "plug_asgd.callbacks",
          "PSCheckpoint": "plug_asgd.callbacks", "Supervisor": "plug_asgd.callbacks",

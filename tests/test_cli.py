@@ -1,4 +1,4 @@
-"""Tests for the ``plug-asgd`` command line: help, serve-ps, status and train.
+"""Tests for the ``plug-asgd`` command line: help (readable at 80 columns), version, serve-ps, status and train.
 
 Commands that run a server are real subprocesses on 127.0.0.1, each in its own session so that
 the teardown can kill its whole process group; every wait has a timeout.
@@ -6,8 +6,10 @@ the teardown can kill its whole process group; every wait has a timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -19,9 +21,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import plug_asgd
 from plug_asgd.cli import app as cli
+from plug_asgd.cli import options
 from plug_asgd.cli import status as ps_status
 from plug_asgd.modes import MODES
+from plug_asgd.ps.config import PSConfig
 from plug_asgd.worker.client import PSClient
 from tests.conftest import child_env, kill_group
 
@@ -118,6 +123,73 @@ def test_module_entry_point_help(cli_procs):
         assert command in result.stdout
 
 
+def test_version_is_the_packages():
+    result = runner.invoke(cli.app, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert result.output == f"plug-asgd {plug_asgd.__version__}\n"
+    assert "--version" in runner.invoke(cli.app, ["--help"]).output
+
+
+def serve_ps_help(columns: int = 80) -> str:
+    result = runner.invoke(cli.app, ["serve-ps", "--help"], env={"COLUMNS": str(columns), "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def ps_flags() -> list[str]:
+    """serve-ps's flags made from PSConfig's fields (a switch on by default is --no-NAME)."""
+    flags = []
+    for f in dataclasses.fields(PSConfig):
+        if f.metadata["cli"]:
+            flag = f.metadata["flags"][0] if f.metadata["flags"] else "--" + f.name.replace("_", "-")
+            flags.append(f"--no-{flag[2:]}" if options.inverted(f) else flag)
+    return flags
+
+
+def test_serve_ps_help_is_readable_at_80_columns():
+    text = serve_ps_help(80)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80, "\n".join(line for line in lines if len(line) > 80)
+    assert "…" not in text  # rich's mark of a cut cell
+    for flag in [*ps_flags(), "--host", "--port", "--log-level", "--quiet", "--log-every"]:
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text), f"{flag} is not shown whole"
+    for panel in options.PANELS:
+        assert f"╭─ {panel} " in text
+    assert "<bool>" not in text  # the switches take no value
+    with_value = [name for name, shown in options.SHOWN.items() if shown.metavar]
+    assert text.count("[default:") == len(with_value)  # every default shown, none for a flag
+    assert 'AsyncPSStrategy(ps_address="tcp://HOST:PORT")' in text and "(ps_threads=)" in text
+    # the description is wrapped by the terminal: wider, fewer lines
+    description = text.split("╭─")[0]
+    assert len(serve_ps_help(120).split("╭─")[0].splitlines()) < len(description.splitlines())
+
+
+def test_every_ps_option_has_a_short_line_in_a_panel():
+    for f in dataclasses.fields(PSConfig):
+        if f.metadata["cli"]:
+            assert f.name in options.SHOWN, f"{f.name}: add its line to plug_asgd.cli.options.SHOWN"
+    for name, shown in options.SHOWN.items():
+        assert shown.panel in options.PANELS and len(shown.help.replace(", ".join(MODES), "")) <= 80, name
+        field = next((f for f in dataclasses.fields(PSConfig) if f.name == name), None)
+        if field is not None and field.default is None:
+            assert shown.default, f"{name}: say what its default of None means"
+
+
+def test_commands_help_is_their_docstrings_unwrapped():
+    assert options.unwrapped("First line\n    goes on.\n\n    Second\n    paragraph.\n    \f\n    Args: x") == (
+        "First line goes on.\n\nSecond paragraph.")
+    for command in cli.app.registered_commands:
+        assert command.help and "\f" not in command.help
+        assert all("\n" not in p for p in command.help.split("\n\n"))
+
+
+def test_no_shm_pushes_is_the_switch_turned_off():
+    assert options.config_values({"no_shm_pushes": True, "keep": 3}) == {"shm_pushes": False, "keep": 3}
+    assert options.config_values({"no_shm_pushes": False}) == {"shm_pushes": True}
+    result = runner.invoke(cli.app, ["serve-ps", "--shm-pushes"])
+    assert result.exit_code == 2
+
+
 def test_serve_ps_rejects_unknown_mode():
     result = runner.invoke(cli.app, ["serve-ps", "--mode", "nope"])
     assert result.exit_code != 0
@@ -153,7 +225,7 @@ def test_train_without_recipe_lists_recipes():
 def test_train_help_is_the_recipes():
     result = runner.invoke(cli.app, ["train", "mnist", "--help"])
     assert result.exit_code == 0, result.output
-    for flag in ("--data-dir", "--workers", "--mode", "--ps-address"):
+    for flag in ("--data-dir", "--workers", "--accelerator", "--devices", "--mode", "--ps-address"):
         assert flag in result.output
 
 

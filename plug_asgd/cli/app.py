@@ -6,7 +6,11 @@
 ``plug-asgd status ADDRESS`` the counters of a running PS, as a table (of every shard, given several; live with
                          ``--watch``);
 ``plug-asgd keygen DIR``  CURVE keys for a PS that listens beyond loopback (``serve-ps --keys``);
-``plug-asgd plot RUN... --out PNG`` learning curves of finished runs (their supervisor.jsonl).
+``plug-asgd plot RUN... --out PNG`` learning curves of finished runs (their supervisor.jsonl);
+``plug-asgd --version``   the package's version (``plug_asgd.__version__``, its one place).
+
+How the help shows (panels, one line per option, the Python argument beside each) is kept in
+:mod:`plug_asgd.cli.options`; each command's help is its docstring, unwrapped for the terminal to wrap.
 
 Only typer, rich and the standard library are imported at module level besides the PS and its
 client (neither imports torch or Lightning); a recipe, which imports Lightning, is imported when
@@ -16,7 +20,6 @@ client (neither imports torch or Lightning); a recipe, which imports Lightning, 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
 import json
@@ -33,9 +36,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from plug_asgd import __version__
+from plug_asgd.cli.options import Command, Group, by_panel, config_parameters, config_values, option, unwrapped
 from plug_asgd.protocol.security import generate_keys, is_loopback
 from plug_asgd.ps import ParameterServer, raise_fd_limit
-from plug_asgd.ps.config import FIELD_TYPES, PSConfig
+from plug_asgd.ps.config import PSConfig
 
 # name -> (module whose ``main(argv)`` runs it, one-line description)
 RECIPES: dict[str, tuple[str, str]] = {
@@ -49,10 +54,25 @@ app = typer.Typer(
     help="Asynchronous and compressed parameter-server SGD for PyTorch Lightning.",
     no_args_is_help=True,
     add_completion=False,
+    cls=Group,
 )
 
 console = Console()
 err_console = Console(stderr=True)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"plug-asgd {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True, metavar="",
+                                          help="print the version and exit")] = False,
+) -> None:
+    """Asynchronous and compressed parameter-server SGD for PyTorch Lightning."""
 
 
 def _fail(message: str, code: int) -> typer.Exit:
@@ -90,32 +110,13 @@ def _endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
 
 
-def _config_option(field: dataclasses.Field) -> inspect.Parameter:
-    """The ``serve-ps`` option of one PSConfig field: its flag, help text and bounds come from the field."""
-    meta = field.metadata
-
-    def check(value: Any) -> Any:
-        try:
-            return PSConfig.check(field.name, value)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc)) from None
-
-    bounds = {k: meta[k] for k in ("min", "max") if meta[k] is not None}
-    option = typer.Option(*meta["flags"], help=meta["help"], callback=check, **bounds)
-    return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
-                             annotation=Annotated[FIELD_TYPES[field.name], option])
-
-
 def _serve_ps_options(
     *,
-    host: Annotated[str, typer.Option(help="interface to listen on (0.0.0.0 or * for every interface)")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port to listen on")] = 2223,
-    log_level: Annotated[str, typer.Option(callback=_check_log_level, help="logging level of the PS (stderr)")]
-    = "INFO",
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no live dashboard, plain log lines only (the "
-                                        "default when stdout is not a terminal)")] = False,
-    log_every: Annotated[float, typer.Option(callback=_check_log_every, help="without the dashboard: seconds "
-                                             "between two plain lines of counters on stdout (0: none)")] = 10.0,
+    host: Annotated[str, option("host")] = "127.0.0.1",
+    port: Annotated[int, option("port", min=1, max=65535)] = 2223,
+    log_level: Annotated[str, option("log_level", callback=_check_log_level)] = "INFO",
+    quiet: Annotated[bool, option("quiet", "--quiet", "-q")] = False,
+    log_every: Annotated[float, option("log_every", callback=_check_log_every)] = 10.0,
 ) -> None:
     """The options of ``serve-ps`` that are not PS options (where it listens is ``PSConfig.bind``)."""
 
@@ -123,11 +124,14 @@ def _serve_ps_options(
 def serve_ps(*, host: str, port: int, log_level: str, quiet: bool, log_every: float, **options: Any) -> None:
     """Run a standalone parameter server until Ctrl-C / SIGTERM (or until --workers have come and gone).
 
-    Workers reach it with --ps-address tcp://HOST:PORT. On a terminal it shows a live dashboard
-    (workers, updates/s, traffic, refusals, staleness); with --quiet or when stdout is not a
-    terminal, it prints a plain line of counters every --log-every seconds instead. Another
-    shell can query it with 'plug-asgd status tcp://HOST:PORT'. Beyond 127.0.0.1 it needs
-    --keys (made by 'plug-asgd keygen DIR'), or --insecure.
+    Workers reach it with AsyncPSStrategy(ps_address="tcp://HOST:PORT"), or --ps-address on the recipes. On a
+    terminal it shows a live dashboard (workers, updates/s, traffic, refusals, staleness); with --quiet or when
+    stdout is not a terminal, a plain line of counters every --log-every seconds. Another shell can ask it with
+    'plug-asgd status tcp://HOST:PORT'. Beyond 127.0.0.1 it needs --keys (made by 'plug-asgd keygen DIR'), or
+    --insecure.
+
+    In parentheses beside an option: the Python argument that sets the same thing, of AsyncPSStrategy (for
+    the PS it starts itself) unless another class is named.
     \f
 
     Args:
@@ -136,7 +140,8 @@ def serve_ps(*, host: str, port: int, log_level: str, quiet: bool, log_every: fl
         log_level: the PS's logging level (its records go to stderr, or above the dashboard).
         quiet: no live dashboard, plain lines of counters only (also where stdout is not a terminal).
         log_every: without the dashboard, seconds between two plain lines of counters (0: none).
-        **options: the PS's options, one per ``PSConfig`` field that has a flag.
+        **options: the PS's options, one per ``PSConfig`` field that has a flag (``no_shm_pushes`` for
+            ``shm_pushes``: :func:`plug_asgd.cli.options.config_values`).
 
     Raises:
         Exit: always, when the PS stops (its exit code); with code 2 where the PS cannot start (the port
@@ -151,6 +156,7 @@ def serve_ps(*, host: str, port: int, log_level: str, quiet: bool, log_every: fl
     else:
         logging.basicConfig(level=log_level, stream=sys.stderr, format="[plug_asgd PS %(asctime)s] %(message)s",
                             force=True)
+    options = config_values(options)
     options["run_dir"] = options["run_dir"] or Path("runs") / time.strftime("ps-%Y%m%d-%H%M%S")
     try:
         config = PSConfig(bind=_endpoint(host, port), **options)
@@ -182,9 +188,9 @@ def serve_ps(*, host: str, port: int, log_level: str, quiet: bool, log_every: fl
 
 
 # serve-ps's flags: its own, then one per PSConfig field (declared once, in plug_asgd.ps.config)
-serve_ps.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+serve_ps.__signature__ = inspect.Signature(by_panel([  # type: ignore[attr-defined]
     *inspect.signature(_serve_ps_options, eval_str=True).parameters.values(),
-    *(_config_option(f) for f in dataclasses.fields(PSConfig) if f.metadata["cli"])])
+    *config_parameters()]))
 app.command("serve-ps")(serve_ps)
 
 
@@ -306,12 +312,12 @@ def status(
                                                    "tcp://127.0.0.1:2223 (tcp:// may be left out); a sharded PS's "
                                                    "shards' addresses, in order, for one table of them all",
                                                    show_default=False)],
-    timeout: Annotated[float, typer.Option(callback=_check_positive, help="seconds to wait for the PS's answer")]
-    = 5.0,
-    as_json: Annotated[bool, typer.Option("--json", help="print the counters as JSON instead of a table (a list, "
-                                          "one per shard, for several addresses)")] = False,
-    keys: Annotated[Path | None, typer.Option(help="worker CURVE keys (DIR/worker of 'plug-asgd keygen'), for a "
-                                              "PS started with --keys")] = None,
+    timeout: Annotated[float, typer.Option(callback=_check_positive, metavar="S",
+                                           help="seconds to wait for the PS's answer")] = 5.0,
+    as_json: Annotated[bool, typer.Option("--json", metavar="", help="print the counters as JSON instead of a "
+                                          "table (a list, one per shard, for several addresses)")] = False,
+    keys: Annotated[Path | None, typer.Option(metavar="DIR", help="worker CURVE keys (DIR/worker of 'plug-asgd "
+                                              "keygen'), for a PS started with --keys")] = None,
     watch: Annotated[float | None, typer.Option("--watch", "-w", metavar="SECONDS", callback=_check_watch,
                                                 help="a live view redrawn every SECONDS seconds until Ctrl-C: the "
                                                 "dashboard serve-ps shows, or for several shards a column per "
@@ -396,6 +402,11 @@ def plot(
         raise _fail(str(exc), 2) from None
     console.print(f"wrote [bold]{escape(str(path))}[/]", soft_wrap=True, highlight=False)
 
+
+# each command's help is its docstring's, each paragraph one line that the terminal wraps
+for _command in app.registered_commands:
+    _command.help = unwrapped(_command.callback.__doc__)
+    _command.cls = Command  # --help without a <bool> beside it
 
 if __name__ == "__main__":
     app()

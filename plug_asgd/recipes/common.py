@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from plug_asgd import compressors, modes
 from plug_asgd.callbacks import CommunicationMonitor, PSCheckpoint, Supervisor
@@ -22,6 +24,10 @@ from plug_asgd.recipes.idx import DatasetNotFoundError
 from plug_asgd.sharding.per_node import PER_NODE
 from plug_asgd.strategy import AsyncPSStrategy
 
+DEFAULT_WORKERS = 2
+# --accelerator: Lightning's names that the recipes take (one worker per device; MPS and TPUs are not offered)
+ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
+
 
 def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags of AsyncPSStrategy and of the run, spelled the same by every recipe and the CLI.
@@ -29,7 +35,7 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     Args:
         parser: the parser the flags are added to, and which is returned.
     """
-    parser.add_argument("--workers", type=int, default=2, help="worker processes on this machine (default: 2)")
+    add_device_arguments(parser)
     parser.add_argument("--num-nodes", type=int, default=1, help="machines (launched by torchrun/SLURM)")
     schemes = "; ".join(f"{name}: {cls.summary}" for name, cls in MODES.items())
     parser.add_argument("--mode", choices=sorted(MODES), default="asgd",
@@ -83,6 +89,24 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     return parser
 
 
+def add_device_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--workers``, ``--accelerator`` and ``--devices``: what each worker trains on, and how many on this machine.
+
+    Args:
+        parser: the parser the flags are added to, and which is returned.
+    """
+    parser.add_argument("--workers", type=_positive, default=None, metavar="N",
+                        help=f"worker processes on this machine, one per device: CPU processes, or GPUs with "
+                             f"--accelerator gpu (default: {DEFAULT_WORKERS})")
+    parser.add_argument("--accelerator", choices=ACCELERATORS, default="cpu",
+                        help="what each worker trains on (default: cpu); gpu or cuda: one GPU per worker; auto: "
+                             "GPUs where torch sees one, else CPU")
+    parser.add_argument("--devices", type=_positive, default=None, metavar="N",
+                        help="Lightning's name for --workers (Trainer(devices=N)): the GPU count with --accelerator "
+                             "gpu; give one of the two")
+    return parser
+
+
 def mode_and_codec(mode: str, compressor: str = "none", *, compression: float | None = None,
                    **knobs: Any) -> tuple[Mode, Codec]:
     """The mode and codec named, each built with the knobs it takes (None: left at its default).
@@ -130,6 +154,50 @@ def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
                            staleness_compensation=False if args.no_staleness_compensation else None)
 
 
+def trainer_devices(args: argparse.Namespace) -> dict[str, Any]:
+    """The Trainer's ``accelerator``, ``devices`` and ``num_nodes`` the flags ask for, checked against this machine.
+
+    ``--workers`` and ``--devices`` are one number under two names: this machine's workers, one per device (a
+    CPU process each, or a GPU each); 2 where neither is given. ``auto`` is resolved here: gpu where torch sees
+    a CUDA GPU, else cpu.
+
+    Args:
+        args: the parsed command line.
+
+    Raises:
+        ValueError: where ``--workers`` and ``--devices`` differ, or a GPU is asked for and torch sees none, or
+            fewer than the workers asked for.
+    """
+    if args.workers is not None and args.devices is not None and args.workers != args.devices:
+        raise ValueError(f"--workers {args.workers} and --devices {args.devices} both count this machine's workers "
+                         "(one per device): give one of them")
+    devices = args.devices or args.workers or DEFAULT_WORKERS
+    accelerator = args.accelerator
+    if accelerator == "auto":
+        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    if accelerator in ("gpu", "cuda"):
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found == 0:
+            raise ValueError(f"--accelerator {args.accelerator}: torch {torch.__version__} sees no CUDA GPU on this "
+                             "machine (a CPU-only torch, no driver, or CUDA_VISIBLE_DEVICES empty); leave "
+                             "--accelerator out to train on CPU")
+        if devices > found:
+            raise ValueError(f"--accelerator {args.accelerator} with {devices} workers asks for {devices} GPUs, and "
+                             f"this machine has {found}: pass --devices {found} (one worker per GPU)")
+    return {"accelerator": accelerator, "devices": devices, "num_nodes": args.num_nodes}
+
+
+def _positive(text: str) -> int:
+    """``--workers``, ``--devices``: a count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
 def _shard_count(text: str) -> int | str:
     """``--ps-shards``: a count, or ``per-node`` (``per_node`` taken too)."""
     if text.replace("-", "_") == PER_NODE:
@@ -174,25 +242,30 @@ def train_and_test(name: str, model: pl.LightningModule, datamodule: pl.Lightnin
         args: the parsed command line (:func:`add_strategy_arguments` and the recipe's own flags).
 
     Raises:
-        SystemExit: where the strategy refuses a flag or the dataset is missing: the error, without a traceback.
+        SystemExit: where the strategy or the Trainer refuses a flag, the GPUs asked for are not there, or the
+            dataset is missing: the error, without a traceback.
     """
     pl.seed_everything(args.seed, workers=True, verbose=False)
-    try:
+    try:  # a flag the strategy refuses, a GPU that is not there: say so as argparse would, no traceback
+        devices = trainer_devices(args)
         strategy = make_strategy(args)
-    except ValueError as exc:  # a flag the strategy refuses: say so as argparse would, no traceback
+    except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     try:  # find (or download) the data here, before any worker starts, rather than fail in each of them
         datamodule.prepare_data()
     except DatasetNotFoundError as exc:
         raise SystemExit(f"error: {exc}") from None
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=args.workers, num_nodes=args.num_nodes, strategy=strategy,
-        max_epochs=args.epochs, max_steps=args.max_steps,
-        limit_val_batches=0 if args.no_val else None, num_sanity_val_steps=0,
-        logger=CSVLogger(args.run_dir, name=f"{name}-{args.mode}"), enable_checkpointing=False,
-        callbacks=make_callbacks(args, datamodule),
-        enable_model_summary=False, enable_progress_bar=not args.quiet,
-    )
+    try:
+        trainer = pl.Trainer(
+            **devices, strategy=strategy,
+            max_epochs=args.epochs, max_steps=args.max_steps,
+            limit_val_batches=0 if args.no_val else None, num_sanity_val_steps=0,
+            logger=CSVLogger(args.run_dir, name=f"{name}-{args.mode}"), enable_checkpointing=False,
+            callbacks=make_callbacks(args, datamodule),
+            enable_model_summary=False, enable_progress_bar=not args.quiet,
+        )
+    except MisconfigurationException as exc:  # Lightning's word on the devices, the precision...
+        raise SystemExit(f"error: {exc}") from None
     start = time.monotonic()
     trainer.fit(model, datamodule=datamodule)
     fit_seconds = time.monotonic() - start
@@ -201,7 +274,7 @@ def train_and_test(name: str, model: pl.LightningModule, datamodule: pl.Lightnin
     if not trainer.is_global_zero:
         return None
     summary = {
-        "recipe": name, "mode": args.mode, "workers": args.workers * args.num_nodes,
+        "recipe": name, "mode": args.mode, "workers": devices["devices"] * args.num_nodes,
         "compression": getattr(strategy.mode, "fraction", None),
         "test_acc": results[0].get("test_acc"), "test_loss": results[0].get("test_loss"),
         "ps_version": ps["version"], "pushes_applied": ps["pushes_applied"], "pushes_dropped": ps["pushes_dropped"],
