@@ -1,5 +1,6 @@
 """What the benchmarks share: the machine, the statistics of repeated ratios and the wire-size formulas of the
-README. Ports, processes and emulated hosts are the ``harness`` package's, which the tests share too."""
+codec table (docs/modes.md). Ports, processes and emulated hosts are the ``harness`` package's, which the tests
+share too."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def ports_needed(runs: list[dict[str, Any]]) -> int:
     return sum(int(run.get("ps_shards") or 1) for run in runs)
 
 
-# -- wire sizes: the formulas of the README's compressor table ---------------------------------------
+# -- wire sizes: the formulas of the codec table of docs/modes.md --------------------------
 
 def sparse_bytes(numel: int, k: int) -> int:
     return 4 * max(1, -(-numel // 65536)) + 6 * k
@@ -93,7 +94,7 @@ def k_for(fraction: float, numel: int) -> int:
 
 def payload_bytes(shapes: dict[str, tuple[int, ...]], compressor: str, *, fraction: float = 0.01, bits: int = 8,
                   rank: int = 4) -> int:
-    """The tensor frames of one push of a float32 model, by the README's table (headers excluded)."""
+    """The tensor frames of one push of a float32 model, by the codec table of docs/modes.md (headers excluded)."""
     total = 0
     for shape in shapes.values():
         n = math.prod(shape)

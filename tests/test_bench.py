@@ -46,7 +46,7 @@ def paired_median(runs: list[dict], num: str, den: str, key: str, **match) -> fl
 
 
 def frame_bytes(compressor: str, fraction: float) -> int:
-    """One push's tensor frames for the recipe CNN's float32 tensors, by the README's codec table (its
+    """One push's tensor frames for the recipe CNN's float32 tensors, by the codec table of docs/modes.md (its
     defaults: qsgd 8 bits, powersgd rank 4), written out here from the shapes."""
     total = 0
     for shape in CNN_SHAPES.values():
@@ -73,7 +73,7 @@ def test_the_shapes_are_the_recipe_cnns():
 def test_payload_formulas_match_the_readme():
     assert payload_bytes(CNN_SHAPES, "none") == 4 * 1_199_882
     assert payload_bytes(CNN_SHAPES, "fp16") == 2 * 1_199_882
-    # the README: about 72 KB per adacomp push at 1% for the recipe CNN
+    # docs/modes.md: about 72 KB per adacomp push at 1% for the recipe CNN
     assert 70_000 < payload_bytes(CNN_SHAPES, "adacomp", fraction=0.01) < 74_000
 
 

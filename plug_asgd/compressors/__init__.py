@@ -5,7 +5,7 @@ what is sent (a dense array, a :class:`~plug_asgd.protocol.wire.Sparse` or a :cl
 a worker encodes with :meth:`Codec.encoder`, a fresh copy that keeps per-tensor state (the residual
 of error feedback, PowerSGD's warm-started factor). The parameter server turns what arrives back
 into something it can fold in with :func:`decode`. :func:`get` takes a name, a configured codec or
-a dict; :func:`codec_table` is the family as the README shows it. One file per family: ``sparse``,
+a dict; :func:`codec_table` is the family as docs/modes.md shows it. One file per family: ``sparse``,
 ``cast``, ``quantize``, ``lowrank``. Everything here is numpy: the PS never imports torch.
 """
 
@@ -48,7 +48,7 @@ def get(codec: CodecLike) -> Codec:
 
 
 def codec_table() -> str:
-    """The registered codecs as a Markdown table (the README's): name, class, knobs, what is sent, its bytes."""
+    """The registered codecs as a Markdown table (docs/modes.md's): name, class, knobs, what is sent, its bytes."""
     rows = ["| compressor | class | knobs (defaults) | what is sent | frame bytes | error feedback by default |",
             "|---|---|---|---|---|---|"]
     for name, cls in COMPRESSORS.items():

@@ -3,7 +3,7 @@
 A :class:`Codec` subclass with a ``name`` registers itself in :data:`COMPRESSORS`: adding a codec
 is writing that one class (its ``encode``, its ``wire_bytes``, and, for a ``Packed`` wire form, its
 ``decode_packed``); :func:`plug_asgd.compressors.decode`, :func:`plug_asgd.compressors.get`, the
-README's codec table and the byte tests all read the registry.
+codec table of docs/modes.md and the byte tests all read the registry.
 """
 
 from __future__ import annotations

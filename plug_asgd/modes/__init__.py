@@ -54,7 +54,7 @@ def get(mode: ModeLike) -> Mode:
 
 
 def mode_table() -> str:
-    """The registered modes as a Markdown table (the README's): name, class, knobs with defaults, summary."""
+    """The registered modes as a Markdown table (docs/modes.md's): name, class, knobs with defaults, summary."""
     rows = ["| mode | class | knobs (defaults) | what it does |", "|---|---|---|---|"]
     for name, cls in MODES.items():
         knobs = ", ".join(f"`{f.name}` ({_NONE_MEANS.get(f.name) if f.default is None else repr(f.default)})"
