@@ -105,10 +105,15 @@ INTEGRATION_FIXTURES = {"procs", "start_ps"}
 # gained nothing over it). (Not `loadgroup`: under pytest 9.2 it ignores its groups, pytest-xdist issue 1386.)
 
 
+def full_tier_selected(config) -> bool:
+    """Whether this run selects the full tier (``pytest -m full``, or an expression naming it but not negating it)."""
+    return "full" in (config.option.markexpr or "").replace("not full", "")
+
+
 def pytest_collection_modifyitems(config, items):
     backstop = float(config.getini("timeout") or 0)
     # the full tier runs only when named (`pytest -m full`): its half hour of runs has no place in the suite
-    full_selected = "full" in (config.option.markexpr or "").replace("not full", "")
+    full_selected = full_tier_selected(config)
     for item in items:
         full = item.get_closest_marker("full") is not None
         if full and not full_selected:

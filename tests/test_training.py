@@ -24,6 +24,7 @@ from tests.conftest import (
     RECIPE_RUN_TIMEOUT_S,
     ProcessGroups,
     free_port,
+    full_tier_selected,
     group_members,
     needs_fashion,
 )
@@ -90,13 +91,13 @@ PAIR_IDS = [f"{m}-{settings['compressor']}" for m, settings, _ in PAIRS]
 # the msgpack header of a push, around its tensor frames (a Packed codec's metadata rides in it): per push, from
 # about 525 bytes (fp16) to 960 (qsgd); bounded on both sides with a margin
 PUSH_HEADER_BYTES = (400, 1200)
-# the sharded counterpart of these runs (issue 21): the core modes and every codec on a PS of 2 embedded shards,
-# held to the same threshold, versions (each shard's) and bytes (summed over shards). The other schemes are not
-# run sharded here: tests/test_sharding.py fits every mode but hogwild on 2 embedded shards with Lightning (its
+# the sharded counterpart of these runs: the core modes on a PS of 2 embedded shards, held to the same threshold,
+# versions (each shard's) and bytes (summed over shards); every codec on 2 shards is the full tier's
+# (`pytest -m full`: the same tests, the compressor's 2_shards rows), where the suite checks what a codec's slices
+# carry bit for bit without training (tests/test_sharding_modes.py, tests/test_sharding.py). The other schemes are
+# not run sharded here: tests/test_sharding.py fits every mode but hogwild on 2 embedded shards with Lightning (its
 # sharded_fits: versions, the workers' models, the central one assembled) and shows bit for bit that 2 shards fold
-# what one PS folds (dynsgd, ssp, the sync rounds, easgd, eamsgd, osp, losp: there and in test_sharding_modes.py).
-# They were run here too until 89fa41b (every one reached the threshold); that launch's 10 more runs cost the
-# suite about a minute on 2 cores, where its budget is 12
+# what one PS folds (dynsgd, ssp, the sync rounds, easgd, eamsgd, osp, losp: there and in test_sharding_modes.py)
 SHARDS = 2
 SHARD_IDS = ["one_ps", f"{SHARDS}_shards"]
 # the one-PS launch (19 runs) takes about 2 minutes on 2 idle cores; the first test using it sets it up. The
@@ -108,10 +109,10 @@ LAUNCH_TIMEOUT_S = 840
 CORE_TIMEOUT_S = LAUNCH_TIMEOUT_S + RECIPE_RUN_TIMEOUT_S + 60
 
 
-def scheme_specs(shards: int = 1, with_asgd: bool = False) -> list[dict]:
+def scheme_specs(shards: int = 1, with_asgd: bool = False, sharded_codecs: bool = True) -> list[dict]:
     """The runs of a launch below, on one PS or ``shards`` (``with_asgd``: one PS's asgd too, which the suite
     takes from the recipe's run; tests/scripts/threshold_runs.py repeats them all to measure the spread
-    ACCURACY_THRESHOLD is set from)."""
+    ACCURACY_THRESHOLD is set from; ``sharded_codecs``: the codecs on ``shards`` too, the full tier's)."""
     common = {"kind": "asgd", "batch_size": 32, "train_subset": 8000, "epochs": 1, "test": True}
     if shards > 1:
         common["ps_shards"] = shards
@@ -120,11 +121,13 @@ def scheme_specs(shards: int = 1, with_asgd: bool = False) -> list[dict]:
     runs = [{**common, "name": mode, "mode": mode, "compression": 0.01} for mode in core]
     if shards == 1:
         runs += [{**common, "name": mode, "mode": mode, **settings} for mode, settings, _ in SCHEMES]
+    elif not sharded_codecs:
+        return runs
     return runs + [{**common, "name": name, "mode": mode, **settings}
                    for name, (mode, settings, _) in zip(PAIR_IDS, PAIRS, strict=True)]
 
 
-def launch_runs(tmp_path_factory, shards: int) -> tuple[dict[str, dict], str]:
+def launch_runs(tmp_path_factory, shards: int, full: bool = False) -> tuple[dict[str, dict], str]:
     """Every mode and every compressor trained in one launch of 2 Lightning workers, on one PS or ``shards``.
 
     ``bench.train`` runs them one after another in the same two processes (a fresh Trainer,
@@ -136,7 +139,7 @@ def launch_runs(tmp_path_factory, shards: int) -> tuple[dict[str, dict], str]:
         pytest.skip("Fashion-MNIST not installed: apt-get install dataset-fashion-mnist")
     from bench.runner import launch  # the benchmarks' launcher: spec, ports, threads, a process group ended on return
 
-    runs = scheme_specs(shards)
+    runs = scheme_specs(shards, sharded_codecs=full)
     work = tmp_path_factory.mktemp(f"schemes{shards}")
     t = time.monotonic()
     records = launch(2, runs, {"test_subset": 1000, "timeout": LAUNCH_TIMEOUT_S}, work)
@@ -147,11 +150,13 @@ def launch_runs(tmp_path_factory, shards: int) -> tuple[dict[str, dict], str]:
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory):
+def launches(request, tmp_path_factory):
     """Both launches below, started together: one after the other, they were the suite's longest path (pytest-xdist
-    runs this file's tests on one worker). Each fixture waits for its own."""
+    runs this file's tests on one worker). Each fixture waits for its own. The sharded one runs every codec too
+    where the full tier is selected."""
+    full = full_tier_selected(request.config)
     with ThreadPoolExecutor(2) as pool:
-        yield {shards: pool.submit(launch_runs, tmp_path_factory, shards) for shards in (1, SHARDS)}
+        yield {shards: pool.submit(launch_runs, tmp_path_factory, shards, full) for shards in (1, SHARDS)}
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +276,7 @@ def test_every_scheme_trains_the_recipe_above_the_core_threshold(scheme_runs, mo
 
 @needs_fashion
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
-@pytest.mark.parametrize("shards", [1, SHARDS], ids=SHARD_IDS)
+@pytest.mark.parametrize("shards", [1, pytest.param(SHARDS, marks=pytest.mark.full)], ids=SHARD_IDS)
 @pytest.mark.parametrize("mode, settings, codec", PAIRS, ids=PAIR_IDS)
 def test_every_compressor_trains_and_sends_what_its_format_says(request, mode, settings, codec, shards):
     run = scheme_run(runs_of(request, shards), f"{mode}-{settings['compressor']}")
