@@ -266,7 +266,7 @@ def stable_bound(**kw: float | int | bool | None) -> float:
 
 
 def stability() -> None:
-    """``--stability``: the quadratic's table (docs/momentum.md, "What was measured, and why these remedies")."""
+    """``--stability``: the quadratic's table (docs/momentum.md, "Why these remedies")."""
     print(f"one process: {stable_bound(workers=1):.3f} (heavy ball), "
           f"{stable_bound(workers=1, nesterov=True):.3f} (Nesterov)")
     print("workers  steps/push  none    scale   mcomp   la      la+mcomp  la+scale  scale+nesterov")
