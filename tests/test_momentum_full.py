@@ -7,7 +7,7 @@ ones too) and every codec trains on 16,000 images with seeds 0, 1 and 2 (initial
 subset), DDP with each seed, all tested on the whole test set; a row's gap is its accuracy minus DDP's of
 the same seed, and the median of its three gaps must be at least -1.5 points. 69 runs, 34 minutes on 2
 cores: far beyond the suite's budget, so these tests run only when selected (``pytest -m full``;
-``tests/conftest.py`` skips them otherwise). their last run is bench/results/momentum_full.json (its commit and date inside).
+``tests/conftest.py`` skips them otherwise). Their last run: bench/results/momentum_full.json.
 """
 
 from __future__ import annotations
