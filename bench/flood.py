@@ -1,6 +1,7 @@
 """A PS under a flood: its RSS and an honest worker's round trip before, during and after (issue 19).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python -m bench.flood [--idle 500] [--rate 1000] [--seconds 10]
+    OMP_NUM_THREADS=1 PYTHONPATH=. python -m bench.flood [--idle 500] [--rate 1000] [--slow-clients 8]
+        [--gather-every 2] [--seconds 10]
 
 One PS (``serve-ps``'s, on loopback, no keys) and one honest worker (rank 0 of 2, the recipe
 CNN's 1,199,882 parameters, dense pushes answered with the model: a 4.8 MB reply each). The
@@ -8,8 +9,12 @@ worker pushes back to back for ``--seconds`` idle; then, for ``--seconds`` more,
 floods the PS with:
 
 - ``--idle`` connections that say nothing;
-- a client that never reads its replies: it asks for the model ``--slow-rate`` times a second
-  (each reply, queued, would pin one model version; the PS queues 32 a connection, then drops);
+- ``--slow-clients`` clients that never read their replies: they ask for the model ``--slow-rate``
+  times a second between them, in turn, so that each reply queued pins a model version of its own
+  (the PS queues 32 a connection and 128 MiB over all of them, then drops: issue 47);
+- every ``--gather-every`` seconds, from the connection that holds rank 1, a gather of 22,000 empty
+  tensors whose reply no worker could read (refused, ``limit``), then one of 20,000 that fits and
+  waits (each replaced by the next: issue 47);
 - ``--rate`` forged messages a second, in turn: a push, a bye for rank 0 and a heartbeat for rank 0
   from a connection that never said hello (``not_member``), a hello for the live rank 0 without
   its token (``rank_taken``), and from a connection that holds rank 1 (a local user can take a
@@ -19,7 +24,8 @@ floods the PS with:
 and for ``--seconds`` after the flood stopped. It prints (and writes to ``--out``, by default
 ``bench/results/flood.json``) per phase the median and 90th percentile of the worker's round trip
 and the PS's RSS (median and peak, sampled every 0.1 s), the refusals by code and the replies
-dropped, and whether the PS crashed (it must still answer, then exit 0 on SIGTERM).
+dropped, and whether the PS crashed (it must still answer, then exit 0 on SIGTERM). The goals:
+the PS's RSS under ``--rss-bound-mb`` (512) throughout, the honest round trip within 1.5x idle.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import zmq
 
 from bench.common import ROOT, commit, machine, write_json
@@ -64,7 +71,15 @@ def _deep_gather() -> list[bytes]:
     return [header.replace(msgpack.packb(mark), b"\x91" * 1022 + b"\xc0")]
 
 
-def flood(address: str, idle: int, rate: float, slow_rate: float) -> None:
+def _gathers() -> list[list[bytes]]:
+    """Rank 1's gathers of 22,000 and 20,000 empty tensors: the first's reply would pass the 1 MiB header a worker
+    reads (refused), the second's fits (it waits for rank 0)."""
+    fields = {"rid": 1, "rank": 1, "stage": 1, "seq": 1, "kind": "all_gather"}
+    return [encode("gather", fields, {f"t{i:07d}": np.zeros(0, np.float32) for i in range(count)})
+            for count in (22_000, 20_000)]
+
+
+def flood(address: str, idle: int, rate: float, slow_rate: float, slow_clients: int, gather_every: float) -> None:
     """The flooding process: runs until killed."""
     ctx = zmq.Context.instance()
     ctx.set(zmq.MAX_SOCKETS, idle + 64)
@@ -77,7 +92,7 @@ def flood(address: str, idle: int, rate: float, slow_rate: float) -> None:
         return sock
 
     quiet = [dealer() for _ in range(idle)]  # noqa: F841 (held open, silent)
-    slow, stranger, member = dealer(rcvhwm=1), dealer(), dealer()
+    slow, stranger, member = [dealer(rcvhwm=1) for _ in range(slow_clients)], dealer(), dealer()
     member.send_multipart(encode("hello", {"rid": 0, "rank": 1, "world_size": 2, "stage": 1, "session": "flood",
                                            "mode": "asgd", "training": False}))
     w = dict([next(iter(update("dense").items()))])  # one tensor of a real update
@@ -91,16 +106,20 @@ def flood(address: str, idle: int, rate: float, slow_rate: float) -> None:
         (member, encode("push", {"rid": 1, "rank": 1, "base_version": 0, "seq": 1, "session": "flood"})),
         (member, _deep_gather()),
     ])
-    start_t, sent, slow_sent = time.monotonic(), 0, 0
+    gathers = itertools.cycle(_gathers() if gather_every > 0 else [])
+    start_t, sent, slow_sent, gathers_sent = time.monotonic(), 0, 0, 0
     while True:
         now = time.monotonic() - start_t
         while sent < now * rate:
             sock, frames = next(forged)
             sock.send_multipart(frames)
             sent += 1
-        while slow_sent < now * slow_rate:
-            slow.send_multipart(encode("pull", {"rid": 1}))
+        while slow and slow_sent < now * slow_rate:
+            slow[slow_sent % len(slow)].send_multipart(encode("pull", {"rid": 1}))
             slow_sent += 1
+        while gather_every > 0 and gathers_sent <= now / gather_every:
+            member.send_multipart(next(gathers))
+            gathers_sent += 1
         for sock in (stranger, member):  # their error replies are read; the slow client's never are
             while sock.poll(0):
                 sock.recv_multipart()
@@ -139,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle", type=int, default=500, help="idle connections")
     parser.add_argument("--rate", type=float, default=1000.0, help="forged messages a second")
     parser.add_argument("--slow-rate", type=float, default=20.0, help="model requests a second never read")
+    parser.add_argument("--slow-clients", type=int, default=8, help="clients that never read (they ask in turn)")
+    parser.add_argument("--gather-every", type=float, default=2.0, help="seconds between rank 1's gathers of "
+                        "20,000 and 22,000 empty tensors (0: none)")
+    parser.add_argument("--rss-bound-mb", type=float, default=512.0, help="the PS's RSS must stay under this")
     parser.add_argument("--seconds", type=float, default=10.0, help="of each phase")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--ps-code", type=Path, help="run the PS from this folder's plug_asgd (another commit's, "
@@ -146,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flood", help=argparse.SUPPRESS)  # the flooding process: the PS's address
     args = parser.parse_args(argv)
     if args.flood:
-        flood(args.flood, args.idle, args.rate, args.slow_rate)
+        flood(args.flood, args.idle, args.rate, args.slow_rate, args.slow_clients, args.gather_every)
         return 0
     address = f"tcp://127.0.0.1:{free_port_block(1)}"
     cmd = embedded_command(PSConfig(bind=address, worker_timeout=60))
@@ -157,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     flooder = None
     result: dict[str, Any] = {"command": " ".join(["python -m bench.flood", *(argv or sys.argv[1:])]),
                               "commit": commit(), "machine": machine(), "idle": args.idle, "rate": args.rate,
-                              "slow_rate": args.slow_rate, "seconds": args.seconds,
+                              "slow_rate": args.slow_rate, "slow_clients": args.slow_clients,
+                              "gather_every": args.gather_every, "seconds": args.seconds,
                               "ps_code": str(args.ps_code) if args.ps_code else None}
     try:
         client.hello(1, True, timeout=30)
@@ -166,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         phase(client, ps.pid, 2.0, up)  # warm-up
         result["before"] = phase(client, ps.pid, args.seconds, up)
         flooder = start([sys.executable, "-m", "bench.flood", "--flood", address, "--idle", str(args.idle),
-                         "--rate", str(args.rate), "--slow-rate", str(args.slow_rate)])
+                         "--rate", str(args.rate), "--slow-rate", str(args.slow_rate),
+                         "--slow-clients", str(args.slow_clients), "--gather-every", str(args.gather_every)])
         result["during"] = phase(client, ps.pid, args.seconds, up)
         if flooder.poll() is not None:
             raise RuntimeError(f"the flooding process ended early (exit code {flooder.returncode})")
@@ -176,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         stats = client.stats()
         result.update(refused=stats["refused"], forged_refused=sum(stats["refused"].values()),
                       replies_dropped=stats.get("replies_dropped", {}),
+                      replies_queued_peak_mb=round(stats.get("replies_queued_peak", 0) / 2**20, 1),
                       version=stats["version"], workers=stats["workers"])
     finally:
         client.close()
@@ -191,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     idle = result["before"]["round_trip_ms_median"]
     result["during_over_before"] = round(result["during"]["round_trip_ms_median"] / idle, 3)
     result["after_over_before"] = round(result["after"]["round_trip_ms_median"] / idle, 3)
+    peak = max(result[p]["rss_mb_peak"] for p in ("before", "during", "after"))
+    result.update(rss_bound_mb=args.rss_bound_mb, rss_mb_peak=peak, rss_within_bound=peak < args.rss_bound_mb,
+                  round_trip_within_1_5x=result["during_over_before"] <= 1.5)
     write_json(args.out, result)
     print(json.dumps(result, indent=1))
     return 0

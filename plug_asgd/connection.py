@@ -24,6 +24,7 @@ from typing import Any, Literal
 from plug_asgd.compressors import Codec
 from plug_asgd.modes import Mode
 from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT, PSConfig
+from plug_asgd.ps.failure import MAX_FAILURE_CHARS
 from plug_asgd.ps_launcher import (
     EmbeddedPS,
     check_arguments,
@@ -43,6 +44,8 @@ log = logging.getLogger("plug_asgd.strategy")  # the strategy's warnings, under 
 
 # how long a worker that failed (Ctrl-C, an error) waits on each of its goodbye requests
 _FAILED_EXIT_S = 5.0
+# after a failure, how long rank 0 waits for the other workers (told by the PS: ps/failure.py) to leave its PS
+FAILED_WAIT_S = 2.0
 
 Shapes = Callable[[], Mapping[str, tuple[int, ...]]]  # the model's synced tensors' shapes, asked once it exists
 
@@ -197,6 +200,7 @@ class PSConnection:
         self._shard_addresses: list[str] | None = None  # per_node: every shard's, learned through shard 0
         self.run: int | None = None  # set when this connection first connects (see _RUNS)
         self.succeeded = False  # shut down because another strategy of this process connected
+        self.failed = False  # a stage ended in an exception: the PS was told, and shutdown waits less
         self._on_shutdown: Callable[[], None] | None = None
         self._clients: list[PSClient | ShardedClient] = []  # what is closed if this connection is collected
 
@@ -280,7 +284,8 @@ class PSConnection:
             check_placements(addresses, binds, embedded_options=embedded_options, keys=settings.ps_keys,
                              insecure=settings.ps_insecure)
             if binds is not None and job.global_rank == 0:
-                self.embedded.start(*(self._config(bind, trainer, shard) for bind, shard in shards(binds)))
+                self.embedded.start(*(self._config(bind, trainer, shard, job.world_size)
+                                      for bind, shard in shards(binds)))
         self.client = connect(addresses, shapes(), self.codec, rank=job.global_rank, world_size=job.world_size,
                               mode=self.mode.name, **options)
         self._clients[:] = [self.client]
@@ -299,13 +304,14 @@ class PSConnection:
         check_placement(own, own, embedded_options=False, keys=settings.ps_keys, insecure=settings.ps_insecure)
         part = make_partition(shapes(), job.num_nodes, self.codec)
         if job.local_rank == 0:
-            self.embedded.start(self._config(own, trainer, f"{job.node_rank}/{job.num_nodes}"))
+            self.embedded.start(self._config(own, trainer, f"{job.node_rank}/{job.num_nodes}", job.world_size))
         return gather_addresses(first, part, node_rank=job.node_rank, own=own if job.local_rank == 0 else None,
                                 rank=job.global_rank, world_size=job.world_size, mode=self.mode.name,
                                 timeout=settings.connect_timeout, alive=self.embedded.gone, **client_options)
 
-    def _config(self, bind: str, trainer: Any, shard: str | None) -> PSConfig:
-        return ps_config(self.settings, self.mode, self.run, bind, trainer, shard)
+    def _config(self, bind: str, trainer: Any, shard: str | None, world_size: int) -> PSConfig:
+        """The embedded PS's config: the strategy's settings, ``trainer``'s PS options, and the job's world size."""
+        return ps_config(self.settings, self.mode, self.run, bind, trainer, shard, world_size)
 
     def hello(self, stage: int, fitting: bool) -> dict[str, Any]:
         """Joins ``stage`` on the connected PS, waiting up to ``connect_timeout`` (less if the embedded PS exits).
@@ -327,7 +333,7 @@ class PSConnection:
                                "pass ps_port=")
         return welcome
 
-    def goodbye(self, stage: int, failed: bool, settle: Callable[[], None]) -> None:
+    def goodbye(self, stage: int, failed: bool, settle: Callable[[], None], failure: str | None = None) -> None:
         """Leaves ``stage``: ``settle`` (the exchange lets the socket go), then keeps the PS's counters and says bye.
 
         Rank 0 stops the embedded PS as soon as every worker has left, hence the counters kept now. After a failure
@@ -338,12 +344,15 @@ class PSConnection:
             stage: the stage being left.
             failed: whether it ended in an exception: each request then waits a few seconds at most.
             settle: lets the exchange finish with the socket (one request at a time on it).
+            failure: what it ended on, where it failed: the bye says so, and the PS stops the job's other workers
+                (:mod:`plug_asgd.ps.failure`).
         """
         assert self.client is not None
+        self.failed = self.failed or failed
         try:
             settle()
             self.stats_at_exit = self.client.stats(timeout=_FAILED_EXIT_S if failed else None)
-            self.client.bye(stage)
+            self.client.bye(stage, failed=failure[:MAX_FAILURE_CHARS] if failed and failure else None)
         except (PSError, PSUnreachableError) as exc:
             log.warning("could not say goodbye to the parameter server: %s", exc)
 
@@ -389,7 +398,8 @@ class PSConnection:
             on_shutdown()
         client, self.client = self.client, None
         self._clients.clear()
-        if client is not None:
-            self.embedded.wait_for_workers(client, wait_for_workers)
+        if client is not None:  # after a failure the others were told, and some may be gone without a word
+            self.embedded.wait_for_workers(client, min(wait_for_workers, FAILED_WAIT_S) if self.failed
+                                           else wait_for_workers)
             client.close()
         self.embedded.stop()

@@ -163,7 +163,7 @@ def check_placements(addresses: Sequence[str], binds: Sequence[str] | None, *, e
 
 
 def ps_config(settings: PSSettings, mode: Mode, run: int | None, bind: str, trainer: Any,
-              shard: str | None = None) -> PSConfig:
+              shard: str | None = None, world_size: int | None = None) -> PSConfig:
     """The embedded PS's config, from the strategy's PS settings and the options of ``trainer``'s
     :class:`ConfiguresPS` callback.
 
@@ -175,6 +175,8 @@ def ps_config(settings: PSSettings, mode: Mode, run: int | None, bind: str, trai
         trainer: the Trainer whose callbacks may configure the PS (None: none).
         shard: ``"I/N"``, one of several embedded shards, whose checkpoints, resume and metrics are those of a
             lone PS in a folder ``shard-I`` of the same place (:func:`~plug_asgd.sharding.config.shard_folder`).
+        world_size: the job's worker count, which the PS then takes as fixed: a hello claiming another world is
+            refused, so no connection can change it (None: the first accepted hello's).
     """
     checkpoint = configurer(trainer)
     run_dir = settings.ps_run_dir
@@ -187,7 +189,7 @@ def ps_config(settings: PSSettings, mode: Mode, run: int | None, bind: str, trai
                     **mode.server_options(), resume=shard_folder(settings.resume_from, shard),
                     worker_timeout=settings.worker_timeout, run_dir=shard_folder(run_dir, shard),
                     keys=settings.ps_keys, insecure=settings.ps_insecure, threads=settings.ps_threads,
-                    **settings.downlink, shard=shard, **options)
+                    **settings.downlink, shard=shard, world_size=world_size, **options)
 
 
 # the variables that set the thread count of the BLAS libraries numpy may use (OpenBLAS, MKL, OpenMP's)

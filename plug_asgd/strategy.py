@@ -29,7 +29,7 @@ from typing_extensions import override
 from plug_asgd import compressors, modes
 from plug_asgd.compressors import Codec
 from plug_asgd.connection import Placement, PSConnection, PSHandle, PSSettings
-from plug_asgd.lightning_bridge.plumbing import DDPPlumbing
+from plug_asgd.lightning_bridge.plumbing import FAILED_GRACE_S, DDPPlumbing
 from plug_asgd.modes import Mode
 from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT
 from plug_asgd.sharding.client import ShardedClient
@@ -175,6 +175,7 @@ class AsyncPSStrategy(DDPPlumbing):
         self._num_nodes = 1
         self._stage = self._collective_seq = 0  # this process's stages so far; the collectives of this one
         self._phase = Phase.IDLE
+        self._failure: str | None = None  # what the stage failed on, told to the other ranks through the PS
         self._fitting = False  # whether the stage is a fit
         self._ps_initialized = False  # whether the PS holds a model (else this worker's offers its own)
         self._batches = 0  # the training loop's batches so far: a notice's number
@@ -275,6 +276,7 @@ class AsyncPSStrategy(DDPPlumbing):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._failure = f"{type(exception).__name__}: {exception}"
         if self._phase is not Phase.IDLE:  # (an exception before the stage began, as the PS's, has nothing to end)
             self._phase = Phase.FAILED
 
@@ -292,8 +294,11 @@ class AsyncPSStrategy(DDPPlumbing):
             finally:
                 self._phase = Phase.IDLE  # only now: the barriers above are collectives of this stage
                 # after a failure: the socket is a sender's until it is done, hence let_go first
-                self.connection.goodbye(self._stage, failed, settle=self._exchange.let_go)
+                self.connection.goodbye(self._stage, failed, settle=self._exchange.let_go, failure=self._failure)
         self._exchange.joined = False
+        if self._failure is not None:  # as Lightning's launcher does where a rank fails: none trains on alone
+            self._failure = None
+            self.end_launched_ranks(FAILED_GRACE_S)
         super().teardown()
 
     # -- the parameter server: its placement and client are plug_asgd.connection's ------------

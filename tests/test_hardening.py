@@ -82,10 +82,7 @@ def run():
             c.hello(stage=1, training=True, timeout=30)
         assert honest[0].init(W0)
         assert member.ask("hello", hello(2, "raw"))[0] == "welcome"
-        deadline = time.monotonic() + 30  # the world is fixed once a worker of it heartbeats
-        while not honest[0].stats()["world_fixed"]:
-            assert time.monotonic() < deadline, "no heartbeat reached the PS"
-            time.sleep(0.05)
+        assert honest[0].stats()["world_held"]  # by its live workers: a hello of another size is refused
         yield address, honest, member, state
     finally:
         member.close()
@@ -181,15 +178,15 @@ def test_a_live_rank_is_not_taken_without_its_token_and_claims_beyond_the_limits
                  stranger.code("hello", hello(0, "thief", world_size=4)),
                  stranger.code("hello", hello(5, "thief")),
                  member.code("hello", hello(2, "s" * (limits.MAX_SESSION_CHARS + 1)))]
-        assert codes == ["rank_taken", "rank_taken", "bad_field", "limit", "world_mismatch", "bad_field", "limit"]
-        assert refused(honest[0]) - before == Counter(rank_taken=2, bad_field=2, limit=2, world_mismatch=1)
+        assert codes == ["rank_taken", "rank_taken", "bad_field", "limit", "world_held", "bad_field", "limit"]
+        assert refused(honest[0]) - before == Counter(rank_taken=2, bad_field=2, limit=2, world_held=1)
         assert honest[0].stats()["world_size"] == 3
         honest_push_moves_the_model_by_itself(run)  # rank 0's connection still holds rank 0
     finally:
         stranger.close()
     fault_report(fault="hello for a live rank without its token, world_size 2**40, rank beyond the world, "
                        "a 129-character session", injected=7, handled=7, pushes_lost=0, recovery_s=None,
-                 detail="refused (rank_taken 2, limit 2, bad_field 2, world_mismatch 1); the worker kept its rank")
+                 detail="refused (rank_taken 2, limit 2, bad_field 2, world_held 1); the worker kept its rank")
 
 
 @pytest.mark.faults
@@ -292,8 +289,8 @@ def test_a_client_that_never_reads_its_replies_costs_a_bounded_queue_and_nothing
 
 
 @pytest.mark.faults
-def test_a_silent_first_hello_fixes_no_world_and_a_token_proves_the_same_worker(start_ps, fault_report):
-    address = start_ps("asgd", worker_timeout=30)
+def test_a_silent_first_hello_holds_the_world_until_lost_and_a_token_proves_the_same_worker(start_ps, fault_report):
+    address = start_ps("asgd", worker_timeout=2)
     squatter, thief = Raw(address), Raw(address)
     # rank 0 without heartbeats: the test takes its rank over, and its heartbeats would then be refused too
     workers = [PSClient(address, rank=r, world_size=2, mode="asgd", request_timeout=20, heartbeat_s=beat)
@@ -301,15 +298,17 @@ def test_a_silent_first_hello_fixes_no_world_and_a_token_proves_the_same_worker(
     try:
         assert squatter.code("hello", hello(0, "squat", world_size=2**40)) == "limit"
         assert squatter.ask("hello", hello(2, "squat", world_size=3, heartbeat_s=1))[0] == "welcome"  # no beats
-        for w in workers:  # the world is not fixed by a hello: the first worker's says 2, rank 2 is dropped
+        # its world holds while it may be alive: a hello of another size waits (PSClient asks again) ...
+        assert thief.code("hello", hello(0, "probe", world_size=2)) == "world_held"
+        deadline = time.monotonic() + 30
+        while workers[1].stats()["lost"] != [2]:  # ... until it is declared lost (worker_timeout 2 s)
+            assert time.monotonic() < deadline, "the silent worker was not declared lost"
+            time.sleep(0.05)
+        for w in workers:  # the first accepted hello of world 2 drops rank 2
             w.hello(stage=1, training=True, timeout=30)
         assert workers[0].init(W0)
-        deadline = time.monotonic() + 30
-        while not workers[0].stats()["world_fixed"]:  # ... and a heartbeat of this world fixes it
-            assert time.monotonic() < deadline, "no heartbeat reached the PS"
-            time.sleep(0.05)
         assert squatter.code("push", {"rank": 2, "base_version": 0, "seq": 1, "session": "squat"}, ONE) == "not_member"
-        assert squatter.code("hello", hello(1, "squat", world_size=3)) == "world_mismatch"
+        assert squatter.code("hello", hello(1, "squat", world_size=3)) == "world_held"
         # a hello with rank 0's token takes the rank over (what a reconnected worker does) ...
         assert thief.ask("hello", hello(0, "other", world_size=2, token=workers[0].token))[0] == "welcome"
         # ... and the worker, refused once (not_member), says hello with its token and gets it back
@@ -317,7 +316,8 @@ def test_a_silent_first_hello_fixes_no_world_and_a_token_proves_the_same_worker(
         assert thief.code("push", {"rank": 0, "base_version": 0, "seq": 1, "session": "other"}, ONE) == "not_member"
         stats = workers[0].stats()
         assert stats["workers"] == [0, 1] and stats["world_size"] == 2 and stats["version"] == 1
-        assert stats["refused"] == {"limit": 1, "not_member": 3, "world_mismatch": 1}
+        assert stats["lost"] == []
+        assert stats["refused"] == {"limit": 1, "not_member": 3, "world_held": 2}
         np.testing.assert_array_equal(workers[1].pull().tensors["w"], W0["w"] + 1)
     finally:
         for w in workers:
@@ -326,5 +326,6 @@ def test_a_silent_first_hello_fixes_no_world_and_a_token_proves_the_same_worker(
         thief.close()
     fault_report(fault="a first hello with world_size 2**40 or 3 and no heartbeat; a rank taken over with its "
                        "token", injected=3, handled=3, pushes_lost=0, recovery_s=None,
-                 detail="the run's world of 2 was taken; the worker whose rank was taken said hello again and "
-                        "pushed; refused: limit 1, not_member 3, world_mismatch 1")
+                 detail="the hello of world 3 held it until declared lost (2 s), then the run's world of 2 was "
+                        "taken; the worker whose rank was taken said hello again and pushed; refused: limit 1, "
+                        "not_member 3, world_held 2")

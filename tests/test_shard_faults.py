@@ -60,7 +60,7 @@ def _hello(digest: str, shard: int = 0) -> dict:
 def test_a_shard_checkpoint_records_its_place_and_digest_and_a_resumed_shard_refuses_another_partition(tmp_path):
     digest = Partition(SHAPES, 2).digest
     first = _shard(tmp_path, "0/2")
-    first.shard.check(_hello(digest))  # the first worker fixes the digest
+    first.shard.fix(first.shard.check(_hello(digest)), final=True)  # the first worker's init fixes the digest
     path = first.save_checkpoint()
     fields = read_checkpoint(path).fields
     assert fields["shard"] == "0/2" and fields["partition_digest"] == digest
@@ -85,7 +85,7 @@ def test_a_shard_checkpoint_records_its_place_and_digest_and_a_resumed_shard_ref
 def test_a_shard_refuses_the_checkpoint_of_another_shard_index_or_count(tmp_path, saved, started, says):
     writer = _shard(tmp_path, saved)
     if saved is not None:
-        writer.shard.check(_hello(Partition(SHAPES, 2).digest, int(saved[0])))
+        writer.shard.fix(writer.shard.check(_hello(Partition(SHAPES, 2).digest, int(saved[0]))), final=True)
     path = writer.save_checkpoint()
     reader = _shard(tmp_path / "other", started, resume=path)
     with pytest.raises(CheckpointError, match="was written by") as info:

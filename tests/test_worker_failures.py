@@ -3,6 +3,8 @@
 What each case must end in is written in docs/faults.md: the job exits (non-zero) within a bound
 that the settings give, it says which rank failed and why, and it leaves no process behind, the
 embedded PS above all (it stops when the rank that started it is gone: ``PSConfig.parent_pid``).
+A rank that fails, whichever it is, ends the job's other ranks and the embedded PS within
+``JOB_ENDS_S``: the PS tells the others (``plug_asgd/ps/failure.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tests.conftest import PYTHON, free_port
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 SCRIPT = "tests/scripts/failing_fit.py"
 LOST_TIMEOUT = 5.0  # the workers' lost_timeout: seconds they wait for a PS that went away
+JOB_ENDS_S = 5.0  # a rank failed: every other process of the job has ended this long after
 
 
 def steps(out: Path, rank: int) -> int:
@@ -68,16 +71,20 @@ def test_rank0_killed_takes_its_embedded_ps_down_and_the_other_rank_stops_with_a
     assert pid_of(tmp_path, 0) == job.pid  # Lightning's launcher: rank 0 is the process the user started
     os.kill(job.pid, signal.SIGKILL)
     job.wait(10)
-    ps_gone = wait_until(lambda: not alive(ps), 10, "the embedded PS to stop once its parent is gone")
-    rank1_gone = wait_until(lambda: not alive(rank1), LOST_TIMEOUT + 30, "rank 1 to stop")
+    killed = time.monotonic()
+    rank1_gone = wait_until(lambda: not alive(rank1), JOB_ENDS_S, "rank 1 to stop")
+    wait_until(lambda: not alive(ps), JOB_ENDS_S, "the embedded PS to stop once its parent is gone")
+    ps_gone = time.monotonic() - killed
     out = job.stdout.read()  # EOF: every process that held the job's output has ended
-    assert f"the parameter server at tcp://127.0.0.1:{port} went away" in out, out[-3000:]
-    assert f"did not come back within {LOST_TIMEOUT:g} s" in out, out[-3000:]
+    assert f"parameter server at tcp://127.0.0.1:{port}: the process that started this parameter server (rank 0 " \
+           "of the job) is gone" in out, out[-3000:]
+    assert "went away" not in out, out[-3000:]  # told, not left waiting lost_timeout for a PS that went away
     assert not group_members(job.pid)
     fault_report(fault="rank 0 SIGKILLed while it hosts the embedded PS", injected=1, handled=1,
                  pushes_lost="all since the last checkpoint", recovery_s=round(rank1_gone, 2),
-                 detail=f"the PS stopped {ps_gone:.1f} s after (parent check), rank 1 {rank1_gone:.1f} s after "
-                        f"(lost_timeout {LOST_TIMEOUT:g} s) naming the PS's address")
+                 detail=f"the PS, its parent gone, told rank 1 at its next request: rank 1 stopped {rank1_gone:.1f} s "
+                        f"after, saying rank 0 is gone (told, not left to wait lost_timeout for a PS that went "
+                        f"away), the PS {ps_gone:.1f} s after")
 
 
 @pytest.mark.timeout(150)
@@ -94,5 +101,60 @@ def test_a_worker_that_raises_or_diverges_mid_fit_ends_the_job_saying_why(procs,
     assert not procs.leftovers(), "the job left processes behind"
     fault_report(fault=f"a worker {'raises' if fault == 'raise' else 'diverges (NaN loss)'} mid-fit", injected=1,
                  handled=1, pushes_lost="all since the last checkpoint",
-                 detail="the job stops non-zero with the rank's error (Lightning's launcher ends the others); "
-                        "the embedded PS stops with its parent; no process is left")
+                 detail="the job stops non-zero with the rank's error; the PS tells the other rank (job_failed), "
+                        "and the embedded PS stops with its parent; no process is left")
+
+
+def raised_at(out: Path, rank: int) -> float:
+    lines = (out / f"rank{rank}.log").read_text().splitlines()
+    return float(next(line for line in lines if line.startswith("raising at ")).split()[-1])
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_that_raises_ends_the_others_and_the_embedded_ps_within_seconds(procs, tmp_path, rank, fault_report):
+    port = free_port()
+    job = procs.start([PYTHON, SCRIPT, str(tmp_path), str(port), "--raise-on", f"{rank}:20"])
+    wait_until(lambda: (tmp_path / f"rank{rank}.log").exists() and "raising at" in (
+        tmp_path / f"rank{rank}.log").read_text(), 120, f"rank {rank} to raise")
+    ps = embedded_ps(job.pid)
+    wait_until(lambda: not group_members(job.pid), 30, "the job to end")
+    ended = time.time() - raised_at(tmp_path, rank)  # an upper bound: polled every 50 ms
+    out = job.stdout.read()
+    assert job.wait(10) != 0
+    assert f"rank {rank} fails at step 20 on purpose" in out, out[-3000:]
+    other = 1 - rank
+    assert f"the job failed: rank {rank} stopped on RuntimeError: rank {rank} fails at step 20" in out, out[-3000:]
+    assert steps(tmp_path, rank) == 20 and steps(tmp_path, other) < 384  # the other rank did not train on
+    assert not alive(ps)
+    assert ended < JOB_ENDS_S, f"the job ended {ended:.1f} s after rank {rank} raised"
+    fault_report(fault=f"rank {rank} of 2 raises mid-fit", injected=1, handled=1,
+                 pushes_lost="all since the last checkpoint", recovery_s=round(ended, 2),
+                 detail=f"the PS told rank {other} at its next request (job_failed, naming rank {rank} and its error); "
+                        f"every process, the embedded PS too, ended {ended:.1f} s after the raise")
+
+
+@pytest.mark.timeout(150)
+def test_rank0_failing_before_its_stage_ends_the_rank_it_launched(procs, start_ps, tmp_path, fault_report):
+    """Rank 0 cannot reach its PS (the address is wrong); rank 1 reached the real one and waits in the stage's first
+    collective for rank 0, which never comes: it would wait its request_timeout. Rank 0, failing, ends it."""
+    address = start_ps("asgd", worker_timeout=60)
+    job = procs.start([PYTHON, SCRIPT, str(tmp_path), str(free_port()), "--ps-address", address,
+                       "--rank0-ps-address", "tcp://127.0.0.1:9"])
+    wait_until(lambda: "failed at" in _text(tmp_path / "rank0.log"), 120, "rank 0 to fail")
+    wait_until(lambda: not group_members(job.pid), 30, "the job to end")
+    ended = time.time() - float(_text(tmp_path / "rank0.log").split()[-1])  # an upper bound: polled every 50 ms
+    out = job.stdout.read()
+    assert job.wait(10) != 0
+    assert "tcp://127.0.0.1:9" in out, out[-3000:]
+    assert steps(tmp_path, 1) == 0  # it never trained: it waited for rank 0
+    assert ended < JOB_ENDS_S, f"the job ended {ended:.1f} s after rank 0 failed"
+    fault_report(fault="rank 0 of 2 fails before its stage (its PS address unreachable); rank 1 waits for it",
+                 injected=1, handled=1, pushes_lost=0, recovery_s=round(ended, 2),
+                 detail=f"rank 0 ended the rank it launched (as Lightning's launcher does where a rank fails): every "
+                        f"process gone {ended:.1f} s after its failure, where rank 1 would have waited its "
+                        "request_timeout")
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""

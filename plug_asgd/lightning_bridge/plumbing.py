@@ -7,6 +7,8 @@ imports neither; the namespace's launchers and torchrun environment are class at
 
 from __future__ import annotations
 
+import subprocess
+import time
 from typing import Any
 
 import torch
@@ -14,6 +16,10 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from plug_asgd.lightning_bridge.namespaces import LightningBound
+
+# after a rank failed, how long the ranks its process launched may take to stop by themselves (the PS tells them at
+# their next request) before they are killed
+FAILED_GRACE_S = 2.5
 
 
 class DDPPlumbing(LightningBound):
@@ -69,6 +75,23 @@ class DDPPlumbing(LightningBound):
             self._launcher = self.script_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = self.process_launcher(self, start_method=self._start_method)
+
+    def end_launched_ranks(self, grace: float) -> None:
+        """This rank failed: the ranks its process launched (the children of Lightning's script launcher, on this
+        node) get ``grace`` seconds to stop by themselves, then are killed, as Lightning's launcher kills them where
+        one of them fails. Nothing where this process launched none.
+
+        Args:
+            grace: seconds to wait for them.
+        """
+        running = [p for p in getattr(self._launcher, "procs", None) or [] if p.poll() is None]
+        deadline = time.monotonic() + grace
+        for proc in running:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
     def set_world_ranks(self) -> None:
         """Gives the cluster environment this worker's global rank and the world size, and Lightning's rank-zero

@@ -7,10 +7,10 @@ A checkpoint is the wire format itself (a msgpack header frame and raw tensor fr
 
 It is written to a temporary name, flushed and fsync'ed, then renamed over the final name, so a
 crash leaves either the old file or the new one, never half of one; a failed write (a full disk)
-removes its temporary file. Loading checks the magic, the checksum and then every frame as the
-wire does; nothing is unpickled. The writer refuses what the reader would (one :data:`LIMITS`),
-so a checkpoint written can always be read back. Only numpy and the wire are needed, so the PS
-reads and writes checkpoints without torch.
+removes its temporary file. The file is readable by its owner only (0600), whatever the umask.
+Loading checks the magic, the checksum and then every frame as the wire does; nothing is unpickled.
+The writer refuses what the reader would (one :data:`LIMITS`), so a checkpoint written can always be
+read back. Only numpy and the wire are needed, so the PS reads and writes checkpoints without torch.
 
 A PS's files are named ``ps-vVERSION-RUN.ckpt``: a folder may hold several runs' files, and a PS
 lists, prunes and resumes only its own run's (``ps-vVERSION.ckpt``: an older plug_asgd's, of no
@@ -59,7 +59,7 @@ class HeaderTooLarge(CheckpointError):
 
 def write_checkpoint(path: str | os.PathLike[str], fields: dict[str, Any], tensors: dict[str, Tensor],
                      limits: Limits = LIMITS) -> Path:
-    """Write atomically: temp file, fsync, rename, fsync of the directory.
+    """Write atomically: temp file (mode 0600), fsync, rename, fsync of the directory.
 
     Refuses (:class:`HeaderTooLarge`) what :func:`read_checkpoint` with the same ``limits`` would
     refuse, before writing a byte; on any OSError (a full or read-only disk) the temporary file is
@@ -97,8 +97,12 @@ def write_checkpoint(path: str | os.PathLike[str], fields: dict[str, Any], tenso
 
 
 def _write_frames(tmp: Path, frames: list[Any]) -> None:
+    """Write ``frames`` to ``tmp``, readable and writable by its owner only (0600): a checkpoint holds the model and
+    the sessions of the workers that push to it."""
     digest = hashlib.sha256()
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a temporary file left by an earlier crash keeps its mode: set it
+    with os.fdopen(fd, "wb") as f:
         def put(data: bytes | memoryview) -> None:
             f.write(data)
             digest.update(data)

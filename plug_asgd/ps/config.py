@@ -72,11 +72,14 @@ class PSConfig:
         shard: ``"I/N"``: this PS holds shard I of N of a sharded model; None: the whole model.
         parent_pid: stop once the process of this pid is no longer the parent; None: never for that reason.
         run: refuse a hello that names another run (the embedded PS's); None: accept any.
+        world_size: the run's world size, fixed from the start (the embedded PS's, which the strategy knows); None:
+            ``expected_workers`` if given, else the first accepted hello's.
 
     Raises:
-        ValueError: where a field is out of its bounds, or checkpoint intervals are given without
-            ``checkpoint_dir``; an :class:`~plug_asgd.protocol.security.InsecureBindError` where ``bind`` reaches
-            beyond loopback without ``keys`` nor ``insecure``.
+        ValueError: where a field is out of its bounds, checkpoint intervals are given without ``checkpoint_dir``,
+            or ``world_size`` and ``expected_workers`` differ; an
+            :class:`~plug_asgd.protocol.security.InsecureBindError` where ``bind`` reaches beyond loopback without
+            ``keys`` nor ``insecure``.
     """
 
     bind: str = _option("tcp://127.0.0.1:2223", "the endpoint to listen on (serve-ps: --host and --port)",
@@ -142,6 +145,9 @@ class PSConfig:
     run: int | None = _option(None, "refuse a hello that names another run: an embedded PS serves the run-th "
                               "strategy that connected in its process, which every rank counts alike", min=1,
                               cli=False)
+    world_size: int | None = _option(None, "the run's world size, fixed from the start: a hello claiming another is "
+                                     "refused (the embedded PS is given the strategy's) [default: --workers, else the "
+                                     "first accepted hello's]", min=1, max=1 << 14, cli=False)
 
     def __post_init__(self) -> None:
         for name in _PATHS:  # paths arrive as str from JSON and from callers: hold them as Path
@@ -150,6 +156,9 @@ class PSConfig:
                 object.__setattr__(self, name, Path(value))
         for f in dataclasses.fields(self):
             self.check(f.name, getattr(self, f.name))
+        if None not in (self.world_size, self.expected_workers) and self.world_size != self.expected_workers:
+            raise ValueError(f"world_size {self.world_size} and expected_workers (--workers) {self.expected_workers} "
+                             "differ: give one, or the same")
         if self.checkpoint_dir is None and (self.checkpoint_every_updates or self.checkpoint_every_seconds):
             raise ValueError("checkpoint_every_updates / checkpoint_every_seconds (--checkpoint-every-*) need "
                              "checkpoint_dir (--checkpoint-dir): say where the checkpoints go")

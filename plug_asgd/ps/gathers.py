@@ -9,17 +9,25 @@ within :mod:`plug_asgd.ps.limits`' bounds (so the reply, which carries every ran
 encoded). A rank waits on one collective at a time: its contribution to another one drops the
 earlier (abandoned after a timeout), so contributions to gathers never completed are at most one
 per rank. Completed results are kept by number and by bytes.
+
+Every bound is a total as well as a share. A gather's reply carries every rank's objects and tensors,
+each tensor's name prefixed with its rank: the PS works out what each contribution adds to that reply
+(:class:`Share`) and refuses, naming its rank, the largest contribution of a gather whose reply a
+worker could not read (:data:`~plug_asgd.ps.limits.REPLY_LIMITS`); of the contributions waiting over
+all gathers, the largest where their total would pass
+:data:`~plug_asgd.ps.limits.GATHERS_PENDING_MAX_BYTES`. What the PS holds is counted as held: the
+reply's header and tensor bytes, and :data:`~plug_asgd.ps.limits.HELD_PER_TENSOR` per tensor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import numpy as np
 
-from plug_asgd.protocol.wire import Message, Tensor, WireError
+from plug_asgd.protocol.wire import PROTOCOL_VERSION, Message, Tensor, WireError, encode, message_bytes
 from plug_asgd.ps import limits
 from plug_asgd.ps.board import Board
 from plug_asgd.ps.membership import Membership
@@ -27,6 +35,86 @@ from plug_asgd.ps.stats import Stats
 
 Send = Callable[[bytes, Any, str, dict[str, Any], dict[str, Tensor]], None]
 Error = Callable[[bytes, Any, str, str], None]
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one rank's contribution adds to its gather's reply, and holds in the PS while kept.
+
+    Attributes:
+        header: bytes of the reply's header: the rank, its object and its tensors' entries (names prefixed).
+        frames: frames of its tensors.
+        data: bytes of those frames.
+        tensors: its tensors.
+    """
+
+    header: int
+    frames: int
+    data: int
+    tensors: int
+
+    @property
+    def held(self) -> int:
+        """Bytes the PS holds for it: header, frames and :data:`~plug_asgd.ps.limits.HELD_PER_TENSOR` a tensor."""
+        return self.header + self.data + limits.HELD_PER_TENSOR * self.tensors
+
+
+def _array_extra(n: int) -> int:
+    """Bytes a msgpack array of ``n`` items takes for its length beyond the one byte of an empty array's."""
+    return 0 if n < 16 else 2 if n < 1 << 16 else 4
+
+
+# the reply's header without ranks, objects or tensors; a request id packs to 9 bytes at most
+_EMPTY_REPLY = len(msgpack.packb({"v": PROTOCOL_VERSION, "type": "gathered", "tensors": [],
+                                  "fields": {"ranks": [], "objs": [], "rid": (1 << 64) - 1}}))
+_EMPTY_HEADER = len(encode("gathered")[0])
+
+
+def share(rank: int, obj_bytes: int, tensors: dict[str, Tensor]) -> Share:
+    """What rank ``rank``'s contribution (its object ``obj_bytes`` packed, ``tensors``) adds to a gather's reply.
+
+    Args:
+        rank: the contributing rank (its tensors go out as ``"{rank}/{name}"``).
+        obj_bytes: its object's bytes, packed.
+        tensors: its tensors by name, as received.
+    """
+    frames = encode("gathered", None, {f"{rank}/{n}": t for n, t in tensors.items()})
+    entries = len(frames[0]) - _EMPTY_HEADER - _array_extra(len(tensors))
+    return Share(len(msgpack.packb(rank)) + obj_bytes + entries, len(frames) - 1, message_bytes(frames[1:]),
+                 len(tensors))
+
+
+def reply_size(shares: list[Share]) -> tuple[int, int, int]:
+    """The header bytes, frames and bytes of a gather reply made of ``shares`` (the header's at most).
+
+    Args:
+        shares: each rank's share of it.
+    """
+    tensors = sum(s.tensors for s in shares)
+    header = (_EMPTY_REPLY + sum(s.header for s in shares) + 2 * _array_extra(len(shares))
+              + _array_extra(tensors))
+    return header, 1 + sum(s.frames for s in shares), header + sum(s.data for s in shares)
+
+
+def too_large(shares: dict[int, Share], newcomer: int) -> tuple[int, str] | None:
+    """Where a gather reply of ``shares`` passes what a worker reads: the rank holding the most of the measure
+    passed (``newcomer`` on a tie), and the reply's size against the limit, in words; None where it fits.
+
+    Args:
+        shares: each contributing rank's share.
+        newcomer: the rank whose contribution is being taken.
+    """
+    header, frames, size = reply_size(list(shares.values()))
+    bound = limits.REPLY_LIMITS
+    measures: tuple[tuple[int, int, str, Callable[[Share], int]], ...] = (
+        (header, bound.max_header_bytes, "a header of {} bytes", lambda s: s.header),
+        (frames, bound.max_frames, "{} frames", lambda s: s.frames),
+        (size, bound.max_message_bytes, "{} bytes", lambda s: s.header + s.data))
+    for value, most, what, part in measures:
+        if value > most:
+            worst = max(shares, key=lambda r: (part(shares[r]), r == newcomer))
+            return worst, f"{what.format(value)}, the limit is {most}"
+    return None
 
 
 class Gathers:
@@ -44,7 +132,7 @@ class Gathers:
         self.stats = stats
         self._send = send
         self._error = error
-        self.gathers: dict[tuple[int, int], dict[int, tuple[bytes, Message, Any]]] = {}
+        self.gathers: dict[tuple[int, int], dict[int, tuple[bytes, Message, Any, Share]]] = {}
         self.completed: dict[tuple[int, int], tuple[dict[str, Any], dict[str, Tensor]]] = {}
         self.board = Board()  # broadcasts inside the training loop: nothing waits for them
         self._bytes: dict[tuple[int, int], int] = {}  # of each completed result
@@ -59,9 +147,10 @@ class Gathers:
             msg: the ``gather`` request: ``stage``, ``seq``, ``kind``, its object and tensors.
 
         Raises:
-            WireError: where the rank has already left the stage (``bad_field``), or another rank called a
+            WireError: where the rank has already left the stage (``bad_field``), another rank called a
                 different collective at the same point (``collective_mismatch``, which every waiting rank is
-                answered too).
+                answered too), or the contribution is the largest of a reply too large to read or of the
+                contributions waiting past their bound (``limit``, naming the rank).
         """
         rank = self.members.member(identity, msg).rank
         stage = msg.int_field("stage", minimum=0)
@@ -75,13 +164,14 @@ class Gathers:
             fields, tensors = self.completed[key]
             self._send(identity, rid, "gathered", fields, tensors)
             return
+        mine = share(rank, obj_bytes, msg.tensors)
         if rank in self.members.late.get(stage, ()):
+            self._fit(key, rank, mine, {})
             self._send(identity, rid, "gathered", {"ranks": [rank], "objs": [obj]},
                        {f"{rank}/{n}": t for n, t in msg.tensors.items()})
             return
-        self._withdraw(rank, key)
         self._check_objects(key, rank, obj_bytes)
-        entries = self.gathers.setdefault(key, {})
+        entries = self.gathers.get(key, {})
         kind = str(msg.fields.get("kind", ""))
         other = next(((r, e[1].fields.get("kind", "")) for r, e in entries.items()
                       if r != rank and e[1].fields.get("kind", "").split(":")[0] != kind.split(":")[0]), None)
@@ -91,11 +181,14 @@ class Gathers:
                     f"{other[1] or '?'} (collective {seq} of stage {stage}). Every rank must reach the same "
                     "collectives in the same order; note that trainer.log_dir is a broadcast")
             self.stats.refused["collective_mismatch"] += 1
-            for ident, _, their_rid in entries.values():
+            for ident, _, their_rid, _ in entries.values():
                 self._error(ident, their_rid, "collective_mismatch", text)
             raise WireError("collective_mismatch", text)
+        self._fit(key, rank, mine, entries)
+        self._fit_pending(rank, mine)
+        self._withdraw(rank, key)  # only now: a refused contribution leaves the rank's others as they were
         # a contribution sent again (after a reconnection) replaces the first: the reply goes to the latest
-        entries[rank] = (identity, msg, rid)
+        self.gathers.setdefault(key, {})[rank] = (identity, msg, rid, mine)
         self._maybe_finish(key)
 
     def notice(self, identity: bytes, rid: Any, msg: Message) -> None:
@@ -119,6 +212,70 @@ class Gathers:
             raise WireError("limit", f"the objects of collective {key[1]} of stage {key[0]} would pass "
                                      f"{limits.MAX_GATHER_OBJ_BYTES} bytes packed: a reply too large to read")
 
+    def _fit(self, key: tuple[int, int], rank: int, mine: Share,
+             entries: dict[int, tuple[bytes, Message, Any, Share]]) -> None:
+        """Make room in ``key``'s reply for ``rank``'s share ``mine``: while the reply would be too large for a
+        worker to read, refuse its largest contribution, answered ``limit`` (or raised, where it is ``rank``'s)."""
+        while True:
+            shares = {**{r: e[3] for r, e in entries.items() if r != rank}, rank: mine}
+            over = too_large(shares, rank)
+            if over is None:
+                return
+            worst, size = over
+            text = (f"rank {worst}'s contribution to collective {key[1]} of stage {key[0]} is the largest of a reply "
+                    f"too large for a worker to read ({size}): refused")
+            if worst == rank:
+                raise WireError("limit", text)
+            self._refuse(key, worst, text)
+
+    def _fit_pending(self, rank: int, mine: Share) -> None:
+        """Make room for ``rank``'s share ``mine`` among the contributions waiting: while they would hold more than
+        :data:`~plug_asgd.ps.limits.GATHERS_PENDING_MAX_BYTES`, refuse the largest (``rank``'s on a tie)."""
+        while True:
+            held = {(k, r): e[3].held for k, entries in self.gathers.items() for r, e in entries.items() if r != rank}
+            total = sum(held.values()) + mine.held
+            if total <= limits.GATHERS_PENDING_MAX_BYTES:
+                return
+            worst = max(held, key=lambda kr: held[kr], default=None)
+            largest = (worst[1], held[worst]) if worst is not None and held[worst] > mine.held else (rank, mine.held)
+            text = (f"rank {largest[0]}'s contribution to a collective holds {largest[1]} bytes, the largest of "
+                    f"those waiting, which would hold {total} (the limit is {limits.GATHERS_PENDING_MAX_BYTES}): "
+                    "refused")
+            if largest[0] == rank:
+                raise WireError("limit", text)
+            assert worst is not None
+            self._refuse(worst[0], worst[1], text)
+
+    def _refuse(self, key: tuple[int, int], rank: int, text: str) -> None:
+        """Drop ``rank``'s contribution to ``key``, answering it ``limit`` with ``text`` (counted)."""
+        identity, _, rid, _ = self.gathers[key].pop(rank)
+        if not self.gathers[key]:
+            del self.gathers[key]
+        self.stats.refused["limit"] += 1
+        self._error(identity, rid, "limit", text)
+
+    def fail(self, text: str, sessions: set[str]) -> None:
+        """A job failed (:mod:`plug_asgd.ps.failure`): the contributions of its workers waiting are answered
+        ``job_failed``.
+
+        Args:
+            text: what failed, quoted in the replies.
+            sessions: the failed job's sessions.
+        """
+        for key, entries in list(self.gathers.items()):
+            for rank, (identity, _, rid, _) in list(entries.items()):
+                worker = self.members.by_identity.get(identity)
+                if worker is not None and worker.session in sessions:
+                    del entries[rank]
+                    self.stats.refused["job_failed"] += 1
+                    self._error(identity, rid, "job_failed", text)
+            if not entries:
+                del self.gathers[key]
+
+    def pending_bytes(self) -> int:
+        """Bytes the contributions waiting for their gathers hold (:attr:`Share.held`)."""
+        return sum(e[3].held for entries in self.gathers.values() for e in entries.values())
+
     def _withdraw(self, rank: int, key: tuple[int, int]) -> None:
         """``rank`` now waits on ``key``: its contributions to other gathers were abandoned."""
         for other in [k for k, entries in self.gathers.items() if k != key and rank in entries]:
@@ -129,6 +286,7 @@ class Gathers:
     def counters(self) -> dict[str, int]:
         """What the PS holds of collectives: contributions waiting, and the bytes of completed results kept."""
         return {"gather_contributions_pending": sum(len(e) for e in self.gathers.values()),
+                "gather_pending_bytes": self.pending_bytes(),
                 "collectives_kept": len(self.completed), "collectives_kept_bytes": self.completed_bytes}
 
     def recheck(self, stage: int | None = None) -> None:
@@ -188,19 +346,13 @@ class Gathers:
         tensors = {f"{r}/{name}": t for r in ranks for name, t in entries[r][1].tensors.items()}
         fields = {"ranks": ranks, "objs": [entries[r][1].fields.get("obj") for r in ranks]}
         self.completed[key] = (fields, tensors)
-        self._bytes[key] = len(msgpack.packb(fields["objs"])) + sum(_nbytes(t) for t in tensors.values())
+        shares = [entries[r][3] for r in ranks]
+        self._bytes[key] = reply_size(shares)[0] + sum(s.held - s.header for s in shares)
         self.completed_bytes += self._bytes[key]
         while self.completed and (len(self.completed) > limits.COMPLETED_KEPT
                                   or self.completed_bytes > limits.COMPLETED_MAX_BYTES):
             self._drop_completed(next(iter(self.completed)))
         for r in ranks:
-            identity, _, rid = entries[r]
+            identity, _, rid, _ = entries[r]
             self._send(identity, rid, "gathered", fields, tensors)
 
-
-def _nbytes(tensor: Tensor) -> int:
-    """Bytes a tensor of a gather holds (its arrays)."""
-    if isinstance(tensor, np.ndarray):
-        return tensor.nbytes
-    arrays = getattr(tensor, "arrays", None) or (getattr(tensor, "indices", None), getattr(tensor, "values", None))
-    return sum(int(np.asarray(a).nbytes) for a in arrays if a is not None)

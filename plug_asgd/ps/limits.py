@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from plug_asgd.protocol.wire import Limits, Message, WireError
+from plug_asgd.protocol.wire import DEFAULT_LIMITS, Limits, Message, WireError
 
 MAX_WORLD_SIZE = 1 << 14  # ranks one PS serves
 MAX_SESSION_CHARS = 128  # a worker's session string (PSClient's is 32 hex digits)
@@ -26,7 +26,13 @@ MAX_OBJ_BYTES = 256 << 10  # a gather's object, packed
 MAX_GATHER_OBJ_BYTES = 512 << 10  # all ranks' objects of one gather: its reply's header (a client reads 1 MiB)
 SESSIONS_PER_RANK = 4  # sessions whose last push number the PS keeps per rank (a checkpoint holds them)
 COMPLETED_KEPT = 1024  # completed collectives kept for a rank that comes back late ...
-COMPLETED_MAX_BYTES = 64 << 20  # ... and their bytes at most (the oldest go first)
+COMPLETED_MAX_BYTES = 64 << 20  # ... and their bytes as held (HELD_PER_TENSOR each tensor) at most, oldest first
+# a gather's tensor as the PS holds it beyond its bytes: its array, its received frame, its name and dict entries
+# (about 0.9 KB each, whatever the tensor's size: 22,000 empty tensors hold 20 MB)
+HELD_PER_TENSOR = 1 << 10
+GATHERS_PENDING_MAX_BYTES = 256 << 20  # contributions waiting for their gather, all ranks together, as held
+# what a PSClient reads (its default limits): a reply the PS builds must fit them (a gather's carries every rank's)
+REPLY_LIMITS = DEFAULT_LIMITS
 # replies queued per connection (the ROUTER's SNDHWM). A PSClient has 1 or 2 unread; libzmq acknowledges reads
 # in batches of (hwm + 1) // 2, so a client that pipelines a few requests needs room beyond what it has unread
 REPLY_HWM = 32

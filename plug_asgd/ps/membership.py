@@ -11,16 +11,25 @@ said hello, or no longer holds a rank; ``not_owner``: it names a rank or session
 so are heartbeats (they come from the worker's heartbeat socket) that do not carry the rank's
 session and token. The hello reply gives the worker a token; a live rank passes to another
 connection only with that token (the same worker, reconnected), otherwise only once it is lost
-(``rank_taken`` until then). The world size is fixed by ``--workers``, or by the first hello once
-a worker of it heartbeats; until then a hello with another world size replaces it.
+(``rank_taken`` until then). A session belongs to the rank, and the token, of the hello that first named
+it: a hello under it for another rank, or without its token from another connection, is refused
+(``session_taken``), so nobody but its worker can push under its numbers (the dedupe table's key).
+
+The world size is fixed by the config (``--workers``, or the world size an embedded PS is given);
+else by the first accepted hello, and it is held while a worker of it can still be counted on (it
+holds a rank and heartbeats, or spoke within ``worker_timeout``, or said bye within it): a hello
+claiming another size is then refused (``world_held``), and once nobody holds it the next hello sets
+it. A hello that is refused changes nothing: no world, no session, no rank.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +67,30 @@ class WorkerInfo:
     token: str = ""  # given in the hello reply: a hello that carries it may take the rank over
 
 
+@dataclass(frozen=True)
+class Owner:
+    """The worker a session belongs to: the rank of the hello that first named it, and its proof.
+
+    Attributes:
+        rank: the rank the session said hello for.
+        proof: the SHA-256 (hex) of the token its worker holds: what a checkpoint keeps of it, so that a resumed PS
+            knows the session's worker by the token it sends again, and a checkpoint read by another user gives
+            nobody the token itself.
+    """
+
+    rank: int
+    proof: str
+
+
+def proof(token: str) -> str:
+    """The proof a checkpoint keeps of a token: its SHA-256, in hex.
+
+    Args:
+        token: a membership token.
+    """
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
 class Membership:
     """The workers of a run by rank, and by the identity of their connection; the methods that change
     who trains return what the serving loop must then tell the store (``trainers``).
@@ -65,15 +98,16 @@ class Membership:
     Args:
         worker_timeout: seconds of silence after which a heartbeating worker is declared lost.
         stats: the counters it adds to (refused, lost, back).
-        world_size: the run's world size when it is fixed from the start (``--workers``); None: the first
-            hellos set it.
+        world_size: the run's world size when it is fixed from the start (``--workers``, an embedded PS's); None:
+            the first hellos set it.
     """
 
     def __init__(self, worker_timeout: float, stats: Stats, world_size: int | None = None) -> None:
         self.worker_timeout = worker_timeout
         self.stats = stats
         self._world_size = world_size
-        self.world_fixed = world_size is not None  # by --workers, or by a heartbeat of a worker of this world
+        self.world_fixed = world_size is not None  # by the config: a hello of another size is refused for good
+        self._last_bye: float | None = None  # when a worker last left a stage: its world stays held a while
         self.workers: dict[int, WorkerInfo] = {}
         self.lost: dict[int, WorkerInfo] = {}  # declared dead; taken back if they speak again
         self.by_identity: dict[bytes, WorkerInfo] = {}
@@ -82,6 +116,7 @@ class Membership:
         self.late: dict[int, set[int]] = defaultdict(set)  # restarted mid-stage: outside its collectives
         self.sessions: dict[int, list[str]] = defaultdict(list)  # per rank, its latest sessions (oldest first)
         self.forgotten: list[str] = []  # sessions past limits.SESSIONS_PER_RANK: the store forgets their numbers
+        self.owners: dict[str, Owner] = {}  # the rank and token proof of each session kept: only they use it
         self._empty_since: float | None = None
 
     @property
@@ -162,7 +197,6 @@ class Membership:
         worker = self.workers.get(rank)
         if _proves(worker, msg):
             worker.last_seen = time.time()
-            self.world_fixed = True  # a worker of this world is alive: a hello cannot change it any more
             return False
         lost = self.lost.get(rank)
         if _proves(lost, msg):
@@ -216,16 +250,36 @@ class Membership:
                         "now", w.rank, now - w.last_seen, self.worker_timeout)
         return [w.rank for w in gone]
 
-    def _check_claim(self, identity: bytes, msg: Message) -> tuple[int, int, str | None]:
-        """The hello's rank and world size, refused beyond the limits, against a fixed world, or for a live
-        rank held by another connection without its token; and the token it carries."""
+    def claimed(self, now: float | None = None) -> bool:
+        """Whether a worker of the run's world can still be counted on: it holds a rank and heartbeats (it would be
+        declared lost if it fell silent), or it spoke within ``worker_timeout`` (one whose hello announced no
+        heartbeats, never declared lost), or a worker left a stage within ``worker_timeout`` (between two stages).
+
+        Args:
+            now: the time to judge silence at, in ``time.time()`` seconds; None: now.
+        """
+        now = time.time() if now is None else now
+        if any(w.heartbeat_s is not None or now - w.last_seen <= self.worker_timeout for w in self.workers.values()):
+            return True
+        return self._last_bye is not None and now - self._last_bye <= self.worker_timeout
+
+    def _check_claim(self, identity: bytes, msg: Message) -> tuple[int, int, str, str | None]:
+        """The hello's rank, world size, session and token, refused beyond the limits, against a world fixed or held,
+        for a live rank held by another connection without its token, or under a session another worker owns."""
         rank = msg.int_field("rank", minimum=0)
         world_size = limits.world_size(msg)
         token = limits.token(msg)
+        session = limits.session(msg)
         assert rank is not None
-        if self.world_fixed and world_size != self._world_size:
-            raise WireError("world_mismatch", f"worker says world_size={world_size}, this run's is "
-                                              f"{self._world_size}")
+        if self._world_size is not None and world_size != self._world_size:
+            if self.world_fixed:
+                raise WireError("world_mismatch", f"worker says world_size={world_size}, this run's is "
+                                                  f"{self._world_size}")
+            if self.claimed():
+                raise WireError("world_held", f"worker says world_size={world_size}; the {len(self.workers)} "
+                                              f"worker(s) here said hello for {self._world_size}, which holds until "
+                                              f"each is declared lost or has left (worker_timeout "
+                                              f"{self.worker_timeout:g} s)")
         if rank >= world_size:
             raise WireError("bad_field", f"rank {rank} is not below world_size {world_size}")
         held = self.by_identity.get(identity)
@@ -236,16 +290,24 @@ class Membership:
             raise WireError("rank_taken", f"rank {rank} is held by a live worker; a restarted worker can take it "
                                           f"once the PS declares that one lost (worker_timeout "
                                           f"{self.worker_timeout:g} s)")
-        return rank, world_size, token
+        owner = self.owners.get(session)
+        if owner is not None and not (owner.rank == rank and (
+                (held is not None and held.session == session) or (token is not None and proof(token) == owner.proof))):
+            raise WireError("session_taken", "this session belongs to another worker (the rank and token of the "
+                                             "hello that first named it): a process says hello under a session of "
+                                             "its own")
+        return rank, world_size, session, token
 
     def _set_world(self, world_size: int) -> None:
-        """A world not yet fixed takes the latest hello's size; workers beyond it are dropped."""
+        """The world not held (or not yet known) takes the accepted hello's size; ranks beyond it are dropped."""
         if world_size == self._world_size:
             return
-        for w in [w for w in self.workers.values() if w.rank >= world_size]:
-            log.warning("rank %d dropped: a hello says the world has %d ranks", w.rank, world_size)
-            del self.workers[w.rank]
-            self.by_identity.pop(w.identity, None)
+        for ranks in (self.workers, self.lost):
+            for w in [w for w in ranks.values() if w.rank >= world_size]:
+                log.warning("rank %d dropped: a hello says the world has %d ranks", w.rank, world_size)
+                del ranks[w.rank]
+                if self.by_identity.get(w.identity) is w:
+                    del self.by_identity[w.identity]
         self._world_size = world_size
 
     def hello(self, identity: bytes, msg: Message, version: int) -> tuple[WorkerInfo, str | None]:
@@ -256,9 +318,8 @@ class Membership:
             msg: the ``hello`` request: rank, world size, stage, session, training, heartbeat and token.
             version: the central version now (logged where a lost rank restarts from it).
         """
-        rank, world_size, token = self._check_claim(identity, msg)
+        rank, world_size, session, token = self._check_claim(identity, msg)
         stage = msg.int_field("stage", minimum=0)
-        session = limits.session(msg)
         heartbeat = _heartbeat(msg.fields.get("heartbeat_s"))
         assert stage is not None
         self._set_world(world_size)
@@ -284,6 +345,7 @@ class Membership:
         if stage in self.left:
             self.left[stage].discard(rank)
         self._keep_session(rank, session)
+        self.owners[session] = Owner(rank, proof(worker.token))
         return worker, replaced
 
     def _keep_session(self, rank: int, session: str) -> None:
@@ -294,6 +356,30 @@ class Membership:
         owned.append(session)
         while len(owned) > limits.SESSIONS_PER_RANK:
             self.forgotten.append(owned.pop(0))
+            self.owners.pop(self.forgotten[-1], None)
+
+    def owner_fields(self, sessions: Iterable[str]) -> dict[str, list[Any]]:
+        """What a checkpoint keeps of the owners of ``sessions`` (those of its dedupe table): ``[rank, proof]`` each.
+
+        Args:
+            sessions: the sessions whose owners to keep.
+        """
+        return {s: [o.rank, o.proof] for s in sessions if (o := self.owners.get(s)) is not None}
+
+    def restore_owners(self, fields: Any) -> None:
+        """Take the session owners a checkpoint kept (:meth:`owner_fields`); entries of another shape are left out.
+
+        Args:
+            fields: the checkpoint's ``session_owners`` field; None where it has none (an older checkpoint: its
+                sessions then belong to the first hello that names each, as before).
+        """
+        if not isinstance(fields, dict):
+            return
+        for session, entry in fields.items():
+            if (isinstance(session, str) and isinstance(entry, list) and len(entry) == 2
+                    and isinstance(entry[0], int) and not isinstance(entry[0], bool) and entry[0] >= 0
+                    and isinstance(entry[1], str) and len(entry[1]) == 64):
+                self.owners[session] = Owner(entry[0], entry[1])
 
     def bye(self, identity: bytes, msg: Message) -> int:
         """The connection's own rank leaves its stage (for good, or to begin the next one); returns the stage.
@@ -313,6 +399,7 @@ class Membership:
         del self.workers[worker.rank]
         self.by_identity.pop(identity, None)
         self.left[stage].add(worker.rank)
+        self._last_bye = time.time()
         return stage
 
     def stage_done(self, stage: int) -> bool:

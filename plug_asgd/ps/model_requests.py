@@ -85,8 +85,10 @@ class ModelRequests:
                                  token, push=True)
 
     def _on_init(self, identity: bytes, rid: Any, msg: Message) -> None:
-        self.shard.check(msg.fields, self.address)
+        held = self.members.claimed()
+        digest = self.shard.check(msg.fields, self.address, held=held)
         accepted = self.store.init(msg.tensors)
+        self.shard.fix(digest, final=True, held=held)  # not refused: the model is cut by this digest from now on
         if accepted:
             log.info("central model initialised by rank %s: %d tensors, %d values", msg.fields.get("rank"),
                      len(msg.tensors), sum(t.size for t in self.store.state.tensors.values()))

@@ -1,8 +1,10 @@
 """What outlives a request: checkpoints (save, resume), the metrics file, and the counters as plain data.
 
 A checkpoint holds the store's :class:`~plug_asgd.ps.store.Snapshot` (tensors, version, the
-dedupe table, the rule's state), the world size, the run id and the counters worth keeping;
-stage membership is not saved: it belongs to a run, and a resumed PS may serve a new one.
+dedupe table, the rule's state), the owner of each session of the dedupe table (its rank and a
+hash of its worker's token: a resumed PS lets only that worker push under it again), the world
+size, the run id and the counters worth keeping; stage membership is not saved: it belongs to a
+run, and a resumed PS may serve a new one. The files are readable by their owner only (0600).
 
 A checkpoint folder belongs to runs: a fresh PS takes a new run id (or ``--run-id``), a resumed
 one its checkpoint's, and it lists, prunes and resumes only that run's files. Housekeeping never
@@ -150,6 +152,7 @@ class Persistence:
         snap = self.store.snapshot()
         fields = {"mode": self.config.mode, "version": snap.version, "world_size": self.members.world_size,
                   "run_id": self.run_id, "last_seq": snap.last_seq, "rule": snap.rule_fields,
+                  "session_owners": self.members.owner_fields(snap.last_seq),
                   "saved_at": time.time(), "stats": self.stats.saved(), **self.shard.checkpoint_fields()}
         tensors = {f"model/{n}": t for n, t in snap.tensors.items()}
         tensors.update((f"rule/{n}", a) for n, a in snap.rule_arrays.items())
@@ -157,6 +160,7 @@ class Persistence:
             path = self.policy.save(snap.version, fields, tensors)
         except HeaderTooLarge as exc:  # the dedupe table grew past what a checkpoint may hold
             fields["last_seq"] = self._trim(snap.last_seq, exc.excess)
+            fields["session_owners"] = self.members.owner_fields(fields["last_seq"])
             path = self.policy.save(snap.version, fields, tensors)
         self.last_checkpoint = path
         log.info("checkpoint %s written (version %d)", path, snap.version)
@@ -202,6 +206,7 @@ class Persistence:
         rule_arrays = {n[len("rule/"):]: t for n, t in msg.tensors.items() if n.startswith("rule/")}
         last_seq = {str(k): int(v) for k, v in f.get("last_seq", {}).items()}
         self.store.restore(Snapshot(int(f["version"]), tensors, last_seq, f.get("rule", {}), rule_arrays))
+        self.members.restore_owners(f.get("session_owners"))
         self.members.world_size = f.get("world_size")
         self.stats.restore(f.get("stats", {}))
         if self.policy is not None:
@@ -236,6 +241,8 @@ class Persistence:
             "shard": self.shard.spec, "partition_digest": self.shard.digest,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "max_updates": config.max_updates, "world_size": members.world_size,
+            "world_held": members.world_fixed or (members.world_size is not None and members.claimed()),
+            "sessions_owned": len(members.owners),
             "workers": sorted(members.workers), "trainers": len(members.trainers()),
             "worker_details": members.details(),
             "uptime_s": round(elapsed, 3), "updates_per_s": round(store.version / elapsed, 3),

@@ -28,6 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.protocol.security import load_server_keys
 from plug_asgd.protocol.wire import Local, Message, Tensor, WireError, decode, encode, message_bytes
+from plug_asgd.ps import failure
 from plug_asgd.ps import limits as bounds
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.fast_store import FastStore
@@ -35,6 +36,7 @@ from plug_asgd.ps.gathers import Gathers
 from plug_asgd.ps.membership import Membership
 from plug_asgd.ps.model_requests import ModelRequests
 from plug_asgd.ps.persistence import Persistence
+from plug_asgd.ps.replies import Replies
 from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.stats import Stats
 
@@ -56,7 +58,7 @@ def _authenticate(ctx: zmq.Context, socket: zmq.Socket, keys: Any) -> tuple[Any,
     socket.curve_server = True
     socket.curve_publickey = keys.public
     socket.curve_secretkey = keys.secret
-    return auth, socket.get_monitor_socket(_HANDSHAKE_FAILED)
+    return auth, socket.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
 
 
 class ParameterServer(ModelRequests):
@@ -78,7 +80,7 @@ class ParameterServer(ModelRequests):
         self.mode = config.mode
         self.limits = config.limits()
         self.stats = Stats()
-        self.members = Membership(config.worker_timeout, self.stats, config.expected_workers)
+        self.members = Membership(config.worker_timeout, self.stats, config.world_size or config.expected_workers)
         self.collectives = Gathers(self.members, self.stats, self._send, self._error)
         self.store = FastStore(config, self.stats)
         self.shard = ShardGuard(config.shard)  # the partition its workers agree on, when it is one of several
@@ -96,10 +98,14 @@ class ParameterServer(ModelRequests):
         os.set_blocking(self._wake_w, False)
         bounds.configure_router(self.socket, self.limits)
         self.store.copy_threshold = self.socket.copy_threshold
+        self.replies = Replies(self.socket.copy_threshold)  # queued over all connections, given back as they close
+        self.failure = failure.JobFailure()  # a rank's failure, told to the job's other ranks
         self._auth: Any = None
         self._monitor: zmq.Socket | None = None
         if server_keys is not None:
             self._auth, self._monitor = _authenticate(self._ctx, self.socket, server_keys)
+        else:  # a connection that closes: its queued replies' memory goes back to the system (Replies.closed)
+            self._monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             self.socket.bind(config.bind)
         except zmq.ZMQError as exc:
@@ -112,8 +118,11 @@ class ParameterServer(ModelRequests):
     def _on_monitor(self) -> None:
         assert self._monitor is not None
         while self._monitor.poll(0):
-            if recv_monitor_message(self._monitor)["event"] & _HANDSHAKE_FAILED:
+            event = recv_monitor_message(self._monitor)["event"]
+            if event & _HANDSHAKE_FAILED:
                 self.stats.refused["auth"] += 1
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.replies.closed()
 
     def close(self) -> None:
         """Close the socket and give back what the store holds of workers' memory; the PS serves no more."""
@@ -178,6 +187,7 @@ class ParameterServer(ModelRequests):
                     self._drain()
                 self.check_liveness()
                 self.persistence.housekeeping()
+                self.replies.tick()
                 if self._should_exit():
                     break
         finally:
@@ -199,8 +209,11 @@ class ParameterServer(ModelRequests):
 
     def _should_exit(self) -> bool:
         if self.config.parent_pid is not None and os.getppid() != self.config.parent_pid:
-            log.info("the process that started the parameter server is gone; stopping")
-            return True
+            if self.failure.linger_until is None:  # rank 0 is gone: its workers hear it (ps/failure.py), then stop
+                log.info("the process that started the parameter server is gone; telling the workers, stopping")
+                self._job_failed("the process that started this parameter server (rank 0 of the job) is gone")
+                self.failure.linger_until = time.monotonic() + failure.FAILED_LINGER_S
+            return time.monotonic() >= self.failure.linger_until or not self.members.by_identity
         return self.members.run_over(self.config.expected_workers, self.config.linger)
 
     def on_frames(self, frames: list[Any]) -> None:
@@ -239,6 +252,8 @@ class ParameterServer(ModelRequests):
             if msg.type == "push":
                 self.stats.push_bytes_in += size
                 self.stats.push_messages += 1
+            sender = self.members.by_identity.get(identity)
+            self.failure.check(sender.session if sender is not None else msg.fields.get("session"), msg.type)
             getattr(self, f"_on_{msg.type}")(identity, rid, msg)
         except WireError as exc:
             self.stats.refused[exc.code] += 1
@@ -254,14 +269,19 @@ class ParameterServer(ModelRequests):
         self._send_frames(identity, encode(msg_type, {**(fields or {}), "rid": rid}, tensors))
 
     def _send_frames(self, identity: bytes, frames: list[Any]) -> int:
-        """Send a reply; one to a connection with REPLY_HWM unread replies, or gone, is dropped and counted.
-        Returns the bytes sent (0 if dropped)."""
+        """Send a reply; one to a connection with REPLY_HWM unread replies, or gone, or past the bytes queued over
+        all connections (ps/replies.py), is dropped and counted. Returns the bytes sent (0 if dropped)."""
+        size = message_bytes(frames)
+        ready = self.replies.admit(identity, frames, size, identity in self.members.by_identity)
+        if ready is None:
+            self.stats.replies_dropped["total"] += 1
+            return 0
         try:
-            self.socket.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+            self.socket.send_multipart([identity, *ready], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:  # Again: its queue is full; EHOSTUNREACH: it is gone (ROUTER_MANDATORY)
             self.stats.replies_dropped["queue_full" if isinstance(exc, zmq.Again) else "gone"] += 1
             return 0
-        size = message_bytes(frames)
+        self.replies.sent(identity, ready, size)
         self.stats.bytes_out += size
         if (worker := self.members.by_identity.get(identity)) is not None:
             self.stats.bytes_out_by_rank[worker.rank] += size
@@ -310,8 +330,10 @@ class ParameterServer(ModelRequests):
                                             f"process that started it, the worker asked for run {run}: a previous "
                                             "Trainer's PS still answers on this port (it stops once its successor "
                                             "starts), or the ranks made their Trainers in different orders")
-        self.shard.check(msg.fields, self.address)
+        held = self.members.claimed()  # a digest or world fixed by hellos alone holds while their workers may
+        digest = self.shard.check(msg.fields, self.address, held=held)
         worker, replaced = self.members.hello(identity, msg, self.store.version)
+        self.shard.fix(digest, final=self.store.initialized, held=held)  # accepted: only now it may fix a digest
         if replaced is not None:
             self.store.forget(replaced)
         while self.members.forgotten:  # past limits.SESSIONS_PER_RANK: they can push no more
@@ -334,10 +356,20 @@ class ParameterServer(ModelRequests):
         self._send(identity, rid, "attached", {"size": size})
 
     def _on_bye(self, identity: bytes, rid: Any, msg: Message) -> None:
+        failed = failure.reason(msg)
         stage = self.members.bye(identity, msg)
         self._update_trainers()
         self.collectives.left(stage)
+        if failed is not None:
+            self._job_failed(f"the job failed: rank {msg.fields.get('rank')} stopped on {failed}")
         self._send(identity, rid, "ok")
+
+    def _job_failed(self, text: str) -> None:
+        """A rank failed: the job's other workers are refused from now on, and their gathers answered, ``text``."""
+        sessions = [w.session for w in (*self.members.by_identity.values(), *self.members.lost.values())]
+        if failed := self.failure.record(text, sessions):
+            log.warning("%s; telling the other workers", text)
+            self.collectives.fail(text, failed)
 
     def _on_gather(self, identity: bytes, rid: Any, msg: Message) -> None:
         self.collectives.gather(identity, rid, msg)
@@ -349,7 +381,8 @@ class ParameterServer(ModelRequests):
 
     def snapshot(self) -> dict[str, Any]:
         """The counters, as plain data (what ``plug-asgd status`` shows)."""
-        return {**self.persistence.counters(), **self.collectives.counters(), "world_fixed": self.members.world_fixed,
+        return {**self.persistence.counters(), **self.collectives.counters(), **self.replies.counters(),
+                "job_failed": self.failure.text, "world_fixed": self.members.world_fixed,
                 "sessions_kept": len(self.store.last_seq), "replies_dropped": dict(self.stats.replies_dropped)}
 
     def _on_stats(self, identity: bytes, rid: Any, msg: Message) -> None:

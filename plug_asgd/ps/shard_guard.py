@@ -1,10 +1,16 @@
 """What a PS checks of a worker's partition (:mod:`plug_asgd.protocol.partition`) in its hello and init.
 
 A shard started with ``--shard I/N`` takes only workers that spread the model over N shards and take
-it for shard I; the first worker to name a partition digest fixes it (as the first hello fixes the
-world size), and a later worker whose model is cut otherwise (other names or shapes) is refused. A
-PS started without ``--shard`` refuses a worker that believes it is one of several shards. Every
-refusal says what to do.
+it for shard I; the first accepted request that names a partition digest fixes it, and a later worker
+whose model is cut otherwise (other names or shapes) is refused. A PS started without ``--shard``
+refuses a worker that believes it is one of several shards. Every refusal says what to do.
+
+A request that is refused fixes nothing: :meth:`ShardGuard.check` only compares, and the server calls
+:meth:`ShardGuard.fix` once the hello or init is accepted. A digest fixed by hellos alone, before any
+model exists, holds only as the world size does (while a worker that said hello can still be counted
+on, :meth:`~plug_asgd.ps.membership.Membership.claimed`): a hello that squatted a free rank with a
+digest of its own and went away does not lock the run out. Once a model exists (an accepted init, a
+resumed checkpoint), its digest is final.
 
 A shard's checkpoint records its ``I/N`` and that digest (:meth:`ShardGuard.checkpoint_fields`), so a
 shard resumed from it (:meth:`ShardGuard.restore`) refuses the checkpoint of another shard, and refuses
@@ -35,6 +41,7 @@ class ShardGuard:
         self.index, self.count = parse_shard(shard) if shard is not None else (0, 1)
         self.sharded = shard is not None
         self.digest: str | None = None
+        self.final = False  # fixed by the model itself (an accepted init, a checkpoint), not by hellos alone
 
     @property
     def spec(self) -> str | None:
@@ -77,14 +84,32 @@ class ShardGuard:
                                   + f"; {what}")
         digest = fields.get("partition_digest")
         if self.sharded and isinstance(digest, str) and 0 < len(digest) <= 64:
-            self.digest = digest
+            self.digest, self.final = digest, True
 
-    def check(self, fields: dict[str, Any], address: str = "") -> None:
-        """Refuses (``partition_mismatch``) a hello or init whose ``partition`` field this shard cannot take.
+    def fix(self, digest: str | None, *, final: bool, held: bool = True) -> None:
+        """A hello or init that named ``digest`` (what :meth:`check` returned) was accepted: the first fixes it.
+
+        Args:
+            digest: the partition digest the request named; None: it named none (a whole model's worker).
+            final: whether a model exists now (an init was accepted, or the PS resumed): the digest is then fixed
+                for good.
+            held: whether a digest fixed by hellos alone still holds (a worker that said hello can still be counted
+                on); where not, this one replaces it.
+        """
+        if digest is None or not self.sharded:
+            return
+        if self.digest is None or not (self.final or held):
+            self.digest = digest
+        self.final = self.final or (final and digest == self.digest)
+
+    def check(self, fields: dict[str, Any], address: str = "", *, held: bool = True) -> str | None:
+        """Refuses (``partition_mismatch``) a hello or init whose ``partition`` field this shard cannot take; returns
+        the digest it names (None: none), for :meth:`fix` once the request is accepted. It changes nothing.
 
         Args:
             fields: the request's header fields; its ``partition`` is None for a worker of a whole model.
             address: this PS's address, for the error message.
+            held: whether a digest fixed by hellos alone still holds; where not, it is not compared.
 
         Raises:
             WireError: ``partition_mismatch`` where the worker's partition is not this shard's (whole model or
@@ -97,7 +122,7 @@ class ShardGuard:
                 raise WireError(CODE, f"{here} holds shard {self.index}/{self.count} of a sharded model and the "
                                       f"worker asked for the whole model: give the strategy every shard's address, "
                                       f"in order (ps_address=[...]), or start one PS without --shard")
-            return
+            return None
         if not (isinstance(part, dict) and isinstance(part.get("shards"), int) and isinstance(part.get("shard"), int)
                 and isinstance(part.get("digest"), str) and 0 < len(part["digest"]) <= 64):
             raise WireError("bad_field", "field 'partition' must be {shards: int, shard: int, digest: str}")
@@ -114,11 +139,10 @@ class ShardGuard:
         if shard != self.index:
             raise WireError(CODE, f"{here} is shard {self.index}/{self.count} and the worker took it for shard "
                                   f"{shard}: list the shards' addresses in the order of their --shard")
-        if self.digest is None:
-            self.digest = digest
-        elif digest != self.digest:
+        if self.digest is not None and (self.final or held) and digest != self.digest:
             raise WireError(CODE, f"{here} (shard {self.index}/{self.count}) holds a model cut by partition "
                                   f"{self.digest} and the worker cuts its own as {digest}: its tensors' names or "
                                   "shapes differ from those of the workers that came first, or its compressor "
                                   "keeps other tensors whole. Train the same model with the same compressor on "
                                   "every worker, or restart the shards for this one")
+        return digest

@@ -39,7 +39,8 @@ class Stats:
         workers_lost: workers declared lost for their silence.
         workers_back: lost workers taken back when they spoke again.
         refused: refused requests, by error code.
-        replies_dropped: replies dropped, by why (``queue_full``, ``gone``).
+        replies_dropped: replies dropped, by why (``queue_full``, ``gone``, ``total``: past the bytes queued over all
+            connections).
         staleness: folded pushes by staleness (central versions behind).
         pushes_by_rank: folded pushes by rank.
         bytes_out_by_rank: reply bytes by the rank of the connection they went to.
@@ -74,7 +75,7 @@ class Stats:
     workers_lost: int = 0
     workers_back: int = 0
     refused: Counter = field(default_factory=Counter)
-    replies_dropped: Counter = field(default_factory=Counter)  # queue_full (a connection not reading), gone
+    replies_dropped: Counter = field(default_factory=Counter)  # queue_full (a connection not reading), gone, total
     staleness: Counter = field(default_factory=Counter)
     pushes_by_rank: Counter = field(default_factory=Counter)
     bytes_out_by_rank: Counter = field(default_factory=Counter)  # every reply to a worker's connection

@@ -36,6 +36,10 @@ FOLDED = "folded"  # handed to the mode's rule, which resolved it now or will la
 # The largest staleness estimate a push may say it was scaled for: far beyond any a worker measures, small enough
 # that the correction stays a finite float32 factor.
 MAX_SCALED_FOR = 1e6
+# How far a push's number may lie past its session's last one. A worker numbers its pushes 1, 2, 3...; the gap
+# it leaves is the pushes the PS never recorded (refused, or folded after the checkpoint a PS resumed from), far
+# below this. One push cannot set its session's number beyond what its worker will reach.
+MAX_SEQ_STEP = 1 << 32
 
 
 @dataclass
@@ -255,7 +259,8 @@ class Store(ABC):
 
         Raises:
             WireError: ``bad_field`` for a base ahead of the central version; ``duplicate`` for a push received
-                already (and the refusals of its decoding and checks).
+                already; ``seq_gap`` for a number more than :data:`MAX_SEQ_STEP` past its session's last (and the
+                refusals of its decoding and checks).
         """
         self.require_init()
         base = push.base_version
@@ -264,8 +269,12 @@ class Store(ABC):
                 raise WireError("bad_field", f"base_version {base} is ahead of the central version "
                                              f"{self.state.version}")
             base = self.state.version  # based on updates this PS lost in its crash: fold in as fresh
-        if push.seq <= self.last_seq.get(push.session, -1):
+        last = self.last_seq.get(push.session)
+        if last is not None and push.seq <= last:
             raise WireError("duplicate", f"push {push.seq} of this worker was already received")
+        if push.seq > (last or 0) + MAX_SEQ_STEP:
+            raise WireError("seq_gap", f"push number {push.seq} is more than {MAX_SEQ_STEP} past this session's last "
+                                       f"({last or 0}): a worker numbers its pushes one after another")
         staleness = self.state.version - base
         correction = self._correction(push.scaled_for, staleness)  # refused before anything is read
         sent, local_bytes = self._read_local(push.session, push.tensors)

@@ -239,14 +239,16 @@ class ShardedClient:
         summed = {k: sum(s.get(k) or 0 for s in each) for k in _TRAFFIC}
         return {**each[0], **summed, "shards": each}
 
-    def bye(self, stage: int, timeout: float = 5.0) -> None:
+    def bye(self, stage: int, timeout: float = 5.0, failed: str | None = None) -> None:
         """Leave ``stage`` on every shard.
 
         Args:
             stage: the number of the stage being left.
             timeout: seconds to wait for each shard's answer.
+            failed: what the stage ended on, where it failed (each shard stops the job's other workers); None: it
+                ended well.
         """
-        self._each(lambda c, _: c.bye(stage, timeout=timeout))
+        self._each(lambda c, _: c.bye(stage, timeout=timeout, failed=failed))
 
     def close(self) -> None:
         """Close every shard's client, then the threads that made their requests."""

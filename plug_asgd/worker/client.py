@@ -148,8 +148,10 @@ class PSClient(Transport):
               alive: Callable[[], str | None] | None = None) -> dict[str, Any]:
         """Join (or rejoin) the run as this rank. The PS's token is kept and sent with every later hello
         and heartbeat: it proves this is the worker that holds the rank. A rank still held by a live
-        worker (a restarted process whose predecessor is not yet declared lost), or a PS of another run
-        (``run_mismatch``), is asked again every half second until ``timeout``.
+        worker (a restarted process whose predecessor is not yet declared lost), a world size held by
+        workers of another (``world_held``: a PS without a fixed world, whose first hello claimed
+        another, until those workers are declared lost), or a PS of another run (``run_mismatch``), is
+        asked again every half second until ``timeout``.
 
         Args:
             stage: the number of the Lightning stage being joined.
@@ -174,7 +176,7 @@ class PSClient(Transport):
                 reply = self.request("hello", fields, timeout=max(0.001, deadline - time.monotonic()), alive=alive)
                 break
             except PSError as exc:
-                if exc.code not in ("rank_taken", "run_mismatch") or time.monotonic() + 0.5 > deadline:
+                if exc.code not in ("rank_taken", "world_held", "run_mismatch") or time.monotonic() + 0.5 > deadline:
                     raise
                 log.info("rank %d: %s; asking again", self.rank, exc)
                 time.sleep(0.5)
@@ -378,15 +380,19 @@ class PSClient(Transport):
             out.append((r, o, {k[len(prefix):]: v for k, v in reply.tensors.items() if k.startswith(prefix)}))
         return out
 
-    def bye(self, stage: int, timeout: float = 5.0) -> None:
+    def bye(self, stage: int, timeout: float = 5.0, failed: str | None = None) -> None:
         """Leave ``stage``: the PS no longer counts this connection as the rank's (a later pull is a bystander's,
         and a reconnection says no hello) until :meth:`hello` again.
 
         Args:
             stage: the number of the stage being left.
             timeout: seconds to wait for the PS's answer.
+            failed: what the stage ended on, where it failed (the PS then stops the job's other workers, saying
+                this); None: it ended well.
         """
-        self.request("bye", {"rank": self.rank, "stage": stage}, timeout=timeout)
+        fields = {"rank": self.rank, "stage": stage} if failed is None else {
+            "rank": self.rank, "stage": stage, "failed": failed}
+        self.request("bye", fields, timeout=timeout)
         self._hello_fields = None
 
     def stats(self, timeout: float | None = None) -> dict[str, Any]:
