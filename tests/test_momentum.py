@@ -30,7 +30,7 @@ from momentum_regression import Regression, one_process_loss, threaded_fit, val_
 # downpour) and beyond 1e8 (adacomp, the codecs). The tail came from pushes folded at a lagging scale where the
 # workers' pace changed; since the PS corrects that (StalenessCompensation.correct, docs/momentum.md) 48 fits of
 # downpour, asgd and ssp beside two busy processes ended at 0.9 to 7.1, against 1.2 to 109.6 without it
-# (2026-11-25, docs/momentum.md, "The estimate, corrected at the PS"). The synchronous modes are deterministic
+# (docs/momentum.md, "The estimate, corrected at the PS"). The synchronous modes are deterministic
 # (sync 2.72, localsgd 4.24, osp 3.72; losp 3.05 with its compensation, 88 without).
 REGRESSION_BOUND = 2.0
 REPEATS = 3  # fits of each mode with compensation: the bound holds for their median

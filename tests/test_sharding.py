@@ -378,8 +378,8 @@ ROUNDS = {"sync", "localsgd", "sagn", "osp", "losp"}
 # 0.955, downpour 0.963; the others 0.961 or more); the bar is bn_sched's for this model (test_training's BatchNorm
 # test), 2.4 points under the lowest. sagn cannot reach it: its 10 synchronous rounds, each the workers' 4 steps
 # averaged and divided by 4, end at 0.811 in all 5 (deterministic: bit for bit the same on one PS), 0.64 at a step
-# size of 0.1 and 0.84 at 0.8. It is marked xfail with these numbers (issue 23: no settings of its own); sagn
-# sharded reached the suite's Fashion-MNIST threshold (test_training's sharded launch, until 89fa41b)
+# size of 0.1 and 0.84 at 0.8. It is marked xfail with these numbers (no settings of its own here); with its own step
+# size (lr 0.003) sagn reaches the suite's Fashion-MNIST threshold (test_training's scheme launch)
 FIT_ACCURACY = 0.9
 SHORT_OF_THE_BAR = {"sagn": "sagn ends this model's 40 steps at 0.811 at the common step size (0.64 at 0.1, 0.84 at "
                             "0.8), on one PS too: under the common 0.9"}
