@@ -91,15 +91,18 @@ PAIR_IDS = [f"{m}-{settings['compressor']}" for m, settings, _ in PAIRS]
 # the msgpack header of a push, around its tensor frames (a Packed codec's metadata rides in it): per push, from
 # about 525 bytes (fp16) to 960 (qsgd); bounded on both sides with a margin
 PUSH_HEADER_BYTES = (400, 1200)
-# the sharded counterpart of these runs: the core modes on a PS of 2 embedded shards, held to the same threshold,
-# versions (each shard's) and bytes (summed over shards); every codec on 2 shards is the full tier's
-# (`pytest -m full`: the same tests, the compressor's 2_shards rows), where the suite checks what a codec's slices
-# carry bit for bit without training (tests/test_sharding_modes.py, tests/test_sharding.py). The other schemes are
+# the sharded counterpart of these runs, the full tier's (`pytest -m full`: the same tests, their 2_shards rows): the
+# core modes and every codec on a PS of 2 embedded shards, held to the same threshold, versions (each shard's) and
+# bytes (summed over shards). The suite fits on shards in tests/test_sharding.py (every mode but hogwild on 2
+# embedded shards with Lightning, and the recipe on 2 shards to the same threshold) and checks what a codec's
+# slices carry bit for bit without training (tests/test_sharding_modes.py). The other schemes are
 # not run sharded here: tests/test_sharding.py fits every mode but hogwild on 2 embedded shards with Lightning (its
 # sharded_fits: versions, the workers' models, the central one assembled) and shows bit for bit that 2 shards fold
 # what one PS folds (dynsgd, ssp, the sync rounds, easgd, eamsgd, osp, losp: there and in test_sharding_modes.py)
 SHARDS = 2
 SHARD_IDS = ["one_ps", f"{SHARDS}_shards"]
+# one PS in the suite; 2 embedded shards in the full tier (`pytest -m full`)
+SHARD_COUNTS = [1, pytest.param(SHARDS, marks=pytest.mark.full)]
 # the one-PS launch (19 runs) takes about 2 minutes on 2 idle cores; the first test using it sets it up. The
 # sharded launch, when it had the same 20 runs (2 shard processes each), took 1.1-1.2x the one-PS launch in the
 # same session on 2 cores shared with other suites: 162 s against 147 s (load about 3.5), 276 s against 227 s
@@ -151,12 +154,13 @@ def launch_runs(tmp_path_factory, shards: int, full: bool = False) -> tuple[dict
 
 @pytest.fixture(scope="module")
 def launches(request, tmp_path_factory):
-    """Both launches below, started together: one after the other, they were the suite's longest path (pytest-xdist
-    runs this file's tests on one worker). Each fixture waits for its own. The sharded one runs every codec too
-    where the full tier is selected."""
+    """The launches below, started together: one after the other, they were the full tier's longest path
+    (pytest-xdist runs this file's tests on one worker). Each fixture waits for its own. The sharded one, with every
+    codec, is the full tier's: the suite's tests take one PS's only."""
     full = full_tier_selected(request.config)
     with ThreadPoolExecutor(2) as pool:
-        yield {shards: pool.submit(launch_runs, tmp_path_factory, shards, full) for shards in (1, SHARDS)}
+        yield {shards: pool.submit(launch_runs, tmp_path_factory, shards, full) for shards in ((1, SHARDS) if full
+                                                                                               else (1,))}
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +227,7 @@ def push_frames(codec_spec, shards: int) -> int:
 
 @needs_fashion
 @pytest.mark.timeout(CORE_TIMEOUT_S)  # the launches, when this test is the first to need them
-@pytest.mark.parametrize("shards", [1, SHARDS], ids=SHARD_IDS)
+@pytest.mark.parametrize("shards", SHARD_COUNTS, ids=SHARD_IDS)
 @pytest.mark.parametrize("mode", CORE)
 def test_each_mode_trains_the_central_model_well_above_chance(request, mode, shards):
     run = core_run(request, mode, shards)
@@ -235,7 +239,7 @@ def test_each_mode_trains_the_central_model_well_above_chance(request, mode, sha
 
 @needs_fashion
 @pytest.mark.timeout(CORE_TIMEOUT_S)
-@pytest.mark.parametrize("shards", [1, SHARDS], ids=SHARD_IDS)
+@pytest.mark.parametrize("shards", SHARD_COUNTS, ids=SHARD_IDS)
 def test_adacomp_pushes_at_least_30x_fewer_bytes_than_asgd(request, shards):
     asgd, ada = core_run(request, "asgd", shards), core_run(request, "adacomp", shards)
     assert asgd["pushes_applied"] == ada["pushes_applied"] == 250
@@ -253,7 +257,7 @@ def test_adacomp_pushes_at_least_30x_fewer_bytes_than_asgd(request, shards):
 
 @needs_fashion
 @pytest.mark.timeout(CORE_TIMEOUT_S)
-@pytest.mark.parametrize("shards", [1, SHARDS], ids=SHARD_IDS)
+@pytest.mark.parametrize("shards", SHARD_COUNTS, ids=SHARD_IDS)
 def test_adacomp_replies_carry_only_what_changed_so_its_downlink_stays_within_10x_its_uplink(request, shards):
     ada = core_run(request, "adacomp", shards)
     # every push's reply (250) and the pulls after it are deltas, or "own" where no other push raced it (the
@@ -276,7 +280,7 @@ def test_every_scheme_trains_the_recipe_above_the_core_threshold(scheme_runs, mo
 
 @needs_fashion
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
-@pytest.mark.parametrize("shards", [1, pytest.param(SHARDS, marks=pytest.mark.full)], ids=SHARD_IDS)
+@pytest.mark.parametrize("shards", SHARD_COUNTS, ids=SHARD_IDS)
 @pytest.mark.parametrize("mode, settings, codec", PAIRS, ids=PAIR_IDS)
 def test_every_compressor_trains_and_sends_what_its_format_says(request, mode, settings, codec, shards):
     run = scheme_run(runs_of(request, shards), f"{mode}-{settings['compressor']}")
