@@ -18,12 +18,12 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
-import zmq
 
 from plug_asgd.protocol.wire import DEFAULT_LIMITS, decode, encode
 from plug_asgd.ps import limits, replies
 from plug_asgd.ps.gathers import reply_size, share
 from plug_asgd.worker.client import PSClient
+from tests.test_hardening import Raw as HardeningRaw
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(170)]
 
@@ -32,29 +32,13 @@ W0 = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "big": np.zeros(BIG, np
 HEADER_LIMIT = DEFAULT_LIMITS.max_header_bytes  # what a PSClient reads
 
 
-class Raw:
-    """A raw DEALER socket that speaks the protocol by hand."""
+class Raw(HardeningRaw):
+    """test_hardening's raw socket, whose replies are whole messages (a gather's tensors too), read as a worker reads
+    them (DEFAULT_LIMITS)."""
 
-    def __init__(self, address: str, rcvhwm: int | None = None) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        if rcvhwm is not None:
-            self.sock.setsockopt(zmq.RCVHWM, rcvhwm)
-        self.sock.connect(address)
-
-    def send(self, msg_type: str, fields: dict, tensors: dict | None = None) -> None:
-        self.sock.send_multipart(encode(msg_type, {"rid": 1, **fields}, tensors))
-
-    def reply(self, timeout_ms: int = 30_000):
+    def reply(self, timeout_ms: int = 30_000):  # type: ignore[override]
         assert self.sock.poll(timeout_ms), "the PS did not answer"
-        return decode(self.sock.recv_multipart())  # as a worker reads it: DEFAULT_LIMITS
-
-    def ask(self, msg_type: str, fields: dict, tensors: dict | None = None):
-        self.send(msg_type, fields, tensors)
-        return self.reply()
-
-    def close(self) -> None:
-        self.sock.close(0)
+        return decode(self.sock.recv_multipart())
 
 
 def rss_mb(pid: int) -> float:

@@ -180,15 +180,19 @@ def by_panel(parameters: list[inspect.Parameter]) -> list[inspect.Parameter]:
     return sorted(parameters, key=rank)
 
 
+def _as_flag(help_option: Any) -> Any:
+    """``--help`` shown as a flag, without a ``<bool>`` beside it."""
+    if help_option is not None:
+        help_option.metavar = ""
+    return help_option
+
+
 class Command(TyperCommand):
     """A typer command whose ``--help`` flag shows as a flag, without a ``<bool>`` beside it."""
 
     @override
     def get_help_option(self, ctx: Any) -> Any:
-        help_option = super().get_help_option(ctx)
-        if help_option is not None:
-            help_option.metavar = ""
-        return help_option
+        return _as_flag(super().get_help_option(ctx))
 
 
 class Group(TyperGroup):
@@ -196,10 +200,7 @@ class Group(TyperGroup):
 
     @override
     def get_help_option(self, ctx: Any) -> Any:
-        help_option = super().get_help_option(ctx)
-        if help_option is not None:
-            help_option.metavar = ""
-        return help_option
+        return _as_flag(super().get_help_option(ctx))
 
 
 def _checker(name: str, *, invert: bool = False) -> Callable[[Any], Any]:
