@@ -19,15 +19,14 @@ import os
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from plug_asgd.compressors import Codec
 from plug_asgd.modes import Mode
-from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT, PSConfig
+from plug_asgd.ps import PSConfig
 from plug_asgd.ps.failure import MAX_FAILURE_CHARS
 from plug_asgd.ps_launcher import (
     EmbeddedPS,
-    check_arguments,
     check_placement,
     check_placements,
     configurer,
@@ -35,6 +34,7 @@ from plug_asgd.ps_launcher import (
     endpoints,
     ps_config,
 )
+from plug_asgd.ps_settings import PSSettings
 from plug_asgd.sharding.client import ShardedClient
 from plug_asgd.sharding.config import connect, make_partition, sharded, shards
 from plug_asgd.sharding.per_node import PER_NODE, gather_addresses, node_address, shard_endpoint
@@ -95,69 +95,6 @@ class Placement:
     local_rank: int
     global_rank: int
     world_size: int
-
-
-@dataclass(frozen=True)
-class PSSettings:
-    """The strategy's parameter-server arguments, checked once when built (``AsyncPSStrategy``'s Args say each).
-
-    Attributes:
-        ps_address: an external PS's address, or one per shard; None: an embedded PS.
-        ps_port: the embedded PS's port (None: the cluster's main port, + 1 under torchrun).
-        ps_shards: embedded shards, a count or ``"per_node"``; None: one PS.
-        max_updates: the PS stops every worker after this many updates.
-        connect_timeout: seconds to wait for the PS's first answer.
-        request_timeout: seconds to wait for any reply.
-        lost_timeout: seconds to wait for a PS whose connection dropped.
-        heartbeat_s: seconds between heartbeats, ``"auto"`` or None.
-        worker_timeout: seconds of silence after which the embedded PS declares a worker lost.
-        resume_from: a PS checkpoint file or folder the embedded PS starts from.
-        ps_run_dir: where the embedded PS writes its metrics.
-        ps_keys: CURVE keys folder.
-        ps_insecure: let the embedded PS listen beyond loopback without keys.
-        ps_threads: the embedded PS's fold threads.
-        delta_replies: replies carry only what changed, where that is less.
-        downlink_fraction: the share of each tensor a reply carries (None: all).
-        downlink_bound: every coordinate off by more than this is sent too.
-
-    Raises:
-        ValueError: an argument out of range (:func:`~plug_asgd.ps_launcher.check_arguments`).
-    """
-
-    ps_address: str | list[str] | None = None
-    ps_port: int | None = None
-    ps_shards: int | Literal["per_node"] | None = None
-    max_updates: int | None = None
-    connect_timeout: float = 60.0
-    request_timeout: float = 600.0
-    lost_timeout: float = 60.0
-    heartbeat_s: float | Literal["auto"] | None = "auto"
-    worker_timeout: float = DEFAULT_WORKER_TIMEOUT
-    resume_from: str | os.PathLike[str] | None = None
-    ps_run_dir: str | os.PathLike[str] | None = None
-    ps_keys: str | os.PathLike[str] | None = None
-    ps_insecure: bool = False
-    ps_threads: int = 1
-    delta_replies: bool = True
-    downlink_fraction: float | None = None
-    downlink_bound: float | None = None
-
-    def __post_init__(self) -> None:
-        check_arguments(max_updates=self.max_updates, heartbeat_s=self.heartbeat_s,
-                        worker_timeout=self.worker_timeout, ps_address=self.ps_address, ps_threads=self.ps_threads,
-                        downlink_fraction=self.downlink_fraction, downlink_bound=self.downlink_bound)
-
-    @property
-    def heartbeat_seconds(self) -> float | None:
-        """``heartbeat_s`` with ``"auto"`` resolved against ``worker_timeout``."""
-        return check_arguments(max_updates=self.max_updates, heartbeat_s=self.heartbeat_s,
-                               worker_timeout=self.worker_timeout, ps_address=self.ps_address,
-                               ps_threads=self.ps_threads)
-
-    @property
-    def downlink(self) -> dict[str, float | None]:
-        """The downlink's options, as :class:`~plug_asgd.ps.PSConfig` names them."""
-        return {"downlink_fraction": self.downlink_fraction, "downlink_bound": self.downlink_bound}
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,11 @@ from plug_asgd.protocol.security import check_bind
 from plug_asgd.ps import PSConfig, embedded_command
 from plug_asgd.sharding.client import ShardedClient
 from plug_asgd.sharding.config import shard_folder
-from plug_asgd.worker.client import DEFAULT_HEARTBEAT_S, PSClient, PSError, PSUnreachableError
+from plug_asgd.worker.client import PSClient, PSError, PSUnreachableError
 
 if TYPE_CHECKING:
-    from plug_asgd.connection import PSSettings
     from plug_asgd.modes import Mode
+    from plug_asgd.ps_settings import PSSettings
 
 
 @runtime_checkable
@@ -42,41 +42,6 @@ def configurer(trainer: Any) -> ConfiguresPS | None:
     """
     found = [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, ConfiguresPS)]
     return found[0] if found else None
-
-
-def check_arguments(*, max_updates: int | None, heartbeat_s: float | str | None, worker_timeout: float,
-                    ps_address: str | Sequence[str] | None, ps_threads: int, **ps_options: Any) -> float | None:
-    """Refuses the strategy's PS arguments that are out of range; returns ``heartbeat_s`` with ``"auto"`` resolved.
-
-    Args:
-        max_updates: the PS stops every worker after this many updates (None: never); at least 1.
-        heartbeat_s: seconds between a worker's heartbeats, ``"auto"`` (``min(2, worker_timeout / 4)``) or None
-            (none); at most half of ``worker_timeout``, so that one late beat does not make a live worker lost.
-        worker_timeout: seconds of silence after which the PS declares a worker lost.
-        ps_address: an external PS's ``tcp://`` or ``ipc://`` address, or one per shard (None: embedded).
-        ps_threads: the embedded PS's fold threads, 1 to 256.
-        **ps_options: fields of :class:`PSConfig` by name (``downlink_fraction=...``), checked as the PS checks
-            them.
-
-    Raises:
-        ValueError: an argument out of range, or an address that is not ``tcp://`` or ``ipc://``.
-    """
-    for name, value in ps_options.items():
-        PSConfig.check(name, value)
-    if max_updates is not None and max_updates < 1:
-        raise ValueError(f"max_updates must be >= 1, got {max_updates}")
-    if heartbeat_s == "auto":
-        heartbeat_s = min(DEFAULT_HEARTBEAT_S, worker_timeout / 4)
-    if heartbeat_s is not None and not 0 < heartbeat_s <= worker_timeout / 2:  # type: ignore[operator]
-        raise ValueError(f"heartbeat_s must be in (0, worker_timeout / 2 = {worker_timeout / 2:g}] so that one "
-                         f"late beat does not make a live worker lost, got {heartbeat_s}")
-    for address in [ps_address] if isinstance(ps_address, str) else ps_address or []:
-        if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"ps_address must look like tcp://host:port (or be a list of such, one per shard), "
-                             f"got {address!r}")
-    if not 1 <= ps_threads <= 256:
-        raise ValueError(f"ps_threads must be between 1 and 256, got {ps_threads}")
-    return heartbeat_s  # type: ignore[return-value]
 
 
 def endpoint(ps_address: str | None, ps_port: int | None, main_address: str | None, main_port: int,
