@@ -1,8 +1,10 @@
 """The training schemes: when a worker pushes, what it sends, and how the PS folds it in.
 
 A mode is an object (:class:`Mode`, e.g. ``SSP(staleness_bound=3)``) with a name in :data:`MODES`;
-:func:`get` takes a name, a configured mode or a dict. Its worker half is in
-:mod:`plug_asgd.modes.schemes`, its server half (the fold rules) in :mod:`plug_asgd.modes.rules`.
+:func:`get` takes a name, a configured mode or a dict. Its worker half is in :mod:`plug_asgd.modes.base`
+(:class:`Mode`, :class:`PushMode`, the registry) and the modules of the modes themselves
+(:mod:`~plug_asgd.modes.asynchronous`, :mod:`~plug_asgd.modes.rounds`, :mod:`~plug_asgd.modes.shared_and_elastic`),
+its server half (the fold rules) in :mod:`plug_asgd.modes.rules`.
 Everything here works on numpy arrays: the PS never imports torch or Lightning.
 """
 
@@ -13,27 +15,15 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from plug_asgd import registry
+
+# the modes register in MODES as their modules are imported, in this (isort's) order: the order of mode_table()
+# and of docs/modes.md's table
+from plug_asgd.modes.asynchronous import AGN, SSP, AdaComp, Asgd, Downpour, DynSGD
+from plug_asgd.modes.base import MODES, Mode, PushMode
 from plug_asgd.modes.fold import APPLIED, DROPPED, CentralState, Push, Resolution, all_finite, can_fold_into
+from plug_asgd.modes.rounds import LOSP, OSP, SAGN, LocalSGD, Sync
 from plug_asgd.modes.rules import AdaCompRule, AsgdRule, DynSGDRule, FoldRule, SSPRule, SyncRule
-from plug_asgd.modes.schemes import (
-    AGN,
-    EAMSGD,
-    EASGD,
-    LOSP,
-    MODES,
-    OSP,
-    SAGN,
-    SSP,
-    AdaComp,
-    Asgd,
-    Downpour,
-    DynSGD,
-    Hogwild,
-    LocalSGD,
-    Mode,
-    PushMode,
-    Sync,
-)
+from plug_asgd.modes.shared_and_elastic import EAMSGD, EASGD, Hogwild
 
 __all__ = ["AGN", "APPLIED", "DROPPED", "EAMSGD", "EASGD", "LOSP", "MODES", "OSP", "SAGN", "SSP", "AdaComp",
            "AdaCompRule", "Asgd", "AsgdRule", "CentralState", "Downpour", "DynSGD", "DynSGDRule", "FoldRule",

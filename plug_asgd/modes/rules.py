@@ -1,6 +1,6 @@
 """The server half of the modes: the fold rules, which fold workers' pushes into the central tensors.
 
-A mode (:mod:`plug_asgd.modes.schemes`) makes its rule with ``Mode.make_rule``. A rule answers every
+A mode (:mod:`plug_asgd.modes.base`) makes its rule with ``Mode.make_rule``. A rule answers every
 push with a *resolution*: applied, dropped as stale, or (for ``sync``) nothing yet, in which case the
 push is resolved later, when its round completes. The PS replies to a push only once it is resolved,
 which is what makes ``sync`` workers wait. Everything here works on numpy arrays: the PS never
