@@ -18,7 +18,8 @@ from plug_asgd.protocol.wire import Sparse, WireError, decode, encode, message_b
 from plug_asgd.ps import PSConfig
 from plug_asgd.ps.changes import ChangeLog, parse_have
 from plug_asgd.ps.fast_store import FastStore
-from plug_asgd.ps.store import PushIn, ReferenceStore
+from plug_asgd.ps.reference_store import ReferenceStore
+from plug_asgd.ps.store_records import PushIn
 from plug_asgd.worker.client import HeldModel, PSClient, PSError
 
 SHAPES = {"w": (300, 400), "b": (400,)}  # w: 120,000 coordinates, two sparse blocks

@@ -4,7 +4,7 @@ The attacks of issue 47, each against a real PS process from raw sockets, with t
 asserted (its pushes applied, its collectives answered, its world size) and the exact refusals counted:
 
 1. a session another rank holds: refused (``session_taken``), before and after a ``--resume``; a push number
-   past its session's last by more than :data:`~plug_asgd.ps.store.MAX_SEQ_STEP` is refused (``seq_gap``);
+   past its session's last by more than :data:`~plug_asgd.ps.store_records.MAX_SEQ_STEP` is refused (``seq_gap``);
    checkpoints are 0600 and keep a hash of each session's token, never the token;
 3. refused messages fix no partition digest on a fresh shard;
 4. a world claimed by a squatter that went away passes once it is declared lost; a hello for another world
@@ -32,9 +32,10 @@ from plug_asgd.protocol.partition import Partition
 from plug_asgd.protocol.wire import PROTOCOL_VERSION, WireError, decode, encode
 from plug_asgd.ps import PSConfig, embedded_command, limits
 from plug_asgd.ps.membership import Membership
+from plug_asgd.ps.reference_store import ReferenceStore
 from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.stats import Stats
-from plug_asgd.ps.store import MAX_SEQ_STEP, PushIn, ReferenceStore
+from plug_asgd.ps.store_records import MAX_SEQ_STEP, PushIn
 from plug_asgd.sharding.client import ShardedClient
 from plug_asgd.worker.client import PSClient
 

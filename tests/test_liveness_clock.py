@@ -1,6 +1,6 @@
-"""The PS's liveness rule on an injected clock (plug_asgd.ps.membership): a heartbeating worker is lost
-once silent for more than ``worker_timeout`` seconds, and not a moment before, whatever the load on the
-machine running the test. The real-socket tests in test_ps_protocol.py check the same rule end to end
+"""The PS's liveness rule on an injected clock (plug_asgd.ps.liveness, through plug_asgd.ps.membership): a
+heartbeating worker is lost once silent for more than ``worker_timeout`` seconds, and not a moment before, whatever
+the load on the machine running the test. The real-socket tests in test_ps_protocol.py check the same rule end to end
 with wide margins; the boundary is checked here. Pure logic: quick."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from plug_asgd.protocol.wire import decode, encode
-from plug_asgd.ps import membership
+from plug_asgd.ps import liveness, membership
 from plug_asgd.ps.membership import Membership
 from plug_asgd.ps.stats import Stats
 
@@ -21,7 +21,9 @@ TOKENS: dict[int, str] = {}
 @pytest.fixture
 def clock(monkeypatch):
     now = SimpleNamespace(t=1000.0)
-    monkeypatch.setattr(membership, "time", SimpleNamespace(time=lambda: now.t, monotonic=lambda: now.t))
+    fake = SimpleNamespace(time=lambda: now.t, monotonic=lambda: now.t)
+    for module in (membership, liveness):  # hello and bye read the clock, and the liveness rule
+        monkeypatch.setattr(module, "time", fake)
     return now
 
 

@@ -106,7 +106,7 @@ def test_unknown_mode_lists_the_modes():
 def test_the_store_folds_into_a_copy_while_a_zero_copy_reply_is_in_flight():
     from plug_asgd.ps import PSConfig
     from plug_asgd.ps.fast_store import FastStore
-    from plug_asgd.ps.store import PushIn
+    from plug_asgd.ps.store_records import PushIn
 
     store = FastStore(PSConfig(), copy_threshold=0)  # (every frame of a reply tracked, however small)
     store.init({"w": np.zeros(4, np.float32)})

@@ -22,7 +22,9 @@ from plug_asgd.protocol.push_memory import PushSegment
 from plug_asgd.protocol.wire import Sparse, WireError, decode, encode
 from plug_asgd.ps import PSConfig
 from plug_asgd.ps.fast_store import FastStore
-from plug_asgd.ps.store import FOLDED, NOT_CURRENT, PushIn, ReferenceStore, Store
+from plug_asgd.ps.reference_store import ReferenceStore
+from plug_asgd.ps.store import Store
+from plug_asgd.ps.store_records import FOLDED, NOT_CURRENT, PushIn
 
 SHAPES = {"w": (24, 40), "b": (40,), "h": (3, 5)}
 WORKERS = 3

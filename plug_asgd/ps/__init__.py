@@ -5,8 +5,10 @@
 - :mod:`~plug_asgd.ps.model_requests`: the ``init``, ``pull`` and ``push`` handlers and their model replies;
 - :mod:`~plug_asgd.ps.membership`: hello and bye, heartbeats, lost and taken back;
 - :mod:`~plug_asgd.ps.gathers`: the gather behind barriers, broadcasts and reductions;
-- :mod:`~plug_asgd.ps.store` and :mod:`~plug_asgd.ps.fast_store`: the central tensors, their fold and
-  who owns each buffer (the reference store, and the one that serves);
+- :mod:`~plug_asgd.ps.store`, :mod:`~plug_asgd.ps.reference_store` and :mod:`~plug_asgd.ps.fast_store`: the
+  central tensors, their fold and who owns each buffer (what every store does, the reference store, and the one
+  that serves); :mod:`~plug_asgd.ps.store_records`: what a push brings in, what becomes of it, what a checkpoint
+  keeps;
 - :mod:`~plug_asgd.ps.persistence` and :mod:`~plug_asgd.ps.stats`: checkpoints, metrics, counters;
 - :mod:`~plug_asgd.ps.disk`: failed writes counted and retried, the file-descriptor limit;
 - :mod:`~plug_asgd.ps.embedded`: the PS as a process of its own;

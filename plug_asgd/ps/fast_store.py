@@ -11,7 +11,7 @@ Four ways of not copying (what each saved: ``docs/design.md``, "The parameter se
 - a lone worker's weights in its shared memory are kept as the model where they lie (lent) until
   that worker is next answered.
 
-``tests/test_store.py`` holds it to :class:`~plug_asgd.ps.store.ReferenceStore`'s bits.
+``tests/test_store.py`` holds it to :class:`~plug_asgd.ps.reference_store.ReferenceStore`'s bits.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from plug_asgd.modes import can_fold_into
 from plug_asgd.protocol.wire import Local, Sparse, Tensor, encode
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.stats import Stats
-from plug_asgd.ps.store import PushIn, Store
+from plug_asgd.ps.store import Store
+from plug_asgd.ps.store_records import PushIn
 
 
 class FastStore(Store):

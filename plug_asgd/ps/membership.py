@@ -1,9 +1,8 @@
-"""Who is in the run: hello and bye, heartbeats, and liveness (lost, and taken back).
+"""Who is in the run: hello and bye, the world size, and who owns each rank and session.
 
-A worker whose hello announced heartbeats and that is silent for ``worker_timeout`` seconds is
-declared lost: no sync round, staleness bound or collective waits for it any more. If it speaks
-again it is taken back as it is (its late pushes meet the mode's rule like any stale push); a
-new session for the same rank (a restarted process) replaces the lost one.
+Which workers are live or lost, and when one is declared lost or taken back, is :mod:`plug_asgd.ps.liveness`'s
+(:class:`Membership` is its :class:`~plug_asgd.ps.liveness.Liveness`, joined); a new session for the rank of a
+lost worker (a restarted process) replaces the lost one.
 
 A rank belongs to the connection (ZeroMQ identity) and session that said hello for it: bye,
 push, pull, gather and attach from any other connection are refused (``not_member``: it never
@@ -35,36 +34,10 @@ from typing import Any
 
 from plug_asgd.protocol.wire import Message, WireError
 from plug_asgd.ps import limits
+from plug_asgd.ps.liveness import Liveness, WorkerInfo
 from plug_asgd.ps.stats import Stats
 
 log = logging.getLogger("plug_asgd.ps")
-
-
-@dataclass
-class WorkerInfo:
-    """A worker that said hello: who it is, where it is, and what the PS knows of it.
-
-    Attributes:
-        rank: its rank in the run.
-        identity: the ROUTER identity of the connection that said hello (replies go there).
-        session: the session string of its process; a new one is a restarted process.
-        stage: the stage (a fit, a validation...) it said hello for.
-        training: whether it trains in that stage (pushes), so that sync rounds and ssp wait for it.
-        last_seen: when it last spoke, in ``time.time()`` seconds.
-        pushes: how many of its pushes were folded in.
-        heartbeat_s: the heartbeat interval its hello announced, in seconds; None: never declared lost.
-        token: the membership token the hello reply gave it: a hello that carries it may take the rank over.
-    """
-
-    rank: int
-    identity: bytes
-    session: str
-    stage: int
-    training: bool
-    last_seen: float
-    pushes: int = 0
-    heartbeat_s: float | None = None  # announced in hello; None: never declared lost
-    token: str = ""  # given in the hello reply: a hello that carries it may take the rank over
 
 
 @dataclass(frozen=True)
@@ -91,7 +64,7 @@ def proof(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-class Membership:
+class Membership(Liveness):
     """The workers of a run by rank, and by the identity of their connection; the methods that change
     who trains return what the serving loop must then tell the store (``trainers``).
 
@@ -103,14 +76,9 @@ class Membership:
     """
 
     def __init__(self, worker_timeout: float, stats: Stats, world_size: int | None = None) -> None:
-        self.worker_timeout = worker_timeout
-        self.stats = stats
+        super().__init__(worker_timeout, stats)
         self._world_size = world_size
         self.world_fixed = world_size is not None  # by the config: a hello of another size is refused for good
-        self._last_bye: float | None = None  # when a worker last left a stage: its world stays held a while
-        self.workers: dict[int, WorkerInfo] = {}
-        self.lost: dict[int, WorkerInfo] = {}  # declared dead; taken back if they speak again
-        self.by_identity: dict[bytes, WorkerInfo] = {}
         self.ever_joined: set[int] = set()
         self.left: dict[int, set[int]] = defaultdict(set)
         self.late: dict[int, set[int]] = defaultdict(set)  # restarted mid-stage: outside its collectives
@@ -168,100 +136,6 @@ class Membership:
         if session and limits.session(msg) != worker.session:
             raise WireError("not_owner", f"this connection's session for rank {worker.rank} is another one")
         return worker
-
-    def seen(self, identity: bytes) -> bool:
-        """A request came from ``identity``; True if that took a lost worker back.
-
-        Args:
-            identity: the ROUTER identity of the connection the request came on.
-        """
-        worker = self.by_identity.get(identity)
-        if worker is not None:
-            worker.last_seen = time.time()
-            return False
-        lost = next((w for w in self.lost.values() if w.identity == identity), None)
-        if lost is not None:
-            self._take_back(lost)
-        return lost is not None
-
-    def heartbeat(self, msg: Message) -> bool:
-        """From a worker's heartbeat socket (another identity): keeps it alive if it carries the rank's session
-        and token; True if it took a lost worker back. One for a rank held (live or lost) by another session or
-        token is counted as ``not_member``, with no reply (that socket never reads); one for a rank nobody
-        holds (a worker that said bye, a PS restarted before the hello) is ignored.
-
-        Args:
-            msg: the ``heartbeat`` message: ``rank``, ``session`` and ``token``.
-        """
-        rank = msg.int_field("rank", minimum=0)
-        worker = self.workers.get(rank)
-        if _proves(worker, msg):
-            worker.last_seen = time.time()
-            return False
-        lost = self.lost.get(rank)
-        if _proves(lost, msg):
-            self._take_back(lost)
-            return True
-        if worker is not None or lost is not None:
-            self.stats.refused["not_member"] += 1
-        return False
-
-    def sender(self, msg: Message) -> int:
-        """The rank of a notice, which comes from a worker's other socket: it must carry the rank's session and
-        token (as a heartbeat does), else ``not_member``.
-
-        Args:
-            msg: the ``notice`` request: ``rank``, ``session`` and ``token``.
-
-        Raises:
-            WireError: ``not_member``, where no worker of that rank, live or lost, has that session and token.
-        """
-        rank = msg.int_field("rank", minimum=0)
-        worker = self.workers.get(rank) or self.lost.get(rank)
-        if not _proves(worker, msg):
-            raise WireError("not_member", f"no worker of rank {rank} with this session and token: say hello first")
-        return rank
-
-    def _take_back(self, worker: WorkerInfo) -> None:
-        """A lost worker spoke again: it rejoins as it was."""
-        del self.lost[worker.rank]
-        silent = time.time() - worker.last_seen
-        worker.last_seen = time.time()
-        self.workers[worker.rank] = worker
-        self.by_identity[worker.identity] = worker
-        self.stats.workers_back += 1
-        log.warning("rank %d is back after %.1f s of silence", worker.rank, silent)
-
-    def check_liveness(self, now: float | None = None) -> list[int]:
-        """Declare lost the heartbeating workers silent for ``worker_timeout`` s; returns their ranks.
-
-        Args:
-            now: the time to judge silence at, in ``time.time()`` seconds; None: now.
-        """
-        now = time.time() if now is None else now
-        gone = [w for w in self.workers.values()
-                if w.heartbeat_s is not None and now - w.last_seen > self.worker_timeout]
-        for w in gone:
-            del self.workers[w.rank]
-            self.by_identity.pop(w.identity, None)
-            self.lost[w.rank] = w
-            self.stats.workers_lost += 1
-            log.warning("rank %d silent for %.1f s (worker_timeout %g s): declared lost; nothing waits for it "
-                        "now", w.rank, now - w.last_seen, self.worker_timeout)
-        return [w.rank for w in gone]
-
-    def claimed(self, now: float | None = None) -> bool:
-        """Whether a worker of the run's world can still be counted on: it holds a rank and heartbeats (it would be
-        declared lost if it fell silent), or it spoke within ``worker_timeout`` (one whose hello announced no
-        heartbeats, never declared lost), or a worker left a stage within ``worker_timeout`` (between two stages).
-
-        Args:
-            now: the time to judge silence at, in ``time.time()`` seconds; None: now.
-        """
-        now = time.time() if now is None else now
-        if any(w.heartbeat_s is not None or now - w.last_seen <= self.worker_timeout for w in self.workers.values()):
-            return True
-        return self._last_bye is not None and now - self._last_bye <= self.worker_timeout
 
     def _check_claim(self, identity: bytes, msg: Message) -> tuple[int, int, str, str | None]:
         """The hello's rank, world size, session and token, refused beyond the limits, against a world fixed or held,
@@ -446,9 +320,3 @@ def _heartbeat(value: Any) -> float | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 3600):
         raise WireError("bad_field", f"heartbeat_s must be a number of seconds in (0, 3600), got {value!r}")
     return float(value) if value is not None else None
-
-
-def _proves(worker: WorkerInfo | None, msg: Message) -> bool:
-    """Whether ``msg``, from one of a worker's other sockets (heartbeat, notices), carries that worker's session and
-    token: the only proof such a socket has, since its identity is not the one that said hello."""
-    return worker is not None and worker.session == limits.session(msg) and worker.token == msg.fields.get("token")

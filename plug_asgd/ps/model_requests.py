@@ -20,7 +20,7 @@ from plug_asgd.ps.fast_store import FastStore
 from plug_asgd.ps.membership import Membership
 from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.stats import Stats
-from plug_asgd.ps.store import FOLDED, MAX_SCALED_FOR, NOT_CURRENT, PushIn
+from plug_asgd.ps.store_records import FOLDED, MAX_SCALED_FOR, NOT_CURRENT, PushIn
 
 log = logging.getLogger("plug_asgd.ps")
 

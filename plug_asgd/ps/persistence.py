@@ -1,6 +1,6 @@
 """What outlives a request: checkpoints (save, resume), the metrics file, and the counters as plain data.
 
-A checkpoint holds the store's :class:`~plug_asgd.ps.store.Snapshot` (tensors, version, the
+A checkpoint holds the store's :class:`~plug_asgd.ps.store_records.Snapshot` (tensors, version, the
 dedupe table, the rule's state), the owner of each session of the dedupe table (its rank and a
 hash of its worker's token: a resumed PS lets only that worker push under it again), the world
 size, the run id and the counters worth keeping; stage membership is not saved: it belongs to a
@@ -39,7 +39,8 @@ from plug_asgd.ps.disk import Retry, append_line
 from plug_asgd.ps.membership import Membership
 from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.stats import Stats
-from plug_asgd.ps.store import Snapshot, Store
+from plug_asgd.ps.store import Store
+from plug_asgd.ps.store_records import Snapshot
 
 log = logging.getLogger("plug_asgd.ps")
 
