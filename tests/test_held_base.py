@@ -15,9 +15,10 @@ from torch.utils.data import TensorDataset
 from plug_asgd.compressors import QSGD, PowerSGD, RandomK, Sign, TopK, TopKResidual, largest_magnitudes
 from plug_asgd.compressors.difference import CHUNK, FACTORS, SAMPLE, largest_differences, sample_threshold, top_k
 from plug_asgd.protocol.wire import Sparse
-from plug_asgd.worker.client import Changes, HeldModel, ModelReply
+from plug_asgd.worker.client import HeldModel
 from plug_asgd.worker.exchange.held_base import CENTRAL, RESIDUAL, HeldBase
 from plug_asgd.worker.exchange.push import PushExchange
+from plug_asgd.worker.model_reply import Changes, ModelReply
 from tests.threaded_fit import fit_in_threads
 
 

@@ -13,9 +13,9 @@ import torch
 
 from plug_asgd.modes import EASGD, LOSP, SAGN, LocalSGD, Mode
 from plug_asgd.modes.fold import APPLIED, CentralState, Push
-from plug_asgd.worker.client import ModelReply
 from plug_asgd.worker.compensation import resolve
 from plug_asgd.worker.exchange import Exchange, Link, make_exchange
+from plug_asgd.worker.model_reply import ModelReply
 
 CENTRAL0 = [1.0, -2.0]
 

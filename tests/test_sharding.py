@@ -284,7 +284,7 @@ def test_a_push_goes_to_every_shard_at_once_not_one_after_the_other(monkeypatch)
     import threading
     import time
 
-    from plug_asgd.worker.client import ModelReply
+    from plug_asgd.worker.model_reply import ModelReply
 
     calls: list[tuple[str, float, float, str]] = []
 

@@ -32,7 +32,8 @@ from typing import Any, Literal, TypeVar
 from plug_asgd.compressors import slice_packed
 from plug_asgd.protocol.partition import Partition
 from plug_asgd.protocol.wire import Tensor
-from plug_asgd.worker.client import CommCounters, ModelReply, PSClient
+from plug_asgd.worker.client import CommCounters, PSClient
+from plug_asgd.worker.model_reply import ModelReply
 from plug_asgd.worker.notices import Notices
 
 T = TypeVar("T")

@@ -4,6 +4,9 @@ Requests travel through :class:`~plug_asgd.worker.transport.Transport` (timeouts
 heartbeats, byte counters). Pushes carry a sequence number, so one that the PS had already
 applied before a reconnection is refused as a duplicate and never counted twice.
 
+What a model reply carries, and how it is read into the model the client holds, is
+:mod:`plug_asgd.worker.model_reply`'s.
+
 On the PS's machine the client can push through shared memory (:meth:`PSClient.push_buffers`,
 :mod:`plug_asgd.protocol.push_memory`); should the PS lose the segment (a restart), the push is sent again
 as bytes, and so are all later ones.
@@ -16,15 +19,15 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import zmq
 
 from plug_asgd.protocol import push_memory
-from plug_asgd.protocol.wire import DEFAULT_LIMITS, Limits, Message, Sparse, Tensor
+from plug_asgd.protocol.wire import DEFAULT_LIMITS, Limits, Tensor
 from plug_asgd.worker.held_model import HeldModel
+from plug_asgd.worker.model_reply import Changes, ModelReply, model_reply, with_have
 from plug_asgd.worker.notices import Notices
 from plug_asgd.worker.transport import DEFAULT_HEARTBEAT_S, CommCounters, PSError, PSUnreachableError, Transport
 
@@ -32,45 +35,6 @@ __all__ = ["DEFAULT_HEARTBEAT_S", "Changes", "CommCounters", "HeldModel", "Model
            "PSUnreachableError"]
 
 log = logging.getLogger("plug_asgd.worker.client")
-
-
-@dataclass(frozen=True)
-class Changes:
-    """What a delta reply changed of the model its client held (version ``since``): per tensor, the ascending flat
-    indices of the coordinates it set, or None where the tensor came whole; a tensor not named did not change.
-    A worker that keeps its own arrays beside the central ones updates them at these coordinates only.
-
-    Attributes:
-        since: the central version the client held before the reply.
-        indices: per tensor the reply changed, the flat indices it set (ascending), or None where it came whole.
-    """
-
-    since: int
-    indices: dict[str, np.ndarray | None]
-
-
-@dataclass
-class ModelReply:
-    """The PS's answer to a pull or a push: central version and tensors, and whether to stop.
-
-    Attributes:
-        version: the central model's version after the request.
-        status: what the PS did with a push (``applied``, ``dropped``, ``not_current``, ``duplicate``, ...) or
-            ``pulled`` for a pull.
-        stop: whether the PS asks the workers to stop training.
-        tensors: the central model by name (a delta reply's already patched in); empty where none came.
-        own: no tensors: the central model is exactly the worker's base plus its update (or its weights).
-        approx: the tensors are near the central model, not it: the PS sent only the largest differences.
-        changed: a delta reply's changes; None where the whole model came, or none.
-    """
-
-    version: int
-    status: str
-    stop: bool
-    tensors: dict[str, np.ndarray]
-    own: bool = False  # no tensors: the central model is exactly the worker's base plus its update (or its weights)
-    approx: bool = False  # near the central model, not it: the PS sent only the largest differences (downlink)
-    changed: Changes | None = None  # a delta reply's changes; None: the whole model came, or none
 
 
 class PSClient(Transport):
@@ -265,7 +229,7 @@ class PSClient(Transport):
     def pull(self) -> ModelReply:
         """The central model; as this rank once it said hello, else as a bystander (a Supervisor, a test)."""
         fields = {"rank": self.rank} if self._hello_fields is not None else {}
-        return self._model(self.request("pull", self._with_have(fields)))
+        return model_reply(self.request("pull", with_have(fields, self.held)), self.held, self.counters)
 
     def push(self, base_version: int, update: Mapping[str, Tensor],
              want_model: bool | Literal["unless_own"] = True,
@@ -325,7 +289,7 @@ class PSClient(Transport):
         if scaled_for is not None:
             fields["scaled_for"] = float(scaled_for)
         if want_model is not False:
-            fields = self._with_have(fields)
+            fields = with_have(fields, self.held)
         try:
             return self._send_push(fields, update, while_waiting)
         except PSError as exc:
@@ -342,14 +306,15 @@ class PSClient(Transport):
         if self._segment is not None:
             local = {n: o for n, t in update.items() if (o := self._segment.offset(t)) is not None} or None
         try:
-            reply = self._model(self.request("push", fields, update, local=local, while_waiting=while_waiting))
+            sent = self.request("push", fields, update, local=local, while_waiting=while_waiting)
+            reply = model_reply(sent, self.held, self.counters)
         except PSError as exc:
             if exc.code != "bad_local" or not local:
                 raise
             log.warning("the parameter server no longer maps this worker's memory (%s); pushing over the socket "
                         "from now on", exc)
             self._segment = local = None
-            reply = self._model(self.request("push", fields, update))
+            reply = model_reply(self.request("push", fields, update), self.held, self.counters)
         self.counters.own_replies += reply.own
         if reply.status == "not_current":  # sent, but neither folded nor dropped: the PS read nothing
             self.counters.pushes -= 1
@@ -402,27 +367,3 @@ class PSClient(Transport):
             timeout: seconds to wait for the reply; None: the client's ``request_timeout``.
         """
         return dict(self.request("stats", timeout=timeout).fields["stats"])
-
-    def _with_have(self, fields: dict[str, Any]) -> dict[str, Any]:
-        """``fields`` with the model this client holds, if any: the PS may then send only what changed since."""
-        have = self.held.have if self.held is not None else None
-        if have is None:
-            return fields
-        return {**fields, "have" if self.held.exact else "held": list(have)}  # type: ignore[union-attr]
-
-    def _model(self, reply: Message) -> ModelReply:
-        version = int(reply.fields["version"])
-        tensors: dict[str, np.ndarray] = dict(reply.tensors)  # type: ignore[arg-type]
-        changed = None
-        if reply.fields.get("delta") is True:
-            if self.held is None:
-                raise PSError("bad_reply", "the parameter server sent part of the model to a client that keeps none")
-            changed = Changes(self.held.version, {n: t.indices if isinstance(t, Sparse) else None
-                                                  for n, t in tensors.items()})
-            tensors = self.held.patch(tensors, version, exact=reply.fields.get("approx") is not True)
-            self.counters.delta_replies += 1
-        elif tensors and self.held is not None:
-            self.held.keep(reply.fields.get("model_id"), version, tensors)
-        return ModelReply(version=version, status=str(reply.fields.get("status")),
-                          stop=bool(reply.fields.get("stop")), tensors=tensors, own=reply.fields.get("own") is True,
-                          approx=reply.fields.get("approx") is True, changed=changed)

@@ -1,0 +1,97 @@
+"""The PS's model replies as a client reads them: what one carries (:class:`ModelReply`), what a delta reply changed
+(:class:`Changes`), the model a request says it holds (:func:`with_have`), and a reply read into the client's held
+model (:func:`model_reply`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from plug_asgd.protocol.wire import Message, Sparse
+from plug_asgd.worker.held_model import HeldModel
+from plug_asgd.worker.transport import CommCounters, PSError
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What a delta reply changed of the model its client held (version ``since``): per tensor, the ascending flat
+    indices of the coordinates it set, or None where the tensor came whole; a tensor not named did not change.
+    A worker that keeps its own arrays beside the central ones updates them at these coordinates only.
+
+    Attributes:
+        since: the central version the client held before the reply.
+        indices: per tensor the reply changed, the flat indices it set (ascending), or None where it came whole.
+    """
+
+    since: int
+    indices: dict[str, np.ndarray | None]
+
+
+@dataclass
+class ModelReply:
+    """The PS's answer to a pull or a push: central version and tensors, and whether to stop.
+
+    Attributes:
+        version: the central model's version after the request.
+        status: what the PS did with a push (``applied``, ``dropped``, ``not_current``, ``duplicate``, ...) or
+            ``pulled`` for a pull.
+        stop: whether the PS asks the workers to stop training.
+        tensors: the central model by name (a delta reply's already patched in); empty where none came.
+        own: no tensors: the central model is exactly the worker's base plus its update (or its weights).
+        approx: the tensors are near the central model, not it: the PS sent only the largest differences.
+        changed: a delta reply's changes; None where the whole model came, or none.
+    """
+
+    version: int
+    status: str
+    stop: bool
+    tensors: dict[str, np.ndarray]
+    own: bool = False  # no tensors: the central model is exactly the worker's base plus its update (or its weights)
+    approx: bool = False  # near the central model, not it: the PS sent only the largest differences (downlink)
+    changed: Changes | None = None  # a delta reply's changes; None: the whole model came, or none
+
+
+
+def with_have(fields: dict[str, Any], held: HeldModel | None) -> dict[str, Any]:
+    """``fields`` with the model a client holds, if any: the PS may then send only what changed since.
+
+    Args:
+        fields: a request's header fields.
+        held: the client's held model; None where it keeps none.
+    """
+    have = held.have if held is not None else None
+    if have is None:
+        return fields
+    return {**fields, "have" if held.exact else "held": list(have)}  # type: ignore[union-attr]
+
+
+def model_reply(reply: Message, held: HeldModel | None, counters: CommCounters) -> ModelReply:
+    """The model a PS's reply to a pull or a push carries: a delta reply patched into the client's held model, a whole
+    model kept as it.
+
+    Args:
+        reply: the PS's ``model`` reply.
+        held: the client's held model (brought up to date here); None where it keeps none.
+        counters: the client's counters, which count a delta reply.
+
+    Raises:
+        PSError: ``bad_reply``, where a delta reply comes to a client that keeps no model.
+    """
+    version = int(reply.fields["version"])
+    tensors: dict[str, np.ndarray] = dict(reply.tensors)  # type: ignore[arg-type]
+    changed = None
+    if reply.fields.get("delta") is True:
+        if held is None:
+            raise PSError("bad_reply", "the parameter server sent part of the model to a client that keeps none")
+        changed = Changes(held.version, {n: t.indices if isinstance(t, Sparse) else None
+                                         for n, t in tensors.items()})
+        tensors = held.patch(tensors, version, exact=reply.fields.get("approx") is not True)
+        counters.delta_replies += 1
+    elif tensors and held is not None:
+        held.keep(reply.fields.get("model_id"), version, tensors)
+    return ModelReply(version=version, status=str(reply.fields.get("status")),
+                      stop=bool(reply.fields.get("stop")), tensors=tensors, own=reply.fields.get("own") is True,
+                      approx=reply.fields.get("approx") is True, changed=changed)
