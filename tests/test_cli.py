@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 import plug_asgd
 from plug_asgd.cli import app as cli
-from plug_asgd.cli import options
+from plug_asgd.cli import options, training
 from plug_asgd.cli import status as ps_status
 from plug_asgd.modes import MODES
 from plug_asgd.ps.config import PSConfig
@@ -234,7 +234,7 @@ def test_train_passes_arguments_unchanged(monkeypatch):
     fake = types.ModuleType("plug_asgd_fake_recipe")
     fake.main = lambda argv: seen.append(argv)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "plug_asgd_fake_recipe", fake)
-    monkeypatch.setitem(cli.RECIPES, "fake", ("plug_asgd_fake_recipe", "a test recipe"))
+    monkeypatch.setitem(training.RECIPES, "fake", ("plug_asgd_fake_recipe", "a test recipe"))
     argv = ["--workers", "2", "-x", "value", "--help", "--", "positional", "--mode=sync"]
     before = list(sys.argv)
     result = runner.invoke(cli.app, ["train", "fake", *argv])

@@ -45,7 +45,7 @@ class Shown(NamedTuple):
 
 
 SHOWN: dict[str, Shown] = {
-    # serve-ps's own options (plug_asgd.cli.app._serve_ps_options)
+    # serve-ps's own options (plug_asgd.cli.serving._serve_ps_options)
     "host": Shown(NETWORK, "interface to listen on (0.0.0.0: all of them)", "HOST"),
     "port": Shown(NETWORK, "TCP port to listen on", "PORT"),
     "log_level": Shown(DISPLAY, "the PS's log level (its records go to stderr)", "LEVEL"),

@@ -6,8 +6,8 @@ every shard is up, holds its place (``I/N``, in the order given) and has the sam
 the traffic spreads over the shards (the reason to shard: each shard's link and core carry their
 part). Versions are per shard: every push reaches every shard, so they advance together, and one
 behind the others is a shard that was restarted from an older checkpoint. Only rich, the standard library and
-:mod:`plug_asgd.cli.dashboard` (rich only): ``plug_asgd.cli.app`` imports this when ``status`` is given several
-addresses.
+:mod:`plug_asgd.cli.dashboard` (rich only): ``plug_asgd.cli.reporting`` imports this when ``status`` is given
+several addresses.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :func:`ask` gets a PS's counters, :func:`stats_table` draws them as one table, :func:`watch` redraws
 the live view of one PS (``serve-ps``'s dashboard) or of every shard of a sharded PS. The command line
-(:mod:`plug_asgd.cli.app`) parses the arguments and turns a :class:`StatusError` into its exit code. Only
+(:mod:`plug_asgd.cli.reporting`) parses the arguments and turns a :class:`StatusError` into its exit code. Only
 rich, the standard library and the PS's client (no torch) are imported.
 """
 
