@@ -9,6 +9,10 @@ to the PS and loads the central weights the PS answers with. No torch.distribute
 exists; barriers, broadcasts and the metric reductions of evaluation travel through the PS, while
 a reduction requested during training (``self.log(..., sync_dist=True)`` in ``training_step``)
 stays local, because asynchronous workers are never in lockstep and must not wait for each other.
+
+The strategy's PS as it shows it (endpoints, placement, ``ps_handle``, counters) is its base
+:class:`~plug_asgd.strategy_ps.PSPlumbing`; Lightning's collectives through the PS are its base
+:class:`~plug_asgd.strategy_collectives.PSCollectives`.
 """
 
 from __future__ import annotations
@@ -18,23 +22,22 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
 import torch
 from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from lightning_utilities.core.rank_zero import rank_zero_warn
-from torch import Tensor
 from typing_extensions import override
 
 from plug_asgd import compressors, modes
 from plug_asgd.compressors import Codec
-from plug_asgd.connection import Placement, PSConnection, PSHandle, PSSettings
+from plug_asgd.connection import PSConnection, PSSettings
 from plug_asgd.lightning_bridge.plumbing import FAILED_GRACE_S, DDPPlumbing
 from plug_asgd.modes import Mode
 from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT
 from plug_asgd.sharding.client import ShardedClient
+from plug_asgd.strategy_collectives import PSCollectives
+from plug_asgd.strategy_ps import PSPlumbing
 from plug_asgd.worker.client import PSClient
-from plug_asgd.worker.collectives import Collectives
 from plug_asgd.worker.compensation import StalenessCompensation, resolve
 from plug_asgd.worker.exchange import Link, make_exchange
 from plug_asgd.worker.phase import Phase
@@ -48,10 +51,10 @@ if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); p
     from pytorch_lightning.plugins import CheckpointIO, ClusterEnvironment, Precision
 
 
-_FITTING, _TRAINING = "fit", "train"  # TrainerFn.FITTING and RunningStage.TRAINING of either namespace (str enums)
+_FITTING = "fit"  # TrainerFn.FITTING of either namespace (a str enum)
 
 
-class AsyncPSStrategy(DDPPlumbing):
+class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
     """Train any LightningModule with asynchronous, compressed or synchronous parameter-server SGD.
 
     Written once for both Lightning namespaces: ``AsyncPSStrategy(...)`` is a
@@ -301,76 +304,6 @@ class AsyncPSStrategy(DDPPlumbing):
             self.end_launched_ranks(FAILED_GRACE_S)
         super().teardown()
 
-    # -- the parameter server: its placement and client are plug_asgd.connection's ------------
-
-    @property
-    def per_node(self) -> bool:
-        """Whether each node runs one shard (``ps_shards="per_node"``)."""
-        return self.connection.per_node
-
-    @property
-    def ps_shards(self) -> int:
-        """How many shards the PS has (1: one PS); with ``ps_shards="per_node"``, the job's node count."""
-        return self.connection.shard_count(self.num_nodes)
-
-    @property
-    def ps_endpoint(self) -> str:
-        """The PS's address, ``tcp://host:port``, that the workers connect to (the embedded PS's or ``ps_address``;
-        shard 0's of a sharded PS, which serves the collectives)."""
-        return self.ps_endpoints[0]
-
-    @property
-    def ps_endpoints(self) -> list[str]:
-        """Every shard's address, in order (one: an unsharded PS's)."""
-        return self.connection.endpoints(self.placement())[0]
-
-    def placement(self) -> Placement:
-        """This worker's place in the job (its ranks, the cluster's main address), as the PS's placement needs it."""
-        env = self.cluster_environment
-        return Placement(main_address=env.main_address if env is not None else None,
-                         main_port=env.main_port if env is not None else 0,
-                         elastic=isinstance(env, self.elastic_environment), num_nodes=self.num_nodes,
-                         node_rank=self.node_rank, local_rank=self.local_rank, global_rank=self.global_rank,
-                         world_size=self.world_size)
-
-    def ps_handle(self) -> PSHandle:
-        """What a callback needs of the PS this strategy trains against (its addresses, keys and counters)."""
-        return PSHandle(endpoints=self.ps_endpoints, mode=self.mode.name, codec=self.compressor,
-                        keys=self.connection.settings.ps_keys, comm_stats=self.comm_stats, ps_stats=self.ps_stats)
-
-    def _connect(self) -> PSClient | ShardedClient:
-        """This worker's client, connected (and the embedded PS started) at the first stage; shut down at exit, or
-        when a later strategy of this process connects (``PSConnection.connect``)."""
-        client = self.connection.client
-        if client is None:
-            client = self.connection.connect(self.placement(), self._shapes, self._trainer(),
-                                             on_shutdown=self._exchange.close)
-        return client
-
-    def _shapes(self) -> dict[str, tuple[int, ...]]:
-        return {n: tuple(t.shape) for n, t in synced_tensors(self.lightning_module).items()}
-
-    def _trainer(self) -> Any:
-        return self.lightning_module.trainer if self.lightning_module is not None else None
-
-    def _shutdown(self, wait_for_workers: float = 30.0) -> None:
-        """Release the exchange (``on_shutdown``), let the other workers finish with the PS, then stop it (rank 0)
-        and close: what happens at exit, or when a later strategy of this process connects."""
-        self.connection.shutdown(wait_for_workers)
-
-    def comm_stats(self) -> dict[str, Any]:
-        """This worker's counters: local steps, bytes up and down (measured on the wire), time spent
-        waiting for the PS, the staleness of its pushes (updates of others folded in between its
-        base version and its own update), and its guesses of an "own" reply (CPU spent on them)."""
-        return self.connection.counters(self._exchange.stats)
-
-    def ps_stats(self) -> dict[str, Any]:
-        """The parameter server's global counters (version, pushes, bytes in and out, staleness).
-
-        Between stages they are those this worker saw as it left the last one: the embedded PS
-        stops once every worker has left, so asking it again could wait for a server that is gone."""
-        return self.connection.stats(self._phase is not Phase.IDLE, settle=self._exchange.finish)
-
     # -- synchronising the model with the PS -----------------------------------------------------
 
     def _join(self) -> None:
@@ -402,41 +335,3 @@ class AsyncPSStrategy(DDPPlumbing):
         """The state dict with the central tensors: a checkpoint holds the central model."""
         state = super().lightning_module_state_dict()
         return self._exchange.central_state(state) if self.connection.client is not None else state
-
-    # -- collectives through the PS --------------------------------------------------------------
-
-    def _collectives(self) -> Collectives:
-        active = self.connection.client is not None and self._phase is not Phase.IDLE and self.world_size > 1
-        return Collectives(self._gather if active else None)
-
-    def _gather(self, kind: str, obj: Any = None, tensors: dict[str, np.ndarray] | None = None) -> list[Any]:
-        self._exchange.finish()  # one request at a time on the socket
-        assert self.connection.client is not None
-        seq = self._collective_seq
-        self._collective_seq += 1
-        return self.connection.client.gather(self._stage, seq, obj, tensors, kind=kind)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        self._collectives().barrier(name)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Among the training loop's batches (the ``Timer``'s stop flag, every batch), answered without waiting for
-        the other workers (:mod:`plug_asgd.worker.notices`); elsewhere a collective through the PS."""
-        collectives = self._collectives()
-        if collectives.gather is not None and self._phase is Phase.BATCHES:
-            assert self.connection.client is not None
-            return self.connection.client.notices().broadcast(obj, src, self._stage, self._batches)
-        return collectives.broadcast(obj, src, self.global_rank)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-        return self._collectives().all_gather(tensor, sync_grads)
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """Reduce across workers during evaluation; during training the local value is returned."""
-        trainer = self._trainer()
-        training = trainer is not None and trainer.state.stage == _TRAINING
-        return self._collectives().reduce(tensor, reduce_op, training)

@@ -1,0 +1,101 @@
+"""The strategy's PS as the strategy shows it (:class:`PSPlumbing`, a base of
+:class:`~plug_asgd.strategy.AsyncPSStrategy`): where it is (its endpoints, its shards, this worker's placement), what
+a callback gets of it (:meth:`PSPlumbing.ps_handle`), its counters and this worker's, and the client connected at the
+first stage. The work is :mod:`plug_asgd.connection`'s; Lightning's collectives through the PS are
+:mod:`plug_asgd.strategy_collectives`'.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from plug_asgd.connection import Placement, PSConnection, PSHandle
+from plug_asgd.sharding.client import ShardedClient
+from plug_asgd.worker.client import PSClient
+from plug_asgd.worker.phase import Phase
+from plug_asgd.worker.tensors import synced_tensors
+
+if TYPE_CHECKING:
+    from plug_asgd.compressors import Codec
+    from plug_asgd.modes import Mode
+    from plug_asgd.worker.exchange import Exchange
+
+
+class PSPlumbing:
+    """The PS of :class:`~plug_asgd.strategy.AsyncPSStrategy`, as its users and callbacks see it (the strategy's
+    ``connection`` does the work)."""
+
+    # set by the strategy's __init__ and its stages; the ranks, the cluster environment and the module are Lightning's
+    connection: PSConnection
+    mode: Mode
+    compressor: Codec
+    _exchange: Exchange
+    _phase: Phase
+
+    @property
+    def per_node(self) -> bool:
+        """Whether each node runs one shard (``ps_shards="per_node"``)."""
+        return self.connection.per_node
+
+    @property
+    def ps_shards(self) -> int:
+        """How many shards the PS has (1: one PS); with ``ps_shards="per_node"``, the job's node count."""
+        return self.connection.shard_count(self.num_nodes)
+
+    @property
+    def ps_endpoint(self) -> str:
+        """The PS's address, ``tcp://host:port``, that the workers connect to (the embedded PS's or ``ps_address``;
+        shard 0's of a sharded PS, which serves the collectives)."""
+        return self.ps_endpoints[0]
+
+    @property
+    def ps_endpoints(self) -> list[str]:
+        """Every shard's address, in order (one: an unsharded PS's)."""
+        return self.connection.endpoints(self.placement())[0]
+
+    def placement(self) -> Placement:
+        """This worker's place in the job (its ranks, the cluster's main address), as the PS's placement needs it."""
+        env = self.cluster_environment
+        return Placement(main_address=env.main_address if env is not None else None,
+                         main_port=env.main_port if env is not None else 0,
+                         elastic=isinstance(env, self.elastic_environment), num_nodes=self.num_nodes,
+                         node_rank=self.node_rank, local_rank=self.local_rank, global_rank=self.global_rank,
+                         world_size=self.world_size)
+
+    def ps_handle(self) -> PSHandle:
+        """What a callback needs of the PS this strategy trains against (its addresses, keys and counters)."""
+        return PSHandle(endpoints=self.ps_endpoints, mode=self.mode.name, codec=self.compressor,
+                        keys=self.connection.settings.ps_keys, comm_stats=self.comm_stats, ps_stats=self.ps_stats)
+
+    def _connect(self) -> PSClient | ShardedClient:
+        """This worker's client, connected (and the embedded PS started) at the first stage; shut down at exit, or
+        when a later strategy of this process connects (``PSConnection.connect``)."""
+        client = self.connection.client
+        if client is None:
+            client = self.connection.connect(self.placement(), self._shapes, self._trainer(),
+                                             on_shutdown=self._exchange.close)
+        return client
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(t.shape) for n, t in synced_tensors(self.lightning_module).items()}
+
+    def _trainer(self) -> Any:
+        return self.lightning_module.trainer if self.lightning_module is not None else None
+
+    def _shutdown(self, wait_for_workers: float = 30.0) -> None:
+        """Release the exchange (``on_shutdown``), let the other workers finish with the PS, then stop it (rank 0)
+        and close: what happens at exit, or when a later strategy of this process connects."""
+        self.connection.shutdown(wait_for_workers)
+
+    def comm_stats(self) -> dict[str, Any]:
+        """This worker's counters: local steps, bytes up and down (measured on the wire), time spent
+        waiting for the PS, the staleness of its pushes (updates of others folded in between its
+        base version and its own update), and its guesses of an "own" reply (CPU spent on them)."""
+        return self.connection.counters(self._exchange.stats)
+
+    def ps_stats(self) -> dict[str, Any]:
+        """The parameter server's global counters (version, pushes, bytes in and out, staleness).
+
+        Between stages they are those this worker saw as it left the last one: the embedded PS
+        stops once every worker has left, so asking it again could wait for a server that is gone."""
+        return self.connection.stats(self._phase is not Phase.IDLE, settle=self._exchange.finish)
