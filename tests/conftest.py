@@ -96,6 +96,13 @@ except ImportError:  # a dev extra (pyproject.toml), which the set-up installs
     pass
 
 
+# the sparse codecs' C selection pass (plug_asgd/compressors/native.py) is compiled by a process at its first use on
+# a machine: compile it here, once, before a quick test could be that first use
+from plug_asgd.compressors import native  # noqa: E402
+
+native.library()
+
+
 # fixtures that start processes or open sockets: a test using one, even through another fixture, is integration
 INTEGRATION_FIXTURES = {"procs", "start_ps"}
 

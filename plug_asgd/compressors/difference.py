@@ -17,6 +17,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from plug_asgd.compressors import native
+
 # values per chunk: four float32 arrays of it (the two read, two scratch) fit a core's 1 MiB L2 cache
 CHUNK = 1 << 16
 
@@ -179,10 +181,12 @@ def largest_differences(w: np.ndarray, c: np.ndarray, k: int, residual: np.ndarr
     positions = slice(None, None, n // SAMPLE)
     sample = np.abs(_v(w[positions], c[positions], residual[positions] if residual is not None else None, scale))
     candidates, signed = _above(sample_threshold(sample, n, k, FACTORS[0]), w, c, residual, scale)
-    if candidates.size < k:  # the sample misjudged the threshold: again, lower (the residual holds v by now)
+    if candidates is not None and candidates.size < k:  # the sample misjudged the threshold: again, lower (the
+        # residual holds v by now)
         candidates, signed = _above(sample_threshold(sample, n, k, FACTORS[1]), w, c, residual, scale,
                                     made=residual is not None)
-    if not k <= candidates.size <= n // 4:  # too few or too many above the threshold: partition the whole
+    if candidates is None or not k <= candidates.size <= n // 4:  # too few or too many above the threshold:
+        # partition the whole
         if residual is not None:
             return _chosen(residual, np.argpartition(np.abs(residual), n - k)[n - k:])
         return _whole(w, c, k, None, scale)
@@ -195,10 +199,18 @@ def largest_differences(w: np.ndarray, c: np.ndarray, k: int, residual: np.ndarr
 
 
 def _above(threshold: np.floating, w: np.ndarray, c: np.ndarray, residual: np.ndarray | None, scale: float,
-           made: bool = False) -> tuple[np.ndarray, np.ndarray]:
+           made: bool = False) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
     """The indices where ``|v|`` is not below ``threshold`` (NaN too, as argpartition ranks it largest) and ``v``
-    there, chunk by chunk; ``v`` as :func:`largest_differences`'s, added into ``residual`` unless ``made`` (the
-    residual holds ``v`` already)."""
+    there, in one pass of C where it can be had (:mod:`.native`), else chunk by chunk; ``v`` as
+    :func:`largest_differences`'s, added into ``residual`` unless ``made`` (the residual holds ``v`` already).
+    ``(None, None)``: more than a quarter of the coordinates are (the C pass counts them without keeping them)."""
+    mode = native.MADE if residual is not None and made else native.ADDED if residual is not None else native.DIFFERENCE
+    if native.usable(w, c, residual):
+        cap = w.size // 4
+        got = native.above(threshold, w, c, residual, scale, mode, cap)
+        if got is not None:
+            count, idx, values = got
+            return (idx, values) if count <= cap else (None, None)
     arrays = scratch()
     found: list[np.ndarray] = []
     values: list[np.ndarray] = []

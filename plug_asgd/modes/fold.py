@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from plug_asgd.compressors import native
 from plug_asgd.modes.slices import SlicePool
 from plug_asgd.protocol.wire import Sparse, Tensor, WireError
 
@@ -75,8 +76,10 @@ Resolution = tuple[Any, str]  # (token, APPLIED | DROPPED)
 def _add_into(target: np.ndarray, update: Tensor, scale: float | np.ndarray = 1.0) -> None:
     """``target += scale * update`` in place, for a dense or a sparse update."""
     if isinstance(update, Sparse):
-        flat = target.reshape(-1)
-        flat[update.indices] += (update.values * scale).astype(target.dtype, copy=False)
+        values = (update.values * scale).astype(target.dtype, copy=False)
+        if not native.scatter_add(target, update.indices, values):  # one C loop where it can, the same additions
+            flat = target.reshape(-1)
+            flat[update.indices] += values
     elif np.isscalar(scale) and scale == 1.0:
         target += update
     else:

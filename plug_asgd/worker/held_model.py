@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from plug_asgd.compressors import native
 from plug_asgd.protocol.wire import Sparse, Tensor
 from plug_asgd.worker.transport import PSError
 
@@ -103,7 +104,8 @@ class HeldModel:
         for name, part in update.items():
             held = self._writable(name, self._returned)
             if isinstance(part, Sparse):
-                held.reshape(-1)[part.indices] += part.values
+                if not native.scatter_add(held, part.indices, part.values):  # as the PS folds it (modes/fold.py)
+                    held.reshape(-1)[part.indices] += part.values
             else:
                 np.add(held, part, out=held)
         self.version = version

@@ -1,0 +1,144 @@
+"""The C selection pass (plug_asgd.compressors.native): a hand count of what it keeps, and the same indices, values
+and residuals as numpy's pass wherever the sparse codecs use it, bit for bit."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import numpy as np
+import pytest
+
+from plug_asgd.compressors import TopKResidual, native
+from plug_asgd.compressors.difference import CHUNK, FACTORS, SAMPLE, largest_differences, sample_threshold
+
+NAN = float("nan")
+
+
+@pytest.fixture
+def numpy_only(monkeypatch):
+    """The library as on a machine without a C compiler: numpy's pass."""
+    monkeypatch.setattr(native, "library", lambda: None)
+
+
+def test_a_machine_with_a_c_compiler_has_the_pass():
+    # CI's machine and this one have cc: the tests below then compare two implementations, not one with itself
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: the library uses numpy's pass (what test_..._without_the_pass checks)")
+    assert native.library() is not None
+
+
+def _library_or_skip():
+    if native.library() is None:
+        pytest.skip("no C compiler here")
+
+
+def test_the_pass_keeps_what_is_not_below_the_threshold_nan_included_counted_by_hand():
+    _library_or_skip()
+    w = np.array([0.5, -2.0, 0.25, 1.0, NAN, -0.5, 0.0, 3.0] * 5, dtype=np.float32)  # 40 values: 2 blocks and a half
+    c = np.zeros_like(w)
+    count, idx, val = native.above(0.5, w, c, None, 1.0, native.DIFFERENCE, cap=100)
+    # per 8: 0.5 (not below 0.5), -2.0, 1.0, NaN, -0.5, 3.0 are kept; 0.25 and 0.0 are not
+    expected = [i + 8 * r for r in range(5) for i in (0, 1, 3, 4, 5, 7)]
+    assert count == 30 and idx.tolist() == expected
+    np.testing.assert_array_equal(val, w[expected])
+    # a cap: all are counted, the first kept
+    count, idx, val = native.above(0.5, w, c, None, 1.0, native.DIFFERENCE, cap=7)
+    assert count == 30 and idx.tolist() == expected[:7]
+    # scaled by 0.25 and added into a residual of 1.0 each: v = 1 + (w - c) / 4, written back
+    r = np.ones_like(w)
+    count, idx, val = native.above(1.2, w, c, r, 0.25, native.ADDED, cap=100)
+    v = np.ones_like(w) + w * np.float32(0.25)
+    np.testing.assert_array_equal(r, v)
+    keep = [i for i in range(40) if not abs(v[i]) < 1.2]  # 1.25 (w=1), NaN, 1.75 (w=3)
+    assert count == 15 and idx.tolist() == keep
+    # the residual as it is
+    count, idx, _ = native.above(1.2, None, None, r, 1.0, native.MADE, cap=100)
+    assert idx.tolist() == keep
+
+
+def _pair(n: int, seed: int, spread: float = 1e-3) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(n).astype(np.float32)
+    return w, (w + rng.standard_normal(n).astype(np.float32) * np.float32(spread))
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+# sizes past SAMPLED_FROM (the sampled path, where the pass runs), one not a multiple of the block; fractions of
+# AdaComp and topk, and one that lets through more than a quarter (the whole is then partitioned)
+@pytest.mark.parametrize("n, fraction", [(2 * CHUNK + 13, 0.01), (300_000, 0.0033), (300_000, 0.05)])
+@pytest.mark.parametrize("kind", ["difference", "residual", "scaled residual"])
+def test_the_pass_selects_the_same_bits_as_numpys(n, fraction, kind, monkeypatch):
+    _library_or_skip()
+    w, c = _pair(n, seed=n)
+    w[7] = NAN  # chosen by both, as argpartition ranks NaN largest
+    k = math.ceil(fraction * n)
+    kept = np.random.default_rng(1).standard_normal(n).astype(np.float32) * np.float32(1e-3)
+    scale = 0.5 if kind == "scaled residual" else 1.0
+
+    def select() -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        residual = kept.copy() if kind != "difference" else None
+        indices, values = largest_differences(w, c, k, residual=residual, scale=scale)
+        return indices, values, residual
+
+    ours = select()
+    with monkeypatch.context() as m:
+        m.setattr(native, "library", lambda: None)
+        theirs = select()
+    for a, b in zip(ours, theirs, strict=True):
+        if a is None:
+            assert b is None
+        else:
+            _same_bits(a, b)
+
+
+def test_a_sample_that_misjudged_the_threshold_is_read_again_from_the_residual_made(monkeypatch):
+    # |w - c| is 1 at the sample's positions and below 1e-3 elsewhere: both sampled thresholds are 1, which lets
+    # through the 8,192 sampled coordinates, fewer than k. The second pass reads the residual the first wrote
+    # (MADE), and the whole is then partitioned from it: the same bits as numpy's passes, and the top k of v
+    _library_or_skip()
+    n, k = 400_000, 20_000
+    w, c = _pair(n, seed=3)
+    stride = n // SAMPLE
+    w[::stride] = c[::stride] + np.float32(1.0)
+    sample = np.abs(w[::stride] - c[::stride])
+    assert all(sample_threshold(sample, n, k, f) == 1.0 for f in FACTORS)
+    assert np.count_nonzero(np.abs(w - c) >= 1.0) < k
+    ours_r, theirs_r = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.float32)
+    ours = largest_differences(w, c, k, residual=ours_r)
+    monkeypatch.setattr(native, "library", lambda: None)
+    theirs = largest_differences(w, c, k, residual=theirs_r)
+    for a, b in zip((*ours, ours_r), (*theirs, theirs_r), strict=True):
+        _same_bits(a, b)
+    v = w - c
+    assert ours[0].tolist() == np.sort(np.argpartition(np.abs(v), n - k)[n - k:]).tolist()
+
+
+def test_topk_with_its_residual_in_the_model_sends_the_same_as_without_the_pass(monkeypatch):
+    _library_or_skip()
+    w, c = _pair(1 << 18, seed=5)
+    codec = TopKResidual(0.01)
+    sent = codec.encode_difference("w", w, c, implicit_residual=True)
+    monkeypatch.setattr(native, "library", lambda: None)
+    again = TopKResidual(0.01).encode_difference("w", w, c, implicit_residual=True)
+    _same_bits(sent.indices, again.indices)
+    _same_bits(sent.values, again.values)
+
+
+def test_without_the_pass_the_selection_is_numpys(numpy_only):
+    w, c = _pair(2 * CHUNK, seed=9)
+    indices, values = largest_differences(w, c, 100)
+    v = w - c
+    assert indices.tolist() == sorted(np.argsort(-np.abs(v), kind="stable")[:100].tolist())
+    np.testing.assert_array_equal(values, v[indices])
+
+
+def test_arrays_the_pass_cannot_read_go_to_numpy():
+    assert native.usable(np.zeros(4, np.float32), None)
+    assert not native.usable(np.zeros(4, np.float64))
+    assert not native.usable(np.zeros((2, 2), np.float32))
+    assert not native.usable(np.zeros(8, np.float32)[::2])
