@@ -47,10 +47,10 @@ def push_cost(pushes: int, fraction: float, seed: int) -> int:
 
     from plug_asgd.modes import APPLIED, AdaComp
     from plug_asgd.recipes.mnist import MnistCNN
-    from plug_asgd.worker.client import Changes, ModelReply
     from plug_asgd.worker.compensation import resolve
     from plug_asgd.worker.exchange import Link, make_exchange
     from plug_asgd.worker.exchange.overlap import OverlapExchange
+    from plug_asgd.worker.model_reply import Changes, ModelReply
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)

@@ -27,12 +27,11 @@ import zmq
 from plug_asgd.protocol import push_memory
 from plug_asgd.protocol.wire import DEFAULT_LIMITS, Limits, Tensor
 from plug_asgd.worker.held_model import HeldModel
-from plug_asgd.worker.model_reply import Changes, ModelReply, model_reply, with_have
+from plug_asgd.worker.model_reply import ModelReply, model_reply, with_have
 from plug_asgd.worker.notices import Notices
 from plug_asgd.worker.transport import DEFAULT_HEARTBEAT_S, CommCounters, PSError, PSUnreachableError, Transport
 
-__all__ = ["DEFAULT_HEARTBEAT_S", "Changes", "CommCounters", "HeldModel", "ModelReply", "PSClient", "PSError",
-           "PSUnreachableError"]
+__all__ = ["DEFAULT_HEARTBEAT_S", "CommCounters", "HeldModel", "PSClient", "PSError", "PSUnreachableError"]
 
 log = logging.getLogger("plug_asgd.worker.client")
 

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from plug_asgd.compressors import Codec, Compressor, NoCompression
 from plug_asgd.modes import Mode
-from plug_asgd.worker.client import ModelReply, PSClient
+from plug_asgd.worker.client import PSClient
 from plug_asgd.worker.compensation import (
     OFF,
     Compensator,
@@ -24,6 +24,7 @@ from plug_asgd.worker.compensation import (
     warn_no_nesterov_form,
     warn_unknown_optimizers,
 )
+from plug_asgd.worker.model_reply import ModelReply
 from plug_asgd.worker.staging import Staging
 
 if TYPE_CHECKING:  # a sharded PS's client, which wraps this folder's (plug_asgd.sharding)

@@ -36,9 +36,10 @@ from torch import Tensor
 
 from plug_asgd.compressors import Compressor, decode
 from plug_asgd.protocol.wire import Sparse
-from plug_asgd.worker.client import ModelReply, PSClient
+from plug_asgd.worker.client import PSClient
 from plug_asgd.worker.exchange.in_flight import InFlight
 from plug_asgd.worker.held_model import HeldModel
+from plug_asgd.worker.model_reply import ModelReply
 
 _UNCHANGED = np.zeros(0, dtype=np.int64)
 RESIDUAL = "residual"  # w = c + r + p: the residual is w - c less the progress, kept nowhere else

@@ -22,9 +22,9 @@ from typing_extensions import override
 from plug_asgd.compressors import Compressor, ErrorFeedback, TopK, TopKResidual
 from plug_asgd.protocol.wire import Sparse
 from plug_asgd.protocol.wire import Tensor as WireTensor
-from plug_asgd.worker.client import ModelReply
 from plug_asgd.worker.exchange.held_base import RESIDUAL, HeldBase
 from plug_asgd.worker.held_model import HeldModel
+from plug_asgd.worker.model_reply import ModelReply
 
 
 def largest_differences(w: Tensor, c: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from plug_asgd.worker.client import ModelReply
+from plug_asgd.worker.model_reply import ModelReply
 
 
 class InFlight:

@@ -12,10 +12,11 @@ import torch
 from typing_extensions import override
 
 from plug_asgd.modes import APPLIED, PushMode
-from plug_asgd.worker.client import ModelReply, PSUnreachableError
+from plug_asgd.worker.client import PSUnreachableError
 from plug_asgd.worker.compensation import keeps_momentum
 from plug_asgd.worker.exchange.held_base import RESIDUAL, HeldPush
 from plug_asgd.worker.exchange.push import LET_GO_S, PushExchange
+from plug_asgd.worker.model_reply import ModelReply
 from plug_asgd.worker.tensors import assign
 
 

@@ -11,11 +11,12 @@ from typing_extensions import override
 
 from plug_asgd.modes import PushMode
 from plug_asgd.protocol.wire import Sparse
-from plug_asgd.worker.client import ModelReply, PSUnreachableError
+from plug_asgd.worker.client import PSUnreachableError
 from plug_asgd.worker.exchange.held_base import CENTRAL, RESIDUAL, HeldBase, HeldPush, host_arrays
 from plug_asgd.worker.exchange.held_device import DeviceHeldBase, device_tensors, selects_on_device
 from plug_asgd.worker.exchange.in_flight import InFlight
 from plug_asgd.worker.exchange.update_making import UpdateMaking
+from plug_asgd.worker.model_reply import ModelReply
 
 LET_GO_S = 5.0  # how long a stage's end waits for a push in flight after a failure
 
