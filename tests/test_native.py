@@ -142,3 +142,24 @@ def test_arrays_the_pass_cannot_read_go_to_numpy():
     assert not native.usable(np.zeros(4, np.float64))
     assert not native.usable(np.zeros((2, 2), np.float32))
     assert not native.usable(np.zeros(8, np.float32)[::2])
+
+
+@pytest.mark.parametrize("bits", [8, 16, 4])
+def test_qsgds_decoding_gives_the_same_bits_as_numpys_and_a_level_by_hand(bits, monkeypatch):
+    from plug_asgd.compressors import QSGD, decode
+
+    _library_or_skip()
+    rng = np.random.default_rng(bits)
+    x = rng.standard_normal(100_003).astype(np.float32)
+    x[::7] = 0.0  # level 0 with either sign decodes to +0.0, as numpy's integers make it
+    x[1::7] = -0.0
+    sent = QSGD(bits=bits, seed=2).encode("w", x)
+    ours = decode(sent, np.float32)
+    with monkeypatch.context() as m:
+        m.setattr(native, "library", lambda: None)
+        theirs = decode(sent, np.float32)
+    _same_bits(ours, theirs)
+    # by hand: 3 and -4 are levels 9 and 12 of 15 of the norm 5 (4 bits); 8 bits: 153 and 204 of 255
+    exact = QSGD(bits=bits).encode("w", np.array([3.0, -4.0, 0.0, -0.0], dtype=np.float32))
+    assert decode(exact, np.float32).view(np.uint32).tolist() == np.array(
+        [3.0, -4.0, 0.0, 0.0], dtype=np.float32).view(np.uint32).tolist()

@@ -1,4 +1,4 @@
-"""Two loops in C, where a C compiler is at hand: the sparse codecs' selection pass, and a sparse update's fold.
+"""Loops in C, where a C compiler is at hand: the sparse codecs' selection pass, a sparse fold, qsgd's decoding.
 
 The sparse codecs' selection (:func:`plug_asgd.compressors.difference.largest_differences`) reads the worker's
 weights and the central model once, keeping the coordinates above a sampled threshold. In numpy that pass is six
@@ -11,11 +11,14 @@ into fused multiply-adds.
 
 A sparse update's fold (``target.flat[indices] += values``: the PS folding a sparse push, a worker adding what it
 sent to its held model) is one loop too, :func:`scatter_add`, where numpy's fancy indexing reads, adds and writes
-in three passes: the same float32 additions, so the same bits.
+in three passes: the same float32 additions, so the same bits. And qsgd's decoding (:func:`qsgd_decode`), which
+numpy makes in five passes over the tensor (the sign bits unpacked, the signs, the signed levels, their float64
+values, float32), reads each level's value from a table of the ``2 * 2**bits`` results, computed by the same
+float64 product: the same bits.
 
 The source is compiled once per machine by the system's C compiler (``cc``, or ``$CC``) into
 ``$PLUG_ASGD_CACHE`` (default ``~/.cache/plug_asgd``), and loaded from there after. Where there is no compiler,
-or ``PLUG_ASGD_NATIVE=0``, or the compilation fails, :func:`library` is None and numpy does both: the same
+or ``PLUG_ASGD_NATIVE=0``, or the compilation fails, :func:`library` is None and numpy does it all: the same
 results, slower.
 """
 
@@ -102,6 +105,26 @@ int64_t plug_asgd_scatter_add(float *dst, int64_t n, const int64_t *idx, const f
     for (int64_t i = 0; i < k; i++) dst[idx[i]] += val[i];
     return k;
 }
+
+/* qsgd's decoding (compressors/quantize.py, QSGD.decode_packed): the level (8 or 16 bits) times 1 - 2 * its
+   sign bit, in int32, times q in float64, rounded to float32; each of the 2 * 2**bits results computed once into
+   table (of that size). */
+CLONES
+void plug_asgd_qsgd_decode(const void *levels, int wide, const uint8_t *signs, int64_t n, double q, float *table,
+                           float *out) {
+    const uint8_t *narrow = (const uint8_t *)levels;
+    const uint16_t *words = (const uint16_t *)levels;
+    int32_t count = wide ? 65536 : 256;
+    for (int32_t level = 0; level < count; level++) {
+        table[level] = (float)((double)level * q);
+        table[count + level] = (float)((double)(-level) * q);
+    }
+    if (wide) {
+        for (int64_t i = 0; i < n; i++) out[i] = table[(((signs[i >> 3] >> (i & 7)) & 1) << 16) | words[i]];
+    } else {
+        for (int64_t i = 0; i < n; i++) out[i] = table[(((signs[i >> 3] >> (i & 7)) & 1) << 8) | narrow[i]];
+    }
+}
 """
 
 # -O3 vectorises the blocks; no -march (a cache shared by other machines must run there too: the AVX2 clone is
@@ -161,6 +184,9 @@ def library() -> ctypes.CDLL | None:
                 lib.plug_asgd_scatter_add.restype = ctypes.c_int64
                 lib.plug_asgd_scatter_add.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                                       ctypes.c_void_p, ctypes.c_int64]
+                lib.plug_asgd_qsgd_decode.restype = None
+                lib.plug_asgd_qsgd_decode.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                                                      ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p]
                 found = lib
             except (OSError, AttributeError, subprocess.SubprocessError) as exc:
                 log.info("plug_asgd: the C loops are not available (%s); numpy's are used", exc)
@@ -228,3 +254,30 @@ def scatter_add(target: np.ndarray, indices: np.ndarray, values: np.ndarray) -> 
     done = lib.plug_asgd_scatter_add(target.ctypes.data, target.size, indices.ctypes.data, values.ctypes.data,
                                      indices.size)
     return done >= 0
+
+
+def _readable(array: np.ndarray, dtype: str, size: int) -> bool:
+    return array.dtype == np.dtype(dtype) and array.ndim == 1 and array.size >= size and array.flags.c_contiguous
+
+
+def qsgd_decode(levels: np.ndarray, signs: np.ndarray, numel: int, step: float) -> np.ndarray | None:
+    """qsgd's ``numel`` float32 values from 8- or 16-bit levels and sign bits (``QSGD.decode_packed``'s: ``±level *
+    step`` in float64, rounded), in one C loop; None where the library is not available or the arrays are not
+    flat contiguous uint8 or uint16 levels and uint8 signs of enough values.
+
+    Args:
+        levels: one level per coordinate, uint8 or uint16.
+        signs: the sign bits, least significant first (set: negative).
+        numel: the coordinates decoded.
+        step: the value of one level, ``norm / (2**bits - 1)``.
+    """
+    lib = library()
+    wide = levels.dtype == np.uint16
+    if (lib is None or not _readable(levels, "uint16" if wide else "uint8", numel)
+            or not _readable(signs, "uint8", -(-numel // 8))):
+        return None
+    out = np.empty(numel, dtype=np.float32)
+    table = np.empty(2 << (16 if wide else 8), dtype=np.float32)
+    lib.plug_asgd_qsgd_decode(levels.ctypes.data, int(wide), signs.ctypes.data, numel, float(step),
+                              table.ctypes.data, out.ctypes.data)
+    return out
