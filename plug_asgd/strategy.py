@@ -40,6 +40,7 @@ from plug_asgd.strategy_ps import PSPlumbing
 from plug_asgd.worker.client import PSClient
 from plug_asgd.worker.compensation import StalenessCompensation, resolve
 from plug_asgd.worker.exchange import Link, make_exchange
+from plug_asgd.worker.heap import keep_freed_memory
 from plug_asgd.worker.phase import Phase
 from plug_asgd.worker.tensors import synced_tensors
 
@@ -237,6 +238,7 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
         self.setup_precision_plugin()
         if trainer.state.fn == _FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            keep_freed_memory()  # the arrays each push makes and frees reuse their pages (worker/heap.py)
             self._exchange.start_fit(self.optimizers, self.global_rank if self.cluster_environment else 0,
                                      self.world_size)
 
