@@ -1,6 +1,7 @@
 """The exchange's cost per step at a real model's size, on the CPU: every mode and codec against plain Lightning.
 
     PYTHONPATH=. python -m bench exchange [--quick] [--rounds N] [--steps N] [--configs a,b,...] [--out FILE]
+    PYTHONPATH=. python -m bench exchange --pieces CONFIG [--steps N] [--quick]
 
 One worker, one process (the embedded PS in its own), a model of four square ``nn.Linear`` layers with
 biases (11.2M parameters at full size, ``--quick`` 1.05M) and almost no compute (batch 2), momentum SGD at
@@ -8,6 +9,14 @@ lr 0.05: what is left of a step is the memory traffic of the parameters, which t
 Each configuration's milliseconds per step over plain Lightning's, in the same round
 (:mod:`bench.step_timing`); the median over the rounds, and the spread. Targets: asgd at most 1.10, the
 others at most 1.30.
+
+``--pieces CONFIG``: where a step's time goes, one fit of plain Lightning and one of CONFIG (150 steps; ``--quick``:
+the smaller model): the
+median milliseconds of the step, of the forward and backward (from the batch's start to the optimizer's hook,
+the wait for the push in flight included), and of the library's pieces, timed by wrapping its methods: the
+encoding (``HeldBase.encode``), the push's round trip (``PSClient.push``) and the wait for the PS's answer in it
+(``Transport._poll``), the reply taken (``PushExchange.settle_held``), and in it the momentum masked
+(``PushExchange.mask_sent``) and the held model added to (``HeldModel.add``).
 """
 
 from __future__ import annotations
@@ -39,8 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", help="comma-separated configurations (plain is always run): "
                                           + ", ".join(strategies()))
     parser.add_argument("--out", type=Path, help="where to write the results as JSON")
+    parser.add_argument("--pieces", metavar="CONFIG", help="time the pieces of one configuration's steps instead")
     args = parser.parse_args(argv)
     size = "quick" if args.quick else "full"
+    if args.pieces is not None:
+        if args.pieces not in strategies():
+            parser.error(f"unknown configuration {args.pieces}; choose from {', '.join(strategies())}")
+        return pieces(args.pieces, args.steps or 150, WIDTH[size])
     count = args.rounds or (2 if args.quick else 5)
     steps = args.steps or (20 if args.quick else 60)
     configs = strategies()
@@ -81,6 +95,54 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({"size": size, "parameters": params, "batch": BATCH, "rounds": count,
                                         "steps": steps, "cores": os.cpu_count(), "results": results}, indent=1))
     return 1 if failed else 0
+
+
+PIECES = (("HeldBase", "encode"), ("PSClient", "push"), ("Transport", "_poll"), ("PushExchange", "settle_held"),
+          ("PushExchange", "mask_sent"), ("HeldModel", "add"))
+
+
+def pieces(config: str, steps: int, width: int) -> int:
+    """``--pieces``: one fit of plain Lightning and one of ``config``, their steps' pieces' medians printed."""
+    import statistics
+    import time
+    from collections import defaultdict
+
+    from bench.common import time_calls
+    from plug_asgd.worker.client import PSClient
+    from plug_asgd.worker.exchange.held_base import HeldBase
+    from plug_asgd.worker.exchange.push import PushExchange
+    from plug_asgd.worker.held_model import HeldModel
+    from plug_asgd.worker.transport import Transport
+
+    quiet()
+    os.environ.setdefault("MASTER_PORT", str(free_port_block(4)))
+    owners = {"HeldBase": HeldBase, "PSClient": PSClient, "Transport": Transport, "PushExchange": PushExchange,
+              "HeldModel": HeldModel}
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(BATCHES * BATCH, width), torch.randn(BATCHES * BATCH, width) * 0.1)
+    forward: list[float] = []
+
+    class Timed(SquareLinears):
+        def on_train_batch_start(self, *args: object) -> None:
+            self.started = time.perf_counter()
+
+        def on_before_optimizer_step(self, *args: object) -> None:
+            forward.append(time.perf_counter() - self.started)
+
+    for name in ("plain", config):
+        times: dict[str, list[float]] = defaultdict(list)
+        if name != "plain":
+            for owner, method in PIECES:
+                time_calls(owners[owner], method, times[f"{owner}.{method}"])
+        forward.clear()
+        torch.manual_seed(0)
+        step, _ = fit_steps(lambda: Timed(width), DataLoader(data, batch_size=BATCH), strategies()[name](), steps,
+                            warmup=10, trainer_kwargs={"accelerator": "cpu", "devices": 1})
+        print(f"{name}: step {step * 1e3:.2f} ms, forward and backward {statistics.median(forward[10:]) * 1e3:.2f} ms")
+        for piece, values in times.items():
+            if values:
+                print(f"  {piece:28s} {statistics.median(values) * 1e3:7.2f} ms  ({len(values)} calls)")
+    return 0
 
 
 if __name__ == "__main__":

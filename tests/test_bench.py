@@ -481,6 +481,23 @@ def test_the_exchange_benchmark_times_each_configuration_against_plain_in_the_sa
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(200)
+def test_the_exchange_pieces_time_each_piece_once_per_push(procs):
+    rc, text = procs.run([PYTHON, "-m", "bench", "exchange", "--pieces", "adacomp", "--quick", "--steps", "8"],
+                         timeout=180)
+    assert rc == 0, text[-3000:]
+    lines = {line.split()[0]: line for line in text.splitlines() if line.strip()}
+    assert lines["plain:"].startswith("plain: step ") and "asgd" not in lines["plain:"]
+    calls = {name: int(line.rsplit("(", 1)[1].split()[0]) for name, line in lines.items() if "calls)" in line}
+    # a lone AdaComp worker: each push encoded from the held model, sent, its reply taken (the momentum masked and
+    # the held model added to once each), every one of the fit's steps (8 timed, 10 warm-up, and the clock's one)
+    steps = 8 + 10 + 1
+    assert calls["HeldBase.encode"] == calls["PSClient.push"] == calls["PushExchange.settle_held"] == steps, calls
+    assert calls["PushExchange.mask_sent"] == calls["HeldModel.add"] == steps, calls
+    assert calls["Transport._poll"] >= steps, calls  # the pushes' answers, and the stage's other requests
+
+
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_the_gpu_benchmark_runs_its_tables_and_the_shared_device_on_the_cpu(procs, tmp_path):
     """bench.gpu's code (one worker's tables, four processes sharing the device) with ``--device cpu --quick``:
