@@ -1,9 +1,11 @@
-"""The codec base class and its registry, error feedback, and what the parameter server decodes.
+"""The codec base class and its registry, and the codec that sends the update as it is.
 
 A :class:`Codec` subclass with a ``name`` registers itself in :data:`COMPRESSORS`: adding a codec
 is writing that one class (its ``encode``, its ``wire_bytes``, and, for a ``Packed`` wire form, its
 ``decode_packed``); :func:`plug_asgd.compressors.decode`, :func:`plug_asgd.compressors.get`, the
-codec table of docs/modes.md and the byte tests all read the registry.
+codec table of docs/modes.md and the byte tests all read the registry. Error feedback is
+:mod:`.error_feedback`'s, what the parameter server decodes :mod:`.decoding`'s, the checks of what
+arrives :mod:`.checks`'.
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ from __future__ import annotations
 import inspect
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
 from typing_extensions import override
 
-from plug_asgd.compressors.difference import accumulate, difference
-from plug_asgd.protocol.wire import FLOAT_DTYPES, Packed, Sparse, Tensor, WireError, dtype_name
+from plug_asgd.compressors.checks import bad_payload
+from plug_asgd.compressors.difference import difference
+from plug_asgd.protocol.wire import Packed, Tensor
 
 
 class Compressor(Protocol):
@@ -70,6 +74,9 @@ class Codec(ABC):
     independent_keys: ClassVar[bool] = True
     # with error feedback, the staleness compensation may keep the residual in the worker's model
     residual_in_model: ClassVar[bool] = True
+    # what a worker's encoder is wrapped in where error_feedback: ErrorFeedback, which decodes what it sends, so its
+    # module (error_feedback.py) imports this one and sets this as it is imported (as the package's __init__ does)
+    feedback_wrapper: ClassVar[Callable[[Codec], Compressor]]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -207,7 +214,7 @@ class Codec(ABC):
         if "seed" in knobs:
             knobs["seed"] += rank
         codec = type(self)(**knobs)
-        return ErrorFeedback(codec) if self.error_feedback else codec
+        return Codec.feedback_wrapper(codec) if self.error_feedback else codec
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.config().items())})"
@@ -246,313 +253,3 @@ class NoCompression(Codec):
     @override
     def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
         return itemsize * math.prod(shape)
-
-
-# -- error feedback ---------------------------------------------------------------------------------
-
-
-class ErrorFeedback:
-    """Error feedback around a codec: what it does not send now is added to the next update.
-
-    Per key it encodes ``v = update + residual`` with ``inner`` and keeps ``residual = v -
-    decode(sent)``, both computed in the update's float dtype (float32 at least), so that
-    ``decode(sent) + residual`` is ``v``: exactly for codecs whose decoded values are either
-    copied from ``v`` or zero (topk, randomk unscaled) or within a factor 2 of them (fp16, bf16,
-    by Sterbenz's lemma), and to within the rounding of that one subtraction (``2**-24 *
-    |residual|`` in float32) for the others. Nothing is lost, only delayed. The inner codec
-    should be a contraction (``||v - decoded|| < ||v||``: topk, unscaled randomk, sign, powersgd,
-    the casts); with an unbiased high-variance one (scaled randomk, qsgd with few bits on a large
-    tensor) the residual can grow without bound. Wire sizes are the inner codec's.
-
-    Args:
-        inner: the codec that encodes ``update + residual``; a fresh one, whose state this wrapper then owns.
-    """
-
-    def __init__(self, inner: Codec) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.independent_keys = inner.independent_keys
-        # whether the staleness compensation keeps the residual in the worker's model (docs/momentum.md)
-        self.local_residual = inner.residual_in_model
-        self.residuals: dict[str, np.ndarray] = {}
-
-    def encode(self, key: str, update: np.ndarray) -> Tensor:
-        """The inner codec's wire form of ``update`` plus the residual of ``key``; what it leaves becomes the residual.
-
-        Args:
-            key: the tensor's name: its residual is kept under it.
-            update: the tensor's update, a float array of the tensor's shape.
-        """
-        update = np.asarray(update)
-        v = update.astype(np.result_type(update.dtype, np.float32), copy=True)
-        residual = self.residuals.get(key)
-        if residual is not None and residual.shape == v.shape:
-            v += residual
-        sent = self.inner.encode(key, v)
-        decoded = decode(sent, v.dtype, shape=v.shape)
-        if isinstance(decoded, Sparse):
-            left = v.reshape(-1).copy()
-            left[decoded.indices] -= decoded.values
-            self.residuals[key] = left.reshape(v.shape)
-        else:
-            self.residuals[key] = v - decoded
-        return sent
-
-    def encode_difference(self, key: str, w: np.ndarray, c: np.ndarray, scale: float = 1.0, *,
-                          implicit_residual: bool = False) -> Tensor:
-        """``encode(key, scale * (w - c))``, the sum with the residual made in the residual's own array.
-
-        ``implicit_residual``: the residual is ``w - c`` itself, kept by the worker's model (its weights are the
-        central model ``c`` plus what was not sent): the inner codec encodes that, and nothing is kept here.
-
-        Args:
-            key: the tensor's name: its residual is kept under it.
-            w: the worker's weights of the tensor.
-            c: the central model's values of the tensor that the worker holds (its base), of ``w``'s shape.
-            scale: the factor the difference is multiplied by before the residual is added.
-            implicit_residual: whether the residual is ``w - c`` itself, held by the worker's model.
-
-        Raises:
-            ValueError: where ``implicit_residual`` comes with a ``scale`` other than 1.
-        """
-        if implicit_residual:
-            if scale != 1.0:
-                raise ValueError("an implicit residual is w - c itself: it cannot be scaled")
-            self.residuals.pop(key, None)
-            return self.inner.encode_difference(key, w, c)
-        ct = np.result_type(w.dtype, np.float32)
-        v = self.residuals.get(key)
-        if v is None or v.shape != w.shape or v.dtype != ct:
-            v = np.zeros(w.shape, dtype=ct)
-        accumulate(v.reshape(-1), w.reshape(-1), c.reshape(-1), scale)
-        sent = self.inner.encode(key, v)
-        if sent is v:  # sent as it is (dense): the residual's array is written below
-            sent = v.copy()
-        self._keep(key, v, sent)
-        return sent
-
-    def _keep(self, key: str, v: np.ndarray, sent: Tensor) -> None:
-        """The residual: ``v`` less what ``sent`` decodes to, in ``v``'s own array."""
-        decoded = decode(sent, v.dtype, shape=v.shape)
-        if isinstance(decoded, Sparse):
-            v.reshape(-1)[decoded.indices] -= decoded.values
-        else:
-            np.subtract(v, decoded, out=v)
-        self.residuals[key] = v
-
-    def set_pending(self, key: str, residual: np.ndarray) -> None:
-        """Make ``residual`` (shaped as the tensor, or flat) what is kept of ``key``: the worker's model held it.
-
-        Args:
-            key: the tensor's name.
-            residual: what is to be added to the tensor's next update; kept as it is, not copied.
-        """
-        self.residuals[key] = residual
-
-    def pending(self, key: str) -> np.ndarray | None:
-        """What is kept of ``key`` for a later push, or None before its first.
-
-        Args:
-            key: the tensor's name.
-        """
-        return self.residuals.get(key)
-
-
-# -- decoding -------------------------------------------------------------------------------------------
-
-
-def decode(tensor: Tensor, dtype: np.dtype | type, *, shape: tuple[int, ...] | None = None) -> np.ndarray | Sparse:
-    """What the parameter server folds in for a tensor a compressor sent: a dense array or a Sparse of ``dtype``.
-
-    Dense arrays are cast to ``dtype``, Sparse values are cast to ``dtype``, and a
-    :class:`~plug_asgd.protocol.wire.Packed` is decoded by the registered codec of its name
-    (:meth:`Codec.decode_packed`). Anything that cannot be what one of the codecs sent (an unknown
-    codec, arrays of the wrong number, dtype or shape, out-of-range indices or parameters, a
-    non-finite scale) raises ``WireError("bad_payload", ...)``; so does a tensor whose shape is
-    not ``shape`` when one is given. Pass ``shape`` (the central tensor's) on the parameter
-    server: it bounds the work before any decoding, which matters for codecs whose decoded size
-    is not backed by frames (PowerSGD's ``P @ Q.T``). Values are not checked for NaN or Inf here:
-    the caller checks the decoded result as it does for dense updates.
-
-    Args:
-        tensor: what a worker sent for the tensor (a dense array, a ``Sparse`` or a ``Packed``).
-        dtype: the float dtype of the result (the central tensor's).
-        shape: the shape the tensor must have; None: not checked.
-
-    Raises:
-        ValueError: where ``dtype`` is not a float dtype (the caller's mistake, not the sender's).
-        WireError: ``bad_payload``, where ``tensor`` cannot be what a codec sent, or is not of ``shape``.
-    """
-    dtype = np.dtype(dtype)
-    if type(tensor) is np.ndarray and tensor.dtype == dtype and (shape is None or tensor.shape == tuple(shape)):
-        return tensor  # a dense update as the central tensor holds it (the common case: nothing to decode)
-    if dtype.kind != "f":
-        raise ValueError(f"decode needs a float dtype, got {dtype}")
-    if not isinstance(tensor, (np.ndarray, Sparse, Packed)):
-        raise bad_payload(f"a payload must be an array, a Sparse or a Packed, got {type(tensor).__name__}")
-    got = tuple(tensor.shape)
-    if shape is not None and got != tuple(shape):
-        raise bad_payload(f"payload of shape {list(got)} for a tensor of shape {list(shape)}")
-    with np.errstate(over="ignore"):  # a float64 value beyond float32 becomes Inf; the caller refuses it
-        if isinstance(tensor, np.ndarray):
-            if dtype_name(tensor.dtype) not in FLOAT_DTYPES:
-                raise bad_payload(f"a dense update must hold floats, got {tensor.dtype.name}")
-            return tensor.astype(dtype, copy=False)
-        if isinstance(tensor, Sparse):
-            return _decode_sparse(tensor, dtype)
-        packed = packed_codecs()
-        codec = packed.get(tensor.codec)
-        if codec is None:
-            raise bad_payload(f"unknown codec {tensor.codec!r}; this side decodes {', '.join(sorted(packed))}")
-        return codec.decode_packed(tensor, dtype)
-
-
-def slice_packed(packed: Packed, start: int, stop: int) -> Packed:
-    """Values ``start:stop`` of ``packed``'s flat tensor, in its codec's own form (:meth:`Codec.slice_packed`).
-
-    Args:
-        packed: a ``Packed`` tensor as its codec sent it, whole.
-        start: the first flat index of the slice.
-        stop: the flat index after its last.
-
-    Raises:
-        ValueError: where the codec is not registered, ``start:stop`` is empty or out of the tensor, or the
-            codec cannot cut what it packs.
-    """
-    codec = packed_codecs().get(packed.codec)
-    if codec is None:
-        raise ValueError(f"unknown codec {packed.codec!r}")
-    if not 0 <= start < stop <= packed.numel:
-        raise ValueError(f"slice {start}:{stop} of a packed tensor of {packed.numel} values")
-    return codec.slice_packed(packed, start, stop)
-
-
-def packed_codecs() -> dict[str, type[Codec]]:
-    """The registered codecs that send ``Packed`` tensors (those that define ``decode_packed``), by name."""
-    return {n: c for n, c in COMPRESSORS.items() if c.decode_packed.__func__ is not Codec.decode_packed.__func__}
-
-
-def _decode_sparse(tensor: Sparse, dtype: np.dtype) -> Sparse:
-    indices, values = np.asarray(tensor.indices), np.asarray(tensor.values)
-    if dtype_name(values.dtype) not in FLOAT_DTYPES:
-        raise bad_payload(f"sparse values must be floats, got {values.dtype.name}")
-    if indices.dtype.kind not in "iu" or indices.ndim != 1 or values.shape != indices.shape:
-        raise bad_payload(f"a sparse update needs as many integer indices ({indices.shape}) as values "
-                          f"({values.shape})")
-    if indices.size and (int(indices[0]) < 0 or int(indices[-1]) >= tensor.numel
-                         or not bool(np.all(indices[1:] > indices[:-1]))):
-        raise bad_payload(f"sparse indices must be ascending, unique and in [0, {tensor.numel})")
-    return Sparse(indices=indices.astype(np.int64, copy=False), values=values.astype(dtype, copy=False),
-                  shape=tuple(tensor.shape))
-
-
-# -- checking what arrives (the decoders of the codecs) --------------------------------------------
-
-
-def bad_payload(message: str) -> WireError:
-    """The error a tensor that no codec could have sent is refused with (code ``bad_payload``), to be raised.
-
-    Args:
-        message: what is wrong with it, for the sender.
-    """
-    return WireError("bad_payload", message)
-
-
-def check_meta(p: Packed, *keys: str) -> None:
-    """Refuse ``p`` unless its meta holds exactly ``keys``.
-
-    Args:
-        p: the tensor as it arrived.
-        *keys: the meta keys its codec sends.
-
-    Raises:
-        WireError: ``bad_payload``, where a key is missing or one more is there.
-    """
-    if set(p.meta) != set(keys):
-        raise bad_payload(f"codec {p.codec!r} takes meta {sorted(keys)}, got {sorted(p.meta)}")
-
-
-def meta_int(p: Packed, key: str, low: int, high: int) -> int:
-    """``p.meta[key]``, refused unless an integer in ``low..high``.
-
-    Args:
-        p: the tensor as it arrived (its meta's keys checked already: :func:`check_meta`).
-        key: the meta key.
-        low: the least value allowed.
-        high: the greatest value allowed.
-
-    Raises:
-        WireError: ``bad_payload``, where the value is no integer (a bool neither) or out of range.
-    """
-    value = p.meta[key]
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise bad_payload(f"codec {p.codec!r}: {key} must be an integer in {low}..{high}, got {value!r}")
-    return value
-
-
-def meta_scale(p: Packed, key: str) -> float:
-    """``p.meta[key]`` as a float, refused unless a finite number ``>= 0`` (a norm, a mean magnitude).
-
-    Args:
-        p: the tensor as it arrived (its meta's keys checked already: :func:`check_meta`).
-        key: the meta key.
-
-    Raises:
-        WireError: ``bad_payload``, where the value is no number, not finite or negative.
-    """
-    value = p.meta[key]
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-        raise bad_payload(f"codec {p.codec!r}: {key} must be a finite number >= 0, got {value!r} (has the "
-                          "worker's training diverged?)")
-    return float(value)
-
-
-def packed_arrays(p: Packed, count: int) -> tuple[np.ndarray, ...]:
-    """``p``'s arrays as numpy arrays, refused unless there are ``count`` of them.
-
-    Args:
-        p: the tensor as it arrived.
-        count: how many arrays its codec sends.
-
-    Raises:
-        WireError: ``bad_payload``, where there are more or fewer.
-    """
-    if len(p.arrays) != count:
-        raise bad_payload(f"codec {p.codec!r} sends {count} array(s), got {len(p.arrays)}")
-    return tuple(np.asarray(a) for a in p.arrays)
-
-
-def expect(p: Packed, what: str, array: np.ndarray, dtypes: frozenset[str] | set[str], shape: tuple[int, ...]) -> None:
-    """Refuse ``p`` unless ``array``, one of its arrays, has one of ``dtypes`` and the shape ``shape``.
-
-    Args:
-        p: the tensor as it arrived.
-        what: what the array holds (``"the signs"``), for the message.
-        array: the array checked.
-        dtypes: the dtype names allowed.
-        shape: the shape required.
-
-    Raises:
-        WireError: ``bad_payload``, where its dtype or shape is another.
-    """
-    if array.dtype.name not in dtypes or array.shape != shape:
-        raise bad_payload(f"codec {p.codec!r}: {what} must be {'|'.join(sorted(dtypes))}{list(shape)}, got "
-                          f"{array.dtype.name}{list(array.shape)}")
-
-
-def check_int(what: str, value: int, low: int, high: int | None = None) -> int:
-    """``value`` as an int, refused unless an integer in ``[low, high]``: a codec's knob, checked where it is built.
-
-    Args:
-        what: the knob's name, for the message.
-        value: the value given.
-        low: the least value allowed.
-        high: the greatest value allowed; None: no bound.
-
-    Raises:
-        ValueError: where ``value`` is no integer (a bool neither) or out of range.
-    """
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low or (
-            high is not None and value > high):
-        raise ValueError(f"{what} must be an integer in [{low}, {high if high is not None else 'inf'}], got {value!r}")
-    return int(value)

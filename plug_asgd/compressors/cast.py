@@ -7,7 +7,8 @@ import math
 import numpy as np
 from typing_extensions import override
 
-from plug_asgd.compressors.base import Codec, check_meta, expect, packed_arrays
+from plug_asgd.compressors.base import Codec
+from plug_asgd.compressors.checks import check_meta, expect, packed_arrays
 from plug_asgd.compressors.sparse import FP16_MAX
 from plug_asgd.protocol.wire import Packed, Tensor
 

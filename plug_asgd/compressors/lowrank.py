@@ -8,8 +8,9 @@ import zlib
 import numpy as np
 from typing_extensions import override
 
-from plug_asgd.compressors.base import Codec, bad_payload, check_int, check_meta, expect, packed_arrays
+from plug_asgd.compressors.base import Codec
 from plug_asgd.compressors.blas import one_thread
+from plug_asgd.compressors.checks import bad_payload, check_int, check_meta, expect, packed_arrays
 from plug_asgd.protocol.wire import FLOAT_DTYPES, Packed, Tensor
 
 

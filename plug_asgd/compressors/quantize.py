@@ -8,15 +8,8 @@ import numpy as np
 from typing_extensions import override
 
 from plug_asgd.compressors import native
-from plug_asgd.compressors.base import (
-    Codec,
-    check_int,
-    check_meta,
-    expect,
-    meta_int,
-    meta_scale,
-    packed_arrays,
-)
+from plug_asgd.compressors.base import Codec
+from plug_asgd.compressors.checks import check_int, check_meta, expect, meta_int, meta_scale, packed_arrays
 from plug_asgd.compressors.difference import Scratch, chunks, difference, scratch
 from plug_asgd.protocol.wire import Packed, Tensor
 
