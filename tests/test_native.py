@@ -137,6 +137,14 @@ def test_without_the_pass_the_selection_is_numpys(numpy_only):
     np.testing.assert_array_equal(values, v[indices])
 
 
+def test_arrays_of_other_sizes_are_not_read_past_their_end():
+    _library_or_skip()
+    w, c = np.zeros(100, np.float32), np.zeros(99, np.float32)
+    assert native.above(0.5, w, c, None, 1.0, native.DIFFERENCE, cap=10) is None
+    assert native.above(0.5, w, w, c, 1.0, native.ADDED, cap=10) is None
+    assert native.above(0.5, None, None, None, 1.0, native.MADE, cap=10) is None
+
+
 def test_arrays_the_pass_cannot_read_go_to_numpy():
     assert native.usable(np.zeros(4, np.float32), None)
     assert not native.usable(np.zeros(4, np.float64))

@@ -220,9 +220,12 @@ def above(threshold: float, w: np.ndarray | None, c: np.ndarray | None, residual
         cap: the most coordinates to return.
     """
     lib = library()
-    if lib is None:
+    read = (residual,) if mode == MADE else (w, c) if mode == DIFFERENCE else (w, c, residual)
+    if lib is None or any(a is None for a in read):
         return None
-    n = (residual if mode == MADE else w).size  # type: ignore[union-attr]
+    n = read[0].size  # type: ignore[union-attr]
+    if any(a.size != n for a in read):  # type: ignore[union-attr]  # (numpy's pass says what is wrong)
+        return None
     idx = np.empty(cap, dtype=np.int64)
     val = np.empty(cap, dtype=np.float32)
 
