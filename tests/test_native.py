@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -137,6 +138,25 @@ def test_without_the_pass_the_selection_is_numpys(numpy_only):
     np.testing.assert_array_equal(values, v[indices])
 
 
+def test_without_a_cache_folder_or_a_compiler_numpy_does_it(monkeypatch, tmp_path):
+    # a process without a home folder (Path.home raises), then one whose compiler is missing: no library, no error
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("PLUG_ASGD_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", no_home)
+    monkeypatch.setattr(native, "_loaded", [])
+    assert native.library() is None
+    monkeypatch.setattr(native, "_loaded", [])
+    monkeypatch.setenv("PLUG_ASGD_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert native.library() is None and not list(tmp_path.glob("*.so"))
+    w, c = _pair(2 * CHUNK, seed=2)
+    indices, _ = largest_differences(w, c, 50)
+    assert indices.size == 50
+
+
 def test_arrays_of_other_sizes_are_not_read_past_their_end():
     _library_or_skip()
     w, c = np.zeros(100, np.float32), np.zeros(99, np.float32)
@@ -171,3 +191,54 @@ def test_qsgds_decoding_gives_the_same_bits_as_numpys_and_a_level_by_hand(bits, 
     exact = QSGD(bits=bits).encode("w", np.array([3.0, -4.0, 0.0, -0.0], dtype=np.float32))
     assert decode(exact, np.float32).view(np.uint32).tolist() == np.array(
         [3.0, -4.0, 0.0, 0.0], dtype=np.float32).view(np.uint32).tolist()
+
+
+def test_a_sparse_fold_adds_the_same_bits_as_numpys_fancy_indexing_and_refuses_what_it_cannot_check():
+    _library_or_skip()
+    rng = np.random.default_rng(4)
+    target = rng.standard_normal((300, 700)).astype(np.float32)
+    indices = np.sort(rng.choice(target.size, size=5000, replace=False)).astype(np.int64)
+    values = rng.standard_normal(5000).astype(np.float32)
+    expected = target.copy()
+    expected.reshape(-1)[indices] += values
+    assert native.scatter_add(target, indices, values)
+    _same_bits(target, expected)
+    # a hand count: 1 + 2 at 0, 5 + -1 at 3
+    small = np.array([1.0, 0.0, 0.0, 5.0], dtype=np.float32)
+    assert native.scatter_add(small, np.array([0, 3]), np.array([2.0, -1.0], dtype=np.float32))
+    assert small.tolist() == [3.0, 0.0, 0.0, 4.0]
+    # indices that do not ascend strictly within the target: refused, nothing written (numpy's path decides)
+    for bad in ([3, 0], [0, 0], [0, 4], [-1, 2]):
+        before = small.copy()
+        assert not native.scatter_add(small, np.array(bad, dtype=np.int64), np.ones(2, dtype=np.float32))
+        _same_bits(small, before)
+    # arrays it does not read as they are
+    assert not native.scatter_add(small.astype(np.float64), np.array([0, 1]), np.ones(2, dtype=np.float32))
+    assert not native.scatter_add(small, np.array([0, 1], dtype=np.int32), np.ones(2, dtype=np.float32))
+    assert not native.scatter_add(np.zeros((4, 4), np.float32)[:, 0], np.array([0, 1]), np.ones(2, np.float32))
+
+
+def test_the_ps_fold_and_the_held_model_add_a_sparse_update_in_the_library_and_without_it_alike(monkeypatch):
+    from plug_asgd.modes.fold import _add_into
+    from plug_asgd.protocol.wire import Sparse
+    from plug_asgd.worker.held_model import HeldModel
+
+    _library_or_skip()
+    rng = np.random.default_rng(6)
+    base = rng.standard_normal((64, 1000)).astype(np.float32)
+    sent = Sparse(indices=np.sort(rng.choice(base.size, 900, replace=False)).astype(np.int64),
+                  values=rng.standard_normal(900).astype(np.float32), shape=base.shape)
+
+    def both() -> tuple[np.ndarray, np.ndarray]:
+        folded = base.copy()
+        _add_into(folded, sent, 0.5)  # the PS, at a staleness scale
+        held = HeldModel()
+        held.keep("m", 1, {"w": base.copy()})
+        held.add({"w": sent}, 2)  # the worker answered "own"
+        return folded, held.tensors["w"]
+
+    ours = both()
+    monkeypatch.setattr(native, "library", lambda: None)
+    theirs = both()
+    for a, b in zip(ours, theirs, strict=True):
+        _same_bits(a, b)

@@ -172,8 +172,8 @@ def library() -> ctypes.CDLL | None:
         found = None
         if os.environ.get("PLUG_ASGD_NATIVE", "1") != "0":
             digest = hashlib.sha256((SOURCE + " ".join(FLAGS)).encode()).hexdigest()[:16]
-            target = cache_dir() / f"native-{digest}.so"
             try:
+                target = cache_dir() / f"native-{digest}.so"  # (no home folder: RuntimeError)
                 if not target.exists():
                     _build(target)
                 lib = ctypes.CDLL(str(target))
@@ -188,7 +188,7 @@ def library() -> ctypes.CDLL | None:
                 lib.plug_asgd_qsgd_decode.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
                                                       ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p]
                 found = lib
-            except (OSError, AttributeError, subprocess.SubprocessError) as exc:
+            except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as exc:
                 log.info("plug_asgd: the C loops are not available (%s); numpy's are used", exc)
         _loaded.append(found)
         return found
