@@ -16,12 +16,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from plug_asgd import registry
-from plug_asgd.compressors.base import COMPRESSORS, Codec, Compressor, NoCompression
+from plug_asgd.compressors.base import Codec, Compressor, NoCompression
 from plug_asgd.compressors.cast import BF16, FP16, bf16_bits
 from plug_asgd.compressors.decoding import decode, slice_packed
 from plug_asgd.compressors.error_feedback import ErrorFeedback
 from plug_asgd.compressors.lowrank import PowerSGD
 from plug_asgd.compressors.quantize import QSGD, Sign
+from plug_asgd.compressors.registered import COMPRESSORS
 from plug_asgd.compressors.sparse import SPARSE_VALUES, RandomK, TopK, TopKResidual, largest_magnitudes
 
 __all__ = ["BF16", "COMPRESSORS", "FP16", "QSGD", "SPARSE_VALUES", "Codec", "Compressor", "ErrorFeedback",

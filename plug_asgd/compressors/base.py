@@ -13,7 +13,6 @@ from __future__ import annotations
 import inspect
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -21,6 +20,8 @@ from typing_extensions import override
 
 from plug_asgd.compressors.checks import bad_payload
 from plug_asgd.compressors.difference import difference
+from plug_asgd.compressors.error_feedback import ErrorFeedback
+from plug_asgd.compressors.registered import COMPRESSORS
 from plug_asgd.protocol.wire import Packed, Tensor
 
 
@@ -39,7 +40,6 @@ class Compressor(Protocol):
         ...
 
 
-COMPRESSORS: dict[str, type[Codec]] = {}
 # a fit of fewer pushes per worker than this many of a codec's lag (Codec.lag_pushes) is warned about
 SHORT_FIT_PERIODS = 5
 
@@ -74,9 +74,7 @@ class Codec(ABC):
     independent_keys: ClassVar[bool] = True
     # with error feedback, the staleness compensation may keep the residual in the worker's model
     residual_in_model: ClassVar[bool] = True
-    # what a worker's encoder is wrapped in where error_feedback: ErrorFeedback, which decodes what it sends, so its
-    # module (error_feedback.py) imports this one and sets this as it is imported (as the package's __init__ does)
-    feedback_wrapper: ClassVar[Callable[[Codec], Compressor]]
+    sends_packed: ClassVar[bool] = False  # whether it defines its own decode_packed (set as a subclass is made)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -85,6 +83,7 @@ class Codec(ABC):
             if name in COMPRESSORS:
                 raise TypeError(f"two codecs are called {name!r}: {COMPRESSORS[name].__name__} and {cls.__name__}")
             COMPRESSORS[name] = cls
+        cls.sends_packed = cls.decode_packed.__func__ is not Codec.decode_packed.__func__  # type: ignore[attr-defined]
 
     def __init__(self, *, error_feedback: bool | None = None) -> None:
         self.error_feedback = self.error_feedback_by_default if error_feedback is None else bool(error_feedback)
@@ -214,7 +213,7 @@ class Codec(ABC):
         if "seed" in knobs:
             knobs["seed"] += rank
         codec = type(self)(**knobs)
-        return Codec.feedback_wrapper(codec) if self.error_feedback else codec
+        return ErrorFeedback(codec) if self.error_feedback else codec
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.config().items())})"

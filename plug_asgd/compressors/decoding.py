@@ -1,7 +1,7 @@
 """What the parameter server decodes: a tensor a worker's codec sent, made into what it folds in, and a packed
 tensor cut into a shard's slice.
 
-:func:`decode` reads a ``Packed`` tensor with the registered codec of its name (:data:`.base.COMPRESSORS`); a
+:func:`decode` reads a ``Packed`` tensor with the registered codec of its name (:mod:`.registered`); a
 worker's error feedback (:mod:`.error_feedback`) decodes what it sent with it too.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from plug_asgd.compressors.base import COMPRESSORS, Codec
 from plug_asgd.compressors.checks import bad_payload
+from plug_asgd.compressors.registered import packed_codecs
 from plug_asgd.protocol.wire import FLOAT_DTYPES, Packed, Sparse, Tensor, dtype_name
 
 
@@ -78,11 +78,6 @@ def slice_packed(packed: Packed, start: int, stop: int) -> Packed:
     if not 0 <= start < stop <= packed.numel:
         raise ValueError(f"slice {start}:{stop} of a packed tensor of {packed.numel} values")
     return codec.slice_packed(packed, start, stop)
-
-
-def packed_codecs() -> dict[str, type[Codec]]:
-    """The registered codecs that send ``Packed`` tensors (those that define ``decode_packed``), by name."""
-    return {n: c for n, c in COMPRESSORS.items() if c.decode_packed.__func__ is not Codec.decode_packed.__func__}
 
 
 def _decode_sparse(tensor: Sparse, dtype: np.dtype) -> Sparse:

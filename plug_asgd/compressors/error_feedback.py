@@ -2,19 +2,22 @@
 
 A codec's :meth:`~plug_asgd.compressors.base.Codec.encoder` wraps its fresh copy in :class:`ErrorFeedback` where the
 codec's ``error_feedback`` is on. The residual is the update less what
-:func:`~plug_asgd.compressors.decoding.decode` makes of what was sent, so this module imports the decoding, which
-imports the codec base class: the base class gets the wrapper from here (``Codec.feedback_wrapper``, set below as
-this module is imported, which the package's ``__init__`` does), not by importing this module.
+:func:`~plug_asgd.compressors.decoding.decode` makes of what was sent; the decoding reads the registered codecs
+(:mod:`.registered`), not the base class, which imports this module.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from plug_asgd.compressors.base import Codec
 from plug_asgd.compressors.decoding import decode
 from plug_asgd.compressors.difference import accumulate
 from plug_asgd.protocol.wire import Sparse, Tensor
+
+if TYPE_CHECKING:
+    from plug_asgd.compressors.base import Codec
 
 
 class ErrorFeedback:
@@ -122,6 +125,3 @@ class ErrorFeedback:
             key: the tensor's name.
         """
         return self.residuals.get(key)
-
-
-Codec.feedback_wrapper = ErrorFeedback
