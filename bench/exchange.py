@@ -40,6 +40,12 @@ BATCH = 2
 BATCHES = 2000  # the epoch each fit is stopped in: long enough that randomk's default fraction is 1%
 
 
+def regression_data(width: int) -> TensorDataset:
+    """The fits' data, seeded: ``BATCHES`` batches of ``BATCH`` inputs of ``width`` and their targets."""
+    torch.manual_seed(0)
+    return TensorDataset(torch.randn(BATCHES * BATCH, width), torch.randn(BATCHES * BATCH, width) * 0.1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the 1.05M-parameter model, 2 rounds of 20 steps")
@@ -68,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     # the fits' embedded PS listens on Lightning's main port: one nothing else holds
     os.environ.setdefault("MASTER_PORT", str(free_port_block(4)))
     width = WIDTH[size]
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randn(BATCHES * BATCH, width), torch.randn(BATCHES * BATCH, width) * 0.1)
+    data = regression_data(width)
     loader = DataLoader(data, batch_size=BATCH)
 
     def fit(strategy: object) -> tuple[float, dict[str, object]]:
@@ -118,8 +123,7 @@ def pieces(config: str, steps: int, width: int) -> int:
     os.environ.setdefault("MASTER_PORT", str(free_port_block(4)))
     owners = {"HeldBase": HeldBase, "PSClient": PSClient, "Transport": Transport, "PushExchange": PushExchange,
               "HeldModel": HeldModel}
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randn(BATCHES * BATCH, width), torch.randn(BATCHES * BATCH, width) * 0.1)
+    data = regression_data(width)
     forward: list[float] = []
 
     class Timed(SquareLinears):

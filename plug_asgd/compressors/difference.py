@@ -204,13 +204,12 @@ def _above(threshold: np.floating, w: np.ndarray, c: np.ndarray, residual: np.nd
     there, in one pass of C where it can be had (:mod:`.native`), else chunk by chunk; ``v`` as
     :func:`largest_differences`'s, added into ``residual`` unless ``made`` (the residual holds ``v`` already).
     ``(None, None)``: more than a quarter of the coordinates are (the C pass counts them without keeping them)."""
-    mode = native.MADE if residual is not None and made else native.ADDED if residual is not None else native.DIFFERENCE
-    if native.usable(w, c, residual):
-        cap = w.size // 4
-        got = native.above(threshold, w, c, residual, scale, mode, cap)
-        if got is not None:
-            count, idx, values = got
-            return (idx, values) if count <= cap else (None, None)
+    mode = native.DIFFERENCE if residual is None else native.MADE if made else native.ADDED
+    cap = w.size // 4
+    got = native.above(threshold, w, c, residual, scale, mode, cap)
+    if got is not None:
+        count, idx, values = got
+        return (idx, values) if count <= cap else (None, None)
     arrays = scratch()
     found: list[np.ndarray] = []
     values: list[np.ndarray] = []

@@ -208,7 +208,8 @@ def above(threshold: float, w: np.ndarray | None, c: np.ndarray | None, residual
     """How many coordinates have ``|v|`` not below ``threshold`` (NaN included), and of them the first ``cap``:
     their ascending indices and ``v`` there, ``v`` as ``mode`` makes it (:data:`DIFFERENCE`, :data:`ADDED` into
     ``residual``, which holds ``v`` after, or :data:`MADE`: ``residual`` itself). None where the library is not
-    available: the caller's numpy pass then does it.
+    available or the arrays are not as it reads them (:func:`usable`, of one size): the caller's numpy pass then
+    does it.
 
     Args:
         threshold: the magnitude a coordinate must not be below (a float32 value).
@@ -221,7 +222,7 @@ def above(threshold: float, w: np.ndarray | None, c: np.ndarray | None, residual
     """
     lib = library()
     read = (residual,) if mode == MADE else (w, c) if mode == DIFFERENCE else (w, c, residual)
-    if lib is None or any(a is None for a in read):
+    if lib is None or any(a is None for a in read) or not usable(*read):
         return None
     n = read[0].size  # type: ignore[union-attr]
     if any(a.size != n for a in read):  # type: ignore[union-attr]  # (numpy's pass says what is wrong)
