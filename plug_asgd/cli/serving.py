@@ -22,6 +22,7 @@ from plug_asgd.cli.output import console, fail
 from plug_asgd.protocol.security import generate_keys, is_loopback
 from plug_asgd.ps import ParameterServer, raise_fd_limit
 from plug_asgd.ps.config import PSConfig
+from plug_asgd.ps.standby_join import standby_config
 
 
 def _check_log_level(value: str) -> str:
@@ -91,6 +92,8 @@ def serve_ps(*, host: str, port: int, log_level: str, quiet: bool, log_every: fl
     options["run_dir"] = options["run_dir"] or Path("runs") / time.strftime("ps-%Y%m%d-%H%M%S")
     try:
         config = PSConfig(bind=_endpoint(host, port), **options)
+        if config.standby_of is not None:  # the primary's mode and options, its own address and folders
+            config = standby_config(config)
         raise_fd_limit()  # idle connections hold file descriptors: leave room for the checkpoints
         server = ParameterServer(config)
     except (OSError, ValueError) as exc:  # port in use / bad interface, a refused option, a bad checkpoint
@@ -98,6 +101,7 @@ def serve_ps(*, host: str, port: int, log_level: str, quiet: bool, log_every: fl
     workers = config.expected_workers
     extra = f", expecting {workers} worker{'s' if workers != 1 else ''}" if workers else ""
     extra += f", shard {config.shard} of a sharded model" if config.shard else ""
+    extra += f", hot standby of {config.standby_of}" if config.standby_of else ""
     security = ("CURVE keys, authorized workers only" if server.keyed else
                 "[bold red]no authentication[/]" if config.insecure and not is_loopback(config.bind)
                 else "loopback only, no keys")
@@ -115,6 +119,8 @@ def serve_ps(*, host: str, port: int, log_level: str, quiet: bool, log_every: fl
         code = server.serve_forever(on_tick=_guarded(_StatsLines()), tick_s=log_every)
     else:
         code = server.serve_forever()
+    if server.join_failed:
+        raise fail(server.join_failed, 2)
     raise typer.Exit(code or 0)
 
 

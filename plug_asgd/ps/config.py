@@ -72,6 +72,9 @@ class PSConfig:
         shard: ``"I/N"``: this PS holds shard I of N of a sharded model; None: the whole model.
         parent_pid: stop once the process of this pid is no longer the parent; None: never for that reason.
         run: refuse a hello that names another run (the embedded PS's); None: accept any.
+        standby_of: the primary's address, where this PS is its hot standby; None: it leads from the start.
+        failover_timeout: seconds of the primary's silence before its standby may lead, and the standby's
+            acknowledgement timeout.
         world_size: the run's world size, fixed from the start (the embedded PS's, which the strategy knows); None:
             ``expected_workers`` if given, else the first accepted hello's.
 
@@ -145,6 +148,13 @@ class PSConfig:
     run: int | None = _option(None, "refuse a hello that names another run: an embedded PS serves the run-th "
                               "strategy that connected in its process, which every rank counts alike", min=1,
                               cli=False)
+    standby_of: str | None = _option(None, "run as the hot standby of the parameter server at this address "
+                                     "(tcp://HOST:PORT): hold a copy of its state, kept current before each of its "
+                                     "changes, and lead when the workers cannot reach it (the primary's options "
+                                     "apply: mode, limits, checkpoints)")
+    failover_timeout: float = _option(3.0, "seconds of silence from the primary after which its standby may lead "
+                                      "(when a worker cannot reach the primary either), and a standby that does "
+                                      "not acknowledge is dropped", min=0.2, max=3600.0)
     world_size: int | None = _option(None, "the run's world size, fixed from the start: a hello claiming another is "
                                      "refused (the embedded PS is given the strategy's) [default: --workers, else the "
                                      "first accepted hello's]", min=1, max=1 << 14, cli=False)
@@ -162,6 +172,10 @@ class PSConfig:
         if self.checkpoint_dir is None and (self.checkpoint_every_updates or self.checkpoint_every_seconds):
             raise ValueError("checkpoint_every_updates / checkpoint_every_seconds (--checkpoint-every-*) need "
                              "checkpoint_dir (--checkpoint-dir): say where the checkpoints go")
+        if self.standby_of is not None and (self.keys is not None or self.resume is not None):
+            raise ValueError("a standby (--standby-of) takes its state from its primary, over loopback or a "
+                             "trusted network: it cannot be given --resume, and keyed (CURVE) pairs are not "
+                             "supported yet: run the pair without --keys on a private network")
         check_bind(self.bind, self.keys is not None, self.insecure)
 
     @classmethod

@@ -20,6 +20,7 @@ from plug_asgd.ps.fast_store import FastStore
 from plug_asgd.ps.membership import Membership
 from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.stats import Stats
+from plug_asgd.ps.store import check_model
 from plug_asgd.ps.store_records import FOLDED, MAX_SCALED_FOR, NOT_CURRENT, PushIn
 
 log = logging.getLogger("plug_asgd.ps")
@@ -58,10 +59,14 @@ class ModelRequests:
     _send: Callable[..., None]
     _send_frames: Callable[[bytes, list[Any]], int]
     _before_reply: Callable[[bytes], None]
+    replicate: Callable[..., None]
+    epoch: int
+    replication: Any
 
     def _send_model(self, identity: bytes, rid: Any, fields: dict[str, Any], with_tensors: bool = True,
                     token: _Reply | None = None, push: bool = False) -> None:
-        fields = {**fields, "version": self.store.version, "stop": self.store.stopped, "rid": rid}
+        fields = {**fields, "version": self.store.version, "stop": self.store.stopped, "rid": rid,
+                  "epoch": self.epoch, "standby": self.replication.address}
         if with_tensors:
             frames = self.store.reply_payload(fields, token and token.have, rank=token and token.rank,
                                               held=token and token.held, push=push)
@@ -87,6 +92,9 @@ class ModelRequests:
     def _on_init(self, identity: bytes, rid: Any, msg: Message) -> None:
         held = self.members.claimed()
         digest = self.shard.check(msg.fields, self.address, held=held)
+        if not self.store.initialized and self.replication.attached:
+            check_model(msg.tensors)  # a model refused here is not the standby's either
+            self.replicate("init", {**self.shard.checkpoint_fields(), "partition_digest": digest}, msg.tensors)
         accepted = self.store.init(msg.tensors)
         self.shard.fix(digest, final=True, held=held)  # not refused: the model is cut by this digest from now on
         if accepted:
@@ -119,6 +127,10 @@ class ModelRequests:
                 raise WireError("bad_field", f"field {name!r} must be true or false, got {value!r:.40}")
         token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all",
                        rank=worker.rank, **_holds(msg))
+        if self.replication.attached:  # the standby folds it first: what a worker is answered, the standby holds
+            self.replicate("push", {"rank": rank, "session": session, "seq": seq, "base_version": base,
+                                    "scaled_for": scaled_for, "weights": flags["weights"]},
+                           self.store.read_local(session, msg.tensors))
         folded = self.store.fold(PushIn(token, rank, session, seq, base, msg.tensors, msg.frames,
                                         request=self.stats.messages_in, scaled_for=scaled_for, **flags))
         if folded.status != FOLDED:  # not_current, or stopped

@@ -108,8 +108,14 @@ class Persistence:
         self.metrics_retry = Retry("metrics", stats, config.io_retry_seconds, clock)
         self._next_metrics = 0.0
         self.run_id = config.run_id or new_run_id()
-        if config.resume is None:
+        self.following = config.standby_of is not None  # a standby: nothing written until it leads
+        if config.resume is None and not self.following:
             self._start_run(self.run_id, continued=False)
+
+    def lead(self) -> None:
+        """A standby leads: its run (the primary's, from its state) is continued from now on, checkpoints and all."""
+        self.following = False
+        self._start_run(self.run_id, continued=True)
 
     def _start_run(self, run_id: str, continued: bool) -> None:
         self.run_id = run_id
@@ -124,6 +130,8 @@ class Persistence:
         Args:
             final: whether this is the last call, at exit: write what is unsaved, with no retry after.
         """
+        if self.following:
+            return 0
         policy, version, retry = self.policy, self.store.version, self.checkpoint_retry
         code = 0
         if policy is not None and self.store.initialized and (

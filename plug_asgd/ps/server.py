@@ -31,11 +31,13 @@ from plug_asgd.protocol.wire import Local, Message, Tensor, WireError, decode, e
 from plug_asgd.ps import failure
 from plug_asgd.ps import limits as bounds
 from plug_asgd.ps.config import PSConfig
+from plug_asgd.ps.failover import REPLACED_TYPES, STANDBY_TYPES, Failover
 from plug_asgd.ps.fast_store import FastStore
 from plug_asgd.ps.gathers import Gathers
 from plug_asgd.ps.membership import Membership
 from plug_asgd.ps.model_requests import ModelRequests
 from plug_asgd.ps.persistence import Persistence
+from plug_asgd.ps.replication import Replication
 from plug_asgd.ps.replies import Replies
 from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.stats import Stats
@@ -44,7 +46,8 @@ log = logging.getLogger("plug_asgd.ps")
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-_TYPES = ("hello", "bye", "attach", "heartbeat", "init", "pull", "push", "gather", "notice", "stats")
+_TYPES = ("hello", "bye", "attach", "heartbeat", "init", "pull", "push", "gather", "notice", "stats", "standby",
+          "replicate", "lead", "ping")
 
 
 def _authenticate(ctx: zmq.Context, socket: zmq.Socket, keys: Any) -> tuple[Any, zmq.Socket]:
@@ -61,7 +64,7 @@ def _authenticate(ctx: zmq.Context, socket: zmq.Socket, keys: Any) -> tuple[Any,
     return auth, socket.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
 
 
-class ParameterServer(ModelRequests):
+class ParameterServer(ModelRequests, Failover):
     """Serves one central model to the workers of a run, as ``config`` says.
 
     Args:
@@ -86,6 +89,7 @@ class ParameterServer(ModelRequests):
         self.shard = ShardGuard(config.shard)  # the partition its workers agree on, when it is one of several
         self.persistence = Persistence(config, self.store, self.members, self.stats, shard=self.shard)
         self._stop = False
+        self._init_failover()
         if config.resume is not None:
             self.persistence.resume(config.resume)
             bounds.trim_sessions(self.store.last_seq, self.members.world_size)
@@ -98,6 +102,7 @@ class ParameterServer(ModelRequests):
         os.set_blocking(self._wake_w, False)
         bounds.configure_router(self.socket, self.limits)
         self.store.copy_threshold = self.socket.copy_threshold
+        self.replication = Replication(self._ctx, config.failover_timeout, self.limits)
         self.replies = Replies(self.socket.copy_threshold)  # queued over all connections, given back as they close
         self.failure = failure.JobFailure()  # a rank's failure, told to the job's other ranks
         self._auth: Any = None
@@ -114,6 +119,8 @@ class ParameterServer(ModelRequests):
                           "using that port? choose another with --port)") from None
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.keyed = server_keys is not None
+        if self.role == "standby":
+            self.join_primary()
 
     def _on_monitor(self) -> None:
         assert self._monitor is not None
@@ -134,6 +141,8 @@ class ParameterServer(ModelRequests):
             self.socket.disable_monitor()
             self._monitor.close(0)
             self._monitor = None
+        self.replication.close()
+        self.close_join()
         self.socket.close(0)
         self.store.close()
         if self._auth is not None:
@@ -186,6 +195,7 @@ class ParameterServer(ModelRequests):
                 if self.socket in ready:
                     self._drain()
                 self.check_liveness()
+                self.failover_tick()
                 self.persistence.housekeeping()
                 self.replies.tick()
                 if self._should_exit():
@@ -249,6 +259,9 @@ class ParameterServer(ModelRequests):
                 raise WireError("bad_local", f"a {msg.type!r} message cannot name shared memory: only pushes do")
             if msg.type not in _TYPES:
                 raise WireError("unknown_type", f"unknown message type {msg.type!r}")
+            if self.role != "primary" and msg.type not in (STANDBY_TYPES if self.role == "standby" else REPLACED_TYPES):
+                raise self._not_serving()
+            self.check_epoch(msg)
             if msg.type == "push":
                 self.stats.push_bytes_in += size
                 self.stats.push_messages += 1
@@ -266,7 +279,8 @@ class ParameterServer(ModelRequests):
 
     def _send(self, identity: bytes, rid: Any, msg_type: str, fields: dict[str, Any] | None = None,
               tensors: dict[str, Tensor] | None = None) -> None:
-        self._send_frames(identity, encode(msg_type, {**(fields or {}), "rid": rid}, tensors))
+        fields = {**(fields or {}), "rid": rid, "epoch": self.epoch, "standby": self.replication.address}
+        self._send_frames(identity, encode(msg_type, fields, tensors))
 
     def _send_frames(self, identity: bytes, frames: list[Any]) -> int:
         """Send a reply; one to a connection with REPLY_HWM unread replies, or gone, or past the bytes queued over
@@ -300,7 +314,9 @@ class ParameterServer(ModelRequests):
     # -- membership and collectives ------------------------------------------------------------
 
     def _update_trainers(self) -> None:
-        self._resolve(self.store.set_trainers(self.members.trainers()))
+        ranks = self.members.trainers()
+        if self.replicate_trainers(ranks):  # False: not leading (a standby, or replaced)
+            self._resolve(self.store.set_trainers(ranks))
 
     def check_liveness(self, now: float | None = None) -> list[int]:
         """Declare lost the heartbeating workers silent for ``worker_timeout`` s; returns their ranks.
@@ -339,11 +355,13 @@ class ParameterServer(ModelRequests):
         while self.members.forgotten:  # past limits.SESSIONS_PER_RANK: they can push no more
             self.store.last_seq.pop(self.members.forgotten.pop(), None)
         self.collectives.joined(worker.rank, worker.stage)
+        self.replicate_member(worker.session)
         self._update_trainers()
         self._send(identity, rid, "welcome", {
             "initialized": self.store.initialized, "version": self.store.version, "mode": self.mode,
             "stop": self.store.stopped, "max_message_bytes": self.limits.max_message_bytes,
             "shm": self.store.segments is not None, "token": worker.token, "pid": os.getpid(),
+            "failover_timeout": self.config.failover_timeout,
         })
 
     def _on_attach(self, identity: bytes, rid: Any, msg: Message) -> None:
@@ -382,6 +400,7 @@ class ParameterServer(ModelRequests):
     def snapshot(self) -> dict[str, Any]:
         """The counters, as plain data (what ``plug-asgd status`` shows)."""
         return {**self.persistence.counters(), **self.collectives.counters(), **self.replies.counters(),
+                **self.failover_counters(),
                 "job_failed": self.failure.text, "world_fixed": self.members.world_fixed,
                 "sessions_kept": len(self.store.last_seq), "replies_dropped": dict(self.stats.replies_dropped)}
 

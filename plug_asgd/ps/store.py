@@ -72,20 +72,12 @@ class Store(ABC):
             tensors: the model, by name.
 
         Raises:
-            WireError: ``bad_tensor`` for no tensors or one not a dense float array; ``not_finite`` for NaN/Inf.
+            WireError: as :func:`check_model`.
         """
         if self.initialized:
             return False
-        own: dict[str, np.ndarray] = {}
-        for name, t in tensors.items():
-            if not isinstance(t, np.ndarray) or t.dtype.name not in FLOAT_DTYPES:
-                raise WireError("bad_tensor", f"tensor {name!r}: the central model holds dense float tensors")
-            if not all_finite(t):
-                raise WireError("not_finite", f"tensor {name!r} holds NaN or Inf")
-            own[name] = np.array(t, copy=True)
-        if not own:
-            raise WireError("bad_tensor", "init carries no tensors")
-        self.state.tensors = own
+        check_model(tensors)
+        self.state.tensors = {name: np.array(t, copy=True) for name, t in tensors.items()}
         self.initialized = True
         self.changes.reset(self.state.version)
         return True
@@ -246,6 +238,18 @@ class Store(ABC):
             raise WireError("bad_field", "field 'scaled_for': this mode's PS averages rounds (leave the field out)")
         return (1.0 + scaled_for) / (1.0 + max(scaled_for, staleness))
 
+    def read_local(self, session: str, tensors: dict[str, Any]) -> dict[str, Any]:
+        """``tensors`` with each :class:`Local` reference read (as a view) from ``session``'s segment.
+
+        Args:
+            session: the pushing worker's session.
+            tensors: the push's tensors.
+
+        Raises:
+            WireError: ``bad_local`` where this store maps no segment, or the reference is out of it.
+        """
+        return self._read_local(session, tensors)[0]
+
     def _read_local(self, session: str, tensors: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """``tensors`` with each :class:`Local` reference read (as a view) from ``session``'s segment; its bytes."""
         if not any(isinstance(t, Local) for t in tensors.values()):
@@ -349,6 +353,24 @@ class Store(ABC):
             session: the session about to be answered.
             request: the number of the request being answered.
         """
+
+
+def check_model(tensors: dict[str, Tensor]) -> None:
+    """Refuse an initial model the central model cannot be.
+
+    Args:
+        tensors: the model, by name.
+
+    Raises:
+        WireError: ``bad_tensor`` for no tensors or one not a dense float array; ``not_finite`` for NaN/Inf.
+    """
+    for name, t in tensors.items():
+        if not isinstance(t, np.ndarray) or t.dtype.name not in FLOAT_DTYPES:
+            raise WireError("bad_tensor", f"tensor {name!r}: the central model holds dense float tensors")
+        if not all_finite(t):
+            raise WireError("not_finite", f"tensor {name!r} holds NaN or Inf")
+    if not tensors:
+        raise WireError("bad_tensor", "init carries no tensors")
 
 
 def check_finite(update: dict[str, Tensor]) -> None:

@@ -32,6 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.protocol.security import KEYGEN_HINT, load_worker_keys
 from plug_asgd.protocol.wire import DEFAULT_LIMITS, Limits, Message, Tensor, decode, encode, message_bytes
+from plug_asgd.worker.leader_watch import LeaderWatch
 
 DEFAULT_HEARTBEAT_S = 2.0
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -95,7 +96,7 @@ class CommCounters:
                 "wait_seconds": round(self.wait_seconds, 6)}
 
 
-class Transport:
+class Transport(LeaderWatch):
     """Requests to one parameter server, with timeouts that end in a clear error, never a hang.
 
     Args:
@@ -132,13 +133,24 @@ class Transport:
         self.counters = CommCounters()
         self._rids = itertools.count(1)
         self._ctx = context or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
         self._worker_keys = worker_keys
-        self._secure(self._sock)
         self.keyed = worker_keys is not None
         self.max_message_bytes: int | None = None  # the PS's limit, learnt from its hello reply
+        self._init_watch()
+        self._open(address)
+        self._closed = False
+        self._admitted = False
+        self._lost = False
+        self._lost_since = 0.0
+        self._hello_fields: dict[str, Any] | None = None  # said again after a reconnection
+        self.reconnections = 0
+
+    def _open(self, address: str) -> None:
+        """The request socket to the PS at ``address``, and its connection events' monitor."""
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        self._secure(self._sock)
         self._monitor = self._sock.get_monitor_socket(
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
         self._poller = zmq.Poller()
@@ -148,12 +160,23 @@ class Transport:
         self._send_poller.register(self._sock, zmq.POLLOUT)
         self._send_poller.register(self._monitor, zmq.POLLIN)
         self._sock.connect(address)
-        self._closed = False
-        self._admitted = False
-        self._lost = False
-        self._lost_since = 0.0
-        self._hello_fields: dict[str, Any] | None = None  # said again after a reconnection
-        self.reconnections = 0
+        self.address = address
+
+    def _close_sockets(self) -> None:
+        self._close_probe()
+        self._sock.disable_monitor()
+        self._monitor.close(0)
+        self._sock.close(0)
+
+    def _switch(self, address: str, msg_type: str, frames: list[Any]) -> None:
+        """Move to the PS at ``address`` (a standby that leads now): hello again, and resend the request in flight."""
+        self._close_sockets()
+        self._open(address)
+        self.standby = None  # until the new leader's replies name one
+        self._lost, self._admitted = False, False
+        self._heard = time.monotonic()
+        self.reconnections += 1
+        self._resend(msg_type, frames)
 
     def request(self, msg_type: str, fields: Mapping[str, Any] | None = None,
                 tensors: Mapping[str, Tensor] | None = None, *, timeout: float | None = None,
@@ -183,7 +206,7 @@ class Transport:
         rid = next(self._rids)
         frames = encode(msg_type, {**(fields or {}), "rid": rid}, tensors, local=local)
         self._count_up(msg_type, message_bytes(frames), tensors, local)
-        start = time.monotonic()
+        start = self._heard = time.monotonic()
         limit = self.request_timeout if timeout is None else timeout
         if self._send(msg_type, frames, limit, start, alive):
             start = time.monotonic()  # sent by a reconnection's resend: its reply is awaited from now
@@ -212,6 +235,10 @@ class Transport:
             if self._monitor in ready and self._on_connection_event(msg_type, frames):
                 return True
             if self._sock not in ready:
+                address = self.address
+                self._watch(msg_type, frames)
+                if self.address != address:  # moved to the standby, the request sent there
+                    return True
                 self._check_alive(msg_type, alive)
 
     def _poll(self, poller: zmq.Poller, msg_type: str, limit: float, start: float, failure: str) -> dict[Any, int]:
@@ -249,11 +276,13 @@ class Transport:
             if self._monitor in ready:
                 self._on_connection_event(msg_type, frames)
             if self._sock not in ready:
+                self._watch(msg_type, frames)
                 self._check_alive(msg_type, alive)
                 continue
             reply_frames = self._sock.recv_multipart(copy=False)
             self.counters.bytes_down += message_bytes(reply_frames)
             reply = decode(reply_frames, self.limits)
+            self._learn(reply)
             if reply.fields.get("rid") != rid:
                 continue  # the late answer to a request that timed out
             if reply.type == "error" and self._rejoin(msg_type, reply, frames, rejoins):
@@ -288,6 +317,7 @@ class Transport:
                 raise PSUnreachableError(self._handshake_failure(event))
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._admitted = True
+                self._heard = time.monotonic()
             if event == zmq.EVENT_DISCONNECTED:
                 if not self._lost:
                     self._lost_since = time.monotonic()
@@ -350,10 +380,13 @@ class Transport:
 
     def _beat(self) -> None:
         """Fire and forget: no reply is awaited, and at most one beat waits while the PS is away."""
-        sock = self.side_socket(hwm=1)
+        sock, address = self.side_socket(hwm=1), self.address
         try:
             frames = encode("heartbeat", {"rank": self.rank, "session": self.session, "token": self.token})
             while not self._heartbeat_stop.wait(self.heartbeat_s):
+                if self.address != address:  # moved to the standby that leads now
+                    sock.close(0)
+                    sock, address = self.side_socket(hwm=1), self.address
                 try:
                     sock.send_multipart(frames, zmq.NOBLOCK)
                 except zmq.Again:
@@ -380,6 +413,4 @@ class Transport:
             self._heartbeat_stop.set()
             if self._heartbeat is not None:
                 self._heartbeat.join(5.0)
-            self._sock.disable_monitor()
-            self._monitor.close(0)
-            self._sock.close(0)
+            self._close_sockets()

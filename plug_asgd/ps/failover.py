@@ -1,0 +1,334 @@
+"""A PS's role in a pair of primary and hot standby: who leads, with which epoch, and when a standby takes over.
+
+:class:`Failover` is a base of :class:`~plug_asgd.ps.server.ParameterServer`. A primary (``role == "primary"``)
+sends each change of its state to its standby first (:mod:`plug_asgd.ps.replication`); a standby
+(``serve-ps --standby-of ADDR``: ``role == "standby"``) applies those records to a store of its own, serves no
+worker, and checkpoints nothing. Every reply of either carries the epoch it leads (``epoch``) and the standby's
+address (``standby``), so a worker that knows only the primary's address learns where to go.
+
+The rule that makes one leader at a time (docs/design.md, "Hot standby"): a standby leads only when a worker asks it
+to (a ``lead`` request: the worker could not reach the primary for ``failover_timeout``) **and** it has itself heard
+nothing from the primary for ``failover_timeout``. A standby cut off from a primary that the workers still reach gets
+no such request; one that hears the primary refuses it (``primary_alive``). Leading, it takes the next epoch, and
+answers the old primary's records with ``fenced``: a primary that comes back (a SIGSTOP'd process resumed), or was
+only cut off from its standby, folds in nothing more, since every change waits for the standby's acknowledgement.
+A request that claims a later epoch than this PS leads is refused (``bad_epoch``) unless the standby confirms it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from plug_asgd.protocol.wire import Message, Tensor, WireError
+from plug_asgd.ps.config import PSConfig
+from plug_asgd.ps.fast_store import FastStore
+from plug_asgd.ps.membership import Membership, proof
+from plug_asgd.ps.replication import Fenced, Replication
+from plug_asgd.ps.shard_guard import ShardGuard
+from plug_asgd.ps.standby_join import JoinRequest, advertised
+from plug_asgd.ps.stats import Stats
+from plug_asgd.ps.store_records import MAX_SCALED_FOR, PushIn, Snapshot
+
+log = logging.getLogger("plug_asgd.ps")
+
+STANDBY_TYPES = frozenset({"replicate", "lead", "stats", "ping"})  # what a standby answers
+REPLACED_TYPES = frozenset({"stats", "ping"})  # what a replaced primary answers
+
+
+class Failover:
+    """The roles, the epoch, the standby's records and the workers' ``lead`` requests, a base of the server.
+
+    It works on the server's store, membership, counters and shard guard, and sends through its socket (the
+    attributes annotated below, which the server sets).
+    """
+
+    config: PSConfig
+    store: FastStore
+    members: Membership
+    stats: Stats
+    shard: ShardGuard
+    address: str
+    persistence: Any
+    replication: Replication
+    _send: Callable[..., None]
+    _stop: bool
+    _ctx: Any
+
+    def _init_failover(self) -> None:
+        self.role = "standby" if self.config.standby_of is not None else "primary"
+        self.epoch = 1
+        self.failovers = 0
+        self.leader: str | None = None  # who replaced this PS, once replaced
+        self.primary_heard = time.monotonic()  # a standby: the last record from the primary
+        self.primary_version: int | None = None
+        self._link: str | None = None  # a standby: the token the primary's records carry
+        self._trainers_sent: frozenset[int] | None = None
+        self._join: JoinRequest | None = None
+        self.join_failed: str | None = None
+
+    # -- the primary's side ------------------------------------------------------------------
+
+    def replicate(self, kind: str, fields: dict[str, Any] | None = None,
+                  tensors: dict[str, Tensor] | None = None) -> None:
+        """Hand a change to the standby before making it (nothing where none is attached).
+
+        Args:
+            kind: the record's kind.
+            fields: its fields.
+            tensors: its tensors.
+
+        Raises:
+            WireError: ``replaced`` where the standby leads a later epoch: this PS changes nothing more.
+        """
+        if self.role != "primary":
+            raise self._not_serving()
+        try:
+            self.replication.send(kind, fields, tensors)
+        except Fenced as exc:
+            self._fenced(exc)
+            raise self._not_serving() from None
+
+    def replicate_trainers(self, ranks: frozenset[int]) -> bool:
+        """The ranks training may have changed: the standby's rule needs them (a sync round) before the store's
+        does. False where this PS does not lead (a standby, or replaced now): the store is then left as it is.
+
+        Args:
+            ranks: the ranks training now.
+        """
+        if self.role != "primary":
+            return False
+        if ranks != self._trainers_sent and self.replication.attached:
+            try:
+                self.replicate("trainers", {"ranks": sorted(ranks)})
+            except WireError:  # replaced
+                return False
+        self._trainers_sent = ranks if self.replication.attached else None
+        return True
+
+    def replicate_member(self, session: str) -> None:
+        """A worker said hello: the standby keeps who owns its session (a worker of this run may then ask it to
+        lead, and say hello to it with the same token).
+
+        Args:
+            session: the worker's session.
+        """
+        if self.replication.attached:
+            self.replicate("member", {"owners": self.members.owner_fields([session]),
+                                      "world_size": self.members.world_size})
+
+    def failover_tick(self) -> None:
+        """Between requests: a primary's beat to its standby; a standby's check of its join."""
+        if self.role == "primary":
+            try:
+                self.replication.beat(self.store.version)
+            except Fenced as exc:
+                self._fenced(exc)
+        elif self.role == "standby":
+            self.check_join()
+
+    def _fenced(self, exc: Fenced) -> None:
+        self.role, self.leader = "replaced", exc.leader
+        self.replication.detach(f"it leads epoch {exc.epoch}")
+        self.replication.forget_lost()
+        log.error("this parameter server was REPLACED: its standby %s leads epoch %d (this one led epoch %d); it "
+                  "folds in nothing more and refuses every request (stop it)", exc.leader, exc.epoch, self.epoch)
+
+    def _not_serving(self) -> WireError:
+        if self.role == "standby":
+            return WireError("standby", f"this is the hot standby of the parameter server at {self.config.standby_of}"
+                                        ": workers talk to the primary, and come here only when it is gone")
+        return WireError("replaced", f"this parameter server was replaced by its standby at {self.leader}, which "
+                                     "leads now: talk to it")
+
+    def check_epoch(self, msg: Message) -> None:
+        """Refuse a request that claims a later epoch than this PS leads, unless its standby confirms it (the PS
+        was replaced: it then refuses everything).
+
+        Args:
+            msg: the request.
+
+        Raises:
+            WireError: ``bad_epoch`` for a claim nothing proves; ``replaced`` where the standby confirms it.
+        """
+        claimed = msg.fields.get("epoch")
+        if claimed is None or self.role != "primary":
+            return
+        if not isinstance(claimed, int) or isinstance(claimed, bool) or claimed < 1:
+            raise WireError("bad_field", f"field 'epoch' must be a positive integer, got {claimed!r:.40}")
+        if claimed <= self.epoch:
+            return
+        if self.replication.attached:
+            self.replicate("beat", {"version": self.store.version})  # Fenced, where the standby leads
+        raise WireError("bad_epoch", f"the request claims epoch {claimed}, but this parameter server leads epoch "
+                                     f"{self.epoch} and its standby does not lead a later one")
+
+    def _on_standby(self, identity: bytes, rid: Any, msg: Message) -> None:
+        """A standby asks for this PS's options (``step: config``), then to join (``step: join``)."""
+        if self.role != "primary":
+            raise self._not_serving()
+        step = msg.str_field("step")
+        if step == "config":
+            self._send(identity, rid, "standby_config", {"config": self.config.to_json(), "epoch": self.epoch})
+            return
+        if step != "join":
+            raise WireError("bad_field", f"field 'step' must be 'config' or 'join', got {step!r:.40}")
+        address, link = msg.str_field("address"), msg.str_field("link")
+        if len(link) < 32:
+            raise WireError("bad_field", "field 'link' must be the standby's token (32 hex digits at least)")
+        self.replication.attach(address, link, self._snapshot_record())
+        self._trainers_sent = self.members.trainers()
+        self._send(identity, rid, "standby_joined", {"epoch": self.epoch, "version": self.store.version})
+
+    def _snapshot_record(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """The whole state a standby starts from: a checkpoint's, plus the epoch and who trains."""
+        fields: dict[str, Any] = {
+            "initialized": self.store.initialized, "resumed": self.store.resumed, "epoch": self.epoch,
+            "failovers": self.failovers, "world_size": self.members.world_size,
+            "run_id": self.persistence.run_id, "stats": self.stats.saved(), "trainers": sorted(self.members.trainers()),
+            "owners": self.members.owner_fields(self.members.owners), **self.shard.checkpoint_fields()}
+        tensors: dict[str, Tensor] = {}
+        if self.store.initialized:
+            snap = self.store.snapshot()
+            fields.update(version=snap.version, last_seq=snap.last_seq, rule=snap.rule_fields)
+            tensors = {f"model/{n}": t for n, t in snap.tensors.items()}
+            tensors.update((f"rule/{n}", a) for n, a in snap.rule_arrays.items())
+        return fields, tensors
+
+    # -- the standby's side ------------------------------------------------------------------
+
+    def join_primary(self) -> None:
+        """A standby asks its primary to take it (the answer comes once it holds the state: :meth:`check_join`)."""
+        self._join = JoinRequest(self._ctx, self.config.standby_of or "", advertised(self.address))
+        self._link = self._join.link
+        log.info("standby of %s: asking to join", self.config.standby_of)
+
+    def check_join(self) -> None:
+        """A standby whose primary refused it, or did not take it in time, stops (``join_failed`` says why)."""
+        join = self._join
+        if join is not None and join.check() is False:
+            self.join_failed = join.failed
+            log.error("%s; stopping", join.failed)
+            self._stop = True
+
+    def close_join(self) -> None:
+        """Drop the join request's socket."""
+        if self._join is not None:
+            self._join.close()
+
+    def _on_replicate(self, identity: bytes, rid: Any, msg: Message) -> None:
+        link = msg.fields.get("link")
+        expected = self._link or ""
+        if not isinstance(link, str) or not expected or not hmac.compare_digest(link, expected):
+            raise WireError("bad_link", "a record must come over the link this standby opened with its primary")
+        if self.role != "standby":  # it leads: the old primary is told so, and changes nothing
+            self._send(identity, rid, "fenced", {"epoch": self.epoch})
+            return
+        kind = msg.str_field("kind")
+        self.primary_heard = time.monotonic()
+        status = "ok"
+        try:
+            getattr(self, f"_apply_{kind}")(msg)
+        except AttributeError:
+            raise WireError("bad_field", f"unknown record kind {kind!r:.40}") from None
+        except WireError as exc:  # a push the primary refuses as well (the same code on the same state)
+            status = exc.code
+        self.primary_version = self.store.version
+        self._send(identity, rid, "ack", {"version": self.store.version, "status": status})
+
+    def _apply_snapshot(self, msg: Message) -> None:
+        f = msg.fields
+        self.epoch = int(f["epoch"])
+        self.failovers = int(f.get("failovers", 0))
+        if f.get("initialized"):
+            tensors = {n[len("model/"):]: t for n, t in msg.tensors.items() if n.startswith("model/")}
+            arrays = {n[len("rule/"):]: np.array(t) for n, t in msg.tensors.items() if n.startswith("rule/")}
+            last_seq = {str(k): int(v) for k, v in f.get("last_seq", {}).items()}
+            self.store.restore(Snapshot(int(f["version"]), tensors, last_seq, f.get("rule", {}), arrays))
+            self.store.resumed = bool(f.get("resumed"))
+        self.members.restore_owners(f.get("owners"))
+        self.members.world_size = f.get("world_size")
+        self.stats.restore(f.get("stats", {}))
+        self.shard.restore(f, "the primary's state")
+        self.persistence.run_id = f.get("run_id") or self.persistence.run_id
+        self.store.set_trainers(frozenset(f.get("trainers", [])))
+        log.info("standby: holding the primary's state at version %d (epoch %d)", self.store.version, self.epoch)
+
+    def _apply_push(self, msg: Message) -> None:
+        scaled_for = msg.float_field("scaled_for", minimum=0.0, maximum=MAX_SCALED_FOR, optional=True)
+        rank, session = msg.int_field("rank", minimum=0), msg.str_field("session")
+        folded = self.store.fold(PushIn(None, rank, session, msg.int_field("seq", minimum=0),
+                                        msg.int_field("base_version", minimum=0), msg.tensors, msg.frames,
+                                        scaled_for=scaled_for, weights=msg.fields.get("weights") is True))
+        if session in self.store.last_seq:
+            self.store.last_seq[session] = self.store.last_seq.pop(session)
+        self.stats.pushes_by_rank[rank] += 1
+        self.stats.pushes_applied += len(folded.resolutions)
+
+    def _apply_init(self, msg: Message) -> None:
+        self.store.init(msg.tensors)
+        self.shard.restore(msg.fields, "the primary's init")
+
+    def _apply_trainers(self, msg: Message) -> None:
+        self.store.set_trainers(frozenset(int(r) for r in msg.fields.get("ranks", [])))
+
+    def _apply_member(self, msg: Message) -> None:
+        self.members.restore_owners(msg.fields.get("owners"))
+        self.members.world_size = msg.fields.get("world_size")
+
+    def _apply_beat(self, msg: Message) -> None:
+        pass
+
+    def _apply_end(self, msg: Message) -> None:
+        log.info("standby: the primary's run is over; stopping")
+        self._stop = True
+
+    def _on_lead(self, identity: bytes, rid: Any, msg: Message) -> None:
+        """A worker that could not reach the primary asks this standby to lead (the rule: module docstring)."""
+        session, token = msg.str_field("session"), msg.str_field("token")
+        owner = self.members.owners.get(session)
+        if owner is None or not hmac.compare_digest(owner.proof, proof(token)):
+            raise WireError("bad_vote", "only a worker of this run (its session and token) may ask a standby to lead")
+        known = msg.int_field("epoch", minimum=1)
+        if self.role == "standby":
+            if self._link is None or self.primary_version is None:
+                raise WireError("not_ready", "this standby does not hold the primary's state yet")
+            if known != self.epoch:
+                raise WireError("bad_epoch", f"the worker knows epoch {known}, this standby follows epoch {self.epoch}")
+            silent = time.monotonic() - self.primary_heard
+            if silent < self.config.failover_timeout:
+                raise WireError("primary_alive", f"this standby heard from the primary {silent:.1f} s ago: it is "
+                                                 "alive; the worker alone is cut off from it")
+            seen = msg.int_field("version", minimum=0, optional=True)
+            if seen is not None and seen > self.store.version:
+                raise WireError("standby_behind", f"the worker saw version {seen}, this standby holds "
+                                                  f"{self.store.version}: the primary went on without it")
+            self._promote(f"rank {owner.rank} could not reach it, nor could this standby for {silent:.1f} s")
+        elif self.role != "primary" or known >= self.epoch:
+            raise self._not_serving() if self.role != "primary" else WireError(
+                "bad_epoch", f"this parameter server leads epoch {self.epoch}: a worker of epoch {known} asks "
+                             "nothing of it")
+        self._send(identity, rid, "leading", {"epoch": self.epoch, "version": self.store.version})
+
+    def _promote(self, why: str) -> None:
+        self.role, self.epoch, self.failovers = "primary", self.epoch + 1, self.failovers + 1
+        log.warning("this standby LEADS now, epoch %d, at version %d: %s; serving without a standby (start one "
+                    "with `plug-asgd serve-ps --standby-of %s`)", self.epoch, self.store.version, why, self.address)
+        self.persistence.lead()
+
+    def _on_ping(self, identity: bytes, rid: Any, msg: Message) -> None:
+        self._send(identity, rid, "pong", {"role": self.role})
+
+    def failover_counters(self) -> dict[str, Any]:
+        """What ``status`` shows: the role, the epoch, the failovers so far, the standby and its lag."""
+        lag = None
+        if self.replication.standby_version is not None:
+            lag = self.store.version - self.replication.standby_version
+        return {"role": self.role, "epoch": self.epoch, "failovers": self.failovers, "leader": self.leader,
+                "standby_lag": lag, "standby_of": self.config.standby_of if self.role == "standby" else None,
+                **self.replication.counters()}

@@ -1,0 +1,246 @@
+"""The primary's side of a hot standby: one link to it, over which every change of the central state goes first.
+
+A standby (``serve-ps --standby-of ADDR``) asks to join; the primary connects a DEALER socket to the standby's
+address and sends it the whole state (a ``snapshot`` record), then, before each change it makes, the record of that
+change: a push as the primary received it (a sparse codec's push stays sparse), an ``init``, the set of training
+ranks, a worker's session. The primary waits for the standby's acknowledgement before it makes the change itself,
+and so before it answers the request: a reply a worker has seen is of a state the standby holds. Both sides run the
+same deterministic code on the same records (a refused push is refused on both), and the acknowledgement carries the
+standby's version, which the primary checks against its own.
+
+While no record goes, a ``beat`` goes every quarter of ``failover_timeout``: the standby takes silence longer than
+``failover_timeout`` as the primary possibly gone (it still needs a worker's word, see :mod:`plug_asgd.ps.failover`).
+A standby that does not acknowledge within half of ``failover_timeout`` is detached: the primary says so, serves on
+without one, and takes a new standby when one asks. Half: a request the primary holds while it waits is answered
+before its worker, silent PS or not, could ask the standby to lead (after ``failover_timeout``). A standby that
+answers ``fenced`` leads a later epoch: this primary was replaced, and :class:`Fenced` says so to the server, which
+then changes nothing more. A detached standby is still asked, every ``failover_timeout``, whether it leads (it may
+have been cut off, then asked to lead by workers cut off too): the answer ``fenced`` ends this primary as well.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import zmq
+
+from plug_asgd.protocol.wire import Limits, Tensor, WireError, decode, encode, message_bytes
+
+log = logging.getLogger("plug_asgd.ps")
+
+JOIN_TIMEOUT_S = 60.0  # the snapshot's acknowledgement: a standby maps a whole model (and may start slowly)
+
+
+class Fenced(Exception):
+    """The standby leads a later epoch: this PS was replaced and must change nothing more.
+
+    Args:
+        epoch: the epoch the standby leads.
+        leader: the standby's address, which now leads.
+    """
+
+    def __init__(self, epoch: int, leader: str) -> None:
+        super().__init__(f"replaced by the standby at {leader}, which leads epoch {epoch}")
+        self.epoch = epoch
+        self.leader = leader
+
+
+class Replication:
+    """The primary's link to its standby (at most one), synchronous: :meth:`send` returns once the standby holds
+    the record.
+
+    Args:
+        context: the ZeroMQ context to make the link's socket in.
+        failover_timeout: seconds the standby waits in silence before it may lead; the link's acknowledgement
+            timeout, and four times its beat interval.
+        limits: the largest message the link accepts back.
+    """
+
+    def __init__(self, context: zmq.Context, failover_timeout: float, limits: Limits) -> None:
+        self._ctx = context
+        self.failover_timeout = failover_timeout
+        self.limits = limits
+        self.address: str | None = None  # the standby's, while one is attached
+        self._link: str | None = None  # the standby's token for this link: its records carry it
+        self._sock: zmq.Socket | None = None
+        self._rid = 0
+        self._last_sent = 0.0
+        self.standby_version: int | None = None  # the version the standby acknowledged last
+        self.records = 0
+        self.bytes = 0
+        self.joined = 0  # standbys taken over the run
+        self.detached = 0  # standbys dropped (silent past failover_timeout, or gone)
+        self.lost_reason: str | None = None
+        self.lost_address: str | None = None
+        self._lost: tuple[zmq.Socket, str] | None = None  # a detached standby's link, and its token: asked still
+        self._lost_asked = 0.0
+
+    @property
+    def attached(self) -> bool:
+        """Whether a standby holds the state now."""
+        return self._sock is not None
+
+    def attach(self, address: str, link: str, snapshot: tuple[dict[str, Any], dict[str, Tensor]]) -> None:
+        """Take the standby at ``address``: send it the whole state, and wait for it to hold it.
+
+        Args:
+            address: the standby's ZeroMQ address.
+            link: the standby's token for this link (from its join request).
+            snapshot: the state's fields and tensors.
+
+        Raises:
+            WireError: ``standby_taken`` where a standby is attached already; ``standby_failed`` where it did not
+                take the state within :data:`JOIN_TIMEOUT_S`.
+        """
+        if self.attached:
+            raise WireError("standby_taken", f"this parameter server has a standby already ({self.address}): stop "
+                                             "it first, or join this one to the standby instead")
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        sock.connect(address)
+        self._sock, self.address, self._link = sock, address, link
+        fields, tensors = snapshot
+        self.send("snapshot", fields, tensors, timeout=JOIN_TIMEOUT_S)
+        if self.attached:
+            self.joined += 1
+            self.lost_reason = None
+            log.warning("hot standby %s joined at version %s: every change goes to it first", address,
+                        self.standby_version)
+        else:
+            raise WireError("standby_failed", f"the standby at {address} did not take the state within "
+                                              f"{JOIN_TIMEOUT_S:g} s: {self.lost_reason}")
+
+    def send(self, kind: str, fields: dict[str, Any] | None = None, tensors: dict[str, Tensor] | None = None, *,
+             timeout: float | None = None) -> int | None:
+        """Send one record and wait for the standby to hold it; its version then (None: no standby attached, or
+        it was detached now for its silence).
+
+        Args:
+            kind: ``snapshot``, ``push``, ``init``, ``trainers``, ``member``, ``beat`` or ``end``.
+            fields: the record's fields.
+            tensors: its tensors.
+            timeout: seconds to wait for the acknowledgement; None: ``failover_timeout``.
+
+        Raises:
+            Fenced: where the standby leads a later epoch (this PS was replaced).
+            WireError: ``standby_diverged``, never raised: a standby whose version differs is detached instead.
+        """
+        sock = self._sock
+        if sock is None:
+            return None
+        self._rid += 1
+        rid = self._rid
+        frames = encode("replicate", {**(fields or {}), "kind": kind, "link": self._link, "rid": rid}, tensors)
+        size = message_bytes(frames)
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            self.detach(f"cannot send to it ({exc})")
+            return None
+        self._last_sent = time.monotonic()
+        deadline = self._last_sent + (self.failover_timeout / 2 if timeout is None else timeout)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                if time.monotonic() < deadline:
+                    continue
+                self.detach(f"no acknowledgement within {deadline - self._last_sent:g} s")
+                return None
+            try:
+                reply = decode(sock.recv_multipart(copy=False), self.limits)
+            except WireError as exc:
+                self.detach(f"a malformed acknowledgement ({exc})")
+                return None
+            if reply.fields.get("rid") != rid:
+                continue  # an acknowledgement of a record sent before a detach
+            break
+        if reply.type == "fenced":
+            epoch = reply.fields.get("epoch")
+            raise Fenced(int(epoch) if isinstance(epoch, int) else -1, self.address or "?")
+        if reply.type != "ack":
+            self.detach(f"it refused a record: {reply.fields.get('message', reply.type)}")
+            return None
+        self.records += 1
+        self.bytes += size
+        version = reply.fields.get("version")
+        self.standby_version = version if isinstance(version, int) else None
+        return self.standby_version
+
+    def beat(self, version: int) -> None:
+        """Between requests: a ``beat`` record if none went for a quarter of ``failover_timeout``.
+
+        Args:
+            version: the central version now.
+
+        Raises:
+            Fenced: where the standby leads a later epoch.
+        """
+        if self.attached and time.monotonic() - self._last_sent >= self.failover_timeout / 4:
+            self.send("beat", {"version": version})
+        self._ask_lost(version)
+
+    def _ask_lost(self, version: int) -> None:
+        """Whether the detached standby leads now (a ``fenced`` answer raises); a beat every ``failover_timeout``."""
+        if self._lost is None:
+            return
+        sock, link = self._lost
+        while sock.poll(0):
+            try:
+                reply = decode(sock.recv_multipart(copy=False), self.limits)
+            except WireError:
+                continue
+            if reply.type == "fenced":
+                epoch = reply.fields.get("epoch")
+                raise Fenced(int(epoch) if isinstance(epoch, int) else -1, self.lost_address or "?")
+        if time.monotonic() - self._lost_asked >= self.failover_timeout:
+            self._lost_asked = time.monotonic()
+            try:
+                sock.send_multipart(encode("replicate", {"kind": "beat", "link": link, "rid": 0, "version": version}),
+                                    zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def forget_lost(self) -> None:
+        """Stop asking a detached standby whether it leads (this PS knows it was replaced, or it stops)."""
+        if self._lost is not None:
+            self._lost[0].close(0)
+            self._lost = None
+
+    def detach(self, reason: str) -> None:
+        """Drop the standby (it stays dropped: a standby rejoins by asking again, and takes the whole state).
+
+        Args:
+            reason: why, for the log and the counters.
+        """
+        if self._sock is None:
+            return
+        log.warning("the hot standby %s is detached: %s; serving on WITHOUT a standby (start another with "
+                    "`plug-asgd serve-ps --standby-of ADDR`)", self.address, reason)
+        self.forget_lost()
+        self._lost, self.lost_address = (self._sock, self._link or ""), self.address
+        self._sock, self.address, self._link = None, None, None
+        self.standby_version = None
+        self.detached += 1
+        self.lost_reason = reason
+
+    def close(self) -> None:
+        """The run is over on this PS: tell the standby (an ``end`` record: it stops too), and drop the link."""
+        if self._sock is not None:
+            try:
+                self.send("end", timeout=min(self.failover_timeout, 2.0))
+            except Fenced:
+                pass
+            if self._sock is not None:
+                self._sock.close(0)
+                self._sock = None
+        self.forget_lost()
+
+    def counters(self) -> dict[str, Any]:
+        """What ``status`` shows of the standby: its address, its lag in updates, and the link's traffic."""
+        return {"standby": self.address, "standby_version": self.standby_version,
+                "standby_records": self.records, "standby_bytes": self.bytes,
+                "standbys_joined": self.joined, "standbys_detached": self.detached,
+                "standby_lost_reason": self.lost_reason}

@@ -1,0 +1,126 @@
+"""How a standby joins its primary: it asks for the primary's options, starts with them, then asks to be taken.
+
+``serve-ps --standby-of ADDR`` runs the primary's mode, codec rules and limits, whatever its own flags say of them
+(:func:`standby_config`): a standby must fold every record as the primary does. Where it listens, its keys, its
+metrics folder and (if given) its checkpoint folder stay its own. The join itself (:class:`JoinRequest`) is answered
+only once the primary has sent the whole state and the standby has acknowledged it, from its serving loop: so the
+request goes first, and its answer is read between requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import secrets
+import socket
+import time
+from typing import Any
+
+import zmq
+
+from plug_asgd.protocol.wire import decode, encode
+from plug_asgd.ps.config import PSConfig
+
+log = logging.getLogger("plug_asgd.ps")
+
+# a standby's own, whatever its primary runs with
+OWN_FIELDS = ("bind", "keys", "insecure", "run_dir", "metrics_every", "io_retry_seconds", "standby_of", "parent_pid")
+JOIN_WAIT_S = 90.0  # the join's answer: the primary sends the whole model first (JOIN_TIMEOUT_S) and may be busy
+
+
+def _ask(context: zmq.Context, address: str, fields: dict[str, Any], timeout: float) -> dict[str, Any]:
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send_multipart(encode("standby", {**fields, "rid": 1}))
+        if not sock.poll(int(timeout * 1000)):
+            raise OSError(f"no answer from the primary parameter server at {address} within {timeout:g} s: is it "
+                          "running, and is the address right (--standby-of)?")
+        reply = decode(sock.recv_multipart())
+    finally:
+        sock.close(0)
+    if reply.type == "error":
+        raise OSError(f"the parameter server at {address} refused this standby: {reply.fields.get('message')}")
+    return reply.fields
+
+
+def standby_config(own: PSConfig, timeout: float = 10.0, context: zmq.Context | None = None) -> PSConfig:
+    """``own`` with the primary's options for everything but where it listens, its keys and its folders.
+
+    Args:
+        own: the standby's config (``standby_of`` set).
+        timeout: seconds to wait for the primary's answer.
+        context: the ZeroMQ context to ask in; None: the process's shared one.
+
+    Raises:
+        OSError: where the primary does not answer within ``timeout``, or refuses (it is itself a standby).
+        ValueError: where ``own`` names no primary.
+    """
+    if own.standby_of is None:
+        raise ValueError("standby_config needs standby_of: the primary's address")
+    fields = _ask(context or zmq.Context.instance(), own.standby_of, {"step": "config"}, timeout)
+    theirs = json.loads(fields["config"])
+    merged = {k: v for k, v in theirs.items() if k not in OWN_FIELDS and k not in ("resume", "run_id")}
+    merged.update((f.name, getattr(own, f.name)) for f in dataclasses.fields(own) if f.name in OWN_FIELDS)
+    if own.checkpoint_dir is not None:  # its own folder; else the primary's (a shared file system)
+        merged["checkpoint_dir"] = own.checkpoint_dir
+    merged["parent_pid"] = None
+    return PSConfig(**merged)
+
+
+def advertised(address: str) -> str:
+    """The address workers reach a PS at: a wildcard's (``tcp://0.0.0.0:P``) with the host's name instead.
+
+    Args:
+        address: the endpoint the PS's socket bound.
+    """
+    for wildcard in ("tcp://0.0.0.0:", "tcp://*:", "tcp://[::]:"):
+        if address.startswith(wildcard):
+            return f"tcp://{socket.gethostname()}:{address[len(wildcard):]}"
+    return address
+
+
+class JoinRequest:
+    """A standby's request to be taken, sent at start, its answer read between requests.
+
+    Args:
+        context: the ZeroMQ context.
+        primary: the primary's address.
+        address: where the primary reaches this standby.
+    """
+
+    def __init__(self, context: zmq.Context, primary: str, address: str) -> None:
+        self.link = secrets.token_hex(16)
+        self.primary = primary
+        self._sock: zmq.Socket | None = context.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(primary)
+        self._sock.send_multipart(encode("standby", {"step": "join", "address": address, "link": self.link,
+                                                     "rid": 1}))
+        self._deadline = time.monotonic() + JOIN_WAIT_S
+        self.failed: str | None = None
+
+    def check(self) -> bool | None:
+        """True once the primary took this standby; False where it refused or did not answer (``failed`` says
+        why); None while the answer is awaited."""
+        if self._sock is None:
+            return self.failed is None
+        if not self._sock.poll(0):
+            if time.monotonic() < self._deadline:
+                return None
+            self.failed = (f"the primary at {self.primary} did not take this standby within {JOIN_WAIT_S:g} s (can "
+                           "it reach this standby's address? a standby beyond loopback needs --host)")
+        else:
+            reply = decode(self._sock.recv_multipart())
+            if reply.type == "error":
+                self.failed = f"the primary at {self.primary} refused this standby: {reply.fields.get('message')}"
+        self.close()
+        return self.failed is None
+
+    def close(self) -> None:
+        """Drop the request's socket."""
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None

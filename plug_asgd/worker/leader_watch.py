@@ -1,0 +1,138 @@
+"""The worker's side of a hot standby: it learns the standby from the PS's replies, and moves to it when the PS is gone.
+
+Every reply of a PS says which epoch it leads and where its standby is (``epoch``, ``standby``). While a request
+waits, the worker tells a PS that is slow to answer (a sync round, a barrier) from one that is gone: past a quarter
+of ``failover_timeout`` without a word from it, a ``ping`` goes on a socket of its own, which any live PS answers at
+once. Past ``failover_timeout`` without a word (a killed process, a frozen one, a host cut off), the worker asks the
+standby to lead (``lead``, with its session and token: only a worker of the run may). The standby leads only if it
+has not heard from the primary either (docs/design.md, "Hot standby"); the worker then connects to it, says hello
+again with its token, and sends the request in flight once more. Pushes carry sequence numbers: one the primary had
+already handed to the standby is refused as a duplicate and answered with the current model
+(:meth:`~plug_asgd.worker.client.PSClient.push`), so none is applied twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from plug_asgd.protocol.wire import DEFAULT_LIMITS, Message, WireError, decode, encode
+
+log = logging.getLogger("plug_asgd.worker.client")
+
+DEFAULT_FAILOVER_TIMEOUT = 3.0  # the PS's, until its hello reply says
+
+
+class LeaderWatch:
+    """The epoch and the standby a worker knows, the pings of a silent PS, and the request to its standby to lead.
+
+    A base of :class:`~plug_asgd.worker.transport.Transport`, which calls :meth:`_learn` with every reply and
+    :meth:`_watch` while a request waits, and defines :meth:`_switch` (the move to another address).
+    """
+
+    address: str
+    rank: int
+    session: str
+    token: str | None
+    _ctx: zmq.Context
+    _secure: Callable[[zmq.Socket], None]  # CURVE where the worker has keys
+    _switch: Callable[[str, str, list[Any]], None]  # the move to another address, the request in flight resent
+
+    def _init_watch(self) -> None:
+        self.epoch = 1
+        self.standby: str | None = None
+        self.failover_timeout = DEFAULT_FAILOVER_TIMEOUT
+        self.failovers = 0
+        self.seen_version = 0  # the highest central version a reply named: a standby behind it must not lead
+        self._heard = time.monotonic()  # the last word from the PS (a reply, a pong, a handshake)
+        self._pinged = 0.0
+        self._probe: zmq.Socket | None = None
+
+    def _learn(self, reply: Message) -> None:
+        """A word from the PS: it is alive, and says which epoch it leads and where its standby is."""
+        self._heard = time.monotonic()
+        epoch, standby = reply.fields.get("epoch"), reply.fields.get("standby")
+        if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= self.epoch:
+            self.epoch = epoch
+            self.standby = standby if isinstance(standby, str) and standby else None
+        version = reply.fields.get("version")
+        if isinstance(version, int) and not isinstance(version, bool) and reply.type != "error":
+            self.seen_version = max(self.seen_version, version)
+        timeout = reply.fields.get("failover_timeout")
+        if isinstance(timeout, float | int) and not isinstance(timeout, bool) and 0 < timeout <= 3600:
+            self.failover_timeout = float(timeout)
+
+    def _watch(self, msg_type: str, frames: list[Any]) -> None:
+        """While a request waits: ping a PS silent for a quarter of ``failover_timeout``; past it, ask the
+        standby to lead, and move to it if it does (the request in flight is sent again there)."""
+        if self.standby is None or self.token is None:
+            return
+        now = time.monotonic()
+        self._read_pongs()
+        silent = now - self._heard
+        if silent >= self.failover_timeout:
+            if self._ask_to_lead(silent):
+                self._switch(self.standby, msg_type, frames)
+            else:
+                self._heard = time.monotonic()  # ask again after another failover_timeout of silence
+        elif silent >= self.failover_timeout / 4 and now - self._pinged >= self.failover_timeout / 4:
+            self._ping()
+
+    def _ping(self) -> None:
+        if self._probe is None:
+            self._probe = self._ctx.socket(zmq.DEALER)
+            self._probe.setsockopt(zmq.LINGER, 0)
+            self._probe.setsockopt(zmq.SNDHWM, 1)
+            self._probe.setsockopt(zmq.RCVHWM, 4)
+            self._secure(self._probe)
+            self._probe.connect(self.address)
+        try:
+            self._probe.send_multipart(encode("ping", {"rid": 0}), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        self._pinged = time.monotonic()
+
+    def _read_pongs(self) -> None:
+        while self._probe is not None and self._probe.poll(0):
+            self._probe.recv_multipart()
+            self._heard = time.monotonic()
+
+    def _close_probe(self) -> None:
+        if self._probe is not None:
+            self._probe.close(0)
+            self._probe = None
+
+    def _ask_to_lead(self, silent: float) -> bool:
+        """Ask the standby to lead; True if it does now (its epoch is then this worker's)."""
+        standby = self.standby
+        assert standby is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        self._secure(sock)
+        try:
+            sock.connect(standby)
+            sock.send_multipart(encode("lead", {"epoch": self.epoch, "session": self.session, "token": self.token,
+                                                "rank": self.rank, "version": self.seen_version, "rid": 0}))
+            if not sock.poll(int(self.failover_timeout * 1000)):
+                log.warning("rank %d: no word from the parameter server at %s for %.1f s, nor from its standby %s",
+                            self.rank, self.address, silent, standby)
+                return False
+            reply = decode(sock.recv_multipart(), DEFAULT_LIMITS)
+        except (zmq.ZMQError, WireError) as exc:
+            log.warning("rank %d: the standby %s cannot be asked to lead: %s", self.rank, standby, exc)
+            return False
+        finally:
+            sock.close(0)
+        if reply.type != "leading":
+            log.warning("rank %d: no word from the parameter server at %s for %.1f s; its standby %s does not lead: "
+                        "%s", self.rank, self.address, silent, standby, reply.fields.get("message"))
+            return False
+        log.warning("rank %d: no word from the parameter server at %s for %.1f s: its standby %s leads now (epoch "
+                    "%s); moving to it", self.rank, self.address, silent, standby, reply.fields.get("epoch"))
+        self.epoch = int(reply.fields["epoch"])
+        self.failovers += 1
+        return True
