@@ -16,6 +16,7 @@ import sys
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.disk import raise_fd_limit
 from plug_asgd.ps.server import ParameterServer
+from plug_asgd.ps.standby_join import standby_config
 
 _RUN_MAIN = "import sys; sys.path.insert(0, {path!r}); from plug_asgd.ps.embedded import main; sys.exit(main())"
 
@@ -24,13 +25,19 @@ def serve(config: PSConfig) -> int:
     """Run a parameter server in this process until it ends; SIGINT and SIGTERM stop it cleanly.
 
     Args:
-        config: the server's options.
+        config: the server's options; a standby's (``standby_of``) take the primary's mode and options.
+
+    Raises:
+        OSError: where a standby's primary does not answer or refuses it (and where the PS cannot listen).
     """
     raise_fd_limit()  # an idle connection holds a file descriptor: leave room for the checkpoints
+    if config.standby_of is not None:
+        config = standby_config(config)
     server = ParameterServer(config)
     signal.signal(signal.SIGTERM, server.request_stop)
     signal.signal(signal.SIGINT, server.request_stop)
-    return server.serve_forever()
+    code = server.serve_forever()
+    return 2 if server.join_failed else code
 
 
 def embedded_command(config: PSConfig) -> list[str]:

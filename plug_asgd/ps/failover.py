@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from plug_asgd.modes import APPLIED
 from plug_asgd.protocol.wire import Message, Tensor, WireError
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.fast_store import FastStore
@@ -33,7 +34,7 @@ from plug_asgd.ps.replication import Fenced, Replication
 from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.standby_join import JoinRequest, advertised
 from plug_asgd.ps.stats import Stats
-from plug_asgd.ps.store_records import MAX_SCALED_FOR, PushIn, Snapshot
+from plug_asgd.ps.store_records import FOLDED, MAX_SCALED_FOR, PushIn, Snapshot
 
 log = logging.getLogger("plug_asgd.ps")
 
@@ -84,15 +85,17 @@ class Failover:
             tensors: its tensors.
 
         Raises:
-            WireError: ``replaced`` where the standby leads a later epoch: this PS changes nothing more.
+            WireError: ``replaced`` where the standby leads a later epoch: this PS changes nothing more (and
+                ``standby`` or ``replaced`` where it did not lead already).
         """
-        if self.role != "primary":
-            raise self._not_serving()
         try:
-            self.replication.send(kind, fields, tensors)
+            if self.role == "primary":
+                self.replication.send(kind, fields, tensors)
+                return
         except Fenced as exc:
             self._fenced(exc)
-            raise self._not_serving() from None
+        why = self._not_serving()
+        raise WireError(why.code, str(why))
 
     def replicate_trainers(self, ranks: frozenset[int]) -> bool:
         """The ranks training may have changed: the standby's rule needs them (a sync round) before the store's
@@ -265,10 +268,10 @@ class Failover:
         folded = self.store.fold(PushIn(None, rank, session, msg.int_field("seq", minimum=0),
                                         msg.int_field("base_version", minimum=0), msg.tensors, msg.frames,
                                         scaled_for=scaled_for, weights=msg.fields.get("weights") is True))
-        if session in self.store.last_seq:
+        if folded.status == FOLDED:  # counted as the primary counts it
             self.store.last_seq[session] = self.store.last_seq.pop(session)
-        self.stats.pushes_by_rank[rank] += 1
-        self.stats.pushes_applied += len(folded.resolutions)
+            self.stats.pushes_by_rank[rank] += 1
+            self.stats.pushes_applied += sum(status == APPLIED for _, status in folded.resolutions)
 
     def _apply_init(self, msg: Message) -> None:
         self.store.init(msg.tensors)

@@ -31,6 +31,7 @@ from plug_asgd.protocol.wire import Local, Message, Tensor, WireError, decode, e
 from plug_asgd.ps import failure
 from plug_asgd.ps import limits as bounds
 from plug_asgd.ps.config import PSConfig
+from plug_asgd.ps.curve_auth import HANDSHAKE_FAILED, authenticate
 from plug_asgd.ps.failover import REPLACED_TYPES, STANDBY_TYPES, Failover
 from plug_asgd.ps.fast_store import FastStore
 from plug_asgd.ps.gathers import Gathers
@@ -44,24 +45,8 @@ from plug_asgd.ps.stats import Stats
 
 log = logging.getLogger("plug_asgd.ps")
 
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _TYPES = ("hello", "bye", "attach", "heartbeat", "init", "pull", "push", "gather", "notice", "stats", "standby",
           "replicate", "lead", "ping")
-
-
-def _authenticate(ctx: zmq.Context, socket: zmq.Socket, keys: Any) -> tuple[Any, zmq.Socket]:
-    """CURVE on the ROUTER; a ZAP thread accepts only the authorized workers' public keys. A refused peer
-    never reaches the ROUTER; the returned monitor's HANDSHAKE_FAILED_* events count it (each attempt)."""
-    from zmq.auth.thread import ThreadAuthenticator
-
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("plug_asgd.ps.auth"))
-    auth.start()
-    auth.configure_curve(domain="*", location=str(keys.authorized_dir))
-    socket.curve_server = True
-    socket.curve_publickey = keys.public
-    socket.curve_secretkey = keys.secret
-    return auth, socket.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
 
 
 class ParameterServer(ModelRequests, Failover):
@@ -108,7 +93,7 @@ class ParameterServer(ModelRequests, Failover):
         self._auth: Any = None
         self._monitor: zmq.Socket | None = None
         if server_keys is not None:
-            self._auth, self._monitor = _authenticate(self._ctx, self.socket, server_keys)
+            self._auth, self._monitor = authenticate(self._ctx, self.socket, server_keys)
         else:  # a connection that closes: its queued replies' memory goes back to the system (Replies.closed)
             self._monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
@@ -126,7 +111,7 @@ class ParameterServer(ModelRequests, Failover):
         assert self._monitor is not None
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
-            if event & _HANDSHAKE_FAILED:
+            if event & HANDSHAKE_FAILED:
                 self.stats.refused["auth"] += 1
             elif event == zmq.EVENT_DISCONNECTED:
                 self.replies.closed()

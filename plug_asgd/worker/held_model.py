@@ -8,7 +8,7 @@ import numpy as np
 
 from plug_asgd.compressors import native
 from plug_asgd.protocol.wire import Sparse, Tensor
-from plug_asgd.worker.transport import PSError
+from plug_asgd.worker.errors import PSError
 
 
 class HeldModel:

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from plug_asgd.protocol.wire import Message, Sparse
+from plug_asgd.worker.errors import CommCounters, PSError
 from plug_asgd.worker.held_model import HeldModel
-from plug_asgd.worker.transport import CommCounters, PSError
 
 
 @dataclass(frozen=True)

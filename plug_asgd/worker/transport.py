@@ -23,7 +23,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,68 +31,14 @@ from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.protocol.security import KEYGEN_HINT, load_worker_keys
 from plug_asgd.protocol.wire import DEFAULT_LIMITS, Limits, Message, Tensor, decode, encode, message_bytes
+from plug_asgd.worker.errors import CommCounters, PSError, PSUnreachableError
 from plug_asgd.worker.leader_watch import LeaderWatch
+
+__all__ = ["CommCounters", "PSError", "PSUnreachableError", "Transport"]
 
 DEFAULT_HEARTBEAT_S = 2.0
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-
-
-class PSError(RuntimeError):
-    """The parameter server refused a request; ``code`` says why (see the PS's error codes).
-
-    Args:
-        code: the PS's short name of the reason (``not_member``, ``too_large``, ``bad_reply``, ...).
-        message: the explanation, for a person.
-    """
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class PSUnreachableError(ConnectionError):
-    """No reply from the parameter server within the timeout."""
-
-
-@dataclass
-class CommCounters:
-    """What this worker moved: bytes by direction, request counts and time spent waiting.
-
-    Attributes:
-        bytes_up: bytes of every frame sent to the PS (resends included).
-        bytes_down: bytes of every frame received from the PS.
-        push_bytes_up: the part of ``bytes_up`` that pushes sent.
-        push_local_bytes_up: bytes of pushed tensors written to shared memory for the PS instead of sent.
-        requests: requests sent (a resend not counted again).
-        pushes: pushes sent.
-        own_replies: pushes answered without the model: the PS's model is the worker's plus its update.
-        delta_replies: model replies that carried only what changed since the model held.
-        weights_not_current: pushes of weights the PS did not take (not counted in ``pushes``).
-        partly_applied: on a sharded PS, pushes some shards folded in and others dropped (sync rounds).
-        wait_seconds: seconds spent waiting for replies, not counting work done meanwhile.
-    """
-
-    bytes_up: int = 0
-    bytes_down: int = 0
-    push_bytes_up: int = 0
-    push_local_bytes_up: int = 0  # written to shared memory for the PS instead of sent (see push_buffers)
-    requests: int = 0
-    pushes: int = 0
-    own_replies: int = 0  # pushes answered without the model (see PSClient.push)
-    delta_replies: int = 0  # model replies that carried only what changed since the model held (HeldModel)
-    weights_not_current: int = 0  # pushes of weights the PS did not take: not counted in pushes
-    partly_applied: int = 0  # on a sharded PS: pushes some shards folded in and others dropped (sync rounds)
-    wait_seconds: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        """The counters by name, as the callbacks log and the benchmarks report them (seconds to the µs)."""
-        return {"bytes_up": self.bytes_up, "bytes_down": self.bytes_down, "push_bytes_up": self.push_bytes_up,
-                "push_local_bytes_up": self.push_local_bytes_up,
-                "requests": self.requests, "pushes": self.pushes, "own_replies": self.own_replies,
-                "delta_replies": self.delta_replies,
-                "weights_not_current": self.weights_not_current, "partly_applied": self.partly_applied,
-                "wait_seconds": round(self.wait_seconds, 6)}
 
 
 class Transport(LeaderWatch):
