@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import zmq
 
+from harness.netns import ip
 from plug_asgd.protocol.wire import decode, encode
 from plug_asgd.worker.client import PSClient, PSError
-from tests.conftest import PYTHON, RECIPE, needs_fashion
+from tests.conftest import PYTHON, RECIPE, needs_fashion, skip_unless_required
 from tests.test_faults import finish, pushes, read_log, start_worker, wait_for
 
 pytestmark = pytest.mark.faults
@@ -238,3 +239,108 @@ def test_each_shard_fails_over_on_its_own(procs, start_ps, tmp_path, fault_repor
     fault_report(fault="shard 0's primary SIGKILLed (2 shards, a hot standby each)", injected=1, handled=1,
                  pushes_lost=0, recovery_s=round(gap, 2),
                  detail="shard 0's standby led, shard 1 served on; both hold every push once")
+
+
+# -- partitions, between emulated hosts (network namespaces on a bridge: harness/netns.py) ----------------------------
+
+NS_STATS = ("import json, sys; sys.path.insert(0, '.'); from tests.test_standby import stats; "
+            "print(json.dumps(stats(sys.argv[1], 5)))")
+
+
+@pytest.fixture
+def three_hosts():
+    """The primary's host, the standby's and the workers', on one switch (no rate cap); removed after the test."""
+    from harness.netns import Topology, TopologyError
+
+    topology = Topology(["ps", "sb", "wk"], tag=f"s{os.getpid() % 100000}")
+    try:
+        topology.up()
+    except (TopologyError, FileNotFoundError) as exc:
+        skip_unless_required(f"cannot make network namespaces here ({exc}); this test needs root and iproute2")
+    try:
+        yield topology.hosts
+    finally:
+        topology.down()
+
+
+def host_stats(procs, host, address: str) -> dict:
+    """A PS's counters, asked from ``host`` (the test's own process is on none of the emulated hosts)."""
+    code, out = procs.run([*host.prefix, PYTHON, "-c", NS_STATS, address], timeout=30)
+    assert code == 0, out[-2000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def start_hosted_pair(start_ps, procs, hosts) -> tuple[str, str]:
+    """A primary on host ``ps`` and its standby on ``sb`` (loopback rule lifted: private namespaces)."""
+    primary = start_ps("asgd", host=hosts["ps"].address, prefix=tuple(hosts["ps"].prefix), insecure=True)
+    wait_for(lambda: _hosted_answers(procs, hosts["wk"], primary), 30, "the primary to answer")
+    standby = start_ps("asgd", host=hosts["sb"].address, prefix=tuple(hosts["sb"].prefix), insecure=True,
+                       standby_of=primary)
+    wait_for(lambda: host_stats(procs, hosts["wk"], primary)["standby"] == standby, 30, "the standby to join")
+    return primary, standby
+
+
+def _hosted_answers(procs, host, address: str) -> bool:
+    code, _ = procs.run([*host.prefix, PYTHON, "-c", NS_STATS, address], timeout=30)
+    return code == 0
+
+
+def blackhole(host, other) -> None:
+    """Drop, silently, every packet from ``host`` to ``other`` (a route to nowhere)."""
+    ip("-n", host.ns, "route", "add", "blackhole", f"{other.address}/32")
+
+
+def test_a_cut_between_primary_and_standby_alone_makes_no_second_leader(procs, start_ps, tmp_path, three_hosts,
+                                                                         fault_report):
+    hosts = three_hosts
+    primary, standby = start_hosted_pair(start_ps, procs, hosts)
+    logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
+    workers = [start_worker(procs, primary, r, logs[r], mode="asgd", pushes=150, delta=r + 1.0,
+                            prefix=tuple(hosts["wk"].prefix)) for r in (0, 1)]
+    wait_for(lambda: all(len(pushes(log)) >= 30 for log in logs), 60, "30 pushes of each worker")
+    blackhole(hosts["ps"], hosts["sb"])
+    blackhole(hosts["sb"], hosts["ps"])
+    cut_at = time.time()
+    for w in workers:
+        finish(w, timeout=120)
+    gap = max(b["t"] - a["t"] for log in logs for a, b in zip(pushes(log), pushes(log)[1:], strict=False)
+              if b["t"] > cut_at)
+    leader, cut_off = host_stats(procs, hosts["wk"], primary), host_stats(procs, hosts["wk"], standby)
+    assert leader["role"] == "primary" and leader["epoch"] == 1 and leader["standby"] is None
+    assert leader["standbys_detached"] == 1 and leader["version"] == 300
+    assert cut_off["role"] == "standby" and cut_off["epoch"] == 1  # asked by no worker: it never led
+    assert cut_off["version"] < 300
+    final = max((r for log in logs for r in read_log(log) if r["event"] == "done"), key=lambda r: r["version"])
+    assert final["w"] == [150 * 1.0 + 150 * 2.0] * 4
+    assert all(p["status"] == "applied" for log in logs for p in pushes(log))
+    assert gap < FAILOVER, gap
+    fault_report(fault="link between the primary PS and its standby cut (network namespaces)", injected=1, handled=1,
+                 pushes_lost=0, recovery_s=round(gap, 2),
+                 detail="the primary dropped its standby and served on; the standby never led")
+
+
+def test_a_primary_cut_from_everyone_is_replaced_and_fenced_once_it_is_back(procs, start_ps, tmp_path, three_hosts,
+                                                                           fault_report):
+    hosts = three_hosts
+    primary, standby = start_hosted_pair(start_ps, procs, hosts)
+    logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
+    workers = [start_worker(procs, primary, r, logs[r], mode="asgd", pushes=150, delta=r + 1.0,
+                            prefix=tuple(hosts["wk"].prefix)) for r in (0, 1)]
+    wait_for(lambda: all(len(pushes(log)) >= 30 for log in logs), 60, "30 pushes of each worker")
+    ip("-n", hosts["ps"].ns, "link", "set", "eth0", "down")
+    cut_at = time.time()
+    for w in workers:
+        finish(w, timeout=120)
+    gap = first_push_after(logs, cut_at + 0.2) - cut_at
+    ip("-n", hosts["ps"].ns, "link", "set", "eth0", "up")  # back: it must learn it was replaced, and fold nothing
+    wait_for(lambda: host_stats(procs, hosts["wk"], primary)["role"] == "replaced", 4 * FAILOVER,
+             "the old primary to find itself replaced")
+    old, new = host_stats(procs, hosts["wk"], primary), host_stats(procs, hosts["wk"], standby)
+    assert new["role"] == "primary" and new["epoch"] == 2 and new["version"] == 300
+    assert old["leader"] == standby and old["version"] < 300
+    final = max((r for log in logs for r in read_log(log) if r["event"] == "done"), key=lambda r: r["version"])
+    assert final["w"] == [450.0] * 4
+    assert gap < FAILOVER + 2.0, gap
+    fault_report(fault="primary PS's host cut from everyone (network namespaces)", injected=1, handled=1,
+                 pushes_lost=0, recovery_s=round(gap, 2),
+                 detail="the standby led; the primary, back, found itself replaced")
