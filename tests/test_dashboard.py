@@ -431,3 +431,23 @@ def test_status_watch_of_one_ps_is_serve_pss_dashboard(tmp_path, start_ps):
         assert term.interrupt() == 0
     finally:
         term.close()
+
+
+def test_a_pair_of_primary_and_standby_shows_its_roles_epoch_lag_and_failovers():
+    from plug_asgd.cli.roles import failover_text
+
+    alone = {"role": "primary", "epoch": 1, "failovers": 0, "standby": None, "standbys_joined": 0}
+    assert failover_text(alone) is None  # a PS that never had a standby: nothing to say
+    paired = {**alone, "standby": "tcp://h:2224", "standby_lag": 0, "standbys_joined": 1, "version": 7}
+    assert failover_text(paired) == "primary, epoch 1, standby tcp://h:2224 (lag 0 updates)"
+    led = {**alone, "epoch": 2, "failovers": 1}
+    assert failover_text(led) == "primary, epoch 2, WITHOUT a standby, 1 failover"
+    dropped = {**alone, "standbys_joined": 1, "standby_lost_reason": "no acknowledgement within 1.5 s"}
+    assert failover_text(dropped) == "primary, epoch 1, WITHOUT a standby (dropped: no acknowledgement within 1.5 s)"
+    assert failover_text({"role": "standby", "epoch": 1, "standby_of": "tcp://p:2223", "version": 9}) == (
+        "hot standby of tcp://p:2223, epoch 1, at version 9")
+    assert "REPLACED by tcp://h:2224" in failover_text({"role": "replaced", "epoch": 1, "leader": "tcp://h:2224"})
+    console = Console(record=True, width=120)
+    console.print(render({**paired, "version": 7, "workers": []}))
+    assert "standby tcp://h:2224 (lag 0 updates)" in console.export_text()
+    assert log_line({**led, "version": 3}).endswith("| primary, epoch 2, WITHOUT a standby, 1 failover")

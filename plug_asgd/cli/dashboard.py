@@ -6,7 +6,7 @@ renderable and depends on nothing else, so it can be tested with a recording con
 :meth:`Dashboard.on_tick` is meant for ``ParameterServer.serve_forever(on_tick=...)``, which calls
 it in the serving thread, between requests.
 
-Only rich and the standard library are imported: the PS never imports torch or Lightning.
+Only rich, the standard library and plug_asgd.cli.roles are imported: the PS never imports torch or Lightning.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
+
+from plug_asgd.cli.roles import failover_text
 
 Snapshot = Mapping[str, Any]
 
@@ -298,6 +300,8 @@ def _counters_table(snapshot: Snapshot, previous: Snapshot | None) -> Table:
     disk = disk_text(snapshot)
     if disk is not None:
         rows.append(("disk", f"[bold red]{escape(disk)}[/]"))
+    if (role := failover_text(snapshot)) is not None:
+        rows.insert(0, ("role", escape(role) if snapshot.get("standby") else f"[bold yellow]{escape(role)}[/]"))
     for name, value in rows:
         table.add_row(name, value)
     return table
@@ -327,8 +331,10 @@ def log_line(snapshot: Snapshot, previous: Snapshot | None = None) -> str:
     """
     rate, _ = updates_per_s(snapshot, previous)
     workers = len(snapshot.get("workers") or [])
+    role = failover_text(snapshot)
     return (f"version {snapshot.get('version')} | {rate:.2f} updates/s | {plural(workers, 'worker')} | "
-            f"in {human_bytes(snapshot.get('bytes_in'))} | out {human_bytes(snapshot.get('bytes_out'))}")
+            f"in {human_bytes(snapshot.get('bytes_in'))} | out {human_bytes(snapshot.get('bytes_out'))}"
+            + (f" | {role}" if role else ""))
 
 
 class Dashboard:

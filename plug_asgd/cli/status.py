@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from plug_asgd.cli.dashboard import Dashboard, busy_text, disk_text, human_bytes
+from plug_asgd.cli.roles import failover_text
 from plug_asgd.cli.shard_status import ShardsDashboard
 from plug_asgd.protocol.security import KeysError
 from plug_asgd.worker.client import PSClient, PSError, PSUnreachableError
@@ -69,6 +70,7 @@ def stats_table(address: str, stats: dict[str, Any]) -> Table:
         ("staleness histogram", histogram_text(stats.get("staleness"))),
         ("pushes by rank", histogram_text(stats.get("pushes_by_rank"))),
         *([("disk", disk)] if (disk := disk_text(stats)) is not None else []),
+        *([("role", role)] if (role := failover_text(stats)) is not None else []),
     ]
     for name, value in rows:
         table.add_row(name, escape(value))
