@@ -14,6 +14,7 @@ MODULES = {
     "flood": "bench.flood",  # a PS under a flood of connections and forged messages
     "shard_ingest": "bench.shard_ingest",  # a sharded PS's ingest over capped links (root)
     "ps_floor": "bench.ps_floor",  # the PS's round trip against a minimal server of its protocol
+    "standby": "bench.standby",  # the recipe's samples/s with a hot standby against without one
 }
 
 

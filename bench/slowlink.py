@@ -77,6 +77,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
                       "ps_args": ["--downlink-fraction", "0.01"]},
     "localsgd": {"kind": "asgd", "mode": "localsgd"},
     "hivemind": {"kind": "hivemind"},
+    # the PS with a hot standby on a host of its own (``serve-ps --standby-of``): every change goes to it first
+    "asgd-standby": {"kind": "asgd", "mode": "asgd", "standby": True},
+    "adacomp-0.0033-standby": {"kind": "asgd", "mode": "adacomp", "compression": ADACOMP_191, "standby": True},
 }
 SIZES: dict[str, dict[str, Any]] = {
     # under a minute on 2 cores (the test suite's size): one rate, the schemes that cross a link, each run 200
@@ -168,7 +171,7 @@ def launch_lightning(topo: Topology, name: str, size: dict[str, Any], out: Path)
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(spec, indent=1))
     procs: list[subprocess.Popen] = []
-    ps = None
+    ps = standby = None
     try:
         if cfg["kind"] == "asgd":
             ps = start([*pinned(ps_host.prefix, host_cores(size, None)), sys.executable, "-m", "plug_asgd.cli.app",
@@ -176,6 +179,8 @@ def launch_lightning(topo: Topology, name: str, size: dict[str, Any], out: Path)
                         "--workers", "2", "--linger", "1", "--insecure", "--quiet", "--log-every", "0",
                         *cfg.get("ps_args", [])],
                        log=out / "ps.log")
+        if cfg.get("standby"):
+            standby = _start_standby(topo, size, out)
         threads = size.get("cores_per_host") or max(1, (os.cpu_count() or 1) // workers)
         for rank in range(workers):
             host = topo.hosts[f"w{rank}"]
@@ -189,8 +194,9 @@ def launch_lightning(topo: Topology, name: str, size: dict[str, Any], out: Path)
     finally:
         for p in procs:
             stop(p)
-        if ps is not None:
-            stop(ps, grace=3.0)
+        for server in (ps, standby):
+            if server is not None:
+                stop(server, grace=3.0)
     path = out / "train" / "results.json"
     results = json.loads(path.read_text()) if path.exists() else []
     if not results or any(c != 0 for c in codes):
@@ -209,6 +215,21 @@ def launch_lightning(topo: Topology, name: str, size: dict[str, Any], out: Path)
             "strategy_bytes_up": sum(c.get("bytes_up", 0) for c in comm) if any(comm) else None,
             "strategy_bytes_down": sum(c.get("bytes_down", 0) for c in comm) if any(comm) else None,
             "push_bytes": r.get("push_bytes"), "pushes": r.get("pushes")}
+
+
+def _start_standby(topo: Topology, size: dict[str, Any], out: Path) -> subprocess.Popen:
+    """A hot standby of the PS, on host ``sb``, once it holds the PS's state (its log says so)."""
+    sb = topo.hosts["sb"]
+    log = out / "standby.log"
+    proc = start([*pinned(sb.prefix, host_cores(size, None)), sys.executable, "-m", "plug_asgd.cli.app", "serve-ps",
+                  "--host", sb.address, "--port", str(PS_PORT), "--insecure", "--quiet", "--log-every", "0",
+                  "--standby-of", f"tcp://{topo.hosts['ps'].address}:{PS_PORT}"], log=log)
+    deadline = time.monotonic() + 60
+    while "holding the primary's state" not in (log.read_text() if log.exists() else ""):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the standby did not join: see {log}")
+        time.sleep(0.2)
+    return proc
 
 
 def launch_hivemind(topo: Topology, size: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -328,7 +349,8 @@ def run(size: dict[str, Any], rates: list[float], names: list[str], out: Path, m
         results["earlier"] = old.get("earlier", []) + [{k: old[k] for k in ("command", "machine", "wall_s")
                                                          if k in old}]
     started = time.monotonic()
-    with Topology(["ps", "w0", "w1"], rates[0]) as topo:
+    hosts = ["ps", "w0", "w1", *(["sb"] if any(CONFIGS[n].get("standby") for n in names) else [])]
+    with Topology(hosts, rates[0]) as topo:
         for rate in rates:
             topo.set_rate(rate)
             key = f"{rate:g}"

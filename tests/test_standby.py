@@ -100,6 +100,27 @@ def test_a_frozen_primary_is_replaced_then_folds_in_nothing_and_no_push_is_appli
                  detail="the standby led (epoch 2); the old primary refused everything; every push folded once")
 
 
+def test_a_worker_busy_through_the_failover_is_sent_on_by_the_replaced_primary(procs, start_ps, tmp_path):
+    # rank 1 computes 5 s between pushes: the primary freezes just after one, rank 0's requests make the standby
+    # lead, the primary is resumed, and rank 1's next push reaches the old primary, which names its successor
+    primary, standby = start_pair(start_ps)
+    logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
+    fast = start_worker(procs, primary, 0, logs[0], mode="asgd", pushes=150, delta=1.0)
+    slow = start_worker(procs, primary, 1, logs[1], mode="asgd", pushes=3, delta=2.0, interval=5.0)
+    wait_for(lambda: len(pushes(logs[1])) >= 1, 60, "rank 1's first push")
+    signal_ps(start_ps, primary, signal.SIGSTOP)
+    wait_for(lambda: stats(standby)["role"] == "primary", 3 * FAILOVER + 2, "the standby to lead")
+    signal_ps(start_ps, primary, signal.SIGCONT)
+    assert len(pushes(logs[1])) == 1, "rank 1 pushed while the primary was frozen: the timing of this test is off"
+    out = finish(slow, timeout=60)
+    finish(fast, timeout=120)
+    assert f"was replaced by {standby}; moving to it" in out
+    assert [p["status"] for p in pushes(logs[1])] == ["applied"] * 3
+    final = max((r for log in logs for r in read_log(log) if r["event"] == "done"), key=lambda r: r["version"])
+    assert final["version"] == 153 and final["w"] == [150 * 1.0 + 3 * 2.0] * 4
+    assert stats(primary)["role"] == "replaced"
+
+
 def test_a_killed_standby_leaves_the_primary_serving_and_a_new_standby_joins(procs, start_ps, tmp_path, fault_report):
     primary, standby = start_pair(start_ps)
     logs = [tmp_path / "w0.log", tmp_path / "w1.log"]

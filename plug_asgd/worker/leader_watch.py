@@ -66,6 +66,18 @@ class LeaderWatch:
         if isinstance(timeout, float | int) and not isinstance(timeout, bool) and 0 < timeout <= 3600:
             self.failover_timeout = float(timeout)
 
+    def _follow(self, reply: Message, msg_type: str, frames: list[Any]) -> bool:
+        """A PS that was replaced refuses every request, naming its successor: move there (True), and the request
+        in flight goes with it. A worker busy past the failover (a long step) learns it so."""
+        leader = reply.fields.get("leader")
+        if reply.type != "error" or reply.fields.get("code") != "replaced" or not isinstance(leader, str):
+            return False
+        log.warning("rank %d: the parameter server at %s was replaced by %s; moving to it", self.rank, self.address,
+                    leader)
+        self.failovers += 1
+        self._switch(leader, msg_type, frames)
+        return True
+
     def _watch(self, msg_type: str, frames: list[Any]) -> None:
         """While a request waits: ping a PS silent for a quarter of ``failover_timeout``; past it, ask the
         standby to lead, and move to it if it does (the request in flight is sent again there)."""

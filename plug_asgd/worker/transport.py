@@ -230,6 +230,8 @@ class Transport(LeaderWatch):
             self._learn(reply)
             if reply.fields.get("rid") != rid:
                 continue  # the late answer to a request that timed out
+            if self._follow(reply, msg_type, frames):
+                continue
             if reply.type == "error" and self._rejoin(msg_type, reply, frames, rejoins):
                 rejoins += 1
                 continue
