@@ -233,16 +233,21 @@ class Failover:
             self._send(identity, rid, "fenced", {"epoch": self.epoch})
             return
         kind = msg.str_field("kind")
+        apply = getattr(self, f"_apply_{kind}", None)
+        if apply is None:
+            raise WireError("bad_field", f"unknown record kind {kind!r:.40}")
         self.primary_heard = time.monotonic()
+        if kind == "push":  # held once here: acknowledged first, folded while the primary folds its own copy (a
+            # request to lead is read only after the fold, so a standby that leads has folded every record it held)
+            self._send(identity, rid, "ack", {"version": self.store.version, "status": "held"})
         status = "ok"
         try:
-            getattr(self, f"_apply_{kind}")(msg)
-        except AttributeError:
-            raise WireError("bad_field", f"unknown record kind {kind!r:.40}") from None
+            apply(msg)
         except WireError as exc:  # a push the primary refuses as well (the same code on the same state)
             status = exc.code
         self.primary_version = self.store.version
-        self._send(identity, rid, "ack", {"version": self.store.version, "status": status})
+        if kind != "push":
+            self._send(identity, rid, "ack", {"version": self.store.version, "status": status})
 
     def _apply_snapshot(self, msg: Message) -> None:
         f = msg.fields
