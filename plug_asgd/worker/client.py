@@ -83,6 +83,7 @@ class PSClient(Transport):
         self.shm_offered = False  # the PS takes pushes through shared memory (its hello reply says)
         self._segment: push_memory.PushSegment | None = None
         self._notices: Notices | None = None
+        self._notices_at = address
         self.held = HeldModel() if delta_replies else None
         # on one shard of a sharded PS: {shards, shard, digest} of the worker's partition, in hello and init
         self.partition: dict[str, Any] | None = None
@@ -100,8 +101,12 @@ class PSClient(Transport):
     def notices(self) -> Notices:
         """This worker's broadcasts inside the training loop, answered without waiting
         (:mod:`plug_asgd.worker.notices`)."""
+        if self._notices is not None and self._notices_at != self.address:  # moved to a standby that leads now
+            self._notices.close()
+            self._notices = None
         if self._notices is None:
             self._notices = Notices(self.side_socket(hwm=16), self.rank, self.session, self.token, self.limits)
+            self._notices_at = self.address
         self._notices.token = self.token  # the rank's proof, which a hello after a reconnection may have renewed
         return self._notices
 
