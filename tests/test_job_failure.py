@@ -82,7 +82,7 @@ def test_a_rank_that_fails_is_told_to_the_others_and_a_later_job_is_served(start
         kind, fields = failing.ask("bye", {"rank": 1, "stage": 1, "failed": "RuntimeError: out of memory"})
         assert kind == "ok"
         text = "the job failed: rank 1 stopped on RuntimeError: out of memory"
-        assert waiting.reply() == ("error", {"rid": 1, "code": "job_failed", "message": text})  # its gather
+        assert waiting.reply() == ("error", {"rid": 1, "code": "job_failed", "message": text, "epoch": 1})  # its gather
         with pytest.raises(PSError) as err:
             worker.push(0, {"w": np.ones(4, np.float32)})
         assert err.value.code == "job_failed" and text in str(err.value)

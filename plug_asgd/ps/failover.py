@@ -329,6 +329,16 @@ class Failover:
                     "with `plug-asgd serve-ps --standby-of %s`)", self.epoch, self.store.version, why, self.address)
         self.persistence.lead()
 
+    def leadership(self) -> dict[str, str]:
+        """What every reply says besides the epoch: the standby's address, where one is attached (``standby``), and
+        the successor, where this PS was replaced (``leader``)."""
+        out = {}
+        if self.replication.address is not None:
+            out["standby"] = self.replication.address
+        if self.leader is not None:
+            out["leader"] = self.leader
+        return out
+
     def _on_ping(self, identity: bytes, rid: Any, msg: Message) -> None:
         self._send(identity, rid, "pong", {"role": self.role})
 

@@ -62,11 +62,12 @@ class ModelRequests:
     replicate: Callable[..., None]
     epoch: int
     replication: Any
+    leadership: Callable[[], dict[str, str]]
 
     def _send_model(self, identity: bytes, rid: Any, fields: dict[str, Any], with_tensors: bool = True,
                     token: _Reply | None = None, push: bool = False) -> None:
         fields = {**fields, "version": self.store.version, "stop": self.store.stopped, "rid": rid,
-                  "epoch": self.epoch, "standby": self.replication.address}
+                  "epoch": self.epoch, **self.leadership()}
         if with_tensors:
             frames = self.store.reply_payload(fields, token and token.have, rank=token and token.rank,
                                               held=token and token.held, push=push)

@@ -264,8 +264,7 @@ class ParameterServer(ModelRequests, Failover):
 
     def _send(self, identity: bytes, rid: Any, msg_type: str, fields: dict[str, Any] | None = None,
               tensors: dict[str, Tensor] | None = None) -> None:
-        fields = {**(fields or {}), "rid": rid, "epoch": self.epoch, "standby": self.replication.address,
-                  **({"leader": self.leader} if self.leader else {})}
+        fields = {**(fields or {}), "rid": rid, "epoch": self.epoch, **self.leadership()}
         self._send_frames(identity, encode(msg_type, fields, tensors))
 
     def _send_frames(self, identity: bytes, frames: list[Any]) -> int:
