@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from harness.netns import ip
+from plug_asgd.protocol.security import generate_keys
 from plug_asgd.protocol.wire import decode, encode
 from plug_asgd.worker.client import PSClient, PSError
 from tests.conftest import PYTHON, RECIPE, needs_fashion, skip_unless_required
@@ -149,6 +150,33 @@ def test_a_killed_standby_leaves_the_primary_serving_and_a_new_standby_joins(pro
     assert gap < FAILOVER, gap  # a push waits half the timeout at most for a standby that is gone
     fault_report(fault="hot standby SIGKILLed, then a new one started", injected=1, handled=1, pushes_lost=0,
                  recovery_s=round(gap, 2), detail="the primary served on, said so, and took the new standby")
+
+
+def test_a_keyed_pair_fails_over_and_refuses_a_standby_without_its_keys(procs, start_ps, tmp_path):
+    # the primary and its standby share the PS's keys (each admits the other by them), the workers have theirs
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    primary = start_ps("asgd", keys=keys / "server")
+    standby = start_ps("asgd", keys=keys / "server", standby_of=primary)
+    logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
+    workers = [start_worker(procs, primary, r, logs[r], mode="asgd", pushes=60, delta=r + 1.0, keys=keys / "worker")
+               for r in (0, 1)]
+    wait_for(lambda: all(len(pushes(log)) >= 20 for log in logs), 60, "20 pushes of each worker")
+    signal_ps(start_ps, primary, signal.SIGKILL)
+    start_ps.started.pop(primary).wait(10)
+    for w in workers:
+        finish(w, timeout=120)
+    final = max((r for log in logs for r in read_log(log) if r["event"] == "done"), key=lambda r: r["version"])
+    assert final["version"] == 120 and final["w"] == [60 * 1.0 + 60 * 2.0] * 4
+    # a standby without the PS's keys cannot even ask the primary for its options
+    alone = start_ps("asgd", keys=keys / "server")
+    from plug_asgd.ps import PSConfig
+    from plug_asgd.ps.standby_join import standby_config
+
+    with pytest.raises(OSError, match="no answer from the primary"):
+        standby_config(PSConfig(bind="tcp://127.0.0.1:1", standby_of=alone), timeout=2.0)
+    out = start_ps.stop(standby)
+    assert "LEADS now, epoch 2" in out
 
 
 def test_forged_claims_are_refused_by_the_primary_and_the_standby(start_ps):

@@ -172,10 +172,8 @@ class PSConfig:
         if self.checkpoint_dir is None and (self.checkpoint_every_updates or self.checkpoint_every_seconds):
             raise ValueError("checkpoint_every_updates / checkpoint_every_seconds (--checkpoint-every-*) need "
                              "checkpoint_dir (--checkpoint-dir): say where the checkpoints go")
-        if self.standby_of is not None and (self.keys is not None or self.resume is not None):
-            raise ValueError("a standby (--standby-of) takes its state from its primary, over loopback or a "
-                             "trusted network: it cannot be given --resume, and keyed (CURVE) pairs are not "
-                             "supported yet: run the pair without --keys on a private network")
+        if self.standby_of is not None and self.resume is not None:
+            raise ValueError("a standby (--standby-of) takes its state from its primary: it cannot be given --resume")
         check_bind(self.bind, self.keys is not None, self.insecure)
 
     @classmethod

@@ -205,9 +205,13 @@ class Failover:
 
     # -- the standby's side ------------------------------------------------------------------
 
-    def join_primary(self) -> None:
-        """A standby asks its primary to take it (the answer comes once it holds the state: :meth:`check_join`)."""
-        self._join = JoinRequest(self._ctx, self.config.standby_of or "", advertised(self.address))
+    def join_primary(self, keys: Any = None) -> None:
+        """A standby asks its primary to take it (the answer comes once it holds the state: :meth:`check_join`).
+
+        Args:
+            keys: the PS's CURVE keys (the primary's too); None: none.
+        """
+        self._join = JoinRequest(self._ctx, self.config.standby_of or "", advertised(self.address), keys)
         self._link = self._join.link
         log.info("standby of %s: asking to join", self.config.standby_of)
 

@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 
 from plug_asgd.protocol.wire import Limits, Tensor, WireError, decode, encode, message_bytes
+from plug_asgd.ps.curve_auth import client_socket
 
 log = logging.getLogger("plug_asgd.ps")
 
@@ -56,10 +57,12 @@ class Replication:
         failover_timeout: seconds the standby waits in silence before it may lead; the link's acknowledgement
             timeout, and four times its beat interval.
         limits: the largest message the link accepts back.
+        keys: the PS's CURVE keys, which its standby holds too; None: the link is not encrypted.
     """
 
-    def __init__(self, context: zmq.Context, failover_timeout: float, limits: Limits) -> None:
+    def __init__(self, context: zmq.Context, failover_timeout: float, limits: Limits, keys: Any = None) -> None:
         self._ctx = context
+        self._keys = keys
         self.failover_timeout = failover_timeout
         self.limits = limits
         self.address: str | None = None  # the standby's, while one is attached
@@ -97,8 +100,7 @@ class Replication:
         if self.attached:
             raise WireError("standby_taken", f"this parameter server has a standby already ({self.address}): stop "
                                              "it first, or join this one to the standby instead")
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = client_socket(self._ctx, self._keys)
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
         sock.connect(address)
         self._sock, self.address, self._link = sock, address, link

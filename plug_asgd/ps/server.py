@@ -87,7 +87,7 @@ class ParameterServer(ModelRequests, Failover):
         os.set_blocking(self._wake_w, False)
         bounds.configure_router(self.socket, self.limits)
         self.store.copy_threshold = self.socket.copy_threshold
-        self.replication = Replication(self._ctx, config.failover_timeout, self.limits)
+        self.replication = Replication(self._ctx, config.failover_timeout, self.limits, server_keys)
         self.replies = Replies(self.socket.copy_threshold)  # queued over all connections, given back as they close
         self.failure = failure.JobFailure()  # a rank's failure, told to the job's other ranks
         self._auth: Any = None
@@ -105,7 +105,7 @@ class ParameterServer(ModelRequests, Failover):
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.keyed = server_keys is not None
         if self.role == "standby":
-            self.join_primary()
+            self.join_primary(server_keys)
 
     def _on_monitor(self) -> None:
         assert self._monitor is not None

@@ -19,8 +19,10 @@ from typing import Any
 
 import zmq
 
+from plug_asgd.protocol.security import load_server_keys
 from plug_asgd.protocol.wire import decode, encode
 from plug_asgd.ps.config import PSConfig
+from plug_asgd.ps.curve_auth import client_socket
 
 log = logging.getLogger("plug_asgd.ps")
 
@@ -29,9 +31,8 @@ OWN_FIELDS = ("bind", "keys", "insecure", "run_dir", "metrics_every", "io_retry_
 JOIN_WAIT_S = 90.0  # the join's answer: the primary sends the whole model first (JOIN_TIMEOUT_S) and may be busy
 
 
-def _ask(context: zmq.Context, address: str, fields: dict[str, Any], timeout: float) -> dict[str, Any]:
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+def _ask(context: zmq.Context, address: str, fields: dict[str, Any], timeout: float, keys: Any) -> dict[str, Any]:
+    sock = client_socket(context, keys)
     try:
         sock.connect(address)
         sock.send_multipart(encode("standby", {**fields, "rid": 1}))
@@ -55,12 +56,14 @@ def standby_config(own: PSConfig, timeout: float = 10.0, context: zmq.Context | 
         context: the ZeroMQ context to ask in; None: the process's shared one.
 
     Raises:
-        OSError: where the primary does not answer within ``timeout``, or refuses (it is itself a standby).
+        OSError: where the primary does not answer within ``timeout`` (its keys are not this standby's, say), or
+            refuses (it is itself a standby).
         ValueError: where ``own`` names no primary.
     """
     if own.standby_of is None:
         raise ValueError("standby_config needs standby_of: the primary's address")
-    fields = _ask(context or zmq.Context.instance(), own.standby_of, {"step": "config"}, timeout)
+    keys = load_server_keys(own.keys) if own.keys is not None else None
+    fields = _ask(context or zmq.Context.instance(), own.standby_of, {"step": "config"}, timeout, keys)
     theirs = json.loads(fields["config"])
     merged = {k: v for k, v in theirs.items() if k not in OWN_FIELDS and k not in ("resume", "run_id")}
     merged.update((f.name, getattr(own, f.name)) for f in dataclasses.fields(own) if f.name in OWN_FIELDS)
@@ -89,13 +92,13 @@ class JoinRequest:
         context: the ZeroMQ context.
         primary: the primary's address.
         address: where the primary reaches this standby.
+        keys: the PS's CURVE keys (the primary's too); None: none.
     """
 
-    def __init__(self, context: zmq.Context, primary: str, address: str) -> None:
+    def __init__(self, context: zmq.Context, primary: str, address: str, keys: Any = None) -> None:
         self.link = secrets.token_hex(16)
         self.primary = primary
-        self._sock: zmq.Socket | None = context.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock: zmq.Socket | None = client_socket(context, keys)
         self._sock.connect(primary)
         self._sock.send_multipart(encode("standby", {"step": "join", "address": address, "link": self.link,
                                                      "rid": 1}))
