@@ -69,12 +69,21 @@ def first_push_after(logs, t: float) -> float:
     return min(r["t"] for log in logs for r in pushes(log) if r["t"] > t)
 
 
+def paired_run(start_ps, procs, tmp_path, count: int, hosts=None) -> tuple:
+    """A primary and its standby (on hosts ``ps`` and ``sb`` where ``hosts`` are given), and 2 workers (on host
+    ``wk``) pushing ``count`` times each, rank r adding r + 1; returned once each has pushed 30 times."""
+    primary, standby = start_pair(start_ps) if hosts is None else start_hosted_pair(start_ps, procs, hosts)
+    prefix = () if hosts is None else tuple(hosts["wk"].prefix)
+    logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
+    workers = [start_worker(procs, primary, r, logs[r], mode="asgd", pushes=count, delta=r + 1.0, prefix=prefix)
+               for r in (0, 1)]
+    wait_for(lambda: all(len(pushes(log)) >= 30 for log in logs), 60, "30 pushes of each worker")
+    return primary, standby, logs, workers
+
+
 def test_a_frozen_primary_is_replaced_then_folds_in_nothing_and_no_push_is_applied_twice(procs, start_ps, tmp_path,
                                                                                         fault_report):
-    primary, standby = start_pair(start_ps)
-    logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
-    workers = [start_worker(procs, primary, r, logs[r], mode="asgd", pushes=80, delta=r + 1.0) for r in (0, 1)]
-    wait_for(lambda: all(len(pushes(log)) >= 30 for log in logs), 60, "30 pushes of each worker")
+    primary, standby, logs, workers = paired_run(start_ps, procs, tmp_path, 80)
     signal_ps(start_ps, primary, signal.SIGSTOP)
     frozen_at = time.time()
     frozen = max(r["version"] for log in logs for r in pushes(log))
@@ -125,10 +134,7 @@ def test_a_worker_busy_through_the_failover_is_sent_on_by_the_replaced_primary(p
 
 
 def test_a_killed_standby_leaves_the_primary_serving_and_a_new_standby_joins(procs, start_ps, tmp_path, fault_report):
-    primary, standby = start_pair(start_ps)
-    logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
-    workers = [start_worker(procs, primary, r, logs[r], mode="asgd", pushes=80, delta=r + 1.0) for r in (0, 1)]
-    wait_for(lambda: all(len(pushes(log)) >= 30 for log in logs), 60, "30 pushes of each worker")
+    primary, standby, logs, workers = paired_run(start_ps, procs, tmp_path, 80)
     signal_ps(start_ps, standby, signal.SIGKILL)
     killed_at = time.time()
     start_ps.started.pop(standby).wait(10)
@@ -345,11 +351,7 @@ def blackhole(host, other) -> None:
 def test_a_cut_between_primary_and_standby_alone_makes_no_second_leader(procs, start_ps, tmp_path, three_hosts,
                                                                          fault_report):
     hosts = three_hosts
-    primary, standby = start_hosted_pair(start_ps, procs, hosts)
-    logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
-    workers = [start_worker(procs, primary, r, logs[r], mode="asgd", pushes=100, delta=r + 1.0,
-                            prefix=tuple(hosts["wk"].prefix)) for r in (0, 1)]
-    wait_for(lambda: all(len(pushes(log)) >= 30 for log in logs), 60, "30 pushes of each worker")
+    primary, standby, logs, workers = paired_run(start_ps, procs, tmp_path, 100, hosts)
     blackhole(hosts["ps"], hosts["sb"])
     blackhole(hosts["sb"], hosts["ps"])
     cut_at = time.time()
@@ -374,11 +376,7 @@ def test_a_cut_between_primary_and_standby_alone_makes_no_second_leader(procs, s
 def test_a_primary_cut_from_everyone_is_replaced_and_fenced_once_it_is_back(procs, start_ps, tmp_path, three_hosts,
                                                                            fault_report):
     hosts = three_hosts
-    primary, standby = start_hosted_pair(start_ps, procs, hosts)
-    logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
-    workers = [start_worker(procs, primary, r, logs[r], mode="asgd", pushes=100, delta=r + 1.0,
-                            prefix=tuple(hosts["wk"].prefix)) for r in (0, 1)]
-    wait_for(lambda: all(len(pushes(log)) >= 30 for log in logs), 60, "30 pushes of each worker")
+    primary, standby, logs, workers = paired_run(start_ps, procs, tmp_path, 100, hosts)
     ip("-n", hosts["ps"].ns, "link", "set", "eth0", "down")
     cut_at = time.time()
     for w in workers:

@@ -280,6 +280,7 @@ class Failover:
         if folded.status == FOLDED:  # counted as the primary counts it
             self.store.last_seq[session] = self.store.last_seq.pop(session)
             self.stats.pushes_by_rank[rank] += 1
+            self.stats.staleness[folded.staleness] += 1
             self.stats.pushes_applied += sum(status == APPLIED for _, status in folded.resolutions)
 
     def _apply_init(self, msg: Message) -> None:
