@@ -69,6 +69,18 @@ def first_push_after(logs, t: float) -> float:
     return min(r["t"] for log in logs for r in pushes(log) if r["t"] > t)
 
 
+def ask(address: str, msg_type: str, fields: dict) -> tuple[str, dict]:
+    """One request from a raw socket: the error's code (or the reply's type), and the reply's fields."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    sock.send_multipart(encode(msg_type, {**fields, "rid": 7}))
+    assert sock.poll(10_000), f"no answer to {msg_type}"
+    reply = decode(sock.recv_multipart())
+    sock.close(0)
+    return reply.fields.get("code", reply.type), reply.fields
+
+
 def paired_run(start_ps, procs, tmp_path, count: int, hosts=None) -> tuple:
     """A primary and its standby (on hosts ``ps`` and ``sb`` where ``hosts`` are given), and 2 workers (on host
     ``wk``) pushing ``count`` times each, rank r adding r + 1; returned once each has pushed 30 times."""
@@ -89,6 +101,10 @@ def test_a_frozen_primary_is_replaced_then_folds_in_nothing_and_no_push_is_appli
     frozen = max(r["version"] for log in logs for r in pushes(log))
     wait_for(lambda: stats(standby)["role"] == "primary", 3 * FAILOVER + 5, "the standby to lead")
     gap = first_push_after(logs, frozen_at) - frozen_at
+    # leading, it says so to anyone of the old epoch (a bystander follows it), and leads no further epoch on request
+    code, fields = ask(standby, "lead", {"epoch": 1})
+    assert code == "leading" and fields["epoch"] == 2
+    assert ask(standby, "lead", {"epoch": 2})[0] == "bad_epoch"
     time.sleep(1.0)
     signal_ps(start_ps, primary, signal.SIGCONT)  # past the timeout: it must find itself replaced
     for w in workers:
@@ -190,18 +206,6 @@ def test_forged_claims_are_refused_by_the_primary_and_the_standby(start_ps):
     worker = PSClient(primary, rank=0, world_size=1, mode="asgd", request_timeout=10, heartbeat_s=None)
     worker.hello(0, True)
     worker.init({"w": np.zeros(4, np.float32)})
-    ctx = zmq.Context.instance()
-
-    def ask(address: str, msg_type: str, fields: dict) -> tuple[str, dict]:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        sock.send_multipart(encode(msg_type, {**fields, "rid": 7}))
-        assert sock.poll(10_000), f"no answer to {msg_type}"
-        reply = decode(sock.recv_multipart())
-        sock.close(0)
-        return reply.fields.get("code", reply.type), reply.fields
-
     # a request claiming a later epoch: the standby does not lead one, so nothing proves it
     code, fields = ask(primary, "pull", {"epoch": 5})
     assert code == "bad_epoch" and "epoch 5" in fields["message"]

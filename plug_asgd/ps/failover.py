@@ -302,30 +302,33 @@ class Failover:
         self._stop = True
 
     def _on_lead(self, identity: bytes, rid: Any, msg: Message) -> None:
-        """A worker that could not reach the primary asks this standby to lead (the rule: module docstring)."""
+        """A worker that could not reach the primary asks this standby to lead (the rule: module docstring). One that
+        leads already says so to anyone of an earlier epoch (a bystander, a Supervisor's pulls, follows it too)."""
+        known = msg.int_field("epoch", minimum=1)
+        if self.role == "primary" and known < self.epoch:
+            self._send(identity, rid, "leading", {"epoch": self.epoch, "version": self.store.version})
+            return
+        if self.role != "standby":
+            raise self._not_serving() if self.role != "primary" else WireError(
+                "bad_epoch", f"this parameter server leads epoch {self.epoch}: a worker of epoch {known} asks "
+                             "nothing of it")
         session, token = msg.str_field("session"), msg.str_field("token")
         owner = self.members.owners.get(session)
         if owner is None or not hmac.compare_digest(owner.proof, proof(token)):
             raise WireError("bad_vote", "only a worker of this run (its session and token) may ask a standby to lead")
-        known = msg.int_field("epoch", minimum=1)
-        if self.role == "standby":
-            if self._link is None or self.primary_version is None:
-                raise WireError("not_ready", "this standby does not hold the primary's state yet")
-            if known != self.epoch:
-                raise WireError("bad_epoch", f"the worker knows epoch {known}, this standby follows epoch {self.epoch}")
-            silent = time.monotonic() - self.primary_heard
-            if silent < self.config.failover_timeout:
-                raise WireError("primary_alive", f"this standby heard from the primary {silent:.1f} s ago: it is "
-                                                 "alive; the worker alone is cut off from it")
-            seen = msg.int_field("version", minimum=0, optional=True)
-            if seen is not None and seen > self.store.version:
-                raise WireError("standby_behind", f"the worker saw version {seen}, this standby holds "
-                                                  f"{self.store.version}: the primary went on without it")
-            self._promote(f"rank {owner.rank} could not reach it, nor could this standby for {silent:.1f} s")
-        elif self.role != "primary" or known >= self.epoch:
-            raise self._not_serving() if self.role != "primary" else WireError(
-                "bad_epoch", f"this parameter server leads epoch {self.epoch}: a worker of epoch {known} asks "
-                             "nothing of it")
+        if self._link is None or self.primary_version is None:
+            raise WireError("not_ready", "this standby does not hold the primary's state yet")
+        if known != self.epoch:
+            raise WireError("bad_epoch", f"the worker knows epoch {known}, this standby follows epoch {self.epoch}")
+        silent = time.monotonic() - self.primary_heard
+        if silent < self.config.failover_timeout:
+            raise WireError("primary_alive", f"this standby heard from the primary {silent:.1f} s ago: it is "
+                                             "alive; the worker alone is cut off from it")
+        seen = msg.int_field("version", minimum=0, optional=True)
+        if seen is not None and seen > self.store.version:
+            raise WireError("standby_behind", f"the worker saw version {seen}, this standby holds "
+                                              f"{self.store.version}: the primary went on without it")
+        self._promote(f"rank {owner.rank} could not reach it, nor could this standby for {silent:.1f} s")
         self._send(identity, rid, "leading", {"epoch": self.epoch, "version": self.store.version})
 
     def _promote(self, why: str) -> None:

@@ -124,11 +124,10 @@ class Replication:
             kind: ``snapshot``, ``push``, ``init``, ``trainers``, ``member``, ``beat`` or ``end``.
             fields: the record's fields.
             tensors: its tensors.
-            timeout: seconds to wait for the acknowledgement; None: ``failover_timeout``.
+            timeout: seconds to wait for the acknowledgement; None: half of ``failover_timeout``.
 
         Raises:
             Fenced: where the standby leads a later epoch (this PS was replaced).
-            WireError: ``standby_diverged``, never raised: a standby whose version differs is detached instead.
         """
         sock = self._sock
         if sock is None:

@@ -81,7 +81,7 @@ class LeaderWatch:
     def _watch(self, msg_type: str, frames: list[Any]) -> None:
         """While a request waits: ping a PS silent for a quarter of ``failover_timeout``; past it, ask the
         standby to lead, and move to it if it does (the request in flight is sent again there)."""
-        if self.standby is None or self.token is None:
+        if self.standby is None:  # (a bystander, without a token, follows a standby that leads already)
             return
         now = time.monotonic()
         self._read_pongs()
@@ -127,7 +127,7 @@ class LeaderWatch:
         self._secure(sock)
         try:
             sock.connect(standby)
-            sock.send_multipart(encode("lead", {"epoch": self.epoch, "session": self.session, "token": self.token,
+            sock.send_multipart(encode("lead", {"epoch": self.epoch, "session": self.session, "token": self.token or "",
                                                 "rank": self.rank, "version": self.seen_version, "rid": 0}))
             if not sock.poll(int(self.failover_timeout * 1000)):
                 log.warning("rank %d: no word from the parameter server at %s for %.1f s, nor from its standby %s",
