@@ -8,7 +8,7 @@ codec's ``error_feedback`` is on. The residual is the update less what
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -16,8 +16,18 @@ from plug_asgd.compressors.decoding import decode
 from plug_asgd.compressors.difference import accumulate
 from plug_asgd.protocol.wire import Sparse, Tensor
 
-if TYPE_CHECKING:
-    from plug_asgd.compressors.base import Codec
+
+class _Encoding(Protocol):
+    """What error feedback needs of the codec it wraps (a :class:`~plug_asgd.compressors.base.Codec` has it): named
+    here, so that this module, which the base class imports, imports nothing of it."""
+
+    name: str
+    independent_keys: bool
+    residual_in_model: bool
+
+    def encode(self, key: str, update: np.ndarray) -> Tensor: ...
+
+    def encode_difference(self, key: str, w: np.ndarray, c: np.ndarray, scale: float = 1.0) -> Tensor: ...
 
 
 class ErrorFeedback:
@@ -37,7 +47,7 @@ class ErrorFeedback:
         inner: the codec that encodes ``update + residual``; a fresh one, whose state this wrapper then owns.
     """
 
-    def __init__(self, inner: Codec) -> None:
+    def __init__(self, inner: _Encoding) -> None:
         self.inner = inner
         self.name = inner.name
         self.independent_keys = inner.independent_keys

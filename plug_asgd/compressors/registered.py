@@ -7,14 +7,12 @@ without importing the base class, so the base class can import the error feedbac
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from plug_asgd.compressors.base import Codec
-
-COMPRESSORS: dict[str, type[Codec]] = {}
+# Codec subclasses by name (typed loosely: this module lies below the base class and imports nothing of it)
+COMPRESSORS: dict[str, type[Any]] = {}
 
 
-def packed_codecs() -> dict[str, type[Codec]]:
+def packed_codecs() -> dict[str, type[Any]]:
     """The registered codecs that send ``Packed`` tensors (those that define ``decode_packed``), by name."""
     return {n: c for n, c in COMPRESSORS.items() if c.sends_packed}

@@ -27,7 +27,7 @@ from plug_asgd.ps.curve_auth import client_socket
 log = logging.getLogger("plug_asgd.ps")
 
 # a standby's own, whatever its primary runs with
-OWN_FIELDS = ("bind", "keys", "insecure", "run_dir", "metrics_every", "io_retry_seconds", "standby_of", "parent_pid")
+OWN_FIELDS = ("bind", "keys", "insecure", "run_dir", "metrics_every", "io_retry_seconds", "standby_of")
 JOIN_WAIT_S = 90.0  # the join's answer: the primary sends the whole model first (JOIN_TIMEOUT_S) and may be busy
 
 
@@ -65,11 +65,10 @@ def standby_config(own: PSConfig, timeout: float = 10.0, context: zmq.Context | 
     keys = load_server_keys(own.keys) if own.keys is not None else None
     fields = _ask(context or zmq.Context.instance(), own.standby_of, {"step": "config"}, timeout, keys)
     theirs = json.loads(fields["config"])
-    merged = {k: v for k, v in theirs.items() if k not in OWN_FIELDS and k not in ("resume", "run_id")}
+    merged = {k: v for k, v in theirs.items() if k not in OWN_FIELDS and k not in ("resume", "run_id", "parent_pid")}
     merged.update((f.name, getattr(own, f.name)) for f in dataclasses.fields(own) if f.name in OWN_FIELDS)
     if own.checkpoint_dir is not None:  # its own folder; else the primary's (a shared file system)
         merged["checkpoint_dir"] = own.checkpoint_dir
-    merged["parent_pid"] = None
     return PSConfig(**merged)
 
 
