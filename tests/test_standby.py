@@ -19,7 +19,7 @@ from plug_asgd.protocol.security import generate_keys
 from plug_asgd.protocol.wire import decode, encode
 from plug_asgd.worker.client import PSClient, PSError
 from tests.conftest import PYTHON, RECIPE, needs_fashion, skip_unless_required
-from tests.test_faults import finish, pushes, read_log, start_worker, wait_for
+from tests.test_faults import finish, ps_client, pushes, read_log, start_worker, wait_for
 
 pytestmark = pytest.mark.faults
 
@@ -34,8 +34,8 @@ def start_ps(start_ps):
 
 
 def stats(address: str, timeout: float = 10) -> dict:
-    """The PS's counters, asked as a bystander (no hello: it never moves to a standby)."""
-    client = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=timeout, heartbeat_s=None)
+    """The PS's counters, asked by a fresh bystander: it knows no standby yet, so only this PS answers it."""
+    client = ps_client(address, "asgd")
     try:
         return client.stats(timeout=timeout)
     finally:
