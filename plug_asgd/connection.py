@@ -38,6 +38,7 @@ from plug_asgd.ps_settings import PSSettings
 from plug_asgd.sharding.client import ShardedClient
 from plug_asgd.sharding.config import connect, make_partition, sharded, shards
 from plug_asgd.sharding.per_node import PER_NODE, gather_addresses, node_address, shard_endpoint
+from plug_asgd.standby_launcher import STANDBY_NODE, check_nodes, standby_binds, standby_configs, wait_joined
 from plug_asgd.worker.client import PSClient, PSError, PSUnreachableError
 
 log = logging.getLogger("plug_asgd.strategy")  # the strategy's warnings, under the name they always had
@@ -65,11 +66,13 @@ def _shutdown_all() -> None:
         connection.shutdown()
 
 
-def _release(embedded: EmbeddedPS, clients: list[PSClient | ShardedClient]) -> None:
-    """A connection freed without a shutdown (its strategy collected): its client closed, its embedded PS stopped."""
+def _release(embedded: tuple[EmbeddedPS, ...], clients: list[PSClient | ShardedClient]) -> None:
+    """A connection freed without a shutdown (its strategy collected): its client closed, its embedded PS (and
+    standby) stopped."""
     for client in clients:
         client.close()
-    embedded.stop()
+    for processes in embedded:
+        processes.stop()
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,9 @@ class PSConnection:
         self.shards = sharded(settings.ps_address, settings.ps_shards, mode, codec)  # a count, or "per_node"
         self.client: PSClient | ShardedClient | None = None
         self.embedded = EmbeddedPS()
+        self.standby = EmbeddedPS("standby (ps_standby=True)")  # node 1's local rank 0's
+        self._connected_to: list[str] = []  # the addresses the client was made for
+        self._standby_pending: tuple[list[PSConfig], list[str]] | None = None  # started once the PS answers
         self.stats_at_exit: dict[str, Any] | None = None  # the PS's counters as this worker last left a stage
         self._shard_addresses: list[str] | None = None  # per_node: every shard's, learned through shard 0
         self.run: int | None = None  # set when this connection first connects (see _RUNS)
@@ -190,6 +196,7 @@ class PSConnection:
 
         Raises:
             RuntimeError: this connection was shut down because a later strategy of this process connected.
+            ValueError: ``ps_standby`` in a job of one node; a placement every rank refuses.
         """
         if self.client is not None:
             return self.client
@@ -207,7 +214,7 @@ class PSConnection:
         self._on_shutdown = on_shutdown
         if self.run is None:
             self.run = next(_RUNS)
-            weakref.finalize(self, _release, self.embedded, self._clients).atexit = False
+            weakref.finalize(self, _release, (self.embedded, self.standby), self._clients).atexit = False
         _LIVE.add(self)
         settings = self.settings
         options = {"request_timeout": settings.request_timeout, "lost_timeout": settings.lost_timeout,
@@ -220,13 +227,30 @@ class PSConnection:
             embedded_options = settings.resume_from is not None or configurer(trainer) is not None
             check_placements(addresses, binds, embedded_options=embedded_options, keys=settings.ps_keys,
                              insecure=settings.ps_insecure)
+            if settings.ps_standby:  # checked (and node 1's configs made) before anything starts
+                self._place_standby(job, addresses, binds, trainer)
             if binds is not None and job.global_rank == 0:
                 self.embedded.start(*(self._config(bind, trainer, shard, job.world_size)
                                       for bind, shard in shards(binds)))
+        self._connected_to = list(addresses)
         self.client = connect(addresses, shapes(), self.codec, rank=job.global_rank, world_size=job.world_size,
                               mode=self.mode.name, **options)
         self._clients[:] = [self.client]
         return self.client
+
+    def _place_standby(self, job: Placement, addresses: list[str], binds: list[str] | None, trainer: Any) -> None:
+        """``ps_standby=True``: refused on one node (every rank alike); node 1's local rank 0 makes its standbys'
+        configs, started at its first hello (:mod:`plug_asgd.standby_launcher`)."""
+        check_nodes(job.num_nodes)
+        if binds is None or job.node_rank != STANDBY_NODE or job.local_rank != 0:
+            return
+        assert job.main_address is not None
+        own = standby_binds(job.main_address, addresses)
+        settings = self.settings
+        for bind in own:
+            check_placement(bind, bind, embedded_options=False, keys=settings.ps_keys, insecure=settings.ps_insecure)
+        primaries = [self._config(bind, trainer, shard, job.world_size) for bind, shard in shards(binds)]
+        self._standby_pending = standby_configs(primaries, addresses, own), own
 
     def _start_per_node(self, job: Placement, shapes: Shapes, trainer: Any,
                         client_options: dict[str, Any]) -> list[str]:
@@ -258,16 +282,25 @@ class PSConnection:
             fitting: whether the stage is a fit.
 
         Raises:
-            RuntimeError: another PS than the one this rank started answers on the embedded PS's port.
+            RuntimeError: another PS than the one this rank started answers on the embedded PS's port; with
+                ``ps_standby``, node 1's standby exited or was not taken (its first hello waits for it).
         """
         assert self.client is not None
-        welcome = self.client.hello(stage, fitting, timeout=self.settings.connect_timeout, alive=self.embedded.gone)
+        # where the client moved to a standby that leads, this rank's embedded PS is not the one that answers
+        moved = [c.address for c in getattr(self.client, "clients", [self.client])] != self._connected_to
+        welcome = self.client.hello(stage, fitting, timeout=self.settings.connect_timeout,
+                                    alive=None if moved else self.embedded.gone)
         process = self.embedded.process
-        if process is not None and not self.per_node and welcome.get("pid") not in (None, process.pid):
+        if process is not None and not self.per_node and not moved and welcome.get("pid") not in (None, process.pid):
             raise RuntimeError(f"another parameter server (pid {welcome.get('pid')}) answers on the embedded PS's "
                                f"port, not the one this rank started (pid {process.pid}; "
                                f"{self.embedded.gone() or 'still starting'}): is another job using this port? "
                                "pass ps_port=")
+        if self._standby_pending is not None:  # the PS answers: its standby can join it
+            configs, binds = self._standby_pending
+            self._standby_pending = None
+            self.standby.start(*configs)
+            wait_joined(self.client, binds, self.standby, self.settings.connect_timeout)
         return welcome
 
     def goodbye(self, stage: int, failed: bool, settle: Callable[[], None], failure: str | None = None) -> None:
@@ -336,7 +369,9 @@ class PSConnection:
         client, self.client = self.client, None
         self._clients.clear()
         if client is not None:  # after a failure the others were told, and some may be gone without a word
-            self.embedded.wait_for_workers(client, min(wait_for_workers, FAILED_WAIT_S) if self.failed
+            for processes in (self.embedded, self.standby):  # a standby may lead, and serve the others
+                processes.wait_for_workers(client, min(wait_for_workers, FAILED_WAIT_S) if self.failed
                                            else wait_for_workers)
             client.close()
         self.embedded.stop()
+        self.standby.stop()

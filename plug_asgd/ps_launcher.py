@@ -154,7 +154,8 @@ def ps_config(settings: PSSettings, mode: Mode, run: int | None, bind: str, trai
                     **mode.server_options(), resume=shard_folder(settings.resume_from, shard),
                     worker_timeout=settings.worker_timeout, run_dir=shard_folder(run_dir, shard),
                     keys=settings.ps_keys, insecure=settings.ps_insecure, threads=settings.ps_threads,
-                    **settings.downlink, shard=shard, world_size=world_size, **options)
+                    **settings.downlink, shard=shard, world_size=world_size,
+                    failover_timeout=settings.failover_timeout, **options)
 
 
 # the variables that set the thread count of the BLAS libraries numpy may use (OpenBLAS, MKL, OpenMP's)
@@ -163,10 +164,15 @@ BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
 
 class EmbeddedPS:
     """The embedded PS's processes (one, or one per shard): started from configs, watched while workers wait,
-    stopped at exit."""
+    stopped at exit.
 
-    def __init__(self) -> None:
+    Args:
+        role: what its messages call it (``"parameter server"``; ``"standby"`` for ``ps_standby=True``'s).
+    """
+
+    def __init__(self, role: str = "parameter server") -> None:
         self.processes: list[subprocess.Popen] = []
+        self.role = role
 
     @property
     def process(self) -> subprocess.Popen | None:
@@ -195,7 +201,7 @@ class EmbeddedPS:
         for i, process in enumerate(self.processes):
             if process.poll() is not None:
                 which = f" (shard {i})" if len(self.processes) > 1 else ""
-                return (f"the embedded parameter server{which} exited with code {process.returncode} before "
+                return (f"the embedded {self.role}{which} exited with code {process.returncode} before "
                         "answering (its message is above); if the port is taken, pass ps_port=")
         return None
 

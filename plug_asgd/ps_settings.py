@@ -72,10 +72,13 @@ class PSSettings:
         delta_replies: replies carry only what changed, where that is less.
         downlink_fraction: the share of each tensor a reply carries (None: all).
         downlink_bound: every coordinate off by more than this is sent too.
+        ps_standby: node 1's local rank 0 runs a hot standby of each embedded PS (:mod:`plug_asgd.standby_launcher`).
+        failover_timeout: seconds of the PS's silence after which its standby may lead.
         heartbeat_seconds: ``heartbeat_s`` with ``"auto"`` resolved against ``worker_timeout`` (not an argument).
 
     Raises:
-        ValueError: an argument out of range (:func:`check_arguments`).
+        ValueError: an argument out of range (:func:`check_arguments`); ``ps_standby`` beside an external PS or
+            ``ps_shards="per_node"``.
     """
 
     ps_address: str | list[str] | None = None
@@ -95,6 +98,8 @@ class PSSettings:
     delta_replies: bool = True
     downlink_fraction: float | None = None
     downlink_bound: float | None = None
+    ps_standby: bool = False
+    failover_timeout: float = 3.0
 
     heartbeat_seconds: float | None = field(init=False, repr=False, compare=False)
 
@@ -102,7 +107,13 @@ class PSSettings:
         seconds = check_arguments(max_updates=self.max_updates, heartbeat_s=self.heartbeat_s,
                                   worker_timeout=self.worker_timeout, ps_address=self.ps_address,
                                   ps_threads=self.ps_threads, downlink_fraction=self.downlink_fraction,
-                                  downlink_bound=self.downlink_bound)
+                                  downlink_bound=self.downlink_bound, failover_timeout=self.failover_timeout)
+        if self.ps_standby and (self.ps_address is not None or self.ps_shards == "per_node"):
+            raise ValueError("ps_standby=True starts a standby of the embedded PS (or of each of ps_shards=N): "
+                             + ("an external PS (ps_address=) gets one from `plug-asgd serve-ps --standby-of ADDR`"
+                                if self.ps_address is not None else
+                                "with ps_shards='per_node' no node is left to hold the shards' standbys; use "
+                                "ps_shards=N (every shard on node 0, their standbys on node 1)"))
         object.__setattr__(self, "heartbeat_seconds", seconds)
 
     @property

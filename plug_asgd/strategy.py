@@ -104,6 +104,11 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
         downlink_fraction: the embedded PS answers pushes with only this share of each tensor, where the worker is
             furthest off (``plug_asgd.ps.downlink``); None: the whole tensor.
         downlink_bound: with ``downlink_fraction``, every coordinate off by more than this is sent too.
+        ps_standby: node 1's local rank 0 runs a hot standby of each embedded PS (port ``ps_port + shards + I``
+            on node 1's address), which leads when node 0's PS is gone; the workers move to it by themselves
+            (``plug_asgd.standby_launcher``, docs/design.md "Hot standby"). Needs 2 nodes or more.
+        failover_timeout: seconds of the PS's silence after which its standby may lead (the embedded PS's; an
+            external one takes ``serve-ps --failover-timeout``).
         accelerator: Lightning's, as for DDP's strategy (the Trainer sets it from ``accelerator=``).
         parallel_devices: this node's devices, one worker each (the Trainer sets them from ``devices=``).
         cluster_environment: where the ranks and the main address come from (the Trainer picks it: local, SLURM,
@@ -153,6 +158,8 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
         delta_replies: bool = True,
         downlink_fraction: float | None = None,
         downlink_bound: float | None = None,
+        ps_standby: bool = False,
+        failover_timeout: float = 3.0,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -171,7 +178,8 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
                               lost_timeout=lost_timeout, heartbeat_s=heartbeat_s, worker_timeout=worker_timeout,
                               resume_from=resume_from, ps_run_dir=ps_run_dir, ps_keys=ps_keys, ps_insecure=ps_insecure,
                               ps_threads=ps_threads, delta_replies=delta_replies,
-                              downlink_fraction=downlink_fraction, downlink_bound=downlink_bound)
+                              downlink_fraction=downlink_fraction, downlink_bound=downlink_bound,
+                              ps_standby=ps_standby, failover_timeout=failover_timeout)
         self.connection = PSConnection(self.mode, self.compressor, settings)
         self.shm_pushes = shm_pushes
         self.staleness_compensation = resolve(staleness_compensation, self.mode.name, self.mode.compensate)

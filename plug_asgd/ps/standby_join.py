@@ -2,7 +2,8 @@
 
 ``serve-ps --standby-of ADDR`` runs the primary's mode, codec rules and limits, whatever its own flags say of them
 (:func:`standby_config`): a standby must fold every record as the primary does. Where it listens, its keys, its
-metrics folder and (if given) its checkpoint folder stay its own. The join itself (:class:`JoinRequest`) is answered
+metrics folder, (if given) its checkpoint folder and the process it follows (an embedded standby's:
+``parent_pid``) stay its own. The join itself (:class:`JoinRequest`) is answered
 only once the primary has sent the whole state and the standby has acknowledged it, from its serving loop: so the
 request goes first, and its answer is read between requests.
 """
@@ -27,7 +28,7 @@ from plug_asgd.ps.curve_auth import client_socket
 log = logging.getLogger("plug_asgd.ps")
 
 # a standby's own, whatever its primary runs with
-OWN_FIELDS = ("bind", "keys", "insecure", "run_dir", "metrics_every", "io_retry_seconds", "standby_of")
+OWN_FIELDS = ("bind", "keys", "insecure", "run_dir", "metrics_every", "io_retry_seconds", "standby_of", "parent_pid")
 JOIN_WAIT_S = 90.0  # the join's answer: the primary sends the whole model first (JOIN_TIMEOUT_S) and may be busy
 
 
@@ -65,7 +66,7 @@ def standby_config(own: PSConfig, timeout: float = 10.0, context: zmq.Context | 
     keys = load_server_keys(own.keys) if own.keys is not None else None
     fields = _ask(context or zmq.Context.instance(), own.standby_of, {"step": "config"}, timeout, keys)
     theirs = json.loads(fields["config"])
-    merged = {k: v for k, v in theirs.items() if k not in OWN_FIELDS and k not in ("resume", "run_id", "parent_pid")}
+    merged = {k: v for k, v in theirs.items() if k not in OWN_FIELDS and k not in ("resume", "run_id")}
     merged.update((f.name, getattr(own, f.name)) for f in dataclasses.fields(own) if f.name in OWN_FIELDS)
     if own.checkpoint_dir is not None:  # its own folder; else the primary's (a shared file system)
         merged["checkpoint_dir"] = own.checkpoint_dir

@@ -24,6 +24,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("fit_args", nargs="*", help="after --: more arguments of per_node_fit.py")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     nodes = ["n0", "n1"]
@@ -37,7 +38,7 @@ def main() -> int:
                                 MASTER_PORT=str(MASTER_PORT), NODE_RANK=str(rank), WORLD_SIZE=str(len(nodes)),
                                 GLOO_SOCKET_IFNAME=DEVICE)
                 procs.append(start([*topo.hosts[name].prefix, sys.executable, str(SCRIPT), "--nodes", str(len(nodes)),
-                                    "--out", str(args.out)], env=env, log=args.out / f"node{rank}.log"))
+                                    "--out", str(args.out), *args.fit_args], env=env, log=args.out / f"node{rank}.log"))
             codes = []
             for p in procs:
                 try:

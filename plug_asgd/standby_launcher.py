@@ -1,0 +1,112 @@
+"""The embedded hot standby: ``AsyncPSStrategy(ps_standby=True)`` puts a standby of each embedded PS on node 1.
+
+The embedded PS lives beside global rank 0, so it dies with node 0's machine. With ``ps_standby=True`` node 1's
+local rank 0 starts, for each embedded PS (one, or one per shard of ``ps_shards=N``), a hot standby of it
+(``serve-ps --standby-of``, docs/design.md "Hot standby"): on node 1's address (as ``ps_shards="per_node"`` finds
+it: :func:`~plug_asgd.sharding.per_node.node_address`), port ``ps_port + N + I`` for shard I of N (nodes that share
+a machine, or a test's, do not clash with the primaries' ports). It starts once node 1 has reached the primaries,
+and node 1's workers begin only once each primary has taken its standby: a job that asked for one does not run
+without it unnoticed. The workers learn the standbys from the primaries' replies, as any worker does.
+
+What it covers: the loss of node 0's machine, or of an embedded PS process. A rank 0 that fails with an exception
+still ends the job, as without a standby (its PS tells the other workers: :mod:`plug_asgd.ps.failure`).
+Imports neither Lightning namespace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from plug_asgd.ps import PSConfig
+from plug_asgd.ps_launcher import EmbeddedPS
+from plug_asgd.sharding.client import ShardedClient
+from plug_asgd.sharding.per_node import node_address
+from plug_asgd.worker.client import PSClient, PSError, PSUnreachableError
+
+STANDBY_NODE = 1  # the node whose local rank 0 runs the standbys: the first that is not rank 0's
+
+
+def standby_binds(main_address: str, primaries: Sequence[str], route: Callable[[str, int], str] | None = None
+                  ) -> list[str]:
+    """Where each primary's standby listens: node 1's address, ports after the primaries' own.
+
+    Args:
+        main_address: the cluster's main address (``MASTER_ADDR``), where the primaries listen.
+        primaries: every embedded PS's address, in shard order (consecutive ports from the first's).
+        route: node ``n``'s address as the other nodes reach it, from the main address (None:
+            :func:`~plug_asgd.sharding.per_node.node_address`).
+    """
+    host = (route or node_address)(main_address, STANDBY_NODE)
+    first = int(primaries[0].rpartition(":")[2])
+    return [f"tcp://{host}:{first + len(primaries) + i}" for i in range(len(primaries))]
+
+
+def check_nodes(num_nodes: int) -> None:
+    """Refuses a standby in a job of one node, where it would die with the primary's machine.
+
+    Args:
+        num_nodes: the job's node count.
+
+    Raises:
+        ValueError: with one node.
+    """
+    if num_nodes < 2:
+        raise ValueError("ps_standby=True puts the embedded PS's standby on node 1, and this job has one node "
+                         "(num_nodes=1): a standby on the primary's machine dies with it. Run the job on 2 nodes or "
+                         "more, or start a standby yourself on another machine with `plug-asgd serve-ps "
+                         "--standby-of ADDR` beside an external PS (ps_address=)")
+
+
+def standby_configs(primaries: Sequence[PSConfig], addresses: Sequence[str], binds: Sequence[str]) -> list[PSConfig]:
+    """The standbys' configs: each primary's, bound on node 1, a standby of the address workers reach the primary at.
+
+    A standby takes its primary's mode and options when it joins (:mod:`plug_asgd.ps.standby_join`); its metrics go
+    to a folder ``standby`` of the primary's, and its checkpoints (once it leads) where the primary's go, on its
+    own machine.
+
+    Args:
+        primaries: each embedded PS's config, as rank 0 starts it (this rank's own ``parent_pid``).
+        addresses: the address workers reach each primary at, in the same order.
+        binds: where each standby listens (:func:`standby_binds`).
+    """
+    return [dataclasses.replace(config, bind=bind, standby_of=address, resume=None,
+                                run_dir=config.run_dir / "standby" if config.run_dir is not None else None)
+            for config, address, bind in zip(primaries, addresses, binds, strict=True)]
+
+
+def _standbys(stats: dict[str, Any]) -> list[Any]:
+    return [s.get("standby") for s in stats.get("shards", [stats])]
+
+
+def wait_joined(client: PSClient | ShardedClient, binds: Sequence[str], standby: EmbeddedPS, timeout: float) -> None:
+    """Waits until each primary (asked through ``client``) names its standby at ``binds``.
+
+    Args:
+        client: this worker's client, connected to the primaries.
+        binds: where each standby listens, in shard order.
+        standby: the standby processes, watched: one that exits ends the wait.
+        timeout: the longest wait, in seconds.
+
+    Raises:
+        RuntimeError: a standby exited, or was not taken within ``timeout``, saying what to check.
+    """
+    deadline = time.monotonic() + timeout
+    named: list[Any] = []
+    while True:
+        gone = standby.gone()
+        if gone is not None:
+            raise RuntimeError(gone)
+        try:
+            named = _standbys(client.stats(timeout=5.0))
+        except (PSError, PSUnreachableError):
+            named = []
+        if named == list(binds):
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"the parameter server did not take the standby at {list(binds)} within {timeout:g} "
+                               f"s (it names {named}): can node 0 reach node 1 at that address? set "
+                               "PLUG_ASGD_NODE_ADDRESS to one it can")
+        time.sleep(0.1)
