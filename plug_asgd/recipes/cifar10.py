@@ -228,9 +228,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     Returns:
         The run's summary (test accuracy, PS counters, bytes, times) on global rank 0; None on the other ranks.
     """
-    from plug_asgd.recipes.common import train_and_test
+    from plug_asgd.recipes.common import seed_everything, train_and_test
 
     args = build_parser().parse_args(argv)
+    seed_everything(args.seed)  # before the model is built: its initialization is the run's (rank 0's) start
     datamodule = Cifar10DataModule(args.data_dir, batch_size=args.batch_size, train_subset=args.train_subset,
                                    test_subset=args.test_subset, download=not args.no_download, seed=args.seed)
     model = Cifar10Classifier(arch=args.arch, lr=args.lr, optimizer=args.optimizer)

@@ -66,6 +66,10 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--ps-shards", type=_shard_count, default=None, metavar="N|per-node",
                         help="embedded PS processes, each holding a share of the model (default: 1); per-node: one "
                              "on each node of a multi-node job (--num-nodes), started by its local rank 0")
+    parser.add_argument("--ps-standby", action="store_true",
+                        help="node 1's local rank 0 runs a hot standby of the embedded PS, which leads if node 0's "
+                             "PS is gone (needs --num-nodes 2 or more)")
+    ps_argument(parser, "failover_timeout")
     ps_argument(parser, "worker_timeout")
     ps_argument(parser, "downlink_fraction")
     ps_argument(parser, "downlink_bound")
@@ -75,7 +79,8 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--epochs", type=int, default=1, help="epochs per worker (default: 1)")
     parser.add_argument("--max-steps", type=int, default=-1, help="local steps per worker (default: no limit)")
     parser.add_argument("--no-val", action="store_true", help="skip validation during training")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the model's initialization, the subsets, the shuffles and dropout (default: 0)")
     parser.add_argument("--run-dir", type=Path, default=Path("runs"), help="logs and metrics (default: runs/)")
     parser.add_argument("--metrics-json", type=Path, default=None, help="write the run's summary here")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -151,6 +156,7 @@ def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
                            resume_from=args.resume, ps_keys=args.ps_keys,
                            ps_insecure=args.ps_insecure, worker_timeout=args.worker_timeout,
                            downlink_fraction=args.downlink_fraction, downlink_bound=args.downlink_bound,
+                           ps_standby=args.ps_standby, failover_timeout=args.failover_timeout,
                            staleness_compensation=False if args.no_staleness_compensation else None)
 
 
@@ -231,6 +237,16 @@ def make_callbacks(args: argparse.Namespace, datamodule: pl.LightningDataModule)
     return callbacks
 
 
+def seed_everything(seed: int) -> None:
+    """Seeds every generator (Python's, numpy's, torch's, the loaders' workers'), as ``--seed`` promises: a recipe
+    calls it before it builds its model, whose initialization (rank 0's, which the PS takes) is then the seed's.
+
+    Args:
+        seed: the run's seed.
+    """
+    pl.seed_everything(seed, workers=True, verbose=False)
+
+
 def train_and_test(name: str, model: pl.LightningModule, datamodule: pl.LightningDataModule,
                    args: argparse.Namespace) -> dict[str, Any] | None:
     """Fit under AsyncPSStrategy, test the central model; rank 0 prints and returns the summary.
@@ -245,7 +261,7 @@ def train_and_test(name: str, model: pl.LightningModule, datamodule: pl.Lightnin
         SystemExit: where the strategy or the Trainer refuses a flag, the GPUs asked for are not there, or the
             dataset is missing: the error, without a traceback.
     """
-    pl.seed_everything(args.seed, workers=True, verbose=False)
+    seed_everything(args.seed)  # again: what the model's construction drew is not the fit's
     try:  # a flag the strategy refuses, a GPU that is not there: say so as argparse would, no traceback
         devices = trainer_devices(args)
         strategy = make_strategy(args)
