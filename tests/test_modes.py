@@ -98,6 +98,40 @@ def test_sync_refuses_a_second_update_from_the_same_worker_in_one_round():
     assert rule.push(state, Push("a2", 0, 0, {"w": np.array([2], np.float32)})) == [("a2", DROPPED)]
 
 
+def test_a_sync_round_held_in_a_checkpoint_completes_to_the_same_bits_and_answers_the_push_sent_again():
+    # a standby that joins mid-round, or a PS resumed from a checkpoint taken then, holds the round's pushes
+    # (their tokens do not travel: a worker sends its push again, and is answered as the round completes)
+    def round_so_far():
+        state = CentralState({"w": np.arange(8, dtype=np.float32), "b": np.ones(3, np.float32)})
+        rule = SyncRule()
+        rule.set_trainers(state, frozenset({0, 1, 2}))
+        rule.push(state, Push("a", 2, 0, {"w": np.linspace(-1, 1, 8, dtype=np.float32),
+                                          "b": np.array([0.1, 0.2, 0.3], np.float32)}, session="s2"))
+        rule.push(state, Push("b", 0, 0, {"w": sparse([1, 6], 0.7), "b": np.full(3, 1 / 3, np.float32)},
+                              session="s0"))
+        return state, rule
+
+    state, rule = round_so_far()
+    fields, arrays = rule.state()
+    copy_state, _ = round_so_far()
+    copy = SyncRule()
+    copy.set_trainers(copy_state, frozenset({0, 1, 2}))
+    copy.restore(fields, {k: v.copy() for k, v in arrays.items()})
+    assert [(p.token, p.rank, p.session) for p in copy.pending] == [(None, 2, "s2"), (None, 0, "s0")]
+    assert copy.adopt("s2", "a again") and not copy.adopt("s1", "never pushed")
+    last = {"w": np.full(8, 0.25, np.float32), "b": np.zeros(3, np.float32)}
+    done = rule.push(state, Push("c", 1, 0, dict(last), session="s1"))
+    again = copy.push(copy_state, Push("c", 1, 0, dict(last), session="s1"))
+    assert sorted(done) == [("a", APPLIED), ("b", APPLIED), ("c", APPLIED)]
+    assert sorted(again, key=str) == sorted([(None, APPLIED), ("a again", APPLIED), ("c", APPLIED)], key=str)
+    for name in ("w", "b"):  # summed in rank order on both: the same bits
+        assert state.tensors[name].tobytes() == copy_state.tensors[name].tobytes()
+    # by hand: w = 0..7 + (0.7 at 1 and 6, + linspace, + 0.25) / 3
+    expected = np.arange(8, dtype=np.float32) + (np.where(np.isin(np.arange(8), [1, 6]), 0.7, 0)
+                                                  + np.linspace(-1, 1, 8) + 0.25) / 3
+    np.testing.assert_allclose(state.tensors["w"], expected, rtol=1e-6)
+
+
 def test_unknown_mode_lists_the_modes():
     with pytest.raises(ValueError, match="asgd, adacomp, .*sync"):
         modes.get("nope")

@@ -45,6 +45,7 @@ class Push:
         replace: whether ``update`` holds weights to take as they are, not a delta.
         scale: what the PS multiplies the push by besides its rule's own scaling (1: nothing).
         scaled_by_worker: whether the worker scaled the update for its staleness itself.
+        session: the pushing worker's session, by which a push sent again finds the one a rule still holds.
     """
 
     token: Any
@@ -68,6 +69,7 @@ class Push:
     # The worker scaled the update for its staleness (it said ``scaled_for``): ``scale`` finishes that, and a rule
     # that scales by staleness itself (dynsgd's) scales it no further.
     scaled_by_worker: bool = False
+    session: str | None = None
 
 
 Resolution = tuple[Any, str]  # (token, APPLIED | DROPPED)

@@ -73,6 +73,17 @@ class FoldRule(ABC):
         self.training_ranks = ranks
         return []
 
+    def adopt(self, session: str, token: Any) -> bool:
+        """Answer ``token`` when the push of ``session`` this rule still holds (a round's) is resolved: the same push
+        sent again (to a standby that now leads, or after a reconnection) is answered as the first would have been.
+        False where this rule holds no push of that session.
+
+        Args:
+            session: the pushing worker's session.
+            token: what the push sent again is to be answered by.
+        """
+        return False
+
     def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """What a checkpoint must keep of this rule (header fields, arrays); most rules keep nothing."""
         return {}, {}
@@ -249,6 +260,39 @@ class SyncRule(FoldRule):
         done = [(p.token, APPLIED) for p in self.pending]
         self.pending = []
         return done
+
+    @override
+    def adopt(self, session: str, token: Any) -> bool:
+        for p in self.pending:
+            if p.session == session:
+                p.token = token
+                return True
+        return False
+
+    @override
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The round's pushes held so far: a standby that joins mid-round, or a PS resumed from a checkpoint taken
+        then, completes the round with the same pushes (each sent once: the pushes' numbers are kept too)."""
+        entries, arrays = [], {}
+        for i, p in enumerate(self.pending):
+            sparse = {n: list(u.shape) for n, u in p.update.items() if isinstance(u, Sparse)}
+            entries.append({"rank": p.rank, "base_version": p.base_version, "session": p.session,
+                            "dense": [n for n in p.update if n not in sparse], "sparse": sparse})
+            for n, u in p.update.items():
+                if isinstance(u, Sparse):
+                    arrays[f"{i}/{n}/indices"], arrays[f"{i}/{n}/values"] = u.indices, u.values
+                else:
+                    arrays[f"{i}/{n}"] = np.asarray(u)
+        return {"pending": entries}, arrays
+
+    @override
+    def restore(self, fields: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        self.pending = []
+        for i, e in enumerate(fields.get("pending", [])):
+            update: dict[str, Tensor] = {n: np.array(arrays[f"{i}/{n}"]) for n in e["dense"]}
+            update.update((n, Sparse(np.array(arrays[f"{i}/{n}/indices"]), np.array(arrays[f"{i}/{n}/values"]),
+                                     tuple(shape))) for n, shape in e["sparse"].items())
+            self.pending.append(Push(None, int(e["rank"]), int(e["base_version"]), update, session=e.get("session")))
 
 
 class DynSGDRule(FoldRule):

@@ -333,6 +333,7 @@ class Failover:
 
     def _promote(self, why: str) -> None:
         self.role, self.epoch, self.failovers = "primary", self.epoch + 1, self.failovers + 1
+        self.members.await_ranks(self.store.rule.training_ranks)
         log.warning("this standby LEADS now, epoch %d, at version %d: %s; serving without a standby (start one "
                     "with `plug-asgd serve-ps --standby-of %s`)", self.epoch, self.store.version, why, self.address)
         self.persistence.lead()

@@ -64,6 +64,19 @@ class Liveness:
         self.workers: dict[int, WorkerInfo] = {}
         self.lost: dict[int, WorkerInfo] = {}  # declared dead; taken back if they speak again
         self.by_identity: dict[bytes, WorkerInfo] = {}
+        # ranks that trained at the PS this one took over from, not yet back here: rounds wait for them (since when)
+        self.awaited: dict[int, float] = {}
+
+    def await_ranks(self, ranks: frozenset[int], now: float | None = None) -> None:
+        """A standby that leads now waits for the ranks that trained at its primary, as if they trained here, until
+        each says hello or ``worker_timeout`` passes: a sync round must not complete on the first worker to move.
+
+        Args:
+            ranks: the ranks that trained at the primary.
+            now: the time the wait starts, in ``time.time()`` seconds; None: now.
+        """
+        now = time.time() if now is None else now
+        self.awaited.update((r, now) for r in ranks if r not in self.workers)
 
     def seen(self, identity: bytes) -> bool:
         """A request came from ``identity``; True if that took a lost worker back.
@@ -135,6 +148,12 @@ class Liveness:
             now: the time to judge silence at, in ``time.time()`` seconds; None: now.
         """
         now = time.time() if now is None else now
+        missing = [r for r, since in self.awaited.items() if now - since > self.worker_timeout]
+        for r in missing:
+            del self.awaited[r]
+            self.stats.workers_lost += 1
+            log.warning("rank %d trained at the previous leader but has not come here within %g s (worker_timeout): "
+                        "declared lost; nothing waits for it now", r, self.worker_timeout)
         gone = [w for w in self.workers.values()
                 if w.heartbeat_s is not None and now - w.last_seen > self.worker_timeout]
         for w in gone:
@@ -144,7 +163,7 @@ class Liveness:
             self.stats.workers_lost += 1
             log.warning("rank %d silent for %.1f s (worker_timeout %g s): declared lost; nothing waits for it "
                         "now", w.rank, now - w.last_seen, self.worker_timeout)
-        return [w.rank for w in gone]
+        return missing + [w.rank for w in gone]
 
     def claimed(self, now: float | None = None) -> bool:
         """Whether a worker of the run's world can still be counted on: it holds a rank and heartbeats (it would be

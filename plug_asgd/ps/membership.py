@@ -104,7 +104,7 @@ class Membership(Liveness):
 
     def trainers(self) -> frozenset[int]:
         """The ranks training now: those a sync round or ssp's bound waits for."""
-        return frozenset(r for r, w in self.workers.items() if w.training)
+        return frozenset(r for r, w in self.workers.items() if w.training) | frozenset(self.awaited)
 
     def absent(self, stage: int) -> set[int]:
         """Ranks a collective of ``stage`` does not wait for: those that left it and those lost.
@@ -215,6 +215,7 @@ class Membership(Liveness):
                             token or kept or secrets.token_hex(16))
         self.workers[rank] = worker
         self.by_identity[identity] = worker
+        self.awaited.pop(rank, None)
         self.ever_joined.add(rank)
         if stage in self.left:
             self.left[stage].discard(rank)

@@ -81,6 +81,8 @@ class ModelRequests:
             applied = status == APPLIED
             self.stats.pushes_applied += applied
             self.stats.pushes_dropped += not applied
+            if token is None:  # held from a record or a checkpoint: its worker sent it again, or is answered so
+                continue
             if applied and token.want == "unless_own" and token.own_version == self.store.version:
                 # nothing but this push changed the model since the worker's base: it adds its update to
                 # its base itself (same float additions, same bits); the model stays here
@@ -132,8 +134,13 @@ class ModelRequests:
             self.replicate("push", {"rank": rank, "session": session, "seq": seq, "base_version": base,
                                     "scaled_for": scaled_for, "weights": flags["weights"]},
                            self.store.read_local(session, msg.tensors))
-        folded = self.store.fold(PushIn(token, rank, session, seq, base, msg.tensors, msg.frames,
-                                        request=self.stats.messages_in, scaled_for=scaled_for, **flags))
+        try:
+            folded = self.store.fold(PushIn(token, rank, session, seq, base, msg.tensors, msg.frames,
+                                            request=self.stats.messages_in, scaled_for=scaled_for, **flags))
+        except WireError as exc:
+            if exc.code == "duplicate" and self.store.adopt(session, seq, token):
+                return  # held in a round (a standby's record, a reconnection): answered as it completes
+            raise
         if folded.status != FOLDED:  # not_current, or stopped
             self._send_model(identity, rid, {"status": folded.status}, folded.status != NOT_CURRENT
                              and model is not False, token)

@@ -160,6 +160,18 @@ class Store(ABC):
 
     # -- a push --------------------------------------------------------------------------------
 
+    def adopt(self, session: str, seq: int, token: Any) -> bool:
+        """A push received again (``duplicate``) that the rule still holds unresolved (its round not complete) is
+        answered by ``token`` when it is resolved; False where it is not held (it was resolved: the worker takes
+        the current model).
+
+        Args:
+            session: the pushing worker's session.
+            seq: the push's number, which must be the session's last.
+            token: what the push sent again is to be answered by.
+        """
+        return self.last_seq.get(session) == seq and self.rule.adopt(session, token)
+
     def fold(self, push: PushIn) -> Folded:
         """Check ``push`` and hand it to the mode's rule; a WireError says why it is refused (nothing changed).
 
@@ -214,7 +226,8 @@ class Store(ABC):
         before, version = dict(self.state.tensors), self.state.version
         resolutions = self.rule.push(self.state, Push(push.token, push.rank, base, update, out,
                                                       replace=push.weights, scale=correction,
-                                                      scaled_by_worker=push.scaled_for is not None))
+                                                      scaled_by_worker=push.scaled_for is not None,
+                                                      session=push.session))
         if self.state.version == version + 1 and self.rule.changes_only_pushed:
             self.changes.record(self.state.version, update)
         elif self.state.version != version:
