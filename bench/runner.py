@@ -34,7 +34,7 @@ SIZES: dict[str, dict[str, Any]] = {
               "adacomp_epochs": 1,
               "tta_subset": 1920, "tta_epochs": 1, "tta_limit_s": 4.0, "snapshot_s": 2.0, "test_subset": 500,
               "tta_test_subset": 500, "tta_reps": 1,
-              "rtt_rounds": 5, "ingest_s": 1.5, "ingest_clients": (2,), "timeout": 170},
+              "rtt_rounds": 5, "ingest_s": 0.75, "ingest_clients": (2,), "timeout": 170},
     "full": {"reps": 5, "straggler_s": 15.0, "sync_steps": 100, "overhead_steps": 100, "adacomp_subset": 24000,
              "adacomp_epochs": 2,
              "tta_subset": None, "tta_epochs": 2, "tta_limit_s": 75.0, "snapshot_s": 5.0, "test_subset": None,

@@ -18,6 +18,7 @@ import pytest
 from harness.ports import free_port_block
 from plug_asgd.modes import MODES
 from tests.conftest import HAVE_FASHION, PYTHON, ROOT, needs_fashion, run_to_end
+from tests.test_training import SCHEMES
 
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 from momentum_regression import Regression, one_process_loss, threaded_fit, val_loss  # noqa: E402
@@ -212,6 +213,10 @@ def fashion(tmp_path_factory):
 def test_every_mode_trains_the_recipe_cnn_close_to_ddp(fashion, optimizer, row):
     ddp, runs = fashion[f"ddp {optimizer}"][0], fashion[f"{row} {optimizer}"]
     assert len(runs) in (1, 3)
+    # 125 local steps per worker: the PS's version follows from the scheme's push cadence (tests/test_training.py's
+    # versions, whose Adam runs of these schemes are the full tier's); every other row pushes at every step
+    version = {mode: v for mode, _, v in SCHEMES}.get(row, 250)
+    assert [r["ps_version"] for r in runs] == [version] * len(runs), (row, runs)
     assert fashion_gap(runs, ddp) >= -FASHION_POINTS, (
         f"{row} {optimizer}: {[round(r['test_acc'], 4) for r in runs]}, DDP {ddp['test_acc']:.4f}; staleness "
         f"{[r.get('staleness') for r in runs]}")

@@ -59,8 +59,7 @@ def test_a_standby_takes_its_primarys_options_but_follows_its_own_parent(monkeyp
 def _on_node(monkeypatch, node: int, **strategy):
     from lightning_fabric.plugins.environments import LightningEnvironment
 
-    from plug_asgd import AsyncPSStrategy
-    from plug_asgd import standby_launcher
+    from plug_asgd import AsyncPSStrategy, standby_launcher
 
     for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "NODE_RANK": str(node)}.items():
         monkeypatch.setenv(name, value)
