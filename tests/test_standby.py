@@ -241,6 +241,48 @@ def test_a_standby_that_joins_mid_round_completes_the_round_as_its_primary_and_a
             w.close()
 
 
+def _read_notice(client: PSClient, tries: int = 100) -> object:
+    """Rank 0's latest notice (stage 1, its first of a batch) as ``client`` reads it, asked until it comes."""
+    for i in range(tries):
+        got = client.notices().broadcast(None, 0, 1, ("batch", i))
+        if got is not None:
+            return got
+        time.sleep(0.05)
+    return None
+
+
+def test_collectives_completed_before_the_failover_are_answered_again_by_the_new_leader(start_ps):
+    # a gather answered by the primary, whose answer to one rank is lost with it: that rank asks the new leader
+    # again and gets the same result, without the other ranks (which moved on) contributing again; and a notice
+    # posted to the primary is read from the new leader
+    from concurrent.futures import ThreadPoolExecutor
+
+    primary, standby = start_pair(start_ps)
+    workers = [PSClient(primary, rank=r, world_size=2, mode="asgd", request_timeout=10, heartbeat_s=None)
+               for r in (0, 1)]
+    try:
+        for w in workers:
+            w.hello(1, True)
+        workers[0].init({"w": np.zeros(4, np.float32)})
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(workers[0].gather, 1, 0, {"r": 0}, {"t": np.arange(3, dtype=np.float32)}, "barrier:x")
+            got = workers[1].gather(1, 0, {"r": 1}, None, "barrier:x")
+            assert [(r, o) for r, o, _ in first.result(10)] == [(0, {"r": 0}), (1, {"r": 1})]
+        workers[0].notices().broadcast("stop", 0, 1, ("batch", 0))
+        assert _read_notice(workers[1]) == "stop"
+        signal_ps(start_ps, primary, signal.SIGKILL)
+        start_ps.started.pop(primary).wait(10)
+        again = workers[1].gather(1, 0, {"r": 1}, None, "barrier:x")  # moves to the standby, which answers it
+        assert workers[1].address == standby
+        assert [(r, o, {n: t.tolist() for n, t in ts.items()}) for r, o, ts in again] == [
+            (r, o, {n: t.tolist() for n, t in ts.items()}) for r, o, ts in got] == [(0, {"r": 0}, {"t": [0, 1, 2]}),
+                                                                                     (1, {"r": 1}, {})]
+        assert _read_notice(workers[1]) == "stop"
+    finally:
+        for w in workers:
+            w.close()
+
+
 def test_forged_claims_are_refused_by_the_primary_and_the_standby(start_ps):
     primary, standby = start_pair(start_ps)
     worker = PSClient(primary, rank=0, world_size=1, mode="asgd", request_timeout=10, heartbeat_s=None)

@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 
 from plug_asgd.modes import APPLIED
-from plug_asgd.protocol.wire import Message, Tensor, WireError
+from plug_asgd.protocol.wire import Message, Tensor, WireError, encode, message_bytes
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.fast_store import FastStore
+from plug_asgd.ps.gathers import Gathers
 from plug_asgd.ps.membership import Membership, proof
 from plug_asgd.ps.replication import Fenced, Replication
 from plug_asgd.ps.shard_guard import ShardGuard
@@ -52,6 +53,7 @@ class Failover:
     config: PSConfig
     store: FastStore
     members: Membership
+    collectives: Gathers
     stats: Stats
     shard: ShardGuard
     address: str
@@ -194,7 +196,8 @@ class Failover:
             "initialized": self.store.initialized, "resumed": self.store.resumed, "epoch": self.epoch,
             "failovers": self.failovers, "world_size": self.members.world_size,
             "run_id": self.persistence.run_id, "stats": self.stats.saved(), "trainers": sorted(self.members.trainers()),
-            "owners": self.members.owner_fields(self.members.owners), **self.shard.checkpoint_fields()}
+            "owners": self.members.owner_fields(self.members.owners), **self.shard.checkpoint_fields(),
+            "notices": [[*where, value] for where, value in self.collectives.board.posted.items()]}
         tensors: dict[str, Tensor] = {}
         if self.store.initialized:
             snap = self.store.snapshot()
@@ -269,7 +272,18 @@ class Failover:
         self.shard.restore(f, "the primary's state")
         self.persistence.run_id = f.get("run_id") or self.persistence.run_id
         self.store.set_trainers(frozenset(f.get("trainers", [])))
+        self.collectives.board.posted.update(((int(s), int(r), int(k)), v) for s, r, k, v in f.get("notices", []))
         log.info("standby: holding the primary's state at version %d (epoch %d)", self.store.version, self.epoch)
+
+    def _apply_gathered(self, msg: Message) -> None:
+        f = msg.fields
+        size = message_bytes(encode("gathered", {"ranks": f["ranks"], "objs": f["objs"]}, msg.tensors))
+        self.collectives.keep((int(f["stage"]), int(f["seq"])), {"ranks": f["ranks"], "objs": f["objs"]},
+                              dict(msg.tensors), size)
+
+    def _apply_notice(self, msg: Message) -> None:
+        f = msg.fields
+        self.collectives.board.posted[(int(f["stage"]), int(f["src"]), int(f["key"]))] = f["value"]
 
     def _apply_push(self, msg: Message) -> None:
         scaled_for = msg.float_field("scaled_for", minimum=0.0, maximum=MAX_SCALED_FOR, optional=True)

@@ -35,6 +35,7 @@ from plug_asgd.ps.stats import Stats
 
 Send = Callable[[bytes, Any, str, dict[str, Any], dict[str, Tensor]], None]
 Error = Callable[[bytes, Any, str, str], None]
+Record = Callable[[str, dict[str, Any], dict[str, Tensor]], None]
 
 
 @dataclass(frozen=True)
@@ -125,13 +126,18 @@ class Gathers:
         stats: the counters it adds to.
         send: sends a reply: ``send(identity, rid, type, fields, tensors)``.
         error: sends an error reply: ``error(identity, rid, code, text)``.
+        record: hands a completed gather (``"gathered"``) or a posted notice (``"notice"``) to the hot standby
+            before any rank is answered (:mod:`plug_asgd.ps.replication`), so that a rank whose answer was lost
+            with the primary gets it from the standby; None: no standby ever.
     """
 
-    def __init__(self, members: Membership, stats: Stats, send: Send, error: Error) -> None:
+    def __init__(self, members: Membership, stats: Stats, send: Send, error: Error,
+                 record: Record | None = None) -> None:
         self.members = members
         self.stats = stats
         self._send = send
         self._error = error
+        self._record = record
         self.gathers: dict[tuple[int, int], dict[int, tuple[bytes, Message, Any, Share]]] = {}
         self.completed: dict[tuple[int, int], tuple[dict[str, Any], dict[str, Tensor]]] = {}
         self.board = Board()  # broadcasts inside the training loop: nothing waits for them
@@ -200,7 +206,11 @@ class Gathers:
             msg: the ``notice`` request (see :meth:`~plug_asgd.ps.board.Board.notice`).
         """
         rank = self.members.sender(msg)
-        self._send(identity, rid, "noticed", self.board.notice(rank, self.members.world_size, msg), {})
+        fields = self.board.notice(rank, self.members.world_size, msg)
+        if "value" in msg.fields and self._record is not None:
+            self._record("notice", {"stage": msg.fields["stage"], "src": msg.fields["src"], "key": msg.fields["key"],
+                                    "value": msg.fields["value"]}, {})
+        self._send(identity, rid, "noticed", fields, {})
 
     def _check_objects(self, key: tuple[int, int], rank: int, obj_bytes: int) -> None:
         """Refuse (``limit``) an object that would take the gather's objects past what its reply may carry."""
@@ -329,6 +339,22 @@ class Gathers:
         if self.members.stage_done(stage):
             self.forget_stage(stage)
 
+    def keep(self, key: tuple[int, int], fields: dict[str, Any], tensors: dict[str, Tensor], size: int) -> None:
+        """Keep a completed gather's result for a rank that asks again, within the bounds on what is kept.
+
+        Args:
+            key: the gather's ``(stage, seq)``.
+            fields: the reply's fields (``ranks``, ``objs``).
+            tensors: the reply's tensors, each name prefixed with its rank.
+            size: the bytes it holds.
+        """
+        self.completed[key] = (fields, tensors)
+        self._bytes[key] = size
+        self.completed_bytes += size
+        while self.completed and (len(self.completed) > limits.COMPLETED_KEPT
+                                  or self.completed_bytes > limits.COMPLETED_MAX_BYTES):
+            self._drop_completed(next(iter(self.completed)))
+
     def _drop_completed(self, key: tuple[int, int]) -> None:
         del self.completed[key]
         self.completed_bytes -= self._bytes.pop(key)
@@ -341,17 +367,14 @@ class Gathers:
         absent = self.members.absent(key[0]) - set(entries)
         if len(entries) < world_size - len(absent):
             return
-        del self.gathers[key]
         ranks = sorted(entries)
         tensors = {f"{r}/{name}": t for r in ranks for name, t in entries[r][1].tensors.items()}
         fields = {"ranks": ranks, "objs": [entries[r][1].fields.get("obj") for r in ranks]}
-        self.completed[key] = (fields, tensors)
+        if self._record is not None:
+            self._record("gathered", {"stage": key[0], "seq": key[1], **fields}, tensors)
+        del self.gathers[key]
         shares = [entries[r][3] for r in ranks]
-        self._bytes[key] = reply_size(shares)[0] + sum(s.held - s.header for s in shares)
-        self.completed_bytes += self._bytes[key]
-        while self.completed and (len(self.completed) > limits.COMPLETED_KEPT
-                                  or self.completed_bytes > limits.COMPLETED_MAX_BYTES):
-            self._drop_completed(next(iter(self.completed)))
+        self.keep(key, fields, tensors, reply_size(shares)[0] + sum(s.held - s.header for s in shares))
         for r in ranks:
             identity, _, rid, _ = entries[r]
             self._send(identity, rid, "gathered", fields, tensors)

@@ -121,7 +121,8 @@ class Replication:
         it was detached now for its silence).
 
         Args:
-            kind: ``snapshot``, ``push``, ``init``, ``trainers``, ``member``, ``beat`` or ``end``.
+            kind: ``snapshot``, ``push``, ``init``, ``trainers``, ``member``, ``gathered``, ``notice``, ``beat`` or
+                ``end``.
             fields: the record's fields.
             tensors: its tensors.
             timeout: seconds to wait for the acknowledgement; None: half of ``failover_timeout``.

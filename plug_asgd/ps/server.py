@@ -69,7 +69,7 @@ class ParameterServer(ModelRequests, Failover):
         self.limits = config.limits()
         self.stats = Stats()
         self.members = Membership(config.worker_timeout, self.stats, config.world_size or config.expected_workers)
-        self.collectives = Gathers(self.members, self.stats, self._send, self._error)
+        self.collectives = Gathers(self.members, self.stats, self._send, self._error, record=self.replicate)
         self.store = FastStore(config, self.stats)
         self.shard = ShardGuard(config.shard)  # the partition its workers agree on, when it is one of several
         self.persistence = Persistence(config, self.store, self.members, self.stats, shard=self.shard)
