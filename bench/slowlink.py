@@ -80,6 +80,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # the PS with a hot standby on a host of its own (``serve-ps --standby-of``): every change goes to it first
     "asgd-standby": {"kind": "asgd", "mode": "asgd", "standby": True},
     "adacomp-0.0033-standby": {"kind": "asgd", "mode": "adacomp", "compression": ADACOMP_191, "standby": True},
+    # the same with a window: the PS answers at once and sends the standby its whole state every 8 pushes
+    # (``--standby-window 8``), which a failover may lose
+    "asgd-standby-window": {"kind": "asgd", "mode": "asgd", "standby": True, "ps_args": ["--standby-window", "8"]},
 }
 SIZES: dict[str, dict[str, Any]] = {
     # under a minute on 2 cores (the test suite's size): one rate, the schemes that cross a link, each run 200

@@ -88,10 +88,12 @@ def ask(address: str, msg_type: str, fields: dict) -> tuple[str, dict]:
     return reply.fields.get("code", reply.type), reply.fields
 
 
-def paired_run(start_ps, procs, tmp_path, count: int, hosts=None) -> tuple:
-    """A primary and its standby (on hosts ``ps`` and ``sb`` where ``hosts`` are given), and 2 workers (on host
-    ``wk``) pushing ``count`` times each, rank r adding r + 1; returned once each has pushed 30 times."""
-    primary, standby = start_pair(start_ps) if hosts is None else start_hosted_pair(start_ps, procs, hosts)
+def paired_run(start_ps, procs, tmp_path, count: int, hosts=None, **options) -> tuple:
+    """A primary (with ``options``) and its standby (on hosts ``ps`` and ``sb`` where ``hosts`` are given), and 2
+    workers (on host ``wk``) pushing ``count`` times each, rank r adding r + 1; returned once each has pushed 30
+    times."""
+    primary, standby = (start_pair(start_ps, **options) if hosts is None
+                        else start_hosted_pair(start_ps, procs, hosts, **options))
     prefix = () if hosts is None else tuple(hosts["wk"].prefix)
     logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
     workers = [start_worker(procs, primary, r, logs[r], mode="asgd", pushes=count, delta=r + 1.0, prefix=prefix)
@@ -133,6 +135,36 @@ def test_a_frozen_primary_is_replaced_then_folds_in_nothing_and_no_push_is_appli
     fault_report(fault="primary PS SIGSTOPped past failover_timeout, then SIGCONTed (hot standby)", injected=1,
                  handled=1, pushes_lost=0, recovery_s=round(gap, 2),
                  detail="the standby led (epoch 2); the old primary refused everything; every push folded once")
+
+
+def test_a_windowed_standby_loses_at_most_the_pushes_since_the_last_state_it_holds(procs, start_ps, tmp_path,
+                                                                                    fault_report):
+    # standby_window 8: the primary answers at once and sends its whole state every 8 pushes, without waiting; a
+    # failover loses the pushes folded since the last state the standby holds, and nothing else
+    window = 8
+    primary, standby, logs, workers = paired_run(start_ps, procs, tmp_path, 80, standby_window=window)
+    signal_ps(start_ps, primary, signal.SIGKILL)
+    killed_at = time.time()
+    start_ps.started.pop(primary).wait(10)
+    for w in workers:
+        finish(w, timeout=120)
+    gap = first_push_after(logs, killed_at) - killed_at
+    led = stats(standby)
+    assert led["role"] == "primary" and led["epoch"] == 2 and led["failovers"] == 1
+    rows = [p for log in logs for p in pushes(log)]
+    assert len(rows) == 160 and all(p["status"] in ("applied", "duplicate") for p in rows)
+    # asgd, rank r adding r + 1: the central model is the sum of the pushes the standby folded, by rank
+    folded = {int(r): n for r, n in led["pushes_by_rank"].items()}
+    final = max((r for log in logs for r in read_log(log) if r["event"] == "done"), key=lambda r: r["version"])
+    assert final["version"] == led["version"] == sum(folded.values())
+    assert final["w"] == [folded[0] * 1.0 + folded[1] * 2.0] * 4
+    lost = 160 - led["version"]  # answered by the primary after the last state the standby acknowledged
+    assert 0 <= lost <= 2 * window, lost
+    assert gap < FAILOVER + 2.0, gap
+    fault_report(fault="primary PS SIGKILLed (hot standby, standby_window 8)", injected=1, handled=1,
+                 pushes_lost=lost, recovery_s=round(gap, 2),
+                 detail=f"the standby led from its last state: {lost} of 160 pushes lost (the window allows 8, "
+                        "plus those folded while a state was on its way)")
 
 
 def test_a_worker_busy_through_the_failover_is_sent_on_by_the_replaced_primary(procs, start_ps, tmp_path):
@@ -419,9 +451,10 @@ def host_stats(procs, host, address: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def start_hosted_pair(start_ps, procs, hosts) -> tuple[str, str]:
-    """A primary on host ``ps`` and its standby on ``sb`` (loopback rule lifted: private namespaces)."""
-    primary = start_ps("asgd", host=hosts["ps"].address, prefix=tuple(hosts["ps"].prefix), insecure=True)
+def start_hosted_pair(start_ps, procs, hosts, **options) -> tuple[str, str]:
+    """A primary (with ``options``) on host ``ps`` and its standby on ``sb`` (loopback rule lifted: private
+    namespaces)."""
+    primary = start_ps("asgd", host=hosts["ps"].address, prefix=tuple(hosts["ps"].prefix), insecure=True, **options)
     wait_for(lambda: _hosted_answers(procs, hosts["wk"], primary), 30, "the primary to answer")
     standby = start_ps("asgd", host=hosts["sb"].address, prefix=tuple(hosts["sb"].prefix), insecure=True,
                        standby_of=primary)

@@ -89,6 +89,8 @@ SHOWN: dict[str, Shown] = {
     "shard": Shown(NETWORK, "hold shard I of N of the model (0/2, then 1/2)", "I/N", default="the whole model"),
     "standby_of": Shown(NETWORK, "be the hot standby of the PS at this address", "ADDR", default="lead from the start"),
     "failover_timeout": Shown(NETWORK, "seconds of the primary's silence before its standby may lead", "S"),
+    "standby_window": Shown(NETWORK, "0: each push reaches the standby first; N: its whole state every N pushes",
+                            "N"),
 }
 
 

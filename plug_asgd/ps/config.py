@@ -75,6 +75,8 @@ class PSConfig:
         standby_of: the primary's address, where this PS is its hot standby; None: it leads from the start.
         failover_timeout: seconds of the primary's silence before its standby may lead, and the standby's
             acknowledgement timeout.
+        standby_window: 0: every change reaches the standby before the primary answers; N: the primary sends its
+            whole state every N pushes without waiting (a failover may lose the pushes since the last one held).
         world_size: the run's world size, fixed from the start (the embedded PS's, which the strategy knows); None:
             ``expected_workers`` if given, else the first accepted hello's.
 
@@ -155,6 +157,10 @@ class PSConfig:
     failover_timeout: float = _option(3.0, "seconds of silence from the primary after which its standby may lead "
                                       "(when a worker cannot reach the primary either), and a standby that does "
                                       "not acknowledge is dropped", min=0.2, max=3600.0)
+    standby_window: int = _option(0, "0: every change reaches the standby before the primary answers (nothing "
+                                  "acknowledged is lost); N: the primary answers at once and sends the standby its "
+                                  "whole state every N pushes, without waiting (a failover may lose the pushes "
+                                  "folded since the last state the standby holds)", min=0, max=1 << 20)
     world_size: int | None = _option(None, "the run's world size, fixed from the start: a hello claiming another is "
                                      "refused (the embedded PS is given the strategy's) [default: --workers, else the "
                                      "first accepted hello's]", min=1, max=1 << 14, cli=False)

@@ -72,6 +72,8 @@ class Failover:
         self.primary_version: int | None = None
         self._link: str | None = None  # a standby: the token the primary's records carry
         self._trainers_sent: frozenset[int] | None = None
+        self._unsent = 0  # standby_window: pushes folded since the last state sent to the standby
+        self._posted_at = 0.0
         self._join: JoinRequest | None = None
         self.join_failed: str | None = None
 
@@ -127,11 +129,31 @@ class Failover:
             self.replicate("member", {"owners": self.members.owner_fields([session]),
                                       "world_size": self.members.world_size})
 
+    def stream_state(self, pushes: int = 1) -> None:
+        """``standby_window`` N: after ``pushes`` more folded, the whole state to the standby once N are unsent
+        (or, between requests, any unsent for a quarter of ``failover_timeout``), without waiting; one at a time.
+
+        Args:
+            pushes: the pushes folded now (0: between requests).
+        """
+        window = self.config.standby_window
+        if not window or not self.replication.attached:
+            return
+        self._unsent += pushes
+        due = self._unsent >= window or (self._unsent and pushes == 0 and time.monotonic() - self._posted_at
+                                         >= self.config.failover_timeout / 4)
+        if due and not self.replication.posting:
+            fields, tensors = self._snapshot_record()
+            self.replication.post(fields, {n: np.array(t) for n, t in tensors.items()})  # copies: folds go on
+            self._unsent, self._posted_at = 0, time.monotonic()
+
     def failover_tick(self) -> None:
-        """Between requests: a primary's beat to its standby; a standby's check of its join."""
+        """Between requests: a primary's beat to its standby (or its state, with a window); a standby's check of
+        its join."""
         if self.role == "primary":
             try:
                 self.replication.beat(self.store.version)
+                self.stream_state(0)
             except Fenced as exc:
                 self._fenced(exc)
         elif self.role == "standby":
@@ -339,7 +361,12 @@ class Failover:
             raise WireError("primary_alive", f"this standby heard from the primary {silent:.1f} s ago: it is "
                                              "alive; the worker alone is cut off from it")
         seen = msg.int_field("version", minimum=0, optional=True)
-        if seen is not None and seen > self.store.version:
+        if seen is not None and seen > self.store.version and self.config.standby_window:
+            log.warning("leading at version %d where rank %d saw %d: the pushes folded after the last state this "
+                        "standby holds are lost (standby_window %d)", self.store.version, owner.rank, seen,
+                        self.config.standby_window)
+            self.store.resumed = True  # a base ahead of this version is folded in as fresh, as after a resume
+        elif seen is not None and seen > self.store.version:
             raise WireError("standby_behind", f"the worker saw version {seen}, this standby holds "
                                               f"{self.store.version}: the primary went on without it")
         self._promote(f"rank {owner.rank} could not reach it, nor could this standby for {silent:.1f} s")

@@ -60,6 +60,8 @@ class ModelRequests:
     _send_frames: Callable[[bytes, list[Any]], int]
     _before_reply: Callable[[bytes], None]
     replicate: Callable[..., None]
+    stream_state: Callable[[], None]
+    config: Any
     epoch: int
     replication: Any
     leadership: Callable[[], dict[str, str]]
@@ -130,7 +132,8 @@ class ModelRequests:
                 raise WireError("bad_field", f"field {name!r} must be true or false, got {value!r:.40}")
         token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all",
                        rank=worker.rank, **_holds(msg))
-        if self.replication.attached:  # the standby folds it first: what a worker is answered, the standby holds
+        if self.replication.attached and not self.config.standby_window:  # the standby folds it first: what a
+            # worker is answered, the standby holds (with a window, the whole state goes every N pushes instead)
             self.replicate("push", {"rank": rank, "session": session, "seq": seq, "base_version": base,
                                     "scaled_for": scaled_for, "weights": flags["weights"]},
                            self.store.read_local(session, msg.tensors))
@@ -150,4 +153,5 @@ class ModelRequests:
         self.stats.pushes_by_rank[rank] += 1
         worker.pushes += 1
         self.store.last_seq[session] = self.store.last_seq.pop(session)  # most recent last: see trim_sessions
+        self.stream_state()
         self._resolve(folded.resolutions)

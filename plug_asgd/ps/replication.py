@@ -79,6 +79,7 @@ class Replication:
         self.lost_address: str | None = None
         self._lost: tuple[zmq.Socket, str] | None = None  # a detached standby's link, and its token: asked still
         self._lost_asked = 0.0
+        self._posted: tuple[int, float, int] | None = None  # a state sent without waiting: its rid, time, size
 
     @property
     def attached(self) -> bool:
@@ -157,8 +158,17 @@ class Replication:
                 self.detach(f"a malformed acknowledgement ({exc})")
                 return None
             if reply.fields.get("rid") != rid:
-                continue  # an acknowledgement of a record sent before a detach
+                self._took_posted(reply)  # the state sent without waiting (or a record sent before a detach)
+                continue
             break
+        return self._took(reply, size)
+
+    def _took(self, reply: Any, size: int) -> int | None:
+        """The standby's answer to a record of ``size`` bytes: its version (None: detached now).
+
+        Raises:
+            Fenced: where it leads a later epoch.
+        """
         if reply.type == "fenced":
             epoch = reply.fields.get("epoch")
             raise Fenced(int(epoch) if isinstance(epoch, int) else -1, self.address or "?")
@@ -171,6 +181,53 @@ class Replication:
         self.standby_version = version if isinstance(version, int) else None
         return self.standby_version
 
+    def _took_posted(self, reply: Any) -> None:
+        if self._posted is not None and reply.fields.get("rid") == self._posted[0]:
+            size = self._posted[2]
+            self._posted = None
+            self._took(reply, size)
+
+    @property
+    def posting(self) -> bool:
+        """Whether a state sent without waiting is not acknowledged yet (the next waits for it)."""
+        return self._posted is not None
+
+    def post(self, fields: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+        """Send the whole state (a ``snapshot`` record) without waiting: ``standby_window``'s stream. Its
+        acknowledgement is read between requests (:meth:`beat`); one is in flight at a time.
+
+        Args:
+            fields: the state's fields.
+            tensors: its tensors, which nothing may write while they are sent (copies).
+        """
+        sock = self._sock
+        if sock is None or self._posted is not None:
+            return
+        self._rid += 1
+        frames = encode("replicate", {**fields, "kind": "snapshot", "link": self._link, "rid": self._rid}, tensors)
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            self.detach(f"cannot send to it ({exc})")
+            return
+        self._last_sent = time.monotonic()
+        self._posted = (self._rid, self._last_sent, message_bytes(frames))
+
+    def _read_posted(self) -> None:
+        """The acknowledgement of the state sent without waiting, if it came; detached where it is late."""
+        sock = self._sock
+        while sock is not None and self._posted is not None and sock.poll(0):
+            try:
+                reply = decode(sock.recv_multipart(copy=False), self.limits)
+            except WireError as exc:
+                self.detach(f"a malformed acknowledgement ({exc})")
+                return
+            self._took_posted(reply)
+        # a state's bytes take their time on a slow link: the standby is late once the timeout has passed
+        if self._posted is not None and time.monotonic() - self._posted[1] > self.failover_timeout:
+            self.detach(f"no acknowledgement of the state within {self.failover_timeout:g} s")
+            self._posted = None
+
     def beat(self, version: int) -> None:
         """Between requests: a ``beat`` record if none went for a quarter of ``failover_timeout``.
 
@@ -180,7 +237,8 @@ class Replication:
         Raises:
             Fenced: where the standby leads a later epoch.
         """
-        if self.attached and time.monotonic() - self._last_sent >= self.failover_timeout / 4:
+        self._read_posted()
+        if self.attached and not self.posting and time.monotonic() - self._last_sent >= self.failover_timeout / 4:
             self.send("beat", {"version": version})
         self._ask_lost(version)
 
@@ -225,6 +283,7 @@ class Replication:
         self._lost, self.lost_address = (self._sock, self._link or ""), self.address
         self._sock, self.address, self._link = None, None, None
         self.standby_version = None
+        self._posted = None
         self.detached += 1
         self.lost_reason = reason
 

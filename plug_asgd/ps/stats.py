@@ -92,12 +92,14 @@ class Stats:
                 "pushes_by_rank": {str(k): v for k, v in self.pushes_by_rank.items()}}
 
     def restore(self, saved: dict[str, object]) -> None:
-        """Take back :meth:`saved` (from a checkpoint).
+        """Take back :meth:`saved` (from a checkpoint, or a standby's state, which may come again: it replaces).
 
         Args:
             saved: what :meth:`saved` returned, read back from a checkpoint's header.
         """
         for name in self.SAVED:
             setattr(self, name, int(saved.get(name, 0)))  # type: ignore[call-overload]
+        self.staleness.clear()
+        self.pushes_by_rank.clear()
         self.staleness.update({int(k): v for k, v in saved.get("staleness", {}).items()})  # type: ignore[union-attr]
         self.pushes_by_rank.update({int(k): v for k, v in saved.get("pushes_by_rank", {}).items()})  # type: ignore[union-attr]
