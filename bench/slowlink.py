@@ -83,6 +83,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # the same with a window: the PS answers at once and sends the standby its whole state every 8 pushes
     # (``--standby-window 8``), which a failover may lose
     "asgd-standby-window": {"kind": "asgd", "mode": "asgd", "standby": True, "ps_args": ["--standby-window", "8"]},
+    "asgd-standby-window32": {"kind": "asgd", "mode": "asgd", "standby": True, "ps_args": ["--standby-window", "32"]},
 }
 SIZES: dict[str, dict[str, Any]] = {
     # under a minute on 2 cores (the test suite's size): one rate, the schemes that cross a link, each run 200
