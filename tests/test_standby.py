@@ -5,10 +5,13 @@ reply, or the MNIST recipe on Fashion-MNIST; what the central model must hold is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -244,30 +247,35 @@ def test_a_standby_that_joins_mid_round_completes_the_round_as_its_primary_and_a
         start_ps):
     # sync, 2 workers: rank 0's push waits in round 1 when the standby joins; the state it is sent holds that push
     # (PSConfig's snapshot of the rule), so rank 1's push completes round 1 on both, to the same bits
-    from concurrent.futures import ThreadPoolExecutor
-
     primary = start_ps("sync", expected_workers=2)
     wait_for(lambda: _answers(primary), 30, "the primary to answer")
-    workers = [PSClient(primary, rank=r, world_size=2, mode="sync", request_timeout=30, heartbeat_s=None)
-               for r in (0, 1)]
-    try:
-        for w in workers:
-            w.hello(1, True)
-        workers[0].init({"w": np.zeros(4, np.float32)})
-        with ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(workers[0].push, 0, {"w": np.array([1, 2, 3, 4], np.float32)})
-            wait_for(lambda: stats(primary)["push_messages"] == 1, 10, "rank 0's push to wait in its round")
-            standby = start_ps("sync", standby_of=primary)
-            wait_for(lambda: stats(primary)["standby"] == standby, 30, "the standby to join")
-            assert stats(standby)["version"] == 0 and not waiting.done()
-            done = workers[1].push(0, {"w": np.array([3, 2, 1, 0], np.float32)})
-            assert done.status == "applied" and done.version == 1 and waiting.result(10).version == 1
+    with joined_workers(primary, "sync", request_timeout=30) as workers, ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(workers[0].push, 0, {"w": np.array([1, 2, 3, 4], np.float32)})
+        wait_for(lambda: stats(primary)["push_messages"] == 1, 10, "rank 0's push to wait in its round")
+        standby = start_ps("sync", standby_of=primary)
+        wait_for(lambda: stats(primary)["standby"] == standby, 30, "the standby to join")
+        assert stats(standby)["version"] == 0 and not waiting.done()
+        done = workers[1].push(0, {"w": np.array([3, 2, 1, 0], np.float32)})
+        assert done.status == "applied" and done.version == 1 and waiting.result(10).version == 1
         assert stats(standby)["version"] == 1
         wait_for(lambda: stats(primary)["standby_lag"] == 0, 5, "the standby's version at the next beat")
         signal_ps(start_ps, primary, signal.SIGKILL)  # the standby's model, read through a worker that moves to it
         start_ps.started.pop(primary).wait(10)
         reply = workers[0].pull()
         assert reply.version == 1 and reply.tensors["w"].tolist() == [2.0, 2.0, 2.0, 2.0]
+
+
+@contextlib.contextmanager
+def joined_workers(primary: str, mode: str, request_timeout: float) -> Iterator[list[PSClient]]:
+    """Ranks 0 and 1 of a 2-worker run, in this process (no heartbeats), said hello in stage 1, rank 0's model
+    (four zeros) sent; closed at the end."""
+    workers = [PSClient(primary, rank=r, world_size=2, mode=mode, request_timeout=request_timeout, heartbeat_s=None)
+               for r in (0, 1)]
+    try:
+        for w in workers:
+            w.hello(1, True)
+        workers[0].init({"w": np.zeros(4, np.float32)})
+        yield workers
     finally:
         for w in workers:
             w.close()
@@ -287,15 +295,8 @@ def test_collectives_completed_before_the_failover_are_answered_again_by_the_new
     # a gather answered by the primary, whose answer to one rank is lost with it: that rank asks the new leader
     # again and gets the same result, without the other ranks (which moved on) contributing again; and a notice
     # posted to the primary is read from the new leader
-    from concurrent.futures import ThreadPoolExecutor
-
     primary, standby = start_pair(start_ps)
-    workers = [PSClient(primary, rank=r, world_size=2, mode="asgd", request_timeout=10, heartbeat_s=None)
-               for r in (0, 1)]
-    try:
-        for w in workers:
-            w.hello(1, True)
-        workers[0].init({"w": np.zeros(4, np.float32)})
+    with joined_workers(primary, "asgd", request_timeout=10) as workers:
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(workers[0].gather, 1, 0, {"r": 0}, {"t": np.arange(3, dtype=np.float32)}, "barrier:x")
             got = workers[1].gather(1, 0, {"r": 1}, None, "barrier:x")
@@ -310,9 +311,6 @@ def test_collectives_completed_before_the_failover_are_answered_again_by_the_new
             (r, o, {n: t.tolist() for n, t in ts.items()}) for r, o, ts in got] == [(0, {"r": 0}, {"t": [0, 1, 2]}),
                                                                                      (1, {"r": 1}, {})]
         assert _read_notice(workers[1]) == "stop"
-    finally:
-        for w in workers:
-            w.close()
 
 
 def test_forged_claims_are_refused_by_the_primary_and_the_standby(start_ps):
