@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from bench.common import payload_bytes
-from bench.runner import ADACOMP_191, BENCHMARKS, COMPRESSORS
+from bench.runner import ADACOMP_191, BENCHMARKS, COMPRESSORS, SIZES
 from bench.zmqtools import CNN_PARAMETERS, CNN_SHAPES
 from tests.conftest import PYTHON, needs_fashion
 
@@ -146,7 +146,7 @@ def test_quick_runner_reports_every_benchmark(quick):
 @pytest.mark.timeout(QUICK_TEST_TIMEOUT_S)
 def test_bytes_pushed_follow_the_codec_formulas(quick):
     rows = {row["name"]: row for row in quick[0]["benchmarks"]["adacomp"]["rows"]}
-    assert {"asgd", "adacomp 0.01", "adacomp 0.005", *COMPRESSORS} <= set(rows)
+    assert {"asgd", "adacomp 0.01", "adacomp 0.005", *SIZES["quick"]["codecs"]} <= set(rows)
     for name, row in rows.items():
         assert row["pushes"] > 0 and row["push_bytes"] > 0, name
         # 2 workers over the socket push updates, never their weights: a refused push would cost the model's bytes
@@ -174,7 +174,7 @@ def test_bytes_pushed_follow_the_codec_formulas(quick):
     assert rows["asgd"]["approx_replies"] == 0
     assert downlink["bytes_out"] < rows["asgd"]["bytes_out"] / 3
     # the ratio to asgd is what the formulas predict, within the headers
-    for name in ("adacomp 0.01", "adacomp 0.005", "fp16", "sign"):
+    for name in ("adacomp 0.01", "adacomp 0.005", *SIZES["quick"]["codecs"]):
         predicted = frame_bytes("none", 0) / frame_bytes(rows[name]["compressor"], rows[name]["compression"] or 0.01)
         assert rows[name]["asgd_bytes_over_these"] == pytest.approx(predicted, rel=0.05), name
 
