@@ -64,3 +64,19 @@ def test_a_lost_worker_that_beats_again_is_taken_back_and_one_without_heartbeats
     assert beat(members, 0, session="other") is False  # another process's session: not the lost worker
     assert beat(members, 0) is True and members.trainers() == frozenset({0, 1}) and members.stats.workers_back == 1
     assert members.check_liveness(now=clock.t + TIMEOUT) == []  # its silence counts from the beat
+
+
+def test_a_new_leader_counts_the_ranks_that_trained_at_its_primary_until_they_come_or_the_timeout_passes(clock):
+    # a standby that leads now: rank 0 moves first; rank 1 is still counted as training (a sync round waits for
+    # it), until it says hello here or stays away for worker_timeout
+    members = Membership(TIMEOUT, Stats())
+    members.await_ranks(frozenset({0, 1, 2}))
+    hello(members, 0, 0.25)
+    assert members.trainers() == frozenset({0, 1, 2}) and set(members.awaited) == {1, 2}
+    clock.t += TIMEOUT / 2
+    beat(members, 0)
+    hello(members, 1, 0.25)
+    assert members.check_liveness() == [] and set(members.awaited) == {2}
+    clock.t += TIMEOUT / 2 + 0.001  # rank 2 never came: past the timeout since the failover
+    assert members.check_liveness() == [2] and members.trainers() == frozenset({0, 1})
+    assert members.stats.workers_lost == 1
