@@ -25,17 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from plug_asgd.modes import APPLIED
-from plug_asgd.protocol.wire import Message, Tensor, WireError, encode, message_bytes
-from plug_asgd.ps.config import PSConfig
-from plug_asgd.ps.fast_store import FastStore
-from plug_asgd.ps.gathers import Gathers
-from plug_asgd.ps.membership import Membership, proof
+from plug_asgd.protocol.wire import Message, Tensor, WireError
+from plug_asgd.ps.membership import proof
 from plug_asgd.ps.replication import Fenced, Replication
-from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.standby_join import JoinRequest, advertised
-from plug_asgd.ps.stats import Stats
-from plug_asgd.ps.store_records import FOLDED, MAX_SCALED_FOR, PushIn, Snapshot
+from plug_asgd.ps.standby_records import StandbyRecords
 
 log = logging.getLogger("plug_asgd.ps")
 
@@ -43,24 +37,17 @@ STANDBY_TYPES = frozenset({"replicate", "lead", "stats", "ping"})  # what a stan
 REPLACED_TYPES = frozenset({"stats", "ping"})  # what a replaced primary answers
 
 
-class Failover:
-    """The roles, the epoch, the standby's records and the workers' ``lead`` requests, a base of the server.
+class Failover(StandbyRecords):
+    """The roles, the epoch, the link's records and the workers' ``lead`` requests, a base of the server (what
+    the records hold and how a standby applies them: its base :class:`StandbyRecords`).
 
     It works on the server's store, membership, counters and shard guard, and sends through its socket (the
-    attributes annotated below, which the server sets).
+    attributes annotated here and in its base, which the server sets).
     """
 
-    config: PSConfig
-    store: FastStore
-    members: Membership
-    collectives: Gathers
-    stats: Stats
-    shard: ShardGuard
     address: str
-    persistence: Any
     replication: Replication
     _send: Callable[..., None]
-    _stop: bool
     _ctx: Any
 
     def _init_failover(self) -> None:
@@ -143,7 +130,7 @@ class Failover:
         due = self._unsent >= window or (self._unsent and pushes == 0 and time.monotonic() - self._posted_at
                                          >= self.config.failover_timeout / 4)
         if due and not self.replication.posting:
-            fields, tensors = self._snapshot_record()
+            fields, tensors = self.state_record()
             self.replication.post(fields, {n: np.array(t) for n, t in tensors.items()})  # copies: folds go on
             self._unsent, self._posted_at = 0, time.monotonic()
 
@@ -208,25 +195,9 @@ class Failover:
         address, link = msg.str_field("address"), msg.str_field("link")
         if len(link) < 32:
             raise WireError("bad_field", "field 'link' must be the standby's token (32 hex digits at least)")
-        self.replication.attach(address, link, self._snapshot_record())
+        self.replication.attach(address, link, self.state_record())
         self._trainers_sent = self.members.trainers()
         self._send(identity, rid, "standby_joined", {"epoch": self.epoch, "version": self.store.version})
-
-    def _snapshot_record(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        """The whole state a standby starts from: a checkpoint's, plus the epoch and who trains."""
-        fields: dict[str, Any] = {
-            "initialized": self.store.initialized, "resumed": self.store.resumed, "epoch": self.epoch,
-            "failovers": self.failovers, "world_size": self.members.world_size,
-            "run_id": self.persistence.run_id, "stats": self.stats.saved(), "trainers": sorted(self.members.trainers()),
-            "owners": self.members.owner_fields(self.members.owners), **self.shard.checkpoint_fields(),
-            "notices": [[*where, value] for where, value in self.collectives.board.posted.items()]}
-        tensors: dict[str, Tensor] = {}
-        if self.store.initialized:
-            snap = self.store.snapshot()
-            fields.update(version=snap.version, last_seq=snap.last_seq, rule=snap.rule_fields)
-            tensors = {f"model/{n}": t for n, t in snap.tensors.items()}
-            tensors.update((f"rule/{n}", a) for n, a in snap.rule_arrays.items())
-        return fields, tensors
 
     # -- the standby's side ------------------------------------------------------------------
 
@@ -277,65 +248,6 @@ class Failover:
         self.primary_version = self.store.version
         if kind != "push":
             self._send(identity, rid, "ack", {"version": self.store.version, "status": status})
-
-    def _apply_snapshot(self, msg: Message) -> None:
-        f = msg.fields
-        self.epoch = int(f["epoch"])
-        self.failovers = int(f.get("failovers", 0))
-        if f.get("initialized"):
-            tensors = {n[len("model/"):]: t for n, t in msg.tensors.items() if n.startswith("model/")}
-            arrays = {n[len("rule/"):]: np.array(t) for n, t in msg.tensors.items() if n.startswith("rule/")}
-            last_seq = {str(k): int(v) for k, v in f.get("last_seq", {}).items()}
-            self.store.restore(Snapshot(int(f["version"]), tensors, last_seq, f.get("rule", {}), arrays))
-            self.store.resumed = bool(f.get("resumed"))
-        self.members.restore_owners(f.get("owners"))
-        self.members.world_size = f.get("world_size")
-        self.stats.restore(f.get("stats", {}))
-        self.shard.restore(f, "the primary's state")
-        self.persistence.run_id = f.get("run_id") or self.persistence.run_id
-        self.store.set_trainers(frozenset(f.get("trainers", [])))
-        self.collectives.board.posted.update(((int(s), int(r), int(k)), v) for s, r, k, v in f.get("notices", []))
-        log.info("standby: holding the primary's state at version %d (epoch %d)", self.store.version, self.epoch)
-
-    def _apply_gathered(self, msg: Message) -> None:
-        f = msg.fields
-        size = message_bytes(encode("gathered", {"ranks": f["ranks"], "objs": f["objs"]}, msg.tensors))
-        self.collectives.keep((int(f["stage"]), int(f["seq"])), {"ranks": f["ranks"], "objs": f["objs"]},
-                              dict(msg.tensors), size)
-
-    def _apply_notice(self, msg: Message) -> None:
-        f = msg.fields
-        self.collectives.board.posted[(int(f["stage"]), int(f["src"]), int(f["key"]))] = f["value"]
-
-    def _apply_push(self, msg: Message) -> None:
-        scaled_for = msg.float_field("scaled_for", minimum=0.0, maximum=MAX_SCALED_FOR, optional=True)
-        rank, session = msg.int_field("rank", minimum=0), msg.str_field("session")
-        folded = self.store.fold(PushIn(None, rank, session, msg.int_field("seq", minimum=0),
-                                        msg.int_field("base_version", minimum=0), msg.tensors, msg.frames,
-                                        scaled_for=scaled_for, weights=msg.fields.get("weights") is True))
-        if folded.status == FOLDED:  # counted as the primary counts it
-            self.store.last_seq[session] = self.store.last_seq.pop(session)
-            self.stats.pushes_by_rank[rank] += 1
-            self.stats.staleness[folded.staleness] += 1
-            self.stats.pushes_applied += sum(status == APPLIED for _, status in folded.resolutions)
-
-    def _apply_init(self, msg: Message) -> None:
-        self.store.init(msg.tensors)
-        self.shard.restore(msg.fields, "the primary's init")
-
-    def _apply_trainers(self, msg: Message) -> None:
-        self.store.set_trainers(frozenset(int(r) for r in msg.fields.get("ranks", [])))
-
-    def _apply_member(self, msg: Message) -> None:
-        self.members.restore_owners(msg.fields.get("owners"))
-        self.members.world_size = msg.fields.get("world_size")
-
-    def _apply_beat(self, msg: Message) -> None:
-        pass
-
-    def _apply_end(self, msg: Message) -> None:
-        log.info("standby: the primary's run is over; stopping")
-        self._stop = True
 
     def _on_lead(self, identity: bytes, rid: Any, msg: Message) -> None:
         """A worker that could not reach the primary asks this standby to lead (the rule: module docstring). One that

@@ -161,9 +161,8 @@ class Store(ABC):
     # -- a push --------------------------------------------------------------------------------
 
     def adopt(self, session: str, seq: int, token: Any) -> bool:
-        """A push received again (``duplicate``) that the rule still holds unresolved (its round not complete) is
-        answered by ``token`` when it is resolved; False where it is not held (it was resolved: the worker takes
-        the current model).
+        """Answer ``token`` when the rule resolves this push, received again (``duplicate``) while it holds it (a
+        round not complete); False where it does not (resolved: the worker takes the current model).
 
         Args:
             session: the pushing worker's session.
