@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from plug_asgd import compressors, modes
 from plug_asgd.compressors import Codec
+from plug_asgd.compressors.heap import keep_freed_memory
 from plug_asgd.connection import PSConnection, PSSettings
 from plug_asgd.lightning_bridge.plumbing import FAILED_GRACE_S, DDPPlumbing
 from plug_asgd.modes import Mode
@@ -40,7 +41,6 @@ from plug_asgd.strategy_ps import PSPlumbing
 from plug_asgd.worker.client import PSClient
 from plug_asgd.worker.compensation import StalenessCompensation, resolve
 from plug_asgd.worker.exchange import Link, make_exchange
-from plug_asgd.worker.heap import keep_freed_memory
 from plug_asgd.worker.phase import Phase
 from plug_asgd.worker.tensors import synced_tensors
 
@@ -246,7 +246,7 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
         self.setup_precision_plugin()
         if trainer.state.fn == _FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            keep_freed_memory()  # the arrays each push makes and frees reuse their pages (worker/heap.py)
+            keep_freed_memory()  # the arrays each push makes and frees reuse their pages (compressors/heap.py)
             self._exchange.start_fit(self.optimizers, self.global_rank if self.cluster_environment else 0,
                                      self.world_size)
 

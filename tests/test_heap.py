@@ -1,4 +1,4 @@
-"""A worker's heap kept (plug_asgd.worker.heap): freed arrays of a push's size reuse their pages, counted by the
+"""A worker's heap kept (plug_asgd.compressors.heap): freed arrays of a push's size reuse their pages, counted by the
 process's minor page faults, in fresh processes (glibc's settings are the process's)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 PROBE = r"""
 import json, resource, sys
 import numpy as np
-from plug_asgd.worker.heap import keep_freed_memory
+from plug_asgd.compressors.heap import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 def push():
     a = np.ones(2_800_000, dtype=np.float32)

@@ -106,6 +106,7 @@ def test_the_wheel_holds_the_package_only(dists):
     info = f"plug_asgd-{VERSION}.dist-info"
     assert {n.split("/")[0] for n in names} == {"plug_asgd", info}, sorted({n.split("/")[0] for n in names})
     assert "plug_asgd/cli/app.py" in names and "plug_asgd/recipes/mnist.py" in names
+    assert {"plug_asgd/compressors/kernels/selection.c", "plug_asgd/compressors/kernels/quantize.c"} <= set(names)
     assert f"{info}/licenses/LICENSE" in names
     entry_points = zipfile.ZipFile(wheel).read(f"{info}/entry_points.txt").decode()
     assert "plug-asgd = plug_asgd.cli.app:app" in entry_points

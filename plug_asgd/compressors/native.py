@@ -1,4 +1,4 @@
-"""Loops in C, where a C compiler is at hand: the sparse codecs' selection pass, a sparse fold, qsgd's decoding.
+"""Loops in C, where a C compiler is at hand: the sparse codecs' selection pass, a sparse fold, the quantisers.
 
 The sparse codecs' selection (:func:`plug_asgd.compressors.difference.largest_differences`) reads the worker's
 weights and the central model once, keeping the coordinates above a sampled threshold. In numpy that pass is six
@@ -11,12 +11,16 @@ into fused multiply-adds.
 
 A sparse update's fold (``target.flat[indices] += values``: the PS folding a sparse push, a worker adding what it
 sent to its held model) is one loop too, :func:`scatter_add`, where numpy's fancy indexing reads, adds and writes
-in three passes: the same float32 additions, so the same bits. And qsgd's decoding (:func:`qsgd_decode`), which
-numpy makes in five passes over the tensor (the sign bits unpacked, the signs, the signed levels, their float64
-values, float32), reads each level's value from a table of the ``2 * 2**bits`` results, computed by the same
-float64 product: the same bits.
+in three passes: the same float32 additions, so the same bits.
 
-The source is compiled once per machine by the system's C compiler (``cc``, or ``$CC``) into
+The quantisers' passes (``kernels/quantize.c``): sign's encoding (the sign bits and the sum of magnitudes in one
+pass), qsgd's (the sum of squares, then the levels with their random draws and the sign bits), and both decodings,
+written out or added into an array (:func:`qsgd_decode`'s ``into``), where numpy makes each in several passes over
+the tensor and a temporary per pass. Their sums and draws follow rules numpy's path follows too
+(:mod:`.quantize`), and qsgd's decoding computes ``±level * step`` in float64 as numpy does: the same bits either
+way (``tests/test_native_quantize.py``).
+
+The sources (``kernels/*.c``) are compiled once per machine by the system's C compiler (``cc``, or ``$CC``) into
 ``$PLUG_ASGD_CACHE`` (default ``~/.cache/plug_asgd``), and loaded from there after. Where there is no compiler,
 or ``PLUG_ASGD_NATIVE=0``, or the compilation fails, :func:`library` is None and numpy does it all: the same
 results, slower.
@@ -32,100 +36,13 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-
-/* Compiled twice on x86-64 (AVX2 and the baseline), the loader picking the one the CPU runs. */
-#if defined(__x86_64__) && defined(__GNUC__)
-#define CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define CLONES
-#endif
-
-/* Blocks of BLOCK values, made branch-free (vectorised): v = w - c (mode 0), r += s * (w - c) written back
-   (mode 1), or r itself (mode 2), the scale s applied only where it is not 1, as numpy's path does. A block
-   with a coordinate where !(|v| < t) (NaN included) is then compacted: its index and v appended to idx and
-   val while fewer than cap were found. Returns how many were found, which may exceed cap. */
-#define BLOCK 16
-CLONES
-int64_t plug_asgd_above(const float *w, const float *c, float *r, int64_t n, float t, float s, int mode,
-                        int64_t *idx, float *val, int64_t cap) {
-    int64_t m = 0;
-    float v[BLOCK];
-    for (int64_t b = 0; b < n; b += BLOCK) {
-        int64_t len = n - b < BLOCK ? n - b : BLOCK;
-        int hit = 0;
-        if (mode == 2) {
-            for (int64_t j = 0; j < len; j++) { v[j] = r[b + j]; hit |= !(fabsf(v[j]) < t); }
-        } else if (mode == 1 && s != 1.0f) {
-            for (int64_t j = 0; j < len; j++) {
-                float d = r[b + j] + (w[b + j] - c[b + j]) * s;
-                r[b + j] = d; v[j] = d; hit |= !(fabsf(d) < t);
-            }
-        } else if (mode == 1) {
-            for (int64_t j = 0; j < len; j++) {
-                float d = r[b + j] + (w[b + j] - c[b + j]);
-                r[b + j] = d; v[j] = d; hit |= !(fabsf(d) < t);
-            }
-        } else if (s != 1.0f) {
-            for (int64_t j = 0; j < len; j++) { v[j] = (w[b + j] - c[b + j]) * s; hit |= !(fabsf(v[j]) < t); }
-        } else {
-            for (int64_t j = 0; j < len; j++) { v[j] = w[b + j] - c[b + j]; hit |= !(fabsf(v[j]) < t); }
-        }
-        if (!hit) continue;
-        if (m + len <= cap) {  /* room for the whole block: written unconditionally, kept where a hit */
-            for (int64_t j = 0; j < len; j++) { idx[m] = b + j; val[m] = v[j]; m += !(fabsf(v[j]) < t); }
-        } else {
-            for (int64_t j = 0; j < len; j++) {
-                if (!(fabsf(v[j]) < t)) {
-                    if (m < cap) { idx[m] = b + j; val[m] = v[j]; }
-                    m++;
-                }
-            }
-        }
-    }
-    return m;
-}
-
-/* dst[idx[i]] += val[i] for i in [0, k): a sparse update folded in. Unless the indices ascend strictly within
-   [0, n), nothing is written and -1 is returned. */
-int64_t plug_asgd_scatter_add(float *dst, int64_t n, const int64_t *idx, const float *val, int64_t k) {
-    int64_t prev = -1;
-    for (int64_t i = 0; i < k; i++) {
-        if (idx[i] <= prev || idx[i] >= n) return -1;
-        prev = idx[i];
-    }
-    for (int64_t i = 0; i < k; i++) dst[idx[i]] += val[i];
-    return k;
-}
-
-/* qsgd's decoding (compressors/quantize.py, QSGD.decode_packed): the level (8 or 16 bits) times 1 - 2 * its
-   sign bit, in int32, times q in float64, rounded to float32; each of the 2 * 2**bits results computed once into
-   table (of that size). */
-CLONES
-void plug_asgd_qsgd_decode(const void *levels, int wide, const uint8_t *signs, int64_t n, double q, float *table,
-                           float *out) {
-    const uint8_t *narrow = (const uint8_t *)levels;
-    const uint16_t *words = (const uint16_t *)levels;
-    int32_t count = wide ? 65536 : 256;
-    for (int32_t level = 0; level < count; level++) {
-        table[level] = (float)((double)level * q);
-        table[count + level] = (float)((double)(-level) * q);
-    }
-    if (wide) {
-        for (int64_t i = 0; i < n; i++) out[i] = table[(((signs[i >> 3] >> (i & 7)) & 1) << 16) | words[i]];
-    } else {
-        for (int64_t i = 0; i < n; i++) out[i] = table[(((signs[i >> 3] >> (i & 7)) & 1) << 8) | narrow[i]];
-    }
-}
-"""
 
 # -O3 vectorises the blocks; no -march (a cache shared by other machines must run there too: the AVX2 clone is
 # chosen at load time), no fast-math and no contraction: the float operations stay those numpy does
@@ -146,17 +63,39 @@ def cache_dir() -> Path:
     return Path(base) / "plug_asgd"
 
 
-def _build(target: Path) -> None:
-    """Compile :data:`SOURCE` into ``target``, written whole or not at all (another process may build it too)."""
+KERNELS = ("selection.c", "quantize.c")  # in plug_asgd/compressors/kernels
+_P, _I64, _F32, _F64, _INT, _U32 = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int,
+                                    ctypes.c_uint32)
+SIGNATURES: dict[str, tuple[object, list[object]]] = {  # each loop's return and argument types
+    "plug_asgd_above": (_I64, [_P, _P, _P, _I64, _F32, _F32, _INT, _P, _P, _I64]),
+    "plug_asgd_scatter_add": (_I64, [_P, _I64, _P, _P, _I64]),
+    "plug_asgd_qsgd_decode": (None, [_P, _INT, _P, _I64, _F64, _INT, _P]),
+    "plug_asgd_sign_encode": (_F64, [_P, _P, _I64, _F32, _P]),
+    "plug_asgd_square_sum": (_F64, [_P, _P, _I64, _F32]),
+    "plug_asgd_qsgd_encode": (None, [_P, _P, _I64, _F32, _F32, _F32, _U32, _U32, _INT, _P, _P]),
+    "plug_asgd_sign_decode": (None, [_P, _I64, _F32, _P]),
+}
+
+
+def sources() -> dict[str, str]:
+    """The C sources compiled, by file name."""
+    folder = resources.files("plug_asgd.compressors") / "kernels"
+    return {name: (folder / name).read_text() for name in KERNELS}
+
+
+def _build(target: Path, texts: dict[str, str]) -> None:
+    """Compile ``texts`` into ``target``, written whole or not at all (another process may build it too)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc) found")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source = Path(tmp) / "above.c"
-        source.write_text(SOURCE)
+        files = []
+        for name, text in texts.items():
+            (Path(tmp) / name).write_text(text)
+            files.append(str(Path(tmp) / name))
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, "-o", str(built), str(source), "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *FLAGS, "-o", str(built), *files, "-lm"], check=True, capture_output=True,
                        timeout=120)
         os.replace(built, target)
 
@@ -171,22 +110,16 @@ def library() -> ctypes.CDLL | None:
             return _loaded[0]
         found = None
         if os.environ.get("PLUG_ASGD_NATIVE", "1") != "0":
-            digest = hashlib.sha256((SOURCE + " ".join(FLAGS)).encode()).hexdigest()[:16]
             try:
+                texts = sources()
+                digest = hashlib.sha256("".join([*texts.values(), *FLAGS]).encode()).hexdigest()[:16]
                 target = cache_dir() / f"native-{digest}.so"  # (no home folder: RuntimeError)
                 if not target.exists():
-                    _build(target)
+                    _build(target, texts)
                 lib = ctypes.CDLL(str(target))
-                lib.plug_asgd_above.restype = ctypes.c_int64
-                lib.plug_asgd_above.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                                ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_void_p,
-                                                ctypes.c_void_p, ctypes.c_int64]
-                lib.plug_asgd_scatter_add.restype = ctypes.c_int64
-                lib.plug_asgd_scatter_add.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                                      ctypes.c_void_p, ctypes.c_int64]
-                lib.plug_asgd_qsgd_decode.restype = None
-                lib.plug_asgd_qsgd_decode.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
-                                                      ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p]
+                for name, (restype, argtypes) in SIGNATURES.items():
+                    function = getattr(lib, name)
+                    function.restype, function.argtypes = restype, argtypes
                 found = lib
             except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as exc:
                 log.info("plug_asgd: the C loops are not available (%s); numpy's are used", exc)
@@ -264,24 +197,110 @@ def _readable(array: np.ndarray, dtype: str, size: int) -> bool:
     return array.dtype == np.dtype(dtype) and array.ndim == 1 and array.size >= size and array.flags.c_contiguous
 
 
-def qsgd_decode(levels: np.ndarray, signs: np.ndarray, numel: int, step: float) -> np.ndarray | None:
+def qsgd_decode(levels: np.ndarray, signs: np.ndarray, numel: int, step: float,
+                into: np.ndarray | None = None) -> np.ndarray | None:
     """qsgd's ``numel`` float32 values from 8- or 16-bit levels and sign bits (``QSGD.decode_packed``'s: ``±level *
-    step`` in float64, rounded), in one C loop; None where the library is not available or the arrays are not
-    flat contiguous uint8 or uint16 levels and uint8 signs of enough values.
+    step`` in float64, rounded), in one C loop; or, given ``into``, added to it there (``into + value``, the same
+    float32 addition as adding the decoded array). None, with nothing written, where the library is not available
+    or the arrays are not flat contiguous uint8 or uint16 levels and uint8 signs of enough values (and ``into`` a
+    writeable contiguous float32 array of ``numel`` values).
 
     Args:
         levels: one level per coordinate, uint8 or uint16.
         signs: the sign bits, least significant first (set: negative).
         numel: the coordinates decoded.
         step: the value of one level, ``norm / (2**bits - 1)``.
+        into: the array to add the values to, of any shape; None: a new array is returned.
     """
     lib = library()
     wide = levels.dtype == np.uint16
     if (lib is None or not _readable(levels, "uint16" if wide else "uint8", numel)
-            or not _readable(signs, "uint8", -(-numel // 8))):
+            or not _readable(signs, "uint8", -(-numel // 8)) or (into is not None and not _addable(into, numel))):
+        return None
+    out = np.empty(numel, dtype=np.float32) if into is None else into
+    lib.plug_asgd_qsgd_decode(levels.ctypes.data, int(wide), signs.ctypes.data, numel, float(step),
+                              int(into is not None), out.ctypes.data)
+    return out
+
+
+def _ptr(array: np.ndarray | None) -> int | None:
+    return None if array is None else array.ctypes.data
+
+
+def _addable(array: np.ndarray, numel: int) -> bool:
+    return (array.dtype == np.float32 and array.size == numel and array.flags.c_contiguous
+            and array.flags.writeable)
+
+
+def sign_encode(w: np.ndarray, c: np.ndarray | None, scale: float) -> tuple[np.ndarray, float] | None:
+    """Sign's bits of ``x = scale * (w - c)`` (``w`` where ``c`` is None) and the sum of ``|x|`` in float64 (the
+    eight lanes' rule, :func:`plug_asgd.compressors.quantize.lane_sum`), in one C pass; None where the library is
+    not available or the arrays are not flat contiguous float32 of one size.
+
+    Args:
+        w: the worker's values.
+        c: the central values it holds, or None.
+        scale: the factor of ``w - c`` (a float32).
+    """
+    lib = library()
+    if lib is None or not usable(w, c) or (c is not None and c.size != w.size):
+        return None
+    bits = np.empty(-(-w.size // 8), dtype=np.uint8)
+    total = lib.plug_asgd_sign_encode(w.ctypes.data, _ptr(c), w.size, float(np.float32(scale)), bits.ctypes.data)
+    return bits, float(total)
+
+
+def square_sum(w: np.ndarray, c: np.ndarray | None, scale: float) -> float | None:
+    """The sum of ``x * x`` (float32 squares, summed in float64 by the eight lanes' rule) of ``x = scale * (w -
+    c)``; None where :func:`sign_encode` would be.
+
+    Args:
+        w: the worker's values.
+        c: the central values it holds, or None.
+        scale: the factor of ``w - c`` (a float32).
+    """
+    lib = library()
+    if lib is None or not usable(w, c) or (c is not None and c.size != w.size):
+        return None
+    return float(lib.plug_asgd_square_sum(w.ctypes.data, _ptr(c), w.size, float(np.float32(scale))))
+
+
+def qsgd_encode(w: np.ndarray, c: np.ndarray | None, scale: float, ratio: float, top: int, keys: tuple[int, int],
+                wide: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    """qsgd's levels and sign bits of ``x = scale * (w - c)`` in one C pass (the rule of
+    :meth:`plug_asgd.compressors.quantize.QSGD.levels_of`); None where :func:`sign_encode` would be.
+
+    Args:
+        w: the worker's values.
+        c: the central values it holds, or None.
+        scale: the factor of ``w - c`` (a float32).
+        ratio: the levels per unit of magnitude, ``top / norm`` (a float32).
+        top: the highest level, ``2**bits - 1``.
+        keys: the two 32-bit keys of this tensor's draws.
+        wide: 16-bit levels (else bytes).
+    """
+    lib = library()
+    if lib is None or not usable(w, c) or (c is not None and c.size != w.size):
+        return None
+    levels = np.empty(w.size, dtype=np.uint16 if wide else np.uint8)
+    bits = np.empty(-(-w.size // 8), dtype=np.uint8)
+    lib.plug_asgd_qsgd_encode(w.ctypes.data, _ptr(c), w.size, float(np.float32(scale)), float(np.float32(ratio)),
+                              float(top), keys[0], keys[1], int(wide), levels.ctypes.data, bits.ctypes.data)
+    return levels, bits
+
+
+def sign_decode(bits: np.ndarray, numel: int, value: float) -> np.ndarray | None:
+    """``numel`` float32 values, ``-value`` where a bit is set and ``value`` elsewhere, in one C loop; None where the
+    library is not available or ``bits`` is not flat contiguous uint8 of enough bytes.
+
+    Args:
+        bits: the sign bits, least significant first.
+        numel: the coordinates decoded.
+        value: the magnitude every coordinate decodes to (a float32).
+    """
+    lib = library()
+    if lib is None or not _readable(bits, "uint8", -(-numel // 8)):
         return None
     out = np.empty(numel, dtype=np.float32)
-    table = np.empty(2 << (16 if wide else 8), dtype=np.float32)
-    lib.plug_asgd_qsgd_decode(levels.ctypes.data, int(wide), signs.ctypes.data, numel, float(step),
-                              table.ctypes.data, out.ctypes.data)
+    lib.plug_asgd_sign_decode(bits.ctypes.data, numel, float(np.float32(value)), out.ctypes.data)
     return out

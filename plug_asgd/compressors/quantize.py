@@ -17,11 +17,14 @@ from plug_asgd.protocol.wire import Packed, Tensor
 class QSGD(Codec):
     """Stochastic uniform quantisation (Alistarh et al., NeurIPS 2017), unbiased.
 
-    With ``s = 2**bits - 1`` levels and ``norm = ||x||_2`` (summed in float64, rounded to float32, sent in
-    meta), each coordinate becomes ``sign(x_i) * norm * l_i / s`` where ``l_i`` is ``floor(r_i)`` or
-    ``floor(r_i) + 1`` for ``r_i = s * |x_i| / norm`` (in float32), the latter with probability ``r_i -
-    floor(r_i)``: so ``E[l_i] = r_i`` and the decoded tensor is the update in expectation, with a
-    per-coordinate variance ``(norm / s)**2 * p_i * (1 - p_i) <= (norm / s)**2 / 4``. Sent as
+    With ``s = 2**bits - 1`` levels and ``norm = ||x||_2`` (the float32 squares summed in float64 by
+    :func:`lane_sum`'s rule, rounded to float32, sent in meta), each coordinate becomes ``sign(x_i) * norm * l_i /
+    s`` where ``l_i`` is ``floor(r_i)`` or ``floor(r_i) + 1`` for ``r_i = min(s * |x_i| / norm, s)`` (in float32),
+    the latter where the coordinate's draw ``u_i`` (:func:`draws`) is below ``r_i - floor(r_i)``: so ``E[l_i] =
+    r_i`` (to ``2**-24``) and the decoded tensor is the update in expectation, with a per-coordinate variance
+    ``(norm / s)**2 * p_i * (1 - p_i) <= (norm / s)**2 / 4``. The draws are a hash of the coordinate's index
+    and two keys the codec's generator draws per tensor: one pass of C computes them where it can (:mod:`.native`),
+    numpy the same bits elsewhere. Sent as
     ``Packed("qsgd", shape, {"bits", "norm"}, (levels, signs))``: the levels at ``bits`` bits each (bytes
     as they are for 8 bits, 16-bit words for 16, least significant first otherwise), ``ceil(numel * bits /
     8)`` bytes, and one sign bit per coordinate (set for ``x_i < 0``), ``ceil(numel / 8)`` bytes. The decoder
@@ -72,18 +75,36 @@ class QSGD(Codec):
     def _encode(self, w: np.ndarray, c: np.ndarray | None, scale: float, shape: tuple[int, ...],
                 whole: np.ndarray | None) -> Tensor:
         """The levels and signs of ``x = scale * (w - c)`` (``w`` itself where ``c`` is None)."""
-        arrays = scratch()
-        total = 0.0
-        for part in chunks(w.size):
-            x = _chunk(arrays, w, c, part, scale)
-            total += float(np.add.reduce(np.square(x, out=arrays.get(x.size, x.dtype)[1]), dtype=np.float64))
+        keys = (int(self.rng.integers(1 << 32, dtype=np.uint64)), int(self.rng.integers(1 << 32, dtype=np.uint64)))
+        squares = native.square_sum(w, c, scale)
+        if squares is None:
+            squares = lane_sum(w, c, scale, np.square)
         with np.errstate(over="ignore"):
-            norm = np.float32(math.sqrt(total))
+            norm = np.float32(math.sqrt(squares))
         if not np.isfinite(norm):
             if whole is not None:
                 return whole
             return difference(np.empty(shape, dtype=w.dtype), w.reshape(shape), c.reshape(shape), scale)  # type: ignore[union-attr]
         ratio = np.float32(self.levels / float(norm)) if norm > 0 else np.float32(0)
+        done = native.qsgd_encode(w, c, scale, float(ratio), self.levels, keys, self.bits > 8)
+        if done is None:
+            done = self.levels_of(w, c, scale, ratio, keys)
+        levels, signs = done
+        return Packed("qsgd", shape, {"bits": self.bits, "norm": float(norm)}, (pack_levels(levels, self.bits), signs))
+
+    def levels_of(self, w: np.ndarray, c: np.ndarray | None, scale: float, ratio: np.float32,
+                  keys: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """The levels (bytes, or 16-bit words above 8 bits) and packed sign bits of ``x = scale * (w - c)``,
+        chunk by chunk in numpy: the rule :func:`plug_asgd.compressors.native.qsgd_encode` follows in C.
+
+        Args:
+            w: the worker's values, flat.
+            c: the central values it holds, flat, or None (``x`` is ``w``).
+            scale: the factor of ``w - c``.
+            ratio: the levels per unit of magnitude, ``2**bits - 1`` over the norm.
+            keys: the tensor's two 32-bit keys of :func:`draws`.
+        """
+        arrays = scratch()
         levels = np.empty(w.size, dtype=np.uint8 if self.bits <= 8 else np.uint16)
         negative = np.empty(w.size, dtype=bool)
         for part in chunks(w.size):
@@ -94,10 +115,9 @@ class QSGD(Codec):
             np.minimum(r, np.float32(self.levels), out=r)
             low = np.floor(r)
             r -= low  # the chance of the upper level
-            low += self.rng.random(r.size, dtype=np.float32) < r
+            low += draws(part.start, part.stop, keys) < r
             levels[part] = low
-        return Packed("qsgd", shape, {"bits": self.bits, "norm": float(norm)},
-                      (pack_levels(levels, self.bits), np.packbits(negative, bitorder="little")))
+        return levels, np.packbits(negative, bitorder="little")
 
     @override
     def wire_bytes(self, shape: tuple[int, ...], itemsize: int = 4, nonzero: int | None = None) -> int:
@@ -138,11 +158,11 @@ class Sign(Codec):
     """One bit per coordinate and one scale (signSGD with error feedback, Karimireddy et al., ICML 2019).
 
     Sends ``Packed("sign", shape, {"scale": mean(|x|)}, (bits,))``: ``bits`` is
-    ``np.packbits(x < 0, bitorder="little")``, ``ceil(numel / 8)`` bytes, and the scale (float32,
-    in meta) is the mean magnitude (summed in float64), so each coordinate decodes to ``-scale`` where its
-    bit is set and ``+scale`` otherwise (zero included). Biased: error feedback is on by default, where it is
-    a contraction (``||x - decoded||**2 = ||x||**2 - numel * scale**2``). An update holding NaN or Inf
-    is sent dense, for the PS to refuse as not finite.
+    ``np.packbits(x < 0, bitorder="little")``, ``ceil(numel / 8)`` bytes, and the scale (float32, in meta) is
+    the mean magnitude (summed in float64 by :func:`lane_sum`'s rule, in one pass of C with the bits where it can),
+    so each coordinate decodes to ``-scale`` where its bit is set and ``+scale`` otherwise (zero included).
+    Biased: error feedback is on by default, where it is a contraction (``||x - decoded||**2 = ||x||**2 - numel *
+    scale**2``). An update holding NaN or Inf is sent dense, for the PS to refuse as not finite.
 
     Args:
         error_feedback: whether a worker keeps what the signs leave for its next push; None: on.
@@ -173,15 +193,16 @@ class Sign(Codec):
 
     def _encode(self, w: np.ndarray, c: np.ndarray | None, scale: float, shape: tuple[int, ...],
                 whole: np.ndarray | None) -> Tensor:
-        arrays = scratch()
-        total = 0.0
-        signs = np.empty(-(-w.size // 8), dtype=np.uint8)
-        for part in chunks(w.size):  # a chunk is a multiple of 8 values: its bits fill whole bytes
-            x = _chunk(arrays, w, c, part, scale)
-            _, magnitude, negative = arrays.get(x.size, x.dtype)
-            total += float(np.add.reduce(np.abs(x, out=magnitude), dtype=np.float64))
-            np.less(x, 0, out=negative)
-            signs[part.start // 8:-(-part.stop // 8)] = np.packbits(negative, bitorder="little")
+        done = native.sign_encode(w, c, scale)
+        if done is None:
+            signs = np.empty(-(-w.size // 8), dtype=np.uint8)
+            arrays = scratch()
+            for part in chunks(w.size):  # a chunk is a multiple of 8 values: its bits fill whole bytes
+                negative = np.less(_chunk(arrays, w, c, part, scale), 0, out=arrays.get(part.stop - part.start,
+                                                                                         w.dtype)[2])
+                signs[part.start // 8:-(-part.stop // 8)] = np.packbits(negative, bitorder="little")
+            done = signs, lane_sum(w, c, scale, np.abs)
+        signs, total = done
         with np.errstate(over="ignore"):
             scale_ = np.float32(total / w.size) if w.size else np.float32(0)
         if not np.isfinite(scale_):
@@ -201,6 +222,10 @@ class Sign(Codec):
         scale = meta_scale(packed, "scale")
         (bits,) = packed_arrays(packed, 1)
         expect(packed, "the signs", bits, {"uint8"}, (-(-packed.numel // 8),))
+        if dtype == np.float32:
+            done = native.sign_decode(bits, packed.numel, scale)
+            if done is not None:
+                return done.reshape(packed.shape)
         negative = np.unpackbits(bits, count=packed.numel, bitorder="little")
         value = dtype.type(scale)
         # value - 2 * value where negative: -value, exactly (doubling and the difference are exact), without
@@ -221,6 +246,60 @@ def _chunk(arrays: Scratch, w: np.ndarray, c: np.ndarray | None, part: slice, sc
         return w[part]
     d, _, _ = arrays.get(part.stop - part.start, w.dtype)
     return difference(d, w[part], c[part], scale)
+
+
+LANES = 8
+
+
+def lane_sum(w: np.ndarray, c: np.ndarray | None, scale: float, of: np.ufunc) -> float:
+    """The sum of ``of(x)`` (``x = scale * (w - c)``, ``w`` where ``c`` is None) in float64, by the rule the C
+    loops follow too: eight lanes, lane ``i % 8`` adding coordinate ``i``'s value in order, the lanes then added
+    0 to 7.
+
+    Args:
+        w: the worker's values, flat.
+        c: the central values it holds, flat, or None.
+        scale: the factor of ``w - c``.
+        of: the ufunc each value is taken through before it is summed (``np.abs``, ``np.square``), in ``x``'s
+            dtype.
+    """
+    arrays = scratch()
+    lanes = np.zeros(LANES)
+    for part in chunks(w.size):  # a chunk's start is a multiple of the lanes
+        x = _chunk(arrays, w, c, part, scale)
+        values = of(x, out=arrays.get(x.size, x.dtype)[1]).astype(np.float64)
+        rows = np.concatenate([values, np.zeros(-values.size % LANES)]).reshape(-1, LANES)
+        rows[0] += lanes
+        lanes = np.add.reduce(rows, axis=0)  # along the outer axis: row after row, in order
+    total = 0.0
+    for lane in lanes.tolist():
+        total += lane
+    return total
+
+
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """Wellons' lowbias32 hash of uint32 values (wrapping products), as ``kernels/quantize.c`` computes it."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+def draws(start: int, stop: int, keys: tuple[int, int]) -> np.ndarray:
+    """qsgd's uniform draws of coordinates ``start:stop`` (float32 in ``[0, 1)``): ``u_i = (h_i >> 8) / 2**24``,
+    ``h_i = mix32(mix32(lo_i ^ k1) ^ (hi_i + k2))`` for the low and high 32 bits of ``i``. A hash of the index,
+    not a stream: any coordinate's draw is had alone, so a pass in C and one in numpy chunks agree.
+
+    Args:
+        start: the first coordinate.
+        stop: the coordinate after the last.
+        keys: ``(k1, k2)``, the tensor's 32-bit keys.
+    """
+    index = np.arange(start, stop, dtype=np.uint64)
+    low, high = index.astype(np.uint32), (index >> np.uint64(32)).astype(np.uint32)
+    hashed = _mix32(_mix32(low ^ np.uint32(keys[0])) ^ (high + np.uint32(keys[1])))
+    return (hashed >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
 
 
 def pack_levels(levels: np.ndarray, bits: int) -> np.ndarray:

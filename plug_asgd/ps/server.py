@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from plug_asgd.compressors.heap import keep_freed_memory
 from plug_asgd.protocol.security import load_server_keys
 from plug_asgd.protocol.wire import Local, Message, Tensor, WireError, decode, encode, message_bytes
 from plug_asgd.ps import failure
@@ -163,6 +164,7 @@ class ParameterServer(ModelRequests, Failover):
             tick_s: seconds between two calls of ``on_tick``.
         """
         log.info("parameter server listening on %s, mode %s", self.address, self.mode)
+        keep_freed_memory()  # a packed push's decoding reuses the last one's pages (compressors/heap.py)
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         if self._monitor is not None:

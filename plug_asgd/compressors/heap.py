@@ -1,10 +1,11 @@
-"""A worker's heap kept: the arrays a push makes and frees reuse their pages instead of faulting in fresh ones.
+"""A process's heap kept: the arrays a push makes and frees reuse their pages instead of faulting in fresh ones.
 
-Each push makes arrays of the model's size and frees them (a codec's decoding, a difference, a copy). glibc hands an
+Each push makes arrays of the model's size and frees them: on the worker a codec's decoding, a difference, a copy;
+on the PS the decoding of each packed update it folds. glibc hands an
 array above its mmap threshold straight back to the system when it is freed, and trims the heap's free top above
 its trim threshold; either way the next push's arrays come from fresh pages, which the kernel faults in and zeroes
 one 4 KiB page at a time (``python -m bench exchange`` measures what that costs: bench/results/README.md, "The
-exchange at ResNet size"). So a worker raises both: arrays up to 32 MiB (glibc's
+exchange at ResNet size"). So a fitting worker and a serving PS raise both: arrays up to 32 MiB (glibc's
 most) come from the heap, and up to 256 MiB freed at its top stays there for the next push.
 
 Only glibc has ``mallopt``; elsewhere, or where the user set glibc's own ``MALLOC_*`` variables or
