@@ -320,3 +320,24 @@ def test_the_selection_on_a_gpu_is_the_hosts():
     indices, expected = largest_differences(w, c, 20_000)
     np.testing.assert_array_equal(chosen.cpu().numpy(), indices)
     np.testing.assert_array_equal(values.cpu().numpy(), expected)
+
+
+def test_a_push_the_error_feedback_decoded_is_not_decoded_again_and_gives_the_ps_bits(monkeypatch):
+    from plug_asgd.compressors import decode
+    from plug_asgd.worker.exchange import held_base
+
+    rng = np.random.default_rng(4)
+    w, c = rng.standard_normal((64, 48)).astype(np.float32), rng.standard_normal((64, 48)).astype(np.float32)
+    encoder = PowerSGD(rank=2).encoder()
+    sent = encoder.encode_difference("w", w, c)
+    calls = []
+    monkeypatch.setattr(held_base, "decode", lambda *a, **k: calls.append(a) or decode(*a, **k))
+    got = HeldBase.decoded({"w": sent}, {"w": w}, encoder)
+    assert calls == []  # the product P @ Q.T the error feedback made for its residual
+    ps = decode(sent, np.float32, shape=(64, 48))  # as the PS decodes it
+    assert np.array_equal(got["w"].view(np.uint32), ps.view(np.uint32))
+    again = HeldBase.decoded({"w": sent}, {"w": w}, encoder)  # given once: a second asking decodes
+    assert len(calls) == 1 and np.array_equal(again["w"], ps)
+    other = encoder.encode_difference("w", w, c)
+    assert HeldBase.decoded({"w": sent}, {"w": w}, encoder) and len(calls) == 2  # not what was last sent: decoded
+    assert other is not sent

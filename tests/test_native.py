@@ -242,3 +242,22 @@ def test_the_ps_fold_and_the_held_model_add_a_sparse_update_in_the_library_and_w
     theirs = both()
     for a, b in zip(ours, theirs, strict=True):
         _same_bits(a, b)
+
+
+def test_a_dense_fold_out_of_place_adds_numpys_bits_and_finds_what_is_not_finite():
+    _library_or_skip()
+    rng = np.random.default_rng(5)
+    u, c = rng.standard_normal(100_003).astype(np.float32), rng.standard_normal(100_003).astype(np.float32)
+    for scale in (1.0, 0.37):
+        out = np.empty_like(u)
+        assert native.add_finite(u, c, out, scale) is True
+        want = u + c if scale == 1.0 else u * np.float32(scale) + c
+        _same_bits(out, want)
+    for bad in (NAN, float("inf"), -float("inf"), 3e38):  # 3e38 + 3e38 overflows float32
+        v = u.copy()
+        v[77_777] = bad
+        w = c.copy()
+        w[77_777] = 3e38
+        assert native.add_finite(v, w, np.empty_like(u), 1.0) is False
+    assert native.add_finite(u, c[:-1], np.empty_like(u), 1.0) is None  # sizes differ: numpy's path says why
+    assert native.add_finite(u.astype(np.float64), c, np.empty_like(u), 1.0) is None

@@ -54,6 +54,7 @@ class ErrorFeedback:
         # whether the staleness compensation keeps the residual in the worker's model (docs/momentum.md)
         self.local_residual = inner.residual_in_model
         self.residuals: dict[str, np.ndarray] = {}
+        self._decoded: dict[str, tuple[Tensor, np.ndarray]] = {}  # the last dense decoding of what each key sent
 
     def encode(self, key: str, update: np.ndarray) -> Tensor:
         """The inner codec's wire form of ``update`` plus the residual of ``key``; what it leaves becomes the residual.
@@ -117,7 +118,20 @@ class ErrorFeedback:
             v.reshape(-1)[decoded.indices] -= decoded.values
         else:
             np.subtract(v, decoded, out=v)
+            self._decoded[key] = (sent, decoded)
         self.residuals[key] = v
+
+    def decoded_of(self, key: str, sent: Tensor) -> np.ndarray | None:
+        """What ``sent`` decodes to, where it is what :meth:`encode_difference` last sent for ``key`` and that
+        decoded dense (``decode(sent, dtype, shape=...)`` of the tensor's own: what the PS folds), else None.
+        Given once: a worker adding its push to its held model decodes it no second time (PowerSGD's product).
+
+        Args:
+            key: the tensor's name.
+            sent: the encoded tensor pushed.
+        """
+        kept = self._decoded.pop(key, None)
+        return kept[1] if kept is not None and kept[0] is sent else None
 
     def set_pending(self, key: str, residual: np.ndarray) -> None:
         """Make ``residual`` (shaped as the tensor, or flat) what is kept of ``key``: the worker's model held it.

@@ -11,7 +11,9 @@ into fused multiply-adds.
 
 A sparse update's fold (``target.flat[indices] += values``: the PS folding a sparse push, a worker adding what it
 sent to its held model) is one loop too, :func:`scatter_add`, where numpy's fancy indexing reads, adds and writes
-in three passes: the same float32 additions, so the same bits.
+in three passes: the same float32 additions, so the same bits. So is a dense one's out of place with the check
+that every result is finite (:func:`add_finite`, ``kernels/fold.c``), where numpy adds, then reads the result
+again to check it.
 
 The quantisers' passes (``kernels/quantize.c``): sign's encoding (the sign bits and the sum of magnitudes in one
 pass), qsgd's (the sum of squares, then the levels with their random draws and the sign bits), and both decodings,
@@ -63,7 +65,7 @@ def cache_dir() -> Path:
     return Path(base) / "plug_asgd"
 
 
-KERNELS = ("selection.c", "quantize.c")  # in plug_asgd/compressors/kernels
+KERNELS = ("selection.c", "quantize.c", "fold.c")  # in plug_asgd/compressors/kernels
 _P, _I64, _F32, _F64, _INT, _U32 = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int,
                                     ctypes.c_uint32)
 SIGNATURES: dict[str, tuple[object, list[object]]] = {  # each loop's return and argument types
@@ -74,6 +76,7 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {  # each loop's return and
     "plug_asgd_square_sum": (_F64, [_P, _P, _I64, _F32]),
     "plug_asgd_qsgd_encode": (None, [_P, _P, _I64, _F32, _F32, _F32, _U32, _U32, _INT, _P, _P]),
     "plug_asgd_sign_decode": (None, [_P, _I64, _F32, _P]),
+    "plug_asgd_add_finite": (_INT, [_P, _P, _P, _I64, _F32]),
 }
 
 
@@ -304,3 +307,22 @@ def sign_decode(bits: np.ndarray, numel: int, value: float) -> np.ndarray | None
     out = np.empty(numel, dtype=np.float32)
     lib.plug_asgd_sign_decode(bits.ctypes.data, numel, float(np.float32(value)), out.ctypes.data)
     return out
+
+
+def add_finite(update: np.ndarray, central: np.ndarray, out: np.ndarray, scale: float) -> bool | None:
+    """``out = update + central`` (``update * scale + central`` where ``scale`` is not 1: numpy's float32
+    operations) in one C pass, and whether every value written is finite; None, with nothing written, where the
+    library is not available or the arrays are not flat contiguous float32 of one size (``out`` writeable).
+
+    Args:
+        update: the update folded in.
+        central: the central values it is added to.
+        out: where the sums go (may be ``central`` itself).
+        scale: the update's factor (a float32).
+    """
+    lib = library()
+    if (lib is None or not usable(update, central, out) or not update.size == central.size == out.size
+            or not out.flags.writeable):
+        return None
+    return bool(lib.plug_asgd_add_finite(update.ctypes.data, central.ctypes.data, out.ctypes.data, out.size,
+                                         float(np.float32(scale))))

@@ -180,6 +180,8 @@ def _fold_out_of_place(state: CentralState, push: Push, scale: float) -> None:
             if push.replace:
                 if copy:
                     np.copyto(o, u)
+            elif (checked := native.add_finite(u, c, o, scale)) is not None:  # both in one pass where it can
+                return checked
             elif scale != 1.0:
                 np.multiply(u, scale, out=o)
                 np.add(o, c, out=o)

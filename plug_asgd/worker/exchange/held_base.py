@@ -129,14 +129,22 @@ class HeldBase:
         return {name: sent[name] for name in weights}
 
     @staticmethod
-    def decoded(update: Mapping[str, Any], weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | Sparse]:
-        """What the PS folds in of ``update``, decoded as it decodes it (the same function, the same bits).
+    def decoded(update: Mapping[str, Any], weights: Mapping[str, np.ndarray],
+                encoder: Compressor | None = None) -> dict[str, np.ndarray | Sparse]:
+        """What the PS folds in of ``update``, decoded as it decodes it (the same function, the same bits), or as
+        the encoder's error feedback decoded it already (:meth:`ErrorFeedback.decoded_of`: the same call).
 
         Args:
             update: the encoded update that was pushed, by tensor name.
             weights: the worker's weights by name, whose dtypes and shapes the update decodes to.
+            encoder: the codec state that encoded it, asked first; None: each tensor is decoded here.
         """
-        return {name: decode(sent, weights[name].dtype, shape=weights[name].shape) for name, sent in update.items()}
+        known = getattr(encoder, "decoded_of", None)
+        out: dict[str, np.ndarray | Sparse] = {}
+        for name, sent in update.items():
+            found = known(name, sent) if known is not None else None
+            out[name] = found if found is not None else decode(sent, weights[name].dtype, shape=weights[name].shape)
+        return out
 
     def settle(self, reply: ModelReply, held: HeldModel, weights: dict[str, np.ndarray],
                central_before: Mapping[str, np.ndarray], decoded: Mapping[str, np.ndarray | Sparse]) -> None:
@@ -228,7 +236,7 @@ class HeldPush(InFlight):
             finally:
                 self._encoded.set()
             return client.push(base, self.update, want_model="unless_own", scaled_for=scaled_for,
-                               while_waiting=lambda: self.decoded.update(held.decoded(self.update, weights)))
+                               while_waiting=lambda: self.decoded.update(held.decoded(self.update, weights, encoder)))
 
         super().__init__(work)
 

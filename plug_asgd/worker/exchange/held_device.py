@@ -126,8 +126,10 @@ class DeviceHeldBase(HeldBase):
 
     @staticmethod
     @override
-    def decoded(update: Mapping[str, Any], weights: Mapping[str, Any]) -> dict[str, np.ndarray | Sparse]:
-        return HeldBase.decoded(update, {n: np.empty(tuple(t.shape), np.float32) for n, t in weights.items()})
+    def decoded(update: Mapping[str, Any], weights: Mapping[str, Any],
+                encoder: Compressor | None = None) -> dict[str, np.ndarray | Sparse]:
+        return HeldBase.decoded(update, {n: np.empty(tuple(t.shape), np.float32) for n, t in weights.items()},
+                                encoder)
 
     @override
     def settle(self, reply: ModelReply, held: HeldModel, weights: dict[str, Any], central_before: Mapping[str, Any],
