@@ -109,7 +109,8 @@ class PSHandle:
         mode: the mode's name, which the PS checks at hello.
         codec: the workers' codec, which decides how a sharded PS cuts the model.
         keys: the CURVE keys the workers connect with (None: none).
-        comm_stats: this worker's communication counters (``AsyncPSStrategy.comm_stats``).
+        comm_stats: this worker's communication counters (``AsyncPSStrategy.comm_stats``; ``settle=True``: the push
+            in flight answered first).
         ps_stats: the PS's counters (``AsyncPSStrategy.ps_stats``).
     """
 
@@ -117,7 +118,7 @@ class PSHandle:
     mode: str
     codec: Codec
     keys: str | os.PathLike[str] | None
-    comm_stats: Callable[[], dict[str, Any]]
+    comm_stats: Callable[..., dict[str, Any]]
     ps_stats: Callable[[], dict[str, Any]]
 
 

@@ -87,10 +87,17 @@ class PSPlumbing:
         and close: what happens at exit, or when a later strategy of this process connects."""
         self.connection.shutdown(wait_for_workers)
 
-    def comm_stats(self) -> dict[str, Any]:
+    def comm_stats(self, settle: bool = False) -> dict[str, Any]:
         """This worker's counters: local steps, bytes up and down (measured on the wire), time spent
         waiting for the PS, the staleness of its pushes (updates of others folded in between its
-        base version and its own update), and its guesses of an "own" reply (CPU spent on them)."""
+        base version and its own update), and its guesses of an "own" reply (CPU spent on them).
+
+        Args:
+            settle: take the reply of the push in flight first, so that its bytes down and its "own" are
+                counted with it (once training is over: mid-training it would take the reply a step early).
+        """
+        if settle and self._phase is not Phase.IDLE:
+            self._exchange.finish()
         return self.connection.counters(self._exchange.stats)
 
     def ps_stats(self) -> dict[str, Any]:

@@ -40,8 +40,13 @@ class FakeStrategy:
         self.stats = {"wait_seconds": 0.0, "bytes_up": 0, "bytes_down": 0, "push_bytes_up": 0,
                       "push_local_bytes_up": 0, "pushes": 0, "own_replies": 0, "local_steps": 0,
                       "staleness_mean": 0.0, "staleness_max": 0, "version": 0}
+        self.in_flight: dict | None = None  # what the reply of the push in flight adds, once taken
 
-    def comm_stats(self) -> dict:
+    def comm_stats(self, settle: bool = False) -> dict:
+        if settle and self.in_flight is not None:
+            for key, more in self.in_flight.items():
+                self.stats[key] += more
+            self.in_flight = None
         return dict(self.stats)
 
     def ps_handle(self) -> SimpleNamespace:  # what the monitor reads of AsyncPSStrategy.ps_handle()
@@ -68,6 +73,24 @@ def test_communication_monitor_reports_the_wall_and_wait_times_it_was_given(tmp_
     assert (last["wall_s"], last["comm_s"], last["compute_s"]) == (7.5, 2.25, 5.25)  # at the end: step 3
     assert (last["bytes_up"], last["pushes"], last["local_steps"]) == (300, 3, 3)  # setup's counts left out
     assert first["train_loss_mean"] == 0.5 and last["train_loss_mean"] == 2.0  # (0 + 1) / 2, then 2 alone
+
+
+def test_communication_monitor_counts_the_last_pushs_reply_at_the_end_of_training(tmp_path, clock):
+    monitor = CommunicationMonitor(every_n_steps=2, dirpath=tmp_path)
+    strategy = FakeStrategy()
+    monitor._file = tmp_path / "worker0.jsonl"
+    trainer = SimpleNamespace(global_rank=0, is_global_zero=False, loggers=[], global_step=0, strategy=strategy)
+    monitor.on_train_start(trainer, None)
+    for step in range(2):  # two pushes: the first answered with the model (1000 bytes), the second in flight
+        strategy.stats.update(pushes=step + 1, local_steps=step + 1, bytes_down=1000)
+        monitor.on_train_batch_end(trainer, None, {"loss": torch.tensor(1.0)}, None, step)
+    strategy.in_flight = {"bytes_down": 1000}  # the last step's reply, not yet taken at its record
+    monitor.on_train_end(trainer, None)
+    records = [json.loads(line) for line in monitor._file.read_text().splitlines()]
+    assert [(r["local_steps"], r["bytes_down"]) for r in records] == [(2, 1000), (2, 2000)]
+    strategy.in_flight = None  # a reply that changed nothing: the step's record is the last
+    monitor.on_train_end(trainer, None)
+    assert len(monitor._file.read_text().splitlines()) == 2
 
 
 class FakeClient:

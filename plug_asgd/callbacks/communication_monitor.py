@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); p
 
 class CommunicationMonitor(KeepsRecords, LightningBound):
     """Per worker: local steps, mean training loss, bytes up and down, compute vs communication time,
-    and the staleness of its pushes, every ``every_n_steps`` local steps and at the end of training.
+    and the staleness of its pushes, every ``every_n_steps`` local steps and at the end of training, once the last
+    push is answered (after a record of the last step, where that reply changed the counts).
 
     Each worker appends its records to ``dirpath/worker{rank}.jsonl`` (default: ``comm/`` in the
     trainer's log dir), since workers do not wait for each other to merge them; rank 0 also logs
@@ -87,12 +88,19 @@ class CommunicationMonitor(KeepsRecords, LightningBound):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._steps % self.every_n_steps:
-            self._record(trainer)
-
-    def _record(self, trainer: pl.Trainer) -> None:
         assert self._ps is not None
-        stats = self._ps.comm_stats()
+        # the last push's reply taken first (training is over), so that its bytes and its "own" are counted: a
+        # record of the last step taken before that reply came is followed by this one
+        stats = self._ps.comm_stats(settle=True)
+        last = self.records[-1] if self.records else None
+        if self._steps % self.every_n_steps or last is None or any(
+                stats.get(k, 0) - self._baseline.get(k, 0) != last[k] for k in ("bytes_down", "own_replies")):
+            self._record(trainer, stats)
+
+    def _record(self, trainer: pl.Trainer, stats: dict[str, Any] | None = None) -> None:
+        assert self._ps is not None
+        if stats is None:
+            stats = self._ps.comm_stats()
         since = {k: stats.get(k, 0) - self._baseline.get(k, 0)
                  for k in ("wait_seconds", "bytes_up", "bytes_down", "push_bytes_up", "push_local_bytes_up", "pushes",
                            "own_replies", "local_steps")}
