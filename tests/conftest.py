@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
         if item.get_closest_marker("integration") is None:
             item.add_marker(pytest.mark.quick)
+    _order_files(items)
+
+
+# The files pytest-xdist hands out first (`--dist loadfile --no-loadscope-reorder`, pyproject.toml), each worker
+# taking two at the start: the long launches that keep both cores busy beside the tests that mostly wait out
+# timeouts (failovers, lost workers), so that the waiting leaves its core to a launch. After them, the other files,
+# most tests first (xdist's own order). Measured: bench/results/README.md, "The README's two commands".
+FIRST_FILES = ("test_training", "test_standby", "test_momentum", "test_faults", "test_bench", "test_totals",
+               "test_features", "test_worker_failures", "test_sharding", "test_shard_faults", "test_slowlink")
+
+
+def _order_files(items: list[pytest.Item]) -> None:
+    """Sort ``items`` by file, FIRST_FILES first, then the other files by their test count; a file's own order
+    kept."""
+    def file_of(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    counts = Counter(file_of(i) for i in items)
+
+    def rank(item: pytest.Item) -> tuple[int, int, str]:
+        name = Path(file_of(item)).stem
+        first = FIRST_FILES.index(name) if name in FIRST_FILES else len(FIRST_FILES)
+        return first, -counts[file_of(item)], file_of(item)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
 
 
 @contextlib.contextmanager
