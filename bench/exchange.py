@@ -1,6 +1,7 @@
 """The exchange's cost per step at a real model's size, on the CPU: every mode and codec against plain Lightning.
 
     PYTHONPATH=. python -m bench exchange [--quick] [--rounds N] [--steps N] [--configs a,b,...] [--out FILE]
+        [--torch-threads N]
     PYTHONPATH=. python -m bench exchange --pieces CONFIG [--steps N] [--quick]
 
 One worker, one process (the embedded PS in its own), a model of four square ``nn.Linear`` layers with
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
                                           + ", ".join(strategies()))
     parser.add_argument("--out", type=Path, help="where to write the results as JSON")
     parser.add_argument("--pieces", metavar="CONFIG", help="time the pieces of one configuration's steps instead")
+    parser.add_argument("--torch-threads", type=int, metavar="N",
+                        help="torch's threads in the strategies' fits, as OMP_NUM_THREADS=N sets them for a worker "
+                             "(plain Lightning keeps torch's default: every core)")
     args = parser.parse_args(argv)
     size = "quick" if args.quick else "full"
     if args.pieces is not None:
@@ -77,7 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     data = regression_data(width)
     loader = DataLoader(data, batch_size=BATCH)
 
+    every_core = torch.get_num_threads()
+    if args.torch_threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)  # what the strategy then leaves as it is
+
     def fit(strategy: object) -> tuple[float, dict[str, object]]:
+        if args.torch_threads:
+            torch.set_num_threads(every_core if strategy is None or isinstance(strategy, str) else args.torch_threads)
         torch.manual_seed(0)
         return fit_steps(lambda: SquareLinears(width), loader, strategy, steps, warmup=10,
                          trainer_kwargs={"accelerator": "cpu", "devices": 1})

@@ -261,3 +261,19 @@ def test_a_dense_fold_out_of_place_adds_numpys_bits_and_finds_what_is_not_finite
         assert native.add_finite(v, w, np.empty_like(u), 1.0) is False
     assert native.add_finite(u, c[:-1], np.empty_like(u), 1.0) is None  # sizes differ: numpy's path says why
     assert native.add_finite(u.astype(np.float64), c, np.empty_like(u), 1.0) is None
+
+
+def test_a_residual_accumulates_in_c_with_numpys_bits(monkeypatch):
+    from plug_asgd.compressors.difference import accumulate
+
+    _library_or_skip()
+    rng = np.random.default_rng(6)
+    w, c, r = (rng.standard_normal(CHUNK * 2 + 5).astype(np.float32) for _ in range(3))
+    for scale in (1.0, 0.37):
+        ours = accumulate(r.copy(), w, c, scale)
+        with monkeypatch.context() as m:
+            m.setattr(native, "library", lambda: None)
+            theirs = accumulate(r.copy(), w, c, scale)
+        _same_bits(ours, theirs)
+        want = r + (w - c) if scale == 1.0 else r + (w - c) * np.float32(scale)
+        _same_bits(ours, want)
