@@ -15,6 +15,7 @@ MODULES = {
     "shard_ingest": "bench.shard_ingest",  # a sharded PS's ingest over capped links (root)
     "ps_floor": "bench.ps_floor",  # the PS's round trip against a minimal server of its protocol
     "standby": "bench.standby",  # the recipe's samples/s with a hot standby against without one
+    "kernels": "bench.kernels",  # each codec pass in C against numpy's, alone on one core
 }
 
 
