@@ -39,6 +39,9 @@ TARGETS = {"plain": None, "asgd": 1.10}
 OTHER_TARGET = 1.30
 BATCH = 2
 BATCHES = 2000  # the epoch each fit is stopped in: long enough that randomk's default fraction is 1%
+# steps left untimed: past the worker's thread tuner's decision (worker/thread_tuner.py: 10 + 30, 3 + 30 steps), so
+# that a codec's fit is timed at the threads it keeps; --quick's fits end before the tuner switches
+WARMUP = {"full": 80, "quick": 10}
 
 
 def regression_data(width: int) -> TensorDataset:
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.torch_threads:
             torch.set_num_threads(every_core if strategy is None or isinstance(strategy, str) else args.torch_threads)
         torch.manual_seed(0)
-        return fit_steps(lambda: SquareLinears(width), loader, strategy, steps, warmup=10,
+        return fit_steps(lambda: SquareLinears(width), loader, strategy, steps, warmup=WARMUP[size],
                          trainer_kwargs={"accelerator": "cpu", "devices": 1})
 
     results = rounds(configs, fit, count)
@@ -151,8 +154,9 @@ def pieces(config: str, steps: int, width: int) -> int:
         forward.clear()
         torch.manual_seed(0)
         step, _ = fit_steps(lambda: Timed(width), DataLoader(data, batch_size=BATCH), strategies()[name](), steps,
-                            warmup=10, trainer_kwargs={"accelerator": "cpu", "devices": 1})
-        print(f"{name}: step {step * 1e3:.2f} ms, forward and backward {statistics.median(forward[10:]) * 1e3:.2f} ms")
+                            warmup=WARMUP["full"], trainer_kwargs={"accelerator": "cpu", "devices": 1})
+        forward_ms = statistics.median(forward[WARMUP["full"]:]) * 1e3
+        print(f"{name}: step {step * 1e3:.2f} ms, forward and backward {forward_ms:.2f} ms")
         for piece, values in times.items():
             if values:
                 print(f"  {piece:28s} {statistics.median(values) * 1e3:7.2f} ms  ({len(values)} calls)")

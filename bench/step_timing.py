@@ -66,6 +66,8 @@ def fit_steps(make_module: Callable[[], pl.LightningModule], loader: Any, strate
     if not times:
         raise RuntimeError(f"the fit ended after {len(clock.ends)} steps, before {warmup + 2}")
     counters = strategy.comm_stats() if isinstance(strategy, AsyncPSStrategy) else {}
+    if isinstance(strategy, AsyncPSStrategy) and strategy.threads_kept is not None:
+        counters["threads_kept"] = strategy.threads_kept  # the worker's thread tuner's choice
     return statistics.median(times), counters
 
 

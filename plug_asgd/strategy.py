@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -29,7 +30,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from plug_asgd import compressors, modes
-from plug_asgd.compressors import Codec
+from plug_asgd.compressors import Codec, NoCompression
 from plug_asgd.compressors.heap import keep_freed_memory
 from plug_asgd.connection import PSConnection, PSSettings
 from plug_asgd.lightning_bridge.plumbing import FAILED_GRACE_S, DDPPlumbing
@@ -43,8 +44,19 @@ from plug_asgd.worker.compensation import StalenessCompensation, resolve
 from plug_asgd.worker.exchange import Link, make_exchange
 from plug_asgd.worker.phase import Phase
 from plug_asgd.worker.tensors import synced_tensors
+from plug_asgd.worker.thread_tuner import ThreadTuner
 
 log = logging.getLogger("plug_asgd.strategy")
+# set where a strategy was made before anyone set OMP_NUM_THREADS: Lightning then chooses torch's threads (and exports
+# the variable to the workers it launches, which inherit this too), so the thread tuner may change them
+THREADS_CHOSEN = "PLUG_ASGD_THREADS_CHOSEN"
+
+
+def threads_chosen() -> bool:
+    """Whether torch's threads in this process are Lightning's choice, not the user's own (``OMP_NUM_THREADS``)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ[THREADS_CHOSEN] = "1"
+    return os.environ.get(THREADS_CHOSEN) == "1"
 
 if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); pytorch_lightning's names them here
     import pytorch_lightning as pl
@@ -133,6 +145,9 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
 
     strategy_name = "async_ps"
 
+    _tuner: ThreadTuner | None = None  # this fit's: torch's threads timed against one fewer (worker/thread_tuner.py)
+    threads_kept: int | None = None  # what the last fit's tuner kept (None: not tuned, or undecided)
+
     def __init__(
         self,
         mode: Mode | str | dict[str, Any] = "asgd",
@@ -183,14 +198,14 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
         self.connection = PSConnection(self.mode, self.compressor, settings)
         self.shm_pushes = shm_pushes
         self.staleness_compensation = resolve(staleness_compensation, self.mode.name, self.mode.compensate)
-        self._start_method = start_method
-        self._num_nodes = 1
+        self._start_method, self._num_nodes = start_method, 1
         self._stage = self._collective_seq = 0  # this process's stages so far; the collectives of this one
         self._phase = Phase.IDLE
         self._failure: str | None = None  # what the stage failed on, told to the other ranks through the PS
         self._fitting = False  # whether the stage is a fit
         self._ps_initialized = False  # whether the PS holds a model (else this worker's offers its own)
         self._batches = 0  # the training loop's batches so far: a notice's number
+        self._threads_chosen = threads_chosen()  # (else the user's OMP_NUM_THREADS: no tuner)
         self._exchange = make_exchange(self.mode, codec=self.compressor, compensation=self.staleness_compensation,
                                        shm_pushes=shm_pushes)
 
@@ -249,6 +264,7 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
             keep_freed_memory()  # the arrays each push makes and frees reuse their pages (compressors/heap.py)
             self._exchange.start_fit(self.optimizers, self.global_rank if self.cluster_environment else 0,
                                      self.world_size)
+            self._start_tuning()
 
     @override
     def on_train_start(self) -> None:
@@ -269,10 +285,28 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._phase, self._batches = Phase.BATCHES, self._batches + 1
+        if self._tuner is not None:
+            self._tuner.batch_start(time.monotonic())
 
     @override
     def on_train_end(self) -> None:
         self._leave_batches()
+        self._stop_tuning()
+
+    def _start_tuning(self) -> None:
+        """Time torch at one thread fewer where that may be faster (:mod:`plug_asgd.worker.thread_tuner`): a fit on
+        the CPU whose codec encodes each push beside the step, torch on 2 threads or more of the strategy's own
+        choosing (not ``OMP_NUM_THREADS``'s), and no deterministic algorithms asked for."""
+        threads = torch.get_num_threads()
+        if (self.root_device.type == "cpu" and not isinstance(self._exchange.encoder, NoCompression) and threads >= 2
+                and self._threads_chosen and not torch.are_deterministic_algorithms_enabled()):
+            self._tuner = ThreadTuner(threads, torch.set_num_threads)
+
+    def _stop_tuning(self) -> None:
+        if self._tuner is not None:
+            self._tuner.stop()
+            self.threads_kept = self._tuner.kept
+            self._tuner = None
 
     @override
     def on_validation_start(self) -> None:
@@ -289,6 +323,7 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._stop_tuning()
         self._failure = f"{type(exception).__name__}: {exception}"
         if self._phase is not Phase.IDLE:  # (an exception before the stage began, as the PS's, has nothing to end)
             self._phase = Phase.FAILED
