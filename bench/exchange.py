@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pieces is not None:
         if args.pieces not in strategies():
             parser.error(f"unknown configuration {args.pieces}; choose from {', '.join(strategies())}")
-        return pieces(args.pieces, args.steps or 150, WIDTH[size])
+        return pieces(args.pieces, args.steps or 150, WIDTH[size], WARMUP[size])
     count = args.rounds or (2 if args.quick else 5)
     steps = args.steps or (20 if args.quick else 60)
     configs = strategies()
@@ -119,7 +119,7 @@ PIECES = (("HeldBase", "encode"), ("PSClient", "push"), ("Transport", "_poll"), 
           ("PushExchange", "mask_sent"), ("HeldModel", "add"))
 
 
-def pieces(config: str, steps: int, width: int) -> int:
+def pieces(config: str, steps: int, width: int, warmup: int) -> int:
     """``--pieces``: one fit of plain Lightning and one of ``config``, their steps' pieces' medians printed."""
     import statistics
     import time
@@ -154,8 +154,8 @@ def pieces(config: str, steps: int, width: int) -> int:
         forward.clear()
         torch.manual_seed(0)
         step, _ = fit_steps(lambda: Timed(width), DataLoader(data, batch_size=BATCH), strategies()[name](), steps,
-                            warmup=WARMUP["full"], trainer_kwargs={"accelerator": "cpu", "devices": 1})
-        forward_ms = statistics.median(forward[WARMUP["full"]:]) * 1e3
+                            warmup=warmup, trainer_kwargs={"accelerator": "cpu", "devices": 1})
+        forward_ms = statistics.median(forward[warmup:]) * 1e3
         print(f"{name}: step {step * 1e3:.2f} ms, forward and backward {forward_ms:.2f} ms")
         for piece, values in times.items():
             if values:

@@ -282,7 +282,8 @@ def test_a_benchmark_of_its_own_module_is_a_name_of_python_m_bench(procs):
     """bench/__main__.py hands a module's name and the rest of the command line to that module's main."""
     from bench.__main__ import MODULES  # (its dispatch runs only where a module's name comes first)
 
-    assert set(MODULES) == {"slowlink", "exchange", "gpu", "momentum", "flood", "shard_ingest", "ps_floor", "standby"}
+    assert set(MODULES) == {"slowlink", "exchange", "gpu", "momentum", "flood", "shard_ingest", "ps_floor", "standby",
+                            "kernels"}
     rc, out = procs.run([PYTHON, "-m", "bench", "momentum", "--stability"], timeout=120)
     assert rc == 0 and out.startswith("one process: 3.800 (heavy ball)"), out[-2000:]
 
@@ -482,6 +483,17 @@ def test_the_exchange_benchmark_times_each_configuration_against_plain_in_the_sa
 
 @pytest.mark.integration
 @pytest.mark.timeout(200)
+def test_the_kernels_benchmark_times_each_pass_in_c_and_in_numpy(procs):
+    rc, text = procs.run([PYTHON, "-m", "bench", "kernels", "--numel", "1000", "--repeats", "2"], timeout=120)
+    assert rc == 0, text[-3000:]
+    assert "one core, a tensor of 1,000 float32 values, median of 2: ms per pass" in text
+    rows = [line for line in text.splitlines() if line.startswith(("sign:", "qsgd", "top-k", "residual", "the PS"))]
+    assert len(rows) == 7, text
+    for row in rows:
+        times = [float(v) for v in row.split()[-2:]]
+        assert all(math.isfinite(t) and t >= 0 for t in times), row  # (without a compiler C's column is nan)
+
+
 def test_the_exchange_pieces_time_each_piece_once_per_push(procs):
     rc, text = procs.run([PYTHON, "-m", "bench", "exchange", "--pieces", "adacomp", "--quick", "--steps", "8"],
                          timeout=180)

@@ -235,6 +235,12 @@ def _addable(array: np.ndarray, numel: int) -> bool:
             and array.flags.writeable)
 
 
+def _reading(w: np.ndarray, c: np.ndarray | None) -> ctypes.CDLL | None:
+    """The library, where it can read ``w`` and ``c`` (flat contiguous float32 of one size, ``c`` possibly None)."""
+    lib = library()
+    return lib if lib is not None and usable(w, c) and (c is None or c.size == w.size) else None
+
+
 def sign_encode(w: np.ndarray, c: np.ndarray | None, scale: float) -> tuple[np.ndarray, float] | None:
     """Sign's bits of ``x = scale * (w - c)`` (``w`` where ``c`` is None) and the sum of ``|x|`` in float64 (the
     eight lanes' rule, :func:`plug_asgd.compressors.quantize.lane_sum`), in one C pass; None where the library is
@@ -245,8 +251,8 @@ def sign_encode(w: np.ndarray, c: np.ndarray | None, scale: float) -> tuple[np.n
         c: the central values it holds, or None.
         scale: the factor of ``w - c`` (a float32).
     """
-    lib = library()
-    if lib is None or not usable(w, c) or (c is not None and c.size != w.size):
+    lib = _reading(w, c)
+    if lib is None:
         return None
     bits = np.empty(-(-w.size // 8), dtype=np.uint8)
     total = lib.plug_asgd_sign_encode(w.ctypes.data, _ptr(c), w.size, float(np.float32(scale)), bits.ctypes.data)
@@ -258,12 +264,11 @@ def square_sum(w: np.ndarray, c: np.ndarray | None, scale: float) -> float | Non
     c)``; None where :func:`sign_encode` would be.
 
     Args:
-        w: the worker's values.
-        c: the central values it holds, or None.
-        scale: the factor of ``w - c`` (a float32).
+        w: the values squared, less ``c``'s.
+        c: what is taken from them first, or None.
+        scale: the factor applied before squaring (a float32).
     """
-    lib = library()
-    if lib is None or not usable(w, c) or (c is not None and c.size != w.size):
+    if (lib := _reading(w, c)) is None:
         return None
     return float(lib.plug_asgd_square_sum(w.ctypes.data, _ptr(c), w.size, float(np.float32(scale))))
 
@@ -282,8 +287,8 @@ def qsgd_encode(w: np.ndarray, c: np.ndarray | None, scale: float, ratio: float,
         keys: the two 32-bit keys of this tensor's draws.
         wide: 16-bit levels (else bytes).
     """
-    lib = library()
-    if lib is None or not usable(w, c) or (c is not None and c.size != w.size):
+    lib = _reading(w, c)
+    if lib is None:
         return None
     levels = np.empty(w.size, dtype=np.uint16 if wide else np.uint8)
     bits = np.empty(-(-w.size // 8), dtype=np.uint8)
