@@ -24,8 +24,8 @@ way (``tests/test_native_quantize.py``).
 
 The sources (``kernels/*.c``) are compiled once per machine by the system's C compiler (``cc``, or ``$CC``) into
 ``$PLUG_ASGD_CACHE`` (default ``~/.cache/plug_asgd``), and loaded from there after. Where there is no compiler,
-or ``PLUG_ASGD_NATIVE=0``, or the compilation fails, :func:`library` is None and numpy does it all: the same
-results, slower.
+or ``PLUG_ASGD_NATIVE=0``, or the compilation fails, or on a big-endian machine, :func:`library` is None and numpy
+does it all: the same results, slower.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from importlib import resources
@@ -105,14 +106,14 @@ def _build(target: Path, texts: dict[str, str]) -> None:
 
 def library() -> ctypes.CDLL | None:
     """The compiled loops (built at the first call on this machine, loaded after), or None where they cannot be
-    had (no compiler, ``PLUG_ASGD_NATIVE=0``, a failed build): the callers then use numpy."""
+    had (no compiler, ``PLUG_ASGD_NATIVE=0``, a failed build, a big-endian machine): the callers then use numpy."""
     if _loaded:
         return _loaded[0]
     with _lock:
         if _loaded:
             return _loaded[0]
         found = None
-        if os.environ.get("PLUG_ASGD_NATIVE", "1") != "0":
+        if os.environ.get("PLUG_ASGD_NATIVE", "1") != "0" and sys.byteorder == "little":  # (kernels/quantize.c)
             try:
                 texts = sources()
                 digest = hashlib.sha256("".join([*texts.values(), *FLAGS]).encode()).hexdigest()[:16]

@@ -2,7 +2,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* The quantisers' passes (compressors/quantize.py): sign's and qsgd's encoding, sign's decoding. Each reads
+/* The quantisers' passes (compressors/quantize.py): sign's and qsgd's encodings and decodings. An encoding reads
    x = (w - c) * s (s applied only where it is not 1), or w itself where c is NULL, by blocks of QBLOCK values:
    the same float32 operations as numpy's path, compiled without contraction. A sum over x is kept in eight
    float64 lanes, lane i % 8 taking coordinate i in order, the lanes added 0 to 7 at the end: numpy's path sums
@@ -30,7 +30,8 @@ static inline void quantize_block(const float *w, const float *c, int64_t b, int
 }
 
 /* The sign bits of a block of QBLOCK values (flags 0 or 1), eight to a byte: the multiply gathers byte k's
-   lowest bit into bit k of the top byte. */
+   lowest bit into bit k of the top byte (byte k of the eight read being bits 8k to 8k + 7: little-endian, as
+   x86-64 and ARM run; a big-endian machine gets numpy's path, the library refusing to load there). */
 static inline void pack_signs(const uint8_t *flags, int64_t len, uint8_t *out) {
     for (int64_t k = 0; k < (len + 7) / 8; k++) {
         uint64_t eight;
