@@ -22,6 +22,7 @@ import numpy as np
 from plug_asgd.compressors import QSGD, Sign, TopKResidual, decode, native
 from plug_asgd.compressors.difference import accumulate
 from plug_asgd.compressors.heap import keep_freed_memory
+from plug_asgd.modes.fold import all_finite
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:
@@ -53,13 +54,11 @@ def passes(w: np.ndarray, c: np.ndarray) -> dict[str, Callable[[], object]]:
 
 
 def _fold(u: np.ndarray, c: np.ndarray) -> bool:
-    from plug_asgd.modes.fold import _finite
-
     out = np.empty_like(u)
     checked = native.add_finite(u, c, out, 1.0)
     if checked is None:
         np.add(u, c, out=out)
-        checked = _finite(out)
+        checked = all_finite(out)
     return checked
 
 

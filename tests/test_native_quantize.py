@@ -139,18 +139,3 @@ def test_qsgds_levels_by_hand_from_the_draws():
         want.append(int(low) + int(draws(i, i + 1, keys)[0] < r - low))
     assert unpack_levels(np.asarray(sent.arrays[0]), 3, 4).tolist() == want
     assert np.unpackbits(np.asarray(sent.arrays[1]), count=3, bitorder="little").tolist() == [0, 1, 0]
-
-
-def test_qsgds_decoding_adds_into_an_array_with_the_bits_of_adding_the_decoded_one():
-    _library_or_skip()
-    for bits in (8, 16):
-        w, c = _pair(100_003, bits)
-        sent = QSGD(bits=bits).encode_difference("w", w, c)
-        base = np.random.default_rng(bits).standard_normal(100_003).astype(np.float32)
-        into = base.copy()
-        step = sent.meta["norm"] / ((1 << bits) - 1)
-        assert native.qsgd_decode(np.asarray(sent.arrays[0]), np.asarray(sent.arrays[1]), 100_003, step, into=into) \
-            is into
-        _same_bits(into, base + decode(sent, np.float32))
-        assert native.qsgd_decode(np.asarray(sent.arrays[0]), np.asarray(sent.arrays[1]), 100_003, step,
-                                  into=base[:-1]) is None  # not of the tensor's size: nothing written

@@ -21,6 +21,10 @@ if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); p
     import pytorch_lightning as pl
 
 
+COUNTED = ("wait_seconds", "bytes_up", "bytes_down", "push_bytes_up", "push_local_bytes_up", "pushes", "own_replies",
+           "local_steps")  # what a record counts since training started
+
+
 class CommunicationMonitor(KeepsRecords, LightningBound):
     """Per worker: local steps, mean training loss, bytes up and down, compute vs communication time,
     and the staleness of its pushes, every ``every_n_steps`` local steps and at the end of training, once the last
@@ -92,18 +96,20 @@ class CommunicationMonitor(KeepsRecords, LightningBound):
         # the last push's reply taken first (training is over), so that its bytes and its "own" are counted: a
         # record of the last step taken before that reply came is followed by this one
         stats = self._ps.comm_stats(settle=True)
-        last = self.records[-1] if self.records else None
+        since, last = self._since(stats), self.records[-1] if self.records else None
         if self._steps % self.every_n_steps or last is None or any(
-                stats.get(k, 0) - self._baseline.get(k, 0) != last[k] for k in ("bytes_down", "own_replies")):
+                since[k] != last[k] for k in ("bytes_down", "own_replies")):
             self._record(trainer, stats)
+
+    def _since(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """The counters since training started."""
+        return {k: stats.get(k, 0) - self._baseline.get(k, 0) for k in COUNTED}
 
     def _record(self, trainer: pl.Trainer, stats: dict[str, Any] | None = None) -> None:
         assert self._ps is not None
         if stats is None:
             stats = self._ps.comm_stats()
-        since = {k: stats.get(k, 0) - self._baseline.get(k, 0)
-                 for k in ("wait_seconds", "bytes_up", "bytes_down", "push_bytes_up", "push_local_bytes_up", "pushes",
-                           "own_replies", "local_steps")}
+        since = self._since(stats)
         wall = time.monotonic() - self._start
         comm = since["wait_seconds"]
         record = {

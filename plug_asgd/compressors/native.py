@@ -17,10 +17,9 @@ again to check it.
 
 The quantisers' passes (``kernels/quantize.c``): sign's encoding (the sign bits and the sum of magnitudes in one
 pass), qsgd's (the sum of squares, then the levels with their random draws and the sign bits), and both decodings,
-written out or added into an array (:func:`qsgd_decode`'s ``into``), where numpy makes each in several passes over
-the tensor and a temporary per pass. Their sums and draws follow rules numpy's path follows too
-(:mod:`.quantize`), and qsgd's decoding computes ``±level * step`` in float64 as numpy does: the same bits either
-way (``tests/test_native_quantize.py``).
+where numpy makes each in several passes over the tensor and a temporary per pass. Their sums and draws follow rules
+numpy's path follows too (:mod:`.quantize`), and qsgd's decoding computes ``±level * step`` in float64 as numpy
+does: the same bits either way (``tests/test_native_quantize.py``).
 
 The sources (``kernels/*.c``) are compiled once per machine by the system's C compiler (``cc``, or ``$CC``) into
 ``$PLUG_ASGD_CACHE`` (default ``~/.cache/plug_asgd``), and loaded from there after. Where there is no compiler,
@@ -72,7 +71,7 @@ _P, _I64, _F32, _F64, _INT, _U32 = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_fl
 SIGNATURES: dict[str, tuple[object, list[object]]] = {  # each loop's return and argument types
     "plug_asgd_above": (_I64, [_P, _P, _P, _I64, _F32, _F32, _INT, _P, _P, _I64]),
     "plug_asgd_scatter_add": (_I64, [_P, _I64, _P, _P, _I64]),
-    "plug_asgd_qsgd_decode": (None, [_P, _INT, _P, _I64, _F64, _INT, _P]),
+    "plug_asgd_qsgd_decode": (None, [_P, _INT, _P, _I64, _F64, _P]),
     "plug_asgd_sign_encode": (_F64, [_P, _P, _I64, _F32, _P]),
     "plug_asgd_square_sum": (_F64, [_P, _P, _I64, _F32]),
     "plug_asgd_qsgd_encode": (None, [_P, _P, _I64, _F32, _F32, _F32, _U32, _U32, _INT, _P, _P]),
@@ -201,39 +200,29 @@ def _readable(array: np.ndarray, dtype: str, size: int) -> bool:
     return array.dtype == np.dtype(dtype) and array.ndim == 1 and array.size >= size and array.flags.c_contiguous
 
 
-def qsgd_decode(levels: np.ndarray, signs: np.ndarray, numel: int, step: float,
-                into: np.ndarray | None = None) -> np.ndarray | None:
+def qsgd_decode(levels: np.ndarray, signs: np.ndarray, numel: int, step: float) -> np.ndarray | None:
     """qsgd's ``numel`` float32 values from 8- or 16-bit levels and sign bits (``QSGD.decode_packed``'s: ``±level *
-    step`` in float64, rounded), in one C loop; or, given ``into``, added to it there (``into + value``, the same
-    float32 addition as adding the decoded array). None, with nothing written, where the library is not available
-    or the arrays are not flat contiguous uint8 or uint16 levels and uint8 signs of enough values (and ``into`` a
-    writeable contiguous float32 array of ``numel`` values).
+    step`` in float64, rounded), in one C loop; None where the library is not available or the arrays are not
+    flat contiguous uint8 or uint16 levels and uint8 signs of enough values.
 
     Args:
         levels: one level per coordinate, uint8 or uint16.
         signs: the sign bits, least significant first (set: negative).
         numel: the coordinates decoded.
         step: the value of one level, ``norm / (2**bits - 1)``.
-        into: the array to add the values to, of any shape; None: a new array is returned.
     """
     lib = library()
     wide = levels.dtype == np.uint16
     if (lib is None or not _readable(levels, "uint16" if wide else "uint8", numel)
-            or not _readable(signs, "uint8", -(-numel // 8)) or (into is not None and not _addable(into, numel))):
+            or not _readable(signs, "uint8", -(-numel // 8))):
         return None
-    out = np.empty(numel, dtype=np.float32) if into is None else into
-    lib.plug_asgd_qsgd_decode(levels.ctypes.data, int(wide), signs.ctypes.data, numel, float(step),
-                              int(into is not None), out.ctypes.data)
+    out = np.empty(numel, dtype=np.float32)
+    lib.plug_asgd_qsgd_decode(levels.ctypes.data, int(wide), signs.ctypes.data, numel, float(step), out.ctypes.data)
     return out
 
 
 def _ptr(array: np.ndarray | None) -> int | None:
     return None if array is None else array.ctypes.data
-
-
-def _addable(array: np.ndarray, numel: int) -> bool:
-    return (array.dtype == np.float32 and array.size == numel and array.flags.c_contiguous
-            and array.flags.writeable)
 
 
 def _reading(w: np.ndarray, c: np.ndarray | None) -> ctypes.CDLL | None:

@@ -137,37 +137,27 @@ void plug_asgd_sign_decode(const uint8_t *bits, int64_t n, float value, float *o
 }
 
 /* qsgd's decoding (QSGD.decode_packed): the level (8 or 16 bits) times 1 - 2 * its sign bit, in int32, times q in
-   float64, rounded to float32; written to out, or added to it (the held model an "own" reply leaves as the PS's).
-   Eight coordinates a sign byte, each case a loop of its own: vectorised. */
-#define QSGD_VALUES(LEVELS, STORE)                                                           \
+   float64, rounded to float32. Eight coordinates a sign byte, each level width a loop of its own: vectorised. */
+#define QSGD_VALUES(LEVELS)                                                                  \
     for (int64_t k = 0; k < n / 8; k++) {                                                   \
         int32_t byte = signs[k];                                                             \
         for (int32_t j = 0; j < 8; j++) {                                                    \
             int32_t level = (int32_t)LEVELS[8 * k + j] * (1 - 2 * ((byte >> j) & 1));         \
-            float v = (float)((double)level * q);                                            \
-            STORE(8 * k + j);                                                                \
+            out[8 * k + j] = (float)((double)level * q);                                     \
         }                                                                                    \
     }                                                                                        \
     for (int64_t i = n / 8 * 8; i < n; i++) {                                               \
         int32_t level = (int32_t)LEVELS[i] * (1 - 2 * ((signs[i >> 3] >> (i & 7)) & 1));      \
-        float v = (float)((double)level * q);                                                \
-        STORE(i);                                                                            \
+        out[i] = (float)((double)level * q);                                                 \
     }
-#define WRITE(i) out[i] = v
-#define ADD(i) out[i] = out[i] + v
 
 CLONES
-void plug_asgd_qsgd_decode(const void *levels, int wide, const uint8_t *signs, int64_t n, double q, int add,
-                           float *out) {
+void plug_asgd_qsgd_decode(const void *levels, int wide, const uint8_t *signs, int64_t n, double q, float *out) {
     const uint8_t *narrow = (const uint8_t *)levels;
     const uint16_t *words = (const uint16_t *)levels;
-    if (wide && add) {
-        QSGD_VALUES(words, ADD)
-    } else if (wide) {
-        QSGD_VALUES(words, WRITE)
-    } else if (add) {
-        QSGD_VALUES(narrow, ADD)
+    if (wide) {
+        QSGD_VALUES(words)
     } else {
-        QSGD_VALUES(narrow, WRITE)
+        QSGD_VALUES(narrow)
     }
 }
