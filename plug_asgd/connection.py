@@ -23,6 +23,7 @@ from typing import Any
 
 from plug_asgd.compressors import Codec
 from plug_asgd.modes import Mode
+from plug_asgd.protocol.wire import WireError
 from plug_asgd.ps import PSConfig
 from plug_asgd.ps.failure import MAX_FAILURE_CHARS
 from plug_asgd.ps_launcher import (
@@ -324,7 +325,7 @@ class PSConnection:
             settle()
             self.stats_at_exit = self.client.stats(timeout=_FAILED_EXIT_S if failed else None)
             self.client.bye(stage, failed=failure[:MAX_FAILURE_CHARS] if failed and failure else None)
-        except (PSError, PSUnreachableError) as exc:
+        except (PSError, PSUnreachableError, WireError) as exc:  # the stage is over: said, not raised
             log.warning("could not say goodbye to the parameter server: %s", exc)
 
     def counters(self, exchange_stats: Callable[[], dict[str, Any]]) -> dict[str, Any]:

@@ -68,7 +68,7 @@ from plug_asgd.protocol.schema import (
 __all__ = ["BLOCK_BITS", "BLOCK_SIZE", "CODEC_CHARS", "DEFAULT_LIMITS", "DTYPES", "DTYPE_NAMES", "FLOAT_DTYPES",
            "LOCAL_MAX_OFFSET", "Limits", "Local", "Message", "PACKED_MAX_ARRAYS", "PACKED_MAX_META",
            "PACKED_MAX_NAME", "PACKED_MAX_STR", "PROTOCOL_VERSION", "Packed", "Sparse", "Tensor", "WireError",
-           "decode", "dtype_name", "encode", "message_bytes", "num_blocks", "sparse_wire_bytes"]
+           "decode", "dtype_name", "encode", "frame_summary", "message_bytes", "num_blocks", "sparse_wire_bytes"]
 
 
 def _dtype_name(array: np.ndarray) -> str:
@@ -376,3 +376,16 @@ def message_bytes(frames: Sequence[Any]) -> int:
     for frame in frames:
         total += _nbytes(frame)
     return total
+
+
+def frame_summary(frames: Sequence[Any], shown: int = 8) -> str:
+    """What a message that would not decode held, for its error: the frames' sizes and the first one's opening bytes.
+
+    Args:
+        frames: the message's frames as received.
+        shown: the sizes listed before the rest are counted.
+    """
+    sizes = [_nbytes(f) for f in frames]
+    listed = ", ".join(map(str, sizes[:shown])) + (f" and {len(sizes) - shown} more" if len(sizes) > shown else "")
+    head = bytes(_buffer(frames[0])[:16]).hex(" ") if frames else ""
+    return f"{len(sizes)} frames of {listed} bytes, the first opening {head or 'empty'}"

@@ -30,7 +30,17 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.protocol.security import KEYGEN_HINT, load_worker_keys
-from plug_asgd.protocol.wire import DEFAULT_LIMITS, Limits, Message, Tensor, decode, encode, message_bytes
+from plug_asgd.protocol.wire import (
+    DEFAULT_LIMITS,
+    Limits,
+    Message,
+    Tensor,
+    WireError,
+    decode,
+    encode,
+    frame_summary,
+    message_bytes,
+)
 from plug_asgd.worker.errors import CommCounters, PSError, PSUnreachableError
 from plug_asgd.worker.leader_watch import LeaderWatch
 
@@ -226,7 +236,12 @@ class Transport(LeaderWatch):
                 continue
             reply_frames = self._sock.recv_multipart(copy=False)
             self.counters.bytes_down += message_bytes(reply_frames)
-            reply = decode(reply_frames, self.limits)
+            try:
+                reply = decode(reply_frames, self.limits)
+            except WireError as exc:  # what came, said, so that a peer's fault can be told from ours
+                raise WireError(exc.code, f"{exc}: a reply from the parameter server at {self.address} to "
+                                          f"{msg_type!r} ({frame_summary(reply_frames)}) that is not the "
+                                          "protocol's; the PS and this worker must run the same plug-asgd") from None
             self._learn(reply)
             if reply.fields.get("rid") != rid:
                 continue  # the late answer to a request that timed out
