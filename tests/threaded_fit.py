@@ -37,11 +37,13 @@ TIMEOUT_S = 60.0  # a request's limit, and each thread's: a failure ends in an e
 
 def fit_in_threads(make_model: Callable[[], torch.nn.Module], data: TensorDataset, *, epochs: int, batch_size: int,
                    seed: int = 0, workers: int = WORKERS, stats: list[dict[str, Any]] | None = None,
-                   **strategy: Any) -> torch.nn.Module:
+                   lockstep: bool = False, **strategy: Any) -> torch.nn.Module:
     """Rank 0's model after a fit of ``workers`` threads (``strategy``: ``AsyncPSStrategy``'s arguments), which
     holds the central model as the strategy's does. ``make_model`` builds a module with ``configure_optimizers``
     (the same initial weights on every call, as seeded ranks have). ``stats`` receives each rank's exchange and
-    client counters at the end."""
+    client counters at the end. ``lockstep``: every worker starts each step together (a barrier), so that each
+    step's pushes are made from one version and all but the first land stale, whatever the scheduler does: the
+    staleness processes meet, where threads of a loaded machine may otherwise run one after the other."""
     arguments = AsyncPSStrategy(**strategy)  # parsed and checked as a user's; it starts nothing
     tag = uuid.uuid4().hex  # the PS's address, and the name of hogwild's shared model
     address = f"inproc://plug-asgd-quick-{tag}"
@@ -52,10 +54,11 @@ def fit_in_threads(make_model: Callable[[], torch.nn.Module], data: TensorDatase
     serving.start()
     models = [make_model() for _ in range(workers)]
     errors: list[BaseException] = []
+    steps = threading.Barrier(workers, timeout=TIMEOUT_S) if lockstep else None
     try:
         threads = [threading.Thread(target=_worker, name=f"rank{r}", daemon=True, args=(
             arguments, address, tag, r, workers, models[r], data, epochs, batch_size, seed, errors,
-            stats if stats is not None else [])) for r in range(workers)]
+            stats if stats is not None else [], steps)) for r in range(workers)]
         for w in threads:
             w.start()
         for w in threads:
@@ -73,7 +76,7 @@ def fit_in_threads(make_model: Callable[[], torch.nn.Module], data: TensorDatase
 
 def _worker(arguments: AsyncPSStrategy, address: str, tag: str, rank: int, workers: int, model: Any,
             data: TensorDataset, epochs: int, batch_size: int, seed: int, errors: list[BaseException],
-            stats: list[dict[str, Any]]) -> None:
+            stats: list[dict[str, Any]], steps: threading.Barrier | None) -> None:
     client = PSClient(address, rank=rank, world_size=workers, mode=arguments.mode.name, request_timeout=TIMEOUT_S,
                       lost_timeout=TIMEOUT_S, heartbeat_s=None)
     exchange = make_exchange(arguments.mode, codec=arguments.compressor,
@@ -105,6 +108,8 @@ def _worker(arguments: AsyncPSStrategy, address: str, tag: str, rank: int, worke
             sampler.set_epoch(epoch)
             for i, batch in enumerate(DataLoader(data, batch_size=batch_size, sampler=sampler)):
                 def run(batch: Any = batch, i: int = i) -> None:  # Lightning's automatic optimization
+                    if steps is not None:
+                        steps.wait()
                     optimizer.zero_grad()
                     model.training_step(batch, i).backward()
                     optimizer.step()
@@ -114,6 +119,8 @@ def _worker(arguments: AsyncPSStrategy, address: str, tag: str, rank: int, worke
         stats.append({**client.counters.as_dict(), **exchange.stats(), "rank": rank})
     except BaseException as exc:  # noqa: BLE001 (handed to the test's thread)
         errors.append(exc)
+        if steps is not None:
+            steps.abort()  # the other workers' next step raises at once instead of waiting out the timeout
     finally:
         exchange.let_go()
         try:

@@ -71,11 +71,12 @@ def one_process_loss() -> float:
     return val_loss(model)
 
 
-def threaded_fit(row: str, compensation=None) -> float:
+def threaded_fit(row: str, compensation=None, lockstep: bool = False) -> float:
     """The central model's validation loss after a fit of ``row`` ("mode" or "asgd+codec") whose 2 workers are
     threads of the calling process (``tests/threaded_fit.py``; the caller has the repository on its path): the
     quick tier's regression case. ``compensation``: as
-    ``AsyncPSStrategy(staleness_compensation=...)``."""
+    ``AsyncPSStrategy(staleness_compensation=...)``; ``lockstep``: the workers start each step together
+    (``fit_in_threads``)."""
     from tests.threaded_fit import fit_in_threads
 
     mode, _, codec = row.partition("+")
@@ -85,7 +86,7 @@ def threaded_fit(row: str, compensation=None) -> float:
         return Regression(nesterov=mode == "eamsgd")
 
     model = fit_in_threads(make, dataset(0, SAMPLES), epochs=EPOCHS, batch_size=32, mode=mode,
-                           compressor=codec or "none", staleness_compensation=compensation)
+                           compressor=codec or "none", staleness_compensation=compensation, lockstep=lockstep)
     return val_loss(model)
 
 
