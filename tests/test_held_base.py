@@ -16,7 +16,7 @@ from plug_asgd.compressors import QSGD, PowerSGD, RandomK, Sign, TopK, TopKResid
 from plug_asgd.compressors.difference import CHUNK, FACTORS, SAMPLE, largest_differences, sample_threshold, top_k
 from plug_asgd.protocol.wire import Sparse
 from plug_asgd.worker.client import HeldModel
-from plug_asgd.worker.exchange.held_base import CENTRAL, RESIDUAL, HeldBase
+from plug_asgd.worker.exchange.held_base import CENTRAL, RESIDUAL, HeldBase, HeldPush
 from plug_asgd.worker.exchange.push import PushExchange
 from plug_asgd.worker.model_reply import Changes, ModelReply
 from tests.threaded_fit import fit_in_threads
@@ -222,6 +222,29 @@ def test_a_raced_reply_is_merged_as_w_plus_the_central_change_less_what_was_sent
         assert base.raced == 1
 
 
+def test_after_a_guess_an_own_reply_leaves_the_weights_and_a_raced_one_keeps_the_step_since():
+    # CENTRAL: the weights were made c_old + sent (the guess), then an optimizer step moved them by -0.25 each
+    c_old = np.array([0.5, 2.0, 2.0, 4.0], np.float32)
+    sent = np.array([0.5, -1.0, 0.25, 0.0], np.float32)
+    stepped = c_old + sent - np.float32(0.25)
+    held = HeldModel()
+    held.keep("m", 3, {"t": c_old.copy()})
+    base = HeldBase()
+    base.kind = CENTRAL
+    weights = {"t": stepped.copy()}
+    base.settle(_reply(4, own=True), held, weights, held.lend(), {"t": sent}, guessed=True)
+    assert weights["t"].tolist() == stepped.tolist()  # not the held model: the step is kept
+    assert held.tensors["t"].tolist() == [1.0, 1.0, 2.25, 4.0] and held.version == 4
+    # another worker's push came first: w = c_new + the step, c_new = [1.25, 1.5, 2.25, 3.0]
+    c_new = np.array([1.25, 1.5, 2.25, 3.0], np.float32)
+    weights = {"t": stepped.copy()}
+    base.settle(_reply(5, tensors={"t": c_new}), HeldModel(), weights, {"t": c_old}, {"t": sent}, guessed=True)
+    assert weights["t"].tolist() == [1.0, 1.25, 2.0, 2.75] and base.raced == 1
+    weights = {"t": stepped.copy()}  # not guessed: the reply was taken before any step, the weights are it
+    base.settle(_reply(5, tensors={"t": c_new}), HeldModel(), weights, {"t": c_old}, {"t": sent})
+    assert weights["t"].tolist() == c_new.tolist()
+
+
 def _dense(sparse: Sparse) -> np.ndarray:
     out = np.zeros(sparse.shape, np.float32)
     out[sparse.indices] = sparse.values
@@ -341,3 +364,31 @@ def test_a_push_the_error_feedback_decoded_is_not_decoded_again_and_gives_the_ps
     other = encoder.encode_difference("w", w, c)
     assert HeldBase.decoded({"w": sent}, {"w": w}, encoder) and len(calls) == 2  # not what was last sent: decoded
     assert other is not sent
+
+
+@pytest.mark.parametrize("codec", ["qsgd", "powersgd"])
+def test_a_lone_workers_guess_of_its_own_reply_trains_the_bits_of_waiting_for_it(codec, monkeypatch):
+    """A codec whose weights become the central model at an "own" reply (CENTRAL): the weights made ``c + sent``
+    before the optimizer's step, the reply taken at the next push, against the reply taken before the step."""
+    torch.manual_seed(1)
+    data = TensorDataset(torch.randn(512, 64), torch.randn(512, 4))
+    guesses = []
+    guess_own = HeldPush.guess_own
+
+    def counted(self):
+        first = not self.guessed
+        guesses.append((first, guess_own(self)))
+        return guesses[-1][1]
+
+    runs = []
+    for guessing in (counted, lambda self: False):
+        monkeypatch.setattr(HeldPush, "guess_own", guessing)
+        stats: list = []
+        runs.append(fit_in_threads(_Regression, data, epochs=2, batch_size=16, workers=1, stats=stats,
+                                   mode="asgd", compressor=codec))
+        assert stats[0]["held_base_pushes"] == stats[0]["own_replies"] == 64
+    # every push but the last, which the fit's end takes; asked before and after the step where the optimizer is
+    # stepped without a closure, as here
+    assert sum(first for first, _ in guesses) == 63 and all(guessed for _, guessed in guesses)
+    for a, b in zip(runs[0].parameters(), runs[1].parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -147,7 +147,8 @@ class HeldBase:
         return out
 
     def settle(self, reply: ModelReply, held: HeldModel, weights: dict[str, np.ndarray],
-               central_before: Mapping[str, np.ndarray], decoded: Mapping[str, np.ndarray | Sparse]) -> None:
+               central_before: Mapping[str, np.ndarray], decoded: Mapping[str, np.ndarray | Sparse],
+               guessed: bool = False) -> None:
         """Take the reply to a push from the held base: "own" (the held model plus what was sent, made here), or
         the central model with another worker's pushes in it, merged keeping the invariant.
 
@@ -157,17 +158,25 @@ class HeldBase:
             weights: the worker's weights as host arrays, written in place.
             central_before: the central arrays the push was based on (lent by the client: no reply wrote them).
             decoded: the pushed update as the PS decoded it (:meth:`decoded`).
+            guessed: the weights were made the model an "own" reply means (:meth:`HeldPush.guess_own`) and the
+                optimizer has stepped from there since.
         """
         if reply.own:
             held.add(dict(decoded), reply.version)
-            if self.kind == CENTRAL:
+            if self.kind == CENTRAL and not guessed:
                 for name, w in weights.items():
                     np.copyto(w, held.tensors[name].reshape(w.shape))
             return
         self.raced += 1
-        if self.kind == CENTRAL:  # w = c_new: the progress was all pushed
+        if self.kind == CENTRAL:  # w = c_new: the progress was all pushed (and the steps since the guess kept)
             for name, w in weights.items():
-                np.copyto(w, np.asarray(reply.tensors[name]).reshape(w.shape))
+                new = np.asarray(reply.tensors[name]).reshape(w.shape)
+                if guessed:  # w += c_new - (c_old + sent)
+                    w += new
+                    w -= central_before[name].reshape(w.shape)
+                    w -= np.asarray(decoded[name]).reshape(w.shape)
+                else:
+                    np.copyto(w, new)
             return
         changed = reply.changed
         for name, w in weights.items():
@@ -225,20 +234,29 @@ class HeldPush(InFlight):
     def __init__(self, held: HeldBase, encoder: Compressor, client: PSClient, weights: dict[str, np.ndarray],
                  central: dict[str, np.ndarray], base: int, scaled_for: float | None) -> None:
         self.held, self.weights, self.central, self.base = held, weights, central, base
+        self.encoder = encoder
         self.update: dict[str, Any] = {}
         self.decoded: dict[str, Any] = {}
         self.masked = False  # the optimizers' momentum was masked where the update was sent
-        self._encoded = threading.Event()
+        self.guessed = False  # the weights are the model an "own" reply means (guess_own)
+        self._encoded, self._decoded = threading.Event(), threading.Event()
 
         def work() -> ModelReply:
             try:
-                self.update = held.encode(encoder, weights, central)
+                try:
+                    self.update = held.encode(encoder, weights, central)
+                finally:
+                    self._encoded.set()
+                return client.push(base, self.update, want_model="unless_own", scaled_for=scaled_for,
+                                   while_waiting=self._decode)
             finally:
-                self._encoded.set()
-            return client.push(base, self.update, want_model="unless_own", scaled_for=scaled_for,
-                               while_waiting=lambda: self.decoded.update(held.decoded(self.update, weights, encoder)))
+                self._decoded.set()
 
         super().__init__(work)
+
+    def _decode(self) -> None:
+        self.decoded.update(self.held.decoded(self.update, self.weights, self.encoder))
+        self._decoded.set()
 
     def encoded(self) -> dict[str, Any]:
         """The update, once encoded (the weights may change from then on)."""
@@ -246,6 +264,24 @@ class HeldPush(InFlight):
         if not self.update:
             self.answered()  # raises what went wrong
         return self.update
+
+    def guess_own(self) -> bool:
+        """Where the weights become the central model itself at an "own" reply (``CENTRAL``), make them that model
+        now, ``c + sent`` with the PS's float additions, without waiting for the reply: the optimizer may then step
+        while the push is answered, and the reply, taken at the next push, keeps that step (:meth:`HeldBase.settle`,
+        ``guessed``). Waits for the update's decoding; False, with nothing written, where it is not there (the
+        push failed) or is sparse. Once per push.
+        """
+        if self.guessed:
+            return True
+        self._decoded.wait()
+        decoded = self.decoded
+        if decoded.keys() != self.weights.keys() or not all(isinstance(d, np.ndarray) for d in decoded.values()):
+            return False
+        for name, w in self.weights.items():
+            np.add(self.central[name].reshape(w.shape), decoded[name].reshape(w.shape), out=w)
+        self.guessed = True
+        return True
 
     def settle(self, held: HeldModel) -> ModelReply:
         """Take the reply (:meth:`HeldBase.settle`) and return it.
@@ -256,5 +292,5 @@ class HeldPush(InFlight):
         reply = self.answered()
         if not self.decoded:  # the push was sent again after a reconnection: decoded here
             self.decoded.update(self.held.decoded(self.update, self.weights))
-        self.held.settle(reply, held, self.weights, self.central, self.decoded)
+        self.held.settle(reply, held, self.weights, self.central, self.decoded, self.guessed)
         return reply

@@ -133,9 +133,11 @@ class DeviceHeldBase(HeldBase):
 
     @override
     def settle(self, reply: ModelReply, held: HeldModel, weights: dict[str, Any], central_before: Mapping[str, Any],
-               decoded: Mapping[str, np.ndarray | Sparse]) -> None:
+               decoded: Mapping[str, np.ndarray | Sparse], guessed: bool = False) -> None:
         """:meth:`HeldBase.settle` on the device: "own" adds what was sent to the mirror too; a raced reply's
-        changes are copied to the device where they are, and merged into the weights there."""
+        changes are copied to the device where they are, and merged into the weights there. (Never ``guessed``:
+        the device pushes with the residual in the model, whose weights an "own" reply leaves as they are.)"""
+        assert not guessed
         device = next(iter(weights.values())).device
         with torch.no_grad():
             if reply.own:

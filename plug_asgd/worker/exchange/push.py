@@ -281,7 +281,15 @@ class PushExchange(UpdateMaking):
 
     @override
     def before_update(self) -> None:
-        """The push in flight, taken before the optimizer writes the weights."""
+        """The push in flight, taken before the optimizer writes the weights; but where a push from the host's
+        held base makes the weights the central model at an "own" reply (``CENTRAL``), they are made that model
+        now (:meth:`HeldPush.guess_own`) and the reply is taken at the next push, so that its round trip runs
+        beside the optimizer's step."""
+        pending = self.pending
+        if pending is not None and isinstance(push := pending[0], HeldPush) and push.held is self.held_host:
+            if self.held_host.kind == CENTRAL and push.guess_own():
+                self.mask_sent(push)
+                return
         self.finish()
 
     @override
