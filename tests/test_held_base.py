@@ -366,29 +366,36 @@ def test_a_push_the_error_feedback_decoded_is_not_decoded_again_and_gives_the_ps
     assert other is not sent
 
 
-@pytest.mark.parametrize("codec", ["qsgd", "powersgd"])
-def test_a_lone_workers_guess_of_its_own_reply_trains_the_bits_of_waiting_for_it(codec, monkeypatch):
+# 64 steps. asgd: a push each, all from the held base, every one but the last guessed (the fit's end takes it).
+# downpour every 3rd step, pulling every 2nd between: a cycle of 6 steps (a pull at 2, a push without the model at 3,
+# a pull at 4, a push taking the model at 6, from the held base), so 10 held pushes (6 to 60, each guessed), 11
+# others (3 to 63) and the last step's at the end: 22
+@pytest.mark.parametrize("mode, codec, counts", [("asgd", "qsgd", (64, 64, 63)), ("asgd", "powersgd", (64, 64, 63)),
+                                                 ({"name": "downpour", "push_every": 3, "pull_every": 2}, "qsgd",
+                                                  (22, 10, 10))],
+                         ids=["qsgd", "powersgd", "downpour-qsgd"])
+def test_a_lone_workers_guess_of_its_own_reply_trains_the_bits_of_waiting_for_it(mode, codec, counts, monkeypatch):
     """A codec whose weights become the central model at an "own" reply (CENTRAL): the weights made ``c + sent``
-    before the optimizer's step, the reply taken at the next push, against the reply taken before the step."""
+    before the optimizer's step, the reply taken after it, against the reply taken before the step (downpour's
+    pulls between its pushes too)."""
     torch.manual_seed(1)
     data = TensorDataset(torch.randn(512, 64), torch.randn(512, 4))
     guesses = []
     guess_own = HeldPush.guess_own
 
-    def counted(self):
+    def counted(self, local_steps):
         first = not self.guessed
-        guesses.append((first, guess_own(self)))
+        guesses.append((first, guess_own(self, local_steps)))
         return guesses[-1][1]
 
     runs = []
-    for guessing in (counted, lambda self: False):
+    for guessing in (counted, lambda self, local_steps: False):
         monkeypatch.setattr(HeldPush, "guess_own", guessing)
         stats: list = []
         runs.append(fit_in_threads(_Regression, data, epochs=2, batch_size=16, workers=1, stats=stats,
-                                   mode="asgd", compressor=codec))
-        assert stats[0]["held_base_pushes"] == stats[0]["own_replies"] == 64
-    # every push but the last, which the fit's end takes; asked before and after the step where the optimizer is
-    # stepped without a closure, as here
-    assert sum(first for first, _ in guesses) == 63 and all(guessed for _, guessed in guesses)
+                                   mode=mode, compressor=codec))
+        assert (stats[0]["pushes"], stats[0]["held_base_pushes"]) == counts[:2]
+    # asked before and after the step where the optimizer is stepped without a closure, as here
+    assert sum(first for first, _ in guesses) == counts[2] and all(made for _, made in guesses)
     for a, b in zip(runs[0].parameters(), runs[1].parameters(), strict=True):
         assert torch.equal(a, b)

@@ -239,6 +239,7 @@ class HeldPush(InFlight):
         self.decoded: dict[str, Any] = {}
         self.masked = False  # the optimizers' momentum was masked where the update was sent
         self.guessed = False  # the weights are the model an "own" reply means (guess_own)
+        self.guessed_at = 0  # the worker's local steps then
         self._encoded, self._decoded = threading.Event(), threading.Event()
 
         def work() -> ModelReply:
@@ -265,12 +266,15 @@ class HeldPush(InFlight):
             self.answered()  # raises what went wrong
         return self.update
 
-    def guess_own(self) -> bool:
+    def guess_own(self, local_steps: int) -> bool:
         """Where the weights become the central model itself at an "own" reply (``CENTRAL``), make them that model
         now, ``c + sent`` with the PS's float additions, without waiting for the reply: the optimizer may then step
-        while the push is answered, and the reply, taken at the next push, keeps that step (:meth:`HeldBase.settle`,
+        while the push is answered, and the reply, taken after the step, keeps it (:meth:`HeldBase.settle`,
         ``guessed``). Waits for the update's decoding; False, with nothing written, where it is not there (the
         push failed) or is sparse. Once per push.
+
+        Args:
+            local_steps: the worker's local steps so far, from which those taken since the guess are counted.
         """
         if self.guessed:
             return True
@@ -280,7 +284,7 @@ class HeldPush(InFlight):
             return False
         for name, w in self.weights.items():
             np.add(self.central[name].reshape(w.shape), decoded[name].reshape(w.shape), out=w)
-        self.guessed = True
+        self.guessed, self.guessed_at = True, local_steps
         return True
 
     def settle(self, held: HeldModel) -> ModelReply:

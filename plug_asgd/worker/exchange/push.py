@@ -56,6 +56,8 @@ class PushExchange(UpdateMaking):
 
     @override
     def after_step(self) -> None:
+        if self.pending is not None and isinstance(push := self.pending[0], HeldPush) and push.guessed:
+            self.finish()  # the reply the optimizer's step went without (before_update), before what is due
         if self.since_push >= self.mode.push_every:
             self.send()
         elif self.mode.pull_every is not None and self.since_pull >= self.mode.pull_every:
@@ -265,6 +267,8 @@ class PushExchange(UpdateMaking):
         self.held_answered_own = reply.own
         self.count_staleness(reply, push.base)
         self.based_on(reply)
+        if push.guessed:  # the weights were that model at the guess: the steps since are not pulled yet
+            self.since_pull = self.local_steps - push.guessed_at
 
     def mask_sent(self, push: HeldPush) -> None:
         """Zero the optimizers' momentum where ``push``'s update was sent (once), before they step again.
@@ -283,11 +287,11 @@ class PushExchange(UpdateMaking):
     def before_update(self) -> None:
         """The push in flight, taken before the optimizer writes the weights; but where a push from the host's
         held base makes the weights the central model at an "own" reply (``CENTRAL``), they are made that model
-        now (:meth:`HeldPush.guess_own`) and the reply is taken at the next push, so that its round trip runs
-        beside the optimizer's step."""
+        now (:meth:`HeldPush.guess_own`) and the reply is taken after the step (:meth:`after_step`), so that its
+        round trip runs beside the optimizer's step."""
         pending = self.pending
         if pending is not None and isinstance(push := pending[0], HeldPush) and push.held is self.held_host:
-            if self.held_host.kind == CENTRAL and push.guess_own():
+            if self.held_host.kind == CENTRAL and push.guess_own(self.local_steps):
                 self.mask_sent(push)
                 return
         self.finish()
@@ -353,6 +357,7 @@ class PushExchange(UpdateMaking):
 
     def pull_keeping_progress(self) -> None:
         """DOWNPOUR's fetch: ``w = central + (w - w_base)``, so steps not yet pushed are not lost."""
+        self.finish()  # a push whose reply waits for the next push (before_update): one request at a time
         self.leave_held_base()
         reply = self._link.client.pull()
         tensors = self._link.tensors()
