@@ -130,6 +130,10 @@ def library() -> ctypes.CDLL | None:
         return found
 
 
+def _ptr(array: np.ndarray | None) -> int | None:
+    return None if array is None else array.ctypes.data
+
+
 def usable(*arrays: np.ndarray | None) -> bool:
     """Whether the pass can read these arrays as they are: float32, contiguous, one dimension (None: not passed).
 
@@ -165,11 +169,7 @@ def above(threshold: float, w: np.ndarray | None, c: np.ndarray | None, residual
         return None
     idx = np.empty(cap, dtype=np.int64)
     val = np.empty(cap, dtype=np.float32)
-
-    def ptr(a: np.ndarray | None) -> int | None:
-        return None if a is None else a.ctypes.data
-
-    found = lib.plug_asgd_above(ptr(w), ptr(c), ptr(residual), n, float(np.float32(threshold)),
+    found = lib.plug_asgd_above(_ptr(w), _ptr(c), _ptr(residual), n, float(np.float32(threshold)),
                                 float(np.float32(scale)), mode, idx.ctypes.data, val.ctypes.data, cap)
     kept = min(found, cap)
     return found, idx[:kept], val[:kept]
@@ -219,10 +219,6 @@ def qsgd_decode(levels: np.ndarray, signs: np.ndarray, numel: int, step: float) 
     out = np.empty(numel, dtype=np.float32)
     lib.plug_asgd_qsgd_decode(levels.ctypes.data, int(wide), signs.ctypes.data, numel, float(step), out.ctypes.data)
     return out
-
-
-def _ptr(array: np.ndarray | None) -> int | None:
-    return None if array is None else array.ctypes.data
 
 
 def _reading(w: np.ndarray, c: np.ndarray | None) -> ctypes.CDLL | None:

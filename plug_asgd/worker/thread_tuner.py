@@ -76,5 +76,5 @@ class ThreadTuner:
 
     def stop(self) -> None:
         """The fit is over: torch's threads as they were before it."""
-        if self.medians or self.done:
+        if self.medians:  # (the threads were changed, or may have been)
             self.set_threads(self.threads)
