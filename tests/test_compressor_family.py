@@ -468,6 +468,20 @@ def test_powersgd_sends_dense_where_low_rank_would_not_be_smaller():
     assert isinstance(comp.encode("w", rng.standard_normal((9, 9)).astype(np.float32)), Packed)  # 72 < 81
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("where", [(0, 0), (17, 29), (39, 5)])
+def test_powersgd_sends_dense_where_one_value_is_not_finite(bad, where):
+    # the codec checks its small products, not the matrix: one bad value must still reach them, with a first
+    # factor drawn and with a warm-started one (whose column for that value may be anything)
+    rng = np.random.default_rng(9)
+    comp = PowerSGD(rank=4)
+    assert isinstance(comp.encode("w", rng.standard_normal((40, 30)).astype(np.float32)), Packed)  # warm
+    for codec in (comp, PowerSGD(rank=4)):
+        x = rng.standard_normal((40, 30)).astype(np.float32)
+        x[where] = bad
+        assert codec.encode("w", x) is x
+
+
 # -- error feedback --------------------------------------------------------------------------------------
 
 _EXACT = {"none", "fp16", "bf16", "topk", "randomk"}  # decoded values are copies of v, zero, or within 2x of v
