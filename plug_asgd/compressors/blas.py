@@ -1,10 +1,10 @@
-"""numpy's BLAS on one thread for a block of code: PowerSGD's products, on the worker and on the PS.
+"""numpy's BLAS on one thread for a block of code: PowerSGD's encoding products on a worker.
 
-Two reasons. The PS and a worker answered "own" must decode the same factors to the same bits: one
-thread runs one kernel, whatever the machine's cores. And on a worker, the idle threads of OpenBLAS
-spin for a long while after each call, on the cores its training computes on (what they cost PowerSGD:
-bench/results/README.md, "The exchange at ResNet size"). The thread count is OpenBLAS's
-(numpy's wheels bundle it); where numpy uses another BLAS, nothing is changed.
+On a worker, the idle threads of OpenBLAS spin for a long while after each call, on the cores its training
+computes on (what they cost PowerSGD: bench/results/README.md, "The exchange at ResNet size"). The thread
+count is OpenBLAS's (numpy's wheels bundle it); where numpy uses another BLAS, nothing is changed. (The
+decoding, which the PS and a worker answered "own" must make to the same bits, uses no BLAS:
+:func:`plug_asgd.compressors.lowrank.low_rank_product`.)
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import zlib
 import numpy as np
 from typing_extensions import override
 
+from plug_asgd.compressors import native
 from plug_asgd.compressors.base import Codec
 from plug_asgd.compressors.blas import one_thread
 from plug_asgd.compressors.checks import bad_payload, check_int, check_meta, expect, packed_arrays
@@ -124,6 +125,37 @@ class PowerSGD(Codec):
         expect(packed, "P", left, FLOAT_DTYPES, (n, rank))
         expect(packed, "Q", right, FLOAT_DTYPES, (m, rank))
         ct = np.result_type(left.dtype, right.dtype, np.float32)
-        with one_thread():  # one kernel, the same bits wherever it runs (a worker answered "own" decodes it too)
-            product = left.astype(ct, copy=False) @ right.astype(ct, copy=False).T
+        product = low_rank_product(left.astype(ct, copy=False), right.astype(ct, copy=False))
         return product.reshape(packed.shape).astype(dtype, copy=False)
+
+
+ROWS = 256  # the rows of numpy's product made at a time: its temporaries stay in the cache
+
+
+def low_rank_product(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """``p @ q.T`` (``p [n, r]``, ``q [m, r]``, one float dtype), each value ``p[i, 0] * q[j, 0] + p[i, 1] * q[j,
+    1] + ...`` added in ``k``'s order, each product and sum rounded to the dtype: the same bits in C
+    (:func:`plug_asgd.compressors.native.low_rank_product`) and in numpy, on any machine. A worker answered "own"
+    makes the PS's model itself from this decoding, so both must get its bits; a BLAS product's depend on the kernel
+    its library picks for the CPU (fused multiply-adds or not, the order of the sums). In C about as fast as one
+    BLAS thread; numpy's path, for a machine without a compiler, about 4 times slower.
+
+    Args:
+        p: the left factor ``[n, r]``.
+        q: the right factor ``[m, r]``.
+    """
+    n, r = p.shape
+    m = q.shape[0]
+    out = np.empty((n, m), dtype=p.dtype)
+    qt = np.ascontiguousarray(q.T)
+    p = np.ascontiguousarray(p)
+    if native.low_rank_product(p, qt, out):
+        return out
+    term = np.empty((min(ROWS, n), m), dtype=p.dtype)
+    for start in range(0, n, ROWS):
+        rows, part = p[start:start + ROWS], out[start:start + ROWS]
+        np.multiply(rows[:, :1], qt[0], out=part)
+        for k in range(1, r):
+            np.multiply(rows[:, k:k + 1], qt[k], out=term[: len(rows)])
+            np.add(part, term[: len(rows)], out=part)
+    return out

@@ -25,6 +25,10 @@ The sources (``kernels/*.c``) are compiled once per machine by the system's C co
 ``$PLUG_ASGD_CACHE`` (default ``~/.cache/plug_asgd``), and loaded from there after. Where there is no compiler,
 or ``PLUG_ASGD_NATIVE=0``, or the compilation fails, or on a big-endian machine, :func:`library` is None and numpy
 does it all: the same results, slower.
+
+PowerSGD's decoding, ``P @ Q.T`` (:func:`low_rank_product`, ``kernels/lowrank.c``), adds each value's ``r``
+products in order, as :func:`plug_asgd.compressors.lowrank.low_rank_product`'s numpy path does: the PS and a worker
+on another kind of CPU decode the same bits, which a BLAS product (its kernel chosen per CPU) does not promise.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def cache_dir() -> Path:
     return Path(base) / "plug_asgd"
 
 
-KERNELS = ("selection.c", "quantize.c", "fold.c")  # in plug_asgd/compressors/kernels
+KERNELS = ("selection.c", "quantize.c", "fold.c", "lowrank.c")  # in plug_asgd/compressors/kernels
 _P, _I64, _F32, _F64, _INT, _U32 = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int,
                                     ctypes.c_uint32)
 SIGNATURES: dict[str, tuple[object, list[object]]] = {  # each loop's return and argument types
@@ -77,6 +81,7 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {  # each loop's return and
     "plug_asgd_qsgd_encode": (None, [_P, _P, _I64, _F32, _F32, _F32, _U32, _U32, _INT, _P, _P]),
     "plug_asgd_sign_decode": (None, [_P, _I64, _F32, _P]),
     "plug_asgd_add_finite": (_INT, [_P, _P, _P, _I64, _F32]),
+    "plug_asgd_low_rank_product": (None, [_P, _P, _I64, _I64, _I64, _P]),
 }
 
 
@@ -317,3 +322,23 @@ def add_finite(update: np.ndarray, central: np.ndarray, out: np.ndarray, scale: 
         return None
     return bool(lib.plug_asgd_add_finite(update.ctypes.data, central.ctypes.data, out.ctypes.data, out.size,
                                          float(np.float32(scale))))
+
+
+def low_rank_product(p: np.ndarray, qt: np.ndarray, out: np.ndarray) -> bool:
+    """``out = p @ qt`` for ``p [n, r]`` and ``qt [r, m]`` in one C pass over ``out``, each value's ``r`` float32
+    products added in order; False, with nothing written, where the library is not available or the arrays are not
+    C-contiguous float32 of those shapes (``out [n, m]``, writeable).
+
+    Args:
+        p: the left factor.
+        qt: the right factor, transposed.
+        out: where the product goes.
+    """
+    lib = library()
+    if (lib is None or p.ndim != 2 or qt.ndim != 2 or out.ndim != 2 or p.shape[1] != qt.shape[0]
+            or out.shape != (p.shape[0], qt.shape[1]) or p.shape[1] < 1 or not out.flags.writeable
+            or any(a.dtype != np.float32 or not a.flags.c_contiguous for a in (p, qt, out))):
+        return False
+    (n, r), m = p.shape, qt.shape[1]
+    lib.plug_asgd_low_rank_product(p.ctypes.data, qt.ctypes.data, n, m, r, out.ctypes.data)
+    return True
