@@ -334,6 +334,39 @@ def test_the_device_selection_is_the_hosts():
     np.testing.assert_array_equal(values.numpy(), expected)
 
 
+def _tied(n: int, k: int, nans: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """w, c with |w - c| = 1 at k - 10 spread coordinates, 0.5 at 50 (the k-th largest tied 50 ways), below elsewhere,
+    and NaN at ``nans`` more; the indices the rule must choose, by hand: the NaNs and the ones (the lowest NaNs
+    where they are k or more), then the lowest halves."""
+    rng = np.random.default_rng(n + nans)
+    c = (rng.integers(-4096, 4096, n) / 64).astype(np.float32)  # c + 1 and c + 0.5 exact: so are the differences
+    w = c + (rng.random(n).astype(np.float32) * np.float32(0.25) + np.float32(0.01))  # differences under 0.27
+    spots = rng.permutation(n)[: k - 10 + 50 + nans]
+    ones, halves, nan_spots = np.sort(spots[: k - 10]), np.sort(spots[k - 10:k + 40]), np.sort(spots[k + 40:])
+    w[ones], w[halves], w[nan_spots] = c[ones] + 1, c[halves] + np.float32(0.5), np.nan
+    if nans >= k:
+        return w, c, nan_spots[:k].tolist()
+    top = np.concatenate([ones, nan_spots])
+    return w, c, sorted([*top.tolist(), *halves[: k - top.size].tolist()])
+
+
+@pytest.mark.parametrize("n, k, nans", [(300, 40, 0), (200_000, 2000, 0), (200_000, 2000, 3), (300, 40, 45),
+                                        (200_000, 2000, 2100)])
+def test_values_tied_with_the_kth_largest_are_taken_at_the_lowest_indices_on_every_path(n, k, nans, monkeypatch):
+    from plug_asgd.compressors import native
+    from plug_asgd.worker.exchange.held_device import largest_differences as on_device
+
+    w, c, expected = _tied(n, k, nans)
+    for name, got in [("host", largest_differences(w, c, k)[0]), ("whole", largest_magnitudes(w - c, k)),
+                      ("device", on_device(torch.from_numpy(w), torch.from_numpy(c), k)[0].numpy())]:
+        assert got.tolist() == expected, name
+    with monkeypatch.context() as m:
+        m.setattr(native, "library", lambda: None)
+        assert largest_differences(w, c, k)[0].tolist() == expected
+    residual = np.zeros(n, np.float32)
+    assert largest_differences(w, c, k, residual=residual)[0].tolist() == expected
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on the project's own machines)")
 def test_the_selection_on_a_gpu_is_the_hosts():
     from plug_asgd.worker.exchange.held_device import largest_differences as on_device

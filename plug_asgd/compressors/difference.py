@@ -109,7 +109,8 @@ def accumulate(residual: np.ndarray, w: np.ndarray, c: np.ndarray, scale: float 
 
 
 def top_k(mag: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the ``k`` largest of ``mag`` (in no order), exactly the set ``np.argpartition`` gives, ties aside.
+    """Indices of the ``k`` largest of ``mag`` (in no order): the set ``np.argpartition`` gives, with ties at the
+    k-th value going to the lowest indices (:func:`lowest_on_ties`).
 
     Where few are asked for, a threshold is read off a strided sample (the sample's quantile that about
     ``FACTORS[0] * k`` of the whole exceed) and only the coordinates at or above it (NaN included) are
@@ -127,10 +128,33 @@ def top_k(mag: np.ndarray, k: int) -> np.ndarray:
             threshold = sample_threshold(sample, n, k, factor)
             candidates = np.flatnonzero(np.logical_not(mag < threshold))  # not below: NaN is a candidate, as it
             # is the largest for argpartition
-            if k <= candidates.size <= n // 4:
+            if k <= candidates.size <= n // 4:  # every value tied with the k-th is among them
                 mags = mag[candidates]
-                return candidates[np.argpartition(mags, mags.size - k)[mags.size - k:]]
-    return np.argpartition(mag, n - k)[n - k:]
+                return candidates[lowest_on_ties(mags, np.argpartition(mags, mags.size - k)[mags.size - k:])]
+    return lowest_on_ties(mag, np.argpartition(mag, n - k)[n - k:])
+
+
+def lowest_on_ties(mag: np.ndarray, chosen: np.ndarray) -> np.ndarray:
+    """``chosen``, positions of the ``k`` largest of ``mag`` (NaN ranking largest), made the set whose values tied
+    with the k-th largest are those of the lowest positions: the rule the device's selection follows too
+    (:func:`plug_asgd.worker.exchange.held_device.largest_differences`), where a partition or ``torch.topk`` may
+    take any of them. One pass over ``mag`` to see whether a tie crosses the boundary; two more where one does.
+
+    Args:
+        mag: the magnitudes chosen among, flat.
+        chosen: the positions of its ``k`` largest, in any order.
+    """
+    if chosen.size in (0, mag.size):
+        return chosen
+    picked = mag[chosen]
+    nan = np.isnan(picked)
+    if nan.all():  # the k-th largest is a NaN: the lowest NaNs
+        return np.flatnonzero(np.isnan(mag))[: chosen.size]
+    kth = picked[~nan].min()
+    if np.count_nonzero(mag == kth) == np.count_nonzero(picked == kth):
+        return chosen  # no value tied with the k-th left out
+    above = np.flatnonzero((mag > kth) | np.isnan(mag))
+    return np.concatenate([above, np.flatnonzero(mag == kth)[: chosen.size - above.size]])
 
 
 # The sampled threshold lets through about FACTORS[0] * k coordinates: few, since finding them (np.flatnonzero)
@@ -191,11 +215,12 @@ def largest_differences(w: np.ndarray, c: np.ndarray, k: int, residual: np.ndarr
     if candidates is None or not k <= candidates.size <= n // 4:  # too few or too many above the threshold:
         # partition the whole
         if residual is not None:
-            return _chosen(residual, np.argpartition(np.abs(residual), n - k)[n - k:])
+            mag = np.abs(residual)
+            return _chosen(residual, lowest_on_ties(mag, np.argpartition(mag, n - k)[n - k:]))
         return _whole(w, c, k, None, scale)
     # the top k of the candidates; positions in them ascend as their indices do, so sorting one sorts both
     mags = np.abs(signed)
-    pos = np.argpartition(mags, mags.size - k)[mags.size - k:]
+    pos = lowest_on_ties(mags, np.argpartition(mags, mags.size - k)[mags.size - k:])
     pos.sort()
     pos = pos[signed[pos] != 0]
     return candidates[pos].astype(np.int64, copy=False), signed[pos]

@@ -17,7 +17,8 @@ FP16_MAX = float(np.finfo(np.float16).max)  # 65504
 
 
 def largest_magnitudes(flat: np.ndarray, k: int, scratch: np.ndarray | None = None) -> np.ndarray:
-    """Ascending int64 indices of the ``k`` largest ``|flat|`` (exact zeros left out: sending them changes nothing).
+    """Ascending int64 indices of the ``k`` largest ``|flat|`` (exact zeros left out: sending them changes nothing;
+    values tied with the k-th largest at the lowest indices, as every selection of the library takes them).
 
     ``scratch``, an array of ``flat``'s shape and dtype, takes ``|flat|`` in place of a new one.
 

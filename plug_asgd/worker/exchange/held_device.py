@@ -30,7 +30,8 @@ from plug_asgd.worker.model_reply import ModelReply
 def largest_differences(w: Tensor, c: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Ascending indices of the ``k`` largest ``|w - c|`` (flat, exact zeros left out; NaN ranks largest) and
     ``w - c`` there, on the tensors' device: the set :func:`plug_asgd.compressors.difference.largest_differences`
-    chooses on the host, ties aside.
+    chooses on the host, values tied with the k-th largest going to the lowest indices as there
+    (:func:`plug_asgd.compressors.difference.lowest_on_ties`).
 
     Args:
         w: the worker's weights of one tensor.
@@ -41,9 +42,25 @@ def largest_differences(w: Tensor, c: Tensor, k: int) -> tuple[Tensor, Tensor]:
     if k >= v.numel():
         chosen = torch.arange(v.numel(), device=v.device)
     else:
-        chosen = torch.topk(v.abs(), k, sorted=False).indices
+        mag = v.abs()
+        chosen = _lowest_on_ties(mag, torch.topk(mag, k, sorted=False).indices)
     chosen = chosen[v[chosen] != 0].sort().values
     return chosen, v[chosen]
+
+
+def _lowest_on_ties(mag: Tensor, chosen: Tensor) -> Tensor:
+    """``chosen`` (the top ``k`` of ``mag``, NaN largest) with the values tied with the k-th largest taken at the
+    lowest indices: the host's rule, in torch."""
+    picked = mag[chosen]
+    nan = picked.isnan()
+    kth = torch.where(nan, torch.inf, picked).min()
+    all_nan, crossed = torch.stack([nan.all(), (mag == kth).sum() != (picked == kth).sum()]).tolist()  # one sync
+    if all_nan:
+        return mag.isnan().nonzero().flatten()[: chosen.numel()]
+    if not crossed:
+        return chosen
+    above = ((mag > kth) | mag.isnan()).nonzero().flatten()
+    return torch.cat([above, (mag == kth).nonzero().flatten()[: chosen.numel() - above.numel()]])
 
 
 def selects_on_device(encoder: Compressor) -> bool:
