@@ -12,6 +12,7 @@ path, the same bits).
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from unittest import mock
 
 import numpy as np
 
-from plug_asgd.compressors import QSGD, Sign, TopKResidual, decode, native
+from plug_asgd.compressors import QSGD, PowerSGD, Sign, TopKResidual, decode, native
 from plug_asgd.compressors.difference import accumulate
 from plug_asgd.compressors.heap import keep_freed_memory
 from plug_asgd.modes.fold import all_finite
@@ -41,6 +42,9 @@ def passes(w: np.ndarray, c: np.ndarray) -> dict[str, Callable[[], object]]:
     """The passes timed, by name."""
     sign, qsgd = Sign().encode_difference("w", w, c), QSGD().encode_difference("w", w, c)
     residual = np.zeros_like(w)
+    side = math.isqrt(w.size)  # PowerSGD's matrix: as square as the tensor allows
+    matrix = w[: side * (w.size // side)].reshape(side, -1)
+    factors = PowerSGD(rank=4).encode("w", matrix)
     return {
         "sign: encode w - c": lambda: Sign().encode_difference("w", w, c),
         "sign: decode": lambda: decode(sign, np.float32),
@@ -50,6 +54,7 @@ def passes(w: np.ndarray, c: np.ndarray) -> dict[str, Callable[[], object]]:
             "w", w, c, implicit_residual=True),
         "residual += w - c (error feedback)": lambda: accumulate(residual, w, c),
         "the PS's dense fold out of place, checked": lambda: _fold(w, c),
+        "PowerSGD (rank 4): decode P @ Q.T": lambda: decode(factors, np.float32),
     }
 
 
