@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from plug_asgd.compressors import QSGD, PowerSGD, RandomK, Sign, TopK, TopKResidual, largest_magnitudes
+from plug_asgd.compressors import QSGD, PowerSGD, RandomK, Sign, TopK, TopKResidual, largest_magnitudes, native
 from plug_asgd.compressors.difference import CHUNK, FACTORS, SAMPLE, largest_differences, sample_threshold, top_k
 from plug_asgd.protocol.wire import Sparse
 from plug_asgd.worker.client import HeldModel
@@ -243,6 +243,15 @@ def test_after_a_guess_an_own_reply_leaves_the_weights_and_a_raced_one_keeps_the
     weights = {"t": stepped.copy()}  # not guessed: the reply was taken before any step, the weights are it
     base.settle(_reply(5, tensors={"t": c_new}), HeldModel(), weights, {"t": c_old}, {"t": sent})
     assert weights["t"].tolist() == c_new.tolist()
+    # the guess made the held model's next arrays beside the weights: an own reply takes them as they are
+    held.keep("m", 3, {"t": c_old.copy()})
+    before, made = held.tensors["t"], {"t": c_old + sent}
+    weights = {"t": stepped.copy()}
+    base.settle(_reply(4, own=True), held, weights, held.lend(), {}, guessed=True, made=made)
+    assert held.tensors["t"] is made["t"] and held.version == 4 and weights["t"].tolist() == stepped.tolist()
+    assert before.tolist() == c_old.tolist()  # the arrays held before are not written
+    with pytest.raises(ValueError, match="made float64"):
+        held.adopt({"t": np.zeros(4)}, 5)
 
 
 def _dense(sparse: Sparse) -> np.ndarray:
@@ -353,7 +362,6 @@ def _tied(n: int, k: int, nans: int) -> tuple[np.ndarray, np.ndarray, list[int]]
 @pytest.mark.parametrize("n, k, nans", [(300, 40, 0), (200_000, 2000, 0), (200_000, 2000, 3), (300, 40, 45),
                                         (200_000, 2000, 2100)])
 def test_values_tied_with_the_kth_largest_are_taken_at_the_lowest_indices_on_every_path(n, k, nans, monkeypatch):
-    from plug_asgd.compressors import native
     from plug_asgd.worker.exchange.held_device import largest_differences as on_device
 
     w, c, expected = _tied(n, k, nans)
@@ -413,13 +421,19 @@ def test_a_lone_workers_guess_of_its_own_reply_trains_the_bits_of_waiting_for_it
     pulls between its pushes too)."""
     torch.manual_seed(1)
     data = TensorDataset(torch.randn(512, 64), torch.randn(512, 4))
-    guesses = []
-    guess_own = HeldPush.guess_own
+    guesses, fused = [], []
+    guess_own, add_decoded = HeldPush.guess_own, QSGD.add_decoded
 
     def counted(self, local_steps):
         first = not self.guessed
         guesses.append((first, guess_own(self, local_steps)))
         return guesses[-1][1]
+
+    def spied(packed, *arrays):
+        fused.append(add_decoded(packed, *arrays))
+        return fused[-1]
+
+    monkeypatch.setattr(QSGD, "add_decoded", spied)
 
     runs = []
     for guessing in (counted, lambda self, local_steps: False):
@@ -430,5 +444,8 @@ def test_a_lone_workers_guess_of_its_own_reply_trains_the_bits_of_waiting_for_it
         assert (stats[0]["pushes"], stats[0]["held_base_pushes"]) == counts[:2]
     # asked before and after the step where the optimizer is stepped without a closure, as here
     assert sum(first for first, _ in guesses) == counts[2] and all(made for _, made in guesses)
+    # qsgd's guesses add each tensor's decoding in the pass that decodes it, where the C library is (4 tensors)
+    fusing = codec == "qsgd" and native.library() is not None
+    assert fused == ([True] * 4 * counts[2] if fusing else [])
     for a, b in zip(runs[0].parameters(), runs[1].parameters(), strict=True):
         assert torch.equal(a, b)

@@ -9,6 +9,7 @@ import pytest
 
 from plug_asgd.compressors import QSGD, Sign, decode, native
 from plug_asgd.compressors.quantize import draws, lane_sum, unpack_levels
+from plug_asgd.protocol.wire import Packed
 
 SIZES = [1, 7, 8, 63, 64, 65, 1000, 65536 + 13, 200_003]
 
@@ -139,3 +140,39 @@ def test_qsgds_levels_by_hand_from_the_draws():
         want.append(int(low) + int(draws(i, i + 1, keys)[0] < r - low))
     assert unpack_levels(np.asarray(sent.arrays[0]), 3, 4).tolist() == want
     assert np.unpackbits(np.asarray(sent.arrays[1]), count=3, bitorder="little").tolist() == [0, 1, 0]
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("n", SIZES)
+def test_qsgds_decoding_added_twice_gives_the_bits_of_decoding_then_adding(bits, n, monkeypatch):
+    # a worker's guess of an "own" reply: decode(sent) + c with the PS's float32 addition, to the weights and the
+    # held model's next arrays, the decoding never written; numpy's decoding and add are the reference
+    _library_or_skip()
+    w, c = _pair(n, seed=n + bits)
+    sent = QSGD(bits=bits, seed=1).encode_difference("w", w, c)
+    out, again = np.full(n, np.nan, np.float32), np.full(n, np.nan, np.float32)
+    assert QSGD.add_decoded(sent, c, out, again)
+    expected = _numpy_only(monkeypatch, decode, sent, np.float32) + c
+    _same_bits(out, expected)
+    _same_bits(again, expected)
+    plain_out, plain_again = np.empty_like(out), np.empty_like(out)
+    native.add_twice(decode(sent, np.float32), c, plain_out, plain_again)
+    _same_bits(plain_out, expected)
+    _same_bits(plain_again, expected)
+    _numpy_only(monkeypatch, native.add_twice, decode(sent, np.float32), c, plain_out, plain_again)  # numpy's
+    _same_bits(plain_again, expected)
+
+
+def test_qsgds_decoding_added_twice_by_hand_and_where_it_cannot_be(monkeypatch):
+    _library_or_skip()
+    # 8 bits, norm 255 * 0.5: level l decodes to l * 0.5 exactly; levels 3, 0, 255 with signs +, +, -
+    signs = np.packbits(np.array([0, 0, 1], np.uint8), bitorder="little")
+    sent = Packed("qsgd", (3,), {"bits": 8, "norm": 127.5}, (np.array([3, 0, 255], np.uint8), signs))
+    c = np.array([1.0, -2.0, 0.25], np.float32)
+    out, again = np.empty(3, np.float32), np.empty(3, np.float32)
+    assert QSGD.add_decoded(sent, c, out, again)
+    assert out.tolist() == again.tolist() == [2.5, -2.0, -127.25]
+    four_bits = QSGD(bits=4).encode("w", np.array([1.5, 0.0, -127.5], np.float32))
+    assert not QSGD.add_decoded(four_bits, c, out, again)  # levels of 4 bits: decoded, then added
+    assert not QSGD.add_decoded(sent, c.astype(np.float64), out, again)
+    assert not _numpy_only(monkeypatch, QSGD.add_decoded, sent, c, out, again)

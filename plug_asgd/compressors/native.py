@@ -82,6 +82,8 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {  # each loop's return and
     "plug_asgd_sign_decode": (None, [_P, _I64, _F32, _P]),
     "plug_asgd_add_finite": (_INT, [_P, _P, _P, _I64, _F32]),
     "plug_asgd_low_rank_product": (None, [_P, _P, _I64, _I64, _I64, _P]),
+    "plug_asgd_add_twice": (None, [_P, _P, _P, _P, _I64]),
+    "plug_asgd_qsgd_add_twice": (None, [_P, _INT, _P, _I64, _F64, _P, _P, _P]),
 }
 
 
@@ -226,6 +228,34 @@ def qsgd_decode(levels: np.ndarray, signs: np.ndarray, numel: int, step: float) 
     return out
 
 
+def qsgd_add_twice(levels: np.ndarray, signs: np.ndarray, step: float, central: np.ndarray, out: np.ndarray,
+                   again: np.ndarray) -> bool:
+    """``out = again = decoded + central``, ``decoded`` being qsgd's values as :func:`qsgd_decode` makes them and the
+    sum the PS's fold's (the same bits as decoding, then :func:`add_twice`), in one C pass that never writes the
+    decoding; False, with nothing written, where the library is not available or the arrays are not as
+    :func:`qsgd_decode` and :func:`add_twice` read them.
+
+    Args:
+        levels: one level per coordinate, uint8 or uint16.
+        signs: the sign bits, least significant first (set: negative).
+        step: the value of one level.
+        central: the central values, flat float32.
+        out: one array the sums go to.
+        again: another.
+    """
+    lib = library()
+    numel = central.size
+    wide = levels.dtype == np.uint16
+    if (lib is None or not usable(central, out, again) or not central.size == out.size == again.size
+            or not out.flags.writeable or not again.flags.writeable
+            or not _readable(levels, "uint16" if wide else "uint8", numel)
+            or not _readable(signs, "uint8", -(-numel // 8))):
+        return False
+    lib.plug_asgd_qsgd_add_twice(levels.ctypes.data, int(wide), signs.ctypes.data, numel, float(step),
+                                 central.ctypes.data, out.ctypes.data, again.ctypes.data)
+    return True
+
+
 def _reading(w: np.ndarray, c: np.ndarray | None) -> ctypes.CDLL | None:
     """The library, where it can read ``w`` and ``c`` (flat contiguous float32 of one size, ``c`` possibly None)."""
     lib = library()
@@ -322,6 +352,28 @@ def add_finite(update: np.ndarray, central: np.ndarray, out: np.ndarray, scale: 
         return None
     return bool(lib.plug_asgd_add_finite(update.ctypes.data, central.ctypes.data, out.ctypes.data, out.size,
                                          float(np.float32(scale))))
+
+
+def add_twice(update: np.ndarray, central: np.ndarray, out: np.ndarray, again: np.ndarray) -> None:
+    """``out = again = update + central`` (numpy's float32 addition, so the PS's fold's bits), reading the two once;
+    numpy's add and copy where the library is not available or the arrays are not flat contiguous float32 of one
+    size (``out`` and ``again`` writeable, neither one of the others).
+
+    Args:
+        update: the decoded update.
+        central: the central values it is added to.
+        out: one array the sums go to.
+        again: another.
+    """
+    lib = library()
+    arrays = (update, central, out, again)
+    if (lib is not None and usable(*arrays) and len({a.size for a in arrays}) == 1 and out.flags.writeable
+            and again.flags.writeable and len({a.ctypes.data for a in arrays}) == 4):
+        lib.plug_asgd_add_twice(update.ctypes.data, central.ctypes.data, out.ctypes.data, again.ctypes.data,
+                                out.size)
+        return
+    np.add(update, central, out=again)
+    np.copyto(out, again)
 
 
 def low_rank_product(p: np.ndarray, qt: np.ndarray, out: np.ndarray) -> bool:

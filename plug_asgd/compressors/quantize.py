@@ -124,8 +124,8 @@ class QSGD(Codec):
         return qsgd_bytes(math.prod(shape), self.bits)
 
     @classmethod
-    @override
-    def decode_packed(cls, packed: Packed, dtype: np.dtype) -> np.ndarray:
+    def _parts(cls, packed: Packed) -> tuple[int, float, np.ndarray, np.ndarray]:
+        """The bits, the norm, the level stream and the sign bits of ``packed``, checked."""
         check_meta(packed, "bits", "norm")
         bits = meta_int(packed, "bits", 1, 16)
         norm = meta_scale(packed, "norm")
@@ -133,6 +133,32 @@ class QSGD(Codec):
         expect(packed, "the levels", stream, {"uint8"} if bits != 16 else {"uint16"},
                (-(-packed.numel * bits // 8) if bits != 16 else packed.numel,))
         expect(packed, "the signs", signs, {"uint8"}, (-(-packed.numel // 8),))
+        return bits, norm, stream, signs
+
+    @classmethod
+    def add_decoded(cls, packed: Packed, central: np.ndarray, out: np.ndarray, again: np.ndarray) -> bool:
+        """``out = again = decode(packed) + central`` with the PS's float32 addition, in one C pass that never
+        writes the decoding (a worker's guess of an "own" reply); False, with nothing written, where that pass
+        cannot be had (no C library, levels of other than 8 or 16 bits, arrays not flat contiguous float32).
+
+        Args:
+            packed: what qsgd sent for the tensor.
+            central: the central values it is added to, flat.
+            out: one array the sums go to, flat.
+            again: another, flat.
+
+        Raises:
+            WireError: ``bad_payload``, where ``packed`` is not what qsgd sends.
+        """
+        bits, norm, stream, signs = cls._parts(packed)
+        if bits not in (8, 16) or central.size != packed.numel:
+            return False
+        return native.qsgd_add_twice(stream, signs, norm / ((1 << bits) - 1), central, out, again)
+
+    @classmethod
+    @override
+    def decode_packed(cls, packed: Packed, dtype: np.dtype) -> np.ndarray:
+        bits, norm, stream, signs = cls._parts(packed)
         # the level with its sign, in integers (exact), then scaled in float64: -(l * q) is (-l) * q, bit for bit,
         # without np.where's branch per coordinate; in one C loop where it can (the same operations)
         if dtype == np.float32 and bits in (8, 16):

@@ -110,6 +110,29 @@ class HeldModel:
                 np.add(held, part, out=held)
         self.version = version
 
+    def adopt(self, made: dict[str, np.ndarray], version: int) -> None:
+        """The PS answered "own", and ``made`` holds its model, each array the held one plus the update as
+        :meth:`add` would add it (made beforehand, as a worker's guess of the reply makes it): kept as they are,
+        in place of the arrays held, which are not written.
+
+        Args:
+            made: the new central arrays by tensor name, of the held arrays' shapes; tensors not named are unchanged.
+            version: the central version after the PS applied the update.
+
+        Raises:
+            ValueError: where ``made`` names a tensor not held, or gives one of another shape or dtype.
+        """
+        for name, array in made.items():
+            held = self.tensors.get(name)
+            if held is None or array.shape != held.shape or array.dtype != held.dtype:
+                raise ValueError(f"tensor {name!r}: made {array.dtype}{list(array.shape)} for "
+                                 f"{'nothing held' if held is None else f'{held.dtype}{list(held.shape)}'}")
+        for name, array in made.items():
+            self.tensors[name] = array
+            self._returned.discard(name)
+            self._lent.discard(name)
+        self.version = version
+
     def _writable(self, name: str, kept: set[str]) -> np.ndarray:
         """``name``'s array to write, copied first where it is among ``kept`` (or a read-only received frame)."""
         array = self.tensors[name]

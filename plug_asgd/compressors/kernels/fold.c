@@ -33,3 +33,15 @@ int plug_asgd_add_finite(const float *u, const float *c, float *o, int64_t n, fl
     }
     return bad == 0;
 }
+
+/* A worker's guess of an "own" reply (worker/exchange/held_base.py, HeldPush.guess_own): v = u + c, the PS's
+   float32 addition of the decoded update u to the central values c, written to both o1 (the weights) and o2 (the
+   central model held next): one read of u and c where numpy's add and copy read the sum again. */
+CLONES
+void plug_asgd_add_twice(const float *u, const float *c, float *o1, float *o2, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = u[i] + c[i];
+        o1[i] = v;
+        o2[i] = v;
+    }
+}

@@ -161,3 +161,36 @@ void plug_asgd_qsgd_decode(const void *levels, int wide, const uint8_t *signs, i
         QSGD_VALUES(narrow)
     }
 }
+
+/* qsgd's decoding added to the central values c, the sum written to o1 and o2 (a worker's guess of an "own" reply,
+   worker/exchange/held_base.py): each value decoded as plug_asgd_qsgd_decode decodes it, then added as the PS's
+   fold adds it (d + c in float32), so the same bits as the decoding and plug_asgd_add_twice; the decoding is
+   never written. */
+#define QSGD_ADDED(LEVELS)                                                                   \
+    for (int64_t k = 0; k < n / 8; k++) {                                                   \
+        int32_t byte = signs[k];                                                             \
+        for (int32_t j = 0; j < 8; j++) {                                                    \
+            int32_t level = (int32_t)LEVELS[8 * k + j] * (1 - 2 * ((byte >> j) & 1));         \
+            float v = (float)((double)level * q) + c[8 * k + j];                             \
+            o1[8 * k + j] = v;                                                               \
+            o2[8 * k + j] = v;                                                               \
+        }                                                                                    \
+    }                                                                                        \
+    for (int64_t i = n / 8 * 8; i < n; i++) {                                               \
+        int32_t level = (int32_t)LEVELS[i] * (1 - 2 * ((signs[i >> 3] >> (i & 7)) & 1));      \
+        float v = (float)((double)level * q) + c[i];                                         \
+        o1[i] = v;                                                                           \
+        o2[i] = v;                                                                           \
+    }
+
+CLONES
+void plug_asgd_qsgd_add_twice(const void *levels, int wide, const uint8_t *signs, int64_t n, double q,
+                              const float *c, float *o1, float *o2) {
+    const uint8_t *narrow = (const uint8_t *)levels;
+    const uint16_t *words = (const uint16_t *)levels;
+    if (wide) {
+        QSGD_ADDED(words)
+    } else {
+        QSGD_ADDED(narrow)
+    }
+}

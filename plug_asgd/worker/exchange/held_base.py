@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from plug_asgd.compressors import Compressor, decode
-from plug_asgd.protocol.wire import Sparse
+from plug_asgd.compressors import QSGD, Compressor, decode, native
+from plug_asgd.protocol.wire import Packed, Sparse
 from plug_asgd.worker.client import PSClient
 from plug_asgd.worker.exchange.in_flight import InFlight
 from plug_asgd.worker.held_model import HeldModel
@@ -148,7 +148,7 @@ class HeldBase:
 
     def settle(self, reply: ModelReply, held: HeldModel, weights: dict[str, np.ndarray],
                central_before: Mapping[str, np.ndarray], decoded: Mapping[str, np.ndarray | Sparse],
-               guessed: bool = False) -> None:
+               guessed: bool = False, made: dict[str, np.ndarray] | None = None) -> None:
         """Take the reply to a push from the held base: "own" (the held model plus what was sent, made here), or
         the central model with another worker's pushes in it, merged keeping the invariant.
 
@@ -160,9 +160,14 @@ class HeldBase:
             decoded: the pushed update as the PS decoded it (:meth:`decoded`).
             guessed: the weights were made the model an "own" reply means (:meth:`HeldPush.guess_own`) and the
                 optimizer has stepped from there since.
+            made: that model, made at the guess beside the weights, which the held model then takes as it is;
+                None: the held model adds ``decoded``.
         """
         if reply.own:
-            held.add(dict(decoded), reply.version)
+            if made is not None:
+                held.adopt(made, reply.version)
+            else:
+                held.add(dict(decoded), reply.version)
             if self.kind == CENTRAL and not guessed:
                 for name, w in weights.items():
                     np.copyto(w, held.tensors[name].reshape(w.shape))
@@ -240,6 +245,7 @@ class HeldPush(InFlight):
         self.masked = False  # the optimizers' momentum was masked where the update was sent
         self.guessed = False  # the weights are the model an "own" reply means (guess_own)
         self.guessed_at = 0  # the worker's local steps then
+        self.made: dict[str, np.ndarray] | None = None  # the model the guess made: the held model's at "own"
         self._encoded, self._decoded = threading.Event(), threading.Event()
 
         def work() -> ModelReply:
@@ -256,8 +262,17 @@ class HeldPush(InFlight):
         super().__init__(work)
 
     def _decode(self) -> None:
-        self.decoded.update(self.held.decoded(self.update, self.weights, self.encoder))
+        if not self._fuses():
+            self.decoded.update(self.held.decoded(self.update, self.weights, self.encoder))
         self._decoded.set()
+
+    def _fuses(self) -> bool:
+        """Whether the guess adds each tensor's decoding to the held model in the pass that decodes it, never
+        written (qsgd's 8- or 16-bit levels, in C): then the update is decoded only where a reply needs it."""
+        return (self.held.kind == CENTRAL and native.library() is not None and bool(self.update)
+                and getattr(self.encoder, "decoded_of", None) is None
+                and all(isinstance(s, Packed) and s.codec == "qsgd" and s.meta.get("bits") in (8, 16)
+                        for s in self.update.values()))
 
     def encoded(self) -> dict[str, Any]:
         """The update, once encoded (the weights may change from then on)."""
@@ -280,10 +295,23 @@ class HeldPush(InFlight):
             return True
         self._decoded.wait()
         decoded = self.decoded
-        if decoded.keys() != self.weights.keys() or not all(isinstance(d, np.ndarray) for d in decoded.values()):
+        fused = not decoded and self.update.keys() == self.weights.keys() and self._fuses()
+        if not fused and (decoded.keys() != self.weights.keys()
+                          or not all(isinstance(d, np.ndarray) for d in decoded.values())):
             return False
+        made = {}
         for name, w in self.weights.items():
-            np.add(self.central[name].reshape(w.shape), decoded[name].reshape(w.shape), out=w)
+            c = self.central[name]
+            # the sums go to the weights and to the held model's next arrays in one pass: an "own" reply then
+            # takes those as they are (HeldModel.adopt), where adding the update to the held model again read it
+            made[name] = np.empty_like(c)
+            flat = (c.reshape(-1), w.reshape(-1), made[name].reshape(-1))
+            if fused and QSGD.add_decoded(self.update[name], *flat):
+                continue
+            if name not in decoded:
+                decoded.update(self.held.decoded({name: self.update[name]}, self.weights))
+            native.add_twice(decoded[name].reshape(-1), *flat)
+        self.made = made
         self.guessed, self.guessed_at = True, local_steps
         return True
 
@@ -294,7 +322,9 @@ class HeldPush(InFlight):
             held: the central model the client holds.
         """
         reply = self.answered()
-        if not self.decoded:  # the push was sent again after a reconnection: decoded here
-            self.decoded.update(self.held.decoded(self.update, self.weights))
-        self.held.settle(reply, held, self.weights, self.central, self.decoded, self.guessed)
+        if self.made is None or not reply.own:  # the decoding is read: made here where it is not yet (sent again
+            # after a reconnection, or never written by the guess)
+            missing = {name: sent for name, sent in self.update.items() if name not in self.decoded}
+            self.decoded.update(self.held.decoded(missing, self.weights))
+        self.held.settle(reply, held, self.weights, self.central, self.decoded, self.guessed, self.made)
         return reply

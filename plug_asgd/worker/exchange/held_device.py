@@ -150,11 +150,12 @@ class DeviceHeldBase(HeldBase):
 
     @override
     def settle(self, reply: ModelReply, held: HeldModel, weights: dict[str, Any], central_before: Mapping[str, Any],
-               decoded: Mapping[str, np.ndarray | Sparse], guessed: bool = False) -> None:
+               decoded: Mapping[str, np.ndarray | Sparse], guessed: bool = False,
+               made: dict[str, np.ndarray] | None = None) -> None:
         """:meth:`HeldBase.settle` on the device: "own" adds what was sent to the mirror too; a raced reply's
         changes are copied to the device where they are, and merged into the weights there. (Never ``guessed``:
         the device pushes with the residual in the model, whose weights an "own" reply leaves as they are.)"""
-        assert not guessed
+        assert not guessed and made is None
         device = next(iter(weights.values())).device
         with torch.no_grad():
             if reply.own:
