@@ -26,6 +26,9 @@ The sources (``kernels/*.c``) are compiled once per machine by the system's C co
 or ``PLUG_ASGD_NATIVE=0``, or the compilation fails, or on a big-endian machine, :func:`library` is None and numpy
 does it all: the same results, slower.
 
+A worker's guess of an "own" reply writes the PS's sum ``c + decoded`` to its weights and to its next held model in
+one pass (:func:`add_twice`), qsgd's decoding made in the same pass (:func:`qsgd_add_twice`).
+
 PowerSGD's decoding, ``P @ Q.T`` (:func:`low_rank_product`, ``kernels/lowrank.c``), adds each value's ``r``
 products in order, as :func:`plug_asgd.compressors.lowrank.low_rank_product`'s numpy path does: the PS and a worker
 on another kind of CPU decode the same bits, which a BLAS product (its kernel chosen per CPU) does not promise.
