@@ -77,7 +77,7 @@ class PowerSGD(Codec):
         ct = np.result_type(x.dtype, np.float32)
         matrix = x.reshape(n, m).astype(ct, copy=False)
         q = self.q.get(key)
-        if q is None or q.shape != (m, r) or q.dtype != ct or not np.isfinite(q).all():
+        if q is None or q.shape != (m, r) or q.dtype != ct:  # (a factor is kept only where finite)
             rng = np.random.default_rng([self.seed, zlib.crc32(key.encode())])
             q = rng.standard_normal((m, r)).astype(ct)
         with one_thread():

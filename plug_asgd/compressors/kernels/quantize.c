@@ -138,27 +138,29 @@ void plug_asgd_sign_decode(const uint8_t *bits, int64_t n, float value, float *o
 
 /* qsgd's decoding (QSGD.decode_packed): the level (8 or 16 bits) times 1 - 2 * its sign bit, in int32, times q in
    float64, rounded to float32. Eight coordinates a sign byte, each level width a loop of its own: vectorised. */
-#define QSGD_VALUES(LEVELS)                                                                  \
+#define QSGD_EACH(LEVELS, STORE)                                                             \
     for (int64_t k = 0; k < n / 8; k++) {                                                   \
         int32_t byte = signs[k];                                                             \
         for (int32_t j = 0; j < 8; j++) {                                                    \
             int32_t level = (int32_t)LEVELS[8 * k + j] * (1 - 2 * ((byte >> j) & 1));         \
-            out[8 * k + j] = (float)((double)level * q);                                     \
+            STORE(8 * k + j, (float)((double)level * q));                                    \
         }                                                                                    \
     }                                                                                        \
     for (int64_t i = n / 8 * 8; i < n; i++) {                                               \
         int32_t level = (int32_t)LEVELS[i] * (1 - 2 * ((signs[i >> 3] >> (i & 7)) & 1));      \
-        out[i] = (float)((double)level * q);                                                 \
+        STORE(i, (float)((double)level * q));                                                \
     }
+
+#define DECODED(i, d) out[i] = (d)
 
 CLONES
 void plug_asgd_qsgd_decode(const void *levels, int wide, const uint8_t *signs, int64_t n, double q, float *out) {
     const uint8_t *narrow = (const uint8_t *)levels;
     const uint16_t *words = (const uint16_t *)levels;
     if (wide) {
-        QSGD_VALUES(words)
+        QSGD_EACH(words, DECODED)
     } else {
-        QSGD_VALUES(narrow)
+        QSGD_EACH(narrow, DECODED)
     }
 }
 
@@ -166,22 +168,12 @@ void plug_asgd_qsgd_decode(const void *levels, int wide, const uint8_t *signs, i
    worker/exchange/held_base.py): each value decoded as plug_asgd_qsgd_decode decodes it, then added as the PS's
    fold adds it (d + c in float32), so the same bits as the decoding and plug_asgd_add_twice; the decoding is
    never written. */
-#define QSGD_ADDED(LEVELS)                                                                   \
-    for (int64_t k = 0; k < n / 8; k++) {                                                   \
-        int32_t byte = signs[k];                                                             \
-        for (int32_t j = 0; j < 8; j++) {                                                    \
-            int32_t level = (int32_t)LEVELS[8 * k + j] * (1 - 2 * ((byte >> j) & 1));         \
-            float v = (float)((double)level * q) + c[8 * k + j];                             \
-            o1[8 * k + j] = v;                                                               \
-            o2[8 * k + j] = v;                                                               \
-        }                                                                                    \
-    }                                                                                        \
-    for (int64_t i = n / 8 * 8; i < n; i++) {                                               \
-        int32_t level = (int32_t)LEVELS[i] * (1 - 2 * ((signs[i >> 3] >> (i & 7)) & 1));      \
-        float v = (float)((double)level * q) + c[i];                                         \
+#define ADDED(i, d)                                                                          \
+    do {                                                                                     \
+        float v = (d) + c[i];                                                                \
         o1[i] = v;                                                                           \
         o2[i] = v;                                                                           \
-    }
+    } while (0)
 
 CLONES
 void plug_asgd_qsgd_add_twice(const void *levels, int wide, const uint8_t *signs, int64_t n, double q,
@@ -189,8 +181,8 @@ void plug_asgd_qsgd_add_twice(const void *levels, int wide, const uint8_t *signs
     const uint8_t *narrow = (const uint8_t *)levels;
     const uint16_t *words = (const uint16_t *)levels;
     if (wide) {
-        QSGD_ADDED(words)
+        QSGD_EACH(words, ADDED)
     } else {
-        QSGD_ADDED(narrow)
+        QSGD_EACH(narrow, ADDED)
     }
 }
