@@ -34,6 +34,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # LAUNCHER_VARIABLES: set by Lightning's launchers in the launching process, a child that inherits them
 # believes it is one rank of an already launched job. group_members: the pids of a process group.
+from harness.ports import free_port_block
 from harness.processes import LAUNCHER_VARIABLES, group_members
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,9 +207,13 @@ def pytest_runtest_call(item):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the ephemeral range and never handed out before in this session's worker.
+
+    A port the kernel gives ``bind(("", 0))`` comes from the ephemeral range: before the process it is meant for
+    binds it, the kernel may give it to the next such call (the next PS this test starts) or to a connection's
+    local end, and the PS then fails to bind or a worker reaches another test's PS.
+    """
+    return free_port_block(1)
 
 
 
@@ -332,6 +337,7 @@ class PSProcesses:
         from plug_asgd.ps import PSConfig, embedded_command
 
         address = f"tcp://{host}:{free_port()}"
+        assert address not in self.started, f"{address} handed out twice: the first PS would be left running"
         config = PSConfig(bind=address, mode=mode, **{**self.options, **options})
         self.started[address] = self.procs.start([*prefix, *embedded_command(config)], env=self.env)
         return address

@@ -28,7 +28,7 @@ from plug_asgd.cli import status as ps_status
 from plug_asgd.modes import MODES
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.worker.client import PSClient
-from tests.conftest import child_env, kill_group
+from tests.conftest import child_env, free_port, kill_group
 
 CLI_ENV = child_env(COLUMNS="200", NO_COLOR="1")
 
@@ -37,12 +37,6 @@ pytestmark = pytest.mark.timeout(60)
 CLI = [sys.executable, "-m", "plug_asgd.cli.app"]
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 runner = CliRunner()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Procs:
