@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from plug_asgd.compressors import QSGD, Sign, decode, native
-from plug_asgd.compressors.quantize import draws, lane_sum, unpack_levels
+from plug_asgd.compressors.bitpack import unpack_levels
+from plug_asgd.compressors.quantize import draws, lane_sum
 from plug_asgd.protocol.wire import Packed
 
 SIZES = [1, 7, 8, 63, 64, 65, 1000, 65536 + 13, 200_003]

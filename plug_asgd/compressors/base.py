@@ -139,6 +139,24 @@ class Codec(ABC):
         raise bad_payload(f"codec {packed.codec!r} sends no Packed tensors")
 
     @classmethod
+    def fold_packed(cls, packed: Packed, central: np.ndarray, out: np.ndarray, scale: float) -> bool | None:
+        """``out = decode(packed) * scale + central`` (without the product where ``scale`` is 1), as the PS's fold
+        adds a decoded update in float32, in one pass that never writes the decoding; and whether every value
+        written is finite. None, with nothing written, where this codec has no such pass or cannot run it here
+        (:mod:`.fused`): the PS then decodes and folds.
+
+        Args:
+            packed: what arrived, named by this codec; checked as :meth:`decode_packed` checks it.
+            central: the central tensor, float32, of the packed tensor's values.
+            out: where the sums go, like ``central``.
+            scale: the update's factor.
+
+        Raises:
+            WireError: ``bad_payload``, where ``packed`` is not what this codec sends.
+        """
+        return None
+
+    @classmethod
     def slice_packed(cls, packed: Packed, start: int, stop: int) -> Packed:
         """A ``Packed`` that decodes to values ``start:stop`` of ``packed``'s flat decoded tensor, bit for bit.
 

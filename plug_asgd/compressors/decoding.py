@@ -7,6 +7,8 @@ worker's error feedback (:mod:`.error_feedback`) decodes what it sent with it to
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from plug_asgd.compressors.checks import bad_payload
@@ -14,7 +16,52 @@ from plug_asgd.compressors.registered import packed_codecs
 from plug_asgd.protocol.wire import FLOAT_DTYPES, Packed, Sparse, Tensor, dtype_name
 
 
-def decode(tensor: Tensor, dtype: np.dtype | type, *, shape: tuple[int, ...] | None = None) -> np.ndarray | Sparse:
+@dataclass(frozen=True)
+class Undecoded:
+    """A packed tensor the PS folds as it is (:meth:`Codec.fold_packed`): at ResNet size writing its decoding, then
+    reading it again to fold, costs the PS as much as the fold itself. :func:`decode` gives one where asked
+    (``defer``); the fold decodes it (:meth:`decoded`) only where its codec's pass cannot be had.
+
+    Attributes:
+        packed: what the worker sent, its codec's name and shape checked.
+        dtype: the central tensor's dtype.
+    """
+
+    packed: Packed
+    dtype: np.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The decoded tensor's shape."""
+        return tuple(self.packed.shape)
+
+    def fold(self, central: np.ndarray, out: np.ndarray, scale: float) -> bool | None:
+        """``out = decoded * scale + central`` and whether every value written is finite, without writing the
+        decoding; None, with nothing written, where the codec's pass cannot be had (:meth:`Codec.fold_packed`).
+
+        Args:
+            central: the central tensor.
+            out: where the new central tensor goes.
+            scale: the update's factor.
+
+        Raises:
+            WireError: ``bad_payload``, where the tensor is not what its codec sends.
+        """
+        if self.dtype != np.float32:
+            return None
+        return packed_codecs()[self.packed.codec].fold_packed(self.packed, central, out, scale)
+
+    def decoded(self) -> np.ndarray:
+        """The tensor decoded, as :func:`decode` decodes it.
+
+        Raises:
+            WireError: ``bad_payload``, where the tensor is not what its codec sends.
+        """
+        return decode(self.packed, self.dtype)
+
+
+def decode(tensor: Tensor, dtype: np.dtype | type, *, shape: tuple[int, ...] | None = None,
+           defer: bool = False) -> np.ndarray | Sparse | Undecoded:
     """What the parameter server folds in for a tensor a compressor sent: a dense array or a Sparse of ``dtype``.
 
     Dense arrays are cast to ``dtype``, Sparse values are cast to ``dtype``, and a
@@ -31,6 +78,8 @@ def decode(tensor: Tensor, dtype: np.dtype | type, *, shape: tuple[int, ...] | N
         tensor: what a worker sent for the tensor (a dense array, a ``Sparse`` or a ``Packed``).
         dtype: the float dtype of the result (the central tensor's).
         shape: the shape the tensor must have; None: not checked.
+        defer: a ``Packed`` of a float32 tensor comes back :class:`Undecoded` (its codec known, its shape
+            checked), for a fold that decodes it in its own pass.
 
     Raises:
         ValueError: where ``dtype`` is not a float dtype (the caller's mistake, not the sender's).
@@ -57,6 +106,8 @@ def decode(tensor: Tensor, dtype: np.dtype | type, *, shape: tuple[int, ...] | N
         codec = packed.get(tensor.codec)
         if codec is None:
             raise bad_payload(f"unknown codec {tensor.codec!r}; this side decodes {', '.join(sorted(packed))}")
+        if defer and dtype == np.float32:
+            return Undecoded(tensor, dtype)
         return codec.decode_packed(tensor, dtype)
 
 

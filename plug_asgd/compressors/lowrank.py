@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 from typing_extensions import override
 
-from plug_asgd.compressors import native
+from plug_asgd.compressors import fused, native
 from plug_asgd.compressors.base import Codec
 from plug_asgd.compressors.blas import one_thread
 from plug_asgd.compressors.checks import bad_payload, check_int, check_meta, expect, packed_arrays
@@ -107,8 +107,8 @@ class PowerSGD(Codec):
         return max(itemsize, 4) * self.rank * sum(factored)
 
     @classmethod
-    @override
-    def decode_packed(cls, packed: Packed, dtype: np.dtype) -> np.ndarray:
+    def _factors(cls, packed: Packed) -> tuple[np.ndarray, np.ndarray]:
+        """``P [n, r]`` and ``Q [m, r]`` of ``packed``, checked, in their common float dtype (float32 at least)."""
         check_meta(packed)
         if len(packed.shape) < 2:
             raise bad_payload(f"codec 'powersgd' needs a tensor of 2 or more dimensions, got shape "
@@ -125,8 +125,23 @@ class PowerSGD(Codec):
         expect(packed, "P", left, FLOAT_DTYPES, (n, rank))
         expect(packed, "Q", right, FLOAT_DTYPES, (m, rank))
         ct = np.result_type(left.dtype, right.dtype, np.float32)
-        product = low_rank_product(left.astype(ct, copy=False), right.astype(ct, copy=False))
-        return product.reshape(packed.shape).astype(dtype, copy=False)
+        return left.astype(ct, copy=False), right.astype(ct, copy=False)
+
+    @classmethod
+    @override
+    def fold_packed(cls, packed: Packed, central: np.ndarray, out: np.ndarray, scale: float) -> bool | None:
+        left, right = cls._factors(packed)
+        if left.dtype != np.float32 or central.size != packed.numel or not fused.contiguous(central, out):
+            return None
+        n = packed.shape[0]
+        return fused.low_rank_add_finite(np.ascontiguousarray(left), np.ascontiguousarray(right.T),
+                                         central.reshape(n, -1), out.reshape(n, -1), scale)
+
+    @classmethod
+    @override
+    def decode_packed(cls, packed: Packed, dtype: np.dtype) -> np.ndarray:
+        left, right = cls._factors(packed)
+        return low_rank_product(left, right).reshape(packed.shape).astype(dtype, copy=False)
 
 
 ROWS = 256  # the rows of numpy's product made at a time: its temporaries stay in the cache

@@ -27,7 +27,8 @@ or ``PLUG_ASGD_NATIVE=0``, or the compilation fails, or on a big-endian machine,
 does it all: the same results, slower.
 
 A worker's guess of an "own" reply writes the PS's sum ``c + decoded`` to its weights and to its next held model in
-one pass (:func:`add_twice`), qsgd's decoding made in the same pass (:func:`qsgd_add_twice`).
+one pass (:func:`add_twice`). The passes that decode a packed update and add it in the same loop are
+:mod:`.fused`'s.
 
 PowerSGD's decoding, ``P @ Q.T`` (:func:`low_rank_product`, ``kernels/lowrank.c``), adds each value's ``r``
 products in order, as :func:`plug_asgd.compressors.lowrank.low_rank_product`'s numpy path does: the PS and a worker
@@ -87,6 +88,9 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {  # each loop's return and
     "plug_asgd_low_rank_product": (None, [_P, _P, _I64, _I64, _I64, _P]),
     "plug_asgd_add_twice": (None, [_P, _P, _P, _P, _I64]),
     "plug_asgd_qsgd_add_twice": (None, [_P, _INT, _P, _I64, _F64, _P, _P, _P]),
+    "plug_asgd_qsgd_add_finite": (_INT, [_P, _INT, _P, _I64, _F64, _P, _P, _F32]),
+    "plug_asgd_sign_add_finite": (_INT, [_P, _I64, _F32, _P, _P, _F32]),
+    "plug_asgd_low_rank_add_finite": (_INT, [_P, _P, _I64, _I64, _I64, _P, _P, _F32]),
 }
 
 
@@ -206,7 +210,14 @@ def scatter_add(target: np.ndarray, indices: np.ndarray, values: np.ndarray) -> 
     return done >= 0
 
 
-def _readable(array: np.ndarray, dtype: str, size: int) -> bool:
+def readable(array: np.ndarray, dtype: str, size: int) -> bool:
+    """Whether a pass can read ``size`` values of ``dtype`` from ``array`` as it is (flat, contiguous).
+
+    Args:
+        array: what the pass would read.
+        dtype: the dtype it reads.
+        size: the values it reads.
+    """
     return array.dtype == np.dtype(dtype) and array.ndim == 1 and array.size >= size and array.flags.c_contiguous
 
 
@@ -223,40 +234,12 @@ def qsgd_decode(levels: np.ndarray, signs: np.ndarray, numel: int, step: float) 
     """
     lib = library()
     wide = levels.dtype == np.uint16
-    if (lib is None or not _readable(levels, "uint16" if wide else "uint8", numel)
-            or not _readable(signs, "uint8", -(-numel // 8))):
+    if (lib is None or not readable(levels, "uint16" if wide else "uint8", numel)
+            or not readable(signs, "uint8", -(-numel // 8))):
         return None
     out = np.empty(numel, dtype=np.float32)
     lib.plug_asgd_qsgd_decode(levels.ctypes.data, int(wide), signs.ctypes.data, numel, float(step), out.ctypes.data)
     return out
-
-
-def qsgd_add_twice(levels: np.ndarray, signs: np.ndarray, step: float, central: np.ndarray, out: np.ndarray,
-                   again: np.ndarray) -> bool:
-    """``out = again = decoded + central``, ``decoded`` being qsgd's values as :func:`qsgd_decode` makes them and the
-    sum the PS's fold's (the same bits as decoding, then :func:`add_twice`), in one C pass that never writes the
-    decoding; False, with nothing written, where the library is not available or the arrays are not as
-    :func:`qsgd_decode` and :func:`add_twice` read them.
-
-    Args:
-        levels: one level per coordinate, uint8 or uint16.
-        signs: the sign bits, least significant first (set: negative).
-        step: the value of one level.
-        central: the central values, flat float32.
-        out: one array the sums go to.
-        again: another.
-    """
-    lib = library()
-    numel = central.size
-    wide = levels.dtype == np.uint16
-    if (lib is None or not usable(central, out, again) or not central.size == out.size == again.size
-            or not out.flags.writeable or not again.flags.writeable
-            or not _readable(levels, "uint16" if wide else "uint8", numel)
-            or not _readable(signs, "uint8", -(-numel // 8))):
-        return False
-    lib.plug_asgd_qsgd_add_twice(levels.ctypes.data, int(wide), signs.ctypes.data, numel, float(step),
-                                 central.ctypes.data, out.ctypes.data, again.ctypes.data)
-    return True
 
 
 def _reading(w: np.ndarray, c: np.ndarray | None) -> ctypes.CDLL | None:
@@ -331,7 +314,7 @@ def sign_decode(bits: np.ndarray, numel: int, value: float) -> np.ndarray | None
         value: the magnitude every coordinate decodes to (a float32).
     """
     lib = library()
-    if lib is None or not _readable(bits, "uint8", -(-numel // 8)):
+    if lib is None or not readable(bits, "uint8", -(-numel // 8)):
         return None
     out = np.empty(numel, dtype=np.float32)
     lib.plug_asgd_sign_decode(bits.ctypes.data, numel, float(np.float32(value)), out.ctypes.data)

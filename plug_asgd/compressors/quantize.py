@@ -7,8 +7,9 @@ import math
 import numpy as np
 from typing_extensions import override
 
-from plug_asgd.compressors import native
+from plug_asgd.compressors import fused, native
 from plug_asgd.compressors.base import Codec
+from plug_asgd.compressors.bitpack import pack_levels, qsgd_bytes, unpack_levels
 from plug_asgd.compressors.checks import check_int, check_meta, expect, meta_int, meta_scale, packed_arrays
 from plug_asgd.compressors.difference import Scratch, chunks, difference, scratch
 from plug_asgd.protocol.wire import Packed, Tensor
@@ -153,7 +154,16 @@ class QSGD(Codec):
         bits, norm, stream, signs = cls._parts(packed)
         if bits not in (8, 16) or central.size != packed.numel:
             return False
-        return native.qsgd_add_twice(stream, signs, norm / ((1 << bits) - 1), central, out, again)
+        return fused.qsgd_add_twice(stream, signs, norm / ((1 << bits) - 1), central, out, again)
+
+    @classmethod
+    @override
+    def fold_packed(cls, packed: Packed, central: np.ndarray, out: np.ndarray, scale: float) -> bool | None:
+        bits, norm, stream, signs = cls._parts(packed)
+        if bits not in (8, 16) or central.size != packed.numel or not fused.contiguous(central, out):
+            return None
+        return fused.qsgd_add_finite(stream, signs, norm / ((1 << bits) - 1), central.reshape(-1),
+                                     out.reshape(-1), scale)
 
     @classmethod
     @override
@@ -242,12 +252,26 @@ class Sign(Codec):
         return -(-math.prod(shape) // 8)
 
     @classmethod
-    @override
-    def decode_packed(cls, packed: Packed, dtype: np.dtype) -> np.ndarray:
+    def _parts(cls, packed: Packed) -> tuple[float, np.ndarray]:
+        """The scale and the sign bits of ``packed``, checked."""
         check_meta(packed, "scale")
         scale = meta_scale(packed, "scale")
         (bits,) = packed_arrays(packed, 1)
         expect(packed, "the signs", bits, {"uint8"}, (-(-packed.numel // 8),))
+        return scale, bits
+
+    @classmethod
+    @override
+    def fold_packed(cls, packed: Packed, central: np.ndarray, out: np.ndarray, scale: float) -> bool | None:
+        value, bits = cls._parts(packed)
+        if central.size != packed.numel or not fused.contiguous(central, out):
+            return None
+        return fused.sign_add_finite(bits, value, central.reshape(-1), out.reshape(-1), scale)
+
+    @classmethod
+    @override
+    def decode_packed(cls, packed: Packed, dtype: np.dtype) -> np.ndarray:
+        scale, bits = cls._parts(packed)
         if dtype == np.float32:
             done = native.sign_decode(bits, packed.numel, scale)
             if done is not None:
@@ -326,71 +350,3 @@ def draws(start: int, stop: int, keys: tuple[int, int]) -> np.ndarray:
     low, high = index.astype(np.uint32), (index >> np.uint64(32)).astype(np.uint32)
     hashed = _mix32(_mix32(low ^ np.uint32(keys[0])) ^ (high + np.uint32(keys[1])))
     return (hashed >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
-
-
-def pack_levels(levels: np.ndarray, bits: int) -> np.ndarray:
-    """Levels below ``2**bits``, ``bits`` each: the bytes of 8-bit levels and the words of 16-bit ones as they
-    are, else packed least significant bit first (``ceil(n * bits / 8)`` bytes, the last padded with zeros).
-
-    Args:
-        levels: the levels, unsigned integers.
-        bits: the bits of each level, 1 to 16.
-    """
-    if bits == 8:
-        return levels.astype(np.uint8, copy=False)
-    if bits == 16:
-        return levels.astype(np.uint16, copy=False)
-    return pack_bits(levels.astype(np.uint32), bits)
-
-
-def unpack_levels(stream: np.ndarray, count: int, bits: int) -> np.ndarray:
-    """The levels :func:`pack_levels` packed.
-
-    Args:
-        stream: what :func:`pack_levels` returned.
-        count: how many levels it holds.
-        bits: the bits of each level, 1 to 16.
-    """
-    if bits in (8, 16):
-        return stream
-    return unpack_bits(stream, count, bits)
-
-
-def pack_bits(codes: np.ndarray, width: int) -> np.ndarray:
-    """Unsigned ``codes`` (each below ``2**width``) as ``width`` bits each, least significant first.
-
-    That is ``ceil(n * width / 8)`` bytes, the last one padded with zero bits.
-
-    Args:
-        codes: the codes, unsigned integers.
-        width: the bits of each code.
-    """
-    bits = np.empty((codes.size, width), dtype=np.uint8)
-    for j in range(width):
-        bits[:, j] = (codes >> j) & 1
-    return np.packbits(bits.reshape(-1), bitorder="little")
-
-
-def unpack_bits(stream: np.ndarray, count: int, width: int) -> np.ndarray:
-    """The uint32 codes :func:`pack_bits` packed.
-
-    Args:
-        stream: what :func:`pack_bits` returned (uint8).
-        count: how many codes it holds.
-        width: the bits of each code.
-    """
-    bits = np.unpackbits(stream, count=count * width, bitorder="little").reshape(count, width)
-    codes = np.zeros(count, dtype=np.uint32)
-    for j in range(width):
-        codes |= bits[:, j].astype(np.uint32) << np.uint32(j)
-    return codes
-
-
-def qsgd_bytes(numel: int, bits: int) -> int:
-    """The frame bytes of a tensor of ``numel`` values that :class:`QSGD` sends: its levels, then its sign bits.
-
-    Args:
-        numel: the tensor's values.
-        bits: the bits of each level.
-    """
-    return -(-numel * bits // 8) + -(-numel // 8)

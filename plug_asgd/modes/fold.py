@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from plug_asgd.compressors import native
+from plug_asgd.compressors.decoding import Undecoded
 from plug_asgd.modes.slices import SlicePool
 from plug_asgd.protocol.wire import Sparse, Tensor, WireError
 
@@ -161,8 +162,16 @@ def _fold_all(state: CentralState, push: Push, scale: float = 1.0) -> None:
 def _fold_out_of_place(state: CentralState, push: Push, scale: float) -> None:
     """Called with numpy's overflow warnings off (``_fold_all``); pool threads turn them off themselves."""
     assert push.out is not None
+    pool = state.pool
     for name, update in push.update.items():
         out, central = push.out[name], state.tensors[name]
+        if isinstance(update, Undecoded):  # a packed tensor folded in its codec's pass, or else decoded here
+            split = pool is not None and central.size >= pool.min_split  # (the pass is one thread's)
+            finite = None if split or push.replace else update.fold(central, out, scale)
+            if finite is not None:
+                _refuse_unless(finite, name)
+                continue
+            update = update.decoded()
         copy = out is not update
         # weights taken where they are (lent, possibly read-only) are checked, and nothing is written
         fits = can_fold_into(out, central) if copy or not push.replace else out.dtype == central.dtype
@@ -189,9 +198,13 @@ def _fold_out_of_place(state: CentralState, push: Push, scale: float) -> None:
                 np.add(u, c, out=o)
             return _finite(o)
 
-        pool = state.pool
         finite = all(pool.map(_quiet(fold), u.size)) if pool is not None and u.size >= pool.min_split else fold(None)
-        if not finite:
-            raise WireError("not_finite", f"update refused: tensor {name!r} holds NaN or Inf, or would overflow "
-                                          "the central tensor (has the worker's training diverged? lower the "
-                                          "learning rate)")
+        _refuse_unless(finite, name)
+
+
+def _refuse_unless(finite: bool, name: str) -> None:
+    """Refuse the push (nothing kept) where tensor ``name``'s fold wrote a value that is not finite."""
+    if not finite:
+        raise WireError("not_finite", f"update refused: tensor {name!r} holds NaN or Inf, or would overflow "
+                                      "the central tensor (has the worker's training diverged? lower the "
+                                      "learning rate)")

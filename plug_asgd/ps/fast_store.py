@@ -22,6 +22,7 @@ import numpy as np
 import zmq
 from typing_extensions import override
 
+from plug_asgd.compressors.decoding import Undecoded
 from plug_asgd.modes import can_fold_into
 from plug_asgd.protocol.wire import Local, Sparse, Tensor, encode
 from plug_asgd.ps.config import PSConfig
@@ -31,13 +32,16 @@ from plug_asgd.ps.store_records import PushIn
 
 
 class FastStore(Store):
-    """Lends, reuses received frames and spare arrays, and copies on write only while a reply may read.
+    """Lends, reuses received frames and spare arrays, and copies on write only while a reply may read; folds a
+    packed push into spare arrays without writing its decoding (:class:`Undecoded`).
 
     Args:
         config: the server's options (as :class:`~plug_asgd.ps.store.Store` reads them).
         stats: the counters it adds to; None: counters of its own.
         copy_threshold: the socket's; pyzmq copies smaller frames itself, so those are not tracked.
     """
+
+    folds_packed = True
 
     def __init__(self, config: PSConfig, stats: Stats | None = None, copy_threshold: int = zmq.COPY_THRESHOLD) -> None:
         super().__init__(config, stats)
@@ -119,13 +123,17 @@ class FastStore(Store):
         lends = (push.weights and push.lend and exact and update.keys() == tensors.keys()
                  and all(isinstance(push.tensors[n], Local) for n in update))
         out = None
+        undecoded = any(isinstance(u, Undecoded) for u in update.values())
         if lends:
             out = update
         elif self.rule.folds_into_update:
             if all(can_fold_into(u, tensors[n]) for n, u in update.items()):
                 out = update
-            elif (local_bytes or push.weights) and all(isinstance(u, np.ndarray) for u in update.values()):
+            elif ((local_bytes or push.weights or undecoded)
+                  and all(isinstance(u, (np.ndarray, Undecoded)) for u in update.values())):
                 out = self._spare_buffers(update)
+        if out is None and undecoded:  # (not where spares are had: they are, for a rule that folds)
+            update = {n: u.decoded() if isinstance(u, Undecoded) else u for n, u in update.items()}
         if out is None and local_bytes:  # still views of the worker's memory: the store's own copies
             update = {n: np.array(u) if isinstance(push.tensors[n], Local) else u for n, u in update.items()}
         return update, out, bool(lends)
@@ -143,7 +151,7 @@ class FastStore(Store):
         elif lends or out is not None:  # the arrays a fold into spares (or a lend) replaced are the next spares
             self._recycle(before)
 
-    def _spare_buffers(self, update: dict[str, Tensor]) -> dict[str, np.ndarray] | None:
+    def _spare_buffers(self, update: dict[str, Tensor | Undecoded]) -> dict[str, np.ndarray] | None:
         """Arrays like the central ones to fold ``update`` into; None if a tensor cannot be (dtype, shape)."""
         out = {}
         for name, u in update.items():

@@ -18,9 +18,9 @@ from plug_asgd.protocol.wire import Message, WireError, encode
 from plug_asgd.ps.changes import parse_have
 from plug_asgd.ps.fast_store import FastStore
 from plug_asgd.ps.membership import Membership
+from plug_asgd.ps.refusals import check_model
 from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.stats import Stats
-from plug_asgd.ps.store import check_model
 from plug_asgd.ps.store_records import FOLDED, MAX_SCALED_FOR, NOT_CURRENT, PushIn
 
 log = logging.getLogger("plug_asgd.ps")

@@ -17,15 +17,17 @@ from typing import Any
 import numpy as np
 
 from plug_asgd.compressors import decode as decode_update
-from plug_asgd.modes import CentralState, FoldRule, Push, Resolution, all_finite
+from plug_asgd.compressors.decoding import Undecoded
+from plug_asgd.modes import CentralState, FoldRule, Push, Resolution
 from plug_asgd.modes import get as get_mode
 from plug_asgd.modes.slices import SlicePool
 from plug_asgd.protocol.push_memory import AttachedSegments
 from plug_asgd.protocol.push_memory import available as shm_available
-from plug_asgd.protocol.wire import FLOAT_DTYPES, Local, Sparse, Tensor, WireError
+from plug_asgd.protocol.wire import Local, Tensor, WireError
 from plug_asgd.ps.changes import ChangeLog
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.downlink import Downlink
+from plug_asgd.ps.refusals import check_finite, check_model
 from plug_asgd.ps.stats import Stats
 from plug_asgd.ps.store_records import FOLDED, MAX_SEQ_STEP, NOT_CURRENT, STOPPED, Folded, PushIn, Snapshot
 
@@ -37,6 +39,8 @@ class Store(ABC):
         config: the server's options (mode and its options, threads, max updates, shared memory, downlink).
         stats: the counters it adds to; None: counters of its own.
     """
+
+    folds_packed = False  # whether its ``_place`` gives an update left Undecoded arrays to fold into
 
     def __init__(self, config: PSConfig, stats: Stats | None = None) -> None:
         self.rule: FoldRule = get_mode(config.mode).make_rule(
@@ -198,7 +202,8 @@ class Store(ABC):
         staleness = self.state.version - base
         correction = self._correction(push.scaled_for, staleness)  # refused before anything is read
         sent, local_bytes = self._read_local(push.session, push.tensors)
-        update = self._decode(sent)
+        # a store that folds into spare arrays folds a packed tensor as it is (Undecoded), never writing its decoding
+        update = self._decode(sent, defer=self.folds_packed and self.rule.folds_into_update and not self.stopped)
         fresh = staleness == 0 and correction == 1.0 and not self.resumed
         # Exactly base + this update once folded: nothing else folded in since the base, dense values used as sent.
         exact = fresh and self.rule.folds_into_update and all(
@@ -277,9 +282,10 @@ class Store(ABC):
             out[name] = t
         return out, nbytes
 
-    def _decode(self, update: dict[str, Tensor]) -> dict[str, Tensor]:
-        """What each compressor sent, decoded into the central tensor's dtype (not yet checked for NaN/Inf)."""
-        out: dict[str, Tensor] = {}
+    def _decode(self, update: dict[str, Tensor], defer: bool) -> dict[str, Tensor | Undecoded]:
+        """What each compressor sent, decoded into the central tensor's dtype (not yet checked for NaN/Inf); a
+        packed tensor left :class:`Undecoded` where ``defer``."""
+        out: dict[str, Tensor | Undecoded] = {}
         for name, t in update.items():
             central = self.state.tensors.get(name)
             if central is None:
@@ -287,7 +293,7 @@ class Store(ABC):
             if tuple(t.shape) != central.shape:
                 raise WireError("bad_tensor", f"tensor {name!r}: got shape {list(t.shape)}, the central model "
                                               f"holds {central.dtype.name}{list(central.shape)}")
-            out[name] = decode_update(t, central.dtype, shape=central.shape)
+            out[name] = decode_update(t, central.dtype, shape=central.shape, defer=defer)
         return out
 
     # -- where buffers come from: what the two stores do differently ---------------------------
@@ -365,36 +371,3 @@ class Store(ABC):
             session: the session about to be answered.
             request: the number of the request being answered.
         """
-
-
-def check_model(tensors: dict[str, Tensor]) -> None:
-    """Refuse an initial model the central model cannot be.
-
-    Args:
-        tensors: the model, by name.
-
-    Raises:
-        WireError: ``bad_tensor`` for no tensors or one not a dense float array; ``not_finite`` for NaN/Inf.
-    """
-    for name, t in tensors.items():
-        if not isinstance(t, np.ndarray) or t.dtype.name not in FLOAT_DTYPES:
-            raise WireError("bad_tensor", f"tensor {name!r}: the central model holds dense float tensors")
-        if not all_finite(t):
-            raise WireError("not_finite", f"tensor {name!r} holds NaN or Inf")
-    if not tensors:
-        raise WireError("bad_tensor", "init carries no tensors")
-
-
-def check_finite(update: dict[str, Tensor]) -> None:
-    """Refuse an update with NaN or Inf, before any of it is folded in.
-
-    Args:
-        update: the decoded update, by name.
-
-    Raises:
-        WireError: ``not_finite``, where a tensor holds NaN or Inf.
-    """
-    for name, t in update.items():
-        if not all_finite(t.values if isinstance(t, Sparse) else t):
-            raise WireError("not_finite", f"update refused: tensor {name!r} holds NaN or Inf (has the worker's "
-                                          "training diverged? lower the learning rate)")
