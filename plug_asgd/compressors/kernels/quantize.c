@@ -122,64 +122,38 @@ void plug_asgd_qsgd_encode(const float *w, const float *c, int64_t n, float s, f
 }
 
 /* Sign's decoding: -value where a coordinate's bit is set, value elsewhere (value itself where it is 0, as numpy's
-   value - 2 * value gives +0.0), by flipping the float's sign bit: eight coordinates a byte, vectorised. STORE(i, d)
-   takes coordinate i's value d. */
-#define SIGN_EACH(STORE)                                                                     \
-    uint32_t magnitude, flip = value != 0.0f ? 1u : 0u;                                      \
-    memcpy(&magnitude, &value, 4);                                                           \
-    for (int64_t k = 0; k < n / 8; k++) {                                                   \
-        uint32_t byte = bits[k];                                                             \
-        for (uint32_t j = 0; j < 8; j++) {                                                   \
-            uint32_t word = magnitude ^ ((((byte >> j) & 1u) & flip) << 31);                 \
-            float d;                                                                         \
-            memcpy(&d, &word, 4);                                                            \
-            STORE(8 * k + j, d);                                                             \
-        }                                                                                    \
-    }                                                                                        \
-    for (int64_t i = n / 8 * 8; i < n; i++) {                                               \
-        uint32_t word = magnitude ^ ((((uint32_t)bits[i >> 3] >> (i & 7)) & flip) << 31);    \
-        float d;                                                                             \
-        memcpy(&d, &word, 4);                                                                \
-        STORE(i, d);                                                                         \
-    }
-
-#define DECODED(i, d) out[i] = (d)
-
+   value - 2 * value gives +0.0), by flipping the float's sign bit: eight coordinates a byte, vectorised. */
 CLONES
 void plug_asgd_sign_decode(const uint8_t *bits, int64_t n, float value, float *out) {
-    SIGN_EACH(DECODED)
+    uint32_t magnitude, flip = value != 0.0f ? 1u : 0u;
+    memcpy(&magnitude, &value, 4);
+    uint32_t *words = (uint32_t *)out;
+    int64_t whole = n / 8;
+    for (int64_t k = 0; k < whole; k++) {
+        uint32_t byte = bits[k];
+        for (uint32_t j = 0; j < 8; j++) words[8 * k + j] = magnitude ^ ((((byte >> j) & 1u) & flip) << 31);
+    }
+    for (int64_t i = 8 * whole; i < n; i++) words[i] = magnitude ^ ((((uint32_t)bits[i >> 3] >> (i & 7)) & flip) << 31);
 }
 
-/* The PS's fold of a decoding d out of place (Codec.fold_packed): o = d + c, or d * s + c where s is not 1, as
-   plug_asgd_add_finite adds a decoded update (the same bits as decoding, then folding), noting in bad a value
-   written that is not finite; the decoding itself is never written. */
-#define FOLDED(i, d)                                                                         \
-    do {                                                                                     \
-        float v = (d) + c[i];                                                                \
-        uint32_t b;                                                                          \
-        memcpy(&b, &v, 4);                                                                   \
-        o[i] = v;                                                                            \
-        bad |= (b & 0x7f800000u) == 0x7f800000u;                                             \
-    } while (0)
-#define FOLDED_SCALED(i, d)                                                                  \
-    do {                                                                                     \
-        float v = (d) * s + c[i];                                                            \
-        uint32_t b;                                                                          \
-        memcpy(&b, &v, 4);                                                                   \
-        o[i] = v;                                                                            \
-        bad |= (b & 0x7f800000u) == 0x7f800000u;                                             \
-    } while (0)
+/* The PS's fold of a packed update out of place (Codec.fold_packed): block by block, the values decoded into a
+   buffer that stays in L1, then o = d + c (d * s + c where s is not 1) by plug_asgd_add_finite (fold.c), which
+   also says whether every value written is finite: the bits of decoding, then folding, without the decoding
+   written whole and read again. FUSED_BLOCK is a multiple of 8: each block starts at a sign byte. */
+#define FUSED_BLOCK 2048
+
+int plug_asgd_add_finite(const float *u, const float *c, float *o, int64_t n, float s);
 
 /* Sign's decoding folded (Sign.fold_packed): whether every value written is finite. */
-CLONES
 int plug_asgd_sign_add_finite(const uint8_t *bits, int64_t n, float value, const float *c, float *o, float s) {
-    uint32_t bad = 0;
-    if (s != 1.0f) {
-        SIGN_EACH(FOLDED_SCALED)
-    } else {
-        SIGN_EACH(FOLDED)
+    float d[FUSED_BLOCK];
+    int finite = 1;
+    for (int64_t b = 0; b < n; b += FUSED_BLOCK) {
+        int64_t len = n - b < FUSED_BLOCK ? n - b : FUSED_BLOCK;
+        plug_asgd_sign_decode(bits + b / 8, len, value, d);
+        finite &= plug_asgd_add_finite(d, c + b, o + b, len, s);
     }
-    return bad == 0;
+    return finite;
 }
 
 /* qsgd's decoding (QSGD.decode_packed): the level (8 or 16 bits) times 1 - 2 * its sign bit, in int32, times q in
@@ -196,6 +170,8 @@ int plug_asgd_sign_add_finite(const uint8_t *bits, int64_t n, float value, const
         int32_t level = (int32_t)LEVELS[i] * (1 - 2 * ((signs[i >> 3] >> (i & 7)) & 1));      \
         STORE(i, (float)((double)level * q));                                                \
     }
+
+#define DECODED(i, d) out[i] = (d)
 
 CLONES
 void plug_asgd_qsgd_decode(const void *levels, int wide, const uint8_t *signs, int64_t n, double q, float *out) {
@@ -232,20 +208,15 @@ void plug_asgd_qsgd_add_twice(const void *levels, int wide, const uint8_t *signs
 }
 
 /* qsgd's decoding folded (QSGD.fold_packed): whether every value written is finite. */
-CLONES
 int plug_asgd_qsgd_add_finite(const void *levels, int wide, const uint8_t *signs, int64_t n, double q,
                               const float *c, float *o, float s) {
-    const uint8_t *narrow = (const uint8_t *)levels;
-    const uint16_t *words = (const uint16_t *)levels;
-    uint32_t bad = 0;
-    if (s != 1.0f && wide) {
-        QSGD_EACH(words, FOLDED_SCALED)
-    } else if (s != 1.0f) {
-        QSGD_EACH(narrow, FOLDED_SCALED)
-    } else if (wide) {
-        QSGD_EACH(words, FOLDED)
-    } else {
-        QSGD_EACH(narrow, FOLDED)
+    float d[FUSED_BLOCK];
+    int finite = 1;
+    for (int64_t b = 0; b < n; b += FUSED_BLOCK) {
+        int64_t len = n - b < FUSED_BLOCK ? n - b : FUSED_BLOCK;
+        const uint8_t *from = (const uint8_t *)levels + (wide ? 2 * b : b);
+        plug_asgd_qsgd_decode(from, wide, signs + b / 8, len, q, d);
+        finite &= plug_asgd_add_finite(d, c + b, o + b, len, s);
     }
-    return bad == 0;
+    return finite;
 }
