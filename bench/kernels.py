@@ -52,6 +52,7 @@ def passes(w: np.ndarray, c: np.ndarray) -> dict[str, Callable[[], object]]:
         "sign: decode": lambda: decode(sign, np.float32),
         "qsgd (8 bits): encode w - c": lambda: QSGD().encode_difference("w", w, c),
         "qsgd (8 bits): decode": lambda: decode(qsgd, np.float32),
+        "qsgd (8 bits): a worker's guess, decoded and added twice": lambda: _guess(qsgd, c),
         "top-k 1%, residual in the model: encode w - c": lambda: TopKResidual(0.01).encode_difference(
             "w", w, c, implicit_residual=True),
         "residual += w - c (error feedback)": lambda: accumulate(residual, w, c),
@@ -61,6 +62,13 @@ def passes(w: np.ndarray, c: np.ndarray) -> dict[str, Callable[[], object]]:
         "the PS's fold of qsgd's push (decoded in the pass)": lambda: _fold_packed(qsgd, c),
         "the PS's fold of PowerSGD's push (decoded in the pass)": lambda: _fold_packed(factors, c[: matrix.size]),
     }
+
+
+def _guess(packed: Packed, c: np.ndarray) -> None:
+    """A worker's guess of an own reply: ``c + decoded`` written twice, in one pass where it can."""
+    out, again = np.empty_like(c), np.empty_like(c)
+    if not QSGD.add_decoded(packed, c, out, again):
+        native.add_twice(decode(packed, np.float32).reshape(-1), c, out, again)
 
 
 def _fold_packed(packed: Packed, c: np.ndarray) -> bool:

@@ -489,7 +489,7 @@ def test_the_kernels_benchmark_times_each_pass_in_c_and_in_numpy(procs):
     assert "one core, a tensor of 1,000 float32 values, median of 2: ms per pass" in text
     rows = [line for line in text.splitlines()
             if line.startswith(("sign:", "qsgd", "top-k", "residual", "the PS", "PowerSGD"))]
-    assert len(rows) == 11, text
+    assert len(rows) == 12, text
     for row in rows:
         times = [float(v) for v in row.split()[-2:]]
         assert all(math.isfinite(t) and t >= 0 for t in times), row  # (without a compiler C's column is nan)

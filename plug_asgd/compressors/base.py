@@ -141,7 +141,7 @@ class Codec(ABC):
     @classmethod
     def fold_packed(cls, packed: Packed, central: np.ndarray, out: np.ndarray, scale: float) -> bool | None:
         """``out = decode(packed) * scale + central`` (without the product where ``scale`` is 1), as the PS's fold
-        adds a decoded update in float32, in one pass that never writes the decoding; and whether every value
+        adds a decoded update in float32, in one pass that never writes the decoding whole; and whether every value
         written is finite. None, with nothing written, where this codec has no such pass or cannot run it here
         (:mod:`.fused`): the PS then decodes and folds.
 

@@ -1,12 +1,12 @@
-"""A packed update decoded and added to the central values in one C pass, its decoding never written.
+"""A packed update decoded and added to the central values in one C pass, its decoding never written whole.
 
 numpy decodes a packed tensor (qsgd's levels, sign's bits, PowerSGD's factors) into a new array of the model's
-size, which the fold then reads again beside the central values: at ResNet size the PS spends as long writing and
-reading the decoding as adding it. Here each value is decoded and added where it is made: the PS's fold out of
+size, which the fold then reads again beside the central values. Here the values are decoded a block at a time
+(2,048 values, a row of ``P @ Q.T``) into a buffer that stays in L1 and added from there: the PS's fold out of
 place, checked for NaN/Inf (:func:`qsgd_add_finite`, :func:`sign_add_finite`, :func:`low_rank_add_finite`; the
 codecs' ``fold_packed``), and a worker's guess of an "own" reply, written to its weights and its next held model
-(:func:`qsgd_add_twice`). Each value is the decoding's and each sum the fold's, the same float32 operations
-(``kernels/quantize.c``, ``kernels/lowrank.c``): the same bits as decoding, then adding
+(:func:`qsgd_add_twice`). Each block is decoded by the decoding's own loop and added by the fold's (one loop
+that decoded and added each value ran slower than the two): the same bits as decoding, then adding
 (``tests/test_fused.py``). Each returns False or None, with nothing written, where the C library is not at hand
 or the arrays are not as it reads them; the caller then decodes and adds.
 """

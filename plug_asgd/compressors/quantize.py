@@ -139,7 +139,7 @@ class QSGD(Codec):
     @classmethod
     def add_decoded(cls, packed: Packed, central: np.ndarray, out: np.ndarray, again: np.ndarray) -> bool:
         """``out = again = decode(packed) + central`` with the PS's float32 addition, in one C pass that never
-        writes the decoding (a worker's guess of an "own" reply); False, with nothing written, where that pass
+        writes the decoding whole (a worker's guess of an "own" reply); False, with nothing written, where that pass
         cannot be had (no C library, levels of other than 8 or 16 bits, arrays not flat contiguous float32).
 
         Args:

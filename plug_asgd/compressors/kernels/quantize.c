@@ -158,52 +158,42 @@ int plug_asgd_sign_add_finite(const uint8_t *bits, int64_t n, float value, const
 
 /* qsgd's decoding (QSGD.decode_packed): the level (8 or 16 bits) times 1 - 2 * its sign bit, in int32, times q in
    float64, rounded to float32. Eight coordinates a sign byte, each level width a loop of its own: vectorised. */
-#define QSGD_EACH(LEVELS, STORE)                                                             \
+#define QSGD_DECODE(LEVELS)                                                                  \
     for (int64_t k = 0; k < n / 8; k++) {                                                   \
         int32_t byte = signs[k];                                                             \
         for (int32_t j = 0; j < 8; j++) {                                                    \
             int32_t level = (int32_t)LEVELS[8 * k + j] * (1 - 2 * ((byte >> j) & 1));         \
-            STORE(8 * k + j, (float)((double)level * q));                                    \
+            out[8 * k + j] = (float)((double)level * q);                                     \
         }                                                                                    \
     }                                                                                        \
     for (int64_t i = n / 8 * 8; i < n; i++) {                                               \
         int32_t level = (int32_t)LEVELS[i] * (1 - 2 * ((signs[i >> 3] >> (i & 7)) & 1));      \
-        STORE(i, (float)((double)level * q));                                                \
+        out[i] = (float)((double)level * q);                                                 \
     }
-
-#define DECODED(i, d) out[i] = (d)
 
 CLONES
 void plug_asgd_qsgd_decode(const void *levels, int wide, const uint8_t *signs, int64_t n, double q, float *out) {
     const uint8_t *narrow = (const uint8_t *)levels;
     const uint16_t *words = (const uint16_t *)levels;
     if (wide) {
-        QSGD_EACH(words, DECODED)
+        QSGD_DECODE(words)
     } else {
-        QSGD_EACH(narrow, DECODED)
+        QSGD_DECODE(narrow)
     }
 }
 
 /* qsgd's decoding added to the central values c, the sum written to o1 and o2 (a worker's guess of an "own" reply,
-   worker/exchange/held_base.py): each value decoded as plug_asgd_qsgd_decode decodes it, then added as the PS's
-   fold adds it (d + c in float32), so the same bits as the decoding and plug_asgd_add_twice; the decoding is
-   never written. */
-#define ADDED(i, d)                                                                          \
-    do {                                                                                     \
-        float v = (d) + c[i];                                                                \
-        o1[i] = v;                                                                           \
-        o2[i] = v;                                                                           \
-    } while (0)
+   worker/exchange/held_base.py), block by block as the fold below: the same bits as decoding, then
+   plug_asgd_add_twice (fold.c); the decoding is never written whole. */
+void plug_asgd_add_twice(const float *u, const float *c, float *o1, float *o2, int64_t n);
 
-CLONES
 void plug_asgd_qsgd_add_twice(const void *levels, int wide, const uint8_t *signs, int64_t n, double q,
                               const float *c, float *o1, float *o2) {
-    const uint8_t *narrow = (const uint8_t *)levels;
-    const uint16_t *words = (const uint16_t *)levels;
-    if (wide) {
-        QSGD_EACH(words, ADDED)
-    } else {
-        QSGD_EACH(narrow, ADDED)
+    float d[FUSED_BLOCK];
+    for (int64_t b = 0; b < n; b += FUSED_BLOCK) {
+        int64_t len = n - b < FUSED_BLOCK ? n - b : FUSED_BLOCK;
+        plug_asgd_qsgd_decode((const uint8_t *)levels + (wide ? 2 * b : b), wide, signs + b / 8, len, q, d);
+        plug_asgd_add_twice(d, c + b, o1 + b, o2 + b, len);
     }
 }
 
