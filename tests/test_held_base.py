@@ -449,34 +449,3 @@ def test_a_lone_workers_guess_of_its_own_reply_trains_the_bits_of_waiting_for_it
     assert fused == ([True] * 4 * counts[2] if fusing else [])
     for a, b in zip(runs[0].parameters(), runs[1].parameters(), strict=True):
         assert torch.equal(a, b)
-
-
-def test_the_held_model_an_own_reply_makes_is_made_while_the_ps_folds_with_the_bits_of_adding_it_then(monkeypatch):
-    """sign (the residual in the model, a dense decoding), a lone worker: where the last reply was "own", the held
-    model's next arrays are made on the push's thread and the own reply adopts them; the fit trains the bits of
-    adding the update to the held model at each reply."""
-    torch.manual_seed(1)
-    data = TensorDataset(torch.randn(512, 64), torch.randn(512, 4))
-    calls: dict[str, int] = {"adopt": 0, "add": 0}
-    adopt, add = HeldModel.adopt, HeldModel.add
-
-    def counted(name, method):
-        def call(self, *args):
-            calls[name] += 1
-            return method(self, *args)
-        return call
-
-    monkeypatch.setattr(HeldModel, "adopt", counted("adopt", adopt))
-    monkeypatch.setattr(HeldModel, "add", counted("add", add))
-    runs, counts = [], []
-    for adopts in (True, False):
-        monkeypatch.setattr(HeldBase, "adopts", adopts)
-        calls.update(adopt=0, add=0)
-        stats: list = []
-        runs.append(fit_in_threads(_Regression, data, epochs=2, batch_size=16, workers=1, stats=stats, mode="asgd",
-                                   compressor="sign"))
-        assert stats[0]["held_base_pushes"] == stats[0]["own_replies"] == 64
-        counts.append(dict(calls))
-    assert counts == [{"adopt": 64, "add": 0}, {"adopt": 0, "add": 64}]
-    for a, b in zip(runs[0].parameters(), runs[1].parameters(), strict=True):
-        assert torch.equal(a, b)

@@ -74,8 +74,6 @@ def host_arrays(tensors: Mapping[str, Tensor]) -> dict[str, np.ndarray] | None:
 class HeldBase:
     """Which held base the exchange pushes from (``kind``: ``RESIDUAL``, ``CENTRAL`` or None: its own base)."""
 
-    adopts = True  # an "own" reply may take the held model's next arrays made beforehand (settle's ``made``)
-
     def __init__(self) -> None:
         self.kind: str | None = None
         self.pushes = 0  # pushed from the held base
@@ -236,21 +234,18 @@ class HeldPush(InFlight):
         central: the central model the client lent for this push (no reply writes it).
         base: the central version the update is based on.
         scaled_for: the staleness the update was scaled for (None: not scaled), which the PS corrects for.
-        expect_own: whether an "own" reply is likely (the last push from the held base had one): the held model
-            it makes is then made while the PS folds, where the weights are left as they are (see :meth:`_decode`).
     """
 
     def __init__(self, held: HeldBase, encoder: Compressor, client: PSClient, weights: dict[str, np.ndarray],
-                 central: dict[str, np.ndarray], base: int, scaled_for: float | None, expect_own: bool = False) -> None:
+                 central: dict[str, np.ndarray], base: int, scaled_for: float | None) -> None:
         self.held, self.weights, self.central, self.base = held, weights, central, base
-        self.expect_own = expect_own
         self.encoder = encoder
         self.update: dict[str, Any] = {}
         self.decoded: dict[str, Any] = {}
         self.masked = False  # the optimizers' momentum was masked where the update was sent
         self.guessed = False  # the weights are the model an "own" reply means (guess_own)
         self.guessed_at = 0  # the worker's local steps then
-        self.made: dict[str, np.ndarray] | None = None  # the held model's arrays at an "own" reply, made beforehand
+        self.made: dict[str, np.ndarray] | None = None  # the model the guess made: the held model's at "own"
         self._encoded, self._decoded = threading.Event(), threading.Event()
 
         def work() -> ModelReply:
@@ -267,19 +262,8 @@ class HeldPush(InFlight):
         super().__init__(work)
 
     def _decode(self) -> None:
-        """While the PS folds: the update decoded, and, where an own reply is likely and leaves the weights as they
-        are, the held model it makes, ``c + decoded`` with :meth:`HeldModel.add`'s addition (its bits), which the
-        reply then adopts: the training thread waited for that addition (sign's: 6.5 ms a push at 11.2M values)."""
         if not self._fuses():
             self.decoded.update(self.held.decoded(self.update, self.weights, self.encoder))
-            decoded = self.decoded
-            if (self.expect_own and self.held.adopts and self.held.kind != CENTRAL
-                    and decoded.keys() == self.update.keys()
-                    and all(isinstance(d, np.ndarray) for d in decoded.values())):  # (sparse: a few coordinates)
-                made = {name: np.empty_like(self.central[name]) for name in decoded}
-                for name, d in decoded.items():
-                    np.add(self.central[name], d, out=made[name])
-                self.made = made
         self._decoded.set()
 
     def _fuses(self) -> bool:

@@ -89,8 +89,6 @@ class DeviceHeldBase(HeldBase):
     """:class:`HeldBase` with the weights (and a mirror of the held central model) on their device; the residual
     is implicit (``RESIDUAL`` only)."""
 
-    adopts = False  # an "own" reply adds to the mirror on the device too
-
     def __init__(self) -> None:
         super().__init__()
         self.mirror: dict[str, Tensor] = {}  # the held central model, on the device

@@ -244,7 +244,7 @@ class PushExchange(UpdateMaking):
         residual = self.pending_residual() or (lambda name: None)
         held.enter(kind, weights, self.base, central, residual, client.held.version)  # type: ignore[union-attr]
         push = HeldPush(held, self.encoder, client, weights, central,  # type: ignore[arg-type]
-                        self.version, self.scaled_for(), expect_own=self.held_answered_own)
+                        self.version, self.scaled_for())
         self.pending = (push, lambda: self.settle_held(push))
         self.since_push = 0
         if not self.held_answered_own and not self.overlaps:
