@@ -18,9 +18,9 @@ from plug_asgd.protocol.wire import FLOAT_DTYPES, Packed, Sparse, Tensor, dtype_
 
 @dataclass(frozen=True)
 class Undecoded:
-    """A packed tensor the PS folds as it is (:meth:`Codec.fold_packed`): at ResNet size writing its decoding, then
-    reading it again to fold, costs the PS as much as the fold itself. :func:`decode` gives one where asked
-    (``defer``); the fold decodes it (:meth:`decoded`) only where its codec's pass cannot be had.
+    """A packed tensor the PS folds as it is (:meth:`Codec.fold_packed`), its decoding never written whole into an
+    array of the model's size and read again. :func:`decode` gives one where asked (``defer``); the fold decodes it
+    (:meth:`decoded`) only where its codec's pass cannot be had.
 
     Attributes:
         packed: what the worker sent, its codec's name and shape checked.
@@ -47,8 +47,6 @@ class Undecoded:
         Raises:
             WireError: ``bad_payload``, where the tensor is not what its codec sends.
         """
-        if self.dtype != np.float32:
-            return None
         return packed_codecs()[self.packed.codec].fold_packed(self.packed, central, out, scale)
 
     def decoded(self) -> np.ndarray:
