@@ -3,8 +3,12 @@
 What each case must end in is written in docs/faults.md: the job exits (non-zero) within a bound
 that the settings give, it says which rank failed and why, and it leaves no process behind, the
 embedded PS above all (it stops when the rank that started it is gone: ``PSConfig.parent_pid``).
-A rank that fails, whichever it is, ends the job's other ranks and the embedded PS within
-``JOB_ENDS_S``: the PS tells the others (``plug_asgd/ps/failure.py``).
+A rank that fails, whichever it is, ends the job's other ranks and the embedded PS: the PS tells the others at their
+next request (``plug_asgd/ps/failure.py``), within ``TOLD_S``, and each stops by itself (it reaches its interpreter's
+exit: ``exiting at`` in its log). The whole job has ended within ``JOB_ENDS_S``: most of that is the processes'
+interpreter exits, which the library does not set (Python with torch and Lightning loaded takes about 2.3 s to exit on
+the 2-core machine, and rank 0 exits only once the ranks it launched have), hence a bound that tells "ended" from
+"waited for a timeout" (lost_timeout 60 s, request_timeout 600 s) and is not a speed target.
 """
 
 from __future__ import annotations
@@ -22,13 +26,21 @@ from tests.conftest import PYTHON, free_port
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 SCRIPT = "tests/scripts/failing_fit.py"
 LOST_TIMEOUT = 5.0  # the workers' lost_timeout: seconds they wait for a PS that went away
-JOB_ENDS_S = 5.0  # a rank failed: every other process of the job has ended this long after
+TOLD_S = 2.0  # a rank failed: the others are told this long after at most (at their next request: a step is 20 ms)
+JOB_ENDS_S = 20.0  # a rank failed: every process of the job has ended this long after, interpreter exits included
 
 
 def steps(out: Path, rank: int) -> int:
     log = out / f"rank{rank}.log"
     lines = log.read_text().splitlines() if log.exists() else []
     return sum(1 for line in lines if line.startswith("step "))
+
+
+def logged_at(out: Path, rank: int, what: str) -> float | None:
+    """``time.time()`` of the rank's ``{what} at T`` line (tests/scripts/failing_fit.py), None where it has none."""
+    log = out / f"rank{rank}.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return next((float(line.split()[-1]) for line in lines if line.startswith(f"{what} at ")), None)
 
 
 def pid_of(out: Path, rank: int) -> int:
@@ -70,6 +82,7 @@ def test_rank0_killed_takes_its_embedded_ps_down_and_the_other_rank_stops_with_a
     ps, rank1 = embedded_ps(job.pid), pid_of(tmp_path, 1)
     assert pid_of(tmp_path, 0) == job.pid  # Lightning's launcher: rank 0 is the process the user started
     os.kill(job.pid, signal.SIGKILL)
+    killed_at = time.time()
     job.wait(10)
     killed = time.monotonic()
     rank1_gone = wait_until(lambda: not alive(rank1), JOB_ENDS_S, "rank 1 to stop")
@@ -79,6 +92,8 @@ def test_rank0_killed_takes_its_embedded_ps_down_and_the_other_rank_stops_with_a
     assert f"parameter server at tcp://127.0.0.1:{port}: the process that started this parameter server (rank 0 " \
            "of the job) is gone" in out, out[-3000:]
     assert "went away" not in out, out[-3000:]  # told, not left waiting lost_timeout for a PS that went away
+    assert logged_at(tmp_path, 1, "failed") - killed_at < TOLD_S
+    assert logged_at(tmp_path, 1, "exiting") is not None  # it stopped by itself
     assert not group_members(job.pid)
     fault_report(fault="rank 0 SIGKILLed while it hosts the embedded PS", injected=1, handled=1,
                  pushes_lost="all since the last checkpoint", recovery_s=round(rank1_gone, 2),
@@ -105,11 +120,6 @@ def test_a_worker_that_raises_or_diverges_mid_fit_ends_the_job_saying_why(procs,
                         "and the embedded PS stops with its parent; no process is left")
 
 
-def raised_at(out: Path, rank: int) -> float:
-    lines = (out / f"rank{rank}.log").read_text().splitlines()
-    return float(next(line for line in lines if line.startswith("raising at ")).split()[-1])
-
-
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_rank_that_raises_ends_the_others_and_the_embedded_ps_within_seconds(procs, tmp_path, rank, fault_report):
@@ -119,7 +129,8 @@ def test_a_rank_that_raises_ends_the_others_and_the_embedded_ps_within_seconds(p
         tmp_path / f"rank{rank}.log").read_text(), 120, f"rank {rank} to raise")
     ps = embedded_ps(job.pid)
     wait_until(lambda: not group_members(job.pid), 30, "the job to end")
-    ended = time.time() - raised_at(tmp_path, rank)  # an upper bound: polled every 50 ms
+    raised = logged_at(tmp_path, rank, "raising")
+    ended = time.time() - raised  # an upper bound: polled every 50 ms
     out = job.stdout.read()
     assert job.wait(10) != 0
     assert f"rank {rank} fails at step 20 on purpose" in out, out[-3000:]
@@ -127,11 +138,15 @@ def test_a_rank_that_raises_ends_the_others_and_the_embedded_ps_within_seconds(p
     assert f"the job failed: rank {rank} stopped on RuntimeError: rank {rank} fails at step 20" in out, out[-3000:]
     assert steps(tmp_path, rank) == 20 and steps(tmp_path, other) < 384  # the other rank did not train on
     assert not alive(ps)
+    told = logged_at(tmp_path, other, "failed") - raised
+    assert told < TOLD_S, f"rank {other} was told {told:.1f} s after rank {rank} raised"
+    assert logged_at(tmp_path, other, "exiting") is not None  # it stopped by itself: not killed after the grace
     assert ended < JOB_ENDS_S, f"the job ended {ended:.1f} s after rank {rank} raised"
     fault_report(fault=f"rank {rank} of 2 raises mid-fit", injected=1, handled=1,
                  pushes_lost="all since the last checkpoint", recovery_s=round(ended, 2),
-                 detail=f"the PS told rank {other} at its next request (job_failed, naming rank {rank} and its error); "
-                        f"every process, the embedded PS too, ended {ended:.1f} s after the raise")
+                 detail=f"the PS told rank {other} at its next request (job_failed, naming rank {rank} and its error) "
+                        f"{told:.2f} s after the raise; it stopped by itself, and every process, the embedded PS too, "
+                        f"had ended {ended:.1f} s after the raise (their interpreter exits included)")
 
 
 @pytest.mark.timeout(150)
@@ -141,9 +156,9 @@ def test_rank0_failing_before_its_stage_ends_the_rank_it_launched(procs, start_p
     address = start_ps("asgd", worker_timeout=60)
     job = procs.start([PYTHON, SCRIPT, str(tmp_path), str(free_port()), "--ps-address", address,
                        "--rank0-ps-address", "tcp://127.0.0.1:9"])
-    wait_until(lambda: "failed at" in _text(tmp_path / "rank0.log"), 120, "rank 0 to fail")
+    wait_until(lambda: logged_at(tmp_path, 0, "failed") is not None, 120, "rank 0 to fail")
     wait_until(lambda: not group_members(job.pid), 30, "the job to end")
-    ended = time.time() - float(_text(tmp_path / "rank0.log").split()[-1])  # an upper bound: polled every 50 ms
+    ended = time.time() - logged_at(tmp_path, 0, "failed")  # an upper bound: polled every 50 ms
     out = job.stdout.read()
     assert job.wait(10) != 0
     assert "tcp://127.0.0.1:9" in out, out[-3000:]
@@ -154,7 +169,3 @@ def test_rank0_failing_before_its_stage_ends_the_rank_it_launched(procs, start_p
                  detail=f"rank 0 ended the rank it launched (as Lightning's launcher does where a rank fails): every "
                         f"process gone {ended:.1f} s after its failure, where rank 1 would have waited its "
                         "request_timeout")
-
-
-def _text(path: Path) -> str:
-    return path.read_text() if path.exists() else ""

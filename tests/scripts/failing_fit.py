@@ -7,10 +7,12 @@ test knows who is who and how far each came. ``--raise-on 1:20``: rank 1's train
 (writing ``raising at T``, ``time.time()``, first). ``--nan-on 1:20``: rank 1's loss is NaN from its step 20 on (a
 fit that diverges). ``--ps-address A,B``: external shards at A and B instead of the embedded PS.
 ``--rank0-ps-address A``: rank 0 alone connects to A (within 1.5 s: an address where no PS listens makes it fail
-before its stage begins). A rank whose fit fails writes ``failed at T`` (``time.time()``).
+before its stage begins). A rank whose fit fails writes ``failed at T`` (``time.time()``); a rank that began
+training writes ``exiting at T`` as its interpreter begins to exit (``atexit``): one killed never does.
 """
 
 import argparse
+import atexit
 import os
 import time
 from pathlib import Path
@@ -39,6 +41,7 @@ class Failing(pl.LightningModule):
 
     def on_train_start(self) -> None:
         self._log(f"pid {os.getpid()}")
+        atexit.register(lambda: self._log(f"exiting at {time.time()}"))
 
     def training_step(self, batch, batch_idx):
         step = (self.global_rank, self.global_step)
