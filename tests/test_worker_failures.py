@@ -6,7 +6,7 @@ embedded PS above all (it stops when the rank that started it is gone: ``PSConfi
 A rank that fails, whichever it is, ends the job's other ranks and the embedded PS: the PS tells the others at their
 next request (``plug_asgd/ps/failure.py``), within ``TOLD_S``, and each stops by itself (it reaches its interpreter's
 exit: ``exiting at`` in its log). The whole job has ended within ``JOB_ENDS_S``: most of that is the processes'
-interpreter exits, which the library does not set (Python with torch and Lightning loaded takes about 2.3 s to exit on
+interpreter exits, which the library does not set (Python with torch and Lightning loaded takes 1.5 to 2.5 s to exit on
 the 2-core machine, and rank 0 exits only once the ranks it launched have), hence a bound that tells "ended" from
 "waited for a timeout" (lost_timeout 60 s, request_timeout 600 s) and is not a speed target.
 """
