@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import msgpack
 import numpy as np
 import pytest
+import zmq
 
 from plug_asgd.protocol.wire import Limits, Message, Sparse, WireError, encode, message_bytes
 from plug_asgd.ps import limits
@@ -152,6 +154,47 @@ def test_replies_queued_are_bounded_over_all_connections_but_a_rank_gets_its_own
         time.sleep(0.01)
     assert queue.counters() == {"replies_queued_bytes": 0, "replies_queued_peak": queued}
     assert reply(b"c")
+
+
+class LaggingTracker:
+    """A reply's tracker whose pyzmq thread marks it let go only once the PS waits for it (the thread held back by
+    a loaded machine), or never (``read=False``: a rank that does not read)."""
+
+    def __init__(self, read: bool) -> None:
+        self.read, self.done, self.waits = read, False, 0
+
+    def wait(self, timeout: float) -> None:
+        self.waits += 1
+        if not self.read:
+            raise zmq.NotDone
+        self.done = True
+
+
+def test_a_ranks_reply_waits_for_pyzmqs_thread_before_it_is_dropped_and_a_rank_that_does_not_read_once(monkeypatch):
+    monkeypatch.setattr(replies_module, "REPLIES_QUEUED_MAX_BYTES", 3000)
+    allowed = replies_module.MEMBER_QUEUED_REPLIES
+    queue = Replies(copy_threshold=64)
+    queue.sent(b"flood", [SimpleNamespace(tracker=LaggingTracker(read=False))], 2000)  # a non-member's, unread
+
+    def fill(identity: bytes, read: bool, count: int) -> list[LaggingTracker]:
+        trackers = [LaggingTracker(read) for _ in range(count)]
+        for t in trackers:
+            queue.sent(identity, [SimpleNamespace(tracker=t)], 100)
+        return trackers
+
+    def admitted(identity: bytes) -> bool:
+        return queue.admit(identity, [b"header", np.ones(250, np.float32).data], 1006, member=True) is not None
+
+    lagging = fill(b"w", read=True, count=allowed)  # read by the worker, not yet marked so: 2,000 + 4 x 100 queued
+    assert admitted(b"w")  # over the total and at its allowance: the oldest waited for, let go, room for this one
+    assert [t.waits for t in lagging] == [1] + [0] * (allowed - 1)
+    unread = fill(b"v", read=False, count=allowed)
+    assert not admitted(b"v") and not admitted(b"v")  # dropped: waited for once, not at every request
+    assert [t.waits for t in unread] == [1] + [0] * (allowed - 1)
+    unread[0].done = True  # it reads one: room for one more reply, then a wait again at the allowance
+    assert admitted(b"v")
+    fill(b"v", read=False, count=1)
+    assert not admitted(b"v") and unread[1].waits == 1
 
 
 def test_objects_that_would_make_a_gather_reply_too_large_to_read_are_refused():

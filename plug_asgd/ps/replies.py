@@ -7,7 +7,11 @@ message's frames in order, so the last one freed means the whole reply has left 
 the bytes still queued, over all connections. A reply that would take that count past
 :data:`REPLIES_QUEUED_MAX_BYTES` is dropped and counted (``replies_dropped["total"]``) unless its
 connection holds a rank and has fewer than :data:`MEMBER_QUEUED_REPLIES` replies queued: a worker is
-never starved by a flood, and the total stays below the bound plus that many replies per rank.
+never starved by a flood, and the total stays below the bound plus that many replies per rank. pyzmq marks a
+reply let go from a thread of its own, which a loaded machine may hold back for a few of a worker's round trips:
+where a rank's count is at its allowance, the PS waits for that thread (:data:`MEMBER_SETTLE_S` at most) before it
+drops the reply, and waits so again for that rank only once one of its replies has been let go since (a rank that
+does not read costs the PS one wait, not one a request).
 
 A connection that closes frees its queue in libzmq, but the allocator keeps the freed pages in the
 process: the PS hands them back to the system (glibc's ``malloc_trim``) shortly after a connection
@@ -26,6 +30,7 @@ REPLIES_QUEUED_MAX_BYTES = 128 << 20  # replies queued over all connections (the
 # a rank's connection may always have this many queued: a PSClient has 2 unread at most, and pyzmq's thread marks a
 # reply freed a moment after ZeroMQ frees it (so a reply already read may still count)
 MEMBER_QUEUED_REPLIES = 4
+MEMBER_SETTLE_S = 0.5  # the longest a rank's reply waits for pyzmq's thread to mark its earlier ones let go
 TRIM_AFTER_S = 0.5  # after a connection closed: libzmq has freed its queue, and pyzmq's thread the buffers it held
 TRIM_EVERY_S = 1.0  # connections that come and go make a trim this often at most
 
@@ -49,6 +54,7 @@ class Replies:
     def __init__(self, copy_threshold: int) -> None:
         self.copy_threshold = copy_threshold
         self._queued: dict[bytes, list[tuple[zmq.MessageTracker, int]]] = {}
+        self._unread: set[bytes] = set()  # ranks' connections waited for in vain, and none of their replies gone since
         self.bytes = 0  # queued over all connections
         self.peak = 0
         self._trim = _malloc_trim()
@@ -65,6 +71,8 @@ class Replies:
             member: whether the connection holds a rank.
         """
         mine = self._prune(identity)
+        if self.bytes + size > REPLIES_QUEUED_MAX_BYTES and member and mine >= MEMBER_QUEUED_REPLIES:
+            mine = self._settle(identity)
         if self.bytes + size > REPLIES_QUEUED_MAX_BYTES and not (member and mine < MEMBER_QUEUED_REPLIES):
             self.prune()
             if self.bytes + size > REPLIES_QUEUED_MAX_BYTES:
@@ -87,6 +95,20 @@ class Replies:
         self.bytes += size
         self.peak = max(self.peak, self.bytes)
 
+    def _settle(self, identity: bytes) -> int:
+        """Wait for pyzmq's thread to mark as let go the replies that would bring a rank's connection under its
+        allowance (:data:`MEMBER_SETTLE_S` at most, and not again for a connection waited for in vain until one of
+        its replies is let go); how many it still has queued."""
+        queued = self._queued.get(identity, [])
+        if identity not in self._unread:
+            deadline = time.monotonic() + MEMBER_SETTLE_S
+            try:
+                for tracker, _ in queued[:len(queued) - MEMBER_QUEUED_REPLIES + 1]:
+                    tracker.wait(max(0.0, deadline - time.monotonic()))
+            except zmq.NotDone:
+                self._unread.add(identity)
+        return self._prune(identity)
+
     def _prune(self, identity: bytes) -> int:
         """Forget ``identity``'s replies ZeroMQ has let go; how many it still has queued."""
         queued = self._queued.get(identity)
@@ -94,6 +116,8 @@ class Replies:
             return 0
         left = [(t, n) for t, n in queued if not t.done]
         self.bytes -= sum(n for _, n in queued) - sum(n for _, n in left)
+        if len(left) < len(queued):
+            self._unread.discard(identity)
         if left:
             self._queued[identity] = left
         else:
