@@ -41,7 +41,10 @@ def test_supervisor_records_a_rising_central_accuracy_while_workers_train(run):
     records = jsonl(log_dir / "supervisor.jsonl")
     assert len(records) >= 3
     versions = [r["version"] for r in records]
-    assert versions == sorted(set(versions)) and versions[-1] < summary["ps_version"]  # during training
+    # during training: each record of a version of its own, so at least the 2 before the last were taken before
+    # the final version; the last may be of the final version itself, where the PS folded the last push within
+    # the thread's 0.2-s poll before rank 0 ended its fit (seen in CI under load: 250 of 250)
+    assert versions == sorted(set(versions)) and versions[-1] <= summary["ps_version"]
     assert [r["wall_s"] for r in records] == sorted(r["wall_s"] for r in records)
     assert [r["bytes_pushed"] for r in records] == sorted(r["bytes_pushed"] for r in records)
     # The first evaluation lands some updates in (the thread pulls 0.2 s after the start while the
