@@ -12,7 +12,7 @@ compensation ended at one loss, 5.67, below the bound, in a fresh-clone suite ru
 Without compensation the asynchronous modes then diverge here as there (3 lockstep fits each: asgd 6.5e4 to
 3.9e5, downpour 1.1e5 to 2.7e7, ssp 6.4e3 to 1.6e5, losp 92.1, the codecs 3.1e4 (powersgd) to 1.5e12, from
 57.5), and with it every row ends below 4.3. The fits without compensation are in
-``tests/test_momentum_quick_off.py``, a module of their own so that pytest-xdist runs them beside these.
+``tests/test_momentum_quick_off.py``, a module of their own so that pytest-xdist can run them beside these.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The quick tier's regression case without staleness compensation: the fits must miss the bound.
 
 ``tests/test_momentum_quick.py`` holds the fits with compensation and says how the threaded fits are made; this
-module holds the fits without it, in a module of its own so that pytest-xdist runs them beside those. Without
+module holds the fits without it, in a module of its own so that pytest-xdist can run them beside those. Without
 compensation the asynchronous modes diverge: 3 lockstep fits of each row ended at asgd 6.5e4 to 3.9e5, downpour
 1.1e5 to 2.7e7, ssp 6.4e3 to 1.6e5, losp 92.1 (deterministic), the codecs 3.1e4 (powersgd) to 1.5e12, from 57.5,
 against the bound 13.6. The process launch of ``tests/test_momentum.py`` fits each row 5 times

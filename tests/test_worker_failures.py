@@ -30,17 +30,19 @@ TOLD_S = 2.0  # a rank failed: the others are told this long after at most (at t
 JOB_ENDS_S = 20.0  # a rank failed: every process of the job has ended this long after, interpreter exits included
 
 
-def steps(out: Path, rank: int) -> int:
+def log_lines(out: Path, rank: int) -> list[str]:
+    """The lines the rank has written so far (tests/scripts/failing_fit.py), none before its log exists."""
     log = out / f"rank{rank}.log"
-    lines = log.read_text().splitlines() if log.exists() else []
-    return sum(1 for line in lines if line.startswith("step "))
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def steps(out: Path, rank: int) -> int:
+    return sum(1 for line in log_lines(out, rank) if line.startswith("step "))
 
 
 def logged_at(out: Path, rank: int, what: str) -> float | None:
-    """``time.time()`` of the rank's ``{what} at T`` line (tests/scripts/failing_fit.py), None where it has none."""
-    log = out / f"rank{rank}.log"
-    lines = log.read_text().splitlines() if log.exists() else []
-    return next((float(line.split()[-1]) for line in lines if line.startswith(f"{what} at ")), None)
+    """``time.time()`` of the rank's ``{what} at T`` line, None where it has none."""
+    return next((float(line.split()[-1]) for line in log_lines(out, rank) if line.startswith(f"{what} at ")), None)
 
 
 def pid_of(out: Path, rank: int) -> int:
@@ -125,8 +127,7 @@ def test_a_worker_that_raises_or_diverges_mid_fit_ends_the_job_saying_why(procs,
 def test_a_rank_that_raises_ends_the_others_and_the_embedded_ps_within_seconds(procs, tmp_path, rank, fault_report):
     port = free_port()
     job = procs.start([PYTHON, SCRIPT, str(tmp_path), str(port), "--raise-on", f"{rank}:20"])
-    wait_until(lambda: (tmp_path / f"rank{rank}.log").exists() and "raising at" in (
-        tmp_path / f"rank{rank}.log").read_text(), 120, f"rank {rank} to raise")
+    wait_until(lambda: logged_at(tmp_path, rank, "raising") is not None, 120, f"rank {rank} to raise")
     ps = embedded_ps(job.pid)
     wait_until(lambda: not group_members(job.pid), 30, "the job to end")
     raised = logged_at(tmp_path, rank, "raising")

@@ -71,12 +71,13 @@ class Replies:
             member: whether the connection holds a rank.
         """
         mine = self._prune(identity)
-        if self.bytes + size > REPLIES_QUEUED_MAX_BYTES and member and mine >= MEMBER_QUEUED_REPLIES:
-            mine = self._settle(identity)
-        if self.bytes + size > REPLIES_QUEUED_MAX_BYTES and not (member and mine < MEMBER_QUEUED_REPLIES):
-            self.prune()
-            if self.bytes + size > REPLIES_QUEUED_MAX_BYTES:
-                return None
+        if self.bytes + size > REPLIES_QUEUED_MAX_BYTES:
+            if member and mine >= MEMBER_QUEUED_REPLIES:
+                mine = self._settle(identity)
+            if not (member and mine < MEMBER_QUEUED_REPLIES):
+                self.prune()
+                if self.bytes + size > REPLIES_QUEUED_MAX_BYTES:
+                    return None
         last = frames[-1]
         if not (isinstance(last, zmq.Frame) and last.tracker is not None and not last.tracker.done):
             small = not isinstance(last, zmq.Frame) and memoryview(last).nbytes < self.copy_threshold
