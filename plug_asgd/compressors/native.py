@@ -54,8 +54,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
-# -O3 vectorises the blocks; no -march (a cache shared by other machines must run there too: the AVX2 clone is
-# chosen at load time), no fast-math and no contraction: the float operations stay those numpy does
+# -O3 vectorises the blocks; no -march (a cache shared by other machines must run there too: the AVX2 clone or path is
+# chosen on the CPU that runs it), no fast-math and no contraction: the float operations stay those numpy does
 FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
 DIFFERENCE, ADDED, MADE = 0, 1, 2  # the modes: v = w - c, r += s * (w - c), v = r
 
