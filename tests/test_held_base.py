@@ -13,7 +13,15 @@ import torch
 from torch.utils.data import TensorDataset
 
 from plug_asgd.compressors import QSGD, PowerSGD, RandomK, Sign, TopK, TopKResidual, largest_magnitudes, native
-from plug_asgd.compressors.difference import CHUNK, FACTORS, SAMPLE, largest_differences, sample_threshold, top_k
+from plug_asgd.compressors.difference import (
+    CHUNK,
+    FACTORS,
+    SAMPLE,
+    ascending_top,
+    largest_differences,
+    sample_threshold,
+    top_k,
+)
 from plug_asgd.protocol.wire import Sparse
 from plug_asgd.worker.client import HeldModel
 from plug_asgd.worker.exchange.held_base import CENTRAL, RESIDUAL, HeldBase, HeldPush
@@ -61,6 +69,30 @@ def test_the_threshold_selection_counted_by_hand():
     sample = mag[:: n // SAMPLE]
     above = math.ceil(FACTORS[0] * k * sample.size / n)
     assert sample_threshold(sample, n, k, FACTORS[0]) == np.sort(sample)[sample.size - 1 - above]
+
+
+@pytest.mark.parametrize("case", ["distinct", "ties", "nan", "all_equal", "all"])
+def test_the_ascending_top_is_the_stable_sorts_first_k_ties_to_the_lowest_positions(case):
+    rng = np.random.default_rng(5)
+    mag = np.abs(rng.standard_normal(40_000)).astype(np.float32)
+    k = 500
+    if case == "ties":  # a few dozen distinct values: the k-th is tied with hundreds
+        mag = np.round(mag, 1)
+    elif case == "nan":  # NaN ranks largest, as argpartition ranks it
+        mag[[3, 20_000, 39_999]] = np.nan
+    elif case == "all_equal":
+        mag[:] = 2.0
+    elif case == "all":
+        k = mag.size
+    # by hand: a stable sort of the magnitudes, largest first (NaN first of all), keeps tied values in position order
+    expected = np.sort(np.argsort(-np.nan_to_num(mag, nan=np.inf), kind="stable")[:k])
+    chosen = ascending_top(mag, k)
+    np.testing.assert_array_equal(chosen, expected)
+    if case == "ties":
+        kth = np.sort(mag)[mag.size - k]
+        assert np.count_nonzero(mag > kth) < k < np.count_nonzero(mag >= kth)  # the tie crosses the boundary
+    if case == "all_equal":
+        np.testing.assert_array_equal(chosen, np.arange(k))
 
 
 def test_a_sample_that_misjudges_the_threshold_is_read_again_and_the_selection_stays_exact():

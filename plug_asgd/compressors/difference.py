@@ -157,6 +157,29 @@ def lowest_on_ties(mag: np.ndarray, chosen: np.ndarray) -> np.ndarray:
     return np.concatenate([above, np.flatnonzero(mag == kth)[: chosen.size - above.size]])
 
 
+def ascending_top(mag: np.ndarray, k: int) -> np.ndarray:
+    """The positions :func:`lowest_on_ties` makes of the ``k`` largest of ``mag``, ascending: read off the k-th
+    largest value (a partition of the values, not of their positions) in two comparisons, where a partition of
+    positions, the tie check and a sort took three times as long. Where a NaN is among the values, the partition
+    of positions (NaN ranking largest) decides.
+
+    Args:
+        mag: the magnitudes chosen among, flat.
+        k: how many to choose, in ``[1, mag.size]``.
+    """
+    if k >= mag.size:
+        return np.arange(mag.size)
+    kth = np.partition(mag, mag.size - k)[mag.size - k]
+    if np.isnan(kth) or np.isnan(mag).any():
+        chosen = lowest_on_ties(mag, np.argpartition(mag, mag.size - k)[mag.size - k:])
+        chosen.sort()
+        return chosen
+    keep = mag > kth
+    ties = np.flatnonzero(mag == kth)[: k - np.count_nonzero(keep)]
+    keep[ties] = True
+    return np.flatnonzero(keep)
+
+
 # The sampled threshold lets through about FACTORS[0] * k coordinates: few, since finding them (np.flatnonzero)
 # costs about in proportion; a sample that misjudged it (fewer than k through) is read again for FACTORS[1] * k.
 FACTORS = (1.25, 3.0)
@@ -218,10 +241,8 @@ def largest_differences(w: np.ndarray, c: np.ndarray, k: int, residual: np.ndarr
             mag = np.abs(residual)
             return _chosen(residual, lowest_on_ties(mag, np.argpartition(mag, n - k)[n - k:]))
         return _whole(w, c, k, None, scale)
-    # the top k of the candidates; positions in them ascend as their indices do, so sorting one sorts both
-    mags = np.abs(signed)
-    pos = lowest_on_ties(mags, np.argpartition(mags, mags.size - k)[mags.size - k:])
-    pos.sort()
+    # the top k of the candidates; positions in them ascend as their indices do
+    pos = ascending_top(np.abs(signed), k)
     pos = pos[signed[pos] != 0]
     return candidates[pos].astype(np.int64, copy=False), signed[pos]
 
