@@ -11,6 +11,14 @@ Each configuration's milliseconds per step over plain Lightning's, in the same r
 (:mod:`bench.step_timing`); the median over the rounds, and the spread. Targets: asgd at most 1.10, the
 others at most 1.30.
 
+Two floors, run in the same rounds (``--configs`` names them too, ``floor-copy`` and ``floor-read``): plain
+Lightning with, after each optimizer step, the least an exchange must do to the weights. ``floor-copy`` copies
+them into buffers kept across steps, as a dense push of weights does into its lent buffers before the PS may
+take them (the PS's own check and the round trip come on top); ``floor-read`` reads them beside a copy of the
+model kept from the start, as the sparse codecs' selection reads ``w`` and ``c`` in one pass (the C pass itself,
+``plug_asgd.compressors.native.above``, finding nothing above an infinite threshold, split over every core). A
+target below its floor's ratio cannot be met by any placement of the work on that machine.
+
 ``--pieces CONFIG``: where a step's time goes, one fit of plain Lightning and one of CONFIG (150 steps; ``--quick``:
 the smaller model): the
 median milliseconds of the step, of the forward and backward (from the batch's start to the optimizer's hook,
@@ -26,22 +34,58 @@ import argparse
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from bench.step_timing import SquareLinears, fit_steps, quiet, rounds, strategies
 from harness.ports import free_port_block
+from plug_asgd.compressors import native
 
 WIDTH = {"full": 1673, "quick": 512}  # 4 * (w * w + w): 11,202,408 and 1,050,624 parameters
-TARGETS = {"plain": None, "asgd": 1.10}
+TARGETS = {"plain": None, "asgd": 1.10, "floor-copy": None, "floor-read": None}
 OTHER_TARGET = 1.30
 BATCH = 2
 BATCHES = 2000  # the epoch each fit is stopped in: long enough that randomk's default fraction is 1%
 # steps left untimed: past the worker's thread tuner's decision (worker/thread_tuner.py: 10 + 30, 3 + 30 steps), so
 # that a codec's fit is timed at the threads it keeps; --quick's fits end before the tuner switches
 WARMUP = {"full": 80, "quick": 10}
+
+
+class Floor(pl.Callback):
+    """After each optimizer step, the least an exchange does to the weights: copied into kept buffers (``copy``, by
+    torch's threads), or read beside a copy of the model kept from the first step (``read``, one C pass over both,
+    split over a thread per core; the C loop lets go of the interpreter's lock)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.kept: list[torch.Tensor] = []
+        self.threads = os.cpu_count() or 1
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="floor")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
+        weights = [p.detach() for p in pl_module.parameters()]
+        if not self.kept:
+            self.kept = [w.clone() for w in weights]
+        if self.kind == "copy":
+            for kept, w in zip(self.kept, weights, strict=True):
+                kept.copy_(w)
+            return
+        parts = []  # each tensor cut in as many parts as there are cores: the pass has every core
+        for kept, w in zip(self.kept, weights, strict=True):
+            bounds = np.linspace(0, w.numel(), self.threads + 1).astype(int)
+            flat_w, flat_kept = w.numpy().reshape(-1), kept.numpy().reshape(-1)
+            parts += [(flat_w[a:b], flat_kept[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+        if any(found is None for found in self.pool.map(lambda part: native.above(
+                np.inf, *part, None, 1.0, native.DIFFERENCE, 0), parts)):
+            raise RuntimeError("the C loops are not available (no compiler, or PLUG_ASGD_NATIVE=0)")
+
+
+FLOORS = ("floor-copy", "floor-read")
 
 
 def regression_data(width: int) -> TensorDataset:
@@ -56,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="rounds of every configuration (default 5; quick 2)")
     parser.add_argument("--steps", type=int, help="steps timed per fit (default 60; quick 20)")
     parser.add_argument("--configs", help="comma-separated configurations (plain is always run): "
-                                          + ", ".join(strategies()))
+                                          + ", ".join([*strategies(), *FLOORS]))
     parser.add_argument("--out", type=Path, help="where to write the results as JSON")
     parser.add_argument("--pieces", metavar="CONFIG", help="time the pieces of one configuration's steps instead")
     parser.add_argument("--torch-threads", type=int, metavar="N",
@@ -70,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         return pieces(args.pieces, args.steps or 150, WIDTH[size], WARMUP[size])
     count = args.rounds or (2 if args.quick else 5)
     steps = args.steps or (20 if args.quick else 60)
-    configs = strategies()
+    configs = {**strategies(), **{name: (lambda name=name: name) for name in FLOORS}}
     if args.configs:
         wanted = ["plain", *[c for c in args.configs.split(",") if c and c != "plain"]]
         unknown = [c for c in wanted if c not in configs]
@@ -92,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.torch_threads:
             torch.set_num_threads(every_core if strategy is None or isinstance(strategy, str) else args.torch_threads)
         torch.manual_seed(0)
-        return fit_steps(lambda: SquareLinears(width), loader, strategy, steps, warmup=WARMUP[size],
-                         trainer_kwargs={"accelerator": "cpu", "devices": 1})
+        floor = [Floor(strategy.split("-")[1])] if strategy in FLOORS else []  # before the step's clock
+        return fit_steps(lambda: SquareLinears(width), loader, "auto" if floor else strategy, steps,
+                         warmup=WARMUP[size], trainer_kwargs={"accelerator": "cpu", "devices": 1}, callbacks=floor)
 
     results = rounds(configs, fit, count)
     params = sum(p.numel() for p in SquareLinears(width).parameters())

@@ -14,7 +14,7 @@ import logging
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
@@ -55,10 +55,12 @@ class StepClock(pl.Callback):
 
 
 def fit_steps(make_module: Callable[[], pl.LightningModule], loader: Any, strategy: Any, steps: int, warmup: int,
-              trainer_kwargs: Mapping[str, Any]) -> tuple[float, dict[str, Any]]:
-    """The median seconds per step of one fit of ``steps`` after ``warmup``, and the strategy's counters."""
+              trainer_kwargs: Mapping[str, Any],
+              callbacks: Sequence[pl.Callback] = ()) -> tuple[float, dict[str, Any]]:
+    """The median seconds per step of one fit of ``steps`` after ``warmup``, and the strategy's counters;
+    ``callbacks`` run before the step's clock reads the time."""
     clock = StepClock(warmup + steps + 1)
-    trainer = pl.Trainer(**{"max_epochs": 1, "strategy": strategy, "callbacks": [clock], "logger": False,
+    trainer = pl.Trainer(**{"max_epochs": 1, "strategy": strategy, "callbacks": [*callbacks, clock], "logger": False,
                             "enable_checkpointing": False, "enable_progress_bar": False,
                             "enable_model_summary": False, **trainer_kwargs})
     trainer.fit(make_module(), loader)

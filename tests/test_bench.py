@@ -465,12 +465,12 @@ def test_the_central_snapshot_is_the_model_the_client_holds_and_none_where_it_ho
 def test_the_exchange_benchmark_times_each_configuration_against_plain_in_the_same_round(procs, tmp_path):
     out = tmp_path / "exchange.json"
     rc, text = procs.run([PYTHON, "-m", "bench", "exchange", "--quick", "--rounds", "2", "--steps", "5",
-                          "--configs", "asgd,adacomp,asgd+sign", "--out", str(out)], timeout=280)
+                          "--configs", "asgd,adacomp,asgd+sign,floor-copy", "--out", str(out)], timeout=280)
     assert rc in (0, 1), text[-3000:]  # 1: a target missed (a figure, not a failure of the benchmark)
     report = json.loads(out.read_text())
     assert report["parameters"] == 4 * (512 * 512 + 512) and report["rounds"] == 2
     results = report["results"]
-    assert list(results) == ["plain", "asgd", "adacomp", "asgd+sign"]
+    assert list(results) == ["plain", "asgd", "adacomp", "asgd+sign", "floor-copy"]
     for name, r in results.items():
         assert len(r["ms_per_step"]) == len(r["ratio_to_plain"]) == 2 and r["ms_per_step_median"] > 0
         assert r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"], name
@@ -479,6 +479,27 @@ def test_the_exchange_benchmark_times_each_configuration_against_plain_in_the_sa
         counters = results[name]["counters"]
         assert counters["held_base_pushes"] == counters["pushes"] == counters["own_replies"] > 0, name
     assert "MISSED" in text or "ok" in text
+
+
+def test_the_floors_copy_the_weights_after_each_step_or_read_them_beside_the_first_ones():
+    import torch
+
+    from bench.exchange import Floor
+    from bench.step_timing import SquareLinears
+
+    module = SquareLinears(64)
+    first = [p.detach().clone() for p in module.parameters()]
+    copy, read = Floor("copy"), Floor("read")
+    for _ in range(2):
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(1.0)  # an optimizer's step
+        copy.on_train_batch_end(None, module)  # type: ignore[arg-type]
+        read.on_train_batch_end(None, module)  # type: ignore[arg-type]
+        for kept, p in zip(copy.kept, module.parameters(), strict=True):
+            assert torch.equal(kept, p.detach()) and kept.data_ptr() != p.data_ptr()
+        for kept, was in zip(read.kept, first, strict=True):  # the copy made at the first step, never written
+            assert torch.equal(kept, was + 1.0)
 
 
 @pytest.mark.integration
