@@ -24,8 +24,9 @@ the smaller model): the
 median milliseconds of the step, of the forward and backward (from the batch's start to the optimizer's hook,
 the wait for the push in flight included), and of the library's pieces, timed by wrapping its methods: the
 encoding (``HeldBase.encode``), the push's round trip (``PSClient.push``) and the wait for the PS's answer in it
-(``Transport._poll``), the reply taken (``PushExchange.settle_held``), and in it the momentum masked
-(``PushExchange.mask_sent``) and the held model added to (``HeldModel.add``).
+(``Transport._poll``), the reply taken on the training thread (``PushExchange.settle_held``), the momentum
+masked (``PushExchange.mask_update``) and the held model added to (``HeldModel.add``), on the push's thread where
+the update is sparse and the residual in the model (docs/design.md, "The push beside the next step").
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 PIECES = (("HeldBase", "encode"), ("PSClient", "push"), ("Transport", "_poll"), ("PushExchange", "settle_held"),
-          ("PushExchange", "mask_sent"), ("HeldModel", "add"))
+          ("PushExchange", "mask_update"), ("HeldModel", "add"))
 
 
 def pieces(config: str, steps: int, width: int, warmup: int) -> int:

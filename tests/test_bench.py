@@ -527,7 +527,7 @@ def test_the_exchange_pieces_time_each_piece_once_per_push(procs):
     # the held model added to once each), every one of the fit's steps (8 timed, 10 warm-up, and the clock's one)
     steps = 8 + 10 + 1
     assert calls["HeldBase.encode"] == calls["PSClient.push"] == calls["PushExchange.settle_held"] == steps, calls
-    assert calls["PushExchange.mask_sent"] == calls["HeldModel.add"] == steps, calls
+    assert calls["PushExchange.mask_update"] == calls["HeldModel.add"] == steps, calls
     assert calls["Transport._poll"] >= steps, calls  # the pushes' answers, and the stage's other requests
 
 

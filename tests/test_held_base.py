@@ -286,6 +286,58 @@ def test_after_a_guess_an_own_reply_leaves_the_weights_and_a_raced_one_keeps_the
         held.adopt({"t": np.zeros(4)}, 5)
 
 
+class _StubClient:
+    """A client whose push runs ``while_waiting`` as a sent push does, then answers with ``reply``; it records what
+    the momentum mask had done by the time the PS would fold."""
+
+    def __init__(self, held: HeldModel, reply: ModelReply, masks: list) -> None:
+        self.held, self.reply, self.masks, self.seen_at_fold = held, reply, masks, None
+
+    def push(self, base, update, want_model, scaled_for, while_waiting):
+        while_waiting()
+        self.seen_at_fold = len(self.masks)
+        return self.reply
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_the_pushs_thread_masks_while_the_ps_folds_and_takes_an_own_reply_into_the_held_model(own):
+    rng = np.random.default_rng(7)
+    c = rng.standard_normal(1000).astype(np.float32)
+    w = c + rng.standard_normal(1000).astype(np.float32)
+    held = HeldModel()
+    held.keep("m", 3, {"t": c.copy()})
+    base = HeldBase()
+    base.kind = RESIDUAL
+    masks: list = []
+    c_new = c + np.float32(1.0)
+    reply = _reply(4, own=True) if own else _reply(5, tensors={"t": c_new})
+    client = _StubClient(held, reply, masks)
+    push = HeldPush(base, TopK(0.01).encoder(), client, {"t": w}, held.lend(), 3, None,  # type: ignore[arg-type]
+                    mask=lambda update: masks.append(update["t"].indices.copy()))
+    push.answered()
+    sent = push.update["t"]
+    k = math.ceil(0.01 * 1000)
+    np.testing.assert_array_equal(sent.indices, np.sort(np.argsort(-np.abs(w - c), kind="stable")[:k]))
+    assert push.masked and client.seen_at_fold == 1  # masked before the reply, once
+    np.testing.assert_array_equal(masks[0], sent.indices)
+    expected = c.copy()
+    expected[sent.indices] += sent.values  # by hand: the held model plus what was sent, the PS's float additions
+    if own:  # taken by the push's thread: the held model is the reply's before anything settles it
+        assert push.added and held.version == 4
+        np.testing.assert_array_equal(held.tensors["t"], expected)
+    else:  # raced: nothing taken there; the training thread merges it
+        assert not push.added and held.version == 3
+        np.testing.assert_array_equal(held.tensors["t"], c)
+    weights_before = w.copy()
+    push.settle(held)
+    assert held.version == (4 if own else 3) and len(masks) == 1
+    if own:
+        np.testing.assert_array_equal(held.tensors["t"], expected)  # not added twice
+        np.testing.assert_array_equal(w, weights_before)  # the residual implicit: the weights stay
+    else:
+        np.testing.assert_array_equal(w, weights_before + c_new - c - _dense(sent))  # the merge's order
+
+
 def _dense(sparse: Sparse) -> np.ndarray:
     out = np.zeros(sparse.shape, np.float32)
     out[sparse.indices] = sparse.values

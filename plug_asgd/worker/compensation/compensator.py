@@ -17,6 +17,8 @@ from plug_asgd.worker.compensation.optimizers import MOMENTUM_STATE_KEYS
 from plug_asgd.worker.compensation.remedies import StalenessCompensation
 from plug_asgd.worker.staging import Staging
 
+NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)  # momentum masked through numpy on the CPU
+
 
 class Compensator:
     """A worker's compensation state: its staleness estimate and the central model of its last reply.
@@ -125,10 +127,14 @@ class Compensator:
             for key in MOMENTUM_STATE_KEYS:
                 buf = state.get(key)
                 if isinstance(buf, Tensor) and buf.shape == param.shape:
-                    if index is None:
-                        index = torch.from_numpy(indices).to(buf.device)
-                    buf.view(-1)[index] = 0
-                    self.masked += int(index.numel())
+                    if buf.device.type == "cpu" and buf.dtype in NUMPY_FLOATS and buf.is_contiguous():
+                        # numpy's assignment: no torch op, so none of torch's threads, from whichever thread masks
+                        buf.detach().numpy().reshape(-1)[indices] = 0
+                    else:
+                        if index is None:
+                            index = torch.from_numpy(indices).to(buf.device)
+                        buf.view(-1)[index] = 0
+                    self.masked += int(indices.size)
 
 
 def _put(t: Tensor, c: np.ndarray, prev: np.ndarray | None, step: float,

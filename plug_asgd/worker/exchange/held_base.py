@@ -199,6 +199,22 @@ class HeldBase:
             else:
                 flat -= sent.reshape(-1)
 
+    def settle_own(self, reply: ModelReply, held: HeldModel, decoded: Mapping[str, np.ndarray | Sparse]) -> bool:
+        """Take an "own" reply where it changes only the held model (the residual implicit: the weights are right
+        as they are): the held model plus what was sent. Called by the push's thread as the reply comes, beside the
+        next step's forward and backward, which read neither; nothing else reads the held model before the push is
+        settled. Returns whether it was taken (else :meth:`settle` takes it).
+
+        Args:
+            reply: the PS's answer to the push.
+            held: the central model the client holds.
+            decoded: the pushed update as the PS decoded it (:meth:`decoded`).
+        """
+        if not reply.own or self.kind != RESIDUAL:
+            return False
+        held.add(dict(decoded), reply.version)
+        return True
+
     def leave(self, weights: dict[str, np.ndarray], base: Mapping[str, Tensor], central: Mapping[str, np.ndarray],
               set_residual: Callable[[str, np.ndarray], None] | None) -> None:
         """Back to the exchange's own base, after a merge (no progress pending): ``b = w`` and, where the residual
@@ -234,15 +250,19 @@ class HeldPush(InFlight):
         central: the central model the client lent for this push (no reply writes it).
         base: the central version the update is based on.
         scaled_for: the staleness the update was scaled for (None: not scaled), which the PS corrects for.
+        mask: masks the optimizers' momentum where an update was sent; run by the push's thread once the push is
+            sent, while the PS folds it (the momentum is read only by the optimizer's step, which waits for it).
     """
 
     def __init__(self, held: HeldBase, encoder: Compressor, client: PSClient, weights: dict[str, np.ndarray],
-                 central: dict[str, np.ndarray], base: int, scaled_for: float | None) -> None:
+                 central: dict[str, np.ndarray], base: int, scaled_for: float | None,
+                 mask: Callable[[Mapping[str, Any]], None] | None = None) -> None:
         self.held, self.weights, self.central, self.base = held, weights, central, base
-        self.encoder = encoder
+        self.encoder, self._mask = encoder, mask
         self.update: dict[str, Any] = {}
         self.decoded: dict[str, Any] = {}
         self.masked = False  # the optimizers' momentum was masked where the update was sent
+        self.added = False  # an "own" reply's update was added to the client's held model by the push's thread
         self.guessed = False  # the weights are the model an "own" reply means (guess_own)
         self.guessed_at = 0  # the worker's local steps then
         self.made: dict[str, np.ndarray] | None = None  # the model the guess made: the held model's at "own"
@@ -254,17 +274,27 @@ class HeldPush(InFlight):
                     self.update = held.encode(encoder, weights, central)
                 finally:
                     self._encoded.set()
-                return client.push(base, self.update, want_model="unless_own", scaled_for=scaled_for,
-                                   while_waiting=self._decode)
+                reply = client.push(base, self.update, want_model="unless_own", scaled_for=scaled_for,
+                                    while_waiting=self._decode)
             finally:
                 self._decoded.set()
+            if client.held is not None and self.decoded.keys() == self.update.keys():
+                self.added = held.settle_own(reply, client.held, self.decoded)
+            return reply
 
         super().__init__(work)
 
     def _decode(self) -> None:
         if not self._fuses():
             self.decoded.update(self.held.decoded(self.update, self.weights, self.encoder))
+        if self._mask is not None:
+            self._mask(self.update)
+            self.masked = True
         self._decoded.set()
+
+    def wait_masked(self) -> None:
+        """Wait until the push's thread has masked the momentum, or has ended without (:attr:`masked` says)."""
+        self._decoded.wait()
 
     def _fuses(self) -> bool:
         """Whether the guess adds each tensor's decoding to the held model in the pass that decodes it, never
@@ -326,5 +356,6 @@ class HeldPush(InFlight):
             # after a reconnection, or never written by the guess)
             missing = {name: sent for name, sent in self.update.items() if name not in self.decoded}
             self.decoded.update(self.held.decoded(missing, self.weights))
-        self.held.settle(reply, held, self.weights, self.central, self.decoded, self.guessed, self.made)
+        if not self.added:
+            self.held.settle(reply, held, self.weights, self.central, self.decoded, self.guessed, self.made)
         return reply

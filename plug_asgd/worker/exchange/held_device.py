@@ -149,6 +149,11 @@ class DeviceHeldBase(HeldBase):
                                 encoder)
 
     @override
+    def settle_own(self, reply: ModelReply, held: HeldModel, decoded: Mapping[str, Any]) -> bool:
+        """Never beside the step here: the device's mirror of the held model is written with it (:meth:`settle`)."""
+        return False
+
+    @override
     def settle(self, reply: ModelReply, held: HeldModel, weights: dict[str, Any], central_before: Mapping[str, Any],
                decoded: Mapping[str, np.ndarray | Sparse], guessed: bool = False,
                made: dict[str, np.ndarray] | None = None) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -244,7 +244,7 @@ class PushExchange(UpdateMaking):
         residual = self.pending_residual() or (lambda name: None)
         held.enter(kind, weights, self.base, central, residual, client.held.version)  # type: ignore[union-attr]
         push = HeldPush(held, self.encoder, client, weights, central,  # type: ignore[arg-type]
-                        self.version, self.scaled_for())
+                        self.version, self.scaled_for(), mask=self.mask_update if held is self.held_host else None)
         self.pending = (push, lambda: self.settle_held(push))
         self.since_push = 0
         if not self.held_answered_own and not self.overlaps:
@@ -276,12 +276,21 @@ class PushExchange(UpdateMaking):
         Args:
             push: the push from the held base whose sparse update says where.
         """
+        push.wait_masked()  # its thread masks once the push is sent
         if not push.masked:
             push.masked = True
-            tensors = self._link.tensors()
-            for name, sent in push.encoded().items():
-                if isinstance(sent, Sparse):
-                    self.compensator.mask(self.optimizers, tensors[name], sent.indices)
+            self.mask_update(push.encoded())
+
+    def mask_update(self, update: Mapping[str, Any]) -> None:
+        """Zero the optimizers' momentum where the sparse tensors of ``update`` were sent.
+
+        Args:
+            update: an encoded update, by tensor name.
+        """
+        tensors = self._link.tensors()
+        for name, sent in update.items():
+            if isinstance(sent, Sparse):
+                self.compensator.mask(self.optimizers, tensors[name], sent.indices)
 
     @override
     def before_update(self) -> None:
