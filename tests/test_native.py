@@ -46,6 +46,12 @@ def test_the_pass_keeps_what_is_not_below_the_threshold_nan_included_counted_by_
     # a cap: all are counted, the first kept
     count, idx, val = native.above(0.5, w, c, None, 1.0, native.DIFFERENCE, cap=7)
     assert count == 30 and idx.tolist() == expected[:7]
+    # 43 values: 5 vectors of 8 and a tail of 3 (0.5, -2.0 kept at 40 and 41), the cap reached before it or in it
+    w43, c43 = np.concatenate([w, w[:3]]), np.zeros(43, np.float32)
+    for cap, kept in ((100, 32), (31, 31), (30, 30), (29, 29)):
+        count, idx, val = native.above(0.5, w43, c43, None, 1.0, native.DIFFERENCE, cap=cap)
+        assert count == 32 and idx.tolist() == [*expected, 40, 41][:kept], cap
+        np.testing.assert_array_equal(val, w43[idx])
     # scaled by 0.25 and added into a residual of 1.0 each: v = 1 + (w - c) / 4, written back
     r = np.ones_like(w)
     count, idx, val = native.above(1.2, w, c, r, 0.25, native.ADDED, cap=100)

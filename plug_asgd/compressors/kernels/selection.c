@@ -1,13 +1,12 @@
 #include <math.h>
 #include <stdint.h>
 
-/* Compiled twice on x86-64 (AVX2 and the baseline), the loader picking the one the CPU runs. */
+/* On x86-64 the pass has an AVX2 path, taken where the CPU runs AVX2 (plug_asgd_above); the portable loop
+   elsewhere, and for the tail. */
 #if defined(__x86_64__) && defined(__GNUC__)
-#define CLONES __attribute__((target_clones("avx2", "default")))
 #define HAVE_AVX2_PATH 1
 #include <immintrin.h>
 #else
-#define CLONES
 #define HAVE_AVX2_PATH 0
 #endif
 
