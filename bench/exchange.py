@@ -66,7 +66,7 @@ class Floor(pl.Callback):
         self.kind = kind
         self.kept: list[torch.Tensor] = []
         self.threads = os.cpu_count() or 1
-        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="floor")
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="floor") if kind == "read" else None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
         weights = [p.detach() for p in pl_module.parameters()]
@@ -81,9 +81,14 @@ class Floor(pl.Callback):
             bounds = np.linspace(0, w.numel(), self.threads + 1).astype(int)
             flat_w, flat_kept = w.numpy().reshape(-1), kept.numpy().reshape(-1)
             parts += [(flat_w[a:b], flat_kept[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+        assert self.pool is not None
         if any(found is None for found in self.pool.map(lambda part: native.above(
                 np.inf, *part, None, 1.0, native.DIFFERENCE, 0), parts)):
             raise RuntimeError("the C loops are not available (no compiler, or PLUG_ASGD_NATIVE=0)")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
 
 
 FLOORS = ("floor-copy", "floor-read")

@@ -500,6 +500,8 @@ def test_the_floors_copy_the_weights_after_each_step_or_read_them_beside_the_fir
             assert torch.equal(kept, p.detach()) and kept.data_ptr() != p.data_ptr()
         for kept, was in zip(read.kept, first, strict=True):  # the copy made at the first step, never written
             assert torch.equal(kept, was + 1.0)
+    read.on_train_end(None, module)  # type: ignore[arg-type]
+    assert read.pool is not None and read.pool._shutdown and copy.pool is None
 
 
 @pytest.mark.integration
