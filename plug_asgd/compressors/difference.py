@@ -109,8 +109,8 @@ def accumulate(residual: np.ndarray, w: np.ndarray, c: np.ndarray, scale: float 
 
 
 def top_k(mag: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the ``k`` largest of ``mag`` (in no order): the set ``np.argpartition`` gives, with ties at the
-    k-th value going to the lowest indices (:func:`lowest_on_ties`).
+    """Ascending indices of the ``k`` largest of ``mag`` (NaN ranking largest), ties at the k-th value going to the
+    lowest indices (:func:`ascending_top`).
 
     Where few are asked for, a threshold is read off a strided sample (the sample's quantile that about
     ``FACTORS[0] * k`` of the whole exceed) and only the coordinates at or above it (NaN included) are
@@ -129,9 +129,8 @@ def top_k(mag: np.ndarray, k: int) -> np.ndarray:
             candidates = np.flatnonzero(np.logical_not(mag < threshold))  # not below: NaN is a candidate, as it
             # is the largest for argpartition
             if k <= candidates.size <= n // 4:  # every value tied with the k-th is among them
-                mags = mag[candidates]
-                return candidates[lowest_on_ties(mags, np.argpartition(mags, mags.size - k)[mags.size - k:])]
-    return lowest_on_ties(mag, np.argpartition(mag, n - k)[n - k:])
+                return candidates[ascending_top(mag[candidates], k)]
+    return ascending_top(mag, k)
 
 
 def lowest_on_ties(mag: np.ndarray, chosen: np.ndarray) -> np.ndarray:
@@ -165,8 +164,10 @@ def ascending_top(mag: np.ndarray, k: int) -> np.ndarray:
 
     Args:
         mag: the magnitudes chosen among, flat.
-        k: how many to choose, in ``[1, mag.size]``.
+        k: how many to choose (none where ``k <= 0``, all where ``k >= mag.size``).
     """
+    if k <= 0:
+        return np.zeros(0, dtype=np.intp)
     if k >= mag.size:
         return np.arange(mag.size)
     kth = np.partition(mag, mag.size - k)[mag.size - k]
@@ -238,8 +239,7 @@ def largest_differences(w: np.ndarray, c: np.ndarray, k: int, residual: np.ndarr
     if candidates is None or not k <= candidates.size <= n // 4:  # too few or too many above the threshold:
         # partition the whole
         if residual is not None:
-            mag = np.abs(residual)
-            return _chosen(residual, lowest_on_ties(mag, np.argpartition(mag, n - k)[n - k:]))
+            return _chosen(residual, ascending_top(np.abs(residual), k))
         return _whole(w, c, k, None, scale)
     # the top k of the candidates; positions in them ascend as their indices do
     pos = ascending_top(np.abs(signed), k)

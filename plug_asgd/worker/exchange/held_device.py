@@ -31,7 +31,7 @@ def largest_differences(w: Tensor, c: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Ascending indices of the ``k`` largest ``|w - c|`` (flat, exact zeros left out; NaN ranks largest) and
     ``w - c`` there, on the tensors' device: the set :func:`plug_asgd.compressors.difference.largest_differences`
     chooses on the host, values tied with the k-th largest going to the lowest indices as there
-    (:func:`plug_asgd.compressors.difference.lowest_on_ties`).
+    (:func:`plug_asgd.compressors.difference.ascending_top`).
 
     Args:
         w: the worker's weights of one tensor.
