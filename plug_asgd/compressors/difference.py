@@ -303,5 +303,6 @@ def _whole(w: np.ndarray, c: np.ndarray, k: int, residual: np.ndarray | None,
 
 
 def _chosen(v: np.ndarray, chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    chosen = np.sort(chosen[v[chosen] != 0]).astype(np.int64)
+    """``chosen`` (ascending) without the exact zeros of ``v``, as int64, and ``v`` there."""
+    chosen = chosen[v[chosen] != 0].astype(np.int64, copy=False)
     return chosen, v[chosen]

@@ -32,7 +32,7 @@ def largest_magnitudes(flat: np.ndarray, k: int, scratch: np.ndarray | None = No
     else:
         fits = scratch is not None and scratch.shape == flat.shape and scratch.dtype == flat.dtype
         chosen = top_k(np.abs(flat, out=scratch) if fits else np.abs(flat), k)
-    return np.sort(chosen[flat[chosen] != 0]).astype(np.int64)
+    return chosen[flat[chosen] != 0].astype(np.int64)  # top_k's indices ascend already
 
 
 def check_fraction(fraction: float) -> float:
