@@ -19,6 +19,11 @@ model kept from the start, as the sparse codecs' selection reads ``w`` and ``c``
 ``plug_asgd.compressors.native.above``, finding nothing above an infinite threshold, split over every core). A
 target below its floor's ratio cannot be met by any placement of the work on that machine.
 
+``asgd-staged`` (named in ``--configs``): asgd with the worker's tensors staged as a GPU's are
+(:mod:`plug_asgd.worker.staging`, its seams driving that path on CPU tensors): each push copied into the PS's
+memory, where a GPU's device-to-host copy lands. The host's side of a GPU worker's dense push, measured where no
+GPU is; no target of its own.
+
 ``--pieces CONFIG``: where a step's time goes, one fit of plain Lightning and one of CONFIG (150 steps; ``--quick``:
 the smaller model): the
 median milliseconds of the step, of the forward and backward (from the batch's start to the optimizer's hook,
@@ -37,6 +42,7 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytorch_lightning as pl
@@ -45,10 +51,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from bench.step_timing import SquareLinears, fit_steps, quiet, rounds, strategies
 from harness.ports import free_port_block
+from plug_asgd import AsyncPSStrategy
 from plug_asgd.compressors import native
+from plug_asgd.worker.staging import Staging
 
 WIDTH = {"full": 1673, "quick": 512}  # 4 * (w * w + w): 11,202,408 and 1,050,624 parameters
-TARGETS = {"plain": None, "asgd": 1.10, "floor-copy": None, "floor-read": None}
+TARGETS = {"plain": None, "asgd": 1.10, "floor-copy": None, "floor-read": None, "asgd-staged": None}
 OTHER_TARGET = 1.30
 BATCH = 2
 BATCHES = 2000  # the epoch each fit is stopped in: long enough that randomk's default fraction is 1%
@@ -94,6 +102,14 @@ class Floor(pl.Callback):
 FLOORS = ("floor-copy", "floor-read")
 
 
+def staged_asgd() -> AsyncPSStrategy:
+    """asgd whose worker stages its CPU tensors as a GPU worker does its CUDA ones (``asgd-staged``)."""
+    done = SimpleNamespace(synchronize=lambda: None)  # a CPU copy is over when copy_ returns
+    strategy = AsyncPSStrategy(mode="asgd")
+    strategy._exchange.staging = Staging(staged=lambda device: True, pin=False, mark=lambda device: done)
+    return strategy
+
+
 def regression_data(width: int) -> TensorDataset:
     """The fits' data, seeded: ``BATCHES`` batches of ``BATCH`` inputs of ``width`` and their targets."""
     torch.manual_seed(0)
@@ -106,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="rounds of every configuration (default 5; quick 2)")
     parser.add_argument("--steps", type=int, help="steps timed per fit (default 60; quick 20)")
     parser.add_argument("--configs", help="comma-separated configurations (plain is always run): "
-                                          + ", ".join([*strategies(), *FLOORS]))
+                                          + ", ".join([*strategies(), *FLOORS, "asgd-staged"]))
     parser.add_argument("--out", type=Path, help="where to write the results as JSON")
     parser.add_argument("--pieces", metavar="CONFIG", help="time the pieces of one configuration's steps instead")
     parser.add_argument("--torch-threads", type=int, metavar="N",
@@ -121,12 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     count = args.rounds or (2 if args.quick else 5)
     steps = args.steps or (20 if args.quick else 60)
     configs = {**strategies(), **{name: (lambda name=name: name) for name in FLOORS}}
+    extra = {"asgd-staged": staged_asgd}  # run where named
     if args.configs:
         wanted = ["plain", *[c for c in args.configs.split(",") if c and c != "plain"]]
-        unknown = [c for c in wanted if c not in configs]
+        unknown = [c for c in wanted if c not in configs and c not in extra]
         if unknown:
-            parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(configs)}")
-        configs = {c: configs[c] for c in wanted}
+            parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join([*configs, *extra])}")
+        configs = {c: configs.get(c) or extra[c] for c in wanted}
     quiet()
     # the fits' embedded PS listens on Lightning's main port: one nothing else holds
     os.environ.setdefault("MASTER_PORT", str(free_port_block(4)))

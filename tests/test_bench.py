@@ -465,12 +465,13 @@ def test_the_central_snapshot_is_the_model_the_client_holds_and_none_where_it_ho
 def test_the_exchange_benchmark_times_each_configuration_against_plain_in_the_same_round(procs, tmp_path):
     out = tmp_path / "exchange.json"
     rc, text = procs.run([PYTHON, "-m", "bench", "exchange", "--quick", "--rounds", "2", "--steps", "5",
-                          "--configs", "asgd,adacomp,asgd+sign,floor-copy", "--out", str(out)], timeout=280)
+                          "--configs", "asgd,adacomp,asgd+sign,floor-copy,asgd-staged", "--out", str(out)],
+                         timeout=280)
     assert rc in (0, 1), text[-3000:]  # 1: a target missed (a figure, not a failure of the benchmark)
     report = json.loads(out.read_text())
     assert report["parameters"] == 4 * (512 * 512 + 512) and report["rounds"] == 2
     results = report["results"]
-    assert list(results) == ["plain", "asgd", "adacomp", "asgd+sign", "floor-copy"]
+    assert list(results) == ["plain", "asgd", "adacomp", "asgd+sign", "floor-copy", "asgd-staged"]
     for name, r in results.items():
         assert len(r["ms_per_step"]) == len(r["ratio_to_plain"]) == 2 and r["ms_per_step_median"] > 0
         assert r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"], name
@@ -478,6 +479,8 @@ def test_the_exchange_benchmark_times_each_configuration_against_plain_in_the_sa
     for name in ("adacomp", "asgd+sign"):  # a lone worker: every push from the held model, answered "own"
         counters = results[name]["counters"]
         assert counters["held_base_pushes"] == counters["pushes"] == counters["own_replies"] > 0, name
+    staged = results["asgd-staged"]["counters"]  # staged as a GPU's: every push copied into the PS's memory
+    assert staged["push_local_bytes_up"] == staged["pushes"] * 4 * report["parameters"] > 0
     assert "MISSED" in text or "ok" in text
 
 

@@ -4,12 +4,15 @@ the end of a batch of copies and is waited on), with every aten copy recorded wi
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from plug_asgd.modes import EASGD, Asgd, Downpour, Mode
+from plug_asgd.protocol import push_memory
 from plug_asgd.worker.compensation import OFF, Compensator, StalenessCompensation
 from plug_asgd.worker.exchange import Exchange, Link, make_exchange
 from plug_asgd.worker.staging import Staging
@@ -148,6 +151,54 @@ def test_a_push_batch_queues_every_copy_non_blocking_then_waits_once_before_hand
     assert log[3:] == [("mark", 2), ("wait", 2)]  # after the last copy: one mark, one wait, for the batch
     assert marks.waits == 1
     assert np.array_equal(out["w"], tensors["w"].detach().numpy())
+
+
+def test_dense_pushes_fill_the_ps_memory_in_turn_pinned_once_over_whole_pages():
+    """share_out: the two sets a segment holds (as the PS maps them), pinned as one page-aligned range; each
+    shared batch fills the set the last one did not, so a lent set is never written before the next answer."""
+    log: list = []
+    pins: list = []
+    staging = Staging(staged=lambda device: True, pin=True, mark=Marks(log),
+                      pin_range=lambda start, size: pins.append((start, size)) or (lambda: pins.append("unpin")))
+    tensors = model()
+    shapes = {f"{kind}:{n}": (tuple(t.shape), np.float32) for n, t in tensors.items() for kind in "db"}
+    segment = push_memory.PushSegment(shapes)
+    sets = [{n: segment.buffers[f"{kind}:{n}"] for n in tensors} for kind in "db"]
+    staging.share_out(sets)
+    assert staging.shares_out and len(pins) == 1
+    start, size = pins[0]
+    first = min(a.ctypes.data for s in sets for a in s.values())
+    last = max(a.ctypes.data + a.nbytes for s in sets for a in s.values())
+    assert start % mmap.PAGESIZE == 0 and size % mmap.PAGESIZE == 0
+    assert start <= first < start + mmap.PAGESIZE and last <= start + size < last + mmap.PAGESIZE
+    turns = []
+    for k in range(3):
+        with torch.no_grad():
+            for t in tensors.values():
+                t.fill_(k)
+        out = staging.to_host(tensors, shared=True)
+        turns.append(next(i for i, s in enumerate(sets) if np.shares_memory(out["w"], s["w"])))
+        assert all(segment.offset(a) is not None for a in out.values())  # sent by offset, not as bytes
+        assert all(a.tolist() == np.full(a.shape, k, np.float32).tolist() for a in out.values())
+    assert turns == [0, 1, 0]
+    staging.pin = False  # (no pinned allocator without CUDA, for the private buffers below)
+    private = staging.to_host(tensors)  # not a push: the kept pinned buffers, and the turn stays
+    assert all(segment.offset(a) is None for a in private.values())
+    assert np.shares_memory(staging.to_host(tensors, shared=True)["w"], sets[1]["w"])
+    assert sets[0]["b"].tolist() == [2.0] * 4  # the set lent last stays as it was written
+    staging.release()
+    assert pins[1:] == ["unpin"] and not staging.shares_out
+    assert staging.to_host(tensors, shared=True)["w"].ctypes.data not in {a.ctypes.data for a in sets[0].values()}
+
+
+def test_a_batch_copied_out_is_waited_for_only_when_its_reader_asks():
+    log: list = []
+    staging, marks = device_path(log)
+    arrays, ready = staging.copy_out(model())
+    assert [e for e in log if e[0] == "wait"] == [] and marks.made == 1
+    ready()
+    assert log[-1] == ("wait", 1) and marks.waits == 1
+    assert np.array_equal(arrays["b"], model()["b"].numpy())
 
 
 def test_a_load_queues_non_blocking_copies_without_waiting_and_the_next_load_waits_for_them_first():
@@ -292,3 +343,21 @@ def test_on_a_gpu_the_buffers_are_pinned_kept_and_the_values_exact():
     assert all(b.is_pinned() for b in staging._in.values()) and staging.allocations == 6
     for t in tensors.values():
         assert t.float().flatten().tolist() == [1.5] * t.numel()  # the stream ordered the copy before the read
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on the project's own machines)")
+def test_on_a_gpu_the_ps_memory_is_pinned_in_place_filled_exactly_and_unpinned_at_release():
+    staging = Staging()
+    tensors = {n: t.detach().cuda() for n, t in model().items()}
+    segment = push_memory.PushSegment({f"{k}:{n}": (tuple(t.shape), np.float32) for n, t in tensors.items()
+                                       for k in "db"})
+    sets = [{n: segment.buffers[f"{k}:{n}"] for n in tensors} for k in "db"]
+    staging.share_out(sets)
+    assert all(torch.from_numpy(a).is_pinned() for s in sets for a in s.values())
+    for turn in (0, 1):
+        out = staging.to_host(tensors, shared=True)
+        for name, t in tensors.items():
+            assert np.shares_memory(out[name], sets[turn][name])
+            assert out[name].tobytes() == t.float().cpu().numpy().tobytes()
+    staging.release()
+    assert not any(torch.from_numpy(a).is_pinned() for s in sets for a in s.values())

@@ -7,6 +7,7 @@ import logging
 import time
 import warnings
 import weakref
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from plug_asgd.modes import AGN, EASGD, OSP, SSP, AdaComp, Asgd, Downpour, Sync
 from plug_asgd.strategy import synced_tensors
 from plug_asgd.worker.client import PSClient, PSError, PSUnreachableError
 from plug_asgd.worker.collectives import op_name
+from plug_asgd.worker.staging import Staging
 from tests.conftest import free_port, group_members
 
 
@@ -116,16 +118,23 @@ def test_a_lone_asgd_worker_gets_no_model_back_yet_holds_the_central_model_bit_f
         np.testing.assert_array_equal(local.view(np.uint32), value.view(np.uint32))
 
 
+DONE = SimpleNamespace(synchronize=lambda: None)  # a CPU copy's end: done when copy_ returns
+
+
 @pytest.mark.parametrize("mode", ["asgd", "sync"])
 @pytest.mark.integration
 def test_pushes_through_shared_memory_train_the_bits_of_pushes_over_the_socket(mode):
     """The embedded PS is on this machine: a worker's dense updates go through shared memory, the
-    socket carries headers only, and the run ends on the same bits as one that pushed the bytes."""
+    socket carries headers only, and the run ends on the same bits as one that pushed the bytes. A worker
+    whose tensors are staged (a GPU's path, driven here on CPU tensors) copies each push into that memory:
+    no bytes on the socket either."""
     finals, stats, comm = [], [], []
-    for shm in (True, False):
+    for shm, staged in ((True, False), (False, False), (True, True)):
         pl.seed_everything(7)
         module = Tiny()
         s = AsyncPSStrategy(mode=mode, shm_pushes=shm)
+        if staged:
+            s._exchange.staging = Staging(staged=lambda device: True, pin=False, mark=lambda device: DONE)
         try:
             trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=s, max_epochs=1, logger=False,
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -136,12 +145,15 @@ def test_pushes_through_shared_memory_train_the_bits_of_pushes_over_the_socket(m
         finally:
             s._shutdown(wait_for_workers=0)
     per_push = 4 * (4 * 2 + 2)  # Linear(4, 2): 10 float32
-    assert stats[0]["push_local_bytes_in"] == comm[0]["push_local_bytes_up"] == 20 * per_push
+    for k in (0, 2):
+        assert stats[k]["push_local_bytes_in"] == comm[k]["push_local_bytes_up"] == 20 * per_push
     assert stats[1]["push_local_bytes_in"] == comm[1]["push_local_bytes_up"] == 0
     # the frames not sent, less the offsets the shared-memory headers name (a few bytes a tensor)
-    assert 20 * (per_push - 64) <= comm[1]["push_bytes_up"] - comm[0]["push_bytes_up"] < 20 * per_push
-    for n in finals[0]:
-        np.testing.assert_array_equal(finals[0][n].view(np.uint32), finals[1][n].view(np.uint32))
+    for k in (0, 2):
+        assert 20 * (per_push - 64) <= comm[1]["push_bytes_up"] - comm[k]["push_bytes_up"] < 20 * per_push
+    for final in finals[1:]:
+        for n in finals[0]:
+            np.testing.assert_array_equal(finals[0][n].view(np.uint32), final[n].view(np.uint32))
 
 
 def fit_tiny(strategy, callbacks=()) -> dict[str, np.ndarray]:

@@ -257,8 +257,9 @@ class Exchange(ABC):
     def let_go(self) -> None:  # noqa: B027 (a hook, as finish)
         """End of a stage, also after a failure: nothing of ours may be left using the socket."""
 
-    def close(self) -> None:  # noqa: B027 (a hook: only hogwild holds memory outside the process)
-        """At exit: release what the exchange holds outside this process."""
+    def close(self) -> None:
+        """At exit: release what the exchange holds outside this process (pinned shared memory; hogwild's file)."""
+        self.staging.release()
 
     def central_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` (a state dict) with the central tensors in place of this worker's.

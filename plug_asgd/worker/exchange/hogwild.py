@@ -69,6 +69,7 @@ class SharedExchange(Exchange):
 
     @override
     def close(self) -> None:
+        super().close()
         if self.link is not None:
             self._drop_shared()  # a hogwild fit that failed leaves its shared file behind
 

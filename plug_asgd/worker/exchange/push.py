@@ -86,7 +86,7 @@ class PushExchange(UpdateMaking):
         link = self._link
         tensors = link.tensors()
         want_model = self.mode.pull_every is None or self.since_pull >= self.mode.pull_every
-        cheap_refusal = self.shared_buffers and link.client.shares_memory  # else a lone worker's only
+        cheap_refusal = self.shares_pushes and link.client.shares_memory  # else a lone worker's only
         if (want_model and self.weights_ok and link.client.takes_weights and self.base_is_central
                 and self.dense(tensors) and self.scale() == 1.0 and (cheap_refusal or link.world_size == 1)
                 and self.push_weights(tensors)):
@@ -160,8 +160,14 @@ class PushExchange(UpdateMaking):
         with torch.no_grad():
             for name, t in tensors.items():
                 sent[name].copy_(t.detach())
-        base, lend, client, host = self.version, self.shared_buffers, self._link.client, self.staging.to_host(sent)
-        push = InFlight(lambda: client.push(base, host, want_model="unless_own", weights=True, lend=lend))
+        base, lend, client = self.version, self.shares_pushes, self._link.client
+        host, copied = self.staging.copy_out(sent, shared=True)  # on a GPU: waited for by the push's thread
+
+        def push_when_copied() -> ModelReply:
+            copied()
+            return client.push(base, host, want_model="unless_own", weights=True, lend=lend)
+
+        push = InFlight(push_when_copied)
         self.pending = (push, lambda: self.settle_weights(push, sent, base, lend))
         self.since_push = 0
         return True

@@ -58,7 +58,7 @@ class UpdateMaking(Exchange):
             deltas[name] = torch.sub(t.detach(), self.base[name], out=buffers[name])
             if scale != 1.0:
                 deltas[name].mul_(scale)
-        update: dict[str, Any] = self.staging.to_host(deltas)  # on a GPU: every copy queued, one wait
+        update: dict[str, Any] = self.staging.to_host(deltas, shared=dense)  # on a GPU: every copy queued, one wait
         if not dense:
             for name, t in tensors.items():
                 update[name] = self.encoder.encode(name, update[name])
@@ -111,21 +111,30 @@ class UpdateMaking(Exchange):
         """Buffers for dense updates: in memory the PS maps where it can (``shm_pushes``), else private.
 
         The base moves into that memory too: a push of weights (:meth:`push_weights`) swaps the
-        two sets, so both must be where the PS can read them.
+        two sets, so both must be where the PS can read them. Tensors on a device keep their buffers
+        there; their pushes are staged in two sets of that memory instead (:meth:`Staging.share_out`).
 
         Args:
             tensors: the worker's parameters and buffers, by name, whose shapes the buffers take.
         """
-        if self.shm_pushes and all(t.device.type == "cpu" for t in tensors.values()):
+        staged = [self.staging.staged(t.device) for t in tensors.values()]
+        shared = None
+        if self.shm_pushes and (not any(staged) or all(staged)):
             shapes = {f"{kind}:{n}": (tuple(t.shape), np.float32) for n, t in tensors.items() for kind in "db"}
             shared = self._link.client.push_buffers(shapes)
-            if shared is not None:
-                for name in tensors:
-                    base = torch.from_numpy(shared[f"b:{name}"])
-                    if name in self.base:
-                        base.copy_(self.base[name])
-                    self.base[name] = base
-                self.shared_buffers = True
-                return {n: torch.from_numpy(shared[f"d:{n}"]) for n in tensors}
-        self.shared_buffers = False
+        self.shared_buffers = shared is not None and not any(staged)
+        if shared is not None and self.shared_buffers:
+            for name in tensors:
+                base = torch.from_numpy(shared[f"b:{name}"])
+                if name in self.base:
+                    base.copy_(self.base[name])
+                self.base[name] = base
+            return {n: torch.from_numpy(shared[f"d:{n}"]) for n in tensors}
+        if shared is not None:  # a device's: each push is copied into one set, the PS reads it there
+            self.staging.share_out([{n: shared[f"{kind}:{n}"] for n in tensors} for kind in "db"])
         return {n: torch.empty_like(t.detach()) for n, t in tensors.items()}
+
+    @property
+    def shares_pushes(self) -> bool:
+        """Whether a dense push reaches the PS through its memory (the buffers, or their staging, in it)."""
+        return self.shared_buffers or self.staging.shares_out
