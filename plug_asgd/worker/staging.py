@@ -12,6 +12,7 @@ maps the worker's memory (``shm_pushes``), a dense push's host buffers are that 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 from collections.abc import Callable, Mapping, Sequence
@@ -68,9 +69,22 @@ def cuda_pin(start: int, size: int) -> Callable[[], None] | None:
     try:
         torch.cuda.check_error(cudart.cudaHostRegister(start, size, 0))
     except RuntimeError as exc:  # torch.cuda.CudaError
+        _clear_last_cuda_error()
         log.info("pushing from unpinned shared memory: CUDA would not pin it (%s)", exc)
         return None
     return lambda: torch.cuda.check_error(cudart.cudaHostUnregister(start))
+
+
+def _clear_last_cuda_error() -> None:
+    """Read (and so reset) CUDA's last error, which a refused ``cudaHostRegister`` leaves behind and torch's next
+    kernel launch would otherwise raise as its own: through the runtime library torch loaded, where it is found."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line.rsplit("/", 1)[-1]}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, AttributeError) as exc:
+        log.info("could not reset CUDA's last error (%s)", exc)
 
 
 class Staging:
