@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one call (a lent machine's time is short): the staging tests (the PS's memory pinned in place among them) and the selection on the device, the
-# staged copies against per-tensor ones, and one worker's fit under plain Lightning and the strategy, twice
-# each (deterministic: the two runs of a mode must print the same figures). No GPU here: nothing to do.
+# The checks that need a CUDA GPU, in one call (a lent machine's time is short): the staging tests (the PS's
+# memory pinned in place among them), the selection on the device, the staged copies against per-tensor ones, and
+# one worker's fit under plain Lightning and the strategy, twice each (deterministic: the two runs of a mode must
+# print the same figures). No GPU here: nothing to do.
 #   PYTHON=python3 bash scripts/gpu_check.sh
 set -u
 cd "$(dirname "$0")/.."
