@@ -153,6 +153,7 @@ def test_a_push_batch_queues_every_copy_non_blocking_then_waits_once_before_hand
     assert np.array_equal(out["w"], tensors["w"].detach().numpy())
 
 
+@pytest.mark.skipif(not push_memory.available(), reason="no sealed shared memory here (Linux's memfd)")
 def test_dense_pushes_fill_the_ps_memory_in_turn_pinned_once_over_whole_pages():
     """share_out: the two sets a segment holds (as the PS maps them), pinned as one page-aligned range; each
     shared batch fills the set the last one did not, so a lent set is never written before the next answer."""
