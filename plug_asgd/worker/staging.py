@@ -155,7 +155,10 @@ class Staging:
         """Stop staging in shared memory, unpinning it (the exchange's end, or new sets)."""
         unpin, self._unpin, self._shared = self._unpin, None, []
         if unpin is not None:
-            unpin()
+            try:
+                unpin()
+            except RuntimeError as exc:  # torch.cuda.CudaError: the memory stays pinned until the process ends
+                log.info("could not unpin the shared push memory (%s)", exc)
 
     def to_host(self, tensors: Mapping[str, Tensor], shared: bool = False) -> dict[str, np.ndarray]:
         """Each tensor's values as a numpy array (bfloat16 as float32): a view on the CPU, a pinned buffer
