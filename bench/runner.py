@@ -98,17 +98,21 @@ def training_runs(names: list[str], size: dict[str, Any], slow_sleep: float) -> 
     big = 100_000
     for rep in range(size["reps"]):
         if "stragglers" in names:
-            # asgd ranks stop independently after the same time; DDP runs a step count of about the same length
-            steps = max(8, int(size["straggler_s"] / (slow_sleep * 4 / 3 + 0.03)))
+            # asgd ranks stop independently after the same time; DDP runs a step count of about the same length.
+            # The time lets the slowed rank take its 3 warm-up steps and as many more (on a slow machine, longer
+            # than the size says): else no window has both ranks past warm-up and still training
+            slow_step = slow_sleep * 4 / 3 + 0.03
+            window_s = max(size["straggler_s"], 6 * slow_step)
+            steps = max(8, int(window_s / slow_step))
             common = {"bench": "stragglers", "rep": rep, "batch_size": 32, "slow_rank": 1, "slow_sleep_s": slow_sleep,
                       "epochs": 1000}
             pair = [{**common, "name": "asgd", "kind": "asgd", "mode": "asgd", "max_steps": big,
-                     "time_limit_s": size["straggler_s"]},
+                     "time_limit_s": window_s},
                     {**common, "name": "ddp", "kind": "ddp", "max_steps": steps + 3}]
             two += pair if rep % 2 == 0 else pair[::-1]
             # the same, stopped by Lightning's own Timer (Trainer(max_time=...)), which broadcasts rank 0's
             # decision after every batch: under asgd that broadcast must not put the workers in lockstep
-            timed = {**common, "max_steps": big, "max_time_s": size["straggler_s"] + 3}
+            timed = {**common, "max_steps": big, "max_time_s": window_s + 3}
             pair = [{**timed, "name": "asgd max_time", "kind": "asgd", "mode": "asgd"},
                     {**timed, "name": "ddp max_time", "kind": "ddp"}]
             two += pair if rep % 2 == 0 else pair[::-1]
