@@ -122,14 +122,15 @@ class UpdateMaking(Exchange):
         if self.shm_pushes and (not any(staged) or all(staged)):
             shapes = {f"{kind}:{n}": (tuple(t.shape), np.float32) for n, t in tensors.items() for kind in "db"}
             shared = self._link.client.push_buffers(shapes)
-        self.shared_buffers = shared is not None and not any(staged)
-        if shared is not None and self.shared_buffers:
+        if shared is not None and not any(staged):
             for name in tensors:
                 base = torch.from_numpy(shared[f"b:{name}"])
                 if name in self.base:
                     base.copy_(self.base[name])
                 self.base[name] = base
+            self.shared_buffers = True
             return {n: torch.from_numpy(shared[f"d:{n}"]) for n in tensors}
+        self.shared_buffers = False
         if shared is not None:  # a device's: each push is copied into one set, the PS reads it there
             self.staging.share_out([{n: shared[f"{kind}:{n}"] for n in tensors} for kind in "db"])
         return {n: torch.empty_like(t.detach()) for n, t in tensors.items()}
