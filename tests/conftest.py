@@ -206,6 +206,19 @@ def pytest_runtest_call(item):
         yield
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that failed waiting on a PS gets tests/diagnosis.py's report beside its traceback."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed and call.when == "call" and item.get_closest_marker("quick") is None:
+        from tests.diagnosis import report, waited_on_a_ps
+
+        if waited_on_a_ps(rep.longrepr):
+            ps = item.funcargs.get("start_ps")
+            rep.sections.append(("what the test process saw", report(ps.started if ps is not None else {})))
+
+
 def free_port() -> int:
     """A port free now, below the ephemeral range and never handed out before in this session's worker.
 
