@@ -32,9 +32,9 @@ from typing_extensions import override
 from plug_asgd import compressors, modes
 from plug_asgd.compressors import Codec, NoCompression
 from plug_asgd.compressors.heap import keep_freed_memory
-from plug_asgd.connection import PSConnection, PSSettings
 from plug_asgd.lightning_bridge.plumbing import FAILED_GRACE_S, DDPPlumbing
 from plug_asgd.modes import Mode
+from plug_asgd.placement.connection import PSConnection, PSSettings
 from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT
 from plug_asgd.sharding.client import ShardedClient
 from plug_asgd.strategy_collectives import PSCollectives
@@ -118,7 +118,7 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
         downlink_bound: with ``downlink_fraction``, every coordinate off by more than this is sent too.
         ps_standby: node 1's local rank 0 runs a hot standby of each embedded PS (port ``ps_port + shards + I``
             on node 1's address), which leads when node 0's PS is gone; the workers move to it by themselves
-            (``plug_asgd.standby_launcher``, docs/design.md "Hot standby"). Needs 2 nodes or more.
+            (``plug_asgd.placement.standby_launcher``, docs/design.md "Hot standby"). Needs 2 nodes or more.
         failover_timeout: seconds of the PS's silence after which its standby may lead (the embedded PS's; an
             external one takes ``serve-ps --failover-timeout``).
         accelerator: Lightning's, as for DDP's strategy (the Trainer sets it from ``accelerator=``).
@@ -187,7 +187,7 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
         self.mode = modes.get(mode)
         self.compressor = compressors.get(compressor)
         self.mode.check_compressor(self.compressor)
-        # the PS's arguments, placement and client (plug_asgd.connection)
+        # the PS's arguments, placement and client (plug_asgd.placement.connection)
         settings = PSSettings(ps_address=ps_address, ps_port=ps_port, ps_shards=ps_shards, max_updates=max_updates,
                               connect_timeout=connect_timeout, request_timeout=request_timeout,
                               lost_timeout=lost_timeout, heartbeat_s=heartbeat_s, worker_timeout=worker_timeout,

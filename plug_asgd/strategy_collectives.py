@@ -17,7 +17,7 @@ from plug_asgd.worker.collectives import Collectives
 from plug_asgd.worker.phase import Phase
 
 if TYPE_CHECKING:
-    from plug_asgd.connection import PSConnection
+    from plug_asgd.placement.connection import PSConnection
     from plug_asgd.worker.exchange import Exchange
 
 _TRAINING = "train"  # RunningStage.TRAINING of either namespace (a str enum)

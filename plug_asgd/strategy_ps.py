@@ -1,7 +1,7 @@
 """The strategy's PS as the strategy shows it (:class:`PSPlumbing`, a base of
 :class:`~plug_asgd.strategy.AsyncPSStrategy`): where it is (its endpoints, its shards, this worker's placement), what
 a callback gets of it (:meth:`PSPlumbing.ps_handle`), its counters and this worker's, and the client connected at the
-first stage. The work is :mod:`plug_asgd.connection`'s; Lightning's collectives through the PS are
+first stage. The work is :mod:`plug_asgd.placement.connection`'s; Lightning's collectives through the PS are
 :mod:`plug_asgd.strategy_collectives`'.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from plug_asgd.connection import Placement, PSConnection, PSHandle
+from plug_asgd.placement.connection import Placement, PSConnection, PSHandle
 from plug_asgd.sharding.client import ShardedClient
 from plug_asgd.worker.client import PSClient
 from plug_asgd.worker.phase import Phase

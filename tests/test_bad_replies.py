@@ -15,10 +15,10 @@ import pytest
 import zmq
 
 from plug_asgd.compressors import NoCompression
-from plug_asgd.connection import PSConnection
 from plug_asgd.modes import MODES
+from plug_asgd.placement.connection import PSConnection
+from plug_asgd.placement.settings import PSSettings
 from plug_asgd.protocol.wire import WireError, encode
-from plug_asgd.ps_settings import PSSettings
 from plug_asgd.worker.client import PSClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]

@@ -30,8 +30,8 @@ MAY_IMPORT = {
     "worker": {"protocol", "compressors", "modes"},
     "sharding": {"protocol", "compressors", "modes", "worker"},
     "cli": {"protocol", "ps", "worker"},
-    "callbacks": {"protocol", "compressors", "modes", "ps", "worker", "sharding", "connection", "ps_launcher",
-                  "lightning_bridge"},
+    "placement": {"protocol", "compressors", "modes", "ps", "worker", "sharding"},
+    "callbacks": {"protocol", "compressors", "modes", "ps", "worker", "sharding", "placement", "lightning_bridge"},
 }
 
 

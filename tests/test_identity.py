@@ -547,7 +547,8 @@ def test_a_checkpoint_is_readable_by_its_owner_only_whatever_the_umask(tmp_path)
 
 
 def test_the_embedded_ps_is_told_the_jobs_world_size(monkeypatch):
-    from plug_asgd import compressors, connection, modes
+    from plug_asgd import compressors, modes
+    from plug_asgd.placement import connection
 
     ps = connection.PSConnection(modes.get("asgd"), compressors.get("none"), connection.PSSettings())
     configs: list[PSConfig] = []

@@ -91,7 +91,7 @@ def test_a_nodes_shard_beyond_loopback_needs_keys_and_is_refused_before_anything
     from lightning_fabric.plugins.environments import LightningEnvironment
 
     from plug_asgd import AsyncPSStrategy
-    from plug_asgd import connection as ps_connection
+    from plug_asgd.placement import connection as ps_connection
     from plug_asgd.protocol.security import InsecureBindError
 
     for name, value in {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "NODE_RANK": "1"}.items():

@@ -1,5 +1,5 @@
 """Where the embedded PS listens: the cluster's main port, or the next one under torchrun, whose agent
-serves its rendezvous store on the main port (plug_asgd.ps_launcher.endpoint). Environments only: quick."""
+serves its rendezvous store on the main port (plug_asgd.placement.ps_launcher.endpoint). Environments only: quick."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from lightning_fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
 
 from plug_asgd import AsyncPSStrategy
-from plug_asgd.ps_launcher import endpoint
+from plug_asgd.placement.ps_launcher import endpoint
 
 TORCHRUN = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
             "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "h23"}

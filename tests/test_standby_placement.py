@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from plug_asgd.placement.standby_launcher import standby_binds, standby_configs
 from plug_asgd.ps import PSConfig
 from plug_asgd.ps.standby_join import standby_config
-from plug_asgd.standby_launcher import standby_binds, standby_configs
 
 
 def test_the_strategy_refuses_a_standby_it_cannot_place():
@@ -59,7 +59,8 @@ def test_a_standby_takes_its_primarys_options_but_follows_its_own_parent(monkeyp
 def _on_node(monkeypatch, node: int, **strategy):
     from lightning_fabric.plugins.environments import LightningEnvironment
 
-    from plug_asgd import AsyncPSStrategy, standby_launcher
+    from plug_asgd import AsyncPSStrategy
+    from plug_asgd.placement import standby_launcher
 
     for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "NODE_RANK": str(node)}.items():
         monkeypatch.setenv(name, value)

@@ -4,7 +4,7 @@ What the quick tier's regression case runs (``tests/test_momentum_quick.py``): t
 the strategy's (:func:`plug_asgd.worker.exchange.make_exchange` with the mode's default staleness
 compensation, joined, stepped and left as ``AsyncPSStrategy`` does), the PS is a
 :class:`~plug_asgd.ps.ParameterServer` configured as the embedded one
-(:func:`plug_asgd.ps_launcher.ps_config`), and the wire is the real one (msgpack frames through
+(:func:`plug_asgd.placement.ps_launcher.ps_config`), and the wire is the real one (msgpack frames through
 ZeroMQ) over an ``inproc://`` endpoint: no process starts, no OS socket opens, so a fit of the
 small regression model takes a fraction of a second. Lightning is left out; its part (the
 sampler, the optimizer step, the stage's hooks) is done here the way it does it, and the
@@ -24,8 +24,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from plug_asgd import AsyncPSStrategy
+from plug_asgd.placement.ps_launcher import ps_config
 from plug_asgd.ps import ParameterServer
-from plug_asgd.ps_launcher import ps_config
 from plug_asgd.strategy import synced_tensors
 from plug_asgd.worker.client import PSClient
 from plug_asgd.worker.collectives import Collectives

@@ -1,6 +1,6 @@
 """What the callbacks share: the PS they are handed, where they write, and the records a checkpoint keeps.
 
-The callbacks know the strategy only through what it hands them (:class:`~plug_asgd.connection.PSHandle`), so
+The callbacks know the strategy only through what it hands them (:class:`~plug_asgd.placement.connection.PSHandle`), so
 that they import no strategy and work with any strategy that trains against a PS and offers ``ps_handle()``.
 """
 
@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from plug_asgd.connection import PSHandle
+from plug_asgd.placement.connection import PSHandle
 
 if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); pytorch_lightning's names them here
     import pytorch_lightning as pl

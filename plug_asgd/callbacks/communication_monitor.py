@@ -14,8 +14,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from plug_asgd.callbacks.common import KeepsRecords, ps_handle, require_ps, run_dir
-from plug_asgd.connection import PSHandle
 from plug_asgd.lightning_bridge.namespaces import LightningBound
+from plug_asgd.placement.connection import PSHandle
 
 if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); pytorch_lightning's names them here
     import pytorch_lightning as pl

@@ -1,7 +1,7 @@
 """The strategy's parameter-server arguments: checked once, where the strategy is built, and kept as one value.
 
-:class:`PSSettings` is what :class:`~plug_asgd.connection.PSConnection` and
-:func:`~plug_asgd.ps_launcher.ps_config` read; both import it from here. Imports neither Lightning namespace.
+:class:`PSSettings` is what :class:`~plug_asgd.placement.connection.PSConnection` and
+:func:`~plug_asgd.placement.ps_launcher.ps_config` read; both import it from here. Imports neither Lightning namespace.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ class PSSettings:
         delta_replies: replies carry only what changed, where that is less.
         downlink_fraction: the share of each tensor a reply carries (None: all).
         downlink_bound: every coordinate off by more than this is sent too.
-        ps_standby: node 1's local rank 0 runs a hot standby of each embedded PS (:mod:`plug_asgd.standby_launcher`).
+        ps_standby: node 1's local rank 0 runs a hot standby of each embedded PS
+            (:mod:`plug_asgd.placement.standby_launcher`).
         failover_timeout: seconds of the PS's silence after which its standby may lead.
         heartbeat_seconds: ``heartbeat_s`` with ``"auto"`` resolved against ``worker_timeout`` (not an argument).
 

@@ -3,7 +3,7 @@
 :class:`PSConnection` holds the strategy's PS arguments (checked when the strategy is built) and, once a
 stage connects, places the PS: one embedded PS, ``ps_shards=N`` embedded shards, one shard per node
 (:mod:`plug_asgd.sharding.per_node`) or external addresses. It starts the embedded processes this rank owns
-(:mod:`plug_asgd.ps_launcher`), connects one client (a :class:`~plug_asgd.worker.client.PSClient`, or a
+(:mod:`plug_asgd.placement.ps_launcher`), connects one client (a :class:`~plug_asgd.worker.client.PSClient`, or a
 :class:`~plug_asgd.sharding.client.ShardedClient` over the shards) that every later stage reuses, says goodbye at a
 stage's end and shuts both down at exit. Kept apart from the strategy so that its Lightning life cycle does not
 carry the PS's placement; the strategy hands in what only Lightning knows (the worker's :class:`Placement`, the
@@ -23,10 +23,7 @@ from typing import Any
 
 from plug_asgd.compressors import Codec
 from plug_asgd.modes import Mode
-from plug_asgd.protocol.wire import WireError
-from plug_asgd.ps import PSConfig
-from plug_asgd.ps.failure import MAX_FAILURE_CHARS
-from plug_asgd.ps_launcher import (
+from plug_asgd.placement.ps_launcher import (
     EmbeddedPS,
     check_placement,
     check_placements,
@@ -35,11 +32,14 @@ from plug_asgd.ps_launcher import (
     endpoints,
     ps_config,
 )
-from plug_asgd.ps_settings import PSSettings
+from plug_asgd.placement.settings import PSSettings
+from plug_asgd.placement.standby_launcher import STANDBY_NODE, check_nodes, standby_binds, standby_configs, wait_joined
+from plug_asgd.protocol.wire import WireError
+from plug_asgd.ps import PSConfig
+from plug_asgd.ps.failure import MAX_FAILURE_CHARS
 from plug_asgd.sharding.client import ShardedClient
 from plug_asgd.sharding.config import connect, make_partition, sharded, shards
 from plug_asgd.sharding.per_node import PER_NODE, gather_addresses, node_address, shard_endpoint
-from plug_asgd.standby_launcher import STANDBY_NODE, check_nodes, standby_binds, standby_configs, wait_joined
 from plug_asgd.worker.client import PSClient, PSError, PSUnreachableError
 
 log = logging.getLogger("plug_asgd.strategy")  # the strategy's warnings, under the name they always had
@@ -242,7 +242,7 @@ class PSConnection:
 
     def _place_standby(self, job: Placement, addresses: list[str], binds: list[str] | None, trainer: Any) -> None:
         """``ps_standby=True``: refused on one node (every rank alike); node 1's local rank 0 makes its standbys'
-        configs, started at its first hello (:mod:`plug_asgd.standby_launcher`)."""
+        configs, started at its first hello (:mod:`plug_asgd.placement.standby_launcher`)."""
         check_nodes(job.num_nodes)
         if binds is None or job.node_rank != STANDBY_NODE or job.local_rank != 0:
             return

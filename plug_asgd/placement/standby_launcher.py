@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from plug_asgd.placement.ps_launcher import EmbeddedPS
 from plug_asgd.ps import PSConfig
-from plug_asgd.ps_launcher import EmbeddedPS
 from plug_asgd.sharding.client import ShardedClient
 from plug_asgd.sharding.per_node import node_address
 from plug_asgd.worker.client import PSClient, PSError, PSUnreachableError

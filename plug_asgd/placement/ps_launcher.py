@@ -22,7 +22,7 @@ from plug_asgd.worker.client import PSClient, PSError, PSUnreachableError
 
 if TYPE_CHECKING:
     from plug_asgd.modes import Mode
-    from plug_asgd.ps_settings import PSSettings
+    from plug_asgd.placement.settings import PSSettings
 
 
 @runtime_checkable
