@@ -35,6 +35,7 @@ from plug_asgd.compressors.heap import keep_freed_memory
 from plug_asgd.lightning_bridge.plumbing import FAILED_GRACE_S, DDPPlumbing
 from plug_asgd.modes import Mode
 from plug_asgd.placement.connection import PSConnection, PSSettings
+from plug_asgd.placement.island import Island, IslandGroup, IslandLost, check_island, island_size
 from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT
 from plug_asgd.sharding.client import ShardedClient
 from plug_asgd.strategy_collectives import PSCollectives
@@ -121,6 +122,11 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
             (``plug_asgd.placement.standby_launcher``, docs/design.md "Hot standby"). Needs 2 nodes or more.
         failover_timeout: seconds of the PS's silence after which its standby may lead (the embedded PS's; an
             external one takes ``serve-ps --failover-timeout``).
+        island: how many consecutive local ranks of a node train as one worker of the PS (``plug_asgd.placement.
+            island``): inside an island the ranks all-reduce their gradients each step as DDP's do, and its first
+            rank alone trades with the PS, then sends the island the weights. ``1``: every device a worker of its
+            own; ``"node"``: each node one worker; ``"auto"`` (default): ``"node"`` on a job of several nodes, whose
+            links between nodes are the slow ones, 1 on one node (docs/design.md, "Islands").
         accelerator: Lightning's, as for DDP's strategy (the Trainer sets it from ``accelerator=``).
         parallel_devices: this node's devices, one worker each (the Trainer sets them from ``devices=``).
         cluster_environment: where the ranks and the main address come from (the Trainer picks it: local, SLURM,
@@ -175,6 +181,7 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
         downlink_bound: float | None = None,
         ps_standby: bool = False,
         failover_timeout: float = 3.0,
+        island: Island = "auto",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -208,6 +215,8 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
         self._threads_chosen = threads_chosen()  # (else the user's OMP_NUM_THREADS: no tuner)
         self._exchange = make_exchange(self.mode, codec=self.compressor, compensation=self.staleness_compensation,
                                        shm_pushes=shm_pushes)
+        self.island = check_island(island, self.mode.name)
+        self._island: IslandGroup | None = None  # this rank's island's group, made at the first stage (size > 1)
 
     @classmethod
     @override
@@ -217,6 +226,16 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=f"plug_asgd parameter-server SGD, mode {mode}",
                                            mode=mode)
+
+    @override
+    def _configure_launcher(self) -> None:
+        self.island_ranks  # noqa: B018 (an island the nodes cannot hold is refused before any process starts)
+        super()._configure_launcher()
+
+    @property
+    def island_ranks(self) -> int:
+        """How many ranks make one island, one worker of the PS (1: every rank a worker of its own)."""
+        return island_size(self.island, max(1, self.num_processes), self.num_nodes, self.mode.name)
 
     # -- stage life cycle ------------------------------------------------------------------------
 
@@ -236,17 +255,21 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
         self._stage += 1
         self._collective_seq = 0
         self._exchange.joined = False
-        client = self._connect()
-        welcome = self.connection.hello(self._stage, self._fitting)
-        self._ps_initialized = bool(welcome.get("initialized"))
-        self._exchange.attach(self._link(client))
+        if self._island is None and self.island_ranks > 1:
+            self._island = self._island_group()
+        if self.island_leader:
+            client = self._connect()
+            welcome = self.connection.hello(self._stage, self._fitting)
+            self._ps_initialized = bool(welcome.get("initialized"))
+            self._exchange.attach(self._link(client))
         self._phase = Phase.STAGE
 
     def _link(self, client: PSClient | ShardedClient) -> Link:
         """What the exchange needs of this worker for the stage that starts."""
         port = self.cluster_environment.main_port if self.cluster_environment is not None else 0
-        return Link(client=client, tensors=lambda: synced_tensors(self.lightning_module), rank=self.global_rank,
-                    world_size=self.world_size, stage=self._stage, fitting=self._fitting, barrier=self.barrier,
+        job = self.placement()  # (with islands, the island's number and the island count: what the PS sees)
+        return Link(client=client, tensors=lambda: synced_tensors(self.lightning_module), rank=job.global_rank,
+                    world_size=job.world_size, stage=self._stage, fitting=self._fitting, barrier=self._ps_barrier,
                     stop=self._request_stop, shared_tag=f"{port}_{self._stage}",
                     one_cpu_machine=self.num_nodes == 1 and self.root_device.type == "cpu")
 
@@ -261,10 +284,12 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
         self.setup_precision_plugin()
         if trainer.state.fn == _FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            keep_freed_memory()  # the arrays each push makes and frees reuse their pages (compressors/heap.py)
-            self._exchange.start_fit(self.optimizers, self.global_rank if self.cluster_environment else 0,
-                                     self.world_size)
-            self._start_tuning()
+            if self.island_leader:
+                keep_freed_memory()  # the arrays each push makes and frees reuse their pages (compressors/heap.py)
+                job = self.placement()
+                self._exchange.start_fit(self.optimizers, job.global_rank if self.cluster_environment else 0,
+                                         job.world_size)
+                self._start_tuning()
 
     @override
     def on_train_start(self) -> None:
@@ -298,7 +323,8 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
         the CPU whose codec encodes each push beside the step, torch on 2 threads or more of the strategy's own
         choosing (not ``OMP_NUM_THREADS``'s), and no deterministic algorithms asked for."""
         threads = torch.get_num_threads()
-        if (self.root_device.type == "cpu" and not isinstance(self._exchange.encoder, NoCompression) and threads >= 2
+        if (self.island_leader and self.root_device.type == "cpu"
+                and not isinstance(self._exchange.encoder, NoCompression) and threads >= 2
                 and self._threads_chosen and not torch.are_deterministic_algorithms_enabled()):
             self._tuner = ThreadTuner(threads, torch.set_num_threads)
 
@@ -324,7 +350,8 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._stop_tuning()
-        self._failure = f"{type(exception).__name__}: {exception}"
+        # an island that lost a rank ends as a lost worker does: the PS goes on with the other islands
+        self._failure = None if isinstance(exception, IslandLost) else f"{type(exception).__name__}: {exception}"
         if self._phase is not Phase.IDLE:  # (an exception before the stage began, as the PS's, has nothing to end)
             self._phase = Phase.FAILED
 
@@ -339,11 +366,18 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
             try:
                 if self._fitting and self._exchange.joined and not failed:
                     self._exchange.leave()
+                    self._island_sync()  # the final central model on every rank of the island
             finally:
                 self._phase = Phase.IDLE  # only now: the barriers above are collectives of this stage
                 # after a failure: the socket is a sender's until it is done, hence let_go first
                 self.connection.goodbye(self._stage, failed, settle=self._exchange.let_go, failure=self._failure)
-        self._exchange.joined = False
+        elif self._island is not None and self._phase is not Phase.IDLE:  # an island's other ranks
+            try:
+                if self._fitting and self._island_joined and self._phase is not Phase.FAILED:
+                    self._island_sync()
+            finally:
+                self._phase = Phase.IDLE
+        self._exchange.joined = self._island_joined = False
         if self._failure is not None:  # as Lightning's launcher does where a rank fails: none trains on alone
             self._failure = None
             self.end_launched_ranks(FAILED_GRACE_S)
@@ -352,16 +386,22 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
     # -- synchronising the model with the PS -----------------------------------------------------
 
     def _join(self) -> None:
-        """Start of a stage: offer our weights if the PS has none yet, then take the central ones."""
-        if not self._exchange.joined:
-            self._exchange.join(init=not self._ps_initialized)
-            self._ps_initialized = True
+        """Start of a stage: offer our weights if the PS has none yet, then take the central ones (an island's
+        leader, which then sends them to its island)."""
+        if not self._island_joined:
+            if self.island_leader:
+                self._exchange.join(init=not self._ps_initialized)
+                self._ps_initialized = True
+            self._island_joined = True
+            self._island_sync()
 
     def _refresh(self) -> None:
-        if not self._exchange.joined:
+        if not self._island_joined:
             self._join()
         else:
-            self._exchange.refresh()
+            if self.island_leader:
+                self._exchange.refresh()
+            self._island_sync()
 
     def _request_stop(self) -> None:
         if self._fitting and self.lightning_module is not None:
@@ -369,11 +409,25 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        def run() -> Any:
-            return super(AsyncPSStrategy, self).optimizer_step(optimizer, self._exchange.closure(closure), model,
-                                                               **kwargs)
+        """The local step (with islands: on the island's mean gradient, on every rank), then the exchange with the
+        PS where one is due (the island's leader's), then the leader's weights and stop to the rest of its island."""
+        island = self._island
+        if island is not None:
+            closure = self._island_closure(closure, optimizer)
+        if not self.island_leader:
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+            self._island_steps += 1
+        else:
+            def run() -> Any:
+                return super(AsyncPSStrategy, self).optimizer_step(optimizer, self._exchange.closure(closure), model,
+                                                                   **kwargs)
 
-        return self._exchange.step(run, optimizer)
+            out = self._exchange.step(run, optimizer)
+        if island is not None:
+            trainer = self.lightning_module.trainer
+            if island.send_weights(synced_tensors(self.lightning_module), flags=int(bool(trainer.should_stop))):
+                trainer.should_stop = True  # the leader's PS said stop: the island stops at the same step
+        return out
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
