@@ -4,7 +4,9 @@ the end of a batch of copies and is waited on), with every aten copy recorded wi
 
 from __future__ import annotations
 
+import logging
 import mmap
+import weakref
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from plug_asgd.modes import EASGD, Asgd, Downpour, Mode
 from plug_asgd.protocol import push_memory
+from plug_asgd.worker import staging as staging_module
 from plug_asgd.worker.compensation import OFF, Compensator, StalenessCompensation
 from plug_asgd.worker.exchange import Exchange, Link, make_exchange
 from plug_asgd.worker.staging import Staging
@@ -191,6 +194,92 @@ def test_dense_pushes_fill_the_ps_memory_in_turn_pinned_once_over_whole_pages():
     assert pins[1:] == ["unpin"] and not staging.shares_out
     assert staging.to_host(tensors, shared=True)["w"].ctypes.data not in {a.ctypes.data for a in sets[0].values()}
 
+
+
+def mapped_sets() -> tuple[list[dict[str, np.ndarray]], weakref.ref]:
+    """Two sets of float32 arrays in one mapping of their own (as a push segment's), and a weak reference to the
+    mapping: it is unmapped once the last array over it goes."""
+    memory = mmap.mmap(-1, 2 * mmap.PAGESIZE)
+    mapping = weakref.ref(memory)
+    whole = np.frombuffer(memory, dtype=np.float32)
+    return [{"w": whole[:12], "b": whole[16:20]}, {"w": whole[32:44], "b": whole[48:52]}], mapping
+
+
+def test_release_unpins_the_shared_memory_while_the_staging_still_holds_it_mapped():
+    """The staging may hold the last reference to the PS's memory (the client let its segment go): the unpinning
+    (cudaHostUnregister) must run before the sets, and the mapping with them, go."""
+    sets, mapping = mapped_sets()
+    seen: list[bool] = []
+
+    def still_mapped() -> None:
+        memory = mapping()
+        seen.append(memory is not None and not memory.closed)
+
+    staging = Staging(staged=lambda device: True, pin=True, mark=Marks([]),
+                      pin_range=lambda start, size: still_mapped)
+    staging.share_out(sets)
+    del sets
+    assert mapping() is not None  # the staging's sets alone hold it now
+    staging.release()
+    assert seen == [True]  # unpinned while mapped
+    assert mapping() is None and not staging.shares_out  # then let go
+
+
+class FakeRuntime:
+    """CUDA's runtime as ``cuda_pin`` calls it: each call logged, each answering the code it is set to."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.register = self.unregister = 0  # cudaSuccess
+
+    def cudaHostRegister(self, start: int, size: int, flags: int) -> int:
+        self.calls.append("register")
+        return self.register
+
+    def cudaHostUnregister(self, start: int) -> int:
+        self.calls.append("unregister")
+        return self.unregister
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch) -> tuple[FakeRuntime, list[list[str]]]:
+    """``torch.cuda``'s runtime and error check faked; each reset of CUDA's last error logged with the calls made
+    before it."""
+    runtime = FakeRuntime()
+    cleared: list[list[str]] = []
+
+    def check_error(code: int) -> None:
+        if code != 0:
+            raise RuntimeError(f"CUDA error {code}")  # (torch.cuda.CudaError is a RuntimeError)
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    monkeypatch.setattr(torch.cuda, "check_error", check_error)
+    monkeypatch.setattr(staging_module, "_clear_last_cuda_error", lambda: cleared.append(list(runtime.calls)))
+    return runtime, cleared
+
+
+def test_a_refused_unpinning_clears_cudas_last_error_and_is_logged_not_raised(fake_cuda, caplog):
+    runtime, cleared = fake_cuda
+    runtime.unregister = 713  # cudaErrorHostMemoryNotRegistered
+    sets, _ = mapped_sets()
+    staging = Staging(staged=lambda device: True, pin=True, mark=Marks([]))  # pinned by cuda_pin, the default
+    staging.share_out(sets)
+    assert runtime.calls == ["register"] and cleared == []
+    with caplog.at_level(logging.INFO, logger=staging_module.log.name):
+        staging.release()
+    assert cleared == [["register", "unregister"]]  # read back once, right after the refused call
+    assert "could not unpin the shared push memory" in caplog.text and not staging.shares_out
+
+
+def test_a_refused_pinning_clears_cudas_last_error_and_nothing_is_unpinned(fake_cuda):
+    runtime, cleared = fake_cuda
+    runtime.register = 1  # cudaErrorInvalidValue
+    sets, _ = mapped_sets()
+    staging = Staging(staged=lambda device: True, pin=True, mark=Marks([]))
+    staging.share_out(sets)
+    assert cleared == [["register"]] and staging.shares_out  # staged there all the same, unpinned
+    staging.release()
+    assert runtime.calls == ["register"] and cleared == [["register"]]
 
 def test_a_batch_copied_out_is_waited_for_only_when_its_reader_asks():
     log: list = []

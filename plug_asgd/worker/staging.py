@@ -72,12 +72,21 @@ def cuda_pin(start: int, size: int) -> Callable[[], None] | None:
         _clear_last_cuda_error()
         log.info("pushing from unpinned shared memory: CUDA would not pin it (%s)", exc)
         return None
-    return lambda: torch.cuda.check_error(cudart.cudaHostUnregister(start))
+
+    def unpin() -> None:  # call it while the memory is still mapped
+        try:
+            torch.cuda.check_error(cudart.cudaHostUnregister(start))
+        except RuntimeError:  # torch.cuda.CudaError: its error left set as a refused register's would be
+            _clear_last_cuda_error()
+            raise
+
+    return unpin
 
 
 def _clear_last_cuda_error() -> None:
-    """Read (and so reset) CUDA's last error, which a refused ``cudaHostRegister`` leaves behind and torch's next
-    kernel launch would otherwise raise as its own: through the runtime library torch loaded, where it is found."""
+    """Read (and so reset) CUDA's last error, which a refused ``cudaHostRegister`` or ``cudaHostUnregister`` leaves
+    behind and torch's next kernel launch would otherwise raise as its own: through the runtime library torch
+    loaded, where it is found."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "libcudart" in line.rsplit("/", 1)[-1]}
@@ -153,12 +162,14 @@ class Staging:
 
     def release(self) -> None:
         """Stop staging in shared memory, unpinning it (the exchange's end, or new sets)."""
-        unpin, self._unpin, self._shared = self._unpin, None, []
-        if unpin is not None:
-            try:
-                unpin()
-            except RuntimeError as exc:  # torch.cuda.CudaError: the memory stays pinned until the process ends
-                log.info("could not unpin the shared push memory (%s)", exc)
+        unpin, self._unpin = self._unpin, None
+        try:
+            if unpin is not None:  # while ``_shared`` still holds the sets: it may hold the last reference to the
+                unpin()  # mapping, which goes with it (cudaHostUnregister on memory no longer mapped)
+        except RuntimeError as exc:  # torch.cuda.CudaError: the memory stays pinned until the process ends
+            log.info("could not unpin the shared push memory (%s)", exc)
+        finally:
+            self._shared = []
 
     def to_host(self, tensors: Mapping[str, Tensor], shared: bool = False) -> dict[str, np.ndarray]:
         """Each tensor's values as a numpy array (bfloat16 as float32): a view on the CPU, a pinned buffer
