@@ -3,6 +3,7 @@ and residuals as numpy's pass wherever the sparse codecs use it, bit for bit."""
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 from pathlib import Path
@@ -163,6 +164,59 @@ def test_without_a_cache_folder_or_a_compiler_numpy_does_it(monkeypatch, tmp_pat
     indices, _ = largest_differences(w, c, 50)
     assert indices.size == 50
 
+
+
+def test_without_a_compiler_a_process_warns_once_saying_what_to_install(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("PLUG_ASGD_CACHE", str(tmp_path))
+    monkeypatch.delenv("PLUG_ASGD_NATIVE", raising=False)
+    monkeypatch.setattr(native, "find_compiler", lambda: None)
+    monkeypatch.setattr(native, "_loaded", [])
+    with caplog.at_level(logging.INFO, logger=native.log.name):
+        assert native.library() is None
+        assert native.library() is None  # the codecs call it at every pass: said once
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1, warned
+    assert "no C compiler" in warned[0] and "apt-get install gcc" in warned[0] and "PLUG_ASGD_NATIVE=0" in warned[0]
+    # numpy chosen: nothing to warn of
+    caplog.clear()
+    monkeypatch.setattr(native, "_loaded", [])
+    monkeypatch.setenv("PLUG_ASGD_NATIVE", "0")
+    with caplog.at_level(logging.INFO, logger=native.log.name):
+        assert native.library() is None
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_another_compiler_gets_a_library_of_its_own_in_the_cache(monkeypatch, tmp_path):
+    texts = native.sources()
+    gcc = "/usr/bin/cc\n/usr/bin/x86_64-linux-gnu-gcc-12\ncc (Debian 12.2.0-14) 12.2.0"
+    clang = "/usr/bin/cc\n/usr/lib/llvm-16/bin/clang\nDebian clang version 16.0.6"
+    assert native.cached_path(tmp_path, texts, gcc) != native.cached_path(tmp_path, texts, clang)
+    assert native.cached_path(tmp_path, texts, gcc) == native.cached_path(tmp_path, texts, gcc)
+    # library() looks for its file under the compiler it finds: each identity builds at its own path
+    built: list[Path] = []
+
+    def build(target: Path, texts: dict, compiler: str) -> None:
+        built.append(target)
+        raise OSError("not built in this test")
+
+    monkeypatch.setenv("PLUG_ASGD_CACHE", str(tmp_path))
+    monkeypatch.delenv("PLUG_ASGD_NATIVE", raising=False)
+    monkeypatch.setattr(native, "find_compiler", lambda: "/usr/bin/cc")
+    monkeypatch.setattr(native, "_build", build)
+    for identity in (gcc, clang):
+        monkeypatch.setattr(native, "compiler_identity", lambda compiler, identity=identity: identity)
+        monkeypatch.setattr(native, "_loaded", [])
+        assert native.library() is None
+    assert built == [native.cached_path(tmp_path, texts, gcc), native.cached_path(tmp_path, texts, clang)]
+
+
+@pytest.mark.integration  # runs the compiler (a fake one) for its --version
+def test_a_compilers_identity_is_its_path_and_the_first_line_of_its_version(tmp_path):
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\necho 'fakecc (Build 7) 1.2.3'\necho 'Copyright nobody'\n")
+    cc.chmod(0o755)
+    assert native.compiler_identity(str(cc)).splitlines() == [str(cc), str(cc.resolve()), "fakecc (Build 7) 1.2.3"]
+    assert native.compiler_identity(str(tmp_path / "gone")).splitlines() == [str(tmp_path / "gone")] * 2
 
 def test_arrays_of_other_sizes_are_not_read_past_their_end():
     _library_or_skip()

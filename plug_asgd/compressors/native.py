@@ -21,10 +21,13 @@ where numpy makes each in several passes over the tensor and a temporary per pas
 numpy's path follows too (:mod:`.quantize`), and qsgd's decoding computes ``±level * step`` in float64 as numpy
 does: the same bits either way (``tests/test_native_quantize.py``).
 
-The sources (``kernels/*.c``) are compiled once per machine by the system's C compiler (``cc``, or ``$CC``) into
-``$PLUG_ASGD_CACHE`` (default ``~/.cache/plug_asgd``), and loaded from there after. Where there is no compiler,
-or ``PLUG_ASGD_NATIVE=0``, or the compilation fails, or on a big-endian machine, :func:`library` is None and numpy
-does it all: the same results, slower.
+The sources (``kernels/*.c``) are compiled once per machine and compiler by the system's C compiler (``$CC``, else
+``cc``, else ``gcc``) into ``$PLUG_ASGD_CACHE`` (default ``~/.cache/plug_asgd``), and loaded from there after: the
+file's name holds a digest of the sources, the flags and the compiler's identity (its path and the first line of its
+``--version``), so another compiler builds its own. Where there is no compiler, or the compilation fails, or on a
+big-endian machine, or with ``PLUG_ASGD_NATIVE=0``, :func:`library` is None and numpy does it all: the same results,
+slower (``docs/limits.md``). Where the loops cannot be built (no compiler, a failed build, no cache folder) the
+process logs a warning, once, saying what to install; ``PLUG_ASGD_NATIVE=0`` chooses numpy and says nothing.
 
 A worker's guess of an "own" reply writes the PS's sum ``c + decoded`` to its weights and to its next held model in
 one pass (:func:`add_twice`). The passes that decode a packed update and add it in the same loop are
@@ -100,11 +103,45 @@ def sources() -> dict[str, str]:
     return {name: (folder / name).read_text() for name in KERNELS}
 
 
-def _build(target: Path, texts: dict[str, str]) -> None:
-    """Compile ``texts`` into ``target``, written whole or not at all (another process may build it too)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc) found")
+def find_compiler() -> str | None:
+    """The C compiler's path: ``$CC`` where set (a name on the ``PATH`` or a path), else ``cc``, else ``gcc``; None
+    where it is not found."""
+    named = os.environ.get("CC")
+    if named:
+        return shutil.which(named)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def compiler_identity(compiler: str) -> str:
+    """What tells one compiler from another in the cache's key: its path, the file that path resolves to, and the
+    first line of its ``--version`` (empty where it says nothing).
+
+    Args:
+        compiler: the compiler's path (:func:`find_compiler`).
+    """
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+        first = (done.stdout.strip() or done.stderr.strip()).splitlines()[:1]
+    except (OSError, subprocess.SubprocessError):
+        first = []
+    return "\n".join([compiler, os.path.realpath(compiler), *first])
+
+
+def cached_path(folder: Path, texts: dict[str, str], identity: str) -> Path:
+    """Where the loops built from ``texts`` by the compiler ``identity`` names are kept in ``folder``.
+
+    Args:
+        folder: the cache folder (:func:`cache_dir`).
+        texts: the C sources, by file name.
+        identity: the compiler's (:func:`compiler_identity`).
+    """
+    key = "\0".join([*texts.values(), *FLAGS, identity])
+    return folder / f"native-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def _build(target: Path, texts: dict[str, str], compiler: str) -> None:
+    """Compile ``texts`` with ``compiler`` into ``target``, written whole or not at all (another process may build it
+    too)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         files = []
@@ -112,34 +149,59 @@ def _build(target: Path, texts: dict[str, str]) -> None:
             (Path(tmp) / name).write_text(text)
             files.append(str(Path(tmp) / name))
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, "-o", str(built), *files, "-lm"], check=True, capture_output=True,
-                       timeout=120)
+        try:
+            subprocess.run([compiler, *FLAGS, "-o", str(built), *files, "-lm"], check=True, capture_output=True,
+                           text=True, timeout=120)
+        except subprocess.CalledProcessError as exc:  # what the compiler said, in the warning
+            said = " ".join((exc.stderr or "").strip().splitlines()[-3:])
+            raise OSError(f"{compiler} failed ({exc.returncode})" + (f": {said}" if said else "")) from exc
         os.replace(built, target)
 
 
+class NoCompiler(OSError):
+    """No C compiler was found (:func:`find_compiler`)."""
+
+
+def _load() -> ctypes.CDLL:
+    """Build the loops where this compiler has not yet, and load them; raises where they cannot be had."""
+    texts = sources()
+    folder = cache_dir()  # (no home folder: RuntimeError)
+    compiler = find_compiler()
+    if compiler is None:
+        raise NoCompiler(f"no C compiler found ({'$CC=' + os.environ['CC'] if os.environ.get('CC') else 'cc, gcc'})")
+    target = cached_path(folder, texts, compiler_identity(compiler))
+    if not target.exists():
+        _build(target, texts, compiler)
+    lib = ctypes.CDLL(str(target))
+    for name, (restype, argtypes) in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = restype, argtypes
+    return lib
+
+
 def library() -> ctypes.CDLL | None:
-    """The compiled loops (built at the first call on this machine, loaded after), or None where they cannot be
-    had (no compiler, ``PLUG_ASGD_NATIVE=0``, a failed build, a big-endian machine): the callers then use numpy."""
+    """The compiled loops (built at the first call on this machine with this compiler, loaded after), or None where
+    they cannot be had (no compiler, a failed build, no cache folder: a warning, once a process;
+    ``PLUG_ASGD_NATIVE=0`` or a big-endian machine: no warning): the callers then use numpy."""
     if _loaded:
         return _loaded[0]
     with _lock:
         if _loaded:
             return _loaded[0]
         found = None
-        if os.environ.get("PLUG_ASGD_NATIVE", "1") != "0" and sys.byteorder == "little":  # (kernels/quantize.c)
+        if os.environ.get("PLUG_ASGD_NATIVE", "1") == "0":
+            pass  # numpy, chosen
+        elif sys.byteorder != "little":  # (kernels/quantize.c): nothing to install would change it
+            log.info("plug_asgd: the C loops are little-endian only; numpy's are used")
+        else:
             try:
-                texts = sources()
-                digest = hashlib.sha256("".join([*texts.values(), *FLAGS]).encode()).hexdigest()[:16]
-                target = cache_dir() / f"native-{digest}.so"  # (no home folder: RuntimeError)
-                if not target.exists():
-                    _build(target, texts)
-                lib = ctypes.CDLL(str(target))
-                for name, (restype, argtypes) in SIGNATURES.items():
-                    function = getattr(lib, name)
-                    function.restype, function.argtypes = restype, argtypes
-                found = lib
+                found = _load()
             except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as exc:
-                log.info("plug_asgd: the C loops are not available (%s); numpy's are used", exc)
+                hint = ("install a C compiler (apt-get install gcc, or set CC to one)" if isinstance(exc, NoCompiler)
+                        else "fix its cause (PLUG_ASGD_CACHE sets the folder they are built in)")
+                log.warning("plug_asgd: the C loops cannot be built here (%s): the codecs' passes run in numpy, "
+                            "the same results but slower (docs/limits.md). To have them, %s; to choose numpy and "
+                            "silence this, set PLUG_ASGD_NATIVE=0", exc, hint)
         _loaded.append(found)
         return found
 
