@@ -15,7 +15,7 @@ import pytorch_lightning as pl
 
 from plug_asgd import AsyncPSStrategy
 from plug_asgd.placement.island import IslandPlan, check_island, decode_part, encode_part, island_size
-from tests.conftest import PYTHON, ProcessGroups, free_port_block
+from tests.conftest import PYTHON, ProcessGroups, free_port_block, require_emulated_hosts, run_on_emulated_hosts
 
 SCRIPT = "tests/scripts/island_fit.py"
 # every mode that takes islands (hogwild refuses them), one fit each in one launch of 2 islands of 2 processes
@@ -191,3 +191,85 @@ def test_a_killed_leader_ends_its_island_within_5_s_and_the_other_island_finishe
     assert ends[2]["how"] == "killed" and "IslandLost" in ends[3]["how"], ends
     assert ends[3]["at"] - ends[2]["at"] < 5.0, ends
     assert ends[0]["how"] == ends[1]["how"] == "done", ends
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_callbacks_validation_and_a_resumed_fit_work_with_islands(tmp_path):
+    """Supervisor, PSCheckpoint and CommunicationMonitor on 2 islands of 2, validation twice in the fit, then a
+    second fit resumed from Lightning's checkpoint on every rank alike: the islands' ranks agree at every batch of
+    both fits and end on one model; each rank's monitor records its island and its traffic there."""
+    out = tmp_path / "run"
+    code, log = _launch(out, "--modes", "asgd", "--steps", "8", "--features", timeout=250)
+    assert code == 0, log[-4000:]
+    ranks = _ranks(out, log)
+    for r in ranks:
+        assert r["steps"] == 12 and len(r["agree"]) == 12 and all(r["agree"]), r  # 8 steps, then 4 more resumed
+    assert len({r["digest"] for r in ranks}) == 1
+    for r in range(4):
+        records = [json.loads(line) for line in (out / "comm" / f"worker{r}.jsonl").read_text().splitlines()]
+        last = records[-1]
+        assert last["island"] == r // 2 and last["island_leader"] == (r % 2 == 0), last
+        assert last["local_steps"] == 8 and last["island_bytes_received"] > 0, last
+        # only a leader talks to the PS
+        assert (last["pushes"] == 8 and last["bytes_up"] > 0) if r % 2 == 0 else (last["bytes_up"] == 0), last
+    evaluations = (out / "supervisor" / "supervisor.jsonl").read_text().splitlines()
+    assert evaluations and all(json.loads(e)["test_acc"] > 0 for e in evaluations)
+    assert sorted(p.name.split("-")[1] for p in (out / "ps_ckpt").glob("ps-v*.ckpt"))[-1] == "v0000000016"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_max_time_stops_each_islands_ranks_at_the_same_step(tmp_path):
+    """Lightning's Timer decides on rank 0 and the decision travels as a notice: within an island every rank stops
+    at the same batch (else its all-reduce would wait for a rank that left), and every rank ends on the final
+    central model."""
+    out = tmp_path / "run"
+    code, log = _launch(out, "--modes", "asgd", "--steps", "2000", "--max-time", "00:00:00:05", timeout=250)
+    assert code == 0, log[-4000:]
+    ranks = _ranks(out, log)
+    assert ranks[0]["steps"] == ranks[1]["steps"] and ranks[2]["steps"] == ranks[3]["steps"], ranks
+    assert all(0 < r["steps"] < 2000 and all(r["agree"]) for r in ranks)
+    assert len({r["digest"] for r in ranks}) == 1
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_islands_push_to_a_sharded_ps(tmp_path):
+    """2 embedded shards: each shard counts the 2 islands as its workers and folds each island's every push."""
+    out = tmp_path / "run"
+    code, log = _launch(out, "--modes", "asgd,adacomp", "--steps", "8", "--ps-shards", "2", "--ps-port",
+                        str(free_port_block(20)), timeout=250)
+    assert code == 0, log[-4000:]
+    for mode in ("asgd", "adacomp"):
+        ranks = _ranks(out / mode, log)
+        assert len({r["digest"] for r in ranks}) == 1 and all(all(r["agree"]) for r in ranks)
+        for shard in ranks[0]["ps"]["shards"]:
+            assert shard["world_size"] == 2 and shard["pushes_by_rank"] == {"0": 8, "1": 8}, shard
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(420)
+def test_two_hosts_of_two_processes_send_one_workers_bytes_across_each_link(tmp_path):
+    """2 emulated hosts (network namespaces) of 2 processes, ``island="auto"`` (the node, on 2 nodes): the PS sees 2
+    workers, and what crosses node 1's link, read from its interface's counters, is its leader's traffic as the
+    leader's client counted it on the wire (frames' headers and TCP's acknowledgements aside), not two workers'."""
+    require_emulated_hosts(None, "i")
+    out = tmp_path / "run"
+    rc, output = run_on_emulated_hosts([PYTHON, "tests/scripts/per_node_launch.py", "--out", str(out), "--script",
+                                        SCRIPT, "--timeout", "240", "--", "--devices", "2", "--island", "auto",
+                                        "--steps", "10", "--width", "16384"], timeout=330)
+    assert rc == 0, output[-6000:]
+    ranks = _ranks(out, output)
+    assert all(r["island"] == r["rank"] // 2 and len(r["agree"]) == 10 and all(r["agree"]) for r in ranks), ranks
+    assert len({r["digest"] for r in ranks}) == 1
+    ps = ranks[0]["ps"]
+    assert ps["world_size"] == 2 and ps["pushes_by_rank"] == {"0": 10, "1": 10}, ps
+    hosts = json.loads((out / "hosts.json").read_text())
+    before, after = hosts["counters_before"]["n1"], hosts["counters_after"]["n1"]
+    link = (after["tx"] - before["tx"]) + (after["rx"] - before["rx"])
+    leader = ranks[2]["comm"]
+    wire = leader["bytes_up"] + leader["bytes_down"]
+    # a dense push of the 16,384-wide net carries 15 x 16,384 floats (its parameters and BatchNorm's statistics)
+    assert leader["bytes_up"] > 10 * 15 * 16384 * 4
+    assert wire <= link < 1.25 * wire, (link, wire)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); p
 
 COUNTED = ("wait_seconds", "bytes_up", "bytes_down", "push_bytes_up", "push_local_bytes_up", "pushes", "own_replies",
            "local_steps")  # what a record counts since training started
+ISLAND_COUNTED = ("island_bytes_sent", "island_bytes_received")  # with islands: what the rank moved inside its island
 
 
 class CommunicationMonitor(KeepsRecords, LightningBound):
@@ -33,7 +34,9 @@ class CommunicationMonitor(KeepsRecords, LightningBound):
     Each worker appends its records to ``dirpath/worker{rank}.jsonl`` (default: ``comm/`` in the
     trainer's log dir), since workers do not wait for each other to merge them; rank 0 also logs
     its own to the trainer's loggers as ``comm/...``. Counts run from the start of training;
-    bytes are counted on the wire; ``comm_s`` is time spent waiting for the PS's replies.
+    bytes are counted on the wire; ``comm_s`` is time spent waiting for the PS's replies. With islands
+    (``AsyncPSStrategy(island=...)``) each rank records too: its island, whether it leads it, and the bytes it sent
+    and received inside it (``island_bytes_sent``, ``island_bytes_received``); the PS's bytes are the leader's.
 
     Args:
         every_n_steps: record every this many local steps of each worker.
@@ -103,7 +106,8 @@ class CommunicationMonitor(KeepsRecords, LightningBound):
 
     def _since(self, stats: dict[str, Any]) -> dict[str, Any]:
         """The counters since training started."""
-        return {k: stats.get(k, 0) - self._baseline.get(k, 0) for k in COUNTED}
+        counted = COUNTED + ISLAND_COUNTED if "island" in stats else COUNTED
+        return {k: stats.get(k, 0) - self._baseline.get(k, 0) for k in counted}
 
     def _record(self, trainer: pl.Trainer, stats: dict[str, Any] | None = None) -> None:
         assert self._ps is not None
@@ -122,6 +126,9 @@ class CommunicationMonitor(KeepsRecords, LightningBound):
             "staleness_mean": stats.get("staleness_mean", 0.0), "staleness_max": stats.get("staleness_max", 0),
             "version": stats.get("version", 0), "time": round(time.time(), 3),
         }
+        if "island" in stats:  # a rank of an island: its PS traffic is its leader's (a leader's own; others' none)
+            record.update(island=stats["island"], island_leader=stats["island_leader"],
+                          **{k: since[k] for k in ISLAND_COUNTED})
         self._losses = []
         self.records.append(record)
         with open(self._file, "a") as f:

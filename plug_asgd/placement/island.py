@@ -199,9 +199,14 @@ class IslandGroup:
         prefixed = dist.PrefixStore(f"plug_asgd_island_{plan.island}_{next(_GROUPS)}", store)
         span = timedelta(seconds=timeout)
         if device.type == "cuda":
-            self.group: Any = dist.ProcessGroupNCCL(prefixed, plan.member, plan.size, span)
-        else:
-            self.group = dist.ProcessGroupGloo(prefixed, plan.member, plan.size, span)
+            nccl = dist.ProcessGroupNCCL.Options()
+            nccl._timeout = span
+            self.group: Any = dist.ProcessGroupNCCL(prefixed, plan.member, plan.size, nccl)
+        else:  # over loopback, whatever GLOO_SOCKET_IFNAME says: an island never leaves its node
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            options._timeout = span
+            self.group = dist.ProcessGroupGloo(prefixed, plan.member, plan.size, options)
 
     def _wait(self, work: Any) -> None:
         try:

@@ -25,23 +25,30 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from plug_asgd import AsyncPSStrategy
+from plug_asgd import AsyncPSStrategy, CommunicationMonitor, PSCheckpoint, Supervisor
 from plug_asgd.recipes.common import mode_and_codec
 
 
 class BNNet(pl.LightningModule):
     """A small net with BatchNorm (buffers that each rank's batches move apart) and momentum SGD."""
 
-    def __init__(self, nesterov: bool = False) -> None:
+    def __init__(self, nesterov: bool = False, width: int = 32) -> None:
         super().__init__()
         self.nesterov = nesterov  # (eamsgd's workers take Nesterov's momentum)
-        self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 2))
+        self.net = nn.Sequential(nn.Linear(8, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, 2))
+
+    def forward(self, x):
+        return self.net(x)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
         self.log("train_loss", loss, sync_dist=True)
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_acc", (self.net(x).argmax(1) == y).float().mean(), sync_dist=True)
 
     def test_step(self, batch, batch_idx):
         x, y = batch
@@ -61,6 +68,8 @@ def loader(n: int, seed: int, shuffle: bool) -> DataLoader:
 def digest(module: nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in sorted(module.state_dict().items()):
+        if not t.is_floating_point():  # (BatchNorm's count of batches is each rank's own)
+            continue
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -95,17 +104,40 @@ def ended(rank: int, how: str) -> None:
 
 def train(mode: str, args: argparse.Namespace, port: int | None, out: Path) -> None:
     pl.seed_everything(0, verbose=False)
-    model = BNNet(nesterov=mode == "eamsgd")
+    model = BNNet(nesterov=mode == "eamsgd", width=args.width)
     mode_obj, codec = mode_and_codec(mode, compression=0.1) if mode != "ddp" else (None, None)
     extra = {"ps_insecure": True, "shm_pushes": False} if args.nodes > 1 else {}
+    if args.ps_shards:
+        extra["ps_shards"] = args.ps_shards
     strategy = "ddp" if mode == "ddp" else AsyncPSStrategy(
         mode=mode_obj, compressor=codec, island=args.island, ps_port=port, worker_timeout=args.worker_timeout,
         connect_timeout=60, request_timeout=120, **extra)
     watch = Watch(args.kill_rank, args.kill_at)
+    callbacks: list[pl.Callback] = [watch]
+    fit_options: dict = {}
+    if args.features:  # the callbacks, validation and a resumed fit
+        callbacks += [Supervisor(loader(256, 2, False), every_n_updates=8, dirpath=out / "supervisor"),
+                      PSCheckpoint(out / "ps_ckpt", every_n_updates=8),
+                      CommunicationMonitor(every_n_steps=4, dirpath=out / "comm")]
+        fit_options["val_dataloaders"] = loader(128, 3, False)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.nodes, strategy=strategy,
                          max_epochs=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[watch])
-    trainer.fit(model, loader(32 * args.devices * args.nodes * args.steps, 0, True))
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                         max_time=args.max_time, val_check_interval=max(1, args.steps // 2) if args.features else None,
+                         num_sanity_val_steps=0)
+    train_data = loader(32 * args.devices * args.nodes * args.steps * 2, 0, True)
+    trainer.fit(model, train_data, **fit_options)
+    if args.features:  # Lightning's checkpoint of the central model, then a second fit resumed from it
+        trainer.save_checkpoint(out / "last.ckpt")
+        first_steps = trainer.global_step
+        resumed = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.nodes,
+                             strategy=AsyncPSStrategy(mode=mode_obj, compressor=codec, island=args.island,
+                                                      ps_port=None if port is None else port + 5, **extra),
+                             max_epochs=2, max_steps=first_steps + 4, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[watch],
+                             num_sanity_val_steps=0)
+        resumed.fit(model, train_data, ckpt_path=out / "last.ckpt")
+        trainer, strategy = resumed, resumed.strategy
     after_fit = digest(model)
     ddp = mode == "ddp"
     leader = not ddp and strategy.island_leader
@@ -116,7 +148,8 @@ def train(mode: str, args: argparse.Namespace, port: int | None, out: Path) -> N
     record = {"rank": trainer.global_rank, "island": comm.get("island"), "leader": leader, "steps": trainer.global_step,
               "agree": watch.agree, "digest": after_fit, "comm": comm, "test_acc": results[0]["test_acc"],
               "ps": None if ps is None else {k: ps.get(k) for k in ("version", "pushes_by_rank", "world_size",
-                                                                       "workers", "trainers", "pushes_applied")}}
+                                                                       "workers", "trainers", "pushes_applied",
+                                                                       "shards")}}
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record, default=str))
 
 
@@ -131,6 +164,12 @@ def main() -> None:
     parser.add_argument("--worker-timeout", type=float, default=30.0)
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--width", type=int, default=32, help="the hidden layer's width (its size sets a push's)")
+    parser.add_argument("--ps-shards", type=int, default=None)
+    parser.add_argument("--max-time", default=None, help="Lightning's max_time, DD:HH:MM:SS")
+    parser.add_argument("--features", action="store_true",
+                        help="Supervisor, PSCheckpoint, CommunicationMonitor, validation, then a fit resumed from "
+                             "Lightning's checkpoint")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.island = int(args.island) if args.island.isdigit() else args.island

@@ -2,8 +2,9 @@
 
 ``python tests/scripts/per_node_launch.py --out DIR``: hosts n0 and n1, one process of
 tests/scripts/per_node_fit.py on each (NODE_RANK, MASTER_ADDR = n0's address), as bench/slowlink.py launches
-its 2-node jobs. Writes DIR/hosts.json (each host's address, the main port) and each node's log
-DIR/node{I}.log; exits 0 once both nodes exited 0, 1 otherwise (the logs' tails printed).
+its 2-node jobs; ``--script`` runs another fit script so (its own arguments after ``--``). Writes DIR/hosts.json
+(each host's address, the main port, and each host's interface counters before and after the job) and each node's
+log DIR/node{I}.log; exits 0 once both nodes exited 0, 1 otherwise (the logs' tails printed).
 """
 
 import argparse
@@ -24,20 +25,23 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--script", type=Path, default=SCRIPT)
     parser.add_argument("fit_args", nargs="*", help="after --: more arguments of per_node_fit.py")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     nodes = ["n0", "n1"]
     with Topology(nodes, None, tag=f"{__import__('os').getpid()}p") as topo:
-        (args.out / "hosts.json").write_text(json.dumps({"addresses": [topo.hosts[n].address for n in nodes],
-                                                         "master_port": MASTER_PORT}))
+        hosts = {"addresses": [topo.hosts[n].address for n in nodes], "master_port": MASTER_PORT,
+                 "counters_before": topo.counters()}
+        (args.out / "hosts.json").write_text(json.dumps(hosts))
         procs = []
         try:
             for rank, name in enumerate(nodes):
                 env = child_env(OMP_NUM_THREADS="1", MASTER_ADDR=topo.hosts["n0"].address,
                                 MASTER_PORT=str(MASTER_PORT), NODE_RANK=str(rank), WORLD_SIZE=str(len(nodes)),
                                 GLOO_SOCKET_IFNAME=DEVICE)
-                procs.append(start([*topo.hosts[name].prefix, sys.executable, str(SCRIPT), "--nodes", str(len(nodes)),
+                procs.append(start([*topo.hosts[name].prefix, sys.executable, str(args.script),
+                                    "--nodes", str(len(nodes)),
                                     "--out", str(args.out), *args.fit_args], env=env, log=args.out / f"node{rank}.log"))
             codes = []
             for p in procs:
@@ -48,6 +52,8 @@ def main() -> int:
         finally:
             for p in procs:
                 stop(p)
+        hosts["counters_after"] = topo.counters()
+        (args.out / "hosts.json").write_text(json.dumps(hosts))
     if codes != [0] * len(nodes):
         for rank in range(len(nodes)):
             print(f"--- node {rank} (exit {codes[rank]}) ---\n" + (args.out / f"node{rank}.log").read_text()[-3000:])
