@@ -16,6 +16,7 @@ MODULES = {
     "ps_floor": "bench.ps_floor",  # the PS's round trip against a minimal server of its protocol
     "standby": "bench.standby",  # the recipe's samples/s with a hot standby against without one
     "kernels": "bench.kernels",  # each codec pass in C against numpy's, alone on one core
+    "islands": "bench.islands",  # per-device workers against islands of 2 against DDP on emulated hosts (root)
 }
 
 

@@ -241,7 +241,9 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
             time.sleep(0.05)
         records.append(json.loads(path.read_text()))
     failed = any(r.get("diverged") for r in records)
-    ps = strategy.ps_stats() if isinstance(strategy, AsyncPSStrategy) and not failed else None
+    # (with islands, a rank other than its island's leader has no PS of its own to ask)
+    ps = strategy.ps_stats() if isinstance(strategy, AsyncPSStrategy) and strategy.island_leader and not failed \
+        else None
     test_acc = None
     if run.get("test") and not failed:
         results = trainer.test(model, datamodule=dm, verbose=False)
@@ -270,6 +272,7 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
                       approx_replies=ps.get("approx_replies"),
                       pushes=ps["pushes_applied"] + ps["pushes_dropped"],
                       pushes_applied=ps["pushes_applied"], ps_version=ps["version"],
+                      ps_world_size=ps.get("world_size"), pushes_by_rank=ps.get("pushes_by_rank"),
                       weights_pushes=ps["weights_pushes"], weights_not_current=ps["weights_not_current"],
                       weights_lent=ps["weights_lent"], lent_copies=ps["lent_copies"], staleness=ps.get("staleness"),
                       ps_push_ms=ps_push_ms(ps))
