@@ -10,9 +10,12 @@ exists; barriers, broadcasts and the metric reductions of evaluation travel thro
 a reduction requested during training (``self.log(..., sync_dist=True)`` in ``training_step``)
 stays local, because asynchronous workers are never in lockstep and must not wait for each other.
 
-The strategy's PS as it shows it (endpoints, placement, ``ps_handle``, counters) is its base
-:class:`~plug_asgd.strategy_ps.PSPlumbing`; Lightning's collectives through the PS are its base
-:class:`~plug_asgd.strategy_collectives.PSCollectives`.
+The strategy holds its parts as objects, each handed what it reads: the PS's connection
+(:class:`~plug_asgd.placement.connection.PSConnection`), the PS as the strategy shows it (endpoints, ``ps_handle``,
+counters: :class:`~plug_asgd.placement.ps_view.PSView`), Lightning's collectives through the PS
+(:class:`~plug_asgd.placement.collectives.StrategyCollectives`), the exchange, the stage they share
+(:class:`~plug_asgd.placement.stage.Stage`) and, with islands, the island's group
+(:class:`~plug_asgd.placement.island.IslandGroup`).
 """
 
 from __future__ import annotations
@@ -34,12 +37,20 @@ from plug_asgd.compressors import Codec, NoCompression
 from plug_asgd.compressors.heap import keep_freed_memory
 from plug_asgd.lightning_bridge.plumbing import FAILED_GRACE_S, DDPPlumbing
 from plug_asgd.modes import Mode
+from plug_asgd.placement.collectives import StrategyCollectives
 from plug_asgd.placement.connection import PSConnection, PSSettings
-from plug_asgd.placement.island import Island, IslandGroup, IslandLost, check_island, island_size
+from plug_asgd.placement.island import (
+    Island,
+    IslandGroup,
+    IslandLost,
+    averaged_closure,
+    check_island,
+)
+from plug_asgd.placement.ps_view import PSView
+from plug_asgd.placement.stage import Stage
 from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT
 from plug_asgd.sharding.client import ShardedClient
-from plug_asgd.strategy_collectives import PSCollectives
-from plug_asgd.strategy_ps import PSPlumbing
+from plug_asgd.strategy_surface import PSSurface
 from plug_asgd.worker.client import PSClient
 from plug_asgd.worker.compensation import StalenessCompensation, resolve
 from plug_asgd.worker.exchange import Link, make_exchange
@@ -66,9 +77,10 @@ if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); p
 
 
 _FITTING = "fit"  # TrainerFn.FITTING of either namespace (a str enum)
+_TRAINING = "train"  # RunningStage.TRAINING of either namespace (a str enum)
 
 
-class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
+class AsyncPSStrategy(PSSurface, DDPPlumbing):
     """Train any LightningModule with asynchronous, compressed or synchronous parameter-server SGD.
 
     Written once for both Lightning namespaces: ``AsyncPSStrategy(...)`` is a
@@ -153,6 +165,8 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
 
     _tuner: ThreadTuner | None = None  # this fit's: torch's threads timed against one fewer (worker/thread_tuner.py)
     threads_kept: int | None = None  # what the last fit's tuner kept (None: not tuned, or undecided)
+    _ps_initialized = False  # whether the PS holds a model (else this worker's offers its own)
+    _island: IslandGroup | None = None  # this rank's island's group, made at its first stage (islands of 2 or more)
 
     def __init__(
         self,
@@ -206,17 +220,14 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
         self.shm_pushes = shm_pushes
         self.staleness_compensation = resolve(staleness_compensation, self.mode.name, self.mode.compensate)
         self._start_method, self._num_nodes = start_method, 1
-        self._stage = self._collective_seq = 0  # this process's stages so far; the collectives of this one
-        self._phase = Phase.IDLE
-        self._failure: str | None = None  # what the stage failed on, told to the other ranks through the PS
-        self._fitting = False  # whether the stage is a fit
-        self._ps_initialized = False  # whether the PS holds a model (else this worker's offers its own)
-        self._batches = 0  # the training loop's batches so far: a notice's number
+        self.stage = Stage()  # what the parts share of the stage that runs
         self._threads_chosen = threads_chosen()  # (else the user's OMP_NUM_THREADS: no tuner)
         self._exchange = make_exchange(self.mode, codec=self.compressor, compensation=self.staleness_compensation,
                                        shm_pushes=shm_pushes)
         self.island = check_island(island, self.mode.name)
-        self._island: IslandGroup | None = None  # this rank's island's group, made at the first stage (size > 1)
+        self.ps = PSView(self.connection, self._exchange, self.stage, self.mode.name, self.compressor, self.placement)
+        self.collectives = StrategyCollectives(self.connection, self._exchange, self.stage,
+                                               lambda: (self.global_rank, self.world_size))
 
     @classmethod
     @override
@@ -232,10 +243,6 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
         self.island_ranks  # noqa: B018 (an island the nodes cannot hold is refused before any process starts)
         super()._configure_launcher()
 
-    @property
-    def island_ranks(self) -> int:
-        """How many ranks make one island, one worker of the PS (1: every rank a worker of its own)."""
-        return island_size(self.island, max(1, self.num_processes), self.num_nodes, self.mode.name)
 
     # -- stage life cycle ------------------------------------------------------------------------
 
@@ -251,26 +258,30 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
                            "step over it, so AsyncPSStrategy's workers cannot run ahead of each other. Call "
                            "torch.distributed.destroy_process_group() before fitting with it.")
         trainer = self._trainer()
-        self._fitting = trainer is not None and trainer.state.fn == _FITTING
-        self._stage += 1
-        self._collective_seq = 0
         self._exchange.joined = False
         if self._island is None and self.island_ranks > 1:
-            self._island = self._island_group()
+            env = self.cluster_environment
+            self._island = self.ps.island = self.collectives.island = IslandGroup(
+                self.island_plan, node_rank=self.node_rank, local_rank=self.local_rank, devices=self.num_processes,
+                main_port=env.main_port if env is not None else 0, device=self.root_device,
+                timeout=self.connection.settings.request_timeout)
+        stage = self.stage
+        stage.begin(fitting=trainer is not None and trainer.state.fn == _FITTING)
         if self.island_leader:
-            client = self._connect()
-            welcome = self.connection.hello(self._stage, self._fitting)
+            client = self.ps.connect(self._shapes, trainer)
+            welcome = self.connection.hello(stage.number, stage.fitting)
             self._ps_initialized = bool(welcome.get("initialized"))
             self._exchange.attach(self._link(client))
-        self._phase = Phase.STAGE
+        stage.phase = Phase.STAGE
 
     def _link(self, client: PSClient | ShardedClient) -> Link:
         """What the exchange needs of this worker for the stage that starts."""
         port = self.cluster_environment.main_port if self.cluster_environment is not None else 0
         job = self.placement()  # (with islands, the island's number and the island count: what the PS sees)
         return Link(client=client, tensors=lambda: synced_tensors(self.lightning_module), rank=job.global_rank,
-                    world_size=job.world_size, stage=self._stage, fitting=self._fitting, barrier=self._ps_barrier,
-                    stop=self._request_stop, shared_tag=f"{port}_{self._stage}",
+                    world_size=job.world_size, stage=self.stage.number, fitting=self.stage.fitting,
+                    barrier=self.collectives.ps_barrier, stop=self._request_stop,
+                    shared_tag=f"{port}_{self.stage.number}",
                     one_cpu_machine=self.num_nodes == 1 and self.root_device.type == "cpu")
 
     @override
@@ -309,7 +320,7 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._phase, self._batches = Phase.BATCHES, self._batches + 1
+        self.stage.phase, self.stage.batches = Phase.BATCHES, self.stage.batches + 1
         if self._tuner is not None:
             self._tuner.batch_start(time.monotonic())
 
@@ -351,35 +362,37 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
     def on_exception(self, exception: BaseException) -> None:
         self._stop_tuning()
         # an island that lost a rank ends as a lost worker does: the PS goes on with the other islands
-        self._failure = None if isinstance(exception, IslandLost) else f"{type(exception).__name__}: {exception}"
-        if self._phase is not Phase.IDLE:  # (an exception before the stage began, as the PS's, has nothing to end)
-            self._phase = Phase.FAILED
+        stage = self.stage
+        stage.failure = None if isinstance(exception, IslandLost) else f"{type(exception).__name__}: {exception}"
+        if stage.phase is not Phase.IDLE:  # (an exception before the stage began, as the PS's, has nothing to end)
+            stage.phase = Phase.FAILED
 
     def _leave_batches(self) -> None:
-        if self._phase is Phase.BATCHES:
-            self._phase = Phase.STAGE
+        if self.stage.phase is Phase.BATCHES:
+            self.stage.phase = Phase.STAGE
 
     @override
     def teardown(self) -> None:
-        if self.connection.client is not None and self._phase is not Phase.IDLE:
-            failed = self._phase is Phase.FAILED
+        stage = self.stage
+        if self.connection.client is not None and stage.phase is not Phase.IDLE:
+            failed = stage.phase is Phase.FAILED
             try:
-                if self._fitting and self._exchange.joined and not failed:
+                if stage.fitting and self._exchange.joined and not failed:
                     self._exchange.leave()
                     self._island_sync()  # the final central model on every rank of the island
             finally:
-                self._phase = Phase.IDLE  # only now: the barriers above are collectives of this stage
+                stage.phase = Phase.IDLE  # only now: the barriers above are collectives of this stage
                 # after a failure: the socket is a sender's until it is done, hence let_go first
-                self.connection.goodbye(self._stage, failed, settle=self._exchange.let_go, failure=self._failure)
-        elif self._island is not None and self._phase is not Phase.IDLE:  # an island's other ranks
+                self.connection.goodbye(stage.number, failed, settle=self._exchange.let_go, failure=stage.failure)
+        elif self._island is not None and stage.phase is not Phase.IDLE:  # an island's other ranks
             try:
-                if self._fitting and self._island_joined and self._phase is not Phase.FAILED:
+                if stage.fitting and stage.joined and stage.phase is not Phase.FAILED:
                     self._island_sync()
             finally:
-                self._phase = Phase.IDLE
-        self._exchange.joined = self._island_joined = False
-        if self._failure is not None:  # as Lightning's launcher does where a rank fails: none trains on alone
-            self._failure = None
+                stage.phase = Phase.IDLE
+        self._exchange.joined = stage.joined = False
+        if stage.failure is not None:  # as Lightning's launcher does where a rank fails: none trains on alone
+            stage.failure = None
             self.end_launched_ranks(FAILED_GRACE_S)
         super().teardown()
 
@@ -388,15 +401,15 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
     def _join(self) -> None:
         """Start of a stage: offer our weights if the PS has none yet, then take the central ones (an island's
         leader, which then sends them to its island)."""
-        if not self._island_joined:
+        if not self.stage.joined:
             if self.island_leader:
                 self._exchange.join(init=not self._ps_initialized)
                 self._ps_initialized = True
-            self._island_joined = True
+            self.stage.joined = True
             self._island_sync()
 
     def _refresh(self) -> None:
-        if not self._island_joined:
+        if not self.stage.joined:
             self._join()
         else:
             if self.island_leader:
@@ -404,7 +417,7 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
             self._island_sync()
 
     def _request_stop(self) -> None:
-        if self._fitting and self.lightning_module is not None:
+        if self.stage.fitting and self.lightning_module is not None:
             self.lightning_module.trainer.should_stop = True
 
     @override
@@ -413,10 +426,10 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
         PS where one is due (the island's leader's), then the leader's weights and stop to the rest of its island."""
         island = self._island
         if island is not None:
-            closure = self._island_closure(closure, optimizer)
+            closure = averaged_closure(island, closure, optimizer)
         if not self.island_leader:
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
-            self._island_steps += 1
+            self.ps.follower_steps += 1
         else:
             def run() -> Any:
                 return super(AsyncPSStrategy, self).optimizer_step(optimizer, self._exchange.closure(closure), model,
@@ -425,8 +438,8 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
             out = self._exchange.step(run, optimizer)
         if island is not None:
             trainer = self.lightning_module.trainer
-            if island.send_weights(synced_tensors(self.lightning_module), flags=int(bool(trainer.should_stop))):
-                trainer.should_stop = True  # the leader's PS said stop: the island stops at the same step
+            if island.send_weights(synced_tensors(self.lightning_module), stop=bool(trainer.should_stop)):
+                trainer.should_stop = True  # a rank of the island stops (its PS said so): all stop at this step
         return out
 
     @override
@@ -434,3 +447,22 @@ class AsyncPSStrategy(PSCollectives, PSPlumbing, DDPPlumbing):
         """The state dict with the central tensors: a checkpoint holds the central model."""
         state = super().lightning_module_state_dict()
         return self._exchange.central_state(state) if self.connection.client is not None else state
+
+    # -- what the parts are handed ----------------------------------------------------------------------------
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(t.shape) for n, t in synced_tensors(self.lightning_module).items()}
+
+    def _trainer(self) -> Any:
+        return self.lightning_module.trainer if self.lightning_module is not None else None
+
+    def _shutdown(self, wait_for_workers: float = 30.0) -> None:
+        """Release the exchange, let the other workers finish with the PS, then stop it (rank 0) and close: what
+        happens at exit, or when a later strategy of this process connects."""
+        self.connection.shutdown(wait_for_workers)
+
+    def _island_sync(self) -> None:
+        """The leader's weights on every rank of its island (all of them call it at the same point)."""
+        if self._island is not None:
+            self._island.send_weights(synced_tensors(self.lightning_module))
+

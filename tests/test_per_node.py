@@ -100,7 +100,7 @@ def test_a_nodes_shard_beyond_loopback_needs_keys_and_is_refused_before_anything
     s = AsyncPSStrategy(ps_shards="per_node", cluster_environment=LightningEnvironment())
     s.num_nodes = 2
     with pytest.raises(InsecureBindError, match="refusing to listen on tcp://10.0.0.2:29501 without authentication"):
-        s._connect()
+        s.ps.connect(s._shapes, s._trainer())
     assert s.connection.embedded.processes == []  # refused before this node's shard was started
 
 

@@ -207,7 +207,7 @@ def test_the_strategy_refuses_an_embedded_ps_beyond_loopback_without_keys(monkey
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     strategy = AsyncPSStrategy(cluster_environment=LightningEnvironment())
     with pytest.raises(InsecureBindError, match="ps_keys|--ps-keys"):
-        strategy._connect()
+        strategy.ps.connect(strategy._shapes, strategy._trainer())
     assert strategy.connection.embedded.process is None, "no PS may have been started"
 
 

@@ -71,7 +71,7 @@ def _on_node(monkeypatch, node: int, **strategy):
 def test_one_node_is_refused_by_every_rank_before_anything_starts(monkeypatch):
     s = _on_node(monkeypatch, 0)
     with pytest.raises(ValueError, match="this job has one node"):
-        s._connect()
+        s.ps.connect(s._shapes, s._trainer())
     assert s.connection.embedded.processes == [] and s.connection.standby.processes == []
 
 
@@ -81,5 +81,5 @@ def test_node_1s_standby_beyond_loopback_needs_keys_and_is_refused_before_anythi
     s = _on_node(monkeypatch, 1)
     s.num_nodes = 2
     with pytest.raises(InsecureBindError, match="refusing to listen on tcp://10.0.0.2:29501 without authentication"):
-        s._connect()
+        s.ps.connect(s._shapes, s._trainer())
     assert s.connection.standby.processes == []

@@ -240,16 +240,20 @@ class IslandGroup:
                     p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
                 offset += n
 
-    def send_weights(self, tensors: Mapping[str, Tensor], flags: int = 0) -> int:
-        """The leader's tensors written into every rank's, with ``flags`` (a stop, say) beside them; returns the
-        leader's flags. Every rank calls it at the same point, each with its own tensors of the same names.
+    def send_weights(self, tensors: Mapping[str, Tensor], stop: bool = False) -> bool:
+        """The leader's tensors written into every rank's; returns whether any rank of the island asked to stop (its
+        PS said so, or a callback on any rank did: the island stops at the same step, or one rank would wait in an
+        all-reduce for another that left). Every rank calls it at the same point, with its own tensors of the same
+        names.
 
         Args:
             tensors: the parameters and buffers the PS holds, by name (changed in place on the other ranks).
-            flags: the leader's word to the others (read on the leader only).
+            stop: whether this rank would stop after this step.
         """
-        header = torch.tensor([flags], dtype=torch.int64, device=self._comm_device)
-        self._wait(self.group.broadcast(header, 0))
+        header = torch.tensor([int(stop)], dtype=torch.int64, device=self._comm_device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        self._wait(self.group.allreduce([header], options))
         by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
         for name in sorted(tensors):
             t = tensors[name]
@@ -266,7 +270,7 @@ class IslandGroup:
                     for t in group:
                         t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
                         offset += t.numel()
-        return int(header.item())
+        return bool(header.item())
 
     # -- bytes, for Lightning's collectives --------------------------------------------------------------
 
@@ -402,3 +406,21 @@ def island_notice(group: IslandGroup, obj: Any, src: int, board: Callable[[Any, 
     if plan.leader and board is not None:
         value = board(value, plan.island_of(src))
     return group.broadcast_obj(value, 0)
+
+
+def averaged_closure(group: IslandGroup, closure: Callable[..., Any], optimizer: Any) -> Callable[..., Any]:
+    """``closure`` (the forward and backward), then the island's mean gradient in every rank's ``.grad``, as DDP's
+    all-reduce leaves it: Lightning's clipping and the optimizer's step then act on it alike on every rank.
+
+    Args:
+        group: this rank's island.
+        closure: Lightning's closure, which the optimizer calls.
+        optimizer: the optimizer that steps (its parameters, in their order, are the ones averaged).
+    """
+
+    def averaged(*args: Any, **kwargs: Any) -> Any:
+        out = closure(*args, **kwargs)
+        group.average_gradients(p for g in optimizer.param_groups for p in g["params"])
+        return out
+
+    return averaged
