@@ -178,18 +178,20 @@ def drive_rounds(clients: list, watchers: list[PSClient], initial: dict) -> tupl
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("replicas", [None, 2], ids=["every_worker", "backup_worker"])
-def test_two_shards_run_the_sync_rounds_of_one_ps_bit_for_bit(start_ps, replicas):
+@pytest.mark.parametrize(("mode", "replicas"), [("sync", None), ("sync", 2), ("diloco", None)],
+                         ids=["every_worker", "backup_worker", "diloco"])
+def test_two_shards_run_the_sync_rounds_of_one_ps_bit_for_bit(start_ps, mode, replicas):
+    """sync's rounds, and diloco's (whose outer optimizer, elementwise, steps each shard's slices on its own)."""
     rng = np.random.default_rng(1)
     initial = {n: rng.standard_normal(s).astype(np.float32) for n, s in FOLD_SHAPES.items()}
-    one = start_ps("sync", replicas_to_aggregate=replicas)
-    shards = [start_ps("sync", shard=f"{i}/2", replicas_to_aggregate=replicas) for i in range(2)]
+    one = start_ps(mode, replicas_to_aggregate=replicas)
+    shards = [start_ps(mode, shard=f"{i}/2", replicas_to_aggregate=replicas) for i in range(2)]
     part = Partition(FOLD_SHAPES, 2)
     assert any(not p.whole for p in part.pieces), "the test must cut a tensor"
-    options = {"world_size": 3, "mode": "sync", "request_timeout": 30, "heartbeat_s": None}
+    options = {"world_size": 3, "mode": mode, "request_timeout": 30, "heartbeat_s": None}
     watchers = [PSClient(a, rank=0, **options) for a in (one, *shards)]
     try:
-        with one_ps_and_shards(one, shards, part, "sync") as (plain, sharded):
+        with one_ps_and_shards(one, shards, part, mode) as (plain, sharded):
             expected, expected_final = drive_rounds(plain, watchers[:1], initial)
             got, got_final = drive_rounds(sharded, watchers[1:], initial)
             statuses = [s for _, s, _, _ in expected]

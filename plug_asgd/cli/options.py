@@ -60,6 +60,8 @@ SHOWN: dict[str, Shown] = {
                                    "every worker"),
     "staleness_bound": Shown(TRAINING, "ssp: pushes a worker may be ahead of the slowest", "N",
                              "SSP: staleness_bound=", "2"),
+    "outer": Shown(TRAINING, "diloco: the outer optimizer, a name or the JSON of its fields", "OPT",
+                   "DiLoCo: outer=", "nesterov, lr 0.7, momentum 0.9"),
     "max_updates": Shown(LIMITS, "central version at which workers are told to stop", "N", "max_updates=", "none"),
     "checkpoint_dir": Shown(CHECKPOINTS, "write checkpoints of the central state here", "DIR",
                             "PSCheckpoint: dirpath=", "none"),

@@ -20,15 +20,16 @@ from plug_asgd import registry
 # and of docs/modes.md's table
 from plug_asgd.modes.asynchronous import AGN, SSP, AdaComp, Asgd, Downpour, DynSGD
 from plug_asgd.modes.base import MODES, Mode, PushMode
+from plug_asgd.modes.diloco import DiLoCo, DiLoCoRule, OuterOptimizer
 from plug_asgd.modes.fold import APPLIED, DROPPED, CentralState, Push, Resolution, all_finite, can_fold_into
 from plug_asgd.modes.rounds import LOSP, OSP, SAGN, LocalSGD, Sync
 from plug_asgd.modes.rules import AdaCompRule, AsgdRule, DynSGDRule, FoldRule, SSPRule, SyncRule
 from plug_asgd.modes.shared_and_elastic import EAMSGD, EASGD, Hogwild
 
-__all__ = ["AGN", "APPLIED", "DROPPED", "EAMSGD", "EASGD", "LOSP", "MODES", "OSP", "SAGN", "SSP", "AdaComp",
-           "AdaCompRule", "Asgd", "AsgdRule", "CentralState", "Downpour", "DynSGD", "DynSGDRule", "FoldRule",
-           "Hogwild", "LocalSGD", "Mode", "Push", "PushMode", "Resolution", "SSPRule", "Sync", "SyncRule",
-           "all_finite", "can_fold_into", "get", "mode_table"]
+__all__ = ["AGN", "APPLIED", "AdaComp", "AdaCompRule", "Asgd", "AsgdRule", "CentralState", "DROPPED", "DiLoCo",
+           "DiLoCoRule", "Downpour", "DynSGD", "DynSGDRule", "EAMSGD", "EASGD", "FoldRule", "Hogwild", "LOSP",
+           "LocalSGD", "MODES", "Mode", "OSP", "OuterOptimizer", "Push", "PushMode", "Resolution", "SAGN", "SSP",
+           "SSPRule", "Sync", "SyncRule", "all_finite", "can_fold_into", "get", "mode_table"]
 
 ModeLike = str | Mode | Mapping[str, Any]
 
@@ -48,7 +49,7 @@ def mode_table() -> str:
     rows = ["| mode | class | knobs (defaults) | what it does |", "|---|---|---|---|"]
     for name, cls in MODES.items():
         knobs = ", ".join(f"`{f.name}` ({_NONE_MEANS.get(f.name) if f.default is None else repr(f.default)})"
-                          for f in fields(cls) if f.default is not MISSING)
+                          for f in fields(cls) if f.default is not MISSING and f.name not in cls.derived_knobs)
         rows.append(f"| `{name}` | `{cls.__name__}` | {knobs or 'none'} | {cls.summary} |")
     return "\n".join(rows) + "\n"
 

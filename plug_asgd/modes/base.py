@@ -53,6 +53,7 @@ class Mode:
     rule: ClassVar[type[FoldRule]] = AsgdRule
     normalize: ClassVar[bool] = False  # the update is divided by the local steps it spans (agn, sagn)
     compensate: ClassVar[str] = "none"
+    derived_knobs: ClassVar[tuple[str, ...]] = ()  # fields set from other knobs, not given (DiLoCo's push_every)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

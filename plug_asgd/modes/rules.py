@@ -248,18 +248,27 @@ class SyncRule(FoldRule):
     def _maybe_complete(self, state: CentralState) -> list[Resolution]:
         if not self.pending or len(self.pending) < self.target:
             return []
-        n = len(self.pending)
         by_rank = sorted(self.pending, key=lambda p: p.rank)
         for name, target in state.tensors.items():
             total = np.zeros_like(target)
             for p in by_rank:
                 if name in p.update:
                     _add_into(total, p.update[name])
-            target += total / n
+            self.apply_mean(name, target, total / len(by_rank))
         state.version += 1
         done = [(p.token, APPLIED) for p in self.pending]
         self.pending = []
         return done
+
+    def apply_mean(self, name: str, target: np.ndarray, mean: np.ndarray) -> None:
+        """Fold a round's mean update of tensor ``name`` into ``target`` (sync's: added as it is).
+
+        Args:
+            name: the tensor's name.
+            target: the central tensor, changed in place.
+            mean: the mean of the round's updates of it.
+        """
+        target += mean
 
     @override
     def adopt(self, session: str, token: Any) -> bool:

@@ -49,6 +49,7 @@ class PSConfig:
         linger: seconds to wait, after the last expected worker has left, for one to come back.
         replicas_to_aggregate: ``sync``: updates averaged per round; None: every training worker's.
         staleness_bound: ``ssp``: pushes a worker may be ahead of the slowest; None: the mode's default.
+        outer: ``diloco``: the outer optimizer (``OuterOptimizer.get`` takes it); None: the mode's default.
         max_updates: the central version at which workers are told to stop; None: no such version.
         checkpoint_dir: where checkpoints of the central state are written; None: none are.
         checkpoint_every_updates: central updates between two checkpoints; None: not counted in updates.
@@ -99,6 +100,8 @@ class PSConfig:
                                                 "training worker)", min=1)
     staleness_bound: int | None = _option(None, "ssp: pushes a worker may be ahead of the slowest (default 2)",
                                           min=0)
+    outer: str | None = _option(None, "diloco: the outer optimizer, a name (nesterov, sgd, adam) or the JSON of its "
+                                "fields (default: nesterov, lr 0.7, momentum 0.9)")
     max_updates: int | None = _option(None, "central version at which workers are told to stop", min=1)
     checkpoint_dir: Path | None = _option(None, "write checkpoints of the central state here (atomically; the "
                                           "newest --keep are kept)")

@@ -44,7 +44,8 @@ class Store(ABC):
 
     def __init__(self, config: PSConfig, stats: Stats | None = None) -> None:
         self.rule: FoldRule = get_mode(config.mode).make_rule(
-            {"replicas_to_aggregate": config.replicas_to_aggregate, "staleness_bound": config.staleness_bound})
+            {"replicas_to_aggregate": config.replicas_to_aggregate, "staleness_bound": config.staleness_bound,
+             "outer": config.outer})
         pool = SlicePool(config.threads) if config.threads > 1 else None
         self.state = CentralState(tensors={}, pool=pool)
         self.initialized = False

@@ -1,0 +1,251 @@
+"""DiLoCo (Douillard et al. 2023): rounds of ``inner_steps`` local steps with the worker's own optimizer, then the
+workers' pseudo-gradients averaged on the PS and applied by an outer optimizer whose state the PS keeps.
+
+A worker's push at the end of its inner steps is ``w - w_base``, the negative of its pseudo-gradient; the PS
+averages a round of them as sync does (in rank order) and steps the central model with the outer optimizer
+(:class:`OuterOptimizer`: Nesterov SGD at lr 0.7 and momentum 0.9 by default, as the paper's), then answers every
+worker of the round with the new model. The inner optimizers (their momentum, Adam's moments, their schedulers)
+stay the workers' own from round to round, as in the paper. The outer optimizer's state (its momentum, or Adam's
+moments and its step count) is part of the rule's state: checkpointed and resumed with the PS, and held by its
+standby. Numpy only, as every rule.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+from typing_extensions import override
+
+from plug_asgd.modes.rounds import Sync
+from plug_asgd.modes.rules import FoldRule, SyncRule
+
+_F32 = np.float32
+
+
+@dataclass(frozen=True)
+class OuterOptimizer:
+    """The optimizer the PS applies to a round's pseudo-gradient ``g`` (the workers' mean of ``w_base - w``), with
+    torch's update rules in float32 (Nesterov's and SGD's in torch's order of operations too):
+
+    - ``"nesterov"``: ``b = momentum * b + g`` (``b = g`` at the first round); ``w -= lr * (g + momentum * b)``;
+    - ``"sgd"``: ``b`` as above (none where ``momentum`` is 0); ``w -= lr * b``;
+    - ``"adam"``: ``m = beta1 * m + (1 - beta1) * g``, ``v = beta2 * v + (1 - beta2) * g * g``,
+      ``w -= lr / (1 - beta1 ** t) * m / (sqrt(v) / sqrt(1 - beta2 ** t) + eps)``.
+
+    Args:
+        name: ``"nesterov"``, ``"sgd"`` or ``"adam"``.
+        lr: the outer learning rate (0.7: the paper's, with Nesterov's momentum 0.9; 1.0 with ``"sgd"`` and no
+            momentum is the workers' plain average, local SGD's).
+        momentum: ``"nesterov"`` and ``"sgd"``'s momentum.
+        beta1: Adam's first moment's decay.
+        beta2: Adam's second moment's decay.
+        eps: Adam's epsilon.
+
+    Raises:
+        ValueError: an unknown ``name``, a learning rate not above 0, a momentum or a beta outside [0, 1).
+
+    Example:
+        >>> from plug_asgd.modes.diloco import OuterOptimizer
+        >>> OuterOptimizer()
+        OuterOptimizer(name='nesterov', lr=0.7, momentum=0.9, beta1=0.9, beta2=0.999, eps=1e-08)
+    """
+
+    name: str = "nesterov"
+    lr: float = 0.7
+    momentum: float = 0.9
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    KINDS: ClassVar[tuple[str, ...]] = ("nesterov", "sgd", "adam")
+
+    def __post_init__(self) -> None:
+        if self.name not in self.KINDS:
+            raise ValueError(f"outer optimizer {self.name!r}: choose one of {', '.join(self.KINDS)}")
+        if not self.lr > 0:
+            raise ValueError(f"the outer optimizer's lr must be > 0, got {self.lr}")
+        for knob in ("momentum", "beta1", "beta2"):
+            if not 0 <= getattr(self, knob) < 1:
+                raise ValueError(f"the outer optimizer's {knob} must be in [0, 1), got {getattr(self, knob)}")
+
+    @classmethod
+    def get(cls, outer: OuterOptimizer | str | Mapping[str, Any] | None) -> OuterOptimizer:
+        """``outer`` as an optimizer: itself, a name at its defaults, a dict of its fields, or its JSON.
+
+        Args:
+            outer: what the mode or the PS's flag was given (None: the default).
+        """
+        if outer is None:
+            return cls()
+        if isinstance(outer, OuterOptimizer):
+            return outer
+        if isinstance(outer, str):
+            return cls(**json.loads(outer)) if outer.lstrip().startswith("{") else cls(name=outer)
+        return cls(**dict(outer))
+
+    def to_json(self) -> str:
+        """The optimizer as the PS's ``--outer`` flag takes it."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    def step(self, t: int, w: np.ndarray, g: np.ndarray, slots: dict[str, np.ndarray]) -> None:
+        """One outer step of tensor ``w`` (in place) on the pseudo-gradient ``g``, the ``t``-th (from 1).
+
+        Args:
+            t: the outer step's number (Adam's bias correction).
+            w: the central tensor, float32, changed in place.
+            g: its pseudo-gradient, float32.
+            slots: this tensor's state (``b``; or ``m``, ``v``), filled at the first step.
+        """
+        if self.name == "adam":
+            b1, b2 = _F32(self.beta1), _F32(self.beta2)
+            m = slots.setdefault("m", np.zeros_like(w))
+            v = slots.setdefault("v", np.zeros_like(w))
+            m *= b1
+            m += (_F32(1) - b1) * g
+            v *= b2
+            v += (_F32(1) - b2) * g * g
+            step = _F32(self.lr / (1 - self.beta1 ** t))
+            denom = np.sqrt(v) / _F32(np.sqrt(1 - self.beta2 ** t)) + _F32(self.eps)
+            w -= step * (m / denom)
+            return
+        mu = _F32(self.momentum)
+        d = g
+        if self.momentum:
+            b = slots.get("b")
+            if b is None:
+                b = slots["b"] = g.copy()
+            else:
+                b *= mu
+                b += g
+            d = g + mu * b if self.name == "nesterov" else b
+        w -= _F32(self.lr) * d
+
+
+class DiLoCoRule(SyncRule):
+    """Sync's rounds, each round's mean update taken as the negative pseudo-gradient of an outer optimizer step.
+
+    Args:
+        replicas_to_aggregate: the workers averaged per round; None: every worker training.
+        outer: the outer optimizer.
+    """
+
+    def __init__(self, replicas_to_aggregate: int | None = None, outer: OuterOptimizer | None = None) -> None:
+        super().__init__(replicas_to_aggregate)
+        self.outer = outer or OuterOptimizer()
+        self.outer_steps = 0  # rounds applied
+        self.slots: dict[str, dict[str, np.ndarray]] = {}  # the outer optimizer's state, by tensor
+
+    @override
+    def _maybe_complete(self, state: Any) -> list[Any]:
+        if self.pending and len(self.pending) >= self.target:
+            self.outer_steps += 1
+        return super()._maybe_complete(state)
+
+    @override
+    def apply_mean(self, name: str, target: np.ndarray, mean: np.ndarray) -> None:
+        """The outer optimizer's step of ``target`` on the pseudo-gradient ``-mean``.
+
+        Args:
+            name: the tensor's name.
+            target: the central tensor, changed in place.
+            mean: the round's mean update (``w - w_base``) of it.
+        """
+        g = np.negative(mean, dtype=_F32) if mean.dtype != _F32 else -mean
+        self.outer.step(self.outer_steps, target, g, self.slots.setdefault(name, {}))
+
+    @override
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The round's pushes held so far (sync's), the outer optimizer, its step count and its state by tensor."""
+        fields, arrays = super().state()
+        fields = {**fields, "outer": asdict(self.outer), "outer_steps": self.outer_steps}
+        for name, slots in self.slots.items():
+            for slot, array in slots.items():
+                arrays[f"outer/{slot}/{name}"] = array
+        return fields, arrays
+
+    @override
+    def restore(self, fields: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        """Takes back what :meth:`state` kept; a checkpoint of another outer optimizer is refused.
+
+        Args:
+            fields: the header fields :meth:`state` returned.
+            arrays: the arrays :meth:`state` returned, by name.
+
+        Raises:
+            ValueError: the checkpoint's outer optimizer is not this rule's (its state would mean something else).
+        """
+        saved = fields.get("outer")
+        if saved is not None and OuterOptimizer(**saved) != self.outer:
+            raise ValueError(f"the checkpoint's outer optimizer {saved} is not this PS's {asdict(self.outer)}: "
+                             "resume with the same --outer (or mode's outer=)")
+        super().restore({k: v for k, v in fields.items() if k not in ("outer", "outer_steps")},
+                        {k: v for k, v in arrays.items() if not k.startswith("outer/")})
+        self.outer_steps = int(fields.get("outer_steps", 0))
+        self.slots = {}
+        for key, array in arrays.items():
+            if key.startswith("outer/"):
+                _, slot, name = key.split("/", 2)
+                self.slots.setdefault(name, {})[slot] = np.array(array, dtype=_F32)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiLoCo(Sync):
+    """DiLoCo: ``inner_steps`` local steps with the LightningModule's own optimizer, then a round in which the PS
+    averages the workers' pseudo-gradients and applies the outer optimizer (``outer``) to the central model.
+
+    Args:
+        inner_steps: local steps between two rounds (the paper's H). The paper's 500 is for runs of tens of
+            thousands of steps; 100 keeps a few dozen rounds in the recipes' runs of a few thousand.
+        outer: the outer optimizer: an :class:`OuterOptimizer`, a name (``"nesterov"``, ``"sgd"``, ``"adam"``) or
+            a dict of its fields.
+        replicas_to_aggregate: the workers averaged per round; None: every worker training.
+        push_every: set from ``inner_steps`` (give that).
+        pull_every: must stay None: the new model comes with every round's reply.
+        overlap: must stay False.
+
+    Raises:
+        ValueError: ``inner_steps`` below 1, a ``push_every`` other than it, ``pull_every`` or ``overlap`` given,
+            or an outer optimizer :class:`OuterOptimizer` refuses.
+
+    Example:
+        >>> from plug_asgd import AsyncPSStrategy, DiLoCo
+        >>> strategy = AsyncPSStrategy(mode=DiLoCo(inner_steps=50, outer={"name": "nesterov", "lr": 0.5}))
+        >>> strategy.mode.push_every, strategy.mode.outer.lr
+        (50, 0.5)
+    """
+
+    name = "diloco"
+    summary = "inner_steps local steps, then the PS averages the pseudo-gradients and steps its outer optimizer"
+    rule = DiLoCoRule
+    derived_knobs = ("push_every",)
+    inner_steps: int = 100
+    outer: OuterOptimizer | str | dict[str, Any] = "nesterov"
+    push_every: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner_steps, int) or isinstance(self.inner_steps, bool) or self.inner_steps < 1:
+            raise ValueError(f"inner_steps must be a whole number >= 1, got {self.inner_steps!r}")
+        if self.push_every not in (None, self.inner_steps):
+            raise ValueError("DiLoCo pushes every inner_steps local steps: give inner_steps, not push_every")
+        if self.pull_every is not None or self.overlap:
+            raise ValueError("DiLoCo takes the new model with every round's reply: pull_every and overlap stay unset")
+        object.__setattr__(self, "push_every", self.inner_steps)
+        object.__setattr__(self, "outer", OuterOptimizer.get(self.outer))
+        super().__post_init__()
+
+    @override
+    def make_rule(self, options: Mapping[str, Any] | None = None) -> FoldRule:
+        options = options or {}
+        replicas = options.get("replicas_to_aggregate")
+        outer = options.get("outer")
+        return DiLoCoRule(self.replicas_to_aggregate if replicas is None else replicas,
+                          OuterOptimizer.get(self.outer if outer is None else outer))
+
+    @override
+    def server_options(self) -> dict[str, Any]:
+        assert isinstance(self.outer, OuterOptimizer)
+        return {**super().server_options(), "outer": self.outer.to_json()}
