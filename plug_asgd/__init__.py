@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 from plug_asgd.lightning_bridge import namespaces
 
-__all__ = ["AGN", "AdaComp", "Asgd", "AsyncPSStrategy", "BF16", "Codec", "CommunicationMonitor", "DiLoCo", "Downpour",
-           "DynSGD", "EAMSGD", "EASGD", "FP16", "Hogwild", "LOSP", "LocalSGD", "Mode", "NoCompression", "OSP",
-           "OuterOptimizer", "PSCheckpoint", "PowerSGD", "QSGD", "RandomK", "SAGN", "SSP", "Sign",
-           "StalenessCompensation", "Supervisor", "Sync", "TopK", "load_central_weights"]
+__all__ = ["AGN", "AdaComp", "Asgd", "AsyncDiLoCo", "AsyncPSStrategy", "BF16", "Codec", "CommunicationMonitor",
+           "DiLoCo", "Downpour", "DynSGD", "EAMSGD", "EASGD", "FP16", "Hogwild", "LOSP", "LocalSGD", "Mode",
+           "NoCompression", "OSP", "OuterOptimizer", "PSCheckpoint", "PowerSGD", "QSGD", "RandomK", "SAGN", "SSP",
+           "Sign", "StalenessCompensation", "Supervisor", "Sync", "TopK", "load_central_weights"]
 __version__ = "0.1.0"  # the version's one place: pyproject.toml reads it ([tool.setuptools.dynamic])
 
 _HOME = {"AsyncPSStrategy": "plug_asgd.strategy", "CommunicationMonitor": "plug_asgd.callbacks",
          "PSCheckpoint": "plug_asgd.callbacks", "Supervisor": "plug_asgd.callbacks",
          "load_central_weights": "plug_asgd.callbacks", "StalenessCompensation": "plug_asgd.worker.compensation",
-         **dict.fromkeys(("AGN", "EAMSGD", "EASGD", "LOSP", "OSP", "SAGN", "SSP", "AdaComp", "Asgd", "DiLoCo",
-                          "Downpour", "DynSGD", "Hogwild", "LocalSGD", "Mode", "OuterOptimizer", "Sync"),
+         **dict.fromkeys(("AGN", "AsyncDiLoCo", "EAMSGD", "EASGD", "LOSP", "OSP", "SAGN", "SSP", "AdaComp", "Asgd",
+                          "DiLoCo", "Downpour", "DynSGD", "Hogwild", "LocalSGD", "Mode", "OuterOptimizer", "Sync"),
                          "plug_asgd.modes"),
          **dict.fromkeys(("BF16", "FP16", "QSGD", "Codec", "NoCompression", "PowerSGD", "RandomK", "Sign", "TopK"),
                          "plug_asgd.compressors")}
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         SSP,
         AdaComp,
         Asgd,
+        AsyncDiLoCo,
         DiLoCo,
         Downpour,
         DynSGD,

@@ -205,3 +205,92 @@ def test_a_failover_between_rounds_loses_no_outer_state(start_ps):
     finally:
         for w in workers:
             w.close()
+
+
+# -- async_diloco: each pseudo-gradient as it arrives, the momentum every N arrivals ---------------------------------
+
+
+def test_the_delayed_nesterov_moves_the_momentum_exactly_every_n_arrivals():
+    """N = 2 workers: each arrival applies lr/N of its pseudo-gradient at once; at every 2nd arrival the momentum
+    takes the mean of the two and lr mu b is applied: by hand, in float32, after every arrival; the momentum's bytes
+    unchanged at the arrivals in between."""
+    from plug_asgd.modes.diloco import AsyncDiLoCoRule
+
+    rule, state = AsyncDiLoCoRule(), CentralState({"w": W0.copy()})
+    rule.set_trainers(state, frozenset({0, 1}))
+    lr, mu, n = F32(0.7), F32(0.9), F32(2)
+    w, b, pending, momenta = W0.copy(), None, [], []
+    arrivals = [u for pair in ROUNDS for u in pair]  # 6 arrivals, ranks 0, 1, 0, 1, ...
+    for i, u in enumerate(arrivals):
+        rule.push(state, Push(i, i % 2, state.version, {"w": u.copy()}))
+        g = np.zeros(6, F32) + -u
+        w = w - (lr / n) * g
+        pending.append(g)
+        if (i + 1) % 2 == 0:
+            mean = (np.zeros(6, F32) + pending[0] + pending[1]) / n
+            b = mean.copy() if b is None else b * mu + mean
+            w = w - lr * mu * b
+            pending = []
+        assert state.tensors["w"].tobytes() == w.tobytes(), f"arrival {i + 1}"
+        momenta.append(rule.state()[1].get("outer/b/w", np.zeros(6, F32)).tobytes())
+    assert momenta[0] != momenta[1] == momenta[2] != momenta[3] == momenta[4] != momenta[5]
+    assert state.version == 6 and rule.state()[0]["arrivals"] == 6
+
+
+def test_over_n_arrivals_the_delayed_form_moves_as_one_synchronous_round():
+    from plug_asgd.modes.diloco import AsyncDiLoCoRule
+
+    sync_rule, sync_state = DiLoCoRule(), CentralState({"w": W0.copy()})
+    async_rule, async_state = AsyncDiLoCoRule(), CentralState({"w": W0.copy()})
+    for rule, state in ((sync_rule, sync_state), (async_rule, async_state)):
+        rule.set_trainers(state, frozenset({0, 1}))
+    for u0, u1 in ROUNDS:
+        for rank, u in ((0, u0), (1, u1)):
+            sync_rule.push(sync_state, Push(rank, rank, sync_state.version, {"w": u.copy()}))
+            async_rule.push(async_state, Push(rank, rank, async_state.version, {"w": u.copy()}))
+        np.testing.assert_allclose(async_state.tensors["w"], sync_state.tensors["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_async_state_survives_a_checkpoint_and_its_knobs_are_checked():
+    from plug_asgd import AsyncDiLoCo
+    from plug_asgd.modes.diloco import AsyncDiLoCoRule
+
+    rule, state = AsyncDiLoCoRule(delay=2), CentralState({"w": W0.copy()})
+    for i, u in enumerate([u for pair in ROUNDS[:2] for u in pair][:3]):  # 3 arrivals: one pending in the sum
+        rule.push(state, Push(i, 0, state.version, {"w": u.copy()}))
+    resumed, state2 = AsyncDiLoCoRule(delay=2), CentralState({"w": state.tensors["w"].copy()}, version=3)
+    resumed.restore(*rule.state())
+    for r, s in ((rule, state), (resumed, state2)):
+        for i, u in enumerate(ROUNDS[2]):
+            r.push(s, Push(i, i, s.version, {"w": u.copy()}))
+    assert state2.tensors["w"].tobytes() == state.tensors["w"].tobytes()
+    with pytest.raises(ValueError, match="Nesterov's or SGD's"):
+        AsyncDiLoCo(outer="adam")
+    with pytest.raises(ValueError, match="delay must be"):
+        AsyncDiLoCo(delay=0)
+    mode = get({"name": "async_diloco", "inner_steps": 40, "delay": 3})
+    assert mode.push_every == 40 and mode.make_rule({}).period == 3
+
+
+def test_a_slower_worker_shortens_its_inner_steps_to_arrive_as_often_as_the_others():
+    """A worker of 2 whose pushes each see 2 of the other's (it is twice as slow) halves its 8 inner steps; one
+    that sees none keeps them; dynamic_steps=False keeps them whatever it sees."""
+    from plug_asgd import AsyncDiLoCo
+    from plug_asgd.worker.exchange.push import PushExchange
+    from plug_asgd.worker.model_reply import ModelReply
+
+    def seen_per_push(others: list[int], **knobs) -> list[int]:
+        exchange = PushExchange(AsyncDiLoCo(inner_steps=8, **knobs))
+        exchange.start_fit([], 0, 2)
+        steps, base = [], 0
+        for k in others:  # k pushes of the other worker land between two of this worker's
+            version = base + k + 1
+            exchange.count_staleness(ModelReply(version, "applied", False, {}), base)
+            steps.append(exchange.steps_per_push)
+            base = version
+        return steps
+
+    assert seen_per_push([2, 1, 1, 1]) == [4, 4, 4, 4]  # 2 per 8 steps, then 1 per 4: the same rate, kept
+    assert seen_per_push([2, 2, 2]) == [4, 3, 2]  # the other arrives twice per 4 steps: it is 4 times as fast
+    assert seen_per_push([0, 1, 0]) == [8, 8, 8]  # never above inner_steps
+    assert seen_per_push([2, 2], dynamic_steps=False) == [8, 8]

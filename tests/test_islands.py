@@ -20,7 +20,7 @@ from tests.conftest import PYTHON, ProcessGroups, free_port_block, require_emula
 SCRIPT = "tests/scripts/island_fit.py"
 # every mode that takes islands (hogwild refuses them), one fit each in one launch of 2 islands of 2 processes
 MODES = ["asgd", "adacomp", "agn", "downpour", "dynsgd", "eamsgd", "easgd", "localsgd", "losp", "osp", "sagn", "ssp",
-         "sync"]
+         "sync", "diloco:inner_steps=5", "async_diloco:inner_steps=5"]
 
 
 # -- refusals and arithmetic (quick) ---------------------------------------------------------------------
@@ -96,7 +96,7 @@ def _ranks(out: Path, log: str, ranks: int = 4) -> list[dict]:
 def islands_run(tmp_path_factory):
     """Every mode that takes islands, 2 islands of 2 processes on this machine, 20 steps each."""
     out = tmp_path_factory.mktemp("islands")
-    code, log = _launch(out, "--modes", ",".join(MODES), "--steps", "20", "--ps-port",
+    code, log = _launch(out, "--modes", ";".join(MODES), "--steps", "20", "--ps-port",
                         str(free_port_block(10 * len(MODES))), timeout=400)
     assert code == 0, log[-4000:]
     return out, log
@@ -108,7 +108,7 @@ def islands_run(tmp_path_factory):
 def test_every_mode_trains_islands_whose_ranks_hold_the_same_bits_and_the_ps_sees_one_worker_each(islands_run,
                                                                                                    mode):
     out, log = islands_run
-    ranks = _ranks(out / mode, log)
+    ranks = _ranks(out / mode.partition(":")[0], log)
     for r in ranks:
         assert r["island"] == r["rank"] // 2 and r["leader"] == (r["rank"] % 2 == 0)
         assert r["steps"] == 20

@@ -20,16 +20,17 @@ from plug_asgd import registry
 # and of docs/modes.md's table
 from plug_asgd.modes.asynchronous import AGN, SSP, AdaComp, Asgd, Downpour, DynSGD
 from plug_asgd.modes.base import MODES, Mode, PushMode
-from plug_asgd.modes.diloco import DiLoCo, DiLoCoRule, OuterOptimizer
+from plug_asgd.modes.diloco import AsyncDiLoCo, AsyncDiLoCoRule, DiLoCo, DiLoCoRule, OuterOptimizer
 from plug_asgd.modes.fold import APPLIED, DROPPED, CentralState, Push, Resolution, all_finite, can_fold_into
 from plug_asgd.modes.rounds import LOSP, OSP, SAGN, LocalSGD, Sync
 from plug_asgd.modes.rules import AdaCompRule, AsgdRule, DynSGDRule, FoldRule, SSPRule, SyncRule
 from plug_asgd.modes.shared_and_elastic import EAMSGD, EASGD, Hogwild
 
-__all__ = ["AGN", "APPLIED", "AdaComp", "AdaCompRule", "Asgd", "AsgdRule", "CentralState", "DROPPED", "DiLoCo",
-           "DiLoCoRule", "Downpour", "DynSGD", "DynSGDRule", "EAMSGD", "EASGD", "FoldRule", "Hogwild", "LOSP",
-           "LocalSGD", "MODES", "Mode", "OSP", "OuterOptimizer", "Push", "PushMode", "Resolution", "SAGN", "SSP",
-           "SSPRule", "Sync", "SyncRule", "all_finite", "can_fold_into", "get", "mode_table"]
+__all__ = ["AGN", "APPLIED", "AdaComp", "AdaCompRule", "Asgd", "AsgdRule", "AsyncDiLoCo", "AsyncDiLoCoRule",
+           "CentralState", "DROPPED", "DiLoCo", "DiLoCoRule", "Downpour", "DynSGD", "DynSGDRule", "EAMSGD", "EASGD",
+           "FoldRule", "Hogwild", "LOSP", "LocalSGD", "MODES", "Mode", "OSP", "OuterOptimizer", "Push", "PushMode",
+           "Resolution", "SAGN", "SSP", "SSPRule", "Sync", "SyncRule", "all_finite", "can_fold_into", "get",
+           "mode_table"]
 
 ModeLike = str | Mode | Mapping[str, Any]
 

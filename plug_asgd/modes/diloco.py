@@ -20,6 +20,8 @@ from typing import Any, ClassVar
 import numpy as np
 from typing_extensions import override
 
+from plug_asgd.modes.base import PushMode
+from plug_asgd.modes.fold import APPLIED, _add_into
 from plug_asgd.modes.rounds import Sync
 from plug_asgd.modes.rules import FoldRule, SyncRule
 
@@ -125,6 +127,19 @@ class OuterOptimizer:
         w -= _F32(self.lr) * d
 
 
+def _inner_steps(mode: Any) -> None:
+    """DiLoCo's and its asynchronous form's knobs checked: ``push_every`` is ``inner_steps``, the outer optimizer
+    made from what was given, no pull or overlap of their own."""
+    if not isinstance(mode.inner_steps, int) or isinstance(mode.inner_steps, bool) or mode.inner_steps < 1:
+        raise ValueError(f"inner_steps must be a whole number >= 1, got {mode.inner_steps!r}")
+    if mode.push_every not in (None, mode.inner_steps):
+        raise ValueError(f"{mode.name} pushes every inner_steps local steps: give inner_steps, not push_every")
+    if mode.pull_every is not None or mode.overlap:
+        raise ValueError(f"{mode.name} takes the new model with every reply: pull_every and overlap stay unset")
+    object.__setattr__(mode, "push_every", mode.inner_steps)
+    object.__setattr__(mode, "outer", OuterOptimizer.get(mode.outer))
+
+
 class DiLoCoRule(SyncRule):
     """Sync's rounds, each round's mean update taken as the negative pseudo-gradient of an outer optimizer step.
 
@@ -227,14 +242,7 @@ class DiLoCo(Sync):
     push_every: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.inner_steps, int) or isinstance(self.inner_steps, bool) or self.inner_steps < 1:
-            raise ValueError(f"inner_steps must be a whole number >= 1, got {self.inner_steps!r}")
-        if self.push_every not in (None, self.inner_steps):
-            raise ValueError("DiLoCo pushes every inner_steps local steps: give inner_steps, not push_every")
-        if self.pull_every is not None or self.overlap:
-            raise ValueError("DiLoCo takes the new model with every round's reply: pull_every and overlap stay unset")
-        object.__setattr__(self, "push_every", self.inner_steps)
-        object.__setattr__(self, "outer", OuterOptimizer.get(self.outer))
+        _inner_steps(self)
         super().__post_init__()
 
     @override
@@ -249,3 +257,157 @@ class DiLoCo(Sync):
     def server_options(self) -> dict[str, Any]:
         assert isinstance(self.outer, OuterOptimizer)
         return {**super().server_options(), "outer": self.outer.to_json()}
+
+
+class AsyncDiLoCoRule(FoldRule):
+    """Each worker's pseudo-gradient applied as it arrives, with the delayed Nesterov update of Liu et al. (2024):
+    the outer momentum moves only every ``delay`` arrivals, on their mean, so that stale pseudo-gradients are not
+    accelerated one by one; each arrival's own share (``lr / delay`` of it) is applied at once. Over ``delay``
+    arrivals of the same pseudo-gradients the model moves as one synchronous outer step on their mean would
+    (Nesterov's ``lr (mean + momentum b)``, SGD's ``lr b``), spread over the arrivals. A push is applied whatever its
+    staleness, undiscounted: the delayed momentum is the remedy.
+
+    Args:
+        outer: the outer optimizer: ``"nesterov"`` or ``"sgd"`` (Adam's per-coordinate scale has no delayed form).
+        delay: arrivals between two moves of the momentum; None: the workers training.
+
+    Raises:
+        ValueError: an Adam outer optimizer, or a ``delay`` below 1.
+    """
+
+    def __init__(self, outer: OuterOptimizer | None = None, delay: int | None = None) -> None:
+        super().__init__()
+        self.outer = outer or OuterOptimizer()
+        if self.outer.name == "adam":
+            raise ValueError("async_diloco's delayed momentum is Nesterov's or SGD's: use outer='nesterov' or 'sgd'")
+        if delay is not None and delay < 1:
+            raise ValueError(f"delay must be >= 1 arrival, got {delay}")
+        self.delay = delay
+        self.arrivals = 0
+        self.slots: dict[str, dict[str, np.ndarray]] = {}  # by tensor: "d", the arrivals' sum; "b", the momentum
+
+    @property
+    def period(self) -> int:
+        """Arrivals between two moves of the momentum: ``delay``, or the workers training."""
+        return self.delay or max(1, self.trainers)
+
+    @override
+    def push(self, state: Any, push: Any) -> list[Any]:
+        n = self.period
+        self.arrivals += 1
+        moves = self.arrivals % n == 0
+        lr, mu = _F32(self.outer.lr), _F32(self.outer.momentum)
+        for name, target in state.tensors.items():
+            g = np.zeros_like(target)
+            if name in push.update:
+                _add_into(g, push.update[name], -1.0)  # the pseudo-gradient, w_base - w
+            slots = self.slots.setdefault(name, {})
+            d = slots.setdefault("d", np.zeros_like(target))
+            d += g
+            target -= (lr / _F32(n)) * g
+            if moves and self.outer.momentum:
+                mean = d / _F32(n)
+                b = slots.get("b")
+                if self.outer.name == "sgd" and b is not None:
+                    target -= lr * mu * b  # SGD's step on the mean is lr (mean + mu b_old): the mean is in already
+                b = slots["b"] = mean.copy() if b is None else b * mu + mean
+                if self.outer.name == "nesterov":
+                    target -= lr * mu * b  # Nesterov's is lr (mean + mu b_new)
+            if moves:
+                d[...] = 0
+        state.version += 1
+        return [(push.token, APPLIED)]
+
+    @override
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The outer optimizer, the arrivals so far, and by tensor the arrivals' sum and the momentum."""
+        arrays = {f"outer/{slot}/{name}": a for name, slots in self.slots.items() for slot, a in slots.items()}
+        return {"outer": asdict(self.outer), "arrivals": self.arrivals}, arrays
+
+    @override
+    def restore(self, fields: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        """Takes back what :meth:`state` kept.
+
+        Args:
+            fields: the header fields :meth:`state` returned.
+            arrays: the arrays :meth:`state` returned, by name.
+
+        Raises:
+            ValueError: the checkpoint's outer optimizer is not this rule's.
+        """
+        saved = fields.get("outer")
+        if saved is not None and OuterOptimizer(**saved) != self.outer:
+            raise ValueError(f"the checkpoint's outer optimizer {saved} is not this PS's {asdict(self.outer)}: "
+                             "resume with the same --outer (or mode's outer=)")
+        self.arrivals = int(fields.get("arrivals", 0))
+        self.slots = {}
+        for key, array in arrays.items():
+            _, slot, name = key.split("/", 2)
+            self.slots.setdefault(name, {})[slot] = np.array(array, dtype=_F32)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AsyncDiLoCo(PushMode):
+    """Asynchronous DiLoCo (Liu et al. 2024): each worker pushes its pseudo-gradient after its inner steps and the
+    PS applies it as it arrives, with the delayed Nesterov update (:class:`AsyncDiLoCoRule`); no worker waits for
+    another. With ``dynamic_steps`` a slower worker makes fewer inner steps, so that every worker pushes about as
+    often: each reply says how many others arrived since the worker's last push, and a worker that sees more than
+    ``workers - 1`` per push shortens its rounds to match (never above ``inner_steps``).
+
+    Args:
+        inner_steps: local steps between two pushes (a fast worker's; a slower one's are fewer).
+        outer: the outer optimizer, ``"nesterov"`` (lr 0.7, momentum 0.9) or ``"sgd"``, as :class:`DiLoCo`'s.
+        delay: arrivals between two moves of the outer momentum; None: the number of workers.
+        dynamic_steps: whether a slower worker shortens its rounds.
+        push_every: set from ``inner_steps`` (give that).
+        pull_every: must stay None: the new model comes with every reply.
+        overlap: must stay False.
+
+    Raises:
+        ValueError: the knobs :class:`DiLoCo` refuses, an Adam outer optimizer, or a ``delay`` below 1.
+
+    Example:
+        >>> from plug_asgd import AsyncDiLoCo, AsyncPSStrategy
+        >>> strategy = AsyncPSStrategy(mode=AsyncDiLoCo(inner_steps=50))
+        >>> strategy.mode.push_every, strategy.mode.steps_for(0.5, workers=3)  # others arrive 0.5 a step: 4 steps
+        (50, 4)
+    """
+
+    name = "async_diloco"
+    summary = "inner_steps local steps, the pseudo-gradient applied as it arrives with a delayed Nesterov momentum"
+    derived_knobs = ("push_every",)
+    inner_steps: int = 100
+    outer: OuterOptimizer | str | dict[str, Any] = "nesterov"
+    delay: int | None = None
+    dynamic_steps: bool = True
+    push_every: int | None = None
+
+    def __post_init__(self) -> None:
+        _inner_steps(self)
+        super().__post_init__()
+        if self.delay is not None and (isinstance(self.delay, bool) or self.delay < 1):
+            raise ValueError(f"delay must be a whole number >= 1 of arrivals, got {self.delay!r}")
+        if self.outer.name == "adam":  # type: ignore[union-attr]
+            raise ValueError("async_diloco's delayed momentum is Nesterov's or SGD's: use outer='nesterov' or 'sgd'")
+
+    @override
+    def make_rule(self, options: Mapping[str, Any] | None = None) -> FoldRule:
+        outer = (options or {}).get("outer")
+        return AsyncDiLoCoRule(OuterOptimizer.get(self.outer if outer is None else outer), self.delay)
+
+    @override
+    def server_options(self) -> dict[str, Any]:
+        assert isinstance(self.outer, OuterOptimizer)
+        return {"outer": self.outer.to_json()}
+
+    def steps_for(self, others_per_step: float, workers: int) -> int:
+        """The inner steps of a worker that sees ``others_per_step`` pushes of the others per local step: as many
+        as make ``workers - 1`` of them arrive per push of its own, at most ``inner_steps``.
+
+        Args:
+            others_per_step: the others' arrivals per local step of this worker, as measured.
+            workers: the workers training.
+        """
+        if not self.dynamic_steps or workers <= 1 or others_per_step <= 0:
+            return self.inner_steps
+        return max(1, min(self.inner_steps, round((workers - 1) / others_per_step)))

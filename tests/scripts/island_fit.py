@@ -6,6 +6,7 @@ one fresh model under each mode in turn, in the same processes (each fit's PS on
 fit's place), and writes OUT/MODE/rank{r}.json: the rank's island, its steps, whether its island's weights agreed
 bit for bit at the start of each batch (gathered from every rank of the island, not assumed), a digest of its final
 weights, its counters, the PS's counters (leaders), and the test accuracy of the central model.
+``--modes "asgd;diloco:inner_steps=5"``: a mode's knobs after its name (``;`` between the modes then).
 ``--modes ddp`` trains under Lightning's DDP instead, for comparison.
 ``--kill-at K``: the rank given by ``--kill-rank`` SIGKILLs itself after its K-th step.
 """
@@ -104,8 +105,11 @@ def ended(rank: int, how: str) -> None:
 
 def train(mode: str, args: argparse.Namespace, port: int | None, out: Path) -> None:
     pl.seed_everything(0, verbose=False)
-    model = BNNet(nesterov=mode == "eamsgd", width=args.width)
-    mode_obj, codec = mode_and_codec(mode, compression=0.1) if mode != "ddp" else (None, None)
+    model = BNNet(nesterov=mode.startswith("eamsgd"), width=args.width)
+    name, _, knobs = mode.partition(":")  # "diloco:inner_steps=5": a mode's knobs after its name
+    given = {k: int(v) for k, v in (kv.split("=") for kv in knobs.split(",") if kv)}
+    mode_obj, codec = (mode_and_codec(name, args.compressor, compression=0.1, **given) if mode != "ddp"
+                       else (None, None))
     extra = {"ps_insecure": True, "shm_pushes": False} if args.nodes > 1 else {}
     if args.ps_shards:
         extra["ps_shards"] = args.ps_shards
@@ -159,6 +163,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--island", default="2")
+    parser.add_argument("--compressor", default="none")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--ps-port", type=int, default=None)
     parser.add_argument("--worker-timeout", type=float, default=30.0)
@@ -177,11 +182,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     ENDS = args.out / "ends.jsonl"
     rank = int(os.environ.get("NODE_RANK", 0)) * args.devices + int(os.environ.get("LOCAL_RANK", 0))
-    modes = args.modes.split(",")
+    modes = args.modes.split(";") if ";" in args.modes else args.modes.split(",")
     try:
         for i, mode in enumerate(modes):
             port = None if args.ps_port is None else args.ps_port + 10 * i
-            train(mode, args, port, args.out / mode if len(modes) > 1 else args.out)
+            train(mode, args, port, args.out / mode.partition(":")[0] if len(modes) > 1 else args.out)
     except BaseException as exc:
         ended(rank, f"{type(exc).__name__}: {exc}")
         raise

@@ -106,6 +106,9 @@ class Exchange(ABC):
         self.staging = Staging()  # the model to numpy and back: views on the CPU, pinned buffers on CUDA
         self.closure_runs = True  # the optimizers run their closure before they write the weights (step)
         self.closure_ran = False
+        self.steps_per_push = getattr(mode, "push_every", None) or 1  # this worker's (async_diloco's dynamic steps)
+        self.workers = 1  # the fit's workers
+        self.others_per_step: float | None = None  # the others' pushes per local step of this worker, as seen
 
     # -- what the strategy calls ---------------------------------------------------------------------
 
@@ -127,6 +130,8 @@ class Exchange(ABC):
         """
         self.optimizers = optimizers
         self.mode = self.configured_mode.for_workers(world_size)
+        self.workers, self.others_per_step = world_size, None
+        self.steps_per_push = getattr(self.mode, "push_every", None) or 1
         self.rank, self.fit_codec = rank, self.codec
         self.encoder = self.mode.encoder(self.codec, rank)
         self.normalized_steps = normalized = bool(optimizers) and all(normalizes_steps(o) for o in optimizers)
@@ -389,5 +394,11 @@ class Exchange(ABC):
         if reply.status == "applied":
             staleness = reply.version - base - 1
             self.compensator.observe(staleness)
+            steps_for = getattr(self.mode, "steps_for", None)
+            if steps_for is not None:  # async_diloco: the others' arrivals set this worker's inner steps
+                seen = staleness / max(1, self.steps_per_push)
+                ema = seen if self.others_per_step is None else (self.others_per_step + seen) / 2
+                self.others_per_step = ema
+                self.steps_per_push = steps_for(ema, self.workers)
             st = self.staleness
             st[0], st[1], st[2] = st[0] + staleness, st[1] + 1, max(st[2], staleness)

@@ -58,7 +58,7 @@ class PushExchange(UpdateMaking):
     def after_step(self) -> None:
         if self.pending is not None and isinstance(push := self.pending[0], HeldPush) and push.guessed:
             self.finish()  # the reply the optimizer's step went without (before_update), before what is due
-        if self.since_push >= self.mode.push_every:
+        if self.since_push >= self.steps_per_push:
             self.send()
         elif self.mode.pull_every is not None and self.since_pull >= self.mode.pull_every:
             self.pull_keeping_progress()
