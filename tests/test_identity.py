@@ -378,6 +378,9 @@ def _refusals(honest: PSClient) -> list[tuple[str, str, list, str]]:
         ("hello for another mode", "stranger", encode("hello", {"rid": 1, **hello(2, "s", 3), "mode": "sync"}),
          "mode_mismatch"),
         ("hello for another run", "stranger", encode("hello", {"rid": 1, **other_run}), "run_mismatch"),
+        # a previous Trainer's PS of another mode on the port: the run is told first, which the worker waits out
+        ("hello for another run and mode", "stranger", encode("hello", {"rid": 1, **other_run, "mode": "sync"}),
+         "run_mismatch"),
         ("hello with a partition at a whole model's PS", "stranger", encode("hello", {
             "rid": 1, **hello(2, "s", 3), "partition": {"shards": 2, "shard": 0, "digest": "d"}}),
          "partition_mismatch"),

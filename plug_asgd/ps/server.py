@@ -323,16 +323,16 @@ class ParameterServer(ModelRequests, Failover):
 
     def _on_hello(self, identity: bytes, rid: Any, msg: Message) -> None:
         mode = msg.str_field("mode")
-        if mode != self.mode:
-            raise WireError("mode_mismatch", f"this parameter server runs mode {self.mode!r} but the worker "
-                                             f"asked for {mode!r}: start the PS with --mode {mode} or "
-                                             f"give the strategy mode={self.mode!r}")
-        run = msg.fields.get("run")
+        run = msg.fields.get("run")  # first: a previous Trainer's PS may run another mode, and the worker waits it out
         if self.config.run is not None and run is not None and run != self.config.run:
             raise WireError("run_mismatch", f"this embedded parameter server serves run {self.config.run} of the "
                                             f"process that started it, the worker asked for run {run}: a previous "
                                             "Trainer's PS still answers on this port (it stops once its successor "
                                             "starts), or the ranks made their Trainers in different orders")
+        if mode != self.mode:
+            raise WireError("mode_mismatch", f"this parameter server runs mode {self.mode!r} but the worker "
+                                             f"asked for {mode!r}: start the PS with --mode {mode} or "
+                                             f"give the strategy mode={self.mode!r}")
         held = self.members.claimed()  # a digest or world fixed by hellos alone holds while their workers may
         digest = self.shard.check(msg.fields, self.address, held=held)
         worker, replaced = self.members.hello(identity, msg, self.store.version)
