@@ -16,6 +16,8 @@ from plug_asgd.protocol.wire import Message, WireError, decode, encode
 from plug_asgd.ps import failure
 from plug_asgd.ps.failure import JobFailure
 from plug_asgd.worker.client import PSClient, PSError
+from tests.conftest import PYTHON
+from tests.test_faults import WORKER, finish, ps_client, pushes, read_log, wait_for
 
 W0 = {"w": np.zeros(4, np.float32)}
 
@@ -79,7 +81,8 @@ def test_a_rank_that_fails_is_told_to_the_others_and_a_later_job_is_served(start
         assert failing.ask("hello", hello(1, "failing"))[0] == "welcome"
         assert waiting.ask("hello", hello(2, "waiting"))[0] == "welcome"
         waiting.send("gather", {"rank": 2, "stage": 1, "seq": 0, "kind": "barrier:"})  # waits for the others
-        kind, fields = failing.ask("bye", {"rank": 1, "stage": 1, "failed": "RuntimeError: out of memory"})
+        kind, fields = failing.ask("bye", {"rank": 1, "stage": 1, "failed": "RuntimeError: out of memory",
+                                           "session": "failing"})
         assert kind == "ok"
         text = "the job failed: rank 1 stopped on RuntimeError: out of memory"
         assert waiting.reply() == ("error", {"rid": 1, "code": "job_failed", "message": text, "epoch": 1})  # its gather
@@ -114,7 +117,7 @@ def test_a_gather_waiting_of_another_job_is_not_answered_by_a_failure(start_ps):
     first, second = Raw(address), Raw(address)
     try:
         assert first.ask("hello", hello(1, "first"))[0] == "welcome"
-        assert first.ask("bye", {"rank": 1, "stage": 1, "failed": "KeyboardInterrupt: "})[0] == "ok"
+        assert first.ask("bye", {"rank": 1, "stage": 1, "failed": "KeyboardInterrupt: ", "session": "first"})[0] == "ok"
         assert second.ask("hello", hello(1, "second"))[0] == "welcome"  # a new process for the rank
         second.send("gather", {"rank": 1, "stage": 1, "seq": 0, "kind": "barrier:"})
         assert not second.sock.poll(500)  # it waits for ranks 0 and 2, as ever
@@ -122,3 +125,55 @@ def test_a_gather_waiting_of_another_job_is_not_answered_by_a_failure(start_ps):
     finally:
         for raw in (first, second):
             raw.sock.close(0)
+
+
+@pytest.mark.faults
+def test_only_a_ranks_own_connection_under_its_session_says_its_rank_failed(procs, start_ps, tmp_path, fault_report):
+    """Forged failed byes, from a raw peer holding the free rank 2 and from one holding none, for the honest ranks
+    (and for rank 2 under another session): each refused and counted; the honest workers train to the end."""
+    address = start_ps("asgd", worker_timeout=60, world_size=3)
+    logs = [tmp_path / f"w{r}.log" for r in (0, 1)]
+    workers = [procs.start([PYTHON, WORKER, "--address", address, "--rank", str(r), "--world", "3", "--pushes", "40",
+                            "--delta", str(r + 1.0), "--interval", "0.05", "--log", str(logs[r])]) for r in (0, 1)]
+    squatter, stranger = Raw(address), Raw(address)
+    try:
+        wait_for(lambda: all(len(pushes(log)) >= 5 for log in logs), 60, "5 pushes of each worker")
+        assert squatter.ask("hello", {**hello(2, "squat"), "stage": 0})[0] == "welcome"
+        before = _state(address)
+        forged = [(squatter, {"rank": 0, "session": "squat"}), (squatter, {"rank": 1}),
+                  (squatter, {"rank": 2, "session": "another"}), (stranger, {"rank": 0}),
+                  (stranger, {"rank": 1, "session": "squat"})]
+        codes = [raw.ask("bye", {**fields, "stage": 0, "failed": "RuntimeError: forged"})[1]["code"]
+                 for raw, fields in forged]
+        assert codes == ["not_owner", "not_owner", "not_owner", "not_member", "not_member"]
+        after = _state(address)
+        assert after["job_failed"] is None and after["workers"] == [0, 1, 2] == before["workers"]
+        for w in workers:
+            finish(w)
+        done = [r for log in logs for r in read_log(log) if r["event"] == "done"]
+        assert len(done) == 2 and all(r["event"] != "error" for log in logs for r in read_log(log))
+        assert all(p["status"] == "applied" for log in logs for p in pushes(log))
+        final = _state(address)
+        assert final["version"] == 80 and final["pushes_by_rank"] == {"0": 40, "1": 40}
+        assert Counter(final["refused"]) == Counter(not_owner=3, not_member=2)
+        assert final["job_failed"] is None
+        client = ps_client(address, "asgd")
+        try:
+            assert client.pull().tensors["w"].tolist() == [40 * 1.0 + 40 * 2.0] * 4
+        finally:
+            client.close()
+    finally:
+        for raw in (squatter, stranger):
+            raw.sock.close(0)
+    fault_report(fault="failed byes forged for the honest ranks (and for its own rank under another session) by a "
+                       "peer holding a free rank, and by one holding none", injected=5, handled=5, pushes_lost=0,
+                 recovery_s=None, detail="each refused (not_owner 3, not_member 2), no job_failed; both honest "
+                                         "workers pushed to the end: 80 of 80 pushes applied, w = 120")
+
+
+def _state(address: str) -> dict:
+    client = ps_client(address, "asgd")
+    try:
+        return client.stats()
+    finally:
+        client.close()

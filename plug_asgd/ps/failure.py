@@ -3,7 +3,8 @@
 Lightning ends every rank of a DDP job when one fails: the others fail in their next collective,
 and the launcher kills its children. Workers of a PS share no collective while they train, so the
 PS carries the news. A worker whose stage ends in an exception says so in its ``bye`` (``failed``:
-what it raised, at most :data:`MAX_FAILURE_CHARS` characters). The PS then answers every later
+what it raised, at most :data:`MAX_FAILURE_CHARS` characters), on its own connection and under its own
+session (:meth:`~plug_asgd.ps.membership.Membership.bye` refuses any other). The PS then answers every later
 request of the job's other workers (the sessions that held, or had lost, a rank at that moment)
 with ``job_failed`` and that text, but for ``bye`` and ``stats``, which a failing worker sends on
 its way out, and answers every gather waiting the same. A worker started afterwards (a new

@@ -259,14 +259,19 @@ class Membership(Liveness):
     def bye(self, identity: bytes, msg: Message) -> int:
         """The connection's own rank leaves its stage (for good, or to begin the next one); returns the stage.
 
+        A bye that says its rank failed (``failed``: the PS then ends the job's other workers) must name the
+        connection's session too: only the rank's own connection, under its own session, says its rank failed.
+
         Args:
             identity: the ROUTER identity of the connection that said bye.
-            msg: the ``bye`` request: its ``rank`` and ``stage``.
+            msg: the ``bye`` request: its ``rank`` and ``stage`` (and, with ``failed``, its ``session``).
 
         Raises:
-            WireError: ``bad_field``, where the stage is not the one the rank is in.
+            WireError: ``not_member`` where the connection holds no rank, ``not_owner`` where it names another rank
+                (or, saying its rank failed, another session); ``bad_field``, where the stage is not the one the
+                rank is in.
         """
-        worker = self.member(identity, msg)
+        worker = self.member(identity, msg, session=msg.fields.get("failed") is not None)
         stage = msg.int_field("stage", minimum=0)
         assert stage is not None
         if stage != worker.stage:

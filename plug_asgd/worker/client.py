@@ -360,7 +360,7 @@ class PSClient(Transport):
                 this); None: it ended well.
         """
         fields = {"rank": self.rank, "stage": stage} if failed is None else {
-            "rank": self.rank, "stage": stage, "failed": failed}
+            "rank": self.rank, "stage": stage, "failed": failed, "session": self.session}
         self.request("bye", fields, timeout=timeout)
         self._hello_fields = None
 
