@@ -22,6 +22,8 @@ from tests.conftest import ACCURACY_THRESHOLD, FASHION, PLUG_ASGD, PYTHON, RECIP
 RUN_TIMEOUT = pytest.mark.timeout(RECIPE_RUN_TIMEOUT_S + 120 + 60)
 
 STEPS = 125  # 8000 images / 2 workers / batch 32
+MODEL_BYTES = 4_799_528  # the model's 1,199,882 float32
+HEADER_BYTES = 1_000  # a reply's header frames at most (their fields and the tensors' names and shapes): 470-520
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -99,11 +101,23 @@ def test_communication_monitor_counts_each_worker_on_the_wire(run):
         assert rec["rank"] == rank and rec["local_steps"] == STEPS and rec["pushes"] == STEPS
         # 1,199,882 float32 per dense push, through shared memory (the PS is on this machine): the
         # socket carries the headers only
-        assert rec["push_local_bytes_up"] == STEPS * 4_799_528
+        assert rec["push_local_bytes_up"] == STEPS * MODEL_BYTES
         assert rec["push_bytes_up"] < STEPS * 1_000
-        # the central model comes back with each push, but for those nothing else raced (answered "own")
-        assert 0 <= rec["own_replies"] < STEPS
-        assert rec["bytes_down"] >= (STEPS - rec["own_replies"]) * 4_799_528
+        # Each push answered by one kind of reply (plug_asgd.worker.errors.CommCounters.replies): "own" (nothing
+        # raced it: the worker makes the model), the whole model, or "duplicate" (sent again around a reconnection,
+        # the model then pulled); a push of weights the PS did not take ("not_current") was pushed again as an
+        # update, and is not among the pushes. Dense asgd: every folded push changes every coordinate, so no reply
+        # carries part of the model, and every push asks for it.
+        kinds = rec["replies"]
+        assert kinds["own"] + kinds["whole"] + kinds["duplicate"] == STEPS and kinds["own"] == rec["own_replies"], kinds
+        assert kinds["delta"] == kinds["approx"] == kinds["no_model"] == 0, kinds
+        # one pull at the join (rank 0's, right after its init, finds that nothing changed, "pulled_delta" of no
+        # tensor, unless rank 1 pushed first: then the whole model, "pulled"), and one per duplicate
+        assert kinds["pulled"] + kinds["pulled_delta"] == 1 + kinds["duplicate"], kinds
+        # so the bytes down are those models' exactly, plus every reply's header (the attach's, the init's and a
+        # refused early pull's too: one reply a request)
+        models = kinds["whole"] + kinds["pulled"]
+        assert 0 < rec["bytes_down"] - models * MODEL_BYTES < rec["requests"] * HEADER_BYTES, (rec["bytes_down"], kinds)
         # the split itself is checked on injected clocks (test_callback_clocks.py); here: the monitor's
         # window lies within the recipe's own measure of fit, and some of it, not all, was spent waiting
         assert 0 < rec["comm_s"] < rec["wall_s"] <= summary["fit_seconds"]

@@ -21,6 +21,7 @@ from plug_asgd.ps.fast_store import FastStore
 from plug_asgd.ps.reference_store import ReferenceStore
 from plug_asgd.ps.store_records import PushIn
 from plug_asgd.worker.client import HeldModel, PSClient, PSError
+from plug_asgd.worker.errors import REPLY_KINDS
 
 SHAPES = {"w": (300, 400), "b": (400,)}  # w: 120,000 coordinates, two sparse blocks
 
@@ -214,6 +215,9 @@ def test_over_sockets_sparse_pushes_are_answered_with_deltas_and_both_workers_ho
                 assert model.tensors[name].tobytes() == truth.tensors[name].tobytes()
         # rank 0: every reply (it holds the model it sent); rank 1: every reply after its first pull
         assert [c.counters.delta_replies for c in clients] == [22, 21]
+        kinds = dict.fromkeys(REPLY_KINDS, 0)  # by request: 20 pushes each, answered with deltas, and the pulls
+        assert [c.counters.replies for c in clients] == [{**kinds, "delta": 20, "pulled_delta": 2},
+                                                         {**kinds, "delta": 20, "pulled": 1, "pulled_delta": 1}]
         stats = whole.stats()
         assert stats["delta_replies"] == 43 and stats["model_replies"] == 43 + 1 + 1
         assert stats["bytes_out_by_rank"]["1"] == clients[1].counters.bytes_down
@@ -304,6 +308,9 @@ def test_over_sockets_a_ps_with_a_downlink_fraction_answers_pushes_approximately
             assert reply.approx and worker.counters.bytes_down - down < 6 * (1200 + 4) + 1000
         model, truth = worker.pull(), whole.pull()
         assert not model.approx and model.version == truth.version == 10
+        # the pushes' replies approximate; the pulls' exact (after the init: nothing changed; then what did)
+        assert worker.counters.replies == {**dict.fromkeys(REPLY_KINDS, 0), "approx": 10, "pulled_delta": 2}
+        assert whole.counters.replies == {**dict.fromkeys(REPLY_KINDS, 0), "pulled": 1}
         for name in SHAPES:
             assert model.tensors[name].tobytes() == truth.tensors[name].tobytes()
         stats = whole.stats()

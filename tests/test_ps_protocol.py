@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -12,6 +13,7 @@ import zmq
 from plug_asgd.protocol.wire import PROTOCOL_VERSION, Sparse, decode, encode
 from plug_asgd.ps import ParameterServer, PSConfig
 from plug_asgd.worker.client import PSClient, PSError
+from plug_asgd.worker.errors import REPLY_KINDS
 
 BEAT = 0.25  # heartbeat of the clients in the liveness tests, whose PSes time out after 1 s
 # A worker lost after 1 s of silence releases what waits for it no sooner than about 1 s (the PS checks
@@ -111,6 +113,36 @@ def test_a_replayed_push_is_applied_once(start_ps):
         c.request("push", fields, {"w": np.ones((2, 3), np.float32)})
     assert err.value.code == "duplicate"
     np.testing.assert_array_equal(c.pull().tensors["w"], W0["w"] + 1)
+
+
+def test_the_client_counts_each_reply_by_what_it_carried(start_ps):
+    """CommCounters.replies: one kind a reply, so that a count of models received that does not add up names the
+    reply (the communication monitor records them). Here every kind of an asgd PS without a downlink fraction; a
+    delta of some tensors and an approximate reply are counted in test_delta_replies.py."""
+    address = start_ps()
+    a, b = client(address, 0, 2), client(address, 1, 2)
+    try:
+        one = {"w": np.ones((2, 3), np.float32), "b": np.ones(2, np.float32)}
+        a.init(W0)
+        assert a.pull().version == 0  # a holds version 0 (its init): nothing changed since, a delta of nothing
+        b.pull()  # b holds no model: the whole one
+        assert a.push(0, one, want_model="unless_own").own  # version 1, nothing raced it: no model
+        b.push(0, one, want_model=False)  # version 2, no model asked for
+        assert a.push(1, one, want_model="unless_own", weights=True).status == "not_current"  # raced: nothing folded
+        assert a.push(1, one).tensors.keys() == one.keys()  # version 3: the whole model (a holds version 0)
+        a._seq = itertools.count(3)  # the last push's number again, as its resend around a reconnection
+        reply = a.push(1, one)
+        assert reply.status == "duplicate" and reply.version == 3  # not folded again: the model pulled instead
+        kinds = dict.fromkeys(REPLY_KINDS, 0)
+        assert a.counters.replies == {**kinds, "pulled_delta": 2, "own": 1, "not_current": 1, "whole": 1,
+                                      "duplicate": 1}
+        assert b.counters.replies == {**kinds, "pulled": 1, "no_model": 1}
+        # every push counted is answered by one of own, whole, delta, approx, no_model and duplicate
+        assert a.counters.pushes == 3 and b.counters.pushes == 1
+        assert a.counters.as_dict()["replies"] == a.counters.replies  # as comm_stats() and the monitor have them
+    finally:
+        a.close()
+        b.close()
 
 
 def test_wrong_mode_is_refused_with_a_clear_message(start_ps):

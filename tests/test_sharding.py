@@ -21,6 +21,7 @@ from plug_asgd.protocol.wire import Sparse
 from plug_asgd.sharding.client import ShardedClient, ShardVersions
 from plug_asgd.sharding.config import SHARDED_CODECS, SHARDED_MODES, check_sharded, shard_count
 from plug_asgd.worker.client import PSClient, PSError
+from plug_asgd.worker.errors import REPLY_KINDS
 from tests.conftest import ACCURACY_THRESHOLD, PLUG_ASGD, PYTHON, ProcessGroups, needs_fashion
 from tests.test_training import run_recipe
 
@@ -272,6 +273,10 @@ def test_a_push_answered_own_by_one_shard_and_raced_on_the_other_gets_the_model_
                     expected[p.start:p.stop] = twice.reshape(-1)[p.start:p.stop]
             assert reply.tensors[name].tobytes() == expected.reshape(FOLD_SHAPES[name]).tobytes(), name
         assert on_1 and a.counters.own_replies == 1 and a.counters.pushes == 2
+        # each shard's replies by kind: the pull after the init (nothing changed), the lone push's "own" from both,
+        # the raced push's "own" from shard 0 and its pieces whole from shard 1, then shard 0's pulled
+        assert a.counters.replies == {**dict.fromkeys(REPLY_KINDS, 0), "pulled_delta": 2, "own": 3, "whole": 1,
+                                      "pulled": 1}
     finally:
         a.close()
         b.close()

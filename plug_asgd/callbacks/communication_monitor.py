@@ -21,8 +21,8 @@ if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); p
     import pytorch_lightning as pl
 
 
-COUNTED = ("wait_seconds", "bytes_up", "bytes_down", "push_bytes_up", "push_local_bytes_up", "pushes", "own_replies",
-           "local_steps")  # what a record counts since training started
+COUNTED = ("wait_seconds", "bytes_up", "bytes_down", "push_bytes_up", "push_local_bytes_up", "requests", "pushes",
+           "own_replies", "local_steps")  # what a record counts since training started
 ISLAND_COUNTED = ("island_bytes_sent", "island_bytes_received")  # with islands: what the rank moved inside its island
 
 
@@ -34,7 +34,9 @@ class CommunicationMonitor(KeepsRecords, LightningBound):
     Each worker appends its records to ``dirpath/worker{rank}.jsonl`` (default: ``comm/`` in the
     trainer's log dir), since workers do not wait for each other to merge them; rank 0 also logs
     its own to the trainer's loggers as ``comm/...``. Counts run from the start of training;
-    bytes are counted on the wire; ``comm_s`` is time spent waiting for the PS's replies. With islands
+    bytes are counted on the wire; ``comm_s`` is time spent waiting for the PS's replies; ``replies`` counts the PS's
+    replies by what they carried (own, whole, delta, approx, no_model, not_current, duplicate, pulled,
+    pulled_delta: ``CommCounters.replies``), so that a count that does not add up names the reply. With islands
     (``AsyncPSStrategy(island=...)``) each rank records too: its island, whether it leads it, and the bytes it sent
     and received inside it (``island_bytes_sent``, ``island_bytes_received``); the PS's bytes are the leader's.
 
@@ -101,13 +103,16 @@ class CommunicationMonitor(KeepsRecords, LightningBound):
         stats = self._ps.comm_stats(settle=True)
         since, last = self._since(stats), self.records[-1] if self.records else None
         if self._steps % self.every_n_steps or last is None or any(
-                since[k] != last[k] for k in ("bytes_down", "own_replies")):
+                since[k] != last[k] for k in ("bytes_down", "own_replies", "replies")):
             self._record(trainer, stats)
 
     def _since(self, stats: dict[str, Any]) -> dict[str, Any]:
-        """The counters since training started."""
+        """The counters since training started (the replies by kind among them)."""
         counted = COUNTED + ISLAND_COUNTED if "island" in stats else COUNTED
-        return {k: stats.get(k, 0) - self._baseline.get(k, 0) for k in counted}
+        since = {k: stats.get(k, 0) - self._baseline.get(k, 0) for k in counted}
+        before = self._baseline.get("replies", {})
+        since["replies"] = {k: n - before.get(k, 0) for k, n in stats.get("replies", {}).items()}
+        return since
 
     def _record(self, trainer: pl.Trainer, stats: dict[str, Any] | None = None) -> None:
         assert self._ps is not None
@@ -121,7 +126,8 @@ class CommunicationMonitor(KeepsRecords, LightningBound):
             "train_loss_mean": sum(self._losses) / len(self._losses) if self._losses else None,
             "bytes_up": since["bytes_up"], "bytes_down": since["bytes_down"],
             "push_bytes_up": since["push_bytes_up"], "push_local_bytes_up": since["push_local_bytes_up"],
-            "pushes": since["pushes"], "own_replies": since["own_replies"],
+            "requests": since["requests"], "pushes": since["pushes"], "own_replies": since["own_replies"],
+            "replies": since["replies"],
             "wall_s": round(wall, 3), "comm_s": round(comm, 3), "compute_s": round(max(0.0, wall - comm), 3),
             "staleness_mean": stats.get("staleness_mean", 0.0), "staleness_max": stats.get("staleness_max", 0),
             "version": stats.get("version", 0), "time": round(time.time(), 3),
@@ -135,6 +141,7 @@ class CommunicationMonitor(KeepsRecords, LightningBound):
             f.write(json.dumps(record) + "\n")
         if trainer.is_global_zero:
             metrics = {f"comm/{k}": float(v) for k, v in record.items()
-                       if k not in ("rank", "time") and v is not None}
+                       if k not in ("rank", "time", "replies") and v is not None}
+            metrics.update({f"comm/replies/{k}": float(n) for k, n in record["replies"].items()})
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)

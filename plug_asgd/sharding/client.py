@@ -122,11 +122,14 @@ class ShardedClient:
 
     @property
     def counters(self) -> CommCounters:
-        """Bytes and requests over every shard; pushes and "own" replies counted once per push of the worker."""
+        """Bytes and requests over every shard, and each shard's replies by kind; pushes and "own" replies counted
+        once per push of the worker."""
         total = CommCounters()
         for client in self.clients:
             for name in _SUMMED:
                 setattr(total, name, getattr(total, name) + getattr(client.counters, name))
+            for kind, n in client.counters.replies.items():
+                total.replies[kind] = total.replies.get(kind, 0) + n
         total.pushes, total.own_replies, total.partly_applied = self.pushes, self.own_replies, self.partly_applied
         total.wait_seconds = max(c.counters.wait_seconds for c in self.clients)
         total.weights_not_current = 0

@@ -233,7 +233,7 @@ class PSClient(Transport):
     def pull(self) -> ModelReply:
         """The central model; as this rank once it said hello, else as a bystander (a Supervisor, a test)."""
         fields = {"rank": self.rank} if self._hello_fields is not None else {}
-        return model_reply(self.request("pull", with_have(fields, self.held)), self.held, self.counters)
+        return model_reply(self.request("pull", with_have(fields, self.held)), self.held, self.counters, "pull")
 
     def push(self, base_version: int, update: Mapping[str, Tensor],
              want_model: bool | Literal["unless_own"] = True,
@@ -300,6 +300,7 @@ class PSClient(Transport):
             if exc.code != "duplicate":
                 raise
             # sent twice around a reconnection and applied the first time: take the model as it is now
+            self.counters.replies["duplicate"] += 1
             reply = self.pull()
             return ModelReply(reply.version, "duplicate", reply.stop, reply.tensors)
 
@@ -311,14 +312,14 @@ class PSClient(Transport):
             local = {n: o for n, t in update.items() if (o := self._segment.offset(t)) is not None} or None
         try:
             sent = self.request("push", fields, update, local=local, while_waiting=while_waiting)
-            reply = model_reply(sent, self.held, self.counters)
+            reply = model_reply(sent, self.held, self.counters, "push")
         except PSError as exc:
             if exc.code != "bad_local" or not local:
                 raise
             log.warning("the parameter server no longer maps this worker's memory (%s); pushing over the socket "
                         "from now on", exc)
             self._segment = local = None
-            reply = model_reply(self.request("push", fields, update), self.held, self.counters)
+            reply = model_reply(self.request("push", fields, update), self.held, self.counters, "push")
         self.counters.own_replies += reply.own
         if reply.status == "not_current":  # sent, but neither folded nor dropped: the PS read nothing
             self.counters.pushes -= 1

@@ -4,8 +4,12 @@ what they moved (:class:`CommCounters`): shared by the transport and everything 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+# What each reply to a push or a pull carried (CommCounters.replies): every push is answered by one of the push kinds,
+# every pull by one of the pull kinds.
+REPLY_KINDS = ("own", "whole", "delta", "approx", "no_model", "not_current", "duplicate", "pulled", "pulled_delta")
 
 
 class PSError(RuntimeError):
@@ -41,6 +45,14 @@ class CommCounters:
         weights_not_current: pushes of weights the PS did not take (not counted in ``pushes``).
         partly_applied: on a sharded PS, pushes some shards folded in and others dropped (sync rounds).
         wait_seconds: seconds spent waiting for replies, not counting work done meanwhile.
+        replies: the replies by what they carried (``REPLY_KINDS``), one kind a reply (a refusal, raised as
+            :class:`PSError`, is none of them). To a push: ``own`` (folded; no model: the worker makes it, base
+            plus update), ``whole`` (the whole model), ``delta`` (only what changed since the model held: nothing
+            where it held the current one), ``approx`` (only the largest differences from the copy held: a
+            downlink fraction), ``no_model`` (none asked for), ``not_current`` (weights the PS did not take:
+            nothing folded, no model; not in ``pushes``), ``duplicate`` (applied before a reconnection; the model
+            then comes by a pull, counted as one). To a pull: ``pulled`` (the whole model) or ``pulled_delta``
+            (what changed: nothing where the model held is current). On a sharded PS, each shard's reply.
     """
 
     bytes_up: int = 0
@@ -54,6 +66,7 @@ class CommCounters:
     weights_not_current: int = 0  # pushes of weights the PS did not take: not counted in pushes
     partly_applied: int = 0  # on a sharded PS: pushes some shards folded in and others dropped (sync rounds)
     wait_seconds: float = 0.0
+    replies: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REPLY_KINDS, 0))
 
     def as_dict(self) -> dict[str, Any]:
         """The counters by name, as the callbacks log and the benchmarks report them (seconds to the µs)."""
@@ -62,4 +75,4 @@ class CommCounters:
                 "requests": self.requests, "pushes": self.pushes, "own_replies": self.own_replies,
                 "delta_replies": self.delta_replies,
                 "weights_not_current": self.weights_not_current, "partly_applied": self.partly_applied,
-                "wait_seconds": round(self.wait_seconds, 6)}
+                "wait_seconds": round(self.wait_seconds, 6), "replies": dict(self.replies)}

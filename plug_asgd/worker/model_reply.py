@@ -68,18 +68,42 @@ def with_have(fields: dict[str, Any], held: HeldModel | None) -> dict[str, Any]:
     return {**fields, "have" if held.exact else "held": list(have)}  # type: ignore[union-attr]
 
 
-def model_reply(reply: Message, held: HeldModel | None, counters: CommCounters) -> ModelReply:
+def reply_kind(reply: Message, request: str) -> str:
+    """What a ``model`` reply to ``request`` (``push`` or ``pull``) carried, as ``CommCounters.replies`` counts it.
+
+    Args:
+        reply: the PS's ``model`` reply.
+        request: the request it answers: ``push`` or ``pull``.
+    """
+    delta = reply.fields.get("delta") is True
+    if request == "pull":
+        return "pulled_delta" if delta else "pulled"
+    if reply.fields.get("own") is True:
+        return "own"
+    if reply.fields.get("status") == "not_current":
+        return "not_current"
+    if reply.fields.get("approx") is True:
+        return "approx"
+    if delta:
+        return "delta"
+    return "whole" if reply.tensors else "no_model"
+
+
+def model_reply(reply: Message, held: HeldModel | None, counters: CommCounters, request: str) -> ModelReply:
     """The model a PS's reply to a pull or a push carries: a delta reply patched into the client's held model, a whole
     model kept as it.
 
     Args:
         reply: the PS's ``model`` reply.
         held: the client's held model (brought up to date here); None where it keeps none.
-        counters: the client's counters, which count a delta reply.
+        counters: the client's counters, which count a delta reply and the reply's kind (``replies``).
+        request: the request it answers: ``push`` or ``pull``.
 
     Raises:
         PSError: ``bad_reply``, where a delta reply comes to a client that keeps no model.
     """
+    kind = reply_kind(reply, request)
+    counters.replies[kind] = counters.replies.get(kind, 0) + 1
     version = int(reply.fields["version"])
     tensors: dict[str, np.ndarray] = dict(reply.tensors)  # type: ignore[arg-type]
     changed = None
