@@ -24,6 +24,7 @@ from plug_asgd.worker.client import PSClient, PSError
 from tests.conftest import (
     PYTHON,
     RECIPE,
+    free_port,
     needs_fashion,
     require_emulated_hosts,
     run_on_emulated_hosts,
@@ -338,6 +339,58 @@ def test_forged_claims_are_refused_by_the_primary_and_the_standby(start_ps):
         PSClient(primary, rank=0, world_size=1, mode="asgd", request_timeout=10).request(
             "standby", {"step": "join", "address": standby, "link": "1" * 32})
     worker.close()
+
+
+def test_a_join_nobody_answers_or_naming_the_primary_itself_never_holds_up_a_push(start_ps, fault_report):
+    # a raw join naming a port nobody listens on, then one naming the primary's own address: while each is pending
+    # a worker pushes on, each push answered within PUSH_BOUND_S on the clock; each join is then refused
+    # (standby_failed) and changed nothing; a real standby joins afterwards
+    primary = start_ps("asgd")
+    wait_for(lambda: _answers(primary), 30, "the primary to answer")
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    with joined_workers(primary, "asgd", request_timeout=30) as workers:
+        worker, pushed, slowest, seen = workers[0], 0, 0.0, []
+        for target in (dead, primary):
+            before, pushed_before = {k: v for k, v in stats(primary).items() if k in STATE_KEYS}, pushed
+            joiner = zmq.Context.instance().socket(zmq.DEALER)
+            joiner.setsockopt(zmq.LINGER, 0)
+            joiner.connect(primary)
+            joiner.send_multipart(encode("standby", {"step": "join", "address": target, "link": "a" * 32, "rid": 1}))
+            asked = time.monotonic()
+            while not joiner.poll(0):
+                assert time.monotonic() - asked < 30, "the join was neither taken nor refused"
+                start = time.monotonic()
+                reply = worker.push(pushed, {"w": np.ones(4, np.float32)})
+                slowest = max(slowest, time.monotonic() - start)
+                assert reply.status == "applied" and reply.version == pushed + 1
+                pushed += 1
+                seen.append(worker.stats()["standby_joining"])
+            answer = decode(joiner.recv_multipart())
+            joiner.close(0)
+            assert answer.fields["code"] == "standby_failed" and target in answer.fields["message"], answer.fields
+            after = {k: v for k, v in stats(primary).items() if k in STATE_KEYS}
+            assert after == {**before, "version": pushed} and before["version"] == pushed_before  # the pushes alone
+            assert after["standby"] is None and after["standby_joining"] is None and after["standbys_joined"] == 0
+        assert slowest < PUSH_BOUND_S, slowest
+        assert dead in seen  # the pushes above were answered while that join was pending
+        refused = stats(primary)["refused"]
+        # its own records (the state, and those of the pushes made until the refusal came back), refused as a stranger's
+        assert refused["standby_failed"] == 2 and refused["bad_link"] >= 1
+        standby = start_ps("asgd", standby_of=primary)
+        wait_for(lambda: stats(primary)["standby"] == standby, 30, "a real standby to join")
+        assert worker.push(pushed, {"w": np.ones(4, np.float32)}).version == pushed + 1
+        assert stats(standby)["version"] == pushed + 1 and worker.pull().tensors["w"].tolist() == [pushed + 1.0] * 4
+    fault_report(fault="a standby join naming a port nobody answers, then one naming the primary's own address",
+                 injected=2, handled=2, pushes_lost=0, recovery_s=None,
+                 detail=f"both refused (standby_failed 2, within failover_timeout; the second at once, its "
+                        "records coming back to it as a stranger's: bad_link); "
+                        f"{pushed} pushes answered meanwhile, the slowest in {slowest:.3f} s; nothing changed, and "
+                        "a real standby joined after")
+
+
+PUSH_BOUND_S = 2.0  # a push answered while a join is pending: milliseconds, where a join held the loop for 60 s
+STATE_KEYS = ("role", "epoch", "version", "standby", "standby_joining", "standbys_joined", "standbys_detached",
+              "failovers", "world_size", "workers", "run_id")
 
 
 @needs_fashion

@@ -97,12 +97,12 @@ class Failover(StandbyRecords):
         """
         if self.role != "primary":
             return False
-        if ranks != self._trainers_sent and self.replication.attached:
+        if ranks != self._trainers_sent and self.replication.linked:
             try:
                 self.replicate("trainers", {"ranks": sorted(ranks)})
             except WireError:  # replaced
                 return False
-        self._trainers_sent = ranks if self.replication.attached else None
+        self._trainers_sent = ranks if self.replication.linked else None
         return True
 
     def replicate_member(self, session: str) -> None:
@@ -112,7 +112,7 @@ class Failover(StandbyRecords):
         Args:
             session: the worker's session.
         """
-        if self.replication.attached:
+        if self.replication.linked:
             self.replicate("member", {"owners": self.members.owner_fields([session]),
                                       "world_size": self.members.world_size})
 
@@ -124,12 +124,12 @@ class Failover(StandbyRecords):
             pushes: the pushes folded now (0: between requests).
         """
         window = self.config.standby_window
-        if not window or not self.replication.attached:
+        if not window or not self.replication.linked:
             return
         self._unsent += pushes
         due = self._unsent >= window or (self._unsent and pushes == 0 and time.monotonic() - self._posted_at
                                          >= self.config.failover_timeout / 4)
-        if due and not self.replication.posting:
+        if due and self.replication.attached and not self.replication.posting:
             fields, tensors = self.state_record()
             self.replication.post(fields, {n: np.array(t) for n, t in tensors.items()})  # copies: folds go on
             self._unsent, self._posted_at = 0, time.monotonic()
@@ -143,6 +143,8 @@ class Failover(StandbyRecords):
                 self.stream_state(0)
             except Fenced as exc:
                 self._fenced(exc)
+            if (joined := self.replication.join_done()) is not None:
+                self._answer_join(*joined)
         elif self.role == "standby":
             self.check_join()
 
@@ -195,9 +197,16 @@ class Failover(StandbyRecords):
         address, link = msg.str_field("address"), msg.str_field("link")
         if len(link) < 32:
             raise WireError("bad_field", "field 'link' must be the standby's token (32 hex digits at least)")
-        self.replication.attach(address, link, self.state_record())
+        self.replication.attach(address, link, self.state_record(), (identity, rid))  # answered by _answer_join
         self._trainers_sent = self.members.trainers()
-        self._send(identity, rid, "standby_joined", {"epoch": self.epoch, "version": self.store.version})
+
+    def _answer_join(self, requester: tuple[bytes, Any], failed: str | None) -> None:
+        """A join done (``standby_joined``) or abandoned (``standby_failed``, counted): its requester is told."""
+        if failed is None:
+            self._send(*requester, "standby_joined", {"epoch": self.epoch, "version": self.store.version})
+            return
+        self.stats.refused["standby_failed"] += 1
+        self._send(*requester, "error", {"code": "standby_failed", "message": failed})
 
     # -- the standby's side ------------------------------------------------------------------
 

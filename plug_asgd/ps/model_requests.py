@@ -97,7 +97,7 @@ class ModelRequests:
     def _on_init(self, identity: bytes, rid: Any, msg: Message) -> None:
         held = self.members.claimed()
         digest = self.shard.check(msg.fields, self.address, held=held)
-        if not self.store.initialized and self.replication.attached:
+        if not self.store.initialized and self.replication.linked:
             check_model(msg.tensors)  # a model refused here is not the standby's either
             self.replicate("init", {**self.shard.checkpoint_fields(), "partition_digest": digest}, msg.tensors)
         accepted = self.store.init(msg.tensors)
@@ -132,8 +132,9 @@ class ModelRequests:
                 raise WireError("bad_field", f"field {name!r} must be true or false, got {value!r:.40}")
         token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all",
                        rank=worker.rank, **_holds(msg))
-        if self.replication.attached and not self.config.standby_window:  # the standby folds it first: what a
-            # worker is answered, the standby holds (with a window, the whole state goes every N pushes instead)
+        if self.replication.linked and not self.config.standby_window:  # the standby folds it first: what a
+            # worker is answered, the standby holds (with a window, the whole state goes every N pushes instead; to
+            # a standby being taken, it goes without waiting: the standby is named only once it holds it all)
             self.replicate("push", {"rank": rank, "session": session, "seq": seq, "base_version": base,
                                     "scaled_for": scaled_for, "weights": flags["weights"]},
                            self.store.read_local(session, msg.tensors))

@@ -2,11 +2,16 @@
 
 A standby (``serve-ps --standby-of ADDR``) asks to join; the primary connects a DEALER socket to the standby's
 address and sends it the whole state (a ``snapshot`` record), then, before each change it makes, the record of that
-change: a push as the primary received it (a sparse codec's push stays sparse), an ``init``, the set of training
-ranks, a worker's session. The primary waits for the standby's acknowledgement before it makes the change itself,
-and so before it answers the request: a reply a worker has seen is of a state the standby holds. Both sides run the
-same deterministic code on the same records (a refused push is refused on both), and the acknowledgement carries the
-standby's version, which the primary checks against its own.
+change. The join runs beside the serving loop (:class:`Joining`): the snapshot and the records of the changes made
+meanwhile go without waiting (copied as they are sent), their acknowledgements are read between requests, and the
+standby is attached once it has acknowledged the last of them; a link whose ZeroMQ handshake has not succeeded
+within ``failover_timeout`` (a port nobody answers), a reply other than an acknowledgement (the primary's own
+address answers ``bad_link``) or no acknowledgement within :data:`JOIN_TIMEOUT_S` abandons the join, which changed
+nothing. Once attached, before each change: a push as the primary received it (a sparse codec's push stays sparse),
+an ``init``, the set of training ranks, a worker's session. The primary waits for the standby's acknowledgement
+before it makes the change itself, and so before it answers the request: a reply a worker has seen is of a state the
+standby holds. Both sides run the same deterministic code on the same records (a refused push is refused on both),
+and the acknowledgement carries the standby's version, which the primary checks against its own.
 
 While no record goes, a ``beat`` goes every quarter of ``failover_timeout``: the standby takes silence longer than
 ``failover_timeout`` as the primary possibly gone (it still needs a worker's word, see :mod:`plug_asgd.ps.failover`).
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -46,6 +52,28 @@ class Fenced(Exception):
         super().__init__(f"replaced by the standby at {leader}, which leads epoch {epoch}")
         self.epoch = epoch
         self.leader = leader
+
+
+@dataclass
+class Joining:
+    """A standby being taken: the state and the records since went to it without waiting, their acknowledgements
+    are awaited between requests.
+
+    Attributes:
+        address: the standby's address.
+        requester: the join request's sender and request id, answered once the join is done or abandoned.
+        monitor: the link's monitor, until its ZeroMQ handshake has succeeded (None after).
+        last_rid: the request id of the last record sent: its acknowledgement attaches the standby.
+        connect_by: when the handshake must have succeeded (``time.monotonic()``).
+        held_by: when the last record must have been acknowledged.
+    """
+
+    address: str
+    requester: tuple[bytes, Any]
+    monitor: zmq.Socket | None
+    last_rid: int
+    connect_by: float
+    held_by: float
 
 
 class Replication:
@@ -80,41 +108,113 @@ class Replication:
         self._lost: tuple[zmq.Socket, str] | None = None  # a detached standby's link, and its token: asked still
         self._lost_asked = 0.0
         self._posted: tuple[int, float, int] | None = None  # a state sent without waiting: its rid, time, size
+        self._joining: Joining | None = None  # a standby being taken
+        self._outcome: tuple[tuple[bytes, Any], str | None] | None = None  # a join done or abandoned, to answer
 
     @property
     def attached(self) -> bool:
         """Whether a standby holds the state now."""
+        return self._sock is not None and self._joining is None
+
+    @property
+    def linked(self) -> bool:
+        """Whether the records of changes go to a standby: one attached, or one being taken."""
         return self._sock is not None
 
-    def attach(self, address: str, link: str, snapshot: tuple[dict[str, Any], dict[str, Tensor]]) -> None:
-        """Take the standby at ``address``: send it the whole state, and wait for it to hold it.
+    def attach(self, address: str, link: str, snapshot: tuple[dict[str, Any], dict[str, Tensor]],
+               requester: tuple[bytes, Any]) -> None:
+        """Begin taking the standby at ``address``: the whole state goes to it now, without waiting; it is attached
+        once it has acknowledged that and every record sent since (:meth:`join_done` says when, or why not).
 
         Args:
             address: the standby's ZeroMQ address.
             link: the standby's token for this link (from its join request).
-            snapshot: the state's fields and tensors.
+            snapshot: the state's fields and tensors (copied as they are sent: folds may go on).
+            requester: the join request's sender and request id, answered once the join is done or abandoned.
 
         Raises:
-            WireError: ``standby_taken`` where a standby is attached already; ``standby_failed`` where it did not
-                take the state within :data:`JOIN_TIMEOUT_S`.
+            WireError: ``standby_taken`` where a standby is attached, or being taken, already.
         """
-        if self.attached:
-            raise WireError("standby_taken", f"this parameter server has a standby already ({self.address}): stop "
+        if self._sock is not None:
+            raise WireError("standby_taken", f"this parameter server has a standby already "
+                                             f"({self.address or self._joining and self._joining.address}): stop "
                                              "it first, or join this one to the standby instead")
         sock = client_socket(self._ctx, self._keys)
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sock.connect(address)
-        self._sock, self.address, self._link = sock, address, link
-        fields, tensors = snapshot
-        self.send("snapshot", fields, tensors, timeout=JOIN_TIMEOUT_S)
-        if self.attached:
-            self.joined += 1
-            self.lost_reason = None
-            log.warning("hot standby %s joined at version %s: every change goes to it first", address,
-                        self.standby_version)
-        else:
-            raise WireError("standby_failed", f"the standby at {address} did not take the state within "
-                                              f"{JOIN_TIMEOUT_S:g} s: {self.lost_reason}")
+        now = time.monotonic()
+        self._sock, self._link = sock, link
+        self._joining = Joining(address, requester, monitor, 0, now + self.failover_timeout, now + JOIN_TIMEOUT_S)
+        log.info("a hot standby at %s asks to join: sending it the state", address)
+        self._stream("snapshot", *snapshot)
+
+    def _stream(self, kind: str, fields: dict[str, Any] | None, tensors: dict[str, Tensor] | None) -> None:
+        """While a standby is being taken: a record sent without waiting, copied as it goes."""
+        joining, sock = self._joining, self._sock
+        assert joining is not None and sock is not None
+        self._rid += 1
+        frames = encode("replicate", {**(fields or {}), "kind": kind, "link": self._link, "rid": self._rid}, tensors)
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=True)
+        except zmq.ZMQError as exc:
+            self._abandon(f"cannot send to it ({exc})")
+            return
+        joining.last_rid = self._rid
+
+    def join_done(self) -> tuple[tuple[bytes, Any], str | None] | None:
+        """Between requests: a join done now (its requester, and None) or abandoned (its requester, and why); None
+        while none is being taken, or the one being taken is still under way."""
+        joining, sock = self._joining, self._sock
+        if joining is not None and sock is not None:
+            if joining.monitor is not None and joining.monitor.poll(0):
+                self._unmonitor()
+            if joining.monitor is not None and time.monotonic() > joining.connect_by:
+                self._abandon(f"no connection to it within {self.failover_timeout:g} s (is it listening there?)")
+            while self._joining is not None and sock.poll(0):
+                try:
+                    reply = decode(sock.recv_multipart(copy=False), self.limits)
+                except WireError as exc:
+                    self._abandon(f"a malformed acknowledgement ({exc})")
+                    break
+                if reply.type != "ack":
+                    self._abandon(f"it answered {reply.fields.get('message', reply.type)!r:.200}")
+                elif reply.fields.get("rid") == joining.last_rid:
+                    self._joined(joining, reply)
+            if self._joining is not None and time.monotonic() > joining.held_by:
+                self._abandon(f"it did not take the state within {JOIN_TIMEOUT_S:g} s")
+        outcome, self._outcome = self._outcome, None
+        return outcome
+
+    def _joined(self, joining: Joining, reply: Any) -> None:
+        self._unmonitor()
+        self._joining, self.address = None, joining.address
+        version = reply.fields.get("version")
+        self.standby_version = version if isinstance(version, int) else None
+        self.joined += 1
+        self.lost_reason = None
+        self._last_sent = time.monotonic()
+        self._outcome = (joining.requester, None)
+        log.warning("hot standby %s joined at version %s: every change goes to it first", joining.address,
+                    self.standby_version)
+
+    def _abandon(self, reason: str) -> None:
+        """The standby being taken is not: the link is closed, nothing else changed; its requester is told why."""
+        joining, sock = self._joining, self._sock
+        if joining is None or sock is None:
+            return
+        self._unmonitor()
+        sock.close(0)
+        self._sock, self._link, self._joining = None, None, None
+        self._outcome = (joining.requester, f"the standby at {joining.address} was not taken: {reason}")
+        log.warning("%s", self._outcome[1])
+
+    def _unmonitor(self) -> None:
+        joining, sock = self._joining, self._sock
+        if joining is not None and joining.monitor is not None and sock is not None:
+            sock.disable_monitor()
+            joining.monitor.close(0)
+            joining.monitor = None
 
     def send(self, kind: str, fields: dict[str, Any] | None = None, tensors: dict[str, Tensor] | None = None, *,
              timeout: float | None = None) -> int | None:
@@ -133,6 +233,9 @@ class Replication:
         """
         sock = self._sock
         if sock is None:
+            return None
+        if self._joining is not None:
+            self._stream(kind, fields, tensors)
             return None
         self._rid += 1
         rid = self._rid
@@ -275,6 +378,8 @@ class Replication:
         Args:
             reason: why, for the log and the counters.
         """
+        if self._joining is not None:
+            self._abandon(reason)
         if self._sock is None:
             return
         log.warning("the hot standby %s is detached: %s; serving on WITHOUT a standby (start another with "
@@ -294,14 +399,16 @@ class Replication:
                 self.send("end", timeout=min(self.failover_timeout, 2.0))
             except Fenced:
                 pass
+            self._unmonitor()
             if self._sock is not None:
                 self._sock.close(0)
-                self._sock = None
+            self._sock, self._joining = None, None
         self.forget_lost()
 
     def counters(self) -> dict[str, Any]:
         """What ``status`` shows of the standby: its address, its lag in updates, and the link's traffic."""
-        return {"standby": self.address, "standby_version": self.standby_version,
+        return {"standby": self.address, "standby_joining": self._joining and self._joining.address,
+                "standby_version": self.standby_version,
                 "standby_records": self.records, "standby_bytes": self.bytes,
                 "standbys_joined": self.joined, "standbys_detached": self.detached,
                 "standby_lost_reason": self.lost_reason}
