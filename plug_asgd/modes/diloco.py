@@ -375,6 +375,7 @@ class AsyncDiLoCo(PushMode):
 
     name = "async_diloco"
     summary = "inner_steps local steps, the pseudo-gradient applied as it arrives with a delayed Nesterov momentum"
+    rule = AsyncDiLoCoRule  # (what the worker reads of its PS's rule: it folds no weights, scales no push)
     derived_knobs = ("push_every",)
     inner_steps: int = 100
     outer: OuterOptimizer | str | dict[str, Any] = "nesterov"
