@@ -21,11 +21,12 @@ import numpy as np
 from typing_extensions import override
 
 from plug_asgd.modes.base import PushMode
-from plug_asgd.modes.fold import APPLIED, _add_into
+from plug_asgd.modes.fold import APPLIED, CentralState, Push, _add_into
 from plug_asgd.modes.rounds import Sync
 from plug_asgd.modes.rules import FoldRule, SyncRule
 
 _F32 = np.float32
+_OUTER_FIELDS = ("outer", "outer_steps", "skipped", "changed_at", "floor")  # DiLoCoRule's, beside sync's
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,13 @@ def _inner_steps(mode: Any) -> None:
 class DiLoCoRule(SyncRule):
     """Sync's rounds, each round's mean update taken as the negative pseudo-gradient of an outer optimizer step.
 
+    With streaming fragments (the modes' ``fragments``) a round carries some of the tensors only: each tensor is
+    stepped on the mean of the pushes that carry it, a tensor no push of the round carries is left as it is (no
+    decay of its momentum), and each tensor counts its own outer steps (Adam's bias correction). A push is current
+    where no round changed a tensor it carries since the version it is based on (its fragment's: rounds of the
+    other fragments come between two of its own); with every tensor in every push that is sync's rule, the current
+    version.
+
     Args:
         replicas_to_aggregate: the workers averaged per round; None: every worker training.
         outer: the outer optimizer.
@@ -153,12 +161,55 @@ class DiLoCoRule(SyncRule):
         self.outer = outer or OuterOptimizer()
         self.outer_steps = 0  # rounds applied
         self.slots: dict[str, dict[str, np.ndarray]] = {}  # the outer optimizer's state, by tensor
+        self.skipped: dict[str, int] = {}  # by tensor, the rounds that did not carry it: its steps are the rest
+        self.changed_at: dict[str, int] = {}  # by tensor, the version of the last round that changed it
+        self.floor: int | None = None  # the version from which changed_at knows every change (first seen)
+        self.last_changed: frozenset[str] | None = None  # the last round's tensors, where it left some out
 
     @override
-    def _maybe_complete(self, state: Any) -> list[Any]:
-        if self.pending and len(self.pending) >= self.target:
-            self.outer_steps += 1
-        return super()._maybe_complete(state)
+    def current(self, state: CentralState, push: Push) -> bool:
+        """Based on the current version, or on a version since which no round changed a tensor it carries.
+
+        Args:
+            state: the central model.
+            push: the worker's update.
+        """
+        if self.floor is None:
+            self.floor = state.version
+        if push.base_version == state.version:
+            return True
+        return push.base_version >= self.floor and all(
+            self.changed_at.get(name, self.floor) <= push.base_version for name in push.update)
+
+    @override
+    def fold_round(self, state: CentralState, by_rank: list[Push]) -> None:
+        """Each tensor a push of the round carries stepped on their mean (:meth:`apply_mean`); the others skipped.
+
+        Args:
+            state: the central model, changed in place.
+            by_rank: the round's pushes, in the order of their ranks.
+        """
+        if self.floor is None:
+            self.floor = state.version
+        self.outer_steps += 1
+        changed = []
+        for name, target in state.tensors.items():
+            carried = [p.update[name] for p in by_rank if name in p.update]
+            if not carried:
+                self.skipped[name] = self.skipped.get(name, 0) + 1
+                continue
+            total = np.zeros_like(target)
+            for update in carried:
+                _add_into(total, update)
+            self.apply_mean(name, target, total / len(carried))
+            self.changed_at[name] = state.version + 1
+            changed.append(name)
+        self.last_changed = frozenset(changed) if len(changed) < len(state.tensors) else None
+
+    @override
+    def changed(self) -> frozenset[str] | None:
+        """The last round's tensors, where it carried only some (a fragment's); None: it may have changed any."""
+        return self.last_changed
 
     @override
     def apply_mean(self, name: str, target: np.ndarray, mean: np.ndarray) -> None:
@@ -170,13 +221,15 @@ class DiLoCoRule(SyncRule):
             mean: the round's mean update (``w - w_base``) of it.
         """
         g = np.negative(mean, dtype=_F32) if mean.dtype != _F32 else -mean
-        self.outer.step(self.outer_steps, target, g, self.slots.setdefault(name, {}))
+        self.outer.step(self.outer_steps - self.skipped.get(name, 0), target, g, self.slots.setdefault(name, {}))
 
     @override
     def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """The round's pushes held so far (sync's), the outer optimizer, its step count and its state by tensor."""
+        """The round's pushes held so far (sync's), the outer optimizer, its step count and its state by tensor, and
+        by tensor the rounds that skipped it and the version that last changed it."""
         fields, arrays = super().state()
-        fields = {**fields, "outer": asdict(self.outer), "outer_steps": self.outer_steps}
+        fields = {**fields, "outer": asdict(self.outer), "outer_steps": self.outer_steps, "skipped": self.skipped,
+                  "changed_at": self.changed_at, "floor": self.floor}
         for name, slots in self.slots.items():
             for slot, array in slots.items():
                 arrays[f"outer/{slot}/{name}"] = array
@@ -197,9 +250,12 @@ class DiLoCoRule(SyncRule):
         if saved is not None and OuterOptimizer(**saved) != self.outer:
             raise ValueError(f"the checkpoint's outer optimizer {saved} is not this PS's {asdict(self.outer)}: "
                              "resume with the same --outer (or mode's outer=)")
-        super().restore({k: v for k, v in fields.items() if k not in ("outer", "outer_steps")},
+        super().restore({k: v for k, v in fields.items() if k not in _OUTER_FIELDS},
                         {k: v for k, v in arrays.items() if not k.startswith("outer/")})
         self.outer_steps = int(fields.get("outer_steps", 0))
+        self.skipped = {k: int(v) for k, v in (fields.get("skipped") or {}).items()}
+        self.changed_at = {k: int(v) for k, v in (fields.get("changed_at") or {}).items()}
+        self.floor = None if fields.get("floor") is None else int(fields["floor"])
         self.slots = {}
         for key, array in arrays.items():
             if key.startswith("outer/"):
@@ -267,6 +323,10 @@ class AsyncDiLoCoRule(FoldRule):
     (Nesterov's ``lr (mean + momentum b)``, SGD's ``lr b``), spread over the arrivals. A push is applied whatever its
     staleness, undiscounted: the delayed momentum is the remedy.
 
+    With streaming fragments (the modes' ``fragments``) a push carries some of the tensors only: each tensor counts
+    the arrivals that carry it (a fragment's momentum moves every ``delay`` arrivals of that fragment), and a tensor
+    a push does not carry is left as it is.
+
     Args:
         outer: the outer optimizer: ``"nesterov"`` or ``"sgd"`` (Adam's per-coordinate scale has no delayed form).
         delay: arrivals between two moves of the momentum; None: the workers training.
@@ -285,6 +345,8 @@ class AsyncDiLoCoRule(FoldRule):
         self.delay = delay
         self.arrivals = 0
         self.slots: dict[str, dict[str, np.ndarray]] = {}  # by tensor: "d", the arrivals' sum; "b", the momentum
+        self.skipped: dict[str, int] = {}  # by tensor, the arrivals that did not carry it: its own are the rest
+        self.last_changed: frozenset[str] | None = None  # the last arrival's tensors, where it left some out
 
     @property
     def period(self) -> int:
@@ -295,12 +357,14 @@ class AsyncDiLoCoRule(FoldRule):
     def push(self, state: Any, push: Any) -> list[Any]:
         n = self.period
         self.arrivals += 1
-        moves = self.arrivals % n == 0
         lr, mu = _F32(self.outer.lr), _F32(self.outer.momentum)
         for name, target in state.tensors.items():
+            if name not in push.update:  # another fragment's push: this tensor's arrivals are not counted
+                self.skipped[name] = self.skipped.get(name, 0) + 1
+                continue
+            moves = (self.arrivals - self.skipped.get(name, 0)) % n == 0
             g = np.zeros_like(target)
-            if name in push.update:
-                _add_into(g, push.update[name], -1.0)  # the pseudo-gradient, w_base - w
+            _add_into(g, push.update[name], -1.0)  # the pseudo-gradient, w_base - w
             slots = self.slots.setdefault(name, {})
             d = slots.setdefault("d", np.zeros_like(target))
             d += g
@@ -316,13 +380,21 @@ class AsyncDiLoCoRule(FoldRule):
             if moves:
                 d[...] = 0
         state.version += 1
+        carried = push.update.keys() & state.tensors.keys()
+        self.last_changed = frozenset(carried) if len(carried) < len(state.tensors) else None
         return [(push.token, APPLIED)]
 
     @override
+    def changed(self) -> frozenset[str] | None:
+        """The last arrival's tensors, where it carried only some (a fragment's); None: it may have changed any."""
+        return self.last_changed
+
+    @override
     def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """The outer optimizer, the arrivals so far, and by tensor the arrivals' sum and the momentum."""
+        """The outer optimizer, the arrivals so far, and by tensor the arrivals' sum, the momentum and the arrivals
+        that did not carry it."""
         arrays = {f"outer/{slot}/{name}": a for name, slots in self.slots.items() for slot, a in slots.items()}
-        return {"outer": asdict(self.outer), "arrivals": self.arrivals}, arrays
+        return {"outer": asdict(self.outer), "arrivals": self.arrivals, "skipped": self.skipped}, arrays
 
     @override
     def restore(self, fields: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
@@ -340,6 +412,7 @@ class AsyncDiLoCoRule(FoldRule):
             raise ValueError(f"the checkpoint's outer optimizer {saved} is not this PS's {asdict(self.outer)}: "
                              "resume with the same --outer (or mode's outer=)")
         self.arrivals = int(fields.get("arrivals", 0))
+        self.skipped = {k: int(v) for k, v in (fields.get("skipped") or {}).items()}
         self.slots = {}
         for key, array in arrays.items():
             _, slot, name = key.split("/", 2)

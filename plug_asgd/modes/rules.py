@@ -63,6 +63,13 @@ class FoldRule(ABC):
             push: the worker's update.
         """
 
+    def changed(self) -> frozenset[str] | None:
+        """The tensors the last version this rule made changed, where it left the others as they were (streaming
+        DiLoCo's rounds of one fragment): the PS then sends a worker only those (``ps/changes.py``); None where it
+        may have changed any (a rule that folds a push's coordinates says so by ``changes_only_pushed`` instead).
+        """
+        return None
+
     def set_trainers(self, state: CentralState, ranks: frozenset[int]) -> list[Resolution]:
         """Called when workers join or leave training; a waiting push may now be released.
 
@@ -235,10 +242,19 @@ class SyncRule(FoldRule):
 
     @override
     def push(self, state: CentralState, push: Push) -> list[Resolution]:
-        if push.base_version != state.version or any(p.rank == push.rank for p in self.pending):
+        if not self.current(state, push) or any(p.rank == push.rank for p in self.pending):
             return [(push.token, DROPPED)]
         self.pending.append(push)
         return self._maybe_complete(state)
+
+    def current(self, state: CentralState, push: Push) -> bool:
+        """Whether ``push`` may join the round: sync's, based on the current version.
+
+        Args:
+            state: the central model.
+            push: the worker's update.
+        """
+        return push.base_version == state.version
 
     @override
     def set_trainers(self, state: CentralState, ranks: frozenset[int]) -> list[Resolution]:
@@ -248,17 +264,26 @@ class SyncRule(FoldRule):
     def _maybe_complete(self, state: CentralState) -> list[Resolution]:
         if not self.pending or len(self.pending) < self.target:
             return []
-        by_rank = sorted(self.pending, key=lambda p: p.rank)
+        self.fold_round(state, sorted(self.pending, key=lambda p: p.rank))
+        state.version += 1
+        done = [(p.token, APPLIED) for p in self.pending]
+        self.pending = []
+        return done
+
+    def fold_round(self, state: CentralState, by_rank: list[Push]) -> None:
+        """Fold a complete round into the central tensors (before its version is counted): sync's, each tensor's
+        mean update over the round's pushes (a push without the tensor adds nothing to it), by :meth:`apply_mean`.
+
+        Args:
+            state: the central model, changed in place.
+            by_rank: the round's pushes, in the order of their ranks.
+        """
         for name, target in state.tensors.items():
             total = np.zeros_like(target)
             for p in by_rank:
                 if name in p.update:
                     _add_into(total, p.update[name])
             self.apply_mean(name, target, total / len(by_rank))
-        state.version += 1
-        done = [(p.token, APPLIED) for p in self.pending]
-        self.pending = []
-        return done
 
     def apply_mean(self, name: str, target: np.ndarray, mean: np.ndarray) -> None:
         """Fold a round's mean update of tensor ``name`` into ``target`` (sync's: added as it is).

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import uuid
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -94,7 +95,21 @@ class ChangeLog:
         if not any(isinstance(u, Sparse) for u in update.values()):
             self.everything(version)  # a dense update of every tensor it names: the common case, kept cheap
             return
-        touched = {name: u.indices if isinstance(u, Sparse) else None for name, u in update.items()}
+        self._append(version, {name: u.indices if isinstance(u, Sparse) else None for name, u in update.items()})
+
+    def tensors(self, version: int, names: Iterable[str]) -> None:
+        """``version`` changed the tensors ``names`` (any of their coordinates) and no other: a round of streaming
+        DiLoCo's fragments (``FoldRule.changed``). A worker holding an earlier version is sent those whole.
+
+        Args:
+            version: the central version the change made.
+            names: the tensors it changed.
+        """
+        if self.model_id:
+            self._append(version, dict.fromkeys(names))
+
+    def _append(self, version: int, touched: dict[str, np.ndarray | None]) -> None:
+        """Log ``version``'s changes, dropping the oldest entries beyond the bounds."""
         self.entries.append((version, touched))
         self.indices += sum(t.size for t in touched.values() if t is not None)
         while self.entries and (len(self.entries) > self.max_versions or self.indices > self.max_indices):

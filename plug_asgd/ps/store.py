@@ -150,8 +150,7 @@ class Store(ABC):
         self._before_write(in_place=not self.rule.folds_into_update)
         version = self.state.version
         resolutions = self.rule.set_trainers(self.state, ranks)
-        if self.state.version != version:  # a round completed: it may have changed anything
-            self.changes.everything(self.state.version)
+        self._log_changes(version)  # a round completed: it may have changed anything
         return resolutions
 
     def require_init(self) -> None:
@@ -233,15 +232,26 @@ class Store(ABC):
                                                       replace=push.weights, scale=correction,
                                                       scaled_by_worker=push.scaled_for is not None,
                                                       session=push.session))
-        if self.state.version == version + 1 and self.rule.changes_only_pushed:
-            self.changes.record(self.state.version, update)
-        elif self.state.version != version:
-            self.changes.everything(self.state.version)
+        self._log_changes(version, update)
         self.last_seq[push.session] = push.seq
         self.stats.weights_pushes += push.weights
         self.stats.push_local_bytes_in += local_bytes
         self._after_fold(push, update, out, lends, before)
         return Folded(FOLDED, resolutions, self.state.version if own else None, staleness, local_bytes)
+
+    def _log_changes(self, version: int, update: dict[str, Tensor] | None = None) -> None:
+        """What the rule changed since ``version`` into the change log: a push's coordinates, where the rule changes
+        nothing but what a push names; the tensors it names (streaming DiLoCo's fragments: ``FoldRule.changed``);
+        else everything."""
+        if self.state.version == version:
+            return
+        one = self.state.version == version + 1
+        if one and update is not None and self.rule.changes_only_pushed:
+            self.changes.record(self.state.version, update)
+        elif one and (changed := self.rule.changed()) is not None:
+            self.changes.tensors(self.state.version, changed)
+        else:
+            self.changes.everything(self.state.version)
 
     def _correction(self, scaled_for: float | None, staleness: int) -> float:
         """``(1 + scaled_for) / (1 + max(scaled_for, staleness))``: a worker's update, scaled by ``1 / (1 +
