@@ -36,7 +36,7 @@ class Mode:
     """A training scheme. Class attributes say what it is; instance fields are its knobs.
 
     ``exchange`` names the worker's exchange (:mod:`plug_asgd.worker.exchange`): ``"push"``, ``"overlap"``,
-    ``"elastic"`` or ``"shared"``. ``compensate`` says which staleness remedies its workers apply by
+    ``"fragments"``, ``"elastic"`` or ``"shared"``. ``compensate`` says which staleness remedies its workers apply by
     default (:func:`plug_asgd.worker.compensation.resolve`): ``"full"``, ``"unscaled"``, ``"step"``, ``"round"``
     or ``"none"``.
 
@@ -65,7 +65,8 @@ class Mode:
 
     @property
     def exchange(self) -> str:
-        """The worker's exchange with the PS: ``"push"``, ``"overlap"``, ``"elastic"`` or ``"shared"``."""
+        """The worker's exchange with the PS: ``"push"``, ``"overlap"``, ``"fragments"``, ``"elastic"`` or
+        ``"shared"``."""
         return "push"
 
     @property

@@ -130,9 +130,14 @@ class OuterOptimizer:
 
 def _inner_steps(mode: Any) -> None:
     """DiLoCo's and its asynchronous form's knobs checked: ``push_every`` is ``inner_steps``, the outer optimizer
-    made from what was given, no pull or overlap of their own."""
+    made from what was given, no pull or overlap of their own, at most one fragment per inner step."""
     if not isinstance(mode.inner_steps, int) or isinstance(mode.inner_steps, bool) or mode.inner_steps < 1:
         raise ValueError(f"inner_steps must be a whole number >= 1, got {mode.inner_steps!r}")
+    if not isinstance(mode.fragments, int) or isinstance(mode.fragments, bool) or mode.fragments < 1:
+        raise ValueError(f"fragments must be a whole number >= 1, got {mode.fragments!r}")
+    if mode.fragments > mode.inner_steps:
+        raise ValueError(f"fragments={mode.fragments} staggered over inner_steps={mode.inner_steps}: at most one "
+                         "fragment is synced per step, so fragments <= inner_steps")
     if mode.push_every not in (None, mode.inner_steps):
         raise ValueError(f"{mode.name} pushes every inner_steps local steps: give inner_steps, not push_every")
     if mode.pull_every is not None or mode.overlap:
@@ -273,14 +278,20 @@ class DiLoCo(Sync):
             thousands of steps; 100 keeps a few dozen rounds in the recipes' runs of a few thousand.
         outer: the outer optimizer: an :class:`OuterOptimizer`, a name (``"nesterov"``, ``"sgd"``, ``"adam"``) or
             a dict of its fields.
+        fragments: streaming DiLoCo (Douillard et al. 2025): the model split in this many fragments of about
+            equal size (:func:`plug_asgd.worker.exchange.fragments.split`), fragment ``f`` synced every
+            ``inner_steps`` steps at offset ``f * inner_steps // fragments``, each sent while the inner steps go
+            on and merged when the next is due (:class:`~plug_asgd.worker.exchange.fragments.FragmentExchange`);
+            1: the whole model at once, as the paper of 2023.
         replicas_to_aggregate: the workers averaged per round; None: every worker training.
         push_every: set from ``inner_steps`` (give that).
         pull_every: must stay None: the new model comes with every round's reply.
         overlap: must stay False.
 
     Raises:
-        ValueError: ``inner_steps`` below 1, a ``push_every`` other than it, ``pull_every`` or ``overlap`` given,
-            or an outer optimizer :class:`OuterOptimizer` refuses.
+        ValueError: ``inner_steps`` below 1, ``fragments`` below 1 or above ``inner_steps``, a ``push_every``
+            other than ``inner_steps``, ``pull_every`` or ``overlap`` given, or an outer optimizer
+            :class:`OuterOptimizer` refuses.
 
     Example:
         >>> from plug_asgd import AsyncPSStrategy, DiLoCo
@@ -295,11 +306,17 @@ class DiLoCo(Sync):
     derived_knobs = ("push_every",)
     inner_steps: int = 100
     outer: OuterOptimizer | str | dict[str, Any] = "nesterov"
+    fragments: int = 1
     push_every: int | None = None
 
     def __post_init__(self) -> None:
         _inner_steps(self)
         super().__post_init__()
+
+    @property
+    @override
+    def exchange(self) -> str:
+        return "fragments" if self.fragments > 1 else super().exchange
 
     @override
     def make_rule(self, options: Mapping[str, Any] | None = None) -> FoldRule:
@@ -430,7 +447,9 @@ class AsyncDiLoCo(PushMode):
     Args:
         inner_steps: local steps between two pushes (a fast worker's; a slower one's are fewer).
         outer: the outer optimizer, ``"nesterov"`` (lr 0.7, momentum 0.9) or ``"sgd"``, as :class:`DiLoCo`'s.
-        delay: arrivals between two moves of the outer momentum; None: the number of workers.
+        fragments: streaming fragments, as :class:`DiLoCo`'s: each fragment's pseudo-gradient a push of its own, at
+            its staggered step (a slower worker's shortened rounds staggered alike).
+        delay: arrivals between two moves of the outer momentum (of one fragment's); None: the number of workers.
         dynamic_steps: whether a slower worker shortens its rounds.
         push_every: set from ``inner_steps`` (give that).
         pull_every: must stay None: the new model comes with every reply.
@@ -452,6 +471,7 @@ class AsyncDiLoCo(PushMode):
     derived_knobs = ("push_every",)
     inner_steps: int = 100
     outer: OuterOptimizer | str | dict[str, Any] = "nesterov"
+    fragments: int = 1
     delay: int | None = None
     dynamic_steps: bool = True
     push_every: int | None = None
@@ -463,6 +483,11 @@ class AsyncDiLoCo(PushMode):
             raise ValueError(f"delay must be a whole number >= 1 of arrivals, got {self.delay!r}")
         if self.outer.name == "adam":  # type: ignore[union-attr]
             raise ValueError("async_diloco's delayed momentum is Nesterov's or SGD's: use outer='nesterov' or 'sgd'")
+
+    @property
+    @override
+    def exchange(self) -> str:
+        return "fragments" if self.fragments > 1 else super().exchange
 
     @override
     def make_rule(self, options: Mapping[str, Any] | None = None) -> FoldRule:
