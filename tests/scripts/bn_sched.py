@@ -21,15 +21,22 @@ from torch.utils.data import DataLoader, TensorDataset
 from plug_asgd import AsyncPSStrategy
 from plug_asgd.recipes.common import mode_and_codec
 
+# osp: rank 1 sleeps this long before its 5th step (batch 4 of epoch 0), so that rank 0's 5th push, whose round
+# waits for rank 1's, is held at least about as long while rank 0's next step computes (tests/test_training.py)
+HOLD_AT, HOLD_S = 4, 1.0
+
 
 class BNNet(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, hold: bool = False) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 2))
+        self.hold = hold
 
     def training_step(self, batch, batch_idx):
         if self.global_rank == 1 and self.trainer.is_last_batch and self.current_epoch == 1:
             time.sleep(1.5)  # a slow last step: the others must wait for it before taking the final model
+        if self.hold and self.global_rank == 1 and self.current_epoch == 0 and batch_idx == HOLD_AT:
+            time.sleep(HOLD_S)
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
         self.log("train_loss", loss, sync_dist=True)
@@ -69,7 +76,7 @@ def main() -> None:
 
 def train(mode: str, ps_port: int | None, out_dir: Path, start_method: str) -> None:
     pl.seed_everything(0, verbose=False)
-    model = BNNet()
+    model = BNNet(hold=mode == "osp")
     mode_obj, _ = mode_and_codec(mode, compression=0.1)  # adacomp sends 10%
     strategy = AsyncPSStrategy(mode=mode_obj, start_method=start_method, ps_port=ps_port)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
@@ -97,6 +104,7 @@ def train(mode: str, ps_port: int | None, out_dir: Path, start_method: str) -> N
         "ps_version": strategy.ps_stats()["version"],
         "threads": threads,
         "comm": strategy.comm_stats(),
+        "hold": [HOLD_AT, HOLD_S] if model.hold else None,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
