@@ -27,7 +27,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.faults]
 SCRIPT = "tests/scripts/failing_fit.py"
 LOST_TIMEOUT = 5.0  # the workers' lost_timeout: seconds they wait for a PS that went away
 TOLD_S = 2.0  # a rank failed: the others are told this long after at most (at their next request: a step is 20 ms)
-JOB_ENDS_S = 20.0  # a rank failed: every process of the job has ended this long after, interpreter exits included
+# a rank failed: every process of the job has ended this long after, interpreter exits included. Measured: 2.6 to
+# 3.9 s over 6 raising runs (3 with each rank raising) on 2 cores at a load average of 4 to 5 (other test runs
+# beside them); CI's loaded machine went past the 5 s once held here, by how much was not recorded. 20 s is not
+# that tail's measure: it sits 4x above the 5 s CI passed and well below the 60 s (lost_timeout) and 600 s
+# (request_timeout) a job would otherwise wait for, which is what the bound tells apart.
+JOB_ENDS_S = 20.0
 
 
 def log_lines(out: Path, rank: int) -> list[str]:
