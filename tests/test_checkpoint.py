@@ -15,9 +15,12 @@ from plug_asgd.protocol.checkpoint import (
     CheckpointError,
     CheckpointPolicy,
     central_tensors,
+    checkpoint_name,
+    epoch_of,
     list_checkpoints,
     read_checkpoint,
     resolve_checkpoint,
+    run_of,
     write_checkpoint,
 )
 from plug_asgd.protocol.wire import Sparse
@@ -26,6 +29,21 @@ from plug_asgd.worker.client import PSClient
 from tests.conftest import free_port
 
 W = {"model/w": np.arange(12, dtype=np.float32).reshape(3, 4), "model/b": np.ones(3, np.float64)}
+
+
+def test_names_carry_the_epoch_past_the_first_and_a_later_epoch_is_newer_whatever_its_version(tmp_path):
+    assert checkpoint_name(500, "r") == "ps-v0000000500-r.ckpt" == checkpoint_name(500, "r", epoch=1)
+    assert checkpoint_name(500, "e2-r", epoch=3) == "ps-e3-v0000000500-e2-r.ckpt"
+    policy = CheckpointPolicy(tmp_path, every_n_updates=1, keep=3, run_id="e2-r")  # a run id that looks like an epoch
+    policy.save(155, {"version": 155}, W)  # a replaced primary's, at a version its successor has not reached
+    for v in (152, 153):
+        policy.save(v, {"version": v}, W, epoch=2)
+    names = [p.name for p in list_checkpoints(tmp_path)]
+    assert names == ["ps-v0000000155-e2-r.ckpt", "ps-e2-v0000000152-e2-r.ckpt", "ps-e2-v0000000153-e2-r.ckpt"]
+    assert [(epoch_of(p), run_of(p)) for p in list_checkpoints(tmp_path)] == [(1, "e2-r"), (2, "e2-r"), (2, "e2-r")]
+    assert resolve_checkpoint(tmp_path).name == "ps-e2-v0000000153-e2-r.ckpt"
+    policy.save(154, {"version": 154}, W, epoch=2)  # keep=3: the earlier epoch's file goes first
+    assert [p.name for p in list_checkpoints(tmp_path)][0] == "ps-e2-v0000000152-e2-r.ckpt"
 
 
 def test_round_trip_is_exact(tmp_path):
@@ -155,3 +173,22 @@ def test_a_worker_whose_ps_vanishes_stops_after_lost_timeout_naming_it(procs):
         c.pull()
     assert time.monotonic() - start < 10  # not the 60 s request timeout
     c.close()
+
+
+@pytest.mark.integration
+def test_a_resumed_ps_leads_its_checkpoints_epoch_where_the_leader_it_names_is_gone(tmp_path):
+    from plug_asgd.ps.server import ParameterServer
+
+    gone = f"tcp://127.0.0.1:{free_port()}"  # the epoch's leader, which answers no more
+    write_checkpoint(tmp_path / checkpoint_name(7, "r", epoch=2), {
+        "mode": "asgd", "version": 7, "run_id": "r", "epoch": 2, "leader": gone, "standby": None}, W)
+    started = time.monotonic()
+    server = ParameterServer(PSConfig(bind="tcp://127.0.0.1:0", resume=tmp_path, checkpoint_dir=tmp_path,
+                                      failover_timeout=0.5))
+    try:
+        assert 0.5 <= time.monotonic() - started < 5  # it asked the leader, which did not answer in failover_timeout
+        assert (server.epoch, server.store.version, server.lineage()["epoch"]) == (2, 7, 2)
+        path = server.persistence.save_checkpoint()
+        assert path.name == "ps-e2-v0000000007-r.ckpt" and read_checkpoint(path).fields["leader"] == server.address
+    finally:
+        server.close()

@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from harness.netns import ip
+from plug_asgd.protocol.checkpoint import epoch_of, list_checkpoints, read_checkpoint
 from plug_asgd.protocol.security import generate_keys
 from plug_asgd.protocol.wire import decode, encode
 from plug_asgd.worker.client import PSClient, PSError
@@ -386,6 +387,87 @@ def test_a_join_nobody_answers_or_naming_the_primary_itself_never_holds_up_a_pus
                         "records coming back to it as a stranger's: bad_link); "
                         f"{pushed} pushes answered meanwhile, the slowest in {slowest:.3f} s; nothing changed, and "
                         "a real standby joined after")
+
+
+@pytest.mark.parametrize("folder", ["shared", "own"])
+def test_a_primary_resumed_after_its_standby_took_over_does_not_lead(procs, start_ps, tmp_path, folder,
+                                                                     fault_report):
+    # the primary checkpoints into ck; its standby leads once it is SIGKILLed, writing epoch 2's checkpoints into ck
+    # too (shared) or into a folder of its own (own: the primary's newest checkpoint names it as its standby); the
+    # old primary restarted on its address with --resume ck finds epoch 2 led and stops; the workers push on to
+    # the leader alone
+    ck, own = tmp_path / "ck", tmp_path / "standby-ck"
+    primary = start_ps("asgd", checkpoint_dir=ck, checkpoint_every_updates=5)
+    wait_for(lambda: _answers(primary), 30, "the primary to answer")
+    standby = start_ps("asgd", standby_of=primary, **({"checkpoint_dir": own} if folder == "own" else {}))
+    wait_for(lambda: stats(primary)["standby"] == standby, 30, "the standby to join")
+    logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
+    workers = [start_worker(procs, primary, r, logs[r], mode="asgd", pushes=80, delta=r + 1.0) for r in (0, 1)]
+    wait_for(lambda: all(len(pushes(log)) >= 30 for log in logs), 60, "30 pushes of each worker")
+    signal_ps(start_ps, primary, signal.SIGKILL)
+    start_ps.started.pop(primary).wait(10)
+    led = own if folder == "own" else ck
+    wait_for(lambda: any(epoch_of(f) == 2 for f in list_checkpoints(led)), 3 * FAILOVER + 10, "epoch 2's checkpoint")
+    header = read_checkpoint([f for f in list_checkpoints(led) if epoch_of(f) == 2][0]).fields
+    assert header["epoch"] == 2 and header["leader"] == standby and header["run_id"] == stats(standby)["run_id"]
+    mine = read_checkpoint(list_checkpoints(ck)[-1]).fields
+    assert (mine["epoch"], mine["leader"]) == ((2, standby) if folder == "shared" else (1, primary))
+    assert folder == "shared" or mine["standby"] == standby
+    from plug_asgd.ps import PSConfig, embedded_command
+
+    again = procs.start(embedded_command(PSConfig(bind=primary, mode="asgd", resume=ck, checkpoint_dir=ck,
+                                                  checkpoint_every_updates=5)))
+    out, _ = again.communicate(timeout=60)
+    assert again.returncode == 2, out
+    assert "does not lead" in out and f"{standby} leads epoch 2" in out, out
+    for w in workers:
+        finish(w, timeout=120)
+    new = stats(standby)
+    assert new["role"] == "primary" and new["epoch"] == 2 and new["pushes_by_rank"] == {"0": 80, "1": 80}
+    final = max((r for log in logs for r in read_log(log) if r["event"] == "done"), key=lambda r: r["version"])
+    assert final["version"] == new["version"] == 160 and final["w"] == [240.0] * 4
+    assert all(p["status"] in ("applied", "duplicate") for log in logs for p in pushes(log))
+    where, found = (("into the same folder", "its folder's newest file is epoch 2's, whose writer")
+                    if folder == "shared" else ("into its own folder", "its checkpoint names its standby, which"))
+    fault_report(fault=f"primary SIGKILLed, its standby led and checkpointed {where}, then the old primary restarted "
+                       "with --resume", injected=1, handled=1, pushes_lost=0, recovery_s=None,
+                 detail=f"the old primary found epoch 2 led ({found} answers it leads) and stopped (exit 2); "
+                        "160 of 160 pushes folded once, by the leader alone")
+
+
+def test_a_frozen_primary_replaced_then_stopped_writes_no_checkpoint(procs, start_ps, tmp_path, fault_report):
+    ck = tmp_path / "ck"
+    primary = start_ps("asgd", checkpoint_dir=ck, checkpoint_every_updates=5, keep=1000)  # every file stays
+    wait_for(lambda: _answers(primary), 30, "the primary to answer")
+    standby = start_ps("asgd", standby_of=primary)
+    wait_for(lambda: stats(primary)["standby"] == standby, 30, "the standby to join")
+    logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
+    workers = [start_worker(procs, primary, r, logs[r], mode="asgd", pushes=80, delta=r + 1.0) for r in (0, 1)]
+    wait_for(lambda: all(len(pushes(log)) >= 30 for log in logs), 60, "30 pushes of each worker")
+    signal_ps(start_ps, primary, signal.SIGSTOP)
+    frozen = _files(ck)  # what the primary wrote before its freeze (a write under way: its .tmp)
+    wait_for(lambda: any(epoch_of(f) == 2 for f in list_checkpoints(ck)), 3 * FAILOVER + 10, "epoch 2's checkpoint")
+    signal_ps(start_ps, primary, signal.SIGCONT)
+    out = start_ps.stop(primary)  # SIGTERM at once: it learns it was replaced, at the latest from its stop
+    assert "REPLACED" in out, out[-3000:]
+    for w in workers:
+        finish(w, timeout=120)
+    assert stats(standby)["version"] == 160
+    start_ps.stop(standby)  # the leader's checkpoint at exit
+    after = _files(ck)
+    written = {n for n, t in after.items() if frozen.get(n) != t and f".{n}.tmp" not in frozen}
+    assert all(epoch_of(ck / n) == 2 for n in written), (written, out[-2000:])  # the leader's alone
+    newest = read_checkpoint(list_checkpoints(ck)[-1])
+    assert (newest.fields["epoch"], newest.fields["leader"], newest.fields["version"]) == (2, standby, 160)
+    fault_report(fault="primary SIGSTOPped, replaced by its standby (checkpoints in one folder), then SIGCONTed and "
+                       "stopped at once", injected=1, handled=1, pushes_lost=0, recovery_s=None,
+                 detail=f"the old primary wrote no checkpoint after its freeze, not even at its stop; "
+                        f"{len(written)} files written since, all epoch 2's (the leader's); the newest holds all 160 "
+                        "pushes")
+
+
+def _files(folder) -> dict[str, int]:
+    return {f.name: f.stat().st_mtime_ns for f in folder.iterdir()} if folder.exists() else {}
 
 
 PUSH_BOUND_S = 2.0  # a push answered while a join is pending: milliseconds, where a join held the loop for 60 s

@@ -12,9 +12,10 @@ Loading checks the magic, the checksum and then every frame as the wire does; no
 The writer refuses what the reader would (one :data:`LIMITS`), so a checkpoint written can always be
 read back. Only numpy and the wire are needed, so the PS reads and writes checkpoints without torch.
 
-A PS's files are named ``ps-vVERSION-RUN.ckpt``: a folder may hold several runs' files, and a PS
-lists, prunes and resumes only its own run's (``ps-vVERSION.ckpt``: an older plug_asgd's, of no
-known run).
+A PS's files are named ``ps-vVERSION-RUN.ckpt``, and ``ps-eEPOCH-vVERSION-RUN.ckpt`` past the first epoch (a
+standby that leads writes its epoch, :mod:`plug_asgd.ps.failover`): a folder may hold several runs' files, and a PS
+lists, prunes and resumes only its own run's, the latest epoch's newest first (``ps-vVERSION.ckpt``: an older
+plug_asgd's, of no known run).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from plug_asgd.protocol.wire import Limits, Message, Tensor, WireError, decode, 
 
 MAGIC = b"PLUG-ASGD-CKPT\n"
 FORMAT = 1
-_NAME = re.compile(r"^ps-v(\d{10})(?:-([A-Za-z0-9][A-Za-z0-9_.-]{0,63}))?\.ckpt$")
+_NAME = re.compile(r"^ps-(?:e([1-9]\d{0,8})-)?v(\d{10})(?:-([A-Za-z0-9][A-Za-z0-9_.-]{0,63}))?\.ckpt$")
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 # what the reader accepts, and so what the writer may write (the header bounds the dedupe table)
 LIMITS = Limits(max_header_bytes=1 << 28, max_frames=1 << 24, max_message_bytes=1 << 40)
@@ -167,14 +168,17 @@ def read_checkpoint(path: str | os.PathLike[str], limits: Limits = LIMITS) -> Me
     return msg
 
 
-def checkpoint_name(version: int, run_id: str | None = None) -> str:
-    """``ps-vVERSION-RUN.ckpt`` (``ps-vVERSION.ckpt`` without a run: an older plug_asgd's name).
+def checkpoint_name(version: int, run_id: str | None = None, epoch: int = 1) -> str:
+    """``ps-vVERSION-RUN.ckpt`` (``ps-vVERSION.ckpt`` without a run: an older plug_asgd's name), with ``eEPOCH-``
+    after ``ps-`` past the first epoch.
 
     Args:
         version: the central model's version (updates applied) the checkpoint holds.
         run_id: the run the file belongs to; None for the name without a run.
+        epoch: the epoch the PS that writes it leads.
     """
-    return f"ps-v{version:010d}-{run_id}.ckpt" if run_id else f"ps-v{version:010d}.ckpt"
+    prefix = f"ps-e{epoch}-" if epoch > 1 else "ps-"
+    return f"{prefix}v{version:010d}-{run_id}.ckpt" if run_id else f"{prefix}v{version:010d}.ckpt"
 
 
 def check_run_id(run_id: str) -> str:
@@ -199,11 +203,21 @@ def run_of(path: Path) -> str | None:
         path: the checkpoint file (only its name is read).
     """
     match = _NAME.match(path.name)
-    return match.group(2) if match else None
+    return match.group(3) if match else None
+
+
+def epoch_of(path: Path) -> int:
+    """The epoch a checkpoint file's name says its writer led (1: a name without one).
+
+    Args:
+        path: the checkpoint file (only its name is read).
+    """
+    match = _NAME.match(path.name)
+    return int(match.group(1)) if match and match.group(1) else 1
 
 
 def list_checkpoints(dirpath: str | os.PathLike[str]) -> list[Path]:
-    """Checkpoint files of a folder, every run's, oldest version first.
+    """Checkpoint files of a folder, every run's, oldest first: by epoch, then version.
 
     Args:
         dirpath: the folder to list; a missing one holds none.
@@ -211,8 +225,9 @@ def list_checkpoints(dirpath: str | os.PathLike[str]) -> list[Path]:
     dirpath = Path(dirpath)
     if not dirpath.is_dir():
         return []
-    found = ((int(m.group(1)), m.group(2) or "", p) for p in dirpath.iterdir() if (m := _NAME.match(p.name)))
-    return [p for _, _, p in sorted(found)]
+    found = ((int(m.group(1) or 1), int(m.group(2)), m.group(3) or "", p) for p in dirpath.iterdir()
+             if (m := _NAME.match(p.name)))
+    return [p for *_, p in sorted(found)]
 
 
 def runs_in(dirpath: str | os.PathLike[str]) -> dict[str | None, list[Path]]:
@@ -341,16 +356,18 @@ class CheckpointPolicy:
         """
         return version != self._last_version
 
-    def save(self, version: int, fields: dict[str, Any], tensors: dict[str, Tensor]) -> Path:
+    def save(self, version: int, fields: dict[str, Any], tensors: dict[str, Tensor], epoch: int = 1) -> Path:
         """Write the checkpoint of ``version``, then remove this run's files beyond the newest ``keep``.
 
         Args:
             version: the central model's version the checkpoint holds (it names the file).
             fields: the header fields, as :func:`write_checkpoint` takes them.
             tensors: the tensors to store, as :func:`write_checkpoint` takes them.
+            epoch: the epoch the writing PS leads (it names the file past the first).
         """
         self.dirpath.mkdir(parents=True, exist_ok=True)
-        path = write_checkpoint(self.dirpath / checkpoint_name(version, self.run_id), fields, tensors, self.limits)
+        path = write_checkpoint(self.dirpath / checkpoint_name(version, self.run_id, epoch), fields, tensors,
+                                self.limits)
         self.saved_version(version)
         self._last_time = time.monotonic()
         for old in runs_in(self.dirpath).get(self.run_id, [])[:-self.keep]:

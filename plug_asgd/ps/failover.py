@@ -13,6 +13,11 @@ no such request; one that hears the primary refuses it (``primary_alive``). Lead
 answers the old primary's records with ``fenced``: a primary that comes back (a SIGSTOP'd process resumed), or was
 only cut off from its standby, folds in nothing more, since every change waits for the standby's acknowledgement.
 A request that claims a later epoch than this PS leads is refused (``bad_epoch``) unless the standby confirms it.
+
+Epochs outlive the processes: each checkpoint holds its writer's epoch, address and standby
+(:mod:`plug_asgd.ps.persistence`). A PS resumed from one leads its epoch, unless the other PS it names (the writer,
+where that is another PS, and the standby) answers that it leads that epoch or a later one of the run: the resumed
+PS then stops (:meth:`Failover.start_role`) instead of leading beside it. A replaced PS writes no checkpoint.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from plug_asgd.protocol.checkpoint import CheckpointError
 from plug_asgd.protocol.wire import Message, Tensor, WireError
 from plug_asgd.ps.membership import proof
 from plug_asgd.ps.replication import Fenced, Replication
-from plug_asgd.ps.standby_join import JoinRequest, advertised
+from plug_asgd.ps.standby_join import JoinRequest, advertised, ask_peer
 from plug_asgd.ps.standby_records import StandbyRecords
 
 log = logging.getLogger("plug_asgd.ps")
@@ -49,6 +55,7 @@ class Failover(StandbyRecords):
     replication: Replication
     _send: Callable[..., None]
     _ctx: Any
+    close: Callable[[], None]
 
     def _init_failover(self) -> None:
         self.role = "standby" if self.config.standby_of is not None else "primary"
@@ -150,6 +157,7 @@ class Failover(StandbyRecords):
 
     def _fenced(self, exc: Fenced) -> None:
         self.role, self.leader = "replaced", exc.leader
+        self.persistence.replaced = True  # its state is stale: no checkpoint of it over the leader's, even at exit
         self.replication.detach(f"it leads epoch {exc.epoch}")
         self.replication.forget_lost()
         log.error("this parameter server was REPLACED: its standby %s leads epoch %d (this one led epoch %d); it "
@@ -208,6 +216,53 @@ class Failover(StandbyRecords):
         self.stats.refused["standby_failed"] += 1
         self._send(*requester, "error", {"code": "standby_failed", "message": failed})
 
+    # -- the roles at start and at the end --------------------------------------------------
+
+    def start_role(self, keys: Any = None) -> None:
+        """Once it listens: a standby asks to join its primary; a PS resumed from a checkpoint leads that
+        checkpoint's epoch, unless the other PS the checkpoint names leads it, or a later one, already.
+
+        Args:
+            keys: the PS's CURVE keys (the other PS's too); None: none.
+
+        Raises:
+            CheckpointError: where another PS of the run leads the resumed epoch or a later one (this PS is closed).
+        """
+        self.persistence.lineage = self.lineage
+        if self.role == "standby":
+            self.join_primary(keys)
+            return
+        resumed = self.persistence.resumed_lineage
+        if resumed is None:
+            return
+        self.epoch, me = resumed["epoch"], advertised(self.address)
+        for peer in dict.fromkeys(resumed.get(k) for k in ("leader", "standby")):  # the writer first
+            theirs = ask_peer(self._ctx, peer, self.config.failover_timeout, keys) if peer not in (None, me) else None
+            epoch = theirs.get("epoch") if theirs and theirs.get("run_id") == self.persistence.run_id else None
+            if theirs and theirs.get("role") in ("primary", "replaced") and type(epoch) is int and epoch >= self.epoch:
+                self.close()
+                there = (f"leads epoch {epoch}" if theirs["role"] == "primary" else
+                         f"led epoch {epoch} and was replaced by {theirs.get('leader')}, which leads a later one")
+                raise CheckpointError(
+                    f"this parameter server does not lead: it resumed epoch {self.epoch} of run "
+                    f"{self.persistence.run_id} ({self.persistence.resumed_from}), and the parameter server at {peer} "
+                    f"{there}; the run's workers are there. Stop that one before resuming this one, or start this "
+                    f"one as a standby of the leader (--standby-of)")
+
+    def lineage(self) -> dict[str, Any]:
+        """What a checkpoint says of its writer: the epoch it leads, its address and its standby's (None: none)."""
+        return {"epoch": self.epoch, "leader": advertised(self.address), "standby": self.replication.address}
+
+    def close_failover(self) -> None:
+        """The PS stops: its standby is told (one that leads a later epoch says so: this PS was replaced, and writes
+        no checkpoint), and the links and the join request's socket are dropped."""
+        try:
+            self.replication.close()
+        except Fenced as exc:
+            self._fenced(exc)
+        if self._join is not None:
+            self._join.close()
+
     # -- the standby's side ------------------------------------------------------------------
 
     def join_primary(self, keys: Any = None) -> None:
@@ -227,11 +282,6 @@ class Failover(StandbyRecords):
             self.join_failed = join.failed
             log.error("%s; stopping", join.failed)
             self._stop = True
-
-    def close_join(self) -> None:
-        """Drop the join request's socket."""
-        if self._join is not None:
-            self._join.close()
 
     def _on_replicate(self, identity: bytes, rid: Any, msg: Message) -> None:
         link = msg.fields.get("link")

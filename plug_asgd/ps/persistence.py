@@ -3,7 +3,10 @@
 A checkpoint holds the store's :class:`~plug_asgd.ps.store_records.Snapshot` (tensors, version, the
 dedupe table, the rule's state), the owner of each session of the dedupe table (its rank and a
 hash of its worker's token: a resumed PS lets only that worker push under it again), the world
-size, the run id and the counters worth keeping; stage membership is not saved: it belongs to a
+size, the run id, the counters worth keeping and its lineage: the epoch its writer leads (which names
+the file past the first), the writer's address and its standby's (what a resumed PS asks whether a
+later epoch leads, :mod:`plug_asgd.ps.failover`). A PS that was replaced writes no checkpoint, not
+even at its stop, and a standby that leads writes one at once; stage membership is not saved: it belongs to a
 run, and a resumed PS may serve a new one. The files are readable by their owner only (0600).
 
 A checkpoint folder belongs to runs: a fresh PS takes a new run id (or ``--run-id``), a resumed
@@ -29,6 +32,7 @@ from plug_asgd.protocol.checkpoint import (
     CheckpointError,
     HeaderTooLarge,
     checkpoint_candidates,
+    epoch_of,
     read_checkpoint,
     run_of,
     runs_in,
@@ -109,12 +113,18 @@ class Persistence:
         self._next_metrics = 0.0
         self.run_id = config.run_id or new_run_id()
         self.following = config.standby_of is not None  # a standby: nothing written until it leads
+        self.replaced = False  # a primary whose standby leads a later epoch: no checkpoint of it ever again
+        self.lineage: Callable[[], dict[str, Any]] = lambda: {"epoch": 1}  # the server's, once it listens
+        self.resumed_lineage: dict[str, Any] | None = None  # what the checkpoint resumed says of its writer
+        self._checkpoint_now = False
         if config.resume is None and not self.following:
             self._start_run(self.run_id, continued=False)
 
     def lead(self) -> None:
-        """A standby leads: its run (the primary's, from its state) is continued from now on, checkpoints and all."""
+        """A standby leads: its run (the primary's, from its state) is continued from now on, checkpoints and all,
+        the first at once (the folder then says which epoch leads)."""
         self.following = False
+        self._checkpoint_now = True
         self._start_run(self.run_id, continued=True)
 
     def _start_run(self, run_id: str, continued: bool) -> None:
@@ -134,9 +144,10 @@ class Persistence:
             return 0
         policy, version, retry = self.policy, self.store.version, self.checkpoint_retry
         code = 0
-        if policy is not None and self.store.initialized and (
-                policy.due(version) or (retry.failing and not retry.waiting())
+        if policy is not None and self.store.initialized and not self.replaced and (
+                policy.due(version) or (retry.failing and not retry.waiting()) or self._checkpoint_now
                 or (final and policy.unsaved(version))):
+            self._checkpoint_now = False
             try:
                 self.save_checkpoint()
                 retry.succeeded()
@@ -162,15 +173,16 @@ class Persistence:
         fields = {"mode": self.config.mode, "version": snap.version, "world_size": self.members.world_size,
                   "run_id": self.run_id, "last_seq": snap.last_seq, "rule": snap.rule_fields,
                   "session_owners": self.members.owner_fields(snap.last_seq),
-                  "saved_at": time.time(), "stats": self.stats.saved(), **self.shard.checkpoint_fields()}
+                  "saved_at": time.time(), "stats": self.stats.saved(), **self.shard.checkpoint_fields(),
+                  **self.lineage()}
         tensors = {f"model/{n}": t for n, t in snap.tensors.items()}
         tensors.update((f"rule/{n}", a) for n, a in snap.rule_arrays.items())
         try:
-            path = self.policy.save(snap.version, fields, tensors)
+            path = self.policy.save(snap.version, fields, tensors, fields["epoch"])
         except HeaderTooLarge as exc:  # the dedupe table grew past what a checkpoint may hold
             fields["last_seq"] = self._trim(snap.last_seq, exc.excess)
             fields["session_owners"] = self.members.owner_fields(fields["last_seq"])
-            path = self.policy.save(snap.version, fields, tensors)
+            path = self.policy.save(snap.version, fields, tensors, fields["epoch"])
         self.last_checkpoint = path
         log.info("checkpoint %s written (version %d)", path, snap.version)
         return path
@@ -221,6 +233,9 @@ class Persistence:
         if self.policy is not None:
             self.policy.saved_version(self.store.version)
         self.resumed_from = path
+        epoch = f.get("epoch")
+        self.resumed_lineage = {"epoch": epoch if type(epoch) is int and epoch >= 1 else epoch_of(path),
+                                **{k: v for k in ("leader", "standby") if isinstance(v := f.get(k), str)}}
         file_run = f.get("run_id") if isinstance(f.get("run_id"), str) else run_of(path)
         folder = Path(where) if Path(where).is_dir() else path.parent  # continued there: its runs' files are known
         continued = self.policy is not None and folder.resolve() == self.policy.dirpath.resolve()

@@ -393,17 +393,24 @@ class Replication:
         self.lost_reason = reason
 
     def close(self) -> None:
-        """The run is over on this PS: tell the standby (an ``end`` record: it stops too), and drop the link."""
+        """The run is over on this PS: tell the standby (an ``end`` record: it stops too), and drop the link.
+
+        Raises:
+            Fenced: where the standby answers that it leads a later epoch (the link is dropped all the same).
+        """
+        fenced = None
         if self._sock is not None:
             try:
                 self.send("end", timeout=min(self.failover_timeout, 2.0))
-            except Fenced:
-                pass
+            except Fenced as exc:
+                fenced = exc
             self._unmonitor()
             if self._sock is not None:
                 self._sock.close(0)
             self._sock, self._joining = None, None
         self.forget_lost()
+        if fenced is not None:
+            raise fenced
 
     def counters(self) -> dict[str, Any]:
         """What ``status`` shows of the standby: its address, its lag in updates, and the link's traffic."""

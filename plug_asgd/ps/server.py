@@ -105,8 +105,7 @@ class ParameterServer(ModelRequests, Failover):
                           "using that port? choose another with --port)") from None
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.keyed = server_keys is not None
-        if self.role == "standby":
-            self.join_primary(server_keys)
+        self.start_role(server_keys)  # a standby asks to join; a resumed PS, whether a later epoch leads
 
     def _on_monitor(self) -> None:
         assert self._monitor is not None
@@ -127,8 +126,7 @@ class ParameterServer(ModelRequests, Failover):
             self.socket.disable_monitor()
             self._monitor.close(0)
             self._monitor = None
-        self.replication.close()
-        self.close_join()
+        self.close_failover()
         self.socket.close(0)
         self.store.close()
         if self._auth is not None:

@@ -48,6 +48,31 @@ def _ask(context: zmq.Context, address: str, fields: dict[str, Any], timeout: fl
     return reply.fields
 
 
+def ask_peer(context: zmq.Context, address: str, timeout: float, keys: Any = None) -> dict[str, Any] | None:
+    """Another PS's counters (its role, epoch, leader and run: a ``stats`` request), or None where it does not answer
+    within ``timeout``.
+
+    Args:
+        context: the ZeroMQ context to ask in.
+        address: the other PS's address.
+        timeout: seconds to wait for its answer.
+        keys: the PS's CURVE keys (a keyed pair's other PS admits them); None: none.
+    """
+    sock = client_socket(context, keys)
+    try:
+        sock.connect(address)
+        sock.send_multipart(encode("stats", {"rid": 1}))
+        if not sock.poll(int(timeout * 1000)):
+            return None
+        reply = decode(sock.recv_multipart())
+    except Exception:  # a malformed answer, an address ZeroMQ refuses: nothing learnt
+        return None
+    finally:
+        sock.close(0)
+    stats = reply.fields.get("stats")
+    return stats if reply.type == "stats" and isinstance(stats, dict) else None
+
+
 def standby_config(own: PSConfig, timeout: float = 10.0, context: zmq.Context | None = None) -> PSConfig:
     """``own`` with the primary's options for everything but where it listens, its keys and its folders.
 
