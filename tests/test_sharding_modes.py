@@ -178,8 +178,9 @@ def drive_rounds(clients: list, watchers: list[PSClient], initial: dict) -> tupl
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("mode", "replicas"), [("sync", None), ("sync", 2), ("diloco", None)],
-                         ids=["every_worker", "backup_worker", "diloco"])
+@pytest.mark.parametrize(("mode", "replicas"), [("sync", None), ("sync", 2), ("diloco", None),
+                                               ("async_diloco", None)],
+                         ids=["every_worker", "backup_worker", "diloco", "async_diloco"])
 def test_two_shards_run_the_sync_rounds_of_one_ps_bit_for_bit(start_ps, mode, replicas):
     """sync's rounds, and diloco's (whose outer optimizer, elementwise, steps each shard's slices on its own)."""
     rng = np.random.default_rng(1)
@@ -200,7 +201,8 @@ def test_two_shards_run_the_sync_rounds_of_one_ps_bit_for_bit(start_ps, mode, re
                 assert (gr, gs, gv) == (er, es, ev), f"push {i}"
                 assert same_bits(gm, em), f"push {i}: the assembled model differs from one PS's"
             assert same_bits(got_final, expected_final) and not same_bits(got_final, initial)
-            assert [s["version"] for s in sharded[0].stats()["shards"]] == [4, 4]  # one version per round, each shard
+            versions = 12 if mode == "async_diloco" else 4  # one per push as it arrives; else one per round
+            assert [s["version"] for s in sharded[0].stats()["shards"]] == [versions, versions]
     finally:
         for c in watchers:
             c.close()

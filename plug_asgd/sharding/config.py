@@ -33,7 +33,7 @@ from plug_asgd.worker.client import PSClient
 
 # The modes that work sharded: each shard folds its slices by the mode's rule (see the module's docstring).
 SHARDED_MODES = ("asgd", "adacomp", "dynsgd", "ssp", "downpour", "agn", "sync", "localsgd", "sagn", "osp", "losp",
-                 "easgd", "eamsgd", "diloco")
+                 "easgd", "eamsgd", "diloco", "async_diloco")
 # The modes that do not, and why.
 UNSHARDED_MODES = {"hogwild": "its workers step one model in the shared memory of one machine and the PS holds no "
                               "model at all: there is nothing to shard"}
