@@ -14,6 +14,7 @@ from plug_asgd.cli.output import console, fail
 RECIPES: dict[str, tuple[str, str]] = {
     "mnist": ("plug_asgd.recipes.mnist", "the Keras mnist_cnn on MNIST / Fashion-MNIST IDX files"),
     "cifar10": ("plug_asgd.recipes.cifar10", "a CNN, AlexNet or ResNet-18 on the CIFAR-10 python batches"),
+    "lm": ("plug_asgd.recipes.lm", "a byte-level GPT on Debian's fortune cookies (the fortunes package)"),
 }
 # what ``train`` is registered with (plug_asgd.cli.app): every argument after RECIPE, options too, is the recipe's
 CONTEXT_SETTINGS = {"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
@@ -29,7 +30,7 @@ def train(
                                                  help=f"recipe to run: {_recipes_text()}; 'plug-asgd train RECIPE "
                                                  "--help' shows its flags")] = None,
 ) -> None:
-    """Train a ready-made recipe (mnist, cifar10); every argument after RECIPE goes to the recipe unchanged.
+    """Train a ready-made recipe (mnist, cifar10, lm); every argument after RECIPE goes to the recipe unchanged.
 
     Lightning starts the other worker processes by re-running this same command line.
     \f

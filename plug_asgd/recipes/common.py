@@ -298,9 +298,13 @@ def train_and_test(name: str, model: pl.LightningModule, datamodule: pl.Lightnin
         "ps_bytes_in": ps["bytes_in"], "ps_bytes_out": ps["bytes_out"],
         "fit_seconds": round(fit_seconds, 3), "log_dir": trainer.log_dir,
     }
+    lm = ""
+    if "test_ppl" in results[0]:  # a language model's: its loss per byte and perplexity besides
+        summary["test_ppl"] = results[0]["test_ppl"]
+        lm = f", loss {summary['test_loss']:.4f} nats/byte, perplexity {summary['test_ppl']:.3f}"
     local = summary["push_local_bytes"]
     shared = f" + {local / 1e6:.2f} MB through shared memory" if local else ""
-    print(f"central model test accuracy: {summary['test_acc']:.4f}  (mode {args.mode}, "
+    print(f"central model test accuracy: {summary['test_acc']:.4f}{lm}  (mode {args.mode}, "
           f"{summary['workers']} workers, PS version {ps['version']}, {ps['push_bytes_in'] / 1e6:.2f} MB pushed"
           f"{shared}, fit {fit_seconds:.1f} s)", flush=True)
     if args.metrics_json is not None:

@@ -1,0 +1,6 @@
+"""Train a byte-level GPT on Debian's fortune cookies with AsyncPSStrategy: `python recipes/lm.py --workers 2`."""
+
+from plug_asgd.recipes.lm import main
+
+if __name__ == "__main__":
+    main()
