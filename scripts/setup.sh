@@ -8,10 +8,12 @@ python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 
-# Debian packages the tests use: Fashion-MNIST (real-data tests, the README's main job) and
-# iproute2 (`ip netns`, for the test that puts the PS and the workers on two network "hosts").
+# Debian packages the tests use: Fashion-MNIST (real-data tests, the README's main job), fortunes
+# (the language-model recipe's corpus of fortune cookies) and iproute2 (`ip netns`, for the
+# test that puts the PS and the workers on two network "hosts").
 packages=()
 [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || packages+=(dataset-fashion-mnist)
+[ -f /usr/share/games/fortunes/wisdom ] && [ -f /usr/share/games/fortunes/fortunes ] || packages+=(fortunes)
 command -v ip >/dev/null || [ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || packages+=(iproute2)
 if [ ${#packages[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then apt_get="apt-get"
