@@ -54,6 +54,16 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--pull-every", type=int, default=None, help="local steps between pulls (default: at push)")
     parser.add_argument("--tau", type=int, default=None, help="easgd/eamsgd: steps between elastic exchanges")
     parser.add_argument("--alpha", type=float, default=None, help="easgd/eamsgd: elastic step (default 0.5)")
+    parser.add_argument("--inner-steps", type=int, default=None,
+                        help="diloco/async_diloco: local steps between two exchanges (default 100)")
+    parser.add_argument("--outer", default=None, metavar="OPT",
+                        help="diloco/async_diloco: the outer optimizer, nesterov, sgd or adam, or the JSON of its "
+                             "fields (default: nesterov, lr 0.7, momentum 0.9)")
+    parser.add_argument("--fragments", type=int, default=None,
+                        help="diloco/async_diloco: the model's parts, each synced at a staggered step (default 1)")
+    parser.add_argument("--island", type=_island, default="auto", metavar="K|node|auto",
+                        help="consecutive local ranks that train as one worker of the PS (1: every device; node: "
+                             "each node; default auto: the node on several nodes, 1 on one)")
     ps_argument(parser, "staleness_bound")
     ps_argument(parser, "replicas_to_aggregate")
     ps_argument(parser, "max_updates")
@@ -140,6 +150,11 @@ def mode_and_codec(mode: str, compressor: str = "none", *, compression: float | 
             compressors.get({"name": compressor, **{k: v for k, v in given.items() if k in codec_knobs - mode_knobs}}))
 
 
+def _island(value: str) -> int | str:
+    """``--island``: a number of ranks, ``node`` or ``auto``."""
+    return int(value) if value.isdigit() else value
+
+
 def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
     """The AsyncPSStrategy the parsed flags of :func:`add_strategy_arguments` ask for.
 
@@ -150,14 +165,16 @@ def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
                                  bits=args.bits, rank=args.rank, push_every=args.push_every,
                                  pull_every=args.pull_every, tau=args.tau, alpha=args.alpha,
                                  staleness_bound=args.staleness_bound,
-                                 replicas_to_aggregate=args.replicas_to_aggregate)
+                                 replicas_to_aggregate=args.replicas_to_aggregate, inner_steps=args.inner_steps,
+                                 outer=args.outer, fragments=args.fragments)
     return AsyncPSStrategy(mode=mode, compressor=codec, max_updates=args.max_updates,
                            ps_address=_addresses(args.ps_address), ps_shards=args.ps_shards,
                            resume_from=args.resume, ps_keys=args.ps_keys,
                            ps_insecure=args.ps_insecure, worker_timeout=args.worker_timeout,
                            downlink_fraction=args.downlink_fraction, downlink_bound=args.downlink_bound,
                            ps_standby=args.ps_standby, failover_timeout=args.failover_timeout,
-                           staleness_compensation=False if args.no_staleness_compensation else None)
+                           staleness_compensation=False if args.no_staleness_compensation else None,
+                           island=args.island)
 
 
 def trainer_devices(args: argparse.Namespace) -> dict[str, Any]:
