@@ -23,6 +23,7 @@ from plug_asgd.protocol.security import generate_keys
 from plug_asgd.protocol.wire import decode, encode
 from plug_asgd.worker.client import PSClient, PSError
 from tests.conftest import (
+    PLUG_ASGD,
     PYTHON,
     RECIPE,
     free_port,
@@ -468,6 +469,56 @@ def test_a_frozen_primary_replaced_then_stopped_writes_no_checkpoint(procs, star
 
 def _files(folder) -> dict[str, int]:
     return {f.name: f.stat().st_mtime_ns for f in folder.iterdir()} if folder.exists() else {}
+
+
+def test_a_worker_and_status_given_the_members_find_the_leader_after_the_primary_died(procs, start_ps, tmp_path,
+                                                                                     fault_report):
+    # the primary SIGKILLed mid-run, its workers move to the standby; then status and a new worker, each given the
+    # dead primary's address first and the standby's after it ("A|B"), reach the leader
+    primary, standby, logs, workers = paired_run(start_ps, procs, tmp_path, 40)
+    signal_ps(start_ps, primary, signal.SIGKILL)
+    start_ps.started.pop(primary).wait(10)
+    for w in workers:
+        finish(w, timeout=120)
+    members = f"{primary}|{standby}"
+    rc, out = procs.run([PLUG_ASGD, "status", primary, "--timeout", "2"], timeout=60)
+    assert rc == 1 and primary in out  # the dead primary's address alone: nobody answers
+    started = time.monotonic()
+    rc, out = procs.run([PLUG_ASGD, "status", members.replace("tcp://", ""), "--json"], timeout=60)
+    found = time.monotonic() - started
+    assert rc == 0, out
+    shown = json.loads(out[out.index("{"):])
+    assert (shown["role"], shown["epoch"], shown["version"]) == ("primary", 2, 80)
+    late = tmp_path / "late.log"
+    finish(start_worker(procs, members, 0, late, mode="asgd", pushes=10, delta=5.0), timeout=120)
+    assert [p["status"] for p in pushes(late)] == ["applied"] * 10
+    done = [r for r in read_log(late) if r["event"] == "done"][-1]
+    assert done["version"] == 90 and done["w"] == [40 * 1.0 + 40 * 2.0 + 10 * 5.0] * 4
+    led = stats(standby)
+    assert led["role"] == "primary" and led["epoch"] == 2 and led["pushes_by_rank"] == {"0": 50, "1": 40}
+    fault_report(fault="status and a new worker started after the primary died, given its address then its "
+                       "standby's", injected=2, handled=2, pushes_lost=0, recovery_s=round(found, 2),
+                 detail="status showed the leader (primary, epoch 2, version 80); the new worker said hello to it and "
+                        "pushed 10 times, all applied (w = 170); the dead primary's address alone: no answer (exit 1)")
+
+
+def test_a_worker_given_members_asks_each_in_turn_until_a_reply_names_the_standby():
+    from plug_asgd.protocol.wire import Message
+    from plug_asgd.worker.leader_watch import LeaderWatch
+
+    watch = LeaderWatch()
+    watch._init_watch(["tcp://a:1", "tcp://b:2", "tcp://c:3"])
+    watch.address = "tcp://a:1"
+    asked = [watch.standby]
+    for _ in range(3):
+        watch._next_member()  # the one asked did not lead
+        asked.append(watch.standby)
+    assert asked == ["tcp://b:2", "tcp://c:3", "tcp://b:2", "tcp://c:3"]
+    watch._learn(Message("pong", {"epoch": 1}))  # a reply naming no standby: the primary runs without one
+    assert watch.standby is None
+    alone = LeaderWatch()
+    alone._init_watch(["tcp://a:1"])
+    assert alone.standby is None
 
 
 PUSH_BOUND_S = 2.0  # a push answered while a join is pending: milliseconds, where a join held the loop for 60 s

@@ -28,8 +28,10 @@ def _check_watch(value: float | None) -> float | None:
 
 def status(
     addresses: Annotated[list[str], typer.Argument(metavar="ADDRESS", help="the PS's address, e.g. "
-                                                   "tcp://127.0.0.1:2223 (tcp:// may be left out); a sharded PS's "
-                                                   "shards' addresses, in order, for one table of them all",
+                                                   "tcp://127.0.0.1:2223 (tcp:// may be left out), or its members' "
+                                                   "joined by | (the primary's, its standby's: the one that leads "
+                                                   "answers); a sharded PS's shards' addresses, in order, for one "
+                                                   "table of them all",
                                                    show_default=False)],
     timeout: Annotated[float, typer.Option(callback=_check_positive, metavar="S",
                                            help="seconds to wait for the PS's answer")] = 5.0,
@@ -47,8 +49,8 @@ def status(
     \f
 
     Args:
-        addresses: the PS's endpoint, or a sharded PS's shards' endpoints in shard order (``tcp://`` may be
-            left out).
+        addresses: the PS's endpoint (or its members', joined by ``|``: the one that leads answers), or a sharded
+            PS's shards' endpoints in shard order (``tcp://`` may be left out).
         timeout: seconds to wait for each PS's answer.
         as_json: print the counters as JSON (a list, one per shard, for several addresses) instead of a table.
         keys: the worker CURVE keys folder, for a PS started with ``--keys``; None for a PS without keys.
@@ -60,7 +62,7 @@ def status(
     """
     from plug_asgd.cli import status as ps_status
 
-    addresses = [a if "://" in a else f"tcp://{a}" for a in addresses]
+    addresses = ["|".join(m if "://" in m else f"tcp://{m}" for m in a.split("|")) for a in addresses]
     if watch is not None and as_json:
         raise fail("--watch draws a live view: it takes no --json (run status --json in a loop instead)", 2)
     each = [_stats(address, timeout, keys) for address in addresses]  # one that does not answer ends it here

@@ -9,6 +9,13 @@ has not heard from the primary either (docs/design.md, "Hot standby"); the worke
 again with its token, and sends the request in flight once more. Pushes carry sequence numbers: one the primary had
 already handed to the standby is refused as a duplicate and answered with the current model
 (:meth:`~plug_asgd.worker.client.PSClient.push`), so none is applied twice.
+
+A worker may be given the addresses of one PS's members (``tcp://ps0:2223|tcp://ps1:2224``: the primary's first,
+then its standby's): until a reply names the standby, the second is the one it asks to lead, and a member asked in
+vain gives way to the next after another ``failover_timeout`` of silence. So a worker (or ``plug-asgd status``) that
+starts after the primary has died reaches the standby that leads now: a standby that leads answers ``leading`` to
+anyone of an earlier epoch, token or not, and the worker moves to it. It cannot make a standby lead (its session is
+not one of the run's yet): that is for the run's workers.
 """
 
 from __future__ import annotations
@@ -42,9 +49,10 @@ class LeaderWatch:
     _secure: Callable[[zmq.Socket], None]  # CURVE where the worker has keys
     _switch: Callable[[str, str, list[Any]], None]  # the move to another address, the request in flight resent
 
-    def _init_watch(self) -> None:
+    def _init_watch(self, members: list[str]) -> None:
+        self.members = members  # the addresses this worker was given: one PS's members, the primary's first
         self.epoch = 1
-        self.standby: str | None = None
+        self.standby: str | None = members[1] if len(members) > 1 else None  # until a reply names one
         self.failover_timeout = DEFAULT_FAILOVER_TIMEOUT
         self.failovers = 0
         self.seen_version = 0  # the highest central version a reply named: a standby behind it must not lead
@@ -91,8 +99,15 @@ class LeaderWatch:
                 self._switch(self.standby, msg_type, frames)
             else:
                 self._heard = time.monotonic()  # ask again after another failover_timeout of silence
+                self._next_member()
         elif silent >= self.failover_timeout / 4 and now - self._pinged >= self.failover_timeout / 4:
             self._ping()
+
+    def _next_member(self) -> None:
+        """The member after the standby asked in vain, where the worker was given more than two (not its own PS)."""
+        others = [m for m in self.members if m != self.address]
+        if self.standby in others and len(others) > 1:
+            self.standby = others[(others.index(self.standby) + 1) % len(others)]
 
     def _ping(self) -> None:
         if self._probe is None:

@@ -55,7 +55,9 @@ class Transport(LeaderWatch):
     """Requests to one parameter server, with timeouts that end in a clear error, never a hang.
 
     Args:
-        address: the PS's ZeroMQ address (``tcp://host:port``).
+        address: the PS's ZeroMQ address (``tcp://host:port``), or its members' separated by ``|`` (the primary's
+            first, then its standby's): a worker that hears nothing from the first asks the next to lead, and
+            moves to one that leads (:mod:`plug_asgd.worker.leader_watch`).
         rank: this worker's rank, which its heartbeats carry.
         request_timeout: seconds a request may wait for its reply before :class:`PSUnreachableError`.
         lost_timeout: seconds a dropped connection may stay away before a waiting request gives up.
@@ -91,8 +93,8 @@ class Transport(LeaderWatch):
         self._worker_keys = worker_keys
         self.keyed = worker_keys is not None
         self.max_message_bytes: int | None = None  # the PS's limit, learnt from its hello reply
-        self._init_watch()
-        self._open(address)
+        self._init_watch(address.split("|"))
+        self._open(self.members[0])
         self._closed = False
         self._admitted = False
         self._lost = False
