@@ -384,10 +384,14 @@ class AsyncPSStrategy(PSSurface, DDPPlumbing):
                 stage.phase = Phase.IDLE  # only now: the barriers above are collectives of this stage
                 # after a failure: the socket is a sender's until it is done, hence let_go first
                 self.connection.goodbye(stage.number, failed, settle=self._exchange.let_go, failure=stage.failure)
+            if self._island is not None and not failed:  # the PS's counters as the leader left, to its island
+                self._island.broadcast_obj(self.connection.stats_at_exit)
         elif self._island is not None and stage.phase is not Phase.IDLE:  # an island's other ranks
             try:
-                if stage.fitting and stage.joined and stage.phase is not Phase.FAILED:
-                    self._island_sync()
+                if stage.phase is not Phase.FAILED:
+                    if stage.fitting and stage.joined:
+                        self._island_sync()
+                    self.ps.stats_at_exit = self._island.broadcast_obj(None)
             finally:
                 stage.phase = Phase.IDLE
         self._exchange.joined = stage.joined = False

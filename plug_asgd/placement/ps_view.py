@@ -39,6 +39,7 @@ class PSView:
         self.mode, self.codec, self.job = mode, codec, job
         self.island: IslandGroup | None = None  # this rank's island (None: a worker of its own)
         self.follower_steps = 0  # an island's other ranks' local steps (a leader's are its exchange's)
+        self.stats_at_exit: dict[str, Any] | None = None  # an island's other ranks: the PS's, as their leader left
 
     def endpoints(self) -> list[str]:
         """Every shard's address, in order (one: an unsharded PS's)."""
@@ -83,12 +84,17 @@ class PSView:
         return {**counters, **island.counters()} if island is not None and counters else counters
 
     def ps_stats(self) -> dict[str, Any]:
-        """The PS's counters (``AsyncPSStrategy.ps_stats``).
+        """The PS's counters (``AsyncPSStrategy.ps_stats``); on an island's other ranks, between stages, those its
+        leader saw as it left the last one (the leader sends them to its island).
 
         Raises:
-            RuntimeError: on an island's rank other than its leader, which has no connection to the PS.
+            RuntimeError: on an island's rank other than its leader during a stage, or before one ended: it has no
+                connection to the PS.
         """
         island = self.island
+        if island is not None and not island.plan.leader and self.stats_at_exit is not None and (
+                self.stage.phase is Phase.IDLE):
+            return dict(self.stats_at_exit)
         if island is not None and not island.plan.leader:
             plan = island.plan
             raise RuntimeError(f"rank {plan.rank} is not its island's leader (rank {plan.island * plan.size}): the "

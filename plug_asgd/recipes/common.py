@@ -54,16 +54,7 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--pull-every", type=int, default=None, help="local steps between pulls (default: at push)")
     parser.add_argument("--tau", type=int, default=None, help="easgd/eamsgd: steps between elastic exchanges")
     parser.add_argument("--alpha", type=float, default=None, help="easgd/eamsgd: elastic step (default 0.5)")
-    parser.add_argument("--inner-steps", type=int, default=None,
-                        help="diloco/async_diloco: local steps between two exchanges (default 100)")
-    parser.add_argument("--outer", default=None, metavar="OPT",
-                        help="diloco/async_diloco: the outer optimizer, nesterov, sgd or adam, or the JSON of its "
-                             "fields (default: nesterov, lr 0.7, momentum 0.9)")
-    parser.add_argument("--fragments", type=int, default=None,
-                        help="diloco/async_diloco: the model's parts, each synced at a staggered step (default 1)")
-    parser.add_argument("--island", type=_island, default="auto", metavar="K|node|auto",
-                        help="consecutive local ranks that train as one worker of the PS (1: every device; node: "
-                             "each node; default auto: the node on several nodes, 1 on one)")
+    _add_diloco_and_islands(parser)
     ps_argument(parser, "staleness_bound")
     ps_argument(parser, "replicas_to_aggregate")
     ps_argument(parser, "max_updates")
@@ -148,6 +139,19 @@ def mode_and_codec(mode: str, compressor: str = "none", *, compression: float | 
         raise ValueError(f"{', '.join(unknown)} does not apply to mode={mode!r} with compressor={compressor!r}")
     return (modes.get({"name": mode, **{k: v for k, v in given.items() if k in mode_knobs}}),
             compressors.get({"name": compressor, **{k: v for k, v in given.items() if k in codec_knobs - mode_knobs}}))
+
+
+def _add_diloco_and_islands(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--inner-steps", type=int, default=None,
+                        help="diloco/async_diloco: local steps between two exchanges (default 100)")
+    parser.add_argument("--outer", default=None, metavar="OPT",
+                        help="diloco/async_diloco: the outer optimizer, nesterov, sgd or adam, or the JSON of its "
+                             "fields (default: nesterov, lr 0.7, momentum 0.9)")
+    parser.add_argument("--fragments", type=int, default=None,
+                        help="diloco/async_diloco: the model's parts, each synced at a staggered step (default 1)")
+    parser.add_argument("--island", type=_island, default="auto", metavar="K|node|auto",
+                        help="consecutive local ranks that train as one worker of the PS (1: every device; node: "
+                             "each node; default auto: the node on several nodes, 1 on one)")
 
 
 def _island(value: str) -> int | str:

@@ -145,7 +145,7 @@ def train(mode: str, args: argparse.Namespace, port: int | None, out: Path) -> N
     after_fit = digest(model)
     ddp = mode == "ddp"
     leader = not ddp and strategy.island_leader
-    ps = strategy.ps_stats() if leader else None
+    ps = None if ddp else strategy.ps_stats()  # (an island's other ranks: what their leader saw as it left)
     comm = {} if ddp else strategy.comm_stats()
     results = trainer.test(model, loader(512, 1, False), verbose=False)
     out.mkdir(parents=True, exist_ok=True)
