@@ -226,8 +226,7 @@ class AsyncPSStrategy(PSSurface, DDPPlumbing):
                                        shm_pushes=shm_pushes)
         self.island = check_island(island, self.mode.name)
         self.ps = PSView(self.connection, self._exchange, self.stage, self.mode.name, self.compressor, self.placement)
-        self.collectives = StrategyCollectives(self.connection, self._exchange, self.stage,
-                                               lambda: (self.global_rank, self.world_size))
+        self.collectives = StrategyCollectives(self.connection, self._exchange, self.stage, self._ranks)
 
     @classmethod
     @override
@@ -453,6 +452,9 @@ class AsyncPSStrategy(PSSurface, DDPPlumbing):
         return self._exchange.central_state(state) if self.connection.client is not None else state
 
     # -- what the parts are handed ----------------------------------------------------------------------------
+
+    def _ranks(self) -> tuple[int, int]:  # a method, not a lambda: the spawn launcher pickles the strategy
+        return self.global_rank, self.world_size
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: tuple(t.shape) for n, t in synced_tensors(self.lightning_module).items()}

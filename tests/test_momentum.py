@@ -49,6 +49,12 @@ DETERMINISTIC = ("sync", "localsgd", "sagn", "osp", "losp")
 OFF_REPEATS = 5
 # the modes fitted without compensation too, to show that it is what makes them train: those that diverge without
 OFF_MODES = ("asgd", "adacomp", "downpour", "ssp", "losp")
+# DiLoCo's modes are not fitted here: their regime is hundreds of inner steps per round (100 by default), and these
+# fits make a round or two at that default (measured in a fresh-clone suite run: the regression case under
+# async_diloco ended at 40.3 against one process's 6.8, from 57.5). Their learning table (every mode x the CNN and
+# the language model, against DDP) is issue 58's, not yet made; tests/test_diloco*.py hold their rules to hand
+# computations and tests/test_islands.py trains both.
+STEP_MODES = [m for m in MODES if m not in ("diloco", "async_diloco")]
 # Fashion-MNIST, 8,000 images, 1 epoch: every mode's central model within this many points of DDP's. Not the
 # issue's 1.5 (tested at 16,000 images over 3 seeds in the full tier, tests/test_momentum_full.py, which the
 # suite's budget does not hold), which single runs of this size cannot show: one configuration run twice varied
@@ -94,7 +100,7 @@ def regression_launch(out: Path, modes: list[str], off_modes: list[str]) -> dict
 def regression(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("momentum")
     return {"one_process": one_process_loss(),
-            **regression_launch(tmp, [*MODES, *CODECS], [*OFF_MODES, *CODECS])}
+            **regression_launch(tmp, [*STEP_MODES, *CODECS], [*OFF_MODES, *CODECS])}
 
 
 @pytest.mark.timeout(300)  # the fixture's launch, when this test is the first to need it
@@ -105,7 +111,7 @@ def test_the_one_process_reference_trains(regression):
 
 
 @pytest.mark.timeout(300)  # the fixture's launch
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", STEP_MODES)
 @pytest.mark.integration
 def test_every_mode_trains_the_regression_model_with_momentum_sgd(regression, mode):
     run = regression["on"][mode]
@@ -148,7 +154,7 @@ def test_a_deterministic_fit_in_threads_is_the_fit_of_real_processes(regression,
 # fits them on Fashion-MNIST; in a suite run they ended 0.1 to 1.8 points above DDP). Their three runs
 # cost this launch an eighth, where the suite's 12 minutes are short.
 ROUND_MODES = ("sync", "localsgd", "sagn")
-SGD_ROWS = [(m, {"mode": m}) for m in MODES if m != "eamsgd" and m not in ROUND_MODES] + [
+SGD_ROWS = [(m, {"mode": m}) for m in STEP_MODES if m != "eamsgd" and m not in ROUND_MODES] + [
     (c, {"mode": "asgd", "compressor": c.partition("+")[2]}) for c in CODECS]
 # Nesterov's rows (and its DDP) are the full tier's (tests/test_momentum_full.py: 16,000 images, 3 seeds, against
 # a tighter bound): the suite's launch fits momentum SGD's, whose compensation is the same code

@@ -16,9 +16,8 @@ import statistics
 
 import pytest
 
-from plug_asgd.modes import MODES
 from tests.conftest import HAVE_FASHION, needs_fashion
-from tests.test_momentum import CODECS, NESTEROV_ROWS
+from tests.test_momentum import CODECS, NESTEROV_ROWS, STEP_MODES
 
 pytestmark = [pytest.mark.integration, pytest.mark.full]
 
@@ -26,7 +25,7 @@ POINTS = 1.5  # issue 17's bound
 SEEDS = (0, 1, 2)
 TRAIN_SUBSET = 16_000
 # every mode but eamsgd (Nesterov's own: in the Nesterov rows), and asgd under every codec with error feedback
-SGD_ROWS = [(m, {"mode": m}) for m in MODES if m != "eamsgd"] + [
+SGD_ROWS = [(m, {"mode": m}) for m in STEP_MODES if m != "eamsgd"] + [  # (DiLoCo: test_momentum.py says why)
     (c, {"mode": "asgd", "compressor": c.partition("+")[2]}) for c in CODECS]
 # a seed's launch: 23 runs of about 30 s on 2 idle cores (16,000 images, then 10,000 test images; 11 min)
 LAUNCH_TIMEOUT_S = 1800
