@@ -146,6 +146,24 @@ def _inner_steps(mode: Any) -> None:
     object.__setattr__(mode, "outer", OuterOptimizer.get(mode.outer))
 
 
+def _check_saved_outer(fields: dict[str, Any], outer: OuterOptimizer) -> None:
+    """Refuses a checkpoint of another outer optimizer: its state would mean something else."""
+    saved = fields.get("outer")
+    if saved is not None and OuterOptimizer(**saved) != outer:
+        raise ValueError(f"the checkpoint's outer optimizer {saved} is not this PS's {asdict(outer)}: resume with "
+                         "the same --outer (or mode's outer=)")
+
+
+def _saved_slots(arrays: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+    """The outer optimizer's state by tensor from a checkpoint's ``outer/SLOT/NAME`` arrays."""
+    slots: dict[str, dict[str, np.ndarray]] = {}
+    for key, array in arrays.items():
+        if key.startswith("outer/"):
+            _, slot, name = key.split("/", 2)
+            slots.setdefault(name, {})[slot] = np.array(array, dtype=_F32)
+    return slots
+
+
 class DiLoCoRule(SyncRule):
     """Sync's rounds, each round's mean update taken as the negative pseudo-gradient of an outer optimizer step.
 
@@ -251,21 +269,14 @@ class DiLoCoRule(SyncRule):
         Raises:
             ValueError: the checkpoint's outer optimizer is not this rule's (its state would mean something else).
         """
-        saved = fields.get("outer")
-        if saved is not None and OuterOptimizer(**saved) != self.outer:
-            raise ValueError(f"the checkpoint's outer optimizer {saved} is not this PS's {asdict(self.outer)}: "
-                             "resume with the same --outer (or mode's outer=)")
+        _check_saved_outer(fields, self.outer)
         super().restore({k: v for k, v in fields.items() if k not in _OUTER_FIELDS},
                         {k: v for k, v in arrays.items() if not k.startswith("outer/")})
         self.outer_steps = int(fields.get("outer_steps", 0))
         self.skipped = {k: int(v) for k, v in (fields.get("skipped") or {}).items()}
         self.changed_at = {k: int(v) for k, v in (fields.get("changed_at") or {}).items()}
         self.floor = None if fields.get("floor") is None else int(fields["floor"])
-        self.slots = {}
-        for key, array in arrays.items():
-            if key.startswith("outer/"):
-                _, slot, name = key.split("/", 2)
-                self.slots.setdefault(name, {})[slot] = np.array(array, dtype=_F32)
+        self.slots = _saved_slots(arrays)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -424,16 +435,10 @@ class AsyncDiLoCoRule(FoldRule):
         Raises:
             ValueError: the checkpoint's outer optimizer is not this rule's.
         """
-        saved = fields.get("outer")
-        if saved is not None and OuterOptimizer(**saved) != self.outer:
-            raise ValueError(f"the checkpoint's outer optimizer {saved} is not this PS's {asdict(self.outer)}: "
-                             "resume with the same --outer (or mode's outer=)")
+        _check_saved_outer(fields, self.outer)
         self.arrivals = int(fields.get("arrivals", 0))
         self.skipped = {k: int(v) for k, v in (fields.get("skipped") or {}).items()}
-        self.slots = {}
-        for key, array in arrays.items():
-            _, slot, name = key.split("/", 2)
-            self.slots.setdefault(name, {})[slot] = np.array(array, dtype=_F32)
+        self.slots = _saved_slots(arrays)
 
 
 @dataclass(frozen=True, kw_only=True)
