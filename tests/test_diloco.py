@@ -214,7 +214,7 @@ def test_the_delayed_nesterov_moves_the_momentum_exactly_every_n_arrivals():
     """N = 2 workers: each arrival applies lr/N of its pseudo-gradient at once; at every 2nd arrival the momentum
     takes the mean of the two and lr mu b is applied: by hand, in float32, after every arrival; the momentum's bytes
     unchanged at the arrivals in between."""
-    from plug_asgd.modes.diloco import AsyncDiLoCoRule
+    from plug_asgd.modes.diloco_async import AsyncDiLoCoRule
 
     rule, state = AsyncDiLoCoRule(), CentralState({"w": W0.copy()})
     rule.set_trainers(state, frozenset({0, 1}))
@@ -238,7 +238,7 @@ def test_the_delayed_nesterov_moves_the_momentum_exactly_every_n_arrivals():
 
 
 def test_over_n_arrivals_the_delayed_form_moves_as_one_synchronous_round():
-    from plug_asgd.modes.diloco import AsyncDiLoCoRule
+    from plug_asgd.modes.diloco_async import AsyncDiLoCoRule
 
     sync_rule, sync_state = DiLoCoRule(), CentralState({"w": W0.copy()})
     async_rule, async_state = AsyncDiLoCoRule(), CentralState({"w": W0.copy()})
@@ -253,7 +253,7 @@ def test_over_n_arrivals_the_delayed_form_moves_as_one_synchronous_round():
 
 def test_async_state_survives_a_checkpoint_and_its_knobs_are_checked():
     from plug_asgd import AsyncDiLoCo
-    from plug_asgd.modes.diloco import AsyncDiLoCoRule
+    from plug_asgd.modes.diloco_async import AsyncDiLoCoRule
 
     rule, state = AsyncDiLoCoRule(delay=2), CentralState({"w": W0.copy()})
     for i, u in enumerate([u for pair in ROUNDS[:2] for u in pair][:3]):  # 3 arrivals: one pending in the sum

@@ -15,7 +15,8 @@ import torch
 from plug_asgd import AsyncDiLoCo, DiLoCo, OuterOptimizer
 from plug_asgd.compressors import get as get_codec
 from plug_asgd.modes import APPLIED, DROPPED, CentralState, Push, get
-from plug_asgd.modes.diloco import AsyncDiLoCoRule, DiLoCoRule
+from plug_asgd.modes.diloco import DiLoCoRule
+from plug_asgd.modes.diloco_async import AsyncDiLoCoRule
 from plug_asgd.ps import ParameterServer, PSConfig
 from plug_asgd.worker.client import PSClient
 from plug_asgd.worker.exchange import Link, make_exchange

@@ -14,7 +14,8 @@ import pytest
 import pytorch_lightning as pl
 
 from plug_asgd import AsyncPSStrategy
-from plug_asgd.placement.island import IslandPlan, check_island, decode_part, encode_part, island_size
+from plug_asgd.placement.island import IslandPlan, check_island, island_size
+from plug_asgd.placement.island_collectives import decode_part, encode_part
 from tests.conftest import PYTHON, ProcessGroups, free_port_block, require_emulated_hosts, run_on_emulated_hosts
 
 SCRIPT = "tests/scripts/island_fit.py"

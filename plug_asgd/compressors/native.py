@@ -189,8 +189,9 @@ def library() -> ctypes.CDLL | None:
         if _loaded:
             return _loaded[0]
         found = None
-        if os.environ.get("PLUG_ASGD_NATIVE", "1") == "0":
-            pass  # numpy, chosen
+        chosen_numpy = os.environ.get("PLUG_ASGD_NATIVE", "1") == "0"  # no warning: numpy was asked for
+        if chosen_numpy:
+            log.info("plug_asgd: PLUG_ASGD_NATIVE=0: numpy's loops are used")
         elif sys.byteorder != "little":  # (kernels/quantize.c): nothing to install would change it
             log.info("plug_asgd: the C loops are little-endian only; numpy's are used")
         else:

@@ -20,8 +20,10 @@ from plug_asgd import registry
 # and of docs/modes.md's table
 from plug_asgd.modes.asynchronous import AGN, SSP, AdaComp, Asgd, Downpour, DynSGD
 from plug_asgd.modes.base import MODES, Mode, PushMode
-from plug_asgd.modes.diloco import AsyncDiLoCo, AsyncDiLoCoRule, DiLoCo, DiLoCoRule, OuterOptimizer
+from plug_asgd.modes.diloco import DiLoCo, DiLoCoRule
+from plug_asgd.modes.diloco_async import AsyncDiLoCo, AsyncDiLoCoRule
 from plug_asgd.modes.fold import APPLIED, DROPPED, CentralState, Push, Resolution, all_finite, can_fold_into
+from plug_asgd.modes.outer import OuterOptimizer
 from plug_asgd.modes.rounds import LOSP, OSP, SAGN, LocalSGD, Sync
 from plug_asgd.modes.rules import AdaCompRule, AsgdRule, DynSGDRule, FoldRule, SSPRule, SyncRule
 from plug_asgd.modes.shared_and_elastic import EAMSGD, EASGD, Hogwild

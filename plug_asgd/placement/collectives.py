@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torch import Tensor
 
-from plug_asgd.placement.island import IslandGroup, island_gather, island_notice
+from plug_asgd.placement.island import IslandGroup
+from plug_asgd.placement.island_collectives import island_gather, island_notice
 from plug_asgd.placement.stage import Stage
 from plug_asgd.worker.collectives import Collectives
 from plug_asgd.worker.phase import Phase

@@ -1,0 +1,192 @@
+"""Asynchronous DiLoCo (Liu et al. 2024): each worker's pseudo-gradient applied on the PS as it arrives, with the
+delayed Nesterov update of the outer optimizer, and a slower worker's rounds shortened. Numpy only, as every rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from typing_extensions import override
+
+from plug_asgd.modes.base import PushMode
+from plug_asgd.modes.diloco import inner_steps_knobs
+from plug_asgd.modes.fold import APPLIED, _add_into
+from plug_asgd.modes.outer import F32, OuterOptimizer, check_saved_outer, saved_slots
+from plug_asgd.modes.rules import FoldRule
+
+
+class AsyncDiLoCoRule(FoldRule):
+    """Each worker's pseudo-gradient applied as it arrives, with the delayed Nesterov update of Liu et al. (2024):
+    the outer momentum moves only every ``delay`` arrivals, on their mean, so that stale pseudo-gradients are not
+    accelerated one by one; each arrival's own share (``lr / delay`` of it) is applied at once. Over ``delay``
+    arrivals of the same pseudo-gradients the model moves as one synchronous outer step on their mean would
+    (Nesterov's ``lr (mean + momentum b)``, SGD's ``lr b``), spread over the arrivals. A push is applied whatever its
+    staleness, undiscounted: the delayed momentum is the remedy.
+
+    With streaming fragments (the modes' ``fragments``) a push carries some of the tensors only: each tensor counts
+    the arrivals that carry it (a fragment's momentum moves every ``delay`` arrivals of that fragment), and a tensor
+    a push does not carry is left as it is.
+
+    Args:
+        outer: the outer optimizer: ``"nesterov"`` or ``"sgd"`` (Adam's per-coordinate scale has no delayed form).
+        delay: arrivals between two moves of the momentum; None: the workers training.
+
+    Raises:
+        ValueError: an Adam outer optimizer, or a ``delay`` below 1.
+    """
+
+    def __init__(self, outer: OuterOptimizer | None = None, delay: int | None = None) -> None:
+        super().__init__()
+        self.outer = outer or OuterOptimizer()
+        if self.outer.name == "adam":
+            raise ValueError("async_diloco's delayed momentum is Nesterov's or SGD's: use outer='nesterov' or 'sgd'")
+        if delay is not None and delay < 1:
+            raise ValueError(f"delay must be >= 1 arrival, got {delay}")
+        self.delay = delay
+        self.arrivals = 0
+        self.slots: dict[str, dict[str, np.ndarray]] = {}  # by tensor: "d", the arrivals' sum; "b", the momentum
+        self.skipped: dict[str, int] = {}  # by tensor, the arrivals that did not carry it: its own are the rest
+        self.last_changed: frozenset[str] | None = None  # the last arrival's tensors, where it left some out
+
+    @property
+    def period(self) -> int:
+        """Arrivals between two moves of the momentum: ``delay``, or the workers training."""
+        return self.delay or max(1, self.trainers)
+
+    @override
+    def push(self, state: Any, push: Any) -> list[Any]:
+        n = self.period
+        self.arrivals += 1
+        lr, mu = F32(self.outer.lr), F32(self.outer.momentum)
+        for name, target in state.tensors.items():
+            if name not in push.update:  # another fragment's push: this tensor's arrivals are not counted
+                self.skipped[name] = self.skipped.get(name, 0) + 1
+                continue
+            moves = (self.arrivals - self.skipped.get(name, 0)) % n == 0
+            g = np.zeros_like(target)
+            _add_into(g, push.update[name], -1.0)  # the pseudo-gradient, w_base - w
+            slots = self.slots.setdefault(name, {})
+            d = slots.setdefault("d", np.zeros_like(target))
+            d += g
+            target -= (lr / F32(n)) * g
+            if moves and self.outer.momentum:
+                mean = d / F32(n)
+                b = slots.get("b")
+                if self.outer.name == "sgd" and b is not None:
+                    target -= lr * mu * b  # SGD's step on the mean is lr (mean + mu b_old): the mean is in already
+                b = slots["b"] = mean.copy() if b is None else b * mu + mean
+                if self.outer.name == "nesterov":
+                    target -= lr * mu * b  # Nesterov's is lr (mean + mu b_new)
+            if moves:
+                d[...] = 0
+        state.version += 1
+        carried = push.update.keys() & state.tensors.keys()
+        self.last_changed = frozenset(carried) if len(carried) < len(state.tensors) else None
+        return [(push.token, APPLIED)]
+
+    @override
+    def changed(self) -> frozenset[str] | None:
+        """The last arrival's tensors, where it carried only some (a fragment's); None: it may have changed any."""
+        return self.last_changed
+
+    @override
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The outer optimizer, the arrivals so far, and by tensor the arrivals' sum, the momentum and the arrivals
+        that did not carry it."""
+        arrays = {f"outer/{slot}/{name}": a for name, slots in self.slots.items() for slot, a in slots.items()}
+        return {"outer": asdict(self.outer), "arrivals": self.arrivals, "skipped": self.skipped}, arrays
+
+    @override
+    def restore(self, fields: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        """Takes back what :meth:`state` kept.
+
+        Args:
+            fields: the header fields :meth:`state` returned.
+            arrays: the arrays :meth:`state` returned, by name.
+
+        Raises:
+            ValueError: the checkpoint's outer optimizer is not this rule's.
+        """
+        check_saved_outer(fields, self.outer)
+        self.arrivals = int(fields.get("arrivals", 0))
+        self.skipped = {k: int(v) for k, v in (fields.get("skipped") or {}).items()}
+        self.slots = saved_slots(arrays)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AsyncDiLoCo(PushMode):
+    """Asynchronous DiLoCo (Liu et al. 2024): each worker pushes its pseudo-gradient after its inner steps and the
+    PS applies it as it arrives, with the delayed Nesterov update (:class:`AsyncDiLoCoRule`); no worker waits for
+    another. With ``dynamic_steps`` a slower worker makes fewer inner steps, so that every worker pushes about as
+    often: each reply says how many others arrived since the worker's last push, and a worker that sees more than
+    ``workers - 1`` per push shortens its rounds to match (never above ``inner_steps``).
+
+    Args:
+        inner_steps: local steps between two pushes (a fast worker's; a slower one's are fewer).
+        outer: the outer optimizer, ``"nesterov"`` (lr 0.7, momentum 0.9) or ``"sgd"``, as :class:`DiLoCo`'s.
+        fragments: streaming fragments, as :class:`DiLoCo`'s: each fragment's pseudo-gradient a push of its own, at
+            its staggered step (a slower worker's shortened rounds staggered alike).
+        delay: arrivals between two moves of the outer momentum (of one fragment's); None: the number of workers.
+        dynamic_steps: whether a slower worker shortens its rounds.
+        push_every: set from ``inner_steps`` (give that).
+        pull_every: must stay None: the new model comes with every reply.
+        overlap: must stay False.
+
+    Raises:
+        ValueError: the knobs :class:`DiLoCo` refuses, an Adam outer optimizer, or a ``delay`` below 1.
+
+    Example:
+        >>> from plug_asgd import AsyncDiLoCo, AsyncPSStrategy
+        >>> strategy = AsyncPSStrategy(mode=AsyncDiLoCo(inner_steps=50))
+        >>> strategy.mode.push_every, strategy.mode.steps_for(0.5, workers=3)  # others arrive 0.5 a step: 4 steps
+        (50, 4)
+    """
+
+    name = "async_diloco"
+    summary = "inner_steps local steps, the pseudo-gradient applied as it arrives with a delayed Nesterov momentum"
+    rule = AsyncDiLoCoRule  # (what the worker reads of its PS's rule: it folds no weights, scales no push)
+    derived_knobs = ("push_every",)
+    inner_steps: int = 100
+    outer: OuterOptimizer | str | dict[str, Any] = "nesterov"
+    fragments: int = 1
+    delay: int | None = None
+    dynamic_steps: bool = True
+    push_every: int | None = None
+
+    def __post_init__(self) -> None:
+        inner_steps_knobs(self)
+        super().__post_init__()
+        if self.delay is not None and (isinstance(self.delay, bool) or self.delay < 1):
+            raise ValueError(f"delay must be a whole number >= 1 of arrivals, got {self.delay!r}")
+        if self.outer.name == "adam":  # type: ignore[union-attr]
+            raise ValueError("async_diloco's delayed momentum is Nesterov's or SGD's: use outer='nesterov' or 'sgd'")
+
+    @property
+    @override
+    def exchange(self) -> str:
+        return "fragments" if self.fragments > 1 else super().exchange
+
+    @override
+    def make_rule(self, options: Mapping[str, Any] | None = None) -> FoldRule:
+        outer = (options or {}).get("outer")
+        return AsyncDiLoCoRule(OuterOptimizer.get(self.outer if outer is None else outer), self.delay)
+
+    @override
+    def server_options(self) -> dict[str, Any]:
+        assert isinstance(self.outer, OuterOptimizer)
+        return {"outer": self.outer.to_json()}
+
+    def steps_for(self, others_per_step: float, workers: int) -> int:
+        """The inner steps of a worker that sees ``others_per_step`` pushes of the others per local step: as many
+        as make ``workers - 1`` of them arrive per push of its own, at most ``inner_steps``.
+
+        Args:
+            others_per_step: the others' arrivals per local step of this worker, as measured.
+            workers: the workers training.
+        """
+        if not self.dynamic_steps or workers <= 1 or others_per_step <= 0:
+            return self.inner_steps
+        return max(1, min(self.inner_steps, round((workers - 1) / others_per_step)))
