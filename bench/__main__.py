@@ -17,6 +17,7 @@ MODULES = {
     "standby": "bench.standby",  # the recipe's samples/s with a hot standby against without one
     "kernels": "bench.kernels",  # each codec pass in C against numpy's, alone on one core
     "islands": "bench.islands",  # per-device workers against islands of 2 against DDP on emulated hosts (root)
+    "diloco": "bench.diloco",  # the language model: DDP, diloco, async_diloco, hivemind on emulated hosts (root)
 }
 
 

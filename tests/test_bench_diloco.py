@@ -1,0 +1,177 @@
+"""bench.diloco: the language model under DDP, diloco, asynchronous diloco and hivemind on emulated hosts; its runs,
+its pairing of seeds against issue 58's targets and its table checked here, and its quick size run and checked
+against figures computed here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from bench.diloco import CONFIGS, MODEL, SIZES, equal_samples_loss, overtrained_steps, parser, run_spec, settings
+from bench.diloco_launch import LinkMeter
+from bench.diloco_report import markdown, pair_ratio, summarize, time_to
+from bench.slowlink import HIVEMIND_PYTHON
+from plug_asgd.recipes.lm_data import FORTUNE_FILES, FORTUNES_DIR
+from tests.conftest import PYTHON, require_emulated_hosts, run_on_emulated_hosts, skip_unless_required
+
+DILOCO_QUICK_TIMEOUT_S = 420  # measured: 107 to 200 s on 2 cores at a load of 4 from other sessions (5 launches)
+# ByteGPT at MODEL's size (tests/test_lm.py's LM_SMALL): 118,528 float32 parameters, written out, not computed
+MODEL_BYTES = 4 * 118_528
+BATCH = 32
+UNTRAINED_LOSS = math.log(256)
+HAVE_FORTUNES = all((FORTUNES_DIR / name).is_file() for name in FORTUNE_FILES)
+
+
+def test_each_configuration_is_a_launch_of_its_scheme_on_the_same_model_and_data():
+    small = {**SIZES["small"], "slow_factor": 2.0}
+    specs = {name: run_spec(name, small, 2, "tcp://10.99.0.1:2223", 0.04) for name in CONFIGS}
+    assert overtrained_steps(small) == 600 and overtrained_steps({**small, "overtrain": 1.3}) == 550  # whole rounds
+    for name, spec in specs.items():
+        assert spec["max_steps"] == (400 if name == "ddp" else 600) and spec["equal_steps"] == 400, name
+        assert spec["seed"] == 2 and spec["batch_size"] == BATCH and spec["model"] == MODEL, name
+        assert spec["data"]["context"] == MODEL["max_context"] == 32 and spec["data"]["val_windows"] == 512, name
+        # the slowed host, and only in the -slow configurations: w1, the same sleep in diloco and async_diloco
+        assert (spec.get("slow_rank"), spec.get("slow_sleep_s")) == ((1, 0.04) if name.endswith("-slow") else
+                                                                     (None, None)), name
+    assert [specs[n]["mode"] for n in ("diloco", "diloco-slow", "async_diloco-slow")] == ["diloco", "diloco",
+                                                                                        "async_diloco"]
+    assert all(specs[n]["inner_steps"] == 50 and specs[n]["ps_address"] == "tcp://10.99.0.1:2223"
+               and specs[n]["snapshot_every_s"] is None for n in ("diloco", "diloco-slow", "async_diloco-slow"))
+    # hivemind averages as often as DiLoCo's rounds: its target batch is 2 workers x H x 32 samples
+    assert specs["hivemind"]["hivemind_target_batch_size"] == 2 * 50 * BATCH
+    assert specs["hivemind"]["hivemind_matchmaking_time"] == 3.0 and "mode" not in specs["hivemind"]
+    assert specs["ddp"]["snapshot_every_s"] == specs["hivemind"]["snapshot_every_s"] == 2.0
+
+
+def test_it_is_a_benchmark_of_python_m_bench():
+    from bench.__main__ import MODULES
+
+    assert MODULES["diloco"] == "bench.diloco"
+
+
+def _args(*flags: str) -> argparse.Namespace:
+    return parser().parse_args(list(flags))
+
+
+@pytest.mark.skipif(not HAVE_FORTUNES, reason="the corpus is not installed: apt-get install fortunes")
+def test_the_flags_are_checked_before_any_host_is_made():
+    size, rates, names = settings(_args("--inner-steps", "20", "--seeds", "1", "--rates", "100,10,1"))
+    assert (size["size"], size["steps"], size["inner_steps"], size["seeds"]) == ("small", 400, 20, 1)
+    assert rates == [100.0, 10.0, 1.0] and names == list(CONFIGS)
+    assert settings(_args("--quick"))[0]["steps"] == 40
+    refused = {("--inner-steps", "30"): "a whole number of rounds", ("--rates", "100,none"): "a rate in Mbit/s",
+               ("--configs", "ddp,localsgd"): "unknown configuration", ("--compressor", "zip"): "unknown compressor",
+               ("--slow-factor", "0.5"): "1 \\(not slowed\\) or more", ("--overtrain", "0.5"): "1.0 or more"}
+    for flags, message in refused.items():
+        with pytest.raises(ValueError, match=message):
+            settings(_args(*flags))
+
+
+def test_the_loss_at_ddps_samples_is_the_round_that_completes_them():
+    spec = {"kind": "ps", "mode": "diloco", "equal_steps": 40, "inner_steps": 10}
+    curve = [[0.2, 5.5, 0, {"pushes_applied": 0}], [1.0, 4.0, 9, {"pushes_applied": 6}],
+             [1.5, 3.6, 12, {"pushes_applied": 8}], [2.0, 3.4, 15, {"pushes_applied": 12}]]
+    assert equal_samples_loss(spec, curve) == 3.6  # round 4 of 10 steps, 2 pushes a round
+    assert equal_samples_loss({**spec, "mode": "async_diloco"}, curve) is None
+    assert equal_samples_loss({"kind": "ddp"}, curve) == 3.4
+    hive = [[0.0, 5.5, 0, {"steps": 0}], [1.0, 3.9, 5, {"steps": 40}], [2.0, 3.7, 9, {"steps": 60}]]
+    assert equal_samples_loss({"kind": "hivemind", "equal_steps": 40}, hive) == 3.9
+    assert time_to(curve, 3.6) == 1.5 and time_to(curve, 3.0) is None and time_to(curve, None) is None
+
+
+def test_the_link_meter_reads_the_worker_links_bytes_at_a_snapshots_time():
+    meter = LinkMeter(topo=None)  # (its thread is not started: the readings are set here)
+    c = lambda w0, w1, ps: {"w0": {"tx": w0, "rx": 0}, "w1": {"tx": 0, "rx": w1}, "ps": {"tx": ps, "rx": ps}}  # noqa: E731
+    meter.readings = [(100.0, c(10, 20, 5)), (101.0, c(110, 120, 5)), (103.0, c(110, 520, 9))]
+    assert meter.worker_bytes_at(99.0) == 0 and meter.worker_bytes_at(100.5) == 100  # halfway: (200 - 0) / 2
+    assert meter.worker_bytes_at(102.0) == 200 + 200 and meter.worker_bytes_at(200.0) == 600
+    assert meter.wire() == {"w0": {"tx": 100, "rx": 0}, "w1": {"tx": 0, "rx": 500}, "ps": {"tx": 4, "rx": 4}}
+
+
+def _run(seed: int, reach: float | None, end: float, final: float, bps: float, equal: float | None = None) -> dict:
+    curve = [[0.0, 5.5, 0, {}]] + ([[reach, 3.0, 1, {}]] if reach is not None else []) + [[end, final, 2, {}]]
+    return {"seed": seed, "curve": curve, "final_loss": final, "equal_samples_loss": equal, "train_s": end,
+            "samples_per_s": 100.0, "bytes_per_sample": bps, "samples": 1000,
+            "hosts": {h: {"bytes_per_sample": bps} for h in ("w0", "w1")}}
+
+
+def test_the_ratios_pair_the_seeds_and_a_run_that_never_got_there_counts_as_a_bound():
+    runs = {"ddp": [_run(0, None, 40.0, 3.0, 30e3), _run(1, None, 50.0, 3.0, 30e3), _run(2, None, 40.0, 3.0, 30e3)],
+            "diloco": [_run(0, 8.0, 12.0, 2.9, 200.0, 3.05), _run(1, 15.0, 20.0, 2.95, 400.0, 3.1),
+                       {"seed": 2, "name": "diloco", "error": "no result"}],
+            "hivemind": [_run(0, None, 60.0, 3.2, 90.0), _run(1, 20.0, 40.0, 2.9, 90.0)]}
+    s = summarize(runs, 100.0)
+    # each seed's target: its DDP run's final loss (3.0), first reached at its end
+    assert [r["time_to_target_s"] for r in runs["ddp"]] == [40.0, 50.0, 40.0]
+    assert s["ratios"]["time_diloco_over_ddp"]["values"] == [0.2, 0.3] and s["configs"]["diloco"]["runs"] == 2
+    assert s["ratios"]["time_diloco_over_ddp"]["met_seeds"] == 1 and not s["ratios"]["time_diloco_over_ddp"]["met"]
+    loss = s["ratios"]["loss_diloco_over_ddp"]
+    assert loss["values"] == pytest.approx([3.05 / 3.0, 3.1 / 3.0]) and loss["met_seeds"] == 1 and not loss["met"]
+    assert s["ratios"]["bytes_ddp_over_diloco"]["values"] == [150.0, 75.0]
+    # hivemind never reached DDP's loss in seed 0: diloco's 8 s over its 60 s run is an upper bound, which meets the
+    # target; seed 1's exact 15 / 20 does not
+    hm = s["ratios"]["time_diloco_over_hivemind"]
+    assert hm["kinds"] == ["at_most", "exact"] and hm["values"] == [pytest.approx(8 / 60, abs=1e-6), 0.75]
+    assert hm["met_seeds"] == 1 and not hm["met"]
+    assert pair_ratio(runs["hivemind"][0], runs["diloco"][0], "time") == (pytest.approx(60 / 8), "at_least")
+    # a target set at 100 Mbit/s only is shown at another rate, not judged
+    assert "met" not in summarize(runs, 10.0)["ratios"]["time_diloco_over_ddp"]
+    results = {"machine": {"date": "d", "commit": "c", "cpu_count": 2, "cpu_model": "m", "torch": "t"},
+               "command": "python -m bench diloco", "batch_size": BATCH, "model": MODEL, "step_s": 0.02,
+               "slow_sleep_s": 0.02, "overtrained_steps": 600, "size": {**SIZES["small"], "slow_factor": 2.0},
+               "rates": {"100": {"rate_mbit": 100.0, "probe": {"mbit_per_s": 95.0}, "runs": runs, "summary": s}}}
+    text = markdown(results)
+    assert "| diloco | 2.9250 [2.9000 .. 2.9500] | 3.0750 [3.0500 .. 3.1000] |" in text
+    assert "met in 1 of 2 seeds: target missed); bounds, a run that never reached the loss: at_most" in text
+    assert "target_batch_size=3200" in text and "| DDP (gloo) | error" not in text
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(DILOCO_QUICK_TIMEOUT_S + 60)
+def test_quick_diloco_trains_every_scheme_and_counts_each_hosts_bytes(tmp_path):
+    if not HAVE_FORTUNES:
+        skip_unless_required("the corpus is not installed: apt-get install fortunes (scripts/setup.sh)")
+    require_emulated_hosts(100.0, "d")
+    names = [n for n in CONFIGS if n != "hivemind" or HIVEMIND_PYTHON.exists()]  # hivemind: where its venv is
+    rc, output = run_on_emulated_hosts([PYTHON, "-m", "bench", "diloco", "--quick", "--configs", ",".join(names),
+                                        "--out", str(tmp_path)], timeout=DILOCO_QUICK_TIMEOUT_S)
+    assert rc == 0, output[-6000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (tmp_path / "results.md").exists() and (tmp_path / "loss_100mbit.png").exists()
+    rate = results["rates"]["100"]
+    assert all(t <= 100.0 for t in rate["probe"]["tries_mbit"]), rate["probe"]  # htb's cap holds
+    runs = {name: rs[0] for name, rs in rate["runs"].items()}
+    assert set(runs) == set(names) and not any("error" in r for r in runs.values())
+    for name, r in runs.items():
+        # the same initial model in every scheme (the seed's), and every scheme learnt from it
+        assert r["curve"][0][1] == pytest.approx(UNTRAINED_LOSS, abs=0.01) and r["final_loss"] < 4.2, (name, r)
+        assert r["curve"][0][1] == pytest.approx(runs["ddp"]["curve"][0][1], abs=1e-4), name
+    assert runs["ddp"]["steps"] == [40, 40] and runs["ddp"]["equal_samples_loss"] == runs["ddp"]["final_loss"]
+    for name in ("diloco", "diloco-slow", "async_diloco-slow"):
+        r = runs[name]
+        last = r["curve"][-1][3]
+        assert r["steps"] == [60, 60], name
+        if name == "async_diloco-slow":  # a pseudo-gradient a round, the slowed host's rounds no longer than H
+            assert last["pushes_by_rank"]["0"] == 6 and last["pushes_by_rank"]["1"] >= 6, last
+        else:  # 6 rounds of 10 steps, one push of each worker a round
+            assert last["pushes_by_rank"] == {"0": 6, "1": 6} and last["version"] == 6, (name, last)
+            assert r["equal_samples_loss"] is not None, name
+        # the straggler: w1 slept after each of its steps, w0 never
+        assert r["slept_s"][0] == 0 and r["slept_s"][1] == pytest.approx(60 * results["slow_sleep_s"], rel=1e-3) \
+            if name.endswith("-slow") else r["slept_s"] == [0, 0], (name, r["slept_s"])
+    for host in ("w0", "w1"):
+        ddp, diloco = runs["ddp"]["wire_bytes"][host], runs["diloco"]["wire_bytes"][host]
+        for way in ("tx", "rx"):
+            # DDP: at least the model each way a step (the half reduced, the half gathered); diloco: a model up and
+            # one down a round, and the initial model, whatever the headers
+            assert 40 * MODEL_BYTES <= ddp[way] <= (2 * 40 + 2) * MODEL_BYTES, (host, ddp)
+            assert 6 * MODEL_BYTES <= diloco[way] <= 9 * MODEL_BYTES, (host, diloco)
+    ratio = rate["summary"]["ratios"]["bytes_ddp_over_diloco"]["median"]
+    assert 7.0 <= ratio <= 10.5, ratio  # about H = 10: a round's 2 models against DDP's 2 a step
+    assert all("met" in x for k, x in rate["summary"]["ratios"].items()), rate["summary"]["ratios"]
+    if "hivemind" in runs:
+        hm = runs["hivemind"]
+        assert hm["hivemind"]["config"]["target_batch_size"] == 2 * 10 * BATCH and all(hm["steps"]), hm["steps"]
