@@ -50,9 +50,14 @@ def test_keygen_writes_both_keypairs_secrets_0600_and_says_where_they_go(tmp_pat
     assert ((keys / "server" / "authorized_workers" / "worker.key").read_text()
             == (keys / "worker" / "worker.key").read_text())
     assert not list((keys / "worker").glob("server.key_secret")), "the PS's secret must not go to the workers"
+    for secret in (keys / "standby" / "standby.key_secret", keys / "standby" / "server.key_secret"):
+        assert _mode(secret) == 0o600, secret
+    assert _mode(keys / "standby") == 0o700
+    assert not list((keys / "worker").glob("standby.key_secret")), "the standby's secret must not go to the workers"
     out = " ".join(result.output.split())
-    assert "the PS machine only" in out and "every worker machine" in out
+    assert "the PS machine only" in out and "every worker machine" in out and "the standby machine only" in out
     assert f"--keys {keys / 'server'}" in out and f"--ps-keys {keys / 'worker'}" in out
+    assert f"--keys {keys / 'standby'}" in out
     again = runner.invoke(cli.app, ["keygen", str(keys)])
     assert again.exit_code == 2 and "never overwrites" in again.output
 

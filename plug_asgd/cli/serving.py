@@ -166,11 +166,15 @@ def keygen(
     directory: Annotated[Path, typer.Argument(metavar="DIR", help="folder to write the keys into (created; "
                                               "existing keys are never overwritten)", show_default=False)],
 ) -> None:
-    """Make CURVE keys: a keypair for the PS, one for the workers, and the PS's list of authorized workers.
+    """Make CURVE keys: a keypair for the PS, one for the workers, one for a hot standby, and the PS's lists of
+    authorized workers and standbys.
 
-    Copy DIR/server to the PS machine only ('plug-asgd serve-ps --keys DIR/server') and DIR/worker to
-    every worker machine ('--ps-keys DIR/worker'; AsyncPSStrategy(ps_keys=...)). With an embedded PS,
-    or a shared file system, pass DIR itself to both. The *_secret files are readable by you alone.
+    Copy DIR/server to the PS machine only ('plug-asgd serve-ps --keys DIR/server'), DIR/worker to
+    every worker machine ('--ps-keys DIR/worker'; AsyncPSStrategy(ps_keys=...)) and DIR/standby to a hot
+    standby's machine only ('serve-ps --standby-of ADDR --keys DIR/standby': it holds the PS's keypair too, as
+    it leads once the PS is gone). With an embedded PS, or a shared file system, pass DIR itself to all. The
+    *_secret files are readable by you alone. On a folder of keys made before the standby's, it adds DIR/standby
+    alone.
     \f
 
     Args:
@@ -187,15 +191,20 @@ def keygen(
     table.add_column("file", style="cyan", overflow="fold")
     table.add_column("goes to")
     table.add_column("secret")
-    rows = [(files["server_secret"], "the PS machine only", "yes (0600)"),
-            (files["server_public"], "the PS machine", "no"),
-            (files["authorized"], "the PS machine: public keys of the workers it admits", "no"),
-            (files["worker_secret"], "every worker machine", "yes (0600)"),
-            (files["worker_public"], "every worker machine", "no"),
-            (files["worker_server_public"], "every worker machine (the PS's public key)", "no")]
-    for path, where, secret in rows:
-        table.add_row(escape(str(path)), escape(where), secret)
+    rows = [("server_secret", "the PS machine only", "yes (0600)"),
+            ("server_public", "the PS machine", "no"),
+            ("authorized", "the PS machine: public keys of the workers it admits", "no"),
+            ("authorized_standby", "the PS machine: public keys of the standbys it admits", "no"),
+            ("worker_secret", "every worker machine", "yes (0600)"),
+            ("worker_public", "every worker machine", "no"),
+            ("worker_server_public", "every worker machine (the PS's public key)", "no"),
+            ("standby_secret", "the standby machine only (DIR/standby: with the PS's keypair)", "yes (0600)"),
+            ("standby_public", "the standby machine", "no")]
+    for name, where, secret in rows:
+        if name in files:  # keys made before the standby's: only the standby's are new
+            table.add_row(escape(str(files[name])), escape(where), secret)
     console.print(table)
     console.print(f"PS:      plug-asgd serve-ps --host 0.0.0.0 --keys {escape(str(directory / 'server'))}\n"
-                  f"workers: --ps-keys {escape(str(directory / 'worker'))}  (AsyncPSStrategy(ps_keys=...))",
-                  soft_wrap=True, highlight=False)
+                  f"workers: --ps-keys {escape(str(directory / 'worker'))}  (AsyncPSStrategy(ps_keys=...))\n"
+                  f"standby: plug-asgd serve-ps --host 0.0.0.0 --standby-of tcp://PS_HOST:2223 "
+                  f"--keys {escape(str(directory / 'standby'))}", soft_wrap=True, highlight=False)
