@@ -21,6 +21,7 @@ from harness.netns import ip
 from plug_asgd.protocol.checkpoint import epoch_of, list_checkpoints, read_checkpoint
 from plug_asgd.protocol.security import generate_keys
 from plug_asgd.protocol.wire import decode, encode
+from plug_asgd.ps.standby_join import proven
 from plug_asgd.worker.client import PSClient, PSError
 from tests.conftest import (
     PLUG_ASGD,
@@ -220,11 +221,13 @@ def test_a_killed_standby_leaves_the_primary_serving_and_a_new_standby_joins(pro
 
 
 def test_a_keyed_pair_fails_over_and_refuses_a_standby_without_its_keys(procs, start_ps, tmp_path):
-    # the primary and its standby share the PS's keys (each admits the other by them), the workers have theirs
-    keys = tmp_path / "keys"
+    # the standby joins with its own key (keys/standby, which holds the PS's keypair too: it leads as the PS), the
+    # primary admits it for that role; the workers have theirs
+    keys, other = tmp_path / "keys", tmp_path / "other"
     generate_keys(keys)
+    generate_keys(other)
     primary = start_ps("asgd", keys=keys / "server")
-    standby = start_ps("asgd", keys=keys / "server", standby_of=primary)
+    standby = start_ps("asgd", keys=keys / "standby", standby_of=primary)
     logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
     workers = [start_worker(procs, primary, r, logs[r], mode="asgd", pushes=60, delta=r + 1.0, keys=keys / "worker")
                for r in (0, 1)]
@@ -235,13 +238,13 @@ def test_a_keyed_pair_fails_over_and_refuses_a_standby_without_its_keys(procs, s
         finish(w, timeout=120)
     final = max((r for log in logs for r in read_log(log) if r["event"] == "done"), key=lambda r: r["version"])
     assert final["version"] == 120 and final["w"] == [60 * 1.0 + 60 * 2.0] * 4
-    # a standby without the PS's keys cannot even ask the primary for its options
+    # a standby with another PS's keys cannot even ask the primary for its options (its handshake fails)
     alone = start_ps("asgd", keys=keys / "server")
     from plug_asgd.ps import PSConfig
     from plug_asgd.ps.standby_join import standby_config
 
     with pytest.raises(OSError, match="no answer from the primary"):
-        standby_config(PSConfig(bind="tcp://127.0.0.1:1", standby_of=alone), timeout=2.0)
+        standby_config(PSConfig(bind="tcp://127.0.0.1:1", standby_of=alone, keys=other / "standby"), timeout=2.0)
     out = start_ps.stop(standby)
     assert "LEADS now, epoch 2" in out
 
@@ -337,9 +340,15 @@ def test_forged_claims_are_refused_by_the_primary_and_the_standby(start_ps):
     assert stats(standby)["role"] == "standby"
     reply = worker.push(0, {"w": np.ones(4, np.float32)})
     assert reply.status == "applied" and reply.version == 1 and stats(standby)["version"] == 1
+    # a join that does not prove the primary's secret is refused before anything; one that does, as the standby
+    # taken already
+    join = {"address": standby, "link_address": standby, "link": "1" * 32}
+    with pytest.raises(PSError, match="only this parameter server's standby may ask that"):
+        PSClient(primary, rank=0, world_size=1, mode="asgd", request_timeout=10).request(
+            "standby", {"step": "join", **join})
     with pytest.raises(PSError, match="joined|standby already"):
         PSClient(primary, rank=0, world_size=1, mode="asgd", request_timeout=10).request(
-            "standby", {"step": "join", "address": standby, "link": "1" * 32})
+            "standby", proven(primary, "join", join, None))
     worker.close()
 
 
@@ -357,7 +366,8 @@ def test_a_join_nobody_answers_or_naming_the_primary_itself_never_holds_up_a_pus
             joiner = zmq.Context.instance().socket(zmq.DEALER)
             joiner.setsockopt(zmq.LINGER, 0)
             joiner.connect(primary)
-            joiner.send_multipart(encode("standby", {"step": "join", "address": target, "link": "a" * 32, "rid": 1}))
+            join = {"address": target, "link_address": target, "link": "a" * 32}  # proven: this user reads the secret
+            joiner.send_multipart(encode("standby", {**proven(primary, "join", join, None), "rid": 1}))
             asked = time.monotonic()
             while not joiner.poll(0):
                 assert time.monotonic() - asked < 30, "the join was neither taken nor refused"
@@ -375,17 +385,15 @@ def test_a_join_nobody_answers_or_naming_the_primary_itself_never_holds_up_a_pus
             assert after["standby"] is None and after["standby_joining"] is None and after["standbys_joined"] == 0
         assert slowest < PUSH_BOUND_S, slowest
         assert dead in seen  # the pushes above were answered while that join was pending
-        refused = stats(primary)["refused"]
-        # its own records (the state, and those of the pushes made until the refusal came back), refused as a stranger's
-        assert refused["standby_failed"] == 2 and refused["bad_link"] >= 1
+        # the second: a keyless primary's link speaks PLAIN, its own socket does not: no handshake, abandoned
+        assert stats(primary)["refused"]["standby_failed"] == 2
         standby = start_ps("asgd", standby_of=primary)
         wait_for(lambda: stats(primary)["standby"] == standby, 30, "a real standby to join")
         assert worker.push(pushed, {"w": np.ones(4, np.float32)}).version == pushed + 1
         assert stats(standby)["version"] == pushed + 1 and worker.pull().tensors["w"].tolist() == [pushed + 1.0] * 4
     fault_report(fault="a standby join naming a port nobody answers, then one naming the primary's own address",
                  injected=2, handled=2, pushes_lost=0, recovery_s=None,
-                 detail=f"both refused (standby_failed 2, within failover_timeout; the second at once, its "
-                        "records coming back to it as a stranger's: bad_link); "
+                 detail=f"both refused (standby_failed 2, within failover_timeout: no handshake with either); "
                         f"{pushed} pushes answered meanwhile, the slowest in {slowest:.3f} s; nothing changed, and "
                         "a real standby joined after")
 

@@ -6,7 +6,11 @@ local rank 0 starts, for each embedded PS (one, or one per shard of ``ps_shards=
 it: :func:`~plug_asgd.sharding.per_node.node_address`), port ``ps_port + N + I`` for shard I of N (nodes that share
 a machine, or a test's, do not clash with the primaries' ports). It starts once node 1 has reached the primaries,
 and node 1's workers begin only once each primary has taken its standby: a job that asked for one does not run
-without it unnoticed. The workers learn the standbys from the primaries' replies, as any worker does.
+without it unnoticed. The workers learn the standbys from the primaries' replies, as any worker does. Each standby
+proves itself to its primary (:mod:`plug_asgd.ps.standby_credential`): with ``ps_keys=DIR``, by the standby key
+``DIR/standby`` (the primaries use ``DIR/server``); without keys, by the secret its primary wrote where their user
+alone reads it (found from the primary's port: the nodes share a file system there, as emulated hosts do, or
+``PLUG_ASGD_SECRET_DIR`` names a shared folder).
 
 What it covers: the loss of node 0's machine, or of an embedded PS process. A rank 0 that fails with an exception
 still ends the job, as without a standby (its PS tells the other workers: :mod:`plug_asgd.ps.failure`).

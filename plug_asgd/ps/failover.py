@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +35,9 @@ from plug_asgd.protocol.checkpoint import CheckpointError
 from plug_asgd.protocol.wire import Message, Tensor, WireError
 from plug_asgd.ps.membership import proof
 from plug_asgd.ps.replication import Fenced, Replication
+from plug_asgd.ps.standby_credential import StandbyCredential
 from plug_asgd.ps.standby_join import JoinRequest, advertised, ask_peer
+from plug_asgd.ps.standby_link import StandbyLink
 from plug_asgd.ps.standby_records import StandbyRecords
 
 log = logging.getLogger("plug_asgd.ps")
@@ -70,6 +73,9 @@ class Failover(StandbyRecords):
         self._posted_at = 0.0
         self._join: JoinRequest | None = None
         self.join_failed: str | None = None
+        self.link: StandbyLink | None = None  # a standby's record socket
+        self.credential: StandbyCredential | None = None  # what proves a standby to this PS
+        self.peer: Any = None  # the request in hand's first frame (its User-Id: the connection's key)
 
     # -- the primary's side ------------------------------------------------------------------
 
@@ -142,8 +148,9 @@ class Failover(StandbyRecords):
             self._unsent, self._posted_at = 0, time.monotonic()
 
     def failover_tick(self) -> None:
-        """Between requests: a primary's beat to its standby (or its state, with a window); a standby's check of
-        its join."""
+        """Between requests: a standby's records (:meth:`serve_link`); a primary's beat to its standby (or its
+        state, with a window); a standby's check of its join."""
+        self.serve_link()
         if self.role == "primary":
             try:
                 self.replication.beat(self.store.version)
@@ -169,6 +176,21 @@ class Failover(StandbyRecords):
                                         ": workers talk to the primary, and come here only when it is gone")
         return WireError("replaced", f"this parameter server was replaced by its standby at {self.leader}, which "
                                      "leads now: talk to it")
+
+    def screen(self, body: list[Any]) -> list[Any]:
+        """A request's frames, refused before they are decoded where this PS does not lead: a standby (or a
+        replaced PS) answers no request that carries tensors, so a flood of large messages costs it no decoding.
+
+        Args:
+            body: the request's frames (header first).
+
+        Raises:
+            WireError: ``standby`` or ``replaced``, where it does not lead and the request carries tensors.
+        """
+        if self.role != "primary" and len(body) > 1:
+            why = self._not_serving()
+            raise WireError(why.code, str(why))
+        return body
 
     def check_epoch(self, msg: Message) -> None:
         """Refuse a request that claims a later epoch than this PS leads, unless its standby confirms it (the PS
@@ -197,15 +219,18 @@ class Failover(StandbyRecords):
         if self.role != "primary":
             raise self._not_serving()
         step = msg.str_field("step")
+        if self.credential is None:
+            raise WireError("bad_standby", "this parameter server takes no standby")
+        self.credential.check(step, msg.fields, self.peer)  # before anything changes: bad_standby
         if step == "config":
             self._send(identity, rid, "standby_config", {"config": self.config.to_json(), "epoch": self.epoch})
             return
         if step != "join":
             raise WireError("bad_field", f"field 'step' must be 'config' or 'join', got {step!r:.40}")
-        address, link = msg.str_field("address"), msg.str_field("link")
+        address, link_address, link = msg.str_field("address"), msg.str_field("link_address"), msg.str_field("link")
         if len(link) < 32:
             raise WireError("bad_field", "field 'link' must be the standby's token (32 hex digits at least)")
-        self.replication.attach(address, link, self.state_record(), (identity, rid))  # answered by _answer_join
+        self.replication.attach(address, link_address, link, self.state_record(), (identity, rid))  # answered later
         self._trainers_sent = self.members.trainers()
 
     def _answer_join(self, requester: tuple[bytes, Any], failed: str | None) -> None:
@@ -229,6 +254,7 @@ class Failover(StandbyRecords):
             CheckpointError: where another PS of the run leads the resumed epoch or a later one (this PS is closed).
         """
         self.persistence.lineage = self.lineage
+        self.credential = StandbyCredential(keys, self.address)  # a keyless PS's secret: written now
         if self.role == "standby":
             self.join_primary(keys)
             return
@@ -262,6 +288,10 @@ class Failover(StandbyRecords):
             self._fenced(exc)
         if self._join is not None:
             self._join.close()
+        if self.link is not None:
+            self.link.close()
+        if self.credential is not None:
+            self.credential.close()
 
     # -- the standby's side ------------------------------------------------------------------
 
@@ -271,8 +301,10 @@ class Failover(StandbyRecords):
         Args:
             keys: the PS's CURVE keys (the primary's too); None: none.
         """
-        self._join = JoinRequest(self._ctx, self.config.standby_of or "", advertised(self.address), keys)
-        self._link = self._join.link
+        self._link = secrets.token_hex(16)
+        self.link = StandbyLink(self._ctx, self.address, keys, self._link, self.limits)
+        self._join = JoinRequest(self._ctx, self.config.standby_of or "", advertised(self.address),
+                                 advertised(self.link.address), self._link, keys)
         log.info("standby of %s: asking to join", self.config.standby_of)
 
     def check_join(self) -> None:
@@ -284,29 +316,7 @@ class Failover(StandbyRecords):
             self._stop = True
 
     def _on_replicate(self, identity: bytes, rid: Any, msg: Message) -> None:
-        link = msg.fields.get("link")
-        expected = self._link or ""
-        if not isinstance(link, str) or not expected or not hmac.compare_digest(link, expected):
-            raise WireError("bad_link", "a record must come over the link this standby opened with its primary")
-        if self.role != "standby":  # it leads: the old primary is told so, and changes nothing
-            self._send(identity, rid, "fenced", {"epoch": self.epoch})
-            return
-        kind = msg.str_field("kind")
-        apply = getattr(self, f"_apply_{kind}", None)
-        if apply is None:
-            raise WireError("bad_field", f"unknown record kind {kind!r:.40}")
-        self.primary_heard = time.monotonic()
-        if kind == "push":  # held once here: acknowledged first, folded while the primary folds its own copy (a
-            # request to lead is read only after the fold, so a standby that leads has folded every record it held)
-            self._send(identity, rid, "ack", {"version": self.store.version, "status": "held"})
-        status = "ok"
-        try:
-            apply(msg)
-        except WireError as exc:  # a push the primary refuses as well (the same code on the same state)
-            status = exc.code
-        self.primary_version = self.store.version
-        if kind != "push":
-            self._send(identity, rid, "ack", {"version": self.store.version, "status": status})
+        raise WireError("bad_link", "a record must come over the link this standby opened with its primary")
 
     def _on_lead(self, identity: bytes, rid: Any, msg: Message) -> None:
         """A worker that could not reach the primary asks this standby to lead (the rule: module docstring). One that
@@ -369,5 +379,6 @@ class Failover(StandbyRecords):
         if self.replication.standby_version is not None:
             lag = self.store.version - self.replication.standby_version
         return {"role": self.role, "epoch": self.epoch, "failovers": self.failovers, "leader": self.leader,
+                "record_socket": self.link.address if self.link is not None else None,
                 "standby_lag": lag, "standby_of": self.config.standby_of if self.role == "standby" else None,
                 **self.replication.counters()}

@@ -1,7 +1,9 @@
 """The primary's side of a hot standby: one link to it, over which every change of the central state goes first.
 
-A standby (``serve-ps --standby-of ADDR``) asks to join; the primary connects a DEALER socket to the standby's
-address and sends it the whole state (a ``snapshot`` record), then, before each change it makes, the record of that
+A standby (``serve-ps --standby-of ADDR``) asks to join, proving its credential
+(:mod:`plug_asgd.ps.standby_credential`); the primary connects a DEALER socket to the standby's record socket
+(:mod:`plug_asgd.ps.standby_link`: only the primary can write there, by the PS's key or the link's token) and
+sends it the whole state (a ``snapshot`` record), then, before each change it makes, the record of that
 change. The join runs beside the serving loop (:class:`Joining`): the snapshot and the records of the changes made
 meanwhile go without waiting (copied as they are sent), their acknowledgements are read between requests, and the
 standby is attached once it has acknowledged the last of them; a link whose ZeroMQ handshake has not succeeded
@@ -85,7 +87,8 @@ class Replication:
         failover_timeout: seconds the standby waits in silence before it may lead; the link's acknowledgement
             timeout, and four times its beat interval.
         limits: the largest message the link accepts back.
-        keys: the PS's CURVE keys, which its standby holds too; None: the link is not encrypted.
+        keys: the PS's CURVE keys, which its standby holds too; None: the link is not encrypted (its token is the
+            record socket's PLAIN password).
     """
 
     def __init__(self, context: zmq.Context, failover_timeout: float, limits: Limits, keys: Any = None) -> None:
@@ -121,13 +124,14 @@ class Replication:
         """Whether the records of changes go to a standby: one attached, or one being taken."""
         return self._sock is not None
 
-    def attach(self, address: str, link: str, snapshot: tuple[dict[str, Any], dict[str, Tensor]],
-               requester: tuple[bytes, Any]) -> None:
+    def attach(self, address: str, link_address: str, link: str,
+               snapshot: tuple[dict[str, Any], dict[str, Tensor]], requester: tuple[bytes, Any]) -> None:
         """Begin taking the standby at ``address``: the whole state goes to it now, without waiting; it is attached
         once it has acknowledged that and every record sent since (:meth:`join_done` says when, or why not).
 
         Args:
-            address: the standby's ZeroMQ address.
+            address: the standby's ZeroMQ address, where workers reach it (named in replies).
+            link_address: its record socket's, where the records go.
             link: the standby's token for this link (from its join request).
             snapshot: the state's fields and tensors (copied as they are sent: folds may go on).
             requester: the join request's sender and request id, answered once the join is done or abandoned.
@@ -139,10 +143,10 @@ class Replication:
             raise WireError("standby_taken", f"this parameter server has a standby already "
                                              f"({self.address or self._joining and self._joining.address}): stop "
                                              "it first, or join this one to the standby instead")
-        sock = client_socket(self._ctx, self._keys)
+        sock = client_socket(self._ctx, self._keys, link=link)
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        sock.connect(address)
+        sock.connect(link_address)
         now = time.monotonic()
         self._sock, self._link = sock, link
         self._joining = Joining(address, requester, monitor, 0, now + self.failover_timeout, now + JOIN_TIMEOUT_S)

@@ -27,7 +27,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.compressors.heap import keep_freed_memory
-from plug_asgd.protocol.security import load_server_keys
+from plug_asgd.protocol.security import load_server_keys, load_standby_keys
 from plug_asgd.protocol.wire import Local, Message, Tensor, WireError, decode, encode, message_bytes
 from plug_asgd.ps import failure
 from plug_asgd.ps import limits as bounds
@@ -64,7 +64,8 @@ class ParameterServer(ModelRequests, Failover):
 
     def __init__(self, config: PSConfig | None = None, *, context: zmq.Context | None = None) -> None:
         config = config if config is not None else PSConfig()
-        server_keys = load_server_keys(config.keys) if config.keys is not None else None
+        load_keys = load_standby_keys if config.standby_of is not None else load_server_keys
+        server_keys = load_keys(config.keys) if config.keys is not None else None
         self.config = config
         self.mode = config.mode
         self.limits = config.limits()
@@ -79,8 +80,8 @@ class ParameterServer(ModelRequests, Failover):
         if config.resume is not None:
             self.persistence.resume(config.resume)
             bounds.trim_sessions(self.store.last_seq, self.members.world_size)
-        # a ZAP handler is one per context: a keyed PS gets its own unless one is given
-        self._own_ctx = context is None and server_keys is not None
+        # a ZAP handler is one per context: a keyed PS, or a standby (its record socket's), gets its own unless given
+        self._own_ctx = context is None and (server_keys is not None or config.standby_of is not None)
         self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         self.socket = self._ctx.socket(zmq.ROUTER)
         # written by request_stop: a poll sleeping in serve_forever wakes at once, not at its timeout (200 ms)
@@ -164,10 +165,9 @@ class ParameterServer(ModelRequests, Failover):
         log.info("parameter server listening on %s, mode %s", self.address, self.mode)
         keep_freed_memory()  # a packed push's decoding reuses the last one's pages (compressors/heap.py)
         poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        for readable in (self.socket, self._monitor, self.link and self.link.socket, self._wake_r):
+            if readable is not None:
+                poller.register(readable, zmq.POLLIN)
         next_tick = time.monotonic()
         try:
             while not self._stop:
@@ -196,6 +196,7 @@ class ParameterServer(ModelRequests, Failover):
     def _drain(self) -> None:
         """Handle every request waiting on the socket."""
         while True:
+            self.serve_link()  # a standby's records first, and between two requests of its workers' socket
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -229,8 +230,8 @@ class ParameterServer(ModelRequests, Failover):
 
     def _handle(self, frames: list[Any]) -> str | None:
         """Decode, dispatch and answer one request (an error reply for a bad one); returns its type."""
-        identity = frames[0].bytes
-        body = frames[1:]
+        identity, body = frames[0].bytes, frames[1:]
+        self.peer = body[0] if body else None
         self.stats.messages_in += 1
         if self.members.seen(identity):
             self._update_trainers()
@@ -238,7 +239,7 @@ class ParameterServer(ModelRequests, Failover):
         self.stats.bytes_in += size
         rid = kind = None
         try:
-            msg = decode(body, self.limits)
+            msg = decode(self.screen(body), self.limits)  # a standby's: no tensors (garbage costs no decode)
             rid, kind = bounds.rid(msg.fields), msg.type
             if msg.type != "push" and any(isinstance(t, Local) for t in msg.tensors.values()):
                 raise WireError("bad_local", f"a {msg.type!r} message cannot name shared memory: only pushes do")

@@ -5,7 +5,9 @@
 metrics folder, (if given) its checkpoint folder and the process it follows (an embedded standby's:
 ``parent_pid``) stay its own. The join itself (:class:`JoinRequest`) is answered
 only once the primary has sent the whole state and the standby has acknowledged it, from its serving loop: so the
-request goes first, and its answer is read between requests.
+request goes first, and its answer is read between requests. Both requests prove the standby's credential
+(:mod:`plug_asgd.ps.standby_credential`): a keyed standby connects with its own key (DIR/standby), a keyless one
+signs them with its primary's secret.
 """
 
 from __future__ import annotations
@@ -13,17 +15,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import secrets
 import socket
 import time
 from typing import Any
 
 import zmq
 
-from plug_asgd.protocol.security import load_server_keys
+from plug_asgd.protocol.security import load_standby_keys
 from plug_asgd.protocol.wire import decode, encode
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.curve_auth import client_socket
+from plug_asgd.ps.standby_credential import prove, read_secret
 
 log = logging.getLogger("plug_asgd.ps")
 
@@ -32,11 +34,28 @@ OWN_FIELDS = ("bind", "keys", "insecure", "run_dir", "metrics_every", "io_retry_
 JOIN_WAIT_S = 90.0  # the join's answer: the primary sends the whole model first (JOIN_TIMEOUT_S) and may be busy
 
 
+def proven(address: str, step: str, fields: dict[str, Any], keys: Any) -> dict[str, Any]:
+    """A standby's request to the primary at ``address``: keyed, as it is (the connection's key proves it);
+    keyless, with the proof of the primary's secret.
+
+    Args:
+        address: the primary's address.
+        step: the request's step (``config`` or ``join``).
+        fields: its other fields.
+        keys: the standby's keys (None: keyless).
+
+    Raises:
+        OSError: where a keyless standby cannot read its primary's secret.
+    """
+    fields = {**fields, "step": step}
+    return fields if keys is not None else prove(read_secret(address), step, fields)
+
+
 def _ask(context: zmq.Context, address: str, fields: dict[str, Any], timeout: float, keys: Any) -> dict[str, Any]:
-    sock = client_socket(context, keys)
+    sock = client_socket(context, keys, standby=keys is not None)
     try:
         sock.connect(address)
-        sock.send_multipart(encode("standby", {**fields, "rid": 1}))
+        sock.send_multipart(encode("standby", {**proven(address, fields["step"], fields, keys), "rid": 1}))
         if not sock.poll(int(timeout * 1000)):
             raise OSError(f"no answer from the primary parameter server at {address} within {timeout:g} s: is it "
                           "running, and is the address right (--standby-of)?")
@@ -83,12 +102,14 @@ def standby_config(own: PSConfig, timeout: float = 10.0, context: zmq.Context | 
 
     Raises:
         OSError: where the primary does not answer within ``timeout`` (its keys are not this standby's, say), or
-            refuses (it is itself a standby).
+            refuses (it is itself a standby, or the standby's credential is not the one it admits), or a keyless
+            standby cannot read its primary's secret.
+        KeysError: where ``own.keys`` holds no standby key.
         ValueError: where ``own`` names no primary.
     """
     if own.standby_of is None:
         raise ValueError("standby_config needs standby_of: the primary's address")
-    keys = load_server_keys(own.keys) if own.keys is not None else None
+    keys = load_standby_keys(own.keys) if own.keys is not None else None
     fields = _ask(context or zmq.Context.instance(), own.standby_of, {"step": "config"}, timeout, keys)
     theirs = json.loads(fields["config"])
     merged = {k: v for k, v in theirs.items() if k not in OWN_FIELDS and k not in ("resume", "run_id")}
@@ -116,17 +137,23 @@ class JoinRequest:
     Args:
         context: the ZeroMQ context.
         primary: the primary's address.
-        address: where the primary reaches this standby.
-        keys: the PS's CURVE keys (the primary's too); None: none.
+        address: where the workers reach this standby (named in the primary's replies).
+        link_address: where the primary sends its records (the standby's record socket).
+        link: the link's token (the record socket's password, and every record's).
+        keys: the standby's CURVE keys (:func:`~plug_asgd.protocol.security.load_standby_keys`); None: none.
+
+    Raises:
+        OSError: where a keyless standby cannot read its primary's secret.
     """
 
-    def __init__(self, context: zmq.Context, primary: str, address: str, keys: Any = None) -> None:
-        self.link = secrets.token_hex(16)
+    def __init__(self, context: zmq.Context, primary: str, address: str, link_address: str, link: str,
+                 keys: Any = None) -> None:
+        self.link = link
         self.primary = primary
-        self._sock: zmq.Socket | None = client_socket(context, keys)
+        fields = proven(primary, "join", {"address": address, "link_address": link_address, "link": link}, keys)
+        self._sock: zmq.Socket | None = client_socket(context, keys, standby=keys is not None)
         self._sock.connect(primary)
-        self._sock.send_multipart(encode("standby", {"step": "join", "address": address, "link": self.link,
-                                                     "rid": 1}))
+        self._sock.send_multipart(encode("standby", {**fields, "rid": 1}))
         self._deadline = time.monotonic() + JOIN_WAIT_S
         self.failed: str | None = None
 

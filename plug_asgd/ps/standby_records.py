@@ -1,6 +1,7 @@
 """What a hot standby's records hold, and how the standby takes each one: the whole state (at the join, and every
 ``standby_window`` pushes), a push, an ``init``, the training ranks, a worker's session, a completed collective, a
-posted notice, a beat, the run's end.
+posted notice, a beat, the run's end. They come on the standby's record socket alone
+(:mod:`plug_asgd.ps.standby_link`), each with the link's token, and are acknowledged there.
 
 :class:`StandbyRecords` is a base of :class:`~plug_asgd.ps.failover.Failover`: the primary makes the state record
 (:meth:`StandbyRecords.state_record`), the standby's ``_apply_KIND`` applies a record of kind ``KIND`` to its own
@@ -10,18 +11,22 @@ primary changed its own.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import time
 from typing import Any
 
 import numpy as np
 
 from plug_asgd.modes import APPLIED
-from plug_asgd.protocol.wire import Message, Tensor, encode, message_bytes
+from plug_asgd.protocol.wire import Limits, Message, Tensor, WireError, decode, encode, message_bytes
+from plug_asgd.ps import limits as bounds
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.fast_store import FastStore
 from plug_asgd.ps.gathers import Gathers
 from plug_asgd.ps.membership import Membership
 from plug_asgd.ps.shard_guard import ShardGuard
+from plug_asgd.ps.standby_link import StandbyLink
 from plug_asgd.ps.stats import Stats
 from plug_asgd.ps.store_records import FOLDED, MAX_SCALED_FOR, PushIn, Snapshot
 
@@ -29,9 +34,15 @@ log = logging.getLogger("plug_asgd.ps")
 
 
 class StandbyRecords:
-    """The state record a primary sends, and the records a standby applies."""
+    """The state record a primary sends, and the records a standby reads from its record socket and applies."""
 
     config: PSConfig
+    limits: Limits
+    link: StandbyLink | None
+    _link: str | None
+    role: str
+    primary_heard: float
+    primary_version: int | None
     store: FastStore
     members: Membership
     collectives: Gathers
@@ -58,6 +69,56 @@ class StandbyRecords:
             tensors = {f"model/{n}": t for n, t in snap.tensors.items()}
             tensors.update((f"rule/{n}", a) for n, a in snap.rule_arrays.items())
         return fields, tensors
+
+    def serve_link(self) -> None:
+        """A standby's records waiting on its record socket, handled now (first, and before each message of the
+        workers' socket: garbage there delays a record by one message at most)."""
+        if self.link is not None:
+            self.link.drain(self._on_link_frames)
+
+    def _on_link_frames(self, identity: bytes, frames: list[Any]) -> None:
+        """A message on the record socket: a record of the primary's applied (or ``fenced``), anything else
+        refused and counted; answered on that socket."""
+        rid = None
+        try:
+            msg = decode(frames, self.limits)
+            rid = bounds.rid(msg.fields)
+            if msg.type != "replicate":
+                raise WireError("bad_link", f"a standby's record socket takes records, not {msg.type!r:.40}")
+            self._apply_record(identity, rid, msg)
+        except WireError as exc:
+            self.stats.refused[exc.code] += 1
+            self._link_reply(identity, rid, "error", {"code": exc.code, "message": str(exc)})
+
+    def _link_reply(self, identity: bytes, rid: Any, msg_type: str, fields: dict[str, Any]) -> None:
+        if self.link is not None:
+            self.link.send(identity, msg_type, {**fields, "rid": rid, "epoch": self.epoch})
+
+    def _apply_record(self, identity: bytes, rid: Any, msg: Message) -> None:
+        link = msg.fields.get("link")
+        expected = self._link or ""
+        if not isinstance(link, str) or not link.isascii() or not expected or not hmac.compare_digest(link, expected):
+            raise WireError("bad_link", "a record must come over the link this standby opened with its primary")
+        if self.role != "standby":  # it leads: the old primary is told so, and changes nothing
+            self._link_reply(identity, rid, "fenced", {"epoch": self.epoch})
+            return
+        kind = msg.str_field("kind")
+        apply = getattr(self, f"_apply_{kind}", None)
+        if apply is None:
+            raise WireError("bad_field", f"unknown record kind {kind!r:.40}")
+        self.primary_heard = time.monotonic()
+        if kind == "push":  # held once here: acknowledged first, folded while the primary folds its own copy (a
+            # request to lead is read only after the fold, so a standby that leads has folded every record it held)
+            self._link_reply(identity, rid, "ack", {"version": self.store.version, "status": "held"})
+        status = "ok"
+        try:
+            apply(msg)
+        except WireError as exc:  # a push the primary refuses as well (the same code on the same state)
+            status = exc.code
+        self.primary_version = self.store.version
+        if kind != "push":
+            self._link_reply(identity, rid, "ack", {"version": self.store.version, "status": status})
+
 
     def _apply_snapshot(self, msg: Message) -> None:
         f = msg.fields
