@@ -239,29 +239,35 @@ def test_a_flood_of_large_garbage_at_the_standby_neither_drops_it_nor_loses_a_pu
     count, tensors = GARBAGE
     garbage = encode("replicate", {"kind": "push", "rid": 1, "rank": 0},
                      {f"t{i}": np.zeros(0, np.float32) for i in range(tensors)})  # no link token
+    # one message on each of `count` connections to the standby's workers' socket (fair queuing served each before
+    # the primary's next record: that dropped the standby), and as many at its record socket, as a stranger (no
+    # credentials) and as one that guesses the token
     ctx = zmq.Context.instance()
-    at_standby, at_link, at_link_plain = (ctx.socket(zmq.DEALER) for _ in range(3))
-    at_link_plain.plain_username, at_link_plain.plain_password = b"primary", b"0" * 32  # a guessed token
-    for sock, where in ((at_standby, standby), (at_link, record_socket), (at_link_plain, record_socket)):
+    at_standby = [ctx.socket(zmq.DEALER) for _ in range(count)]
+    at_link, at_link_plain = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    at_link_plain.plain_username, at_link_plain.plain_password = b"primary", b"0" * 32
+    for sock in (*at_standby, at_link, at_link_plain):
         sock.setsockopt(zmq.LINGER, 0)
         # a socket refused in the handshake may have nowhere to queue a message: it is not waited for
-        sock.setsockopt(zmq.SNDTIMEO, 10_000 if sock is at_standby else 0)
-        sock.connect(where)
+        sock.setsockopt(zmq.SNDTIMEO, 0 if sock in (at_link, at_link_plain) else 10_000)
+        sock.connect(record_socket if sock in (at_link, at_link_plain) else standby)
+    time.sleep(0.5)  # connected, so that the messages arrive together
     started, queued = time.time(), 0
-    for _ in range(count):
-        for sock in (at_standby, at_link, at_link_plain):
+    for i in range(count):
+        for sock in (at_standby[i], at_link, at_link_plain):
             with contextlib.suppress(zmq.Again):
                 sock.send_multipart(garbage)
                 queued += 1
     # the standby's other socket refuses each without decoding it; on its record socket none is even read
     refused, deadline = [], time.monotonic() + 120
-    while len(refused) < count and at_standby.poll(max(0, int((deadline - time.monotonic()) * 1000))):
-        refused.append(decode(at_standby.recv_multipart()).fields.get("code"))
+    for sock in at_standby:
+        if sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            refused.append(decode(sock.recv_multipart()).fields.get("code"))
     assert refused == ["standby"] * count, (refused, stats(standby)["refused"])
     assert queued >= count  # every one to the standby's workers' socket, and what its record socket let queue
     assert not at_link.poll(500) and not at_link_plain.poll(500)
     flooded_for = time.time() - started
-    for sock in (at_standby, at_link, at_link_plain):
+    for sock in (*at_standby, at_link, at_link_plain):
         sock.close(0)
     during = stats(primary)
     assert during["standby"] == standby and during["standbys_detached"] == 0, during["standby_lost_reason"]
@@ -278,8 +284,9 @@ def test_a_flood_of_large_garbage_at_the_standby_neither_drops_it_nor_loses_a_pu
     assert new["role"] == "primary" and new["epoch"] == 2 and new["pushes_by_rank"] == {"0": PUSHES, "1": PUSHES}
     final = max((r for log in logs for r in read_log(log) if r["event"] == "done"), key=lambda r: r["version"])
     assert final["version"] == 2 * PUSHES and final["w"] == [PUSHES * 1.0 + PUSHES * 2.0] * 4  # each push, once
-    fault_report(fault=f"{count} messages of {tensors} empty tensors, without the link's token, at each of the "
-                       "standby's sockets (a stranger, a guessed token)", injected=queued, handled=queued,
+    fault_report(fault=f"{count} messages of {tensors} empty tensors, without the link's token, at the standby's "
+                       f"workers' socket ({count} connections) and its record socket (a stranger, a guessed token)",
+                 injected=queued, handled=queued,
                  pushes_lost=0, recovery_s=None,
                  detail=f"over {flooded_for:.1f} s the standby stayed attached (failover_timeout 2 s; "
                         f"{sum(acknowledged)} pushes acknowledged meanwhile); its record socket read none; the primary "
