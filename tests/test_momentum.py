@@ -103,8 +103,18 @@ def regression(tmp_path_factory):
             **regression_launch(tmp, [*STEP_MODES, *CODECS], [*OFF_MODES, *CODECS])}
 
 
+# The regression case's real-process launch (about 100 fits, 110 to 130 s of both cores) is the full tier's: the
+# suite fits the same model, data, optimizer and bounds in threads through the library's own exchange, client, wire
+# and PS (tests/test_momentum_quick.py, test_momentum_quick_off.py, with each step's second push 1 version stale),
+# and keeps here the launch that ties the threads to the processes: the deterministic modes, fitted once each.
+@pytest.fixture(scope="module")
+def deterministic_fits(tmp_path_factory):
+    return regression_launch(tmp_path_factory.mktemp("momentum_deterministic"), list(DETERMINISTIC), [])["on"]
+
+
 @pytest.mark.timeout(300)  # the fixture's launch, when this test is the first to need it
 @pytest.mark.integration
+@pytest.mark.full
 def test_the_one_process_reference_trains(regression):
     loss = regression["one_process"]
     assert loss < val_loss(Regression()) / 5, loss  # seeded: 57.5 before, 6.81 after
@@ -113,6 +123,7 @@ def test_the_one_process_reference_trains(regression):
 @pytest.mark.timeout(300)  # the fixture's launch
 @pytest.mark.parametrize("mode", STEP_MODES)
 @pytest.mark.integration
+@pytest.mark.full
 def test_every_mode_trains_the_regression_model_with_momentum_sgd(regression, mode):
     run = regression["on"][mode]
     bound = REGRESSION_BOUND * regression["one_process"]
@@ -122,6 +133,7 @@ def test_every_mode_trains_the_regression_model_with_momentum_sgd(regression, mo
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.integration
+@pytest.mark.full
 def test_every_codec_trains_the_regression_model_without_diverging(regression, codec):
     run = regression["on"][codec]
     assert run["after"] <= CODEC_BOUND * run["before"], run
@@ -130,6 +142,7 @@ def test_every_codec_trains_the_regression_model_without_diverging(regression, c
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", [*OFF_MODES, *CODECS])
 @pytest.mark.integration
+@pytest.mark.full
 def test_without_compensation_the_asynchronous_modes_miss_the_bound(regression, mode):
     # single fits measured: asgd 97-2,479 (5), ssp 30-669 (5), downpour 6.7-6.9e6 (11: one below the bound, see
     # OFF_REPEATS), adacomp >= 8e8 (5); the codecs over 1: 2e4 (powersgd) to 2e9 (randomk), but powersgd once 11.2;
@@ -141,9 +154,9 @@ def test_without_compensation_the_asynchronous_modes_miss_the_bound(regression, 
 @pytest.mark.timeout(300)  # the fixture's launch
 @pytest.mark.parametrize("mode", DETERMINISTIC)
 @pytest.mark.integration
-def test_a_deterministic_fit_in_threads_is_the_fit_of_real_processes(regression, mode):
+def test_a_deterministic_fit_in_threads_is_the_fit_of_real_processes(deterministic_fits, mode):
     """The quick tier's threads stand in for Lightning's processes faithfully: where nothing races, the same loss."""
-    assert threaded_fit(mode, None) == pytest.approx(regression["on"][mode]["after"], rel=1e-5)
+    assert threaded_fit(mode, None) == pytest.approx(deterministic_fits[mode]["after"], rel=1e-5)
 
 
 # -- the recipe CNN on Fashion-MNIST ---------------------------------------------------------------

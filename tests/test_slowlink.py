@@ -69,8 +69,13 @@ def test_a_pinned_command_runs_on_its_cores_only():
     assert out.strip() == "[0]"
 
 
+# The full tier's (pytest -m full): 3 launches on emulated hosts, 80 to 120 s of both cores in a suite run. The
+# suite checks the same on smaller runs: tests/test_islands.py's two emulated hosts (a host's link counters against
+# the strategy's own count of its bytes), tests/test_namespaces.py's fits across namespaces, each codec's push bytes
+# against its formula on the recipe's runs (tests/test_training.py) and the configurations above.
 @needs_fashion
 @pytest.mark.integration
+@pytest.mark.full
 @pytest.mark.timeout(SLOWLINK_QUICK_TIMEOUT_S + 60)
 def test_quick_slowlink_measures_the_link_and_the_bytes_each_scheme_moves(can_make_hosts, tmp_path):
     rc, output = run_on_emulated_hosts([PYTHON, "-m", "bench.slowlink", "--quick", "--out", str(tmp_path)],
