@@ -9,7 +9,9 @@ own, is refused ``bad_standby``.
 A PS without keys (loopback, or ``--insecure``) writes, once it listens, 32 random bytes to
 ``ROOT/ps-PORT/standby.secret`` (mode 0600 in folders of mode 0700, written whole or not at all; removed when the
 PS stops), where PORT is the port it listens on and ROOT is ``$PLUG_ASGD_SECRET_DIR`` where set, else
-``$XDG_RUNTIME_DIR/plug_asgd`` where that folder exists, else ``~/.cache/plug_asgd``. A standby of that PS
+``$XDG_RUNTIME_DIR/plug_asgd`` where that folder exists, else ``~/.cache/plug_asgd/run``. The file holds the
+writer's host name and process id besides the secret: a PS that writes its own removes this host's files whose
+process is gone (a PS killed before it could). A standby of that PS
 (``serve-ps --standby-of tcp://HOST:PORT``, or the embedded one) reads it from the same place, found from the
 primary's port alone: it needs no option of the primary's, and runs as the same user on the same machine (or one
 that shares ROOT). Each of its requests to the primary (``standby`` ``step: config`` and ``step: join``) carries
@@ -27,6 +29,7 @@ import logging
 import os
 import re
 import secrets
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +51,7 @@ def secret_root() -> Path:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and Path(runtime).is_dir():
         return Path(runtime) / "plug_asgd"
-    return Path.home() / ".cache" / "plug_asgd"
+    return Path.home() / ".cache" / "plug_asgd" / "run"
 
 
 def secret_path(address: str) -> Path:
@@ -83,14 +86,43 @@ def write_secret(address: str) -> bytes:
     path = secret_path(address)
     _private_folder(path.parent.parent)
     _private_folder(path.parent)
+    _prune(path.parent.parent)
     secret = secrets.token_bytes(32)
     partial = path.with_name(f".standby.secret.{os.getpid()}")
     partial.unlink(missing_ok=True)
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
-        out.write(secret.hex())
+        out.write(f"{socket.gethostname()} {os.getpid()} {secret.hex()}\n")
     os.replace(partial, path)
     return secret
+
+
+def _prune(root: Path) -> None:
+    """Remove this host's secret files whose writer is gone (a PS killed before it could), and their folders."""
+    host = socket.gethostname()
+    for path in root.glob("ps-*/standby.secret"):
+        try:
+            writer, pid, _ = path.read_text().split()
+            if writer == host and path.stat().st_uid == os.getuid() and not _alive(int(pid)):
+                path.unlink()
+                path.parent.rmdir()
+        except (OSError, ValueError):
+            continue  # another PS's, being written or removed now; or not one of ours
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _parse(text: str) -> bytes:
+    """The secret in a secret file's text (its last word: host, process id, secret)."""
+    return bytes.fromhex(text.split()[-1])
 
 
 def read_secret(address: str) -> bytes:
@@ -115,8 +147,8 @@ def read_secret(address: str) -> bytes:
         raise OSError(f"{path} is readable by others than its owner, or is not this user's: refusing it as a "
                       "standby secret")
     try:
-        return bytes.fromhex(text.strip())
-    except ValueError:
+        return _parse(text)
+    except (ValueError, IndexError):
         raise OSError(f"{path} does not hold a standby secret (hex digits)") from None
 
 
@@ -130,10 +162,10 @@ def forget_secret(address: str, secret: bytes) -> None:
     """
     path = secret_path(address)
     try:
-        if hmac.compare_digest(bytes.fromhex(path.read_text().strip()), secret):
+        if hmac.compare_digest(_parse(path.read_text()), secret):
             path.unlink()
         path.parent.rmdir()
-    except (OSError, ValueError):
+    except (OSError, ValueError, IndexError):
         pass  # gone already, another PS's now, or its folder not empty
 
 
