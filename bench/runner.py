@@ -35,6 +35,8 @@ SIZES: dict[str, dict[str, Any]] = {
               "tta_subset": 1920, "tta_epochs": 1, "tta_limit_s": 4.0, "snapshot_s": 2.0, "test_subset": 500,
               "tta_test_subset": 500, "tta_reps": 1,
               "rtt_rounds": 5, "ingest_s": 0.75, "ingest_clients": (2,), "timeout": 170,
+              # the overhead at the recipe's batch alone (the full size's 10 and 128 add 6 launches' runs)
+              "overhead_batches": (32,),
               # one codec trained end to end (the suite checks each codec's bytes on the recipe's runs,
               # tests/test_training.py, and the formula of each, tests/test_bench.py)
               "codecs": ("topk",)},
@@ -42,7 +44,8 @@ SIZES: dict[str, dict[str, Any]] = {
              "adacomp_epochs": 2,
              "tta_subset": None, "tta_epochs": 2, "tta_limit_s": 75.0, "snapshot_s": 5.0, "test_subset": None,
              "tta_test_subset": 5000, "tta_reps": 5,
-             "rtt_rounds": 100, "ingest_s": 5.0, "ingest_clients": (2, 4), "timeout": 1800, "codecs": COMPRESSORS},
+             "rtt_rounds": 100, "ingest_s": 5.0, "ingest_clients": (2, 4), "timeout": 1800, "codecs": COMPRESSORS,
+             "overhead_batches": (10, 32, 128)},
 }
 
 TARGETS = {
@@ -122,7 +125,7 @@ def training_runs(names: list[str], size: dict[str, Any], slow_sleep: float) -> 
                     {**common, "name": "ddp", "kind": "ddp"}]
             two += pair if rep % 2 == 0 else pair[::-1]
         if "overhead" in names:
-            for batch in (10, 32, 128):
+            for batch in size["overhead_batches"]:
                 common = {"bench": "overhead", "rep": rep, "batch_size": batch, "max_steps": size["overhead_steps"],
                           "epochs": 1000, "warmup": 5}
                 trio = [{**common, "name": "plain", "kind": "single"}, {**common, "name": "asgd", "kind": "asgd"},
@@ -239,13 +242,14 @@ def analyse_sync(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def analyse_overhead(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    batches = sorted({32, *(r["batch_size"] for r in runs)})  # the size's overhead_batches; the ratio is batch 32's
     per_batch = {str(b): summary(_pairs(runs, "asgd", "plain", "step_time_median_s", batch_size=b))
-                 for b in (10, 32, 128)}
+                 for b in batches}
     overlap = {str(b): summary(_pairs(runs, "asgd overlap", "plain", "step_time_median_s", batch_size=b))
-               for b in (10, 32, 128)}
+               for b in batches}
     def ps(key: str) -> dict[str, Any]:
         return {str(b): summary([(r.get("ps_push_ms") or {}).get(key) for r in runs
-                                 if r["name"] == "asgd" and r.get("batch_size") == b]) for b in (10, 32, 128)}
+                                 if r["name"] == "asgd" and r.get("batch_size") == b]) for b in batches}
 
     return {"ratio": per_batch["32"], "by_batch": per_batch, "ratio_overlap": overlap["32"],
             "overlap_by_batch": overlap, "ps_ms_per_push_by_batch": ps("wall"),
