@@ -245,13 +245,14 @@ class Failover(StandbyRecords):
 
     def start_role(self, keys: Any = None) -> None:
         """Once it listens: a standby asks to join its primary; a PS resumed from a checkpoint leads that
-        checkpoint's epoch, unless the other PS the checkpoint names leads it, or a later one, already.
+        checkpoint's epoch, unless another PS the checkpoint names holds the run at that epoch or a later one.
 
         Args:
             keys: the PS's CURVE keys (the other PS's too); None: none.
 
         Raises:
-            CheckpointError: where another PS of the run leads the resumed epoch or a later one (this PS is closed).
+            CheckpointError: where another PS the checkpoint names leads the resumed epoch or a later one, or is
+                the run's standby there (at any version: :meth:`_holder`); this PS is closed.
         """
         self.persistence.lineage = self.lineage
         self.credential = StandbyCredential(keys, self.address)  # a keyless PS's secret: written now
@@ -264,16 +265,45 @@ class Failover(StandbyRecords):
         self.epoch, me = resumed["epoch"], advertised(self.address)
         for peer in dict.fromkeys(resumed.get(k) for k in ("leader", "standby")):  # the writer first
             theirs = ask_peer(self._ctx, peer, self.config.failover_timeout, keys) if peer not in (None, me) else None
-            epoch = theirs.get("epoch") if theirs and theirs.get("run_id") == self.persistence.run_id else None
-            if theirs and theirs.get("role") in ("primary", "replaced") and type(epoch) is int and epoch >= self.epoch:
+            there = self._holder(peer, theirs) if theirs else None
+            if there is not None:
                 self.close()
-                there = (f"leads epoch {epoch}" if theirs["role"] == "primary" else
-                         f"led epoch {epoch} and was replaced by {theirs.get('leader')}, which leads a later one")
                 raise CheckpointError(
                     f"this parameter server does not lead: it resumed epoch {self.epoch} of run "
-                    f"{self.persistence.run_id} ({self.persistence.resumed_from}), and the parameter server at {peer} "
-                    f"{there}; the run's workers are there. Stop that one before resuming this one, or start this "
-                    f"one as a standby of the leader (--standby-of)")
+                    f"{self.persistence.run_id} at version {self.store.version} ({self.persistence.resumed_from}), "
+                    f"and the parameter server at {peer} {there}")
+
+    def _holder(self, peer: str, theirs: dict[str, Any]) -> str | None:
+        """What makes the other PS at ``peer`` (its counters: ``theirs``) the run's holder, where it is one: a
+        leader or replaced PS of the resumed epoch or a later one, or a standby of this run at that epoch, whatever
+        its version (docs/design.md, "Hot standby": a resumed PS cannot fence that standby, so it never leads beside
+        it). None: it is not (another run's, an earlier epoch's).
+
+        Args:
+            peer: its address.
+            theirs: its counters (``stats``).
+        """
+        epoch, version = theirs.get("epoch"), theirs.get("version")
+        if theirs.get("run_id") != self.persistence.run_id or type(epoch) is not int or epoch < self.epoch:
+            return None
+        role, mine = theirs.get("role"), self.store.version
+        restart = f"restart this one as its standby once it leads: `plug-asgd serve-ps --standby-of {peer}`"
+        if role == "primary":
+            return f"leads epoch {epoch}; the run's workers are there: {restart}"
+        if role == "replaced":
+            return (f"led epoch {epoch} and was replaced by {theirs.get('leader')}, which leads a later one; the "
+                    f"run's workers are there: restart this one as its standby (`plug-asgd serve-ps --standby-of "
+                    f"{theirs.get('leader')}`)")
+        if role != "standby" or type(version) is not int:
+            return None
+        if version >= mine:
+            held = ("later than this checkpoint: it holds the pushes acknowledged since" if version > mine else
+                    "as this checkpoint: the same state")
+            return (f"is the run's hot standby at epoch {epoch}, version {version}, {held}; it leads when the "
+                    f"workers ask it (they cannot reach this one, stopped); {restart}")
+        return (f"is the run's hot standby at epoch {epoch}, version {version}, behind this checkpoint (its state "
+                f"came in a window, standby_window); it leads when the workers ask it, without the pushes after "
+                f"version {version}; to keep them, stop that standby first, then resume this one")
 
     def lineage(self) -> dict[str, Any]:
         """What a checkpoint says of its writer: the epoch it leads, its address and its standby's (None: none)."""

@@ -182,6 +182,7 @@ class Trial:
             self.topology = Topology(["ps", "sb", "wk"], tag=f"{os.getpid()}h")
             self.topology.up()
         self.primary, self.standby = self._address("ps"), self._address("sb")
+        self.notes.update(primary=self.primary, standby=self.standby)
         self._start_ps("primary", "ps", self.primary, checkpoint_dir=self.folder / "ck",
                        checkpoint_every_updates=self.checkpoint_every)
         self._wait(lambda: self.query(self.primary, 1.0) is not None, 30, "the primary to answer")
