@@ -475,6 +475,62 @@ def test_a_frozen_primary_replaced_then_stopped_writes_no_checkpoint(procs, star
                         "pushes")
 
 
+def test_a_frozen_primary_resumed_while_its_successor_is_slow_to_answer_folds_in_nothing(start_ps, fault_report):
+    # the primary frozen past the failover: rank 0 makes the standby lead and moves. The new leader is then slow to
+    # answer (SIGSTOPped: a loaded machine) as the old primary resumes and rank 1's push reaches it: the old primary
+    # had no word from its standby for longer than failover_timeout, so it may have been replaced; it waits for the
+    # standby's answer past half the timeout (where it dropped its standby, folded the push and answered it
+    # without naming a standby: an acknowledged push lost, and a worker left with no standby to ask, waiting for a
+    # primary that was then stopped until lost_timeout, 60 s), learns it was replaced, and rank 1 moves
+    primary, standby = start_pair(start_ps)
+    workers = [PSClient(primary, rank=r, world_size=2, mode="asgd", request_timeout=60, heartbeat_s=0.5)
+               for r in (0, 1)]
+    try:
+        for w in workers:
+            w.hello(1, True)
+        workers[0].init({"w": np.zeros(4, np.float32)})
+        one = {"w": np.ones(4, np.float32)}
+        assert [w.push(v, one).version for v, w in enumerate(workers)] == [1, 2]
+        assert workers[1].standby == standby
+        signal_ps(start_ps, primary, signal.SIGSTOP)
+        started = time.monotonic()
+        assert workers[0].push(2, one).version == 3  # asks the standby after failover_timeout of silence
+        moved_after = time.monotonic() - started
+        assert workers[0].address == standby and FAILOVER <= moved_after < 2 * FAILOVER + 2, moved_after
+        signal_ps(start_ps, standby, signal.SIGSTOP)
+        signal_ps(start_ps, primary, signal.SIGCONT)
+        with ThreadPoolExecutor(1) as pool:
+            late = pool.submit(workers[1].push, 2, one)  # reaches the old primary, which asks its standby
+            time.sleep(FAILOVER * 5 / 6)  # past half the timeout, within one and a half
+            signal_ps(start_ps, standby, signal.SIGCONT)
+            reply = late.result(60)
+        assert (workers[1].address, workers[1].epoch, reply.status, reply.version) == (standby, 2, "applied", 4)
+        old, new = stats(primary), stats(standby)
+        assert (old["role"], old["leader"], old["version"]) == ("replaced", standby, 2)  # nothing folded since
+        assert (new["role"], new["epoch"], new["version"]) == ("primary", 2, 4)
+        assert new["pushes_by_rank"] == {"0": 2, "1": 2}
+        assert workers[1].pull().tensors["w"].tolist() == [4.0] * 4
+    finally:
+        for w in workers:
+            w.close()
+    # a push refused before it is decoded (tensors, at a PS that does not lead) is answered with its request id:
+    # a worker waiting on it reads it (it took such a refusal for a late answer to another request, and waited on)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(primary)
+    sock.send_multipart(encode("push", {"rid": 7, "rank": 1, "version": 2}, one))
+    assert sock.poll(10_000)
+    refused = decode(sock.recv_multipart()).fields
+    sock.close(0)
+    assert (refused["code"], refused["rid"], refused["leader"]) == ("replaced", 7, standby), refused
+    out = start_ps.stop(primary)
+    assert "may lead now" in out and "REPLACED" in out and "is detached: no acknowledgement" not in out, out[-3000:]
+    fault_report(fault="primary SIGSTOPped past failover_timeout, then resumed while its successor was slow to "
+                       "answer (SIGSTOPped 2.5 s)", injected=1, handled=1, pushes_lost=0, recovery_s=None,
+                 detail="the old primary waited for its standby's answer (it had heard nothing from it for longer than "
+                        "failover_timeout), learnt it was replaced, folded nothing; the worker moved to the leader")
+
+
 def _files(folder) -> dict[str, int]:
     return {f.name: f.stat().st_mtime_ns for f in folder.iterdir()} if folder.exists() else {}
 

@@ -142,6 +142,25 @@ def rid(fields: dict[str, Any]) -> Any:
     return value if value is None or (isinstance(value, int) and not isinstance(value, bool)) else None
 
 
+def header_rid(body: list[Any], limits: Limits) -> Any:
+    """The request id of a request refused before it was decoded (a standby's screen, a malformed tensor), read
+    from its header frame alone (within ``limits.max_header_bytes``): the refusal then answers that request, and a
+    worker waiting on it reads it (a replaced PS's ``replaced``, naming its successor). None: none to be read.
+
+    Args:
+        body: the request's frames, header first.
+        limits: the wire's limits.
+    """
+    try:
+        raw = body[0].bytes if isinstance(body[0], zmq.Frame) else bytes(body[0])
+        if len(raw) > limits.max_header_bytes:
+            return None
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        return rid(header["fields"]) if isinstance(header, dict) and isinstance(header.get("fields"), dict) else None
+    except Exception:  # garbage: msgpack raises several unrelated types
+        return None
+
+
 def trim_sessions(last_seq: dict[str, int], world_size: int | None) -> None:
     """Keep the most recent ``SESSIONS_PER_RANK * world_size`` sessions of a resumed checkpoint (the store keeps
     them most recent last), so that a PS resumed again and again does not pile them up.

@@ -68,6 +68,7 @@ class Joining:
         last_rid: the request id of the last record sent: its acknowledgement attaches the standby.
         connect_by: when the handshake must have succeeded (``time.monotonic()``).
         held_by: when the last record must have been acknowledged.
+        last_sent: when the last record was sent.
     """
 
     address: str
@@ -76,6 +77,7 @@ class Joining:
     last_rid: int
     connect_by: float
     held_by: float
+    last_sent: float = 0.0
 
 
 class Replication:
@@ -101,6 +103,7 @@ class Replication:
         self._sock: zmq.Socket | None = None
         self._rid = 0
         self._last_sent = 0.0
+        self._acked = 0.0  # when the last record the standby acknowledged was sent: it heard this PS then, or later
         self.standby_version: int | None = None  # the version the standby acknowledged last
         self.records = 0
         self.bytes = 0
@@ -164,7 +167,7 @@ class Replication:
         except zmq.ZMQError as exc:
             self._abandon(f"cannot send to it ({exc})")
             return
-        joining.last_rid = self._rid
+        joining.last_rid, joining.last_sent = self._rid, time.monotonic()
 
     def join_done(self) -> tuple[tuple[bytes, Any], str | None] | None:
         """Between requests: a join done now (its requester, and None) or abandoned (its requester, and why); None
@@ -197,7 +200,7 @@ class Replication:
         self.standby_version = version if isinstance(version, int) else None
         self.joined += 1
         self.lost_reason = None
-        self._last_sent = time.monotonic()
+        self._last_sent = self._acked = joining.last_sent
         self._outcome = (joining.requester, None)
         log.warning("hot standby %s joined at version %s: every change goes to it first", joining.address,
                     self.standby_version)
@@ -250,14 +253,21 @@ class Replication:
         except zmq.ZMQError as exc:
             self.detach(f"cannot send to it ({exc})")
             return None
-        self._last_sent = time.monotonic()
-        deadline = self._last_sent + (self.failover_timeout / 2 if timeout is None else timeout)
+        sent = self._last_sent = time.monotonic()
+        deadline, waited_more = sent + (self.failover_timeout / 2 if timeout is None else timeout), False
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1):
                 if time.monotonic() < deadline:
                     continue
-                self.detach(f"no acknowledgement within {deadline - self._last_sent:g} s")
+                if not waited_more and self.may_lead():
+                    deadline, waited_more = max(deadline, sent + self.failover_timeout * 1.5), True
+                    log.warning("no acknowledgement from the hot standby %s for %.1f s (was this parameter server "
+                                "frozen, or cut off?): it may lead now; waiting for its answer up to %g s before "
+                                "serving on without it", self.address, time.monotonic() - self._acked,
+                                self.failover_timeout * 1.5)
+                    continue
+                self.detach(f"no acknowledgement within {time.monotonic() - sent:.3g} s")
                 return None
             try:
                 reply = decode(sock.recv_multipart(copy=False), self.limits)
@@ -268,7 +278,18 @@ class Replication:
                 self._took_posted(reply)  # the state sent without waiting (or a record sent before a detach)
                 continue
             break
-        return self._took(reply, size)
+        version = self._took(reply, size)
+        if version is not None:
+            self._acked = max(self._acked, sent)
+        return version
+
+    def may_lead(self) -> bool:
+        """Whether the standby may lead now: the last record it acknowledged went ``failover_timeout`` or more ago,
+        so it may have heard nothing from this PS for that long (this PS frozen, or cut off), and been asked to lead.
+        A late acknowledgement from one that may lead is not taken for a dead standby at half the timeout: the
+        primary waits for its answer (``fenced``, or an acknowledgement) up to one and a half times the timeout
+        before it drops it and serves on (docs/design.md, "Hot standby")."""
+        return time.monotonic() - self._acked >= self.failover_timeout
 
     def _took(self, reply: Any, size: int) -> int | None:
         """The standby's answer to a record of ``size`` bytes: its version (None: detached now).
@@ -290,9 +311,10 @@ class Replication:
 
     def _took_posted(self, reply: Any) -> None:
         if self._posted is not None and reply.fields.get("rid") == self._posted[0]:
-            size = self._posted[2]
+            sent, size = self._posted[1], self._posted[2]
             self._posted = None
-            self._took(reply, size)
+            if self._took(reply, size) is not None:
+                self._acked = max(self._acked, sent)
 
     @property
     def posting(self) -> bool:

@@ -256,7 +256,8 @@ class ParameterServer(ModelRequests, Failover):
             getattr(self, f"_on_{msg.type}")(identity, rid, msg)
         except WireError as exc:
             self.stats.refused[exc.code] += 1
-            self._error(identity, rid, exc.code, str(exc))
+            self._error(identity, rid if kind is not None else bounds.header_rid(body, self.limits), exc.code,
+                        str(exc))
         except Exception as exc:  # a bug must not take the PS down with it
             self.stats.refused["internal"] += 1
             log.error("internal error while serving a request:\n%s", traceback.format_exc())
