@@ -33,12 +33,15 @@ from tests.conftest import (
     run_on_emulated_hosts,
     skip_unless_required,
 )
+from tests.scripts.history_check import check
+from tests.scripts.history_worker import query
 from tests.test_faults import finish, ps_client, pushes, read_log, start_worker, wait_for
 
 pytestmark = pytest.mark.faults
 
 FAILOVER = 3.0  # PSConfig's default failover_timeout: what these tests run with
 PUSHER = "tests/scripts/shard_pusher.py"
+ONE_HOT = "tests/scripts/history_worker.py"  # the history checker's worker: each push a coordinate of its own
 
 
 @pytest.fixture
@@ -238,6 +241,19 @@ def test_a_keyed_pair_fails_over_and_refuses_a_standby_without_its_keys(procs, s
         finish(w, timeout=120)
     final = max((r for log in logs for r in read_log(log) if r["event"] == "done"), key=lambda r: r["version"])
     assert final["version"] == 120 and final["w"] == [60 * 1.0 + 60 * 2.0] * 4
+    # the leader (a standby that led, with keys/standby) takes a new standby of the same key, given the members
+    def keyed_stats(address: str) -> dict:
+        client = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=10, heartbeat_s=None,
+                          keys=keys / "worker")
+        try:
+            return client.stats(timeout=10)
+        finally:
+            client.close()
+
+    again = start_ps("asgd", keys=keys / "standby", standby_of=f"{primary}|{standby}")
+    wait_for(lambda: keyed_stats(standby)["standby"] == again, 30, "a new keyed standby to join the leader")
+    assert (keyed_stats(again)["role"], keyed_stats(again)["epoch"], keyed_stats(again)["version"]) == (
+        "standby", 2, 120)
     # a standby with another PS's keys cannot even ask the primary for its options (its handshake fails)
     alone = start_ps("asgd", keys=keys / "server")
     from plug_asgd.ps import PSConfig
@@ -529,6 +545,57 @@ def test_a_frozen_primary_resumed_while_its_successor_is_slow_to_answer_folds_in
                        "answer (SIGSTOPped 2.5 s)", injected=1, handled=1, pushes_lost=0, recovery_s=None,
                  detail="the old primary waited for its standby's answer (it had heard nothing from it for longer than "
                         "failover_timeout), learnt it was replaced, folded nothing; the worker moved to the leader")
+
+
+def test_a_new_standby_given_any_member_joins_the_leader_and_a_second_failover_keeps_every_push(procs, start_ps,
+                                                                                                  tmp_path,
+                                                                                                  fault_report):
+    # two one-hot workers (every push a coordinate of its own) given the pair's addresses; the primary frozen past
+    # the failover, then resumed: replaced, it still answers. A new standby given its address is sent on to the
+    # leader and joins it; the leader SIGKILLed, the workers (told of the new standby by the leader's replies) make
+    # it lead epoch 3: every acknowledged push is in its model once. Then a third, given every member's address
+    # (the replaced one, the dead one, the leader), joins the leader of epoch 3
+    primary, standby = start_pair(start_ps)
+    each, logs = 150, [tmp_path / "w0.jsonl", tmp_path / "w1.jsonl"]
+    workers = [procs.start([PYTHON, ONE_HOT, "--members", f"{primary}|{standby}", "--rank", str(r), "--world", "2",
+                            "--pushes", str(each), "--interval", "0.03", "--log", str(logs[r])]) for r in (0, 1)]
+
+    def acks() -> int:
+        return sum(1 for log in logs for e in read_log(log) if e["event"] == "ack")
+
+    wait_for(lambda: acks() >= 40, 60, "40 acknowledged pushes")
+    signal_ps(start_ps, primary, signal.SIGSTOP)
+    wait_for(lambda: stats(standby)["role"] == "primary", 3 * FAILOVER + 10, "the standby to lead")
+    signal_ps(start_ps, primary, signal.SIGCONT)
+    wait_for(lambda: stats(primary)["role"] == "replaced", 2 * FAILOVER + 5, "the old primary to learn it")
+    second = start_ps("asgd", standby_of=primary)  # the replaced primary's address: it names its successor
+    wait_for(lambda: stats(standby)["standby"] == second, 30, "the new standby to join the leader")
+    held = stats(second)
+    assert (held["role"], held["epoch"], held["standby_of"]) == ("standby", 2, standby)
+    joined = acks()
+    assert joined < 2 * each - 20, "the workers ended before the second failover: the timing of this test is off"
+    wait_for(lambda: acks() >= joined + 10, 60, "10 more pushes through the new pair")
+    signal_ps(start_ps, standby, signal.SIGKILL)
+    start_ps.started.pop(standby).wait(10)
+    done = {r: w.wait(120) for r, w in enumerate(workers)}
+    finals = {second: query(second, 5.0)}
+    events = [e for log in logs for e in read_log(log)]
+    verdict = check(events, finals, 2 * each, done, each)
+    assert verdict.ok, verdict.summary()
+    assert verdict.epochs == {1: [primary], 2: [standby], 3: [second]} and verdict.acked == 2 * each
+    assert (finals[second]["stats"]["epoch"], finals[second]["stats"]["version"]) == (3, 2 * each)
+    assert finals[second]["w"] == [1.0] * (2 * each)
+    third = start_ps("asgd", standby_of=f"{primary}|{standby}|{second}")
+    wait_for(lambda: stats(second)["standby"] == third, 30, "a third standby to join the leader of epoch 3")
+    assert (stats(third)["epoch"], stats(third)["version"], stats(third)["standby_of"]) == (3, 2 * each, second)
+    out = start_ps.stop(third)
+    assert f"the parameter server that leads the run is {second}; joining it" in out, out[-2000:]
+    out = start_ps.stop(second)
+    assert f"standby of {primary}: the parameter server that leads the run is {standby}; joining it" in out, out
+    fault_report(fault="after a failover, a new standby given the replaced primary's address; then the leader "
+                       "SIGKILLed", injected=2, handled=2, pushes_lost=0, recovery_s=None,
+                 detail=f"the new standby joined the leader (epoch 2) and led epoch 3: {verdict.summary()}; a third, "
+                        "given every member's address, joined the leader of epoch 3")
 
 
 def _files(folder) -> dict[str, int]:

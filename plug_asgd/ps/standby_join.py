@@ -31,6 +31,7 @@ log = logging.getLogger("plug_asgd.ps")
 
 # a standby's own, whatever its primary runs with
 OWN_FIELDS = ("bind", "keys", "insecure", "run_dir", "metrics_every", "io_retry_seconds", "standby_of", "parent_pid")
+LEADER_GRACE_S = 0.5  # find_leader: once one member leads, how long the others still silent may take to answer
 JOIN_WAIT_S = 90.0  # the join's answer: the primary sends the whole model first (JOIN_TIMEOUT_S) and may be busy
 
 
@@ -92,8 +93,65 @@ def ask_peer(context: zmq.Context, address: str, timeout: float, keys: Any = Non
     return stats if reply.type == "stats" and isinstance(stats, dict) else None
 
 
+def find_leader(context: zmq.Context, members: str, timeout: float, keys: Any = None) -> str | None:
+    """The PS that leads among ``members`` (addresses joined by ``|``), or that one of them names: each is asked
+    for its counters (``stats``) at once; a replaced PS names its successor, which is asked in turn; of those that
+    lead, the one of the highest epoch. Once one leads, the others still silent get :data:`LEADER_GRACE_S` more (a
+    dead member costs no more than that).
+
+    Args:
+        context: the ZeroMQ context to ask in.
+        members: the addresses, joined by ``|`` (one address: itself, or its successor where it was replaced).
+        timeout: seconds to wait for the answers.
+        keys: the PS's CURVE keys (a keyed pair's PSes admit them); None: none.
+    """
+    poller, pending, leading = zmq.Poller(), {}, {}
+    asked: set[str] = set()
+
+    def ask(address: str) -> None:
+        if address and address not in asked:
+            asked.add(address)
+            sock = client_socket(context, keys)
+            sock.connect(address)
+            sock.send_multipart(encode("stats", {"rid": 1}))
+            poller.register(sock, zmq.POLLIN)
+            pending[sock] = address
+
+    for member in members.split("|"):
+        ask(member.strip())
+    deadline = time.monotonic() + timeout
+    try:
+        while pending and (left := deadline - time.monotonic()) > 0:
+            for sock, _ in poller.poll(int(left * 1000) + 1):
+                address = pending.pop(sock)
+                poller.unregister(sock)
+                stats = _stats(sock)
+                sock.close(0)
+                if stats.get("role") == "primary" and type(stats.get("epoch")) is int:
+                    leading[address] = stats["epoch"]
+                    deadline = min(deadline, time.monotonic() + LEADER_GRACE_S)
+                elif stats.get("role") == "replaced" and isinstance(stats.get("leader"), str):
+                    ask(stats["leader"])
+    finally:
+        for sock in pending:
+            sock.close(0)
+    return max(leading, key=leading.__getitem__) if leading else None
+
+
+def _stats(sock: zmq.Socket) -> dict[str, Any]:
+    """The counters a ``stats`` reply on ``sock`` carries (empty where it is not one)."""
+    try:
+        reply = decode(sock.recv_multipart())
+    except Exception:  # a malformed answer: nothing learnt
+        return {}
+    stats = reply.fields.get("stats")
+    return stats if reply.type == "stats" and isinstance(stats, dict) else {}
+
+
 def standby_config(own: PSConfig, timeout: float = 10.0, context: zmq.Context | None = None) -> PSConfig:
-    """``own`` with the primary's options for everything but where it listens, its keys and its folders.
+    """``own`` with the leader's options for everything but where it listens, its keys and its folders, and the
+    leader as its primary (``standby_of``): ``own.standby_of`` may name any member of the run (addresses joined by
+    ``|``), a replaced primary included: the one that leads is found (:func:`find_leader`) and joined.
 
     Args:
         own: the standby's config (``standby_of`` set).
@@ -110,10 +168,16 @@ def standby_config(own: PSConfig, timeout: float = 10.0, context: zmq.Context | 
     if own.standby_of is None:
         raise ValueError("standby_config needs standby_of: the primary's address")
     keys = load_standby_keys(own.keys) if own.keys is not None else None
-    fields = _ask(context or zmq.Context.instance(), own.standby_of, {"step": "config"}, timeout, keys)
+    context = context or zmq.Context.instance()
+    primary = find_leader(context, own.standby_of, timeout, keys) or own.standby_of.split("|")[0].strip()
+    if primary != own.standby_of:
+        log.warning("standby of %s: the parameter server that leads the run is %s; joining it", own.standby_of,
+                    primary)
+    fields = _ask(context, primary, {"step": "config"}, timeout, keys)
     theirs = json.loads(fields["config"])
     merged = {k: v for k, v in theirs.items() if k not in OWN_FIELDS and k not in ("resume", "run_id")}
     merged.update((f.name, getattr(own, f.name)) for f in dataclasses.fields(own) if f.name in OWN_FIELDS)
+    merged["standby_of"] = primary
     if own.checkpoint_dir is not None:  # its own folder; else the primary's (a shared file system)
         merged["checkpoint_dir"] = own.checkpoint_dir
     return PSConfig(**merged)
