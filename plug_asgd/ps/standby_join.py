@@ -64,8 +64,22 @@ def _ask(context: zmq.Context, address: str, fields: dict[str, Any], timeout: fl
     finally:
         sock.close(0)
     if reply.type == "error":
-        raise OSError(f"the parameter server at {address} refused this standby: {reply.fields.get('message')}")
+        raise Refused(f"the parameter server at {address} refused this standby: {reply.fields.get('message')}",
+                      reply.fields)
     return reply.fields
+
+
+class Refused(OSError):
+    """A PS refused a standby's request; ``fields`` are its answer's (``code``; ``leader``, where it was replaced).
+
+    Args:
+        message: what to say.
+        fields: the answer's fields.
+    """
+
+    def __init__(self, message: str, fields: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.fields = fields
 
 
 def ask_peer(context: zmq.Context, address: str, timeout: float, keys: Any = None) -> dict[str, Any] | None:
@@ -150,8 +164,9 @@ def _stats(sock: zmq.Socket) -> dict[str, Any]:
 
 def standby_config(own: PSConfig, timeout: float = 10.0, context: zmq.Context | None = None) -> PSConfig:
     """``own`` with the leader's options for everything but where it listens, its keys and its folders, and the
-    leader as its primary (``standby_of``): ``own.standby_of`` may name any member of the run (addresses joined by
-    ``|``), a replaced primary included: the one that leads is found (:func:`find_leader`) and joined.
+    leader as its primary (``standby_of``): ``own.standby_of`` may name any member of the run, a replaced primary
+    included (it names its successor), or several joined by ``|``: the one that leads is found
+    (:func:`find_leader`) and joined.
 
     Args:
         own: the standby's config (``standby_of`` set).
@@ -169,11 +184,19 @@ def standby_config(own: PSConfig, timeout: float = 10.0, context: zmq.Context | 
         raise ValueError("standby_config needs standby_of: the primary's address")
     keys = load_standby_keys(own.keys) if own.keys is not None else None
     context = context or zmq.Context.instance()
-    primary = find_leader(context, own.standby_of, timeout, keys) or own.standby_of.split("|")[0].strip()
+    members = [m.strip() for m in own.standby_of.split("|") if m.strip()]
+    primary = members[0] if len(members) == 1 else find_leader(context, own.standby_of, timeout, keys) or members[0]
+    try:
+        fields = _ask(context, primary, {"step": "config"}, timeout, keys)
+    except Refused as exc:  # a replaced primary names its successor: the leader is that one, or one after it
+        leader = exc.fields.get("leader")
+        if exc.fields.get("code") != "replaced" or not isinstance(leader, str):
+            raise
+        primary = find_leader(context, "|".join([leader, *members]), timeout, keys) or leader
+        fields = _ask(context, primary, {"step": "config"}, timeout, keys)
     if primary != own.standby_of:
         log.warning("standby of %s: the parameter server that leads the run is %s; joining it", own.standby_of,
                     primary)
-    fields = _ask(context, primary, {"step": "config"}, timeout, keys)
     theirs = json.loads(fields["config"])
     merged = {k: v for k, v in theirs.items() if k not in OWN_FIELDS and k not in ("resume", "run_id")}
     merged.update((f.name, getattr(own, f.name)) for f in dataclasses.fields(own) if f.name in OWN_FIELDS)
