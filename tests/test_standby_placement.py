@@ -83,3 +83,63 @@ def test_node_1s_standby_beyond_loopback_needs_keys_and_is_refused_before_anythi
     with pytest.raises(InsecureBindError, match="refusing to listen on tcp://10.0.0.2:29501 without authentication"):
         s.ps.connect(s._shapes, s._trainer())
     assert s.connection.standby.processes == []
+
+
+def test_node_1_starts_a_new_standby_beside_the_one_that_leads_and_a_second_failover_keeps_every_push(start_ps):
+    # node 1's side without Lightning: its standby started as the strategy starts it (EmbeddedPS, following this
+    # process), watched from its join on (wait_joined). The primary SIGKILLed: the standby leads, and node 1 starts
+    # a new standby of it on the next port; that leader SIGKILLed (a crashed PS process): the new standby leads, and
+    # gets one of its own. Every push is a coordinate of its own: the final model says each was folded in once
+    import signal
+
+    import numpy as np
+
+    from harness.ports import free_port_block
+    from plug_asgd.placement.ps_launcher import EmbeddedPS
+    from plug_asgd.placement.standby_launcher import wait_joined
+    from plug_asgd.worker.client import PSClient
+    from tests.test_faults import wait_for
+
+    def stats(address: str) -> dict:
+        client = PSClient(address, rank=0, world_size=1, mode="asgd", request_timeout=10, heartbeat_s=None)
+        try:
+            return client.stats(timeout=10)
+        finally:
+            client.close()
+
+    size, first = 40, free_port_block(4)
+    binds = [f"tcp://127.0.0.1:{first + i}" for i in range(3)]
+    primary = start_ps("asgd")
+    wait_for(lambda: stats(primary)["role"] == "primary", 30, "the primary to answer")
+    standby = EmbeddedPS("standby (ps_standby=True)")
+    client = PSClient(primary, rank=0, world_size=1, mode="asgd", request_timeout=60, heartbeat_s=0.5)
+    try:
+        standby.start(PSConfig(bind=binds[0], standby_of=primary, parent_pid=os.getpid()))
+        client.hello(0, True, timeout=30)
+        wait_joined(client, binds[:1], standby, 30)
+        client.init({"w": np.zeros(size)})
+
+        def push(coords: range) -> None:
+            for c in coords:
+                update = np.zeros(size)
+                update[c] = 1.0
+                assert client.push(client.pull().version, {"w": update}).status == "applied"
+
+        push(range(0, 10))
+        os.killpg(start_ps.started.pop(primary).pid, signal.SIGKILL)
+        push(range(10, 20))  # the first waits failover_timeout, then moves to the standby, which leads
+        assert (client.address, client.epoch) == (binds[0], 2)
+        wait_for(lambda: stats(binds[0])["standby"] == binds[1], 30, "node 1's new standby to join the leader")
+        assert (stats(binds[1])["role"], stats(binds[1])["epoch"], stats(binds[1])["version"]) == ("standby", 2, 20)
+        push(range(20, 30))
+        os.kill(standby.processes[0].pid, signal.SIGKILL)  # the leader's PS process crashes
+        push(range(30, 40))
+        assert (client.address, client.epoch) == (binds[1], 3)
+        wait_for(lambda: stats(binds[1])["standby"] == binds[2], 30, "a standby of the leader of epoch 3")
+        final = client.pull()
+        assert final.version == size and final.tensors["w"].tolist() == [1.0] * size
+        assert stats(binds[2])["version"] == size and len(standby.processes) == 3
+    finally:
+        client.close()
+        standby.stop()
+    assert standby.processes == []

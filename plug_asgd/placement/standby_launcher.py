@@ -14,21 +14,35 @@ alone reads it (found from the primary's port: the nodes share a file system the
 
 What it covers: the loss of node 0's machine, or of an embedded PS process. A rank 0 that fails with an exception
 still ends the job, as without a standby (its PS tells the other workers: :mod:`plug_asgd.ps.failure`).
+
+After a failover node 1's standby leads without one, so node 1 starts another (:class:`Renewal`, watching from
+the moment the standbys joined): every ``failover_timeout`` it asks each of its standbys for its role, and where
+one leads, it starts a new standby of it **beside it on node 1**, on the next port (the leader's plus the number of
+shards), following node 1's local rank 0 as the first did; that one, once it leads, gets the next, and so on. It
+covers a leader's crashed PS process, not the loss of node 1's machine (a standby on node 2 would: not yet).
 Imports neither Lightning namespace.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import zmq
+
 from plug_asgd.placement.ps_launcher import EmbeddedPS
+from plug_asgd.protocol.security import load_standby_keys
 from plug_asgd.ps import PSConfig
+from plug_asgd.ps.standby_join import ask_peer
 from plug_asgd.sharding.client import ShardedClient
 from plug_asgd.sharding.per_node import node_address
 from plug_asgd.worker.client import PSClient, PSError, PSUnreachableError
+
+log = logging.getLogger("plug_asgd.placement")
 
 STANDBY_NODE = 1  # the node whose local rank 0 runs the standbys: the first that is not rank 0's
 
@@ -86,7 +100,8 @@ def _standbys(stats: dict[str, Any]) -> list[Any]:
 
 
 def wait_joined(client: PSClient | ShardedClient, binds: Sequence[str], standby: EmbeddedPS, timeout: float) -> None:
-    """Waits until each primary (asked through ``client``) names its standby at ``binds``.
+    """Waits until each primary (asked through ``client``) names its standby at ``binds``; then node 1 watches them
+    (:class:`Renewal`: a standby that leads gets a new one beside it).
 
     Args:
         client: this worker's client, connected to the primaries.
@@ -108,9 +123,65 @@ def wait_joined(client: PSClient | ShardedClient, binds: Sequence[str], standby:
         except (PSError, PSUnreachableError):
             named = []
         if named == list(binds):
+            Renewal(standby, binds).start()
             return
         if time.monotonic() >= deadline:
             raise RuntimeError(f"the parameter server did not take the standby at {list(binds)} within {timeout:g} "
                                f"s (it names {named}): can node 0 reach node 1 at that address? set "
                                "PLUG_ASGD_NODE_ADDRESS to one it can")
         time.sleep(0.1)
+
+
+class Renewal:
+    """Node 1's watch over its standbys (module doc): where one leads, a new standby of it beside it on node 1.
+
+    A daemon thread; it ends once ``standby``'s processes are stopped (the job's end). Each new standby's process
+    joins ``standby``'s, so that it is stopped with them and the workers' end waits for it as for the first.
+
+    Args:
+        standby: node 1's standby processes, as started (their configs are read from their command lines).
+        binds: where each listens, in shard order.
+    """
+
+    def __init__(self, standby: EmbeddedPS, binds: Sequence[str]) -> None:
+        self.standby = standby
+        self.configs = [PSConfig.from_json(p.args[-1]) for p in standby.processes]
+        self.watched = list(binds)  # the address of each shard's newest standby
+        self.renewed = 0
+        self.interval = min(c.failover_timeout for c in self.configs) if self.configs else 1.0
+        self._keys = [load_standby_keys(c.keys) if c.keys is not None else None for c in self.configs]
+
+    def start(self) -> None:
+        """Watch from now on, in a daemon thread."""
+        threading.Thread(target=self._run, name="plug_asgd-standby-renewal", daemon=True).start()
+
+    def _run(self) -> None:
+        context = zmq.Context.instance()
+        while self.standby.processes:
+            time.sleep(self.interval)
+            for shard, address in enumerate(self.watched):
+                stats = ask_peer(context, address, self.interval, self._keys[shard])
+                if stats is not None and stats.get("role") == "primary" and self.standby.processes:
+                    self.renew(shard, address)
+
+    def renew(self, shard: int, leader: str) -> str:
+        """Start a new standby of ``shard``'s standby that leads at ``leader``, beside it (the next port); returns
+        where it listens.
+
+        Args:
+            shard: the shard's index.
+            leader: the leader's address.
+        """
+        host, _, port = leader.rpartition(":")
+        bind = f"{host}:{int(port) + len(self.watched)}"
+        first = self.configs[shard]
+        config = dataclasses.replace(first, bind=bind, standby_of=leader, run_dir=first.run_dir and (
+            first.run_dir / f"renewed-{self.renewed + 1}"))  # its metrics beside the first standby's
+        fresh = EmbeddedPS(self.standby.role)
+        fresh.start(config)
+        self.standby.processes.extend(fresh.processes)
+        self.watched[shard] = bind
+        self.renewed += 1
+        log.warning("the standby at %s leads now: a new standby of it starts at %s (node %d)", leader, bind,
+                    STANDBY_NODE)
+        return bind
