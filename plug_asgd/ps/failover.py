@@ -289,7 +289,8 @@ class Failover(StandbyRecords):
         role, mine = theirs.get("role"), self.store.version
         restart = f"restart this one as its standby once it leads: `plug-asgd serve-ps --standby-of {peer}`"
         if role == "primary":
-            return f"leads epoch {epoch}; the run's workers are there: {restart}"
+            return (f"leads epoch {epoch}; the run's workers are there: restart this one as its standby "
+                    f"(`plug-asgd serve-ps --standby-of {peer}`)")
         if role == "replaced":
             return (f"led epoch {epoch} and was replaced by {theirs.get('leader')}, which leads a later one; the "
                     f"run's workers are there: restart this one as its standby (`plug-asgd serve-ps --standby-of "
