@@ -10,7 +10,8 @@ model exactly once, no push twice, one history (each version one push), one lead
 Here the checker's own rules on made-up histories (quick), and a few trials for real (integration, faults): a primary
 frozen past the failover, a primary's host cut off (network namespaces), and the pinned reproduction of what the
 checker found (a primary restarted with ``--resume`` before the failover leads from its checkpoint: acknowledged
-pushes lost; xfail, strict). Many trials: ``python tests/scripts/history_trials.py --trials 30``, or
+pushes lost, now fixed: the restart stops), and two failovers with a new standby between (``--faults twice``).
+Many trials: ``python tests/scripts/history_trials.py --trials 30``, or
 ``PLUG_ASGD_HISTORY_TRIALS=N`` to add N seeded trials (seeds 100 ..) to this file's.
 """
 
@@ -25,7 +26,15 @@ import pytest
 
 from tests.conftest import skip_unless_required
 from tests.scripts.history_check import check
-from tests.scripts.history_trials import FAULTS, NETNS_FAULTS, Plan, make_plan, netns_available, run_trial
+from tests.scripts.history_trials import (
+    EXTRA_FAULTS,
+    FAULTS,
+    NETNS_FAULTS,
+    Plan,
+    make_plan,
+    netns_available,
+    run_trial,
+)
 
 FAILOVER = 1.5  # the PS's failover_timeout in these trials (the default is 3.0): a trial takes 5 to 8 s alone
 PUSHES, WORLD = 60, 2
@@ -164,3 +173,19 @@ def test_a_primary_restarted_with_resume_before_the_failover_keeps_every_acknowl
     assert ("does not lead: it resumed epoch 1 of run" in out and f"at version {resumed}" in out
             and f"the parameter server at {record['standby']} is the run's hot standby at epoch 1, version" in out
             and "later than this checkpoint" in out and f"--standby-of {record['standby']}" in out), out
+
+
+@pytest.mark.integration
+@pytest.mark.faults
+@pytest.mark.timeout(TRIAL_TIMEOUT)
+def test_two_failovers_with_a_new_standby_between_keep_every_acknowledged_push(tmp_path: Path) -> None:
+    # the primary SIGKILLed; once the standby leads, a new standby given the members' addresses (the dead primary's
+    # first) joins it; after 5 pushes through the new pair the leader is SIGKILLed too: the new standby leads epoch 3
+    plan = make_plan(0, EXTRA_FAULTS, PUSHES, WORLD, FAILOVER)
+    assert plan.fault == "twice"
+    record = run_trial(plan, tmp_path, keep=True, failover=FAILOVER, pushes=PUSHES)
+    assert record["ok"], _explain(record)
+    assert record["second_kill"] is not None and record["second_kill"] < PUSHES * WORLD, _explain(record)
+    assert record["finals"] == {f"renewed@{record['renewed']}": {"role": "primary", "epoch": 3,
+                                                                  "version": PUSHES * WORLD, "failovers": 2}}
+    assert f"e3: {record['renewed']}" in record["summary"] and "e2: " in record["summary"], record["summary"]

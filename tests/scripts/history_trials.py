@@ -3,6 +3,7 @@
     .venv/bin/python tests/scripts/history_trials.py --trials 30             # seeds 0..29, every fault in turn
     .venv/bin/python tests/scripts/history_trials.py --seeds 7 12 --keep     # those seeds, their folders kept
     .venv/bin/python tests/scripts/history_trials.py --trials 10 --faults kill restart
+    .venv/bin/python tests/scripts/history_trials.py --trials 6 --faults twice      # two failovers, a new standby
 
 Each trial (a seed) starts a primary (mode asgd, checkpoints every few updates) and its standby, and two workers
 (tests/scripts/history_worker.py) whose every push adds 1 to a coordinate of its own; once the workers hold a seeded
@@ -47,6 +48,10 @@ WORKER = str(ROOT / "tests" / "scripts" / "history_worker.py")
 # split: the primary cut from the workers alone (it still reaches its standby, which must refuse to lead), for `hold` s.
 FAULTS = ("kill", "stop", "restart", "partition", "cut", "split")
 NETNS_FAULTS = ("partition", "cut", "split")
+# twice (not in the default rotation, --faults twice): SIGKILL, then once the standby leads a new standby given the
+# members' addresses (primary|standby: the dead primary's first) joins it, and the leader is SIGKILLed in turn once
+# it has acknowledged a few pushes through the new pair: the new standby leads epoch 3
+EXTRA_FAULTS = ("twice",)
 
 
 @dataclass
@@ -75,6 +80,8 @@ def make_plan(seed: int, faults: tuple[str, ...], pushes: int, world: int, failo
     hold = rng.uniform(0.2, 2.5) * failover
     if fault == "restart" and rng.random() < 0.5:  # half the restarts answer before any worker asks the standby
         hold = rng.uniform(0.05, 0.3) * failover
+    if fault == "twice":  # early enough for two failovers and a join before the workers end
+        at = rng.randint(1, int(pushes * world * 0.3))
     return Plan(seed, fault, at, round(hold, 2))
 
 
@@ -192,7 +199,8 @@ class Trial:
         for rank in range(self.world):
             self._start(f"w{rank}", "wk", [sys.executable, WORKER, "--members", f"{self.primary}|{self.standby}",
                                            "--rank", str(rank), "--world", str(self.world), "--pushes",
-                                           str(self.pushes), "--log", str(self.folder / f"w{rank}.jsonl")])
+                                           str(self.pushes), "--log", str(self.folder / f"w{rank}.jsonl"),
+                                           "--interval", "0.1" if self.plan.fault == "twice" else "0.02"])
 
     def strike(self) -> None:
         """The plan's fault, once the workers hold ``plan.at`` acknowledgements (or have ended)."""
@@ -201,9 +209,11 @@ class Trial:
                    f"{self.plan.at} acknowledgements")
         self.notes["struck_at_acks"] = self._acks()
         primary, hold, fault = self.procs["primary"], self.plan.hold, self.plan.fault
-        if fault in ("kill", "restart"):
+        if fault in ("kill", "restart", "twice"):
             os.killpg(primary.pid, signal.SIGKILL)
             primary.wait(10)
+        if fault == "twice":
+            self._fail_over_again(workers)
         if fault == "stop":
             os.killpg(primary.pid, signal.SIGSTOP)
             time.sleep(hold)
@@ -221,6 +231,25 @@ class Trial:
             ip("-n", self.topology.hosts["ps"].ns, "link", "set", "eth0", "up")
         elif fault in ("cut", "split"):
             self._blackhole("sb" if fault == "cut" else "wk", heal_after=None if fault == "cut" else hold)
+
+    def _fail_over_again(self, workers: list[subprocess.Popen]) -> None:
+        """``twice``: once the standby leads, a new standby given ``primary|standby`` joins it; once the new pair has
+        acknowledged 5 pushes, the leader is SIGKILLed too (not where the workers have ended by then)."""
+        self._wait(lambda: (self.query(self.standby, 2.0) or {"stats": {}})["stats"].get("role") == "primary",
+                   self.deadline, "the standby to lead")
+        self.renewed = self._address("sb")
+        self._start_ps("renewed", "sb", self.renewed, standby_of=f"{self.primary}|{self.standby}")
+        self._wait(lambda: (self.query(self.standby, 2.0) or {"stats": {}})["stats"].get("standby") == self.renewed,
+                   30, "the new standby to join the leader")
+        joined = self._acks()
+        self._wait(lambda: self._acks() >= joined + 5 or all(w.poll() is not None for w in workers), self.deadline,
+                   "5 pushes through the new pair")
+        self.notes.update(renewed=self.renewed, renewed_joined_at_acks=joined, second_kill=self._acks())
+        if all(w.poll() is not None for w in workers):
+            self.notes["second_kill"] = None  # the workers ended first: the leader is left as it is
+            return
+        os.killpg(self.procs["standby"].pid, signal.SIGKILL)
+        self.procs["standby"].wait(10)
 
     def _blackhole(self, other: str, heal_after: float | None) -> None:
         """Drop every packet between the primary's host and ``other``'s, both ways; lifted after ``heal_after`` s
@@ -258,7 +287,9 @@ class Trial:
     def _finals(self) -> dict[str, dict[str, Any]]:
         """Each PS process still running, by ``name@address``: its stats and model, where it answers."""
         finals = {}
-        for name, address in (("primary", self.primary), ("standby", self.standby), ("restarted", self.primary)):
+        named = (("primary", self.primary), ("standby", self.standby), ("restarted", self.primary),
+                 ("renewed", getattr(self, "renewed", "")))
+        for name, address in named:
             proc = self.procs.get(name)
             if proc is not None and proc.poll() is None and (answer := self.query(address)) is not None:
                 finals[f"{name}@{address}"] = answer
@@ -338,7 +369,7 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=10, help="seeds 0 .. N-1 (after --first)")
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--seeds", type=int, nargs="*", help="these seeds instead")
-    parser.add_argument("--faults", nargs="*", choices=FAULTS, default=list(FAULTS))
+    parser.add_argument("--faults", nargs="*", choices=FAULTS + EXTRA_FAULTS, default=list(FAULTS))
     parser.add_argument("--failover", type=float, default=1.5, help="the PS's failover_timeout, s")
     parser.add_argument("--pushes", type=int, default=60, help="each worker's pushes")
     parser.add_argument("--out", type=Path, default=None, help="where the trials' folders go (default: a temp dir)")
