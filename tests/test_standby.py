@@ -460,6 +460,43 @@ def test_a_primary_resumed_after_its_standby_took_over_does_not_lead(procs, star
                         "160 of 160 pushes folded once, by the leader alone")
 
 
+def test_a_primary_restarted_before_the_failover_stops_where_its_standby_holds_its_checkpoints_version(
+        procs, start_ps, tmp_path):
+    # the equal case of the rule (docs/design.md, "Epochs on disk"): 5 pushes, the primary's checkpoint of version 5,
+    # its standby at version 5 too; the primary SIGKILLed and restarted with --resume at once. It could lose nothing by
+    # leading, but it could not fence that standby, which a worker cut off from it might later make lead from the
+    # same version: it stops (exit 2), and the worker's next push makes the standby lead epoch 2
+    from plug_asgd.ps import PSConfig, embedded_command
+
+    ck = tmp_path / "ck"
+    primary = start_ps("asgd", checkpoint_dir=ck, checkpoint_every_updates=5)
+    wait_for(lambda: _answers(primary), 30, "the primary to answer")
+    standby = start_ps("asgd", standby_of=primary)
+    wait_for(lambda: stats(primary)["standby"] == standby, 30, "the standby to join")
+    client = PSClient(primary, rank=0, world_size=1, mode="asgd", request_timeout=60, heartbeat_s=None)
+    try:
+        client.hello(0, True)
+        client.init({"w": np.zeros(4, np.float32)})
+        one = {"w": np.ones(4, np.float32)}
+        assert [client.push(v, one).version for v in range(5)] == [1, 2, 3, 4, 5]
+        wait_for(lambda: list_checkpoints(ck) and read_checkpoint(list_checkpoints(ck)[-1]).fields["version"] == 5,
+                 10, "the checkpoint of version 5")
+        assert stats(standby)["version"] == 5
+        signal_ps(start_ps, primary, signal.SIGKILL)
+        start_ps.started.pop(primary).wait(10)
+        again = procs.start(embedded_command(PSConfig(bind=primary, mode="asgd", resume=ck, checkpoint_dir=ck,
+                                                      checkpoint_every_updates=5)))
+        out, _ = again.communicate(timeout=60)
+        assert again.returncode == 2, out
+        assert (f"the parameter server at {standby} is the run's hot standby at epoch 1, version 5, as this "
+                "checkpoint: the same state" in out and f"--standby-of {standby}" in out), out
+        assert client.push(5, one).version == 6  # it moves to the standby, which leads
+        assert (client.address, client.epoch) == (standby, 2)
+        assert client.pull().tensors["w"].tolist() == [6.0] * 4
+    finally:
+        client.close()
+
+
 def test_a_frozen_primary_replaced_then_stopped_writes_no_checkpoint(procs, start_ps, tmp_path, fault_report):
     ck = tmp_path / "ck"
     primary = start_ps("asgd", checkpoint_dir=ck, checkpoint_every_updates=5, keep=1000)  # every file stays
