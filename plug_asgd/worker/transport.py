@@ -245,10 +245,10 @@ class Transport(LeaderWatch):
                                           f"{msg_type!r} ({frame_summary(reply_frames)}) that is not the "
                                           "protocol's; the PS and this worker must run the same plug-asgd") from None
             self._learn(reply)
+            if self._follow(reply, msg_type, frames):  # a replaced PS refuses a push unread: no rid to match
+                continue
             if reply.fields.get("rid") != rid:
                 continue  # the late answer to a request that timed out
-            if self._follow(reply, msg_type, frames):
-                continue
             if reply.type == "error" and self._rejoin(msg_type, reply, frames, rejoins):
                 rejoins += 1
                 continue
