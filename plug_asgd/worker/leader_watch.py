@@ -137,8 +137,9 @@ class LeaderWatch:
 
     def _ask_to_lead(self, silent: float) -> bool:
         """Vote for the standby; True if it leads now (its epoch is then this worker's). While it waits for a
-        majority's votes (``pending``), the vote is cast again every :data:`VOTE_RETRY` of ``failover_timeout``,
-        for one ``failover_timeout`` at most, and no more once the PS speaks again."""
+        majority's votes, or still hears its primary (:meth:`_undecided`), the vote is cast again every
+        :data:`VOTE_RETRY` of ``failover_timeout``, for one ``failover_timeout`` at most, and no more once the PS
+        speaks again."""
         standby = self.standby
         assert standby is not None
         sock = self._ctx.socket(zmq.DEALER)
@@ -156,7 +157,7 @@ class LeaderWatch:
                                 "%s", self.rank, self.address, silent, standby)
                     return False
                 reply = decode(sock.recv_multipart(), DEFAULT_LIMITS)
-                if reply.type != "pending" or not self._vote_again(reply, until):
+                if not self._undecided(reply) or not self._vote_again(until):
                     break
         except (zmq.ZMQError, WireError) as exc:
             log.warning("rank %d: the standby %s cannot be asked to lead: %s", self.rank, standby, exc)
@@ -175,8 +176,15 @@ class LeaderWatch:
         self.failovers += 1
         return True
 
-    def _vote_again(self, pending: Message, until: float) -> bool:
-        """After ``pending``: wait a little and vote again (True), unless the time is up or the PS spoke (False)."""
+    @staticmethod
+    def _undecided(reply: Message) -> bool:
+        """The standby waits for more votes (``pending``), or has heard its primary less than ``failover_timeout``
+        ago (``primary_alive``: a worker whose request went out before the primary's last record counts its
+        silence from earlier than the standby does)."""
+        return reply.type == "pending" or (reply.type == "error" and reply.fields.get("code") == "primary_alive")
+
+    def _vote_again(self, until: float) -> bool:
+        """Wait a little and vote again (True), unless the time is up or the PS spoke (False)."""
         pause = min(VOTE_RETRY * self.failover_timeout, max(until - time.monotonic(), 0.0))
         if pause <= 0 or self._sock.poll(int(pause * 1000)):
             return False  # the PS answered the request in flight meanwhile: it is not gone
