@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from plug_asgd.protocol.wire import DEFAULT_LIMITS, decode, encode
-from plug_asgd.ps.election import ballot, seal
+from plug_asgd.ps.election import Tally, Vote, ballot, check_proof, electorate, needed, seal
 from plug_asgd.ps.standby_join import proven
 from plug_asgd.ps.standby_link import StandbyLink
 from plug_asgd.worker.client import PSClient
@@ -207,3 +207,39 @@ def test_a_fenced_without_a_majoritys_ballots_does_not_depose_the_primary(start_
         code, _ = ask(primary, "fenced", {"epoch": 2})
         assert code != "fenced" and stats(primary)["role"] == "primary"
         assert version == 5 and push(ranks[1]) == 6
+
+
+# -- the rule's arithmetic, without processes --------------------------------------------------------------------------
+
+
+def test_the_electorate_its_majority_and_which_votes_count() -> None:
+    assert electorate([2, 0], [0, 1, 2, 3]) == {0, 2} and electorate([], [1, 1, 3]) == {1, 3}
+    assert [needed(frozenset(range(n))) for n in range(1, 6)] == [1, 2, 2, 3, 3]
+    tally = Tally(ttl=6.0)
+    for rank, at in ((0, 10.0), (1, 4.0), (2, 12.0), (7, 12.0)):
+        tally.cast(rank, Vote(f"s{rank}", rank, "b", at))
+    tally.cast(0, Vote("s0", 5, "b", 13.0))  # a rank's latest vote replaces its earlier one
+    # rank 1 voted before the primary's last word (5.0); rank 7 is not of the electorate; at 17.5 every vote is fresh
+    assert sorted(tally.live(frozenset({0, 1, 2}), since=5.0, now=17.5)) == [0, 2]
+    assert sorted(tally.live(frozenset({0, 1, 2}), since=5.0, now=18.5)) == [0]  # rank 2's is 6.5 s old
+    assert tally.highest(since=5.0) == 7 and tally.highest(since=12.5) == 5
+
+
+def test_a_fenced_proof_holds_with_a_majoritys_ballots_and_no_changed_field() -> None:
+    tokens = {f"s{r}": (r, secrets.token_hex(16)) for r in range(3)}
+    voters = frozenset(tokens[s][0] for s in tokens)
+
+    def proof(sessions: list[str], link: str = "L" * 32, epoch: int = 2) -> dict:
+        votes = [[s, 4, ballot(tokens[s][1], "run", epoch, s, 4)] for s in sessions]
+        ranks = sorted(voters)
+        return {"epoch": epoch, "voters": ranks, "votes": votes, "seal": seal(link, epoch, ranks, votes)}
+
+    assert check_proof(proof(["s0", "s2"]), "L" * 32, "run", voters, tokens) is None
+    assert "majority" in check_proof(proof(["s0"]), "L" * 32, "run", voters, tokens)
+    assert "seal" in check_proof(proof(["s0", "s2"], link="M" * 32), "L" * 32, "run", voters, tokens)
+    assert "majority" in check_proof(proof(["s0", "s2"]), "L" * 32, "another run", voters, tokens)
+    changed = proof(["s0", "s2"])
+    changed["votes"][1][1] = 5  # a ballot's version changed (and sealed again): its HMAC no longer holds
+    changed["seal"] = seal("L" * 32, 2, changed["voters"], changed["votes"])
+    assert "1 valid" in check_proof(changed, "L" * 32, "run", voters, tokens)
+    assert "no proof" in check_proof({"epoch": 2}, "L" * 32, "run", voters, tokens)

@@ -108,7 +108,7 @@ class Vote:
 
 
 class Tally:
-    """A standby's votes for its next epoch, one per rank (the latest), and the highest version a voter saw.
+    """A standby's votes for its next epoch, one per rank (the latest).
 
     Args:
         ttl: seconds a vote counts after it was cast.
@@ -117,7 +117,6 @@ class Tally:
     def __init__(self, ttl: float) -> None:
         self.ttl = ttl
         self.votes: dict[int, Vote] = {}
-        self.highest = 0  # the highest version a voter saw: the standby does not lead below it
 
     def cast(self, rank: int, vote: Vote) -> None:
         """Count ``rank``'s vote (its latest replaces its earlier one).
@@ -127,7 +126,15 @@ class Tally:
             vote: its vote.
         """
         self.votes[rank] = vote
-        self.highest = max(self.highest, vote.version)
+
+    def highest(self, since: float) -> int:
+        """The highest version a vote cast after ``since`` (the last word from the primary) names: the standby does
+        not lead below it.
+
+        Args:
+            since: the last word from the primary (``time.monotonic()``).
+        """
+        return max((v.version for v in self.votes.values() if v.at > since), default=0)
 
     def live(self, voters: frozenset[int], since: float, now: float) -> dict[int, Vote]:
         """The votes that count now: of ranks of ``voters``, cast after ``since`` and within ``ttl`` of ``now``.
@@ -260,8 +267,9 @@ class Election:
 
     def _check_behind(self) -> None:
         """No lead below the highest version a voter saw; with ``standby_window``, the window's loss is allowed."""
-        if self.tally.highest > self.store.version and not self.config.standby_window:
-            raise WireError("standby_behind", f"a worker saw version {self.tally.highest}, this standby holds "
+        highest = self.tally.highest(self.primary_heard)
+        if highest > self.store.version and not self.config.standby_window:
+            raise WireError("standby_behind", f"a worker saw version {highest}, this standby holds "
                                               f"{self.store.version}: the primary went on without it, and leading "
                                               "would lose the pushes it acknowledged since; this standby does not "
                                               "lead")
@@ -269,9 +277,10 @@ class Election:
     def _window_loss(self) -> None:
         """Leading now with ``standby_window``, behind what a voter saw: the loss is said, and a base ahead of this
         version is folded in as fresh, as after a resume."""
-        if self.tally.highest > self.store.version:
+        highest = self.tally.highest(self.primary_heard)
+        if highest > self.store.version:
             log.warning("leading at version %d where a worker saw %d: the pushes folded after the last state this "
-                        "standby holds are lost (standby_window %d)", self.store.version, self.tally.highest,
+                        "standby holds are lost (standby_window %d)", self.store.version, highest,
                         self.config.standby_window)
             self.store.resumed = True
 
