@@ -44,10 +44,10 @@ def start_ps(start_ps):
 
 def start_worker(procs: ProcessGroups, address: str, rank: int, log: Path, *, mode: str, pushes: int,
                  delta: float, interval: float = 0.05, prefix: tuple[str, ...] = (),
-                 keys: Path | None = None) -> subprocess.Popen:
+                 keys: Path | None = None, world: int = 2) -> subprocess.Popen:
     return procs.start([*prefix, PYTHON, WORKER, "--address", address, "--rank", str(rank), "--mode", mode,
                         "--pushes", str(pushes), "--delta", str(delta), "--interval", str(interval),
-                        "--log", str(log), *(["--keys", str(keys)] if keys else [])])
+                        "--log", str(log), "--world", str(world), *(["--keys", str(keys)] if keys else [])])
 
 
 def read_log(path: Path) -> list[dict]:

@@ -178,23 +178,26 @@ def test_a_windowed_standby_loses_at_most_the_pushes_since_the_last_state_it_hol
 
 
 def test_a_worker_busy_through_the_failover_is_sent_on_by_the_replaced_primary(procs, start_ps, tmp_path):
-    # rank 1 computes 5 s between pushes: the primary freezes just after one, rank 0's requests make the standby
-    # lead, the primary is resumed, and rank 1's next push reaches the old primary, which names its successor
+    # 3 workers; rank 1 computes 5 s between pushes: the primary freezes just after one, the votes of ranks 0 and 2
+    # (a majority of 3) make the standby lead, the primary is resumed, and rank 1's next push reaches the old
+    # primary, which names its successor (with 2 workers, rank 1's vote would be needed: a majority of 2 is 2)
     primary, standby = start_pair(start_ps)
-    logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
-    fast = start_worker(procs, primary, 0, logs[0], mode="asgd", pushes=100, delta=1.0)
-    slow = start_worker(procs, primary, 1, logs[1], mode="asgd", pushes=2, delta=2.0, interval=5.0)
+    logs = [tmp_path / "w0.log", tmp_path / "w1.log", tmp_path / "w2.log"]
+    fast = [start_worker(procs, primary, r, logs[r], mode="asgd", pushes=300, delta=r + 1.0, world=3) for r in (0, 2)]
+    slow = start_worker(procs, primary, 1, logs[1], mode="asgd", pushes=2, delta=2.0, interval=5.0, world=3)
     wait_for(lambda: len(pushes(logs[1])) >= 1, 60, "rank 1's first push")
     signal_ps(start_ps, primary, signal.SIGSTOP)
     wait_for(lambda: stats(standby)["role"] == "primary", 3 * FAILOVER + 2, "the standby to lead")
     signal_ps(start_ps, primary, signal.SIGCONT)
     assert len(pushes(logs[1])) == 1, "rank 1 pushed while the primary was frozen: the timing of this test is off"
+    assert all(len(pushes(logs[r])) < 300 for r in (0, 2)), "a fast rank was done before the freeze: timing is off"
     out = finish(slow, timeout=60)
-    finish(fast, timeout=120)
+    for w in fast:
+        finish(w, timeout=120)
     assert f"was replaced by {standby}; moving to it" in out
     assert [p["status"] for p in pushes(logs[1])] == ["applied"] * 2
     final = max((r for log in logs for r in read_log(log) if r["event"] == "done"), key=lambda r: r["version"])
-    assert final["version"] == 102 and final["w"] == [100 * 1.0 + 2 * 2.0] * 4
+    assert final["version"] == 602 and final["w"] == [300 * 1.0 + 2 * 2.0 + 300 * 3.0] * 4
     assert stats(primary)["role"] == "replaced"
 
 
@@ -283,8 +286,10 @@ def test_a_standby_that_joins_mid_round_completes_the_round_as_its_primary_and_a
         wait_for(lambda: stats(primary)["standby_lag"] == 0, 5, "the standby's version at the next beat")
         signal_ps(start_ps, primary, signal.SIGKILL)  # the standby's model, read through a worker that moves to it
         start_ps.started.pop(primary).wait(10)
+        other = pool.submit(workers[1].pull)  # both ranks wait, both vote: a majority of 2 is 2
         reply = workers[0].pull()
         assert reply.version == 1 and reply.tensors["w"].tolist() == [2.0, 2.0, 2.0, 2.0]
+        assert other.result(30).version == 1
 
 
 @contextlib.contextmanager
@@ -327,7 +332,10 @@ def test_collectives_completed_before_the_failover_are_answered_again_by_the_new
         assert _read_notice(workers[1]) == "stop"
         signal_ps(start_ps, primary, signal.SIGKILL)
         start_ps.started.pop(primary).wait(10)
-        again = workers[1].gather(1, 0, {"r": 1}, None, "barrier:x")  # moves to the standby, which answers it
+        with ThreadPoolExecutor(1) as pool:  # rank 0 waits on a pull meanwhile: both vote (a majority of 2 is 2)
+            voter = pool.submit(workers[0].pull)
+            again = workers[1].gather(1, 0, {"r": 1}, None, "barrier:x")  # moves to the standby, which answers it
+            assert voter.result(30).version == 0 and workers[0].address == standby
         assert workers[1].address == standby
         assert [(r, o, {n: t.tolist() for n, t in ts.items()}) for r, o, ts in again] == [
             (r, o, {n: t.tolist() for n, t in ts.items()}) for r, o, ts in got] == [(0, {"r": 0}, {"t": [0, 1, 2]}),

@@ -6,12 +6,14 @@ sends each change of its state to its standby first (:mod:`plug_asgd.ps.replicat
 worker, and checkpoints nothing. Every reply of either carries the epoch it leads (``epoch``) and the standby's
 address (``standby``), so a worker that knows only the primary's address learns where to go.
 
-The rule that makes one leader at a time (docs/design.md, "Hot standby"): a standby leads only when a worker asks it
-to (a ``lead`` request: the worker could not reach the primary for ``failover_timeout``) **and** it has itself heard
-nothing from the primary for ``failover_timeout``. A standby cut off from a primary that the workers still reach gets
-no such request; one that hears the primary refuses it (``primary_alive``). Leading, it takes the next epoch, and
-answers the old primary's records with ``fenced``: a primary that comes back (a SIGSTOP'd process resumed), or was
-only cut off from its standby, folds in nothing more, since every change waits for the standby's acknowledgement.
+The rule that makes one leader at a time (docs/design.md, "Hot standby"; the votes: :mod:`plug_asgd.ps.election`):
+a standby leads only when a majority of the run's live workers have asked it to (``lead`` requests: each could not
+reach the primary for ``failover_timeout``), none of them saw a version it lacks, **and** it has itself heard nothing
+from the primary for ``failover_timeout``. A standby cut off from a primary that the workers still reach gets no such
+majority; one that hears the primary refuses every vote (``primary_alive``). Leading, it takes the next epoch, and
+answers the old primary's records with ``fenced``, which carries the majority's ballots under the link's seal: a
+primary that comes back (a SIGSTOP'd process resumed), or was only cut off from its standby, checks them, then folds
+in nothing more, since every change waits for the standby's acknowledgement.
 A request that claims a later epoch than this PS leads is refused (``bad_epoch``) unless the standby confirms it.
 
 Epochs outlive the processes: each checkpoint holds its writer's epoch, address and standby
@@ -22,7 +24,6 @@ PS then stops (:meth:`Failover.start_role`) instead of leading beside it. A repl
 
 from __future__ import annotations
 
-import hmac
 import logging
 import secrets
 import time
@@ -33,7 +34,7 @@ import numpy as np
 
 from plug_asgd.protocol.checkpoint import CheckpointError
 from plug_asgd.protocol.wire import Message, Tensor, WireError
-from plug_asgd.ps.membership import proof
+from plug_asgd.ps.election import Election
 from plug_asgd.ps.replication import Fenced, Replication
 from plug_asgd.ps.standby_credential import StandbyCredential
 from plug_asgd.ps.standby_join import JoinRequest, advertised, ask_peer
@@ -46,7 +47,7 @@ STANDBY_TYPES = frozenset({"replicate", "lead", "stats", "ping"})  # what a stan
 REPLACED_TYPES = frozenset({"stats", "ping"})  # what a replaced primary answers
 
 
-class Failover(StandbyRecords):
+class Failover(Election, StandbyRecords):
     """The roles, the epoch, the link's records and the workers' ``lead`` requests, a base of the server (what
     the records hold and how a standby applies them: its base :class:`StandbyRecords`).
 
@@ -76,6 +77,7 @@ class Failover(StandbyRecords):
         self.link: StandbyLink | None = None  # a standby's record socket
         self.credential: StandbyCredential | None = None  # what proves a standby to this PS
         self.peer: Any = None  # the request in hand's first frame (its User-Id: the connection's key)
+        self._init_election()
 
     # -- the primary's side ------------------------------------------------------------------
 
@@ -89,15 +91,17 @@ class Failover(StandbyRecords):
             tensors: its tensors.
 
         Raises:
-            WireError: ``replaced`` where the standby leads a later epoch: this PS changes nothing more (and
-                ``standby`` or ``replaced`` where it did not lead already).
+            WireError: ``replaced`` where the standby proves that it leads a later epoch: this PS changes nothing
+                more (and ``standby`` or ``replaced`` where it did not lead already). A standby that says so
+                without proof is dropped, and the change is made without it.
         """
         try:
             if self.role == "primary":
                 self.replication.send(kind, fields, tensors)
                 return
         except Fenced as exc:
-            self._fenced(exc)
+            if not self._fenced(exc):
+                return
         why = self._not_serving()
         raise WireError(why.code, str(why))
 
@@ -162,13 +166,24 @@ class Failover(StandbyRecords):
         elif self.role == "standby":
             self.check_join()
 
-    def _fenced(self, exc: Fenced) -> None:
+    def _fenced(self, exc: Fenced) -> bool:
+        """The standby answered ``fenced``: True where its proof holds (this PS is replaced now); else the standby
+        is dropped as one that lies, and this PS leads on (False)."""
+        why = self.disproof(exc.proof, exc.link)
+        if why is not None:
+            self.stats.refused["bad_fenced"] += 1
+            self.replication.detach(f"it answered `fenced` without proof that a majority elected it ({why})")
+            self.replication.forget_lost()
+            log.error("the standby %s says it leads epoch %d, but %s: this parameter server leads on, without that "
+                      "standby", exc.leader, exc.epoch, why)
+            return False
         self.role, self.leader = "replaced", exc.leader
         self.persistence.replaced = True  # its state is stale: no checkpoint of it over the leader's, even at exit
         self.replication.detach(f"it leads epoch {exc.epoch}")
         self.replication.forget_lost()
         log.error("this parameter server was REPLACED: its standby %s leads epoch %d (this one led epoch %d); it "
                   "folds in nothing more and refuses every request (stop it)", exc.leader, exc.epoch, self.epoch)
+        return True
 
     def _not_serving(self) -> WireError:
         if self.role == "standby":
@@ -348,41 +363,6 @@ class Failover(StandbyRecords):
 
     def _on_replicate(self, identity: bytes, rid: Any, msg: Message) -> None:
         raise WireError("bad_link", "a record must come over the link this standby opened with its primary")
-
-    def _on_lead(self, identity: bytes, rid: Any, msg: Message) -> None:
-        """A worker that could not reach the primary asks this standby to lead (the rule: module docstring). One that
-        leads already says so to anyone of an earlier epoch (a bystander, a Supervisor's pulls, follows it too)."""
-        known = msg.int_field("epoch", minimum=1)
-        if self.role == "primary" and known < self.epoch:
-            self._send(identity, rid, "leading", {"epoch": self.epoch, "version": self.store.version})
-            return
-        if self.role != "standby":
-            raise self._not_serving() if self.role != "primary" else WireError(
-                "bad_epoch", f"this parameter server leads epoch {self.epoch}: a worker of epoch {known} asks "
-                             "nothing of it")
-        session, token = msg.str_field("session"), msg.str_field("token")
-        owner = self.members.owners.get(session)
-        if owner is None or not hmac.compare_digest(owner.proof, proof(token)):
-            raise WireError("bad_vote", "only a worker of this run (its session and token) may ask a standby to lead")
-        if self._link is None or self.primary_version is None:
-            raise WireError("not_ready", "this standby does not hold the primary's state yet")
-        if known != self.epoch:
-            raise WireError("bad_epoch", f"the worker knows epoch {known}, this standby follows epoch {self.epoch}")
-        silent = time.monotonic() - self.primary_heard
-        if silent < self.config.failover_timeout:
-            raise WireError("primary_alive", f"this standby heard from the primary {silent:.1f} s ago: it is "
-                                             "alive; the worker alone is cut off from it")
-        seen = msg.int_field("version", minimum=0, optional=True)
-        if seen is not None and seen > self.store.version and self.config.standby_window:
-            log.warning("leading at version %d where rank %d saw %d: the pushes folded after the last state this "
-                        "standby holds are lost (standby_window %d)", self.store.version, owner.rank, seen,
-                        self.config.standby_window)
-            self.store.resumed = True  # a base ahead of this version is folded in as fresh, as after a resume
-        elif seen is not None and seen > self.store.version:
-            raise WireError("standby_behind", f"the worker saw version {seen}, this standby holds "
-                                              f"{self.store.version}: the primary went on without it")
-        self._promote(f"rank {owner.rank} could not reach it, nor could this standby for {silent:.1f} s")
-        self._send(identity, rid, "leading", {"epoch": self.epoch, "version": self.store.version})
 
     def _promote(self, why: str) -> None:
         self.role, self.epoch, self.failovers = "primary", self.epoch + 1, self.failovers + 1

@@ -43,17 +43,22 @@ JOIN_TIMEOUT_S = 60.0  # the snapshot's acknowledgement: a standby maps a whole 
 
 
 class Fenced(Exception):
-    """The standby leads a later epoch: this PS was replaced and must change nothing more.
+    """The standby says it leads a later epoch: where its proof holds (:mod:`plug_asgd.ps.election`), this PS was
+    replaced and must change nothing more.
 
     Args:
         epoch: the epoch the standby leads.
         leader: the standby's address, which now leads.
+        proof: the ``fenced`` answer's fields (the epoch, the majority's ballots, the link's seal).
+        link: the token of the link it came on.
     """
 
-    def __init__(self, epoch: int, leader: str) -> None:
+    def __init__(self, epoch: int, leader: str, proof: dict[str, Any] | None = None, link: str = "") -> None:
         super().__init__(f"replaced by the standby at {leader}, which leads epoch {epoch}")
         self.epoch = epoch
         self.leader = leader
+        self.proof = proof or {}
+        self.link = link
 
 
 @dataclass
@@ -299,7 +304,8 @@ class Replication:
         """
         if reply.type == "fenced":
             epoch = reply.fields.get("epoch")
-            raise Fenced(int(epoch) if isinstance(epoch, int) else -1, self.address or "?")
+            raise Fenced(int(epoch) if isinstance(epoch, int) else -1, self.address or "?", reply.fields,
+                         self._link or "")
         if reply.type != "ack":
             self.detach(f"it refused a record: {reply.fields.get('message', reply.type)}")
             return None
@@ -383,7 +389,8 @@ class Replication:
                 continue
             if reply.type == "fenced":
                 epoch = reply.fields.get("epoch")
-                raise Fenced(int(epoch) if isinstance(epoch, int) else -1, self.lost_address or "?")
+                raise Fenced(int(epoch) if isinstance(epoch, int) else -1, self.lost_address or "?", reply.fields,
+                             link)
         if time.monotonic() - self._lost_asked >= self.failover_timeout:
             self._lost_asked = time.monotonic()
             try:

@@ -51,6 +51,7 @@ class StandbyRecords:
     persistence: Any
     epoch: int
     failovers: int
+    fence_proof: dict[str, Any]
     _stop: bool
 
     def state_record(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
@@ -99,8 +100,8 @@ class StandbyRecords:
         expected = self._link or ""
         if not isinstance(link, str) or not link.isascii() or not expected or not hmac.compare_digest(link, expected):
             raise WireError("bad_link", "a record must come over the link this standby opened with its primary")
-        if self.role != "standby":  # it leads: the old primary is told so, and changes nothing
-            self._link_reply(identity, rid, "fenced", {"epoch": self.epoch})
+        if self.role != "standby":  # it leads: the old primary is told so, with the majority's ballots as proof
+            self._link_reply(identity, rid, "fenced", {"epoch": self.epoch, **self.fence_proof})
             return
         kind = msg.str_field("kind")
         apply = getattr(self, f"_apply_{kind}", None)

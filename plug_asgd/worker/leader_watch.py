@@ -32,6 +32,7 @@ from plug_asgd.protocol.wire import DEFAULT_LIMITS, Message, WireError, decode, 
 log = logging.getLogger("plug_asgd.worker.client")
 
 DEFAULT_FAILOVER_TIMEOUT = 3.0  # the PS's, until its hello reply says
+VOTE_RETRY = 1 / 30  # of failover_timeout: a vote the standby answered ``pending`` is cast again this often
 
 
 class LeaderWatch:
@@ -47,6 +48,7 @@ class LeaderWatch:
     token: str | None
     _ctx: zmq.Context
     _secure: Callable[[zmq.Socket], None]  # CURVE where the worker has keys
+    _sock: zmq.Socket  # the request socket
     _switch: Callable[[str, str, list[Any]], None]  # the move to another address, the request in flight resent
 
     def _init_watch(self, members: list[str]) -> None:
@@ -134,21 +136,29 @@ class LeaderWatch:
             self._probe = None
 
     def _ask_to_lead(self, silent: float) -> bool:
-        """Ask the standby to lead; True if it does now (its epoch is then this worker's)."""
+        """Vote for the standby; True if it leads now (its epoch is then this worker's). While it waits for a
+        majority's votes, or still hears its primary (:meth:`_undecided`), the vote is cast again every
+        :data:`VOTE_RETRY` of ``failover_timeout``, for one ``failover_timeout`` at most, and no more once the PS
+        speaks again."""
         standby = self.standby
         assert standby is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         self._secure(sock)
+        vote = encode("lead", {"epoch": self.epoch, "session": self.session, "token": self.token or "",
+                               "rank": self.rank, "version": self.seen_version, "rid": 0})
+        until = time.monotonic() + self.failover_timeout
         try:
             sock.connect(standby)
-            sock.send_multipart(encode("lead", {"epoch": self.epoch, "session": self.session, "token": self.token or "",
-                                                "rank": self.rank, "version": self.seen_version, "rid": 0}))
-            if not sock.poll(int(self.failover_timeout * 1000)):
-                log.warning("rank %d: no word from the parameter server at %s for %.1f s, nor from its standby %s",
-                            self.rank, self.address, silent, standby)
-                return False
-            reply = decode(sock.recv_multipart(), DEFAULT_LIMITS)
+            while True:
+                sock.send_multipart(vote)
+                if not sock.poll(int(max(until - time.monotonic(), 0.01) * 1000)):
+                    log.warning("rank %d: no word from the parameter server at %s for %.1f s, nor from its standby "
+                                "%s", self.rank, self.address, silent, standby)
+                    return False
+                reply = decode(sock.recv_multipart(), DEFAULT_LIMITS)
+                if not self._undecided(reply) or not self._vote_again(until):
+                    break
         except (zmq.ZMQError, WireError) as exc:
             log.warning("rank %d: the standby %s cannot be asked to lead: %s", self.rank, standby, exc)
             return False
@@ -156,10 +166,38 @@ class LeaderWatch:
             sock.close(0)
         if reply.type != "leading":
             log.warning("rank %d: no word from the parameter server at %s for %.1f s; its standby %s does not lead: "
-                        "%s", self.rank, self.address, silent, standby, reply.fields.get("message"))
+                        "%s", self.rank, self.address, silent, standby,
+                        reply.fields.get("message") or f"{reply.fields.get('votes')} of the "
+                        f"{reply.fields.get('needed')} votes it needs")
             return False
         log.warning("rank %d: no word from the parameter server at %s for %.1f s: its standby %s leads now (epoch "
                     "%s); moving to it", self.rank, self.address, silent, standby, reply.fields.get("epoch"))
         self.epoch = int(reply.fields["epoch"])
         self.failovers += 1
         return True
+
+    @staticmethod
+    def _undecided(reply: Message) -> bool:
+        """The standby waits for more votes (``pending``), or has heard its primary less than ``failover_timeout``
+        ago (``primary_alive``: a worker whose request went out before the primary's last record counts its
+        silence from earlier than the standby does)."""
+        return reply.type == "pending" or (reply.type == "error" and reply.fields.get("code") == "primary_alive")
+
+    def _vote_again(self, until: float) -> bool:
+        """Wait a little and vote again (True), unless the time is up or the PS spoke (False)."""
+        pause = min(VOTE_RETRY * self.failover_timeout, max(until - time.monotonic(), 0.0))
+        if pause <= 0 or self._sock.poll(int(pause * 1000)):
+            return False  # the PS answered the request in flight meanwhile: it is not gone
+        return time.monotonic() < until
+
+    def _watch_due(self) -> float:
+        """Seconds until :meth:`_watch` has something to do (a ping, a vote): a waiting request polls no longer,
+        so that the workers' votes reach the standby close together."""
+        if self.standby is None:
+            return 0.5
+        silent = time.monotonic() - self._heard
+        quarter = self.failover_timeout / 4
+        due = self.failover_timeout - silent if silent < quarter * 4 else 0.0
+        if silent < quarter:
+            due = min(due, quarter - silent)
+        return max(due, 0.005)

@@ -207,7 +207,7 @@ class Transport(LeaderWatch):
                 f"{failure} the parameter server at {self.address} within {limit:g} s (request {msg_type!r}). "
                 "Is it running and reachable? Start one with `plug-asgd serve-ps`, or check the address, port and "
                 "firewall.")
-        return dict(poller.poll(int(min(left, 0.5) * 1000) + 1))
+        return dict(poller.poll(int(min(left, 0.5, self._watch_due()) * 1000) + 1))
 
     def _count_up(self, msg_type: str, size: int, tensors: Mapping[str, Tensor] | None,
                   local: Mapping[str, int] | None) -> None:
