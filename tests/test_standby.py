@@ -544,33 +544,37 @@ def test_a_frozen_primary_resumed_while_its_successor_is_slow_to_answer_folds_in
     # without naming a standby: an acknowledged push lost, and a worker left with no standby to ask, waiting for a
     # primary that was then stopped until lost_timeout, 60 s), learns it was replaced, and rank 1 moves
     primary, standby = start_pair(start_ps)
-    workers = [PSClient(primary, rank=r, world_size=2, mode="asgd", request_timeout=60, heartbeat_s=0.5)
-               for r in (0, 1)]
+    # 3 workers: ranks 0 and 2, a majority, elect the standby (tests/test_votes.py); rank 1 is the late one
+    workers = [PSClient(primary, rank=r, world_size=3, mode="asgd", request_timeout=60, heartbeat_s=0.5)
+               for r in (0, 1, 2)]
     try:
         for w in workers:
             w.hello(1, True)
         workers[0].init({"w": np.zeros(4, np.float32)})
         one = {"w": np.ones(4, np.float32)}
-        assert [w.push(v, one).version for v, w in enumerate(workers)] == [1, 2]
+        assert [w.push(v, one).version for v, w in enumerate(workers)] == [1, 2, 3]
         assert workers[1].standby == standby
         signal_ps(start_ps, primary, signal.SIGSTOP)
         started = time.monotonic()
-        assert workers[0].push(2, one).version == 3  # asks the standby after failover_timeout of silence
+        with ThreadPoolExecutor(2) as pool:  # both ask the standby after failover_timeout of silence
+            voted = [pool.submit(workers[r].push, 3, one) for r in (0, 2)]
+            assert sorted(v.result(60).version for v in voted) == [4, 5]
         moved_after = time.monotonic() - started
-        assert workers[0].address == standby and FAILOVER <= moved_after < 2 * FAILOVER + 2, moved_after
+        assert workers[0].address == workers[2].address == standby, moved_after
+        assert FAILOVER <= moved_after < 2 * FAILOVER + 2, moved_after
         signal_ps(start_ps, standby, signal.SIGSTOP)
         signal_ps(start_ps, primary, signal.SIGCONT)
         with ThreadPoolExecutor(1) as pool:
-            late = pool.submit(workers[1].push, 2, one)  # reaches the old primary, which asks its standby
+            late = pool.submit(workers[1].push, 3, one)  # reaches the old primary, which asks its standby
             time.sleep(FAILOVER * 5 / 6)  # past half the timeout, within one and a half
             signal_ps(start_ps, standby, signal.SIGCONT)
             reply = late.result(60)
-        assert (workers[1].address, workers[1].epoch, reply.status, reply.version) == (standby, 2, "applied", 4)
+        assert (workers[1].address, workers[1].epoch, reply.status, reply.version) == (standby, 2, "applied", 6)
         old, new = stats(primary), stats(standby)
-        assert (old["role"], old["leader"], old["version"]) == ("replaced", standby, 2)  # nothing folded since
-        assert (new["role"], new["epoch"], new["version"]) == ("primary", 2, 4)
-        assert new["pushes_by_rank"] == {"0": 2, "1": 2}
-        assert workers[1].pull().tensors["w"].tolist() == [4.0] * 4
+        assert (old["role"], old["leader"], old["version"]) == ("replaced", standby, 3)  # nothing folded since
+        assert (new["role"], new["epoch"], new["version"]) == ("primary", 2, 6)
+        assert new["pushes_by_rank"] == {"0": 2, "1": 2, "2": 2}
+        assert workers[1].pull().tensors["w"].tolist() == [6.0] * 4
     finally:
         for w in workers:
             w.close()
