@@ -76,6 +76,30 @@ def summary(values: list[float]) -> dict[str, Any]:
             "values": [None if v is None else round(v, 6) for v in values]}
 
 
+def spread(s: dict[str, Any], fmt: str, scale: float = 1.0) -> str:
+    """Median [min .. max] of a :func:`summary` (one value alone), each divided by ``scale``: a table's cell."""
+    if not s["n"]:
+        return "n/a"
+    median, low, high = (format(s[k] / scale, fmt) for k in ("median", "min", "max"))
+    return median if s["n"] == 1 else f"{median} [{low} .. {high}]"
+
+
+def report_rates(label: str, results: dict[str, Any], table: str, out: Path) -> int:
+    """Print a benchmark's table of rates and where its results went; 1 where a run of it failed, else 0.
+
+    Args:
+        label: the benchmark's name, for its lines.
+        results: its results (``rates``: by rate, ``runs``: by configuration, each run's ``error`` where it failed).
+        table: its markdown.
+        out: its results folder.
+    """
+    failed = [f"{k} {r['name']} seed {r['seed']}" for k, e in results["rates"].items() for rs in e["runs"].values()
+              for r in rs if "error" in r]
+    print(table)
+    print(f"[{label}] results in {out} ({results['wall_s']:.0f} s)" + (f"; failed: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
 def ports_needed(runs: list[dict[str, Any]]) -> int:
     """The ports above ``MASTER_PORT`` that a launch of ``runs`` takes (``bench.train``): one per run, one per
     shard of a sharded run (``ps_shards``)."""

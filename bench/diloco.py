@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, machine
+from bench.common import ROOT, machine, report_rates
 from bench.islands import parse_rates, rate_key
 from bench.slowlink import PS_PORT, probe
 from harness.netns import Topology, TopologyError
@@ -358,11 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from bench.diloco_report import markdown
 
-    failed = [f"{k} {r['name']} seed {r['seed']}" for k, e in results["rates"].items() for rs in e["runs"].values()
-              for r in rs if "error" in r]
-    print(markdown(results))
-    print(f"[diloco] results in {out} ({results['wall_s']:.0f} s)" + (f"; failed: {failed}" if failed else ""))
-    return 1 if failed else 0
+    return report_rates("diloco", results, markdown(results), out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.common import summary, write_json
+from bench.common import spread, summary, write_json
 
 # issue 58's targets: (figure, "<=" or ">=", target, the only rate it is set at, or None: every rate)
 TARGETS: dict[str, tuple[str, str, float, float | None]] = {
@@ -126,14 +126,6 @@ def summarize(runs: dict[str, list[dict[str, Any]]], rate: float | None) -> dict
     return out
 
 
-def _spread(s: dict[str, Any], fmt: str, scale: float = 1.0) -> str:
-    """Median [min .. max] of a :func:`bench.common.summary` (one value alone), each divided by ``scale``."""
-    if not s["n"]:
-        return "n/a"
-    median, low, high = (format(s[k] / scale, fmt) for k in ("median", "min", "max"))
-    return median if s["n"] == 1 else f"{median} [{low} .. {high}]"
-
-
 def _header(results: dict[str, Any]) -> list[str]:
     m, size, model = results["machine"], results["size"], results["model"]
     h = size["inner_steps"]
@@ -185,12 +177,12 @@ def markdown(results: dict[str, Any]) -> str:
             if c is None or not c["runs"]:
                 lines.append(f"| {LABELS[name]} | error: {failed[0]['error'] if failed else '?'} | | | | | | | |")
                 continue
-            lines.append(f"| {LABELS[name]} | {_spread(c['final_loss'], '.4f')} "
-                         f"| {_spread(c['equal_samples_loss'], '.4f')} | {_spread(c['time_to_target_s'], '.1f')} "
-                         f"| {c['reached']}/{c['runs']} | {_spread(c['train_s'], '.1f')} "
-                         f"| {_spread(c['samples_per_s'], ',.0f')} | {_spread(c['bytes_per_sample'], '.2f', 1e3)} "
-                         f"| {_spread(c['w0_bytes_per_sample'], '.2f', 1e3)} / "
-                         f"{_spread(c['w1_bytes_per_sample'], '.2f', 1e3)} |"
+            lines.append(f"| {LABELS[name]} | {spread(c['final_loss'], '.4f')} "
+                         f"| {spread(c['equal_samples_loss'], '.4f')} | {spread(c['time_to_target_s'], '.1f')} "
+                         f"| {c['reached']}/{c['runs']} | {spread(c['train_s'], '.1f')} "
+                         f"| {spread(c['samples_per_s'], ',.0f')} | {spread(c['bytes_per_sample'], '.2f', 1e3)} "
+                         f"| {spread(c['w0_bytes_per_sample'], '.2f', 1e3)} / "
+                         f"{spread(c['w1_bytes_per_sample'], '.2f', 1e3)} |"
                          + (f" ({len(failed)} failed)" if failed else ""))
         hive = [r for r in entry["runs"].get("hivemind", []) if "error" not in r and r.get("hivemind")]
         if hive:
@@ -205,7 +197,7 @@ def markdown(results: dict[str, Any]) -> str:
             bounds = [k for k in r["kinds"] if k not in ("exact", None)]
             verdict = ("target met" if r["met"] else "target missed") if "met" in r else (
                 f"target set at {only_at:g} Mbit/s only")
-            lines.append(f"- {what}: **{_spread(r, '.3g')}** (target {r['target']}; met in {r['met_seeds']} of "
+            lines.append(f"- {what}: **{spread(r, '.3g')}** (target {r['target']}; met in {r['met_seeds']} of "
                          f"{len(r['seeds'])} seeds: {verdict})"
                          + (f"; bounds, a run that never reached the loss: {', '.join(bounds)}" if bounds else ""))
         lines += ["", f"![loss against time and bytes at {key} Mbit/s](loss_{key}mbit.png)", ""]

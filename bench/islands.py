@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import FASHION, ROOT, machine, summary, write_json
+from bench.common import FASHION, ROOT, machine, report_rates, spread, summary, write_json
 from bench.slowlink import BATCH, MASTER_PORT, PS_PORT, _wait, model_bytes, probe
 from harness.netns import DEVICE, Topology, TopologyError
 from harness.processes import child_env, start, stop
@@ -217,14 +217,6 @@ def summarize(runs: dict[str, list[dict[str, Any]]], capped: bool) -> dict[str, 
     return out
 
 
-def _spread(s: dict[str, Any], fmt: str, scale: float = 1.0) -> str:
-    """Median [min .. max] of a :func:`bench.common.summary` (one value alone), each divided by ``scale``."""
-    if not s["n"]:
-        return "n/a"
-    median, low, high = (format(s[k] / scale, fmt) for k in ("median", "min", "max"))
-    return median if s["n"] == 1 else f"{median} [{low} .. {high}]"
-
-
 def _met(targets: dict[str, Any], key: str) -> str:
     t = targets.get(key)
     return "" if t is None else (" (target met)" if t["met"] else " (target missed)")
@@ -262,19 +254,19 @@ def markdown(results: dict[str, Any]) -> str:
             workers = sorted({w for w in c["ps_world_size"] if w is not None}) or ["-"]
             acc = "n/a" if c["acc_mean"] is None else (
                 f"{100 * c['acc_mean']:.2f}% (" + ", ".join(f"{100 * a:.2f}" for a in c["acc"]) + ")")
-            lines.append(f"| {LABELS[name]} | {', '.join(map(str, workers))} | {_spread(c['samples_per_s'], ',.0f')} "
-                         f"| {_spread(c['w0_bytes_per_sample'], '.1f', 1e3)} "
-                         f"| {_spread(c['w1_bytes_per_sample'], '.1f', 1e3)} | {acc} |"
+            lines.append(f"| {LABELS[name]} | {', '.join(map(str, workers))} | {spread(c['samples_per_s'], ',.0f')} "
+                         f"| {spread(c['w0_bytes_per_sample'], '.1f', 1e3)} "
+                         f"| {spread(c['w1_bytes_per_sample'], '.1f', 1e3)} | {acc} |"
                          + (f" ({len(failed)} failed)" if failed else ""))
         lines.append("")
         ratio = s.get("islands_over_per_device")
         targets = s.get("targets", {})
         if ratio:
             target = TARGET_SPEEDUP_CAPPED if capped else TARGET_SPEED_UNCAPPED
-            lines.append(f"- islands / per-device samples/s: **{_spread(ratio['samples_per_s'], '.2f')}** "
+            lines.append(f"- islands / per-device samples/s: **{spread(ratio['samples_per_s'], '.2f')}** "
                          f"(target >= {target}){_met(targets, 'samples_per_s')}")
             lines.append("- islands / per-device bytes per sample on the busier worker host's link: "
-                         f"**{_spread(ratio['bytes_per_sample'], '.2f')}**"
+                         f"**{spread(ratio['bytes_per_sample'], '.2f')}**"
                          + (f" (target <= {TARGET_BYTES_CAPPED}){_met(targets, 'bytes_per_sample')}" if capped else ""))
         for other in ("asgd", "ddp"):
             points = s.get(f"acc_points_islands_minus_{other}")
@@ -353,11 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     except TopologyError as exc:
         print(f"[islands] cannot emulate the hosts: {exc}", file=sys.stderr)
         return 2
-    failed = [f"{k} {r['name']} seed {r['seed']}" for k, e in results["rates"].items() for rs in e["runs"].values()
-              for r in rs if "error" in r]
-    print(markdown(results))
-    print(f"[islands] results in {out} ({results['wall_s']:.0f} s)" + (f"; failed: {failed}" if failed else ""))
-    return 1 if failed else 0
+    return report_rates("islands", results, markdown(results), out)
 
 
 if __name__ == "__main__":
