@@ -20,7 +20,7 @@ import numpy as np
 from typing_extensions import override
 
 from plug_asgd.modes.fold import CentralState, Push, _add_into
-from plug_asgd.modes.outer import F32, OuterOptimizer, check_saved_outer, saved_slots
+from plug_asgd.modes.outer import F32, OuterOptimizer, check_saved_outer, saved_slots, slot_arrays
 from plug_asgd.modes.rounds import Sync
 from plug_asgd.modes.rules import FoldRule, SyncRule
 
@@ -142,10 +142,7 @@ class DiLoCoRule(SyncRule):
         fields, arrays = super().state()
         fields = {**fields, "outer": asdict(self.outer), "outer_steps": self.outer_steps, "skipped": self.skipped,
                   "changed_at": self.changed_at, "floor": self.floor}
-        for name, slots in self.slots.items():
-            for slot, array in slots.items():
-                arrays[f"outer/{slot}/{name}"] = array
-        return fields, arrays
+        return fields, {**arrays, **slot_arrays(self.slots)}
 
     @override
     def restore(self, fields: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:

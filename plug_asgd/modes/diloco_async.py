@@ -14,7 +14,7 @@ from typing_extensions import override
 from plug_asgd.modes.base import PushMode
 from plug_asgd.modes.diloco import inner_steps_knobs
 from plug_asgd.modes.fold import APPLIED, _add_into
-from plug_asgd.modes.outer import F32, OuterOptimizer, check_saved_outer, saved_slots
+from plug_asgd.modes.outer import F32, OuterOptimizer, check_saved_outer, saved_slots, slot_arrays
 from plug_asgd.modes.rules import FoldRule
 
 
@@ -96,8 +96,8 @@ class AsyncDiLoCoRule(FoldRule):
     def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """The outer optimizer, the arrivals so far, and by tensor the arrivals' sum, the momentum and the arrivals
         that did not carry it."""
-        arrays = {f"outer/{slot}/{name}": a for name, slots in self.slots.items() for slot, a in slots.items()}
-        return {"outer": asdict(self.outer), "arrivals": self.arrivals, "skipped": self.skipped}, arrays
+        return ({"outer": asdict(self.outer), "arrivals": self.arrivals, "skipped": self.skipped},
+                slot_arrays(self.slots))
 
     @override
     def restore(self, fields: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:

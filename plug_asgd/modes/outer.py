@@ -128,6 +128,16 @@ def check_saved_outer(fields: dict[str, Any], outer: OuterOptimizer) -> None:
                          "the same --outer (or mode's outer=)")
 
 
+def slot_arrays(slots: dict[str, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The outer optimizer's state by tensor as a checkpoint's ``outer/SLOT/NAME`` arrays (:func:`saved_slots`
+    reads them back).
+
+    Args:
+        slots: by tensor name, its slots (``"b"``, ``"m"``, ...) and their arrays.
+    """
+    return {f"outer/{slot}/{name}": array for name, by_slot in slots.items() for slot, array in by_slot.items()}
+
+
 def saved_slots(arrays: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
     """The outer optimizer's state by tensor from a checkpoint's ``outer/SLOT/NAME`` arrays.
 

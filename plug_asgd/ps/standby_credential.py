@@ -23,6 +23,7 @@ the request changes anything: a proof that does not match, or ``issued`` more th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -161,12 +162,11 @@ def forget_secret(address: str, secret: bytes) -> None:
         secret: the secret it wrote.
     """
     path = secret_path(address)
-    try:
+    # a file gone already, another PS's now, or a folder not empty stays as it is
+    with contextlib.suppress(OSError, ValueError, IndexError):
         if hmac.compare_digest(_parse(path.read_text()), secret):
             path.unlink()
         path.parent.rmdir()
-    except (OSError, ValueError, IndexError):
-        pass  # gone already, another PS's now, or its folder not empty
 
 
 def _mac(secret: bytes, step: str, issued: float, fields: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ the whole queue.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -94,10 +95,9 @@ class StandbyLink:
             msg_type: the answer's type.
             fields: its fields.
         """
-        try:
+        # a connection gone, or not reading, loses the answer: its primary asks again or detaches this standby
+        with contextlib.suppress(zmq.ZMQError):
             self.socket.send_multipart([identity, *encode(msg_type, fields)], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # its connection is gone, or not reading: it will ask again or detach this standby
 
     def close(self) -> None:
         """Close the socket (and a keyless standby's ZAP handler)."""
