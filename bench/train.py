@@ -12,7 +12,10 @@ alternated, without paying the interpreter and import start-up for each. A run i
   makes it a sharded PS of that many embedded shards, on as many ports; ``options`` holds any
   other keyword arguments of the strategy (``bits``, ``rank``, ...).
 
-``optimizer``, ``lr`` and ``momentum`` of a run go to the recipe CNN (default: Adam, 1e-3).
+``optimizer``, ``lr`` and ``momentum`` of a run go to the recipe CNN (default: Adam, 1e-3). A run with
+``"model": "lm"`` trains the language-model recipe's ByteGPT on the fortunes corpus instead (its keys:
+:mod:`bench.train_lm`). A run with ``test`` tests the model the strategy tests (the PS's central model under
+AsyncPSStrategy) and keeps its ``test_loss`` and ``test_acc``.
 
 Measured on each rank by :class:`StepClock`: the wall-clock end of every training step (after
 ``warmup`` steps), forward+backward time, and, on rank 0 where asked, snapshots of the weights
@@ -199,40 +202,24 @@ class _LoadedOnce(MnistDataModule):
         return self._arrays[self.data_dir]
 
 
-def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) -> dict[str, Any] | None:
-    workers = spec["workers"]
-    # "nodes": one launch per machine (bench.slowlink: a process per network namespace, NODE_RANK set by it)
-    nodes = spec.get("nodes", 1)
-    devices = workers // nodes
-    batch = run["batch_size"]
-    seed = run.get("seed", spec.get("seed", 0))  # the model's initialization and the training subset
-    pl.seed_everything(seed, workers=True, verbose=False)
-    dm = _LoadedOnce(spec["data_dir"], batch_size=batch, train_subset=run.get("train_subset"),
-                         test_subset=run.get("test_subset", spec.get("test_subset")), download=False,
-                         seed=seed)
-    model = MnistCNN(**{k: run[k] for k in ("optimizer", "lr", "momentum") if k in run})
-    strategy = make_strategy(run, index, spec["runs"])
-    rank = int(os.environ.get("NODE_RANK", "0")) * devices + int(os.environ.get("LOCAL_RANK", "0"))
-    clock = StepClock(run, rank)
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, num_nodes=nodes, strategy=strategy,
-                         max_epochs=run.get("epochs", 1),
-                         max_steps=run.get("max_steps", -1), limit_val_batches=0, num_sanity_val_steps=0,
-                         max_time={"seconds": run["max_time_s"]} if run.get("max_time_s") else None,
-                         logger=False, enable_checkpointing=False, enable_model_summary=False,
-                         enable_progress_bar=False, callbacks=[clock])
-    diverged = None
-    try:
-        trainer.fit(model, datamodule=dm)
-    except PSError as exc:  # a run whose training diverged is a result, not the end of the launch
-        if exc.code != "not_finite":
-            raise
-        diverged = str(exc)
-    rank = trainer.global_rank
+def model_and_data(spec: dict[str, Any], run: dict[str, Any], seed: int) -> tuple[pl.LightningModule, Any]:
+    """The run's model and data: the recipe CNN on Fashion-MNIST, or with ``"model": "lm"`` the language-model
+    recipe's ByteGPT on the fortunes corpus (:mod:`bench.train_lm`)."""
+    if run.get("model", "cnn") == "lm":
+        from bench.train_lm import lm_model_and_data
+
+        return lm_model_and_data(run, seed)
+    dm = _LoadedOnce(spec["data_dir"], batch_size=run["batch_size"], train_subset=run.get("train_subset"),
+                     test_subset=run.get("test_subset", spec.get("test_subset")), download=False, seed=seed)
+    return MnistCNN(**{k: run[k] for k in ("optimizer", "lr", "momentum") if k in run}), dm
+
+
+def _exchange_records(out: Path, index: int, rank: int, workers: int, record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Write this rank's record and read every rank's: a test after a fit that diverged on any rank would wait for
+    that rank forever, so every rank must know."""
     tmp = out / f"run{index}_rank{rank}.json.tmp"
-    comm = strategy.comm_stats() if isinstance(strategy, AsyncPSStrategy) else None
-    tmp.write_text(json.dumps({**clock.record(), "diverged": diverged, "comm": comm}))
+    tmp.write_text(json.dumps(record))
     tmp.replace(out / f"run{index}_rank{rank}.json")  # atomic: the other ranks poll for this file and read it
-    # every rank reads every record: a test after a fit that diverged on any rank would wait for that rank forever
     records = []
     deadline = time.monotonic() + 900
     for r in range(workers):
@@ -240,60 +227,114 @@ def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) ->
         while not path.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         records.append(json.loads(path.read_text()))
+    return records
+
+
+def _wait_for_rank0(out: Path, index: int) -> None:
+    """Rank 0 evaluates its snapshots after the fit: a rank that went on at once would send the next run's first
+    request to a PS that rank 0 has not started yet, and time out."""
+    done = out / f"run{index}_done"
+    deadline = time.monotonic() + 900
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _ps_fields(ps: dict[str, Any]) -> dict[str, Any]:
+    """The PS's counters a result keeps."""
+    fields = dict(push_bytes=ps["push_bytes_in"], push_local_bytes=ps["push_local_bytes_in"],
+                  bytes_in=ps["bytes_in"], bytes_out=ps["bytes_out"], model_bytes_out=ps.get("model_bytes_out"),
+                  delta_replies=ps.get("delta_replies"), own_replies=ps.get("own_replies"),
+                  model_replies=ps.get("model_replies"), approx_replies=ps.get("approx_replies"),
+                  pushes=ps["pushes_applied"] + ps["pushes_dropped"],
+                  pushes_applied=ps["pushes_applied"], ps_version=ps["version"],
+                  ps_world_size=ps.get("world_size"), pushes_by_rank=ps.get("pushes_by_rank"),
+                  weights_pushes=ps["weights_pushes"], weights_not_current=ps["weights_not_current"],
+                  weights_lent=ps["weights_lent"], lent_copies=ps["lent_copies"], staleness=ps.get("staleness"),
+                  ps_push_ms=ps_push_ms(ps))
+    if "shards" in ps:  # a sharded PS: the counters above are shard 0's but the traffic, summed over shards
+        fields["shards"] = [{k: s.get(k) for k in ("version", "pushes_applied", "pushes_dropped", "push_bytes_in",
+                                                   "push_local_bytes_in", "bytes_in", "bytes_out",
+                                                   "delta_replies", "own_replies")} for s in ps["shards"]]
+    return fields
+
+
+def _curves(clock: StepClock, dm: MnistDataModule) -> dict[str, Any]:
+    """Rank 0's snapshots evaluated on the test set, untimed, after the fit: a rank pinned to a core
+    (bench.slowlink's hosts) may use them all meanwhile."""
+    dm.setup("test")
+    test_x, test_y = dm.test_set.tensors
+    pinned = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else None
+    if pinned is not None:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    curves = {"curve": [(round(t, 3), evaluate(s, test_x, test_y)) for t, s in clock.snapshots]}
+    if clock.central_snapshots:
+        curves["central_curve"] = [(round(t, 3), evaluate(s, test_x, test_y)) for t, s in clock.central_snapshots]
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if pinned is not None:
+        os.sched_setaffinity(0, pinned)
+    return curves
+
+
+def run_one(spec: dict[str, Any], run: dict[str, Any], index: int, out: Path) -> dict[str, Any] | None:
+    """Train run ``index`` of the launch on this rank; rank 0 returns its result (the others None).
+
+    Args:
+        spec: the launch's spec (``workers``, ``nodes``, ``data_dir``, ``test_subset``, ``runs``).
+        run: the run's settings.
+        index: its place in ``spec["runs"]`` (its files, its PS port).
+        out: the launch's folder.
+
+    Raises:
+        PSError: a PS error other than a training that diverged (``not_finite``).
+    """
+    workers = spec["workers"]
+    # "nodes": one launch per machine (bench.slowlink: a process per network namespace, NODE_RANK set by it)
+    nodes = spec.get("nodes", 1)
+    devices = workers // nodes
+    seed = run.get("seed", spec.get("seed", 0))  # the model's initialization and the training subset
+    pl.seed_everything(seed, workers=True, verbose=False)
+    model, dm = model_and_data(spec, run, seed)
+    strategy = make_strategy(run, index, spec["runs"])
+    clock = StepClock(run, int(os.environ.get("NODE_RANK", "0")) * devices + int(os.environ.get("LOCAL_RANK", "0")))
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, num_nodes=nodes, strategy=strategy,
+                         max_epochs=run.get("epochs", 1),
+                         max_steps=run.get("max_steps", -1), limit_val_batches=0, num_sanity_val_steps=0,
+                         max_time={"seconds": run["max_time_s"]} if run.get("max_time_s") else None,
+                         logger=False, enable_checkpointing=False, enable_model_summary=False,
+                         enable_progress_bar=False, callbacks=[clock])
+    diverged, fit_start = None, time.monotonic()
+    try:
+        trainer.fit(model, datamodule=dm)
+    except PSError as exc:  # a run whose training diverged is a result, not the end of the launch
+        if exc.code != "not_finite":
+            raise
+        diverged = str(exc)
+    fit_s = time.monotonic() - fit_start
+    rank = trainer.global_rank
+    comm = strategy.comm_stats() if isinstance(strategy, AsyncPSStrategy) else None
+    records = _exchange_records(out, index, rank, workers, {**clock.record(), "diverged": diverged, "comm": comm})
     failed = any(r.get("diverged") for r in records)
     # (with islands, a rank other than its island's leader has no PS of its own to ask)
     ps = strategy.ps_stats() if isinstance(strategy, AsyncPSStrategy) and strategy.island_leader and not failed \
         else None
-    test_acc = None
-    if run.get("test") and not failed:
-        results = trainer.test(model, datamodule=dm, verbose=False)
-        test_acc = results[0].get("test_acc")
+    tested = trainer.test(model, datamodule=dm, verbose=False)[0] if run.get("test") and not failed else {}
     if run["kind"] == "ddp" and torch.distributed.is_initialized():
         # Once a process group exists, Lightning broadcasts a SIGTERM flag over it at every training step
         # (training_epoch_loop._broadcast_sigterm_tensor): the asgd runs after this one would be in lockstep.
         torch.distributed.destroy_process_group()
     if rank != 0:
-        # rank 0 evaluates its snapshots after the fit: wait for it, or the next run's first request (to a PS
-        # that rank 0 has not started yet) would time out
-        done = out / f"run{index}_done"
-        deadline = time.monotonic() + 900
-        while not done.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _wait_for_rank0(out, index)
         return None
-    result = {**run, "index": index, "workers": workers, **window(records, batch), "test_acc": test_acc,
-              "diverged": failed,
+    result = {**run, "index": index, "workers": workers, **window(records, run["batch_size"]),
+              "test_acc": tested.get("test_acc"), "test_loss": tested.get("test_loss"), "diverged": failed,
+              "fit_s": round(fit_s, 3),
               "ranks": [{k: v for k, v in r.items() if k != "step_ends"} | {"steps_after_warmup": len(r["step_ends"])}
                         for r in records]}
     if ps is not None:
-        result.update(push_bytes=ps["push_bytes_in"], push_local_bytes=ps["push_local_bytes_in"],
-                      bytes_in=ps["bytes_in"], bytes_out=ps["bytes_out"], model_bytes_out=ps.get("model_bytes_out"),
-                      delta_replies=ps.get("delta_replies"), own_replies=ps.get("own_replies"),
-                      model_replies=ps.get("model_replies"),
-                      approx_replies=ps.get("approx_replies"),
-                      pushes=ps["pushes_applied"] + ps["pushes_dropped"],
-                      pushes_applied=ps["pushes_applied"], ps_version=ps["version"],
-                      ps_world_size=ps.get("world_size"), pushes_by_rank=ps.get("pushes_by_rank"),
-                      weights_pushes=ps["weights_pushes"], weights_not_current=ps["weights_not_current"],
-                      weights_lent=ps["weights_lent"], lent_copies=ps["lent_copies"], staleness=ps.get("staleness"),
-                      ps_push_ms=ps_push_ms(ps))
-        if "shards" in ps:  # a sharded PS: the counters above are shard 0's but the traffic, summed over shards
-            result["shards"] = [{k: s.get(k) for k in ("version", "pushes_applied", "pushes_dropped", "push_bytes_in",
-                                                       "push_local_bytes_in", "bytes_in", "bytes_out",
-                                                       "delta_replies", "own_replies")} for s in ps["shards"]]
+        result.update(_ps_fields(ps))
     if clock.snapshots:
-        dm.setup("test")
-        test_x, test_y = dm.test_set.tensors
-        # untimed, after the fit: a rank pinned to a core (bench.slowlink's hosts) may use them all meanwhile
-        pinned = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else None
-        if pinned is not None:
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
-        result["curve"] = [(round(t, 3), evaluate(s, test_x, test_y)) for t, s in clock.snapshots]
-        if clock.central_snapshots:
-            result["central_curve"] = [(round(t, 3), evaluate(s, test_x, test_y)) for t, s in clock.central_snapshots]
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        if pinned is not None:
-            os.sched_setaffinity(0, pinned)
+        result.update(_curves(clock, dm))
     return result
 
 
