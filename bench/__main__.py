@@ -18,6 +18,7 @@ MODULES = {
     "kernels": "bench.kernels",  # each codec pass in C against numpy's, alone on one core
     "islands": "bench.islands",  # per-device workers against islands of 2 against DDP on emulated hosts (root)
     "diloco": "bench.diloco",  # the language model: DDP, diloco, async_diloco, hivemind on emulated hosts (root)
+    "learning": "bench.learning",  # every mode x {recipe CNN, language model}: final loss and accuracy against DDP
 }
 
 

@@ -1,0 +1,109 @@
+"""bench.learning's plan, DiLoCo's inner_steps and the table's arithmetic, on results made by hand (the launches
+themselves are bench.train's); and, selected with ``-m full``, ``--quick`` end to end."""
+
+import json
+import sys
+
+import pytest
+
+import bench.learning as learning
+from bench.learning import DILOCO, MIN_ROUNDS, all_rows, inner_steps, markdown_rows, plan, table
+from plug_asgd.modes import MODES
+
+
+def test_the_plan_runs_ddp_then_every_mode_per_model_and_seed_with_the_same_settings():
+    runs = plan(["cnn", "lm"], [0, 1, 2], all_rows())
+    assert all_rows() == list(MODES) and len(runs) == 2 * 3 * (1 + len(MODES))
+    for model in ("cnn", "lm"):
+        for seed in (0, 1, 2):
+            mine = [r for r in runs if r["model"] == model and r["seed"] == seed]
+            assert [r["row"] for r in mine] == ["ddp", *MODES]  # DDP per seed, then every mode
+            assert mine[0]["kind"] == "ddp" and {r["kind"] for r in mine[1:]} == {"asgd"}
+            assert all(r["mode"] == r["row"] for r in mine[1:])
+            shared = ("optimizer", "lr", "momentum", "batch_size", "train_subset", "test_subset", "epochs", "lm")
+            assert len({json.dumps([r.get(k) for k in shared]) for r in mine}) == 1  # the same optimizer, data
+    cnn = [r for r in runs if r["model"] == "cnn"]
+    assert {(r["optimizer"], r["lr"], r["momentum"], r["batch_size"], r["train_subset"]) for r in cnn} == {
+        ("sgd", 0.05, 0.9, 32, 8000)} and {r["test_subset"] for r in cnn} == {None}
+    lm = [r for r in runs if r["model"] == "lm"]
+    assert {json.dumps(r["lm"], sort_keys=True) for r in lm} == {json.dumps(
+        {"d_model": 64, "layers": 2, "heads": 4, "max_context": 32, "warmup_steps": 20, "optimizer": "adam",
+         "lr": 1e-3}, sort_keys=True)}
+    assert learning.steps_per_worker("lm", "full") == 400 and learning.steps_per_worker("cnn", "full") == 125
+    assert len({r["name"] for r in runs}) == len(runs)
+    with pytest.raises(ValueError, match="unknown"):
+        plan(["cnn"], [0], ["asgd", "nope"])
+
+
+def test_diloco_keeps_its_default_inner_steps_where_it_makes_enough_rounds_and_says_so_where_not():
+    h = learning.default_inner_steps()
+    assert h == MODES["diloco"]().inner_steps == 100
+    assert inner_steps(400, h) == 100  # the LM: 4 rounds at the default
+    assert inner_steps(125, h) == 25  # the CNN: 1 round at the default; 25 divides 125, 5 rounds
+    assert inner_steps(40, h) == 10 and inner_steps(97, h) == 24  # no good divisor of a prime: steps // 4
+    with pytest.raises(ValueError):
+        inner_steps(3, h)
+    runs = {(r["model"], r["row"]): r for r in plan(["cnn", "lm"], [0], list(DILOCO))}
+    assert "options" not in runs["lm", "diloco"] and runs["lm", "diloco"]["note"] == "inner_steps 100 (4 rounds)"
+    for row in DILOCO:
+        cnn = runs["cnn", row]
+        assert cnn["options"] == {"inner_steps": 25} and "not the default 100" in cnn["note"]
+        assert 125 // cnn["options"]["inner_steps"] >= MIN_ROUNDS
+    forced = plan(["lm"], [0], ["diloco"], forced_inner_steps=50)[1]
+    assert forced["options"] == {"inner_steps": 50} and "8 rounds" in forced["note"]
+
+
+def _r(row, seed, loss, acc, **kw):
+    return {"model": "cnn", "row": row, "seed": seed, "test_loss": loss, "test_acc": acc, **kw}
+
+
+def test_the_table_pairs_each_seed_with_ddp_of_that_seed():
+    results = [_r("ddp", 0, 0.50, 0.80), _r("ddp", 1, 0.40, 0.84), _r("ddp", 2, 0.60, 0.82),
+               _r("asgd", 0, 0.55, 0.79), _r("asgd", 1, 0.40, 0.845), _r("asgd", 2, 0.90, 0.70),
+               {**_r("asgd", 0, 9.0, 0.1), "model": "lm"}]  # another model's: not in this table
+    ddp, asgd = table(results, "cnn")
+    assert ddp["row"] == "ddp" and ddp["loss"] == {"mean": 0.5, "min": 0.4, "max": 0.6}
+    assert ddp["acc_points"] == {"mean": 0.0, "min": 0.0, "max": 0.0}
+    # accuracy: -1.0, +0.5, -12.0 points -> mean -4.17; loss: 1.1, 1.0, 1.5 -> mean 1.2
+    assert asgd["acc_points"] == {"mean": -4.17, "min": -12.0, "max": 0.5}
+    assert asgd["loss_ratio"] == {"mean": 1.2, "min": 1.0, "max": 1.5}
+    assert asgd["acc"] == {"mean": 0.7783, "min": 0.7, "max": 0.845} and asgd["loss"]["mean"] == 0.6167
+    assert asgd["finished"] == [0, 1, 2] and asgd["lost"] == {}
+    line = markdown_rows([ddp, asgd])[-1]
+    assert line.startswith("| asgd | 0.6167 (0.4000..0.9000) | 1.200 (1.000..1.500) | 0.7783 (0.7000..0.8450) | "
+                           "-4.17 (-12.00..+0.50) | 3/3 |")
+
+
+def test_a_diverged_or_failed_seed_is_left_out_of_the_means_and_named():
+    nan = float("nan")
+    results = [_r("ddp", 0, 0.5, 0.8), _r("ddp", 1, 0.4, 0.9),
+               _r("sync", 0, 0.6, 0.7), _r("sync", 1, None, None, diverged=True),
+               _r("hogwild", 0, nan, 0.1), _r("hogwild", 1, None, None, failed=True),
+               _r("downpour", 0, None, None, diverged=True), _r("downpour", 1, None, None, diverged=True)]
+    rows = {r["row"]: r for r in table(results, "cnn")}
+    assert rows["sync"]["finished"] == [0] and rows["sync"]["lost"] == {"1": "diverged"}
+    assert rows["sync"]["acc_points"] == {"mean": -10.0, "min": -10.0, "max": -10.0}
+    assert rows["sync"]["loss_ratio"]["mean"] == 1.2
+    assert rows["hogwild"]["lost"] == {"0": "diverged", "1": "failed"}  # a NaN loss is a divergence
+    text = "\n".join(markdown_rows(list(rows.values())))
+    assert "| sync | 0.6000 | 1.200 | 0.7000 | -10.00 | 1/2 | seed 1 diverged |" in text
+    assert "| hogwild | - | - | - | - | 0/2 | all failed or diverged (seed 0 diverged, seed 1 failed) |" in text
+    assert "| downpour | - | - | - | - | 0/2 | all diverged (seed 0 diverged, seed 1 diverged) |" in text
+    # without DDP of a seed there is no gap for that seed, but the row's own values stand
+    alone = {r["row"]: r for r in table([_r("ddp", 0, 0.5, 0.8), _r("asgd", 0, 0.5, 0.8), _r("asgd", 1, 0.7, 0.6),
+                                         _r("ddp", 1, None, None, failed=True)], "cnn")}
+    assert alone["asgd"]["acc_points"]["mean"] == 0.0 and alone["asgd"]["acc"]["mean"] == 0.7
+
+
+@pytest.mark.full
+@pytest.mark.timeout(600)
+def test_quick_runs_every_quick_row_on_both_models_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["bench"])
+    code = learning.main(["--quick", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "learning.json").read_text())
+    assert code == 0, report["errors"]
+    for model in ("cnn", "lm"):
+        rows = {r["row"]: r for r in report["tables"][model]}
+        assert set(rows) == {"ddp", "asgd", "sync", "diloco"}
+        assert all(r["finished"] == [0] for r in rows.values()), rows
+    assert "| diloco |" in (tmp_path / "learning.md").read_text()
