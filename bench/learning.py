@@ -17,25 +17,30 @@ Issue 58's learning table: each mode of :data:`plug_asgd.modes.MODES` at its def
 The model tested is the central one: the PS's model (the strategy's test loads it), DDP's rank 0 model. A DiLoCo
 row whose default ``inner_steps`` would make fewer than :data:`MIN_ROUNDS` rounds in the run's steps runs with a
 smaller one, a divisor of the steps (:func:`inner_steps`), and its row says so. Per seed and model one launch of
-``bench.train`` runs DDP and every row; a run that stops its launch (a crash, a hang past the launch's time) is
-recorded as failed and the launch goes on with the runs after it. The gaps are paired by seed: a row's accuracy
-minus DDP's of the same seed (points), its loss over DDP's (a ratio). Writes ``learning.json`` and
-``learning.md`` into ``--out`` (default ``bench/results/learning``; ``--quick``: ``runs/bench-learning-quick``).
+``bench.train`` runs DDP and every row; a run that stops its launch (a crash, or no run finished in
+:data:`STALL_S`) is recorded as failed and a new launch goes on with the runs after it. The gaps are paired by
+seed: a row's accuracy minus DDP's of the same seed (points), its loss over DDP's (a ratio). Writes
+``learning.json`` and ``learning.md`` into ``--out`` (default ``bench/results/learning``; ``--quick``:
+``runs/bench-learning-quick``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
+import os
+import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import FASHION, ROOT, machine, write_json
-from bench.runner import launch
+from bench.common import FASHION, ROOT, machine, ports_needed, write_json
+from harness.ports import free_port_block
+from harness.processes import child_env, start, stop
 
 WORKERS = 2
 BATCH = 32
@@ -60,7 +65,8 @@ MODELS: dict[str, dict[str, Any]] = {
                        "per byte, accuracy: next-byte"},
 }
 QUICK_ROWS = ("asgd", "sync", "diloco")
-PER_RUN_S = {"full": 600, "quick": 120}  # a launch's time limit: this per run, plus a start-up
+# a launch is stopped where no run finishes in this long (the first's includes the processes' start-up)
+STALL_S = {"full": 480, "quick": 180}
 
 
 def all_rows() -> list[str]:
@@ -246,21 +252,56 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def watched_launch(runs: list[dict[str, Any]], stall_s: float, work: Path, label: str) -> tuple[list, str | None]:
+    """``runs`` in one launch of ``bench.train`` (``bench.runner.launch``'s), stopped where no run has finished
+    for ``stall_s`` seconds: a run that hangs costs its own limit, not the whole launch's. Returns the results
+    of the runs finished, in order, and why the launch stopped early (None where it ran to the end)."""
+    out = work / f"train{label}"
+    shutil.rmtree(out, ignore_errors=True)  # an earlier launch's records must not be read as this one's
+    work.mkdir(parents=True, exist_ok=True)
+    spec_path = work / f"spec{label}.json"
+    spec_path.write_text(json.dumps({"workers": WORKERS, "data_dir": str(FASHION), "test_subset": None,
+                                     "runs": runs}, indent=1))
+    env = child_env(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // WORKERS)), MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(free_port_block(ports_needed(runs) + 2)))
+    log = work / f"train{label}.log"
+    proc = start([sys.executable, "-m", "bench.train", "--spec", str(spec_path), "--out", str(out)], env=env, log=log)
+    why, done, last = None, 0, time.monotonic()
+    try:
+        while proc.poll() is None:
+            now = sum(1 for i in range(len(runs)) if (out / f"run{i}_done").exists())
+            done, last = (now, time.monotonic()) if now > done else (done, last)
+            if time.monotonic() - last > stall_s:
+                why = f"no run finished in {stall_s:.0f} s: stopped"
+                break
+            time.sleep(1.0)
+    finally:
+        stop(proc)
+    if why is None and proc.returncode != 0:
+        why = f"exit {proc.returncode}"
+    path = out / "results.json"
+    results = json.loads(path.read_text()) if path.exists() else []
+    if why is None and len(results) < len(runs):
+        why = f"ended after {len(results)} of {len(runs)} runs"
+    return results, None if why is None else f"{why} (log: {log})"
+
+
 def run_launch(model: str, seed: int, runs: list[dict[str, Any]], size: str, work: Path) -> tuple[list, list]:
-    """``runs`` in launches of ``bench.train``: after a launch stops at a run (a crash, its time limit), that run
-    is recorded as failed and a new launch runs the ones after it. Returns the results and the errors."""
+    """``runs`` in launches of ``bench.train``: after a launch stops at a run (a crash, a hang), that run is
+    recorded as failed and a new launch runs the ones after it. Returns the results and the errors."""
     results: list[dict[str, Any]] = []
     errors: list[str] = []
     left = list(runs)
     while left:
-        limit = {"test_subset": None, "timeout": 60 + PER_RUN_S[size] * len(left)}
-        got = launch(WORKERS, left, limit, work, label=f"_learning_{model}_s{seed}_{len(runs) - len(left)}")
-        done = [r for r in got if "launch_error" not in r]
+        t = time.monotonic()
+        done, why = watched_launch(left, STALL_S[size], work, f"_learning_{model}_s{seed}_{len(runs) - len(left)}")
+        print(f"[bench.learning] {model} seed {seed}: {len(done)} of {len(left)} runs in "
+              f"{time.monotonic() - t:.0f} s" + (f"; {why}" if why else ""), flush=True)
         results += [{k: v for k, v in r.items() if k != "ranks"} for r in done]
-        if len(done) == len(left):
+        if why is None:
             break
         stopped = left[len(done)]
-        errors += [f"{stopped['name']}: {r['launch_error']}" for r in got if "launch_error" in r]
+        errors.append(f"{stopped['name']}: {why}")
         results.append({**stopped, "failed": True, "test_loss": None, "test_acc": None})
         left = left[len(done) + 1:]
     return results, errors

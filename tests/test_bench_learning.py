@@ -95,6 +95,24 @@ def test_a_diverged_or_failed_seed_is_left_out_of_the_means_and_named():
     assert alone["asgd"]["acc_points"]["mean"] == 0.0 and alone["asgd"]["acc"]["mean"] == 0.7
 
 
+def test_a_run_that_stops_its_launch_is_recorded_as_failed_and_the_runs_after_it_go_on(monkeypatch, tmp_path):
+    runs = plan(["cnn"], [0], ["asgd", "sync", "diloco"])
+    calls = []
+
+    def fake(left, stall_s, work, label):  # the launch crashes at "sync" the first time
+        calls.append([r["row"] for r in left])
+        done = [{**r, "test_loss": 0.5, "test_acc": 0.8, "ranks": []} for r in left if r["row"] != "sync"]
+        return (done[:2], "exit 1") if len(calls) == 1 else (done, None)
+
+    monkeypatch.setattr(learning, "watched_launch", fake)
+    results, errors = learning.run_launch("cnn", 0, runs, "quick", tmp_path)
+    assert calls == [["ddp", "asgd", "sync", "diloco"], ["diloco"]]
+    assert [(r["row"], r.get("failed", False)) for r in results] == [
+        ("ddp", False), ("asgd", False), ("sync", True), ("diloco", False)]
+    assert errors == ["cnn sync seed 0: exit 1"] and "ranks" not in results[0]
+    assert {r["row"]: r["lost"] for r in table(results, "cnn")}["sync"] == {"0": "failed"}
+
+
 @pytest.mark.full
 @pytest.mark.timeout(600)
 def test_quick_runs_every_quick_row_on_both_models_end_to_end(tmp_path, monkeypatch):
