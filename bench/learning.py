@@ -244,7 +244,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"## {model}", "", describe(model, report["size"]) + ".", ""]
         if any(r["row"] in DILOCO and "not the default" in r["note"] for r in rows):
             lines += [f"The DiLoCo rows do **not** run at their default inner_steps ({default_inner_steps()}): at "
-                      f"{steps_per_worker(model, report['size'])} steps per worker it would make fewer than "
+                      f"{steps_per_worker(model, report['size'])} steps per worker the default would make fewer than "
                       f"{MIN_ROUNDS} rounds; their notes give the inner_steps run.", ""]
         lines += [*markdown_rows(rows), ""]
     for e in report["errors"]:
