@@ -65,6 +65,11 @@ MODELS: dict[str, dict[str, Any]] = {
                        "per byte, accuracy: next-byte"},
 }
 QUICK_ROWS = ("asgd", "sync", "diloco")
+# the modes that refuse the models' optimizer: eamsgd is EASGD whose workers train with Nesterov momentum SGD (it
+# checks at fit), so it runs with that optimizer, paired with a DDP run of the same (NESTEROV_DDP)
+NESTEROV_ONLY = ("eamsgd",)
+NESTEROV_DDP = "ddp+nesterov"
+NESTEROV_TEXT = {"cnn": "Nesterov SGD lr 0.05 momentum 0.9", "lm": "Nesterov SGD lr 0.05 momentum 0.9, not AdamW"}
 # a launch is stopped where no run finishes in this long (the first's includes the processes' start-up)
 STALL_S = {"full": 480, "quick": 180}
 
@@ -138,17 +143,43 @@ def plan(models: list[str], seeds: list[int], rows: list[str], size: str = "full
         for seed in seeds:
             runs.append({**common, "seed": seed, "row": "ddp", "kind": "ddp", "name": f"{model} ddp seed {seed}"})
             for row in rows:
-                run = {**common, "seed": seed, "row": row, "kind": "asgd", "mode": row,
-                       "name": f"{model} {row} seed {seed}"}
-                if row in DILOCO:
-                    run["inner_steps"] = h
-                    rounds = f"{steps // h} rounds" if row == "diloco" else f"about {steps // h} rounds per worker"
-                    run["note"] = f"inner_steps {h} ({rounds})" + (
-                        "" if h == default_inner_steps() else f", not the default {default_inner_steps()}")
-                    if h != default_inner_steps():
-                        run["options"] = {"inner_steps": h}
-                runs.append(run)
+                if row in NESTEROV_ONLY:
+                    runs.append({**common, **nesterov(common, model), "seed": seed, "row": NESTEROV_DDP, "kind": "ddp",
+                                 "name": f"{model} {NESTEROV_DDP} seed {seed}",
+                                 "note": f"DDP with {NESTEROV_TEXT[model]}: the reference of {row}; gaps to ddp"})
+                runs.append(_mode_run(common, model, row, seed, steps, h))
     return runs
+
+
+def nesterov(common: dict[str, Any], model: str) -> dict[str, Any]:
+    """The settings that give a model's runs Nesterov momentum SGD: the CNN at its rate and momentum, the language
+    model at the recipe's SGD rate (0.05, momentum 0.9) with its own warmup and decay.
+
+    Args:
+        common: the model's settings, as the plan has them.
+        model: a key of :data:`MODELS`.
+    """
+    if model != "lm":
+        return {"optimizer": "nesterov"}
+    sgd = {"optimizer": "nesterov", "lr": 0.05, "momentum": 0.9}
+    return {**sgd, "lm": {**common["lm"], **sgd}}
+
+
+def _mode_run(common: dict[str, Any], model: str, row: str, seed: int, steps: int, h: int) -> dict[str, Any]:
+    """A mode's run: the model's settings, DiLoCo's ``inner_steps`` where not its default, and the Nesterov
+    optimizer (paired with DDP of that optimizer) for a mode that refuses any other."""
+    run = {**common, "seed": seed, "row": row, "kind": "asgd", "mode": row, "name": f"{model} {row} seed {seed}"}
+    if row in DILOCO:
+        run["inner_steps"] = h
+        rounds = f"{steps // h} rounds" if row == "diloco" else f"about {steps // h} rounds per worker"
+        run["note"] = f"inner_steps {h} ({rounds})" + (
+            "" if h == default_inner_steps() else f", not the default {default_inner_steps()}")
+        if h != default_inner_steps():
+            run["options"] = {"inner_steps": h}
+    if row in NESTEROV_ONLY:
+        run.update(nesterov(common, model), reference=NESTEROV_DDP,
+                   note=f"{NESTEROV_TEXT[model]}, which the mode requires; gaps to {NESTEROV_DDP}")
+    return run
 
 
 def _ok(run: dict[str, Any]) -> bool:
@@ -178,14 +209,16 @@ def table(results: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
         model: the model whose runs are tabled.
     """
     mine = [r for r in results if r.get("model", "cnn") == model]
-    ddp = {r["seed"]: r for r in mine if r["row"] == "ddp" and _ok(r)}
-    order = ["ddp", *all_rows()]
+    ddp = {(r["row"], r["seed"]): r for r in mine if r["row"] in ("ddp", NESTEROV_DDP) and _ok(r)}
+    order = ["ddp", *[n for m in all_rows() for n in ((NESTEROV_DDP, m) if m in NESTEROV_ONLY else (m,))]]
     out = []
     for row in sorted(dict.fromkeys(r["row"] for r in mine), key=lambda n: order.index(n) if n in order else 99):
         runs = sorted((r for r in mine if r["row"] == row), key=lambda r: r["seed"])
         ok = [r for r in runs if _ok(r)]
-        paired = [(r, ddp[r["seed"]]) for r in ok if r["seed"] in ddp]
-        out.append({"row": row, "seeds": [r["seed"] for r in runs], "finished": [r["seed"] for r in ok],
+        ref = runs[0].get("reference", None if row == "ddp" else "ddp")
+        paired = [(r, ddp[ref, r["seed"]]) for r in ok if (ref, r["seed"]) in ddp]
+        out.append({"row": row, "reference": ref, "seeds": [r["seed"] for r in runs],
+                    "finished": [r["seed"] for r in ok],
                     "lost": {str(r["seed"]): _why(r) for r in runs if not _ok(r)},
                     "loss": _spread([r["test_loss"] for r in ok], 4), "acc": _spread([r["test_acc"] for r in ok], 4),
                     "loss_ratio": _spread([r["test_loss"] / d["test_loss"] for r, d in paired], 3),
@@ -246,6 +279,10 @@ def markdown(report: dict[str, Any]) -> str:
             lines += [f"The DiLoCo rows do **not** run at their default inner_steps ({default_inner_steps()}): at "
                       f"{steps_per_worker(model, report['size'])} steps per worker the default would make fewer than "
                       f"{MIN_ROUNDS} rounds; their notes give the inner_steps run.", ""]
+        if any(r["reference"] == NESTEROV_DDP for r in rows):
+            lines += [f"{', '.join(NESTEROV_ONLY)} refuses any optimizer but Nesterov momentum SGD: it runs with "
+                      f"{NESTEROV_TEXT[model]}, and its gaps are to DDP with that optimizer ({NESTEROV_DDP}, whose "
+                      "own gaps are to ddp).", ""]
         lines += [*markdown_rows(rows), ""]
     for e in report["errors"]:
         lines.append(f"- error: {e}")

@@ -13,22 +13,29 @@ from plug_asgd.modes import MODES
 
 def test_the_plan_runs_ddp_then_every_mode_per_model_and_seed_with_the_same_settings():
     runs = plan(["cnn", "lm"], [0, 1, 2], all_rows())
-    assert all_rows() == list(MODES) and len(runs) == 2 * 3 * (1 + len(MODES))
+    assert all_rows() == list(MODES) and len(runs) == 2 * 3 * (2 + len(MODES))
     for model in ("cnn", "lm"):
         for seed in (0, 1, 2):
             mine = [r for r in runs if r["model"] == model and r["seed"] == seed]
-            assert [r["row"] for r in mine] == ["ddp", *MODES]  # DDP per seed, then every mode
-            assert mine[0]["kind"] == "ddp" and {r["kind"] for r in mine[1:]} == {"asgd"}
-            assert all(r["mode"] == r["row"] for r in mine[1:])
+            modes = [*MODES][:-1]  # DDP per seed, then every mode, eamsgd last beside DDP of its optimizer
+            assert [r["row"] for r in mine] == ["ddp", *modes, "ddp+nesterov", "eamsgd"]
+            assert [r["kind"] for r in mine] == ["ddp", *["asgd"] * len(modes), "ddp", "asgd"]
+            assert all(r["mode"] == r["row"] for r in mine if r["kind"] == "asgd")
             shared = ("optimizer", "lr", "momentum", "batch_size", "train_subset", "test_subset", "epochs", "lm")
-            assert len({json.dumps([r.get(k) for k in shared]) for r in mine}) == 1  # the same optimizer, data
-    cnn = [r for r in runs if r["model"] == "cnn"]
+            # the same optimizer and data for every row, and for eamsgd and its own DDP
+            assert len({json.dumps([r.get(k) for k in shared]) for r in mine[:-2]}) == 1
+            assert len({json.dumps([r.get(k) for k in shared]) for r in mine[-2:]}) == 1
+            assert mine[-1]["reference"] == "ddp+nesterov" and mine[-1]["optimizer"] == "nesterov"
+            assert [r[k] for r in mine[-2:] for k in shared[3:6]] == [r[k] for r in mine[:2] for k in shared[3:6]]
+    cnn = [r for r in runs if r["model"] == "cnn" and r["optimizer"] != "nesterov"]
     assert {(r["optimizer"], r["lr"], r["momentum"], r["batch_size"], r["train_subset"]) for r in cnn} == {
         ("sgd", 0.05, 0.9, 32, 8000)} and {r["test_subset"] for r in cnn} == {None}
     lm = [r for r in runs if r["model"] == "lm"]
-    assert {json.dumps(r["lm"], sort_keys=True) for r in lm} == {json.dumps(
-        {"d_model": 64, "layers": 2, "heads": 4, "max_context": 32, "warmup_steps": 20, "optimizer": "adam",
-         "lr": 1e-3}, sort_keys=True)}
+    size = {"d_model": 64, "layers": 2, "heads": 4, "max_context": 32, "warmup_steps": 20}
+    assert {json.dumps(r["lm"], sort_keys=True) for r in lm} == {
+        json.dumps({**size, "optimizer": "adam", "lr": 1e-3}, sort_keys=True),
+        json.dumps({**size, "optimizer": "nesterov", "lr": 0.05, "momentum": 0.9}, sort_keys=True)}
+    assert {r["lm"]["optimizer"] for r in lm if r["row"] in ("ddp+nesterov", "eamsgd")} == {"nesterov"}
     assert learning.steps_per_worker("lm", "full") == 400 and learning.steps_per_worker("cnn", "full") == 125
     assert len({r["name"] for r in runs}) == len(runs)
     with pytest.raises(ValueError, match="unknown"):
@@ -63,7 +70,7 @@ def test_the_table_pairs_each_seed_with_ddp_of_that_seed():
                {**_r("asgd", 0, 9.0, 0.1), "model": "lm"}]  # another model's: not in this table
     ddp, asgd = table(results, "cnn")
     assert ddp["row"] == "ddp" and ddp["loss"] == {"mean": 0.5, "min": 0.4, "max": 0.6}
-    assert ddp["acc_points"] == {"mean": 0.0, "min": 0.0, "max": 0.0}
+    assert ddp["reference"] is None and ddp["acc_points"]["mean"] is None  # the reference itself
     # accuracy: -1.0, +0.5, -12.0 points -> mean -4.17; loss: 1.1, 1.0, 1.5 -> mean 1.2
     assert asgd["acc_points"] == {"mean": -4.17, "min": -12.0, "max": 0.5}
     assert asgd["loss_ratio"] == {"mean": 1.2, "min": 1.0, "max": 1.5}
@@ -72,6 +79,15 @@ def test_the_table_pairs_each_seed_with_ddp_of_that_seed():
     line = markdown_rows([ddp, asgd])[-1]
     assert line.startswith("| asgd | 0.6167 (0.4000..0.9000) | 1.200 (1.000..1.500) | 0.7783 (0.7000..0.8450) | "
                            "-4.17 (-12.00..+0.50) | 3/3 |")
+
+
+def test_eamsgd_is_paired_with_ddp_of_its_own_optimizer():
+    results = [_r("ddp", 0, 0.5, 0.80), _r("ddp+nesterov", 0, 0.4, 0.82), {**_r("eamsgd", 0, 0.6, 0.79),
+                                                                            "reference": "ddp+nesterov"}]
+    rows = {r["row"]: r for r in table(results, "cnn")}
+    assert list(rows) == ["ddp", "ddp+nesterov", "eamsgd"]
+    assert rows["eamsgd"]["acc_points"]["mean"] == -3.0 and rows["eamsgd"]["loss_ratio"]["mean"] == 1.5
+    assert rows["ddp+nesterov"]["acc_points"]["mean"] == 2.0 and rows["ddp+nesterov"]["reference"] == "ddp"
 
 
 def test_a_diverged_or_failed_seed_is_left_out_of_the_means_and_named():
