@@ -266,11 +266,12 @@ def describe(model: str, size: str) -> str:
 def markdown(report: dict[str, Any]) -> str:
     """``learning.md``: the command, the machine, and per model its settings and its table."""
     m = report["machine"]
+    seeds = ("seeds " if len(report["seeds"]) > 1 else "seed ") + ", ".join(map(str, report["seeds"]))
     lines = ["# Every mode against DDP: final loss and accuracy of the central model", "",
              f"`{report['command']}` ({report['wall_s']:.0f} s) on {m['cpu_count']} cores ({m['cpu_model']}), "
              f"torch {m['torch']}, commit {m['commit']}, {m['date']}.", "",
              f"{WORKERS} workers, every mode at its defaults, DDP (gloo) the reference: the same optimizer, rate, "
-             f"batch, samples and seed. Values are means over seeds {', '.join(map(str, report['seeds']))} with "
+             f"batch, samples and seed. Values are means over {seeds} with "
              "(min..max) where they differ; the gaps are paired by seed (a row's accuracy minus DDP's of the same "
              "seed, in points; its loss over DDP's). The model tested is the PS's central model (DDP: rank 0's).", ""]
     for model, rows in report["tables"].items():

@@ -130,6 +130,7 @@ def test_a_run_that_stops_its_launch_is_recorded_as_failed_and_the_runs_after_it
 
 
 @pytest.mark.full
+@pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_quick_runs_every_quick_row_on_both_models_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench"])
