@@ -109,7 +109,7 @@ native.library()
 INTEGRATION_FIXTURES = {"procs", "start_ps"}
 
 
-# pytest-xdist (`-n 2 --dist loadfile`, pyproject.toml) keeps a file's tests on one worker, so its module
+# pytest-xdist (`-n 3 --dist loadfile`, pyproject.toml) keeps a file's tests on one worker, so its module
 # fixtures are set up once, and starts the files with the most tests first (its default order: longest-first
 # gained nothing over it). (Not `loadgroup`: under pytest 9.2 it ignores its groups, pytest-xdist issue 1386.)
 

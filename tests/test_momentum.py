@@ -18,7 +18,7 @@ import pytest
 from harness.ports import free_port_block
 from plug_asgd.modes import MODES
 from tests.conftest import HAVE_FASHION, PYTHON, ROOT, needs_fashion, run_to_end
-from tests.test_training import SCHEMES
+from tests.test_training import PUSH_HEADER_BYTES, SCHEMES, push_frames
 
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 from momentum_regression import Regression, one_process_loss, threaded_fit, val_loss  # noqa: E402
@@ -175,8 +175,23 @@ NESTEROV_ROWS = [(m, {"mode": m}) for m in ("asgd", "adacomp", "downpour", "ssp"
 SUITE_OPTIMIZERS = (("sgd", SGD_ROWS),)
 
 
+# The codecs of tests/test_training.py's PAIRS that no row above trains, each pushed on a short run of this launch
+# (640 images: 10 steps per worker) for its wire bytes alone: what a codec sends does not depend on how long it
+# trains (their Adam runs to ACCURACY_THRESHOLD are the full tier's there). (name, settings, codec, pushes).
+BYTES_RUNS = [
+    ("bytes asgd-fp16", {"mode": "asgd", "compressor": "fp16"}, {"name": "fp16"}, 2 * 10),
+    ("bytes asgd-bf16", {"mode": "asgd", "compressor": "bf16"}, {"name": "bf16"}, 2 * 10),
+    ("bytes downpour-topk", {"mode": "downpour", "compressor": "topk"}, {"name": "topk"}, 2 * 3),  # every 4th step
+    ("bytes asgd-qsgd", {"mode": "asgd", "compressor": "qsgd", "options": {"bits": 4}}, {"name": "qsgd", "bits": 4},
+     2 * 10),
+    ("bytes sync-powersgd", {"mode": "sync", "compressor": "powersgd", "options": {"rank": 4}},
+     {"name": "powersgd", "rank": 4}, 2 * 10),  # 10 rounds of 2 pushes
+]
+
+
 def fashion_runs(rows: list[str] | None = None, repeat: int = 1) -> list[dict]:
-    """DDP and every row of each optimizer (``rows``: those named "row optimizer", ``repeat`` times, no DDP)."""
+    """DDP, every row of each optimizer and BYTES_RUNS (``rows``: those named "row optimizer", ``repeat`` times, no
+    DDP, no BYTES_RUNS)."""
     common = {"bench": "momentum_test", "batch_size": 32, "train_subset": 8000, "epochs": 1, "test": True,
               "lr": 0.05, "momentum": 0.9}
     runs = []
@@ -185,6 +200,9 @@ def fashion_runs(rows: list[str] | None = None, repeat: int = 1) -> list[dict]:
             runs.append({**common, "optimizer": optimizer, "kind": "ddp", "name": f"ddp {optimizer}"})
         runs += [{**common, **settings, "optimizer": optimizer, "kind": "asgd", "name": f"{row} {optimizer} {i}"}
                  for row, settings in table if rows is None or f"{row} {optimizer}" in rows for i in range(repeat)]
+    if rows is None:
+        runs += [{**common, **settings, "optimizer": "sgd", "kind": "asgd", "name": f"{name} 0", "train_subset": 640,
+                  "test": False} for name, settings, _, _ in BYTES_RUNS]
     return runs
 
 
@@ -215,7 +233,7 @@ def fashion(tmp_path_factory):
     # 840 s as test_training's launches: 600 s ran out after 20 of the 22 runs on a slow 2-core machine in a suite
     # run beside a pip install, and the launch took 617 s in a fresh-clone CI run there
     named = run(fashion_runs(), "fashion", 840)
-    missed = [name for name, runs in named.items() if not name.startswith("ddp ")
+    missed = [name for name, runs in named.items() if not name.startswith(("ddp ", "bytes "))
               and fashion_gap(runs, named[f"ddp {name.rsplit(' ', 1)[1]}"][0]) < -FASHION_POINTS]
     if missed:  # FASHION_RERUN: the median of 3 runs decides such a row
         for name, runs in run(fashion_runs(missed, repeat=2), "fashion_rerun", 400).items():
@@ -224,7 +242,8 @@ def fashion(tmp_path_factory):
 
 
 @needs_fashion
-# above the fixture's launches: 15 runs (DDP and 14 rows), about 7 s each on 2 idle cores (the launch's limit 840 s),
+# above the fixture's launches: 20 runs (DDP, 14 rows, 5 short ones of BYTES_RUNS), about 7 s each on 2 idle cores
+# (the short ones about 2 s; the launch's limit 840 s),
 # and the reruns of any row that missed (at most 400 s)
 @pytest.mark.timeout(1320)
 @pytest.mark.parametrize("optimizer,row", [(o, r) for o, rows in SUITE_OPTIMIZERS for r, _ in rows])
@@ -239,6 +258,60 @@ def test_every_mode_trains_the_recipe_cnn_close_to_ddp(fashion, optimizer, row):
     assert fashion_gap(runs, ddp) >= -FASHION_POINTS, (
         f"{row} {optimizer}: {[round(r['test_acc'], 4) for r in runs]}, DDP {ddp['test_acc']:.4f}; staleness "
         f"{[r.get('staleness') for r in runs]}")
+
+
+# each codec row's codec as the fit resolves it: randomk's default fraction follows the fit's length (10 / 125 pushes
+# per worker), the others' knobs at their defaults (topk 1%, powersgd rank 4)
+CODEC_SPECS = {"asgd+topk": {"name": "topk"}, "asgd+randomk": {"name": "randomk", "fraction": 0.08},
+               "asgd+sign": {"name": "sign"}, "asgd+powersgd": {"name": "powersgd"}}
+
+
+@needs_fashion
+@pytest.mark.timeout(1320)  # the fixture's launches, when this test is the first to need them
+@pytest.mark.parametrize("row", CODECS)
+@pytest.mark.integration
+def test_every_codec_row_sends_what_its_format_says(fashion, row):
+    """The bytes half of tests/test_training.py's compressor test, on this launch's rows (its Adam runs of the same
+    mode and codec are the full tier's there: MOMENTUM_COVERED_PAIRS)."""
+    for run in fashion[f"{row} sgd"]:
+        assert run["pushes"] == 250 and run["push_local_bytes"] == 0, run  # 125 steps of 2 workers, all on the socket
+        header = (run["push_bytes"] - 250 * push_frames(CODEC_SPECS[row], 1)) / 250
+        assert PUSH_HEADER_BYTES[0] <= header <= PUSH_HEADER_BYTES[1], (row, run["push_bytes"])
+
+
+@needs_fashion
+@pytest.mark.timeout(1320)
+@pytest.mark.parametrize("name, settings, codec, pushes", BYTES_RUNS, ids=[b[0] for b in BYTES_RUNS])
+@pytest.mark.integration
+def test_every_other_codec_sends_what_its_format_says(fashion, name, settings, codec, pushes):
+    (run,) = fashion[name]
+    assert run["pushes"] == pushes and run["push_local_bytes"] == 0, run
+    header = (run["push_bytes"] - pushes * push_frames(codec, 1)) / pushes
+    assert PUSH_HEADER_BYTES[0] <= header <= PUSH_HEADER_BYTES[1], (name, run["push_bytes"])
+
+
+@needs_fashion
+@pytest.mark.timeout(1320)
+@pytest.mark.integration
+def test_adacomp_pushes_at_least_30x_fewer_bytes_than_asgd(fashion):
+    asgd, ada = fashion["asgd sgd"][0], fashion["adacomp sgd"][0]
+    assert asgd["pushes_applied"] == ada["pushes_applied"] == 250
+    # dense: 1,199,882 float32 = 4,799,528 bytes per push, through shared memory (the PS is on this machine) with a
+    # header on the socket; adacomp's sparse updates all go over the socket
+    assert asgd["push_local_bytes"] == 250 * 4_799_528 and ada["push_local_bytes"] == 0
+    dense = asgd["push_bytes"] + asgd["push_local_bytes"]
+    assert dense / ada["push_bytes"] >= 30, (dense, ada["push_bytes"])
+
+
+@needs_fashion
+@pytest.mark.timeout(1320)
+@pytest.mark.integration
+def test_adacomp_replies_carry_only_what_changed_so_its_downlink_stays_within_10x_its_uplink(fashion):
+    ada = fashion["adacomp sgd"][0]
+    # every push's reply (250) and the pulls after it are deltas, or "own" where no other push raced it: whole models
+    # would be 250 x 4.8 MB = 1.2 GB down against about 23 MB up (50x)
+    assert ada["delta_replies"] + ada["own_replies"] >= 250, ada
+    assert ada["bytes_out"] <= 10 * ada["bytes_in"], (ada["bytes_out"], ada["bytes_in"])
 
 
 def test_the_recipes_train_momentum_sgd_at_its_usual_learning_rate_by_default():

@@ -24,7 +24,6 @@ from tests.conftest import (
     RECIPE_RUN_TIMEOUT_S,
     ProcessGroups,
     free_port,
-    full_tier_selected,
     group_members,
     needs_fashion,
 )
@@ -88,13 +87,19 @@ PAIRS = [
     ("sync", {"compressor": "powersgd", "options": {"rank": 4}}, {"name": "powersgd", "rank": 4}),
 ]
 PAIR_IDS = [f"{m}-{settings['compressor']}" for m, settings, _ in PAIRS]
-# The schemes that tests/test_momentum.py's launch fits too, under momentum SGD (every mode that folds or keeps
-# stale progress): there each is held within 5 points of DDP on the same 8,000 images, and to the same PS version
-# (the push cadence, the optimizer aside). Their Adam runs here are the full tier's (`pytest -m full`): the suite's
-# 12 minutes cannot hold both launches' copies of them (8 runs, about 70 s of both cores).
-MOMENTUM_COVERED = ("downpour", "dynsgd", "ssp", "agn", "osp", "losp", "hogwild", "easgd")
-SCHEME_PARAMS = [pytest.param(m, s, v, id=m, marks=[pytest.mark.full] if m in MOMENTUM_COVERED else [])
-                 for m, s, v in SCHEMES]
+# The one-PS launch of these schemes and codecs under Adam is the full tier's (`pytest -m full`), as the sharded
+# one: the suite's 12 minutes hold one launch of every mode on Fashion-MNIST, tests/test_momentum.py's, under
+# momentum SGD (what users train with). There each mode that folds or keeps stale progress is held within 5 points
+# of DDP on the same 8,000 images and to the PS version of SCHEMES; adacomp's bytes and replies to the bounds of
+# test_adacomp_* below; every codec's pushes to its wire bytes (asgd's four with error feedback on full runs, the
+# pairs of PAIRS on short runs of that launch). sync's recipe run under Adam is held to ACCURACY_THRESHOLD by
+# tests/test_standby.py's uninterrupted run; every mode trains under Lightning's features in tests/test_features.py.
+# This file keeps in the suite asgd's run, the recipe's own with its callbacks (recipe_run). The launch cost the
+# suite about 110 s of both cores (10 runs).
+FULL = [pytest.mark.full]
+SCHEME_PARAMS = [pytest.param(m, s, v, id=m, marks=FULL) for m, s, v in SCHEMES]
+PAIR_PARAMS = [pytest.param(m, s, c, id=i, marks=FULL) for (m, s, c), i in zip(PAIRS, PAIR_IDS, strict=True)]
+CORE_PARAMS = [pytest.param(m, marks=[] if m == "asgd" else FULL) for m in CORE]
 # the msgpack header of a push, around its tensor frames (a Packed codec's metadata rides in it): per push, from
 # about 525 bytes (fp16) to 960 (qsgd); bounded on both sides with a margin
 PUSH_HEADER_BYTES = (400, 1200)
@@ -108,9 +113,9 @@ PUSH_HEADER_BYTES = (400, 1200)
 # what one PS folds (dynsgd, ssp, the sync rounds, easgd, eamsgd, osp, losp: there and in test_sharding_modes.py)
 SHARDS = 2
 SHARD_IDS = ["one_ps", f"{SHARDS}_shards"]
-# one PS in the suite; 2 embedded shards in the full tier (`pytest -m full`)
+# one PS (asgd's recipe run in the suite, the launch in the full tier); 2 embedded shards in the full tier
 SHARD_COUNTS = [1, pytest.param(SHARDS, marks=pytest.mark.full)]
-# the one-PS launch (12 runs in the suite, 20 in the full tier) took about 2 minutes with 20 on 2 idle cores; the
+# the one-PS launch (20 runs) took about 2 minutes with 20 on 2 idle cores; the
 # first test using it sets it up. The sharded launch, when it had the same 20 runs (2 shard processes each), took
 # 1.1-1.2x the one-PS launch in the same session on 2 cores shared with other suites: 162 s against 147 s (load
 # about 3.5), 276 s against 227 s (load about 6); it has 10 now
@@ -119,12 +124,10 @@ LAUNCH_TIMEOUT_S = 840
 CORE_TIMEOUT_S = LAUNCH_TIMEOUT_S + RECIPE_RUN_TIMEOUT_S + 60
 
 
-def scheme_specs(shards: int = 1, with_asgd: bool = False, sharded_codecs: bool = True,
-                 full: bool = True) -> list[dict]:
+def scheme_specs(shards: int = 1, with_asgd: bool = False, sharded_codecs: bool = True) -> list[dict]:
     """The runs of a launch below, on one PS or ``shards`` (``with_asgd``: one PS's asgd too, which the suite
     takes from the recipe's run; tests/scripts/threshold_runs.py repeats them all to measure the spread
-    ACCURACY_THRESHOLD is set from; ``sharded_codecs``: the codecs on ``shards`` too, the full tier's; ``full``:
-    the schemes of MOMENTUM_COVERED too, the full tier's)."""
+    ACCURACY_THRESHOLD is set from; ``sharded_codecs``: the codecs on ``shards`` too)."""
     common = {"kind": "asgd", "batch_size": 32, "train_subset": 8000, "epochs": 1, "test": True}
     if shards > 1:
         common["ps_shards"] = shards
@@ -132,15 +135,14 @@ def scheme_specs(shards: int = 1, with_asgd: bool = False, sharded_codecs: bool 
     core = [mode for mode in CORE if with_asgd or shards > 1 or mode != "asgd"]
     runs = [{**common, "name": mode, "mode": mode, "compression": 0.01} for mode in core]
     if shards == 1:
-        runs += [{**common, "name": mode, "mode": mode, **settings} for mode, settings, _ in SCHEMES
-                 if full or mode not in MOMENTUM_COVERED]
+        runs += [{**common, "name": mode, "mode": mode, **settings} for mode, settings, _ in SCHEMES]
     elif not sharded_codecs:
         return runs
     return runs + [{**common, "name": name, "mode": mode, **settings}
                    for name, (mode, settings, _) in zip(PAIR_IDS, PAIRS, strict=True)]
 
 
-def launch_runs(tmp_path_factory, shards: int, full: bool = False) -> tuple[dict[str, dict], str]:
+def launch_runs(tmp_path_factory, shards: int) -> tuple[dict[str, dict], str]:
     """Every mode and every compressor trained in one launch of 2 Lightning workers, on one PS or ``shards``.
 
     ``bench.train`` runs them one after another in the same two processes (a fresh Trainer,
@@ -152,7 +154,7 @@ def launch_runs(tmp_path_factory, shards: int, full: bool = False) -> tuple[dict
         pytest.skip("Fashion-MNIST not installed: apt-get install dataset-fashion-mnist")
     from bench.runner import launch  # the benchmarks' launcher: spec, ports, threads, a process group ended on return
 
-    runs = scheme_specs(shards, sharded_codecs=full, full=full)
+    runs = scheme_specs(shards)
     work = tmp_path_factory.mktemp(f"schemes{shards}")
     t = time.monotonic()
     records = launch(2, runs, {"test_subset": 1000, "timeout": LAUNCH_TIMEOUT_S}, work)
@@ -163,14 +165,11 @@ def launch_runs(tmp_path_factory, shards: int, full: bool = False) -> tuple[dict
 
 
 @pytest.fixture(scope="module")
-def launches(request, tmp_path_factory):
-    """The launches below, started together: one after the other, they were the full tier's longest path
-    (pytest-xdist runs this file's tests on one worker). Each fixture waits for its own. The sharded one, with every
-    codec, is the full tier's: the suite's tests take one PS's only."""
-    full = full_tier_selected(request.config)
+def launches(tmp_path_factory):
+    """The full tier's two launches, started together: one after the other, they were its longest path
+    (pytest-xdist runs this file's tests on one worker). Each fixture waits for its own."""
     with ThreadPoolExecutor(2) as pool:
-        yield {shards: pool.submit(launch_runs, tmp_path_factory, shards, full) for shards in ((1, SHARDS) if full
-                                                                                               else (1,))}
+        yield {shards: pool.submit(launch_runs, tmp_path_factory, shards) for shards in (1, SHARDS)}
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +237,7 @@ def push_frames(codec_spec, shards: int) -> int:
 @needs_fashion
 @pytest.mark.timeout(CORE_TIMEOUT_S)  # the launches, when this test is the first to need them
 @pytest.mark.parametrize("shards", SHARD_COUNTS, ids=SHARD_IDS)
-@pytest.mark.parametrize("mode", CORE)
+@pytest.mark.parametrize("mode", CORE_PARAMS)
 def test_each_mode_trains_the_central_model_well_above_chance(request, mode, shards):
     run = core_run(request, mode, shards)
     assert run["test_acc"] >= ACCURACY_THRESHOLD, run
@@ -248,6 +247,7 @@ def test_each_mode_trains_the_central_model_well_above_chance(request, mode, sha
 
 
 @needs_fashion
+@pytest.mark.full  # the suite's: tests/test_momentum.py's test_adacomp_*, on its momentum SGD rows
 @pytest.mark.timeout(CORE_TIMEOUT_S)
 @pytest.mark.parametrize("shards", SHARD_COUNTS, ids=SHARD_IDS)
 def test_adacomp_pushes_at_least_30x_fewer_bytes_than_asgd(request, shards):
@@ -266,6 +266,7 @@ def test_adacomp_pushes_at_least_30x_fewer_bytes_than_asgd(request, shards):
 
 
 @needs_fashion
+@pytest.mark.full  # the suite's: tests/test_momentum.py's test_adacomp_*, on its momentum SGD rows
 @pytest.mark.timeout(CORE_TIMEOUT_S)
 @pytest.mark.parametrize("shards", SHARD_COUNTS, ids=SHARD_IDS)
 def test_adacomp_replies_carry_only_what_changed_so_its_downlink_stays_within_10x_its_uplink(request, shards):
@@ -291,7 +292,7 @@ def test_every_scheme_trains_the_recipe_above_the_core_threshold(scheme_runs, mo
 @needs_fashion
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
 @pytest.mark.parametrize("shards", SHARD_COUNTS, ids=SHARD_IDS)
-@pytest.mark.parametrize("mode, settings, codec", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("mode, settings, codec", PAIR_PARAMS)
 def test_every_compressor_trains_and_sends_what_its_format_says(request, mode, settings, codec, shards):
     run = scheme_run(runs_of(request, shards), f"{mode}-{settings['compressor']}")
     assert run["test_acc"] >= ACCURACY_THRESHOLD, run
