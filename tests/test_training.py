@@ -91,8 +91,8 @@ PAIR_IDS = [f"{m}-{settings['compressor']}" for m, settings, _ in PAIRS]
 # one: the suite's 12 minutes hold one launch of every mode on Fashion-MNIST, tests/test_momentum.py's, under
 # momentum SGD (what users train with). There each mode that folds or keeps stale progress is held within 5 points
 # of DDP on the same 8,000 images and to the PS version of SCHEMES; adacomp's bytes and replies to the bounds of
-# test_adacomp_* below; every codec's pushes to its wire bytes (asgd's four with error feedback on full runs, the
-# pairs of PAIRS on short runs of that launch). sync's recipe run under Adam is held to ACCURACY_THRESHOLD by
+# test_adacomp_* below (there on its momentum SGD rows); every codec's pushes to its wire bytes, each on a short
+# run of that launch (BYTES_RUNS). sync's recipe run under Adam is held to ACCURACY_THRESHOLD by
 # tests/test_standby.py's uninterrupted run; every mode trains under Lightning's features in tests/test_features.py.
 # This file keeps in the suite asgd's run, the recipe's own with its callbacks (recipe_run). The launch cost the
 # suite about 110 s of both cores (10 runs).
