@@ -10,6 +10,7 @@ import math
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,28 @@ def payload_bytes(shapes: dict[str, tuple[int, ...]], compressor: str, *, fracti
 def write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def write_report(out: Path, name: str, report: dict[str, Any], text: str, errors: list[str], tag: str) -> int:
+    """Write ``NAME.json`` and ``NAME.md`` into ``out``, print the text and each error: a benchmark's last step.
+
+    Args:
+        out: the results folder.
+        name: the files' name, without suffix.
+        report: what ``NAME.json`` holds.
+        text: what ``NAME.md`` holds, printed too.
+        errors: the runs that failed, each printed to stderr after ``[tag]``.
+        tag: the benchmark's name in those lines.
+
+    Returns:
+        The exit code: 1 where a run failed, else 0.
+    """
+    write_json(out / f"{name}.json", report)
+    (out / f"{name}.md").write_text(text)
+    print(text)
+    for e in errors:
+        print(f"[{tag}] {e}", file=sys.stderr)
+    return 1 if errors else 0
 
 
 def time_calls(owner: Any, name: str, into: list[float]) -> None:

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import FASHION, ROOT, machine, ports_needed, write_json
+from bench.common import FASHION, ROOT, machine, ports_needed, write_report
 from harness.ports import free_port_block
 from harness.processes import child_env, start, stop
 
@@ -394,12 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                             "settings": describe(m, size)} for m in models},
               "wall_s": round(time.monotonic() - started, 1),
               "tables": {m: table(results, m) for m in models}, "errors": errors, "runs": results}
-    write_json(out / "learning.json", report)
-    (out / "learning.md").write_text(markdown(report))
-    print(markdown(report))
-    for e in errors:
-        print(f"[bench.learning] {e}", file=sys.stderr)
-    return 1 if errors else 0
+    return write_report(out, "learning", report, markdown(report), errors, "bench.learning")
 
 
 if __name__ == "__main__":

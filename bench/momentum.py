@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.common import FASHION, ROOT, machine, write_json
+from bench.common import FASHION, ROOT, machine, write_json, write_report
 from bench.runner import launch
 
 OPTIMIZERS = (("sgd", 0.01), ("sgd", 0.05), ("nesterov", 0.05), ("adam", 0.001))
@@ -394,12 +394,7 @@ def main(argv: list[str] | None = None) -> int:
               "earlier": (earlier.get("earlier", []) + [{k: earlier[k] for k in ("command", "commands", "machine",
                                                                                   "wall_s") if k in earlier}]
                           if earlier else [])}
-    write_json(out / f"{args.name}.json", report)
-    (out / f"{args.name}.md").write_text(markdown(tables))
-    print(markdown(tables))
-    for e in errors:
-        print(f"[bench.momentum] {e}", file=sys.stderr)
-    return 1 if errors else 0
+    return write_report(out, args.name, report, markdown(tables), errors, "bench.momentum")
 
 
 if __name__ == "__main__":
