@@ -1,7 +1,7 @@
 """Momentum SGD on Fashion-MNIST at issue 17's own bound: every mode within 1.5 points of DDP. The full tier.
 
-``tests/test_momentum.py`` fits the same rows in the suite, once each at 8,000 images, and holds them to 5
-points: at that size one run's accuracy varies by up to 6.5 points from one launch to the next (its
+``tests/test_momentum.py`` fits the momentum SGD rows of the modes in the suite (not the codecs', which it
+pushes on short runs for their bytes), once each at 8,000 images, and holds them to 5 points: at that size one run's accuracy varies by up to 6.5 points from one launch to the next (its
 comments say where), so a 1.5-point bound there would test the noise. Here every mode (the synchronous
 ones too) and every codec trains on 16,000 images with seeds 0, 1 and 2 (initialization and training
 subset), DDP with each seed, all tested on the whole test set; a row's gap is its accuracy minus DDP's of
