@@ -28,19 +28,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import FASHION, ROOT, machine, ports_needed, write_report
-from harness.ports import free_port_block
-from harness.processes import child_env, start, stop
+from bench.common import FASHION, ROOT, machine, write_report
+from bench.runner import train
 
 WORKERS = 2
 BATCH = 32
@@ -290,40 +286,6 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def watched_launch(runs: list[dict[str, Any]], stall_s: float, work: Path, label: str) -> tuple[list, str | None]:
-    """``runs`` in one launch of ``bench.train`` (``bench.runner.launch``'s), stopped where no run has finished
-    for ``stall_s`` seconds: a run that hangs costs its own limit, not the whole launch's. Returns the results
-    of the runs finished, in order, and why the launch stopped early (None where it ran to the end)."""
-    out = work / f"train{label}"
-    shutil.rmtree(out, ignore_errors=True)  # an earlier launch's records must not be read as this one's
-    work.mkdir(parents=True, exist_ok=True)
-    spec_path = work / f"spec{label}.json"
-    spec_path.write_text(json.dumps({"workers": WORKERS, "data_dir": str(FASHION), "test_subset": None,
-                                     "runs": runs}, indent=1))
-    env = child_env(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // WORKERS)), MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(free_port_block(ports_needed(runs) + 2)))
-    log = work / f"train{label}.log"
-    proc = start([sys.executable, "-m", "bench.train", "--spec", str(spec_path), "--out", str(out)], env=env, log=log)
-    why, done, last = None, 0, time.monotonic()
-    try:
-        while proc.poll() is None:
-            now = sum(1 for i in range(len(runs)) if (out / f"run{i}_done").exists())
-            done, last = (now, time.monotonic()) if now > done else (done, last)
-            if time.monotonic() - last > stall_s:
-                why = f"no run finished in {stall_s:.0f} s: stopped"
-                break
-            time.sleep(1.0)
-    finally:
-        stop(proc)
-    if why is None and proc.returncode != 0:
-        why = f"exit {proc.returncode}"
-    path = out / "results.json"
-    results = json.loads(path.read_text()) if path.exists() else []
-    if why is None and len(results) < len(runs):
-        why = f"ended after {len(results)} of {len(runs)} runs"
-    return results, None if why is None else f"{why} (log: {log})"
-
-
 def run_launch(model: str, seed: int, runs: list[dict[str, Any]], size: str, work: Path) -> tuple[list, list]:
     """``runs`` in launches of ``bench.train``: after a launch stops at a run (a crash, a hang), that run is
     recorded as failed and a new launch runs the ones after it. Returns the results and the errors."""
@@ -332,7 +294,8 @@ def run_launch(model: str, seed: int, runs: list[dict[str, Any]], size: str, wor
     left = list(runs)
     while left:
         t = time.monotonic()
-        done, why = watched_launch(left, STALL_S[size], work, f"_learning_{model}_s{seed}_{len(runs) - len(left)}")
+        done, why = train(WORKERS, left, work, f"_learning_{model}_s{seed}_{len(runs) - len(left)}", test_subset=None,
+                          timeout=None, stall_s=STALL_S[size])
         print(f"[bench.learning] {model} seed {seed}: {len(done)} of {len(left)} runs in "
               f"{time.monotonic() - t:.0f} s" + (f"; {why}" if why else ""), flush=True)
         results += [{k: v for k, v in r.items() if k != "ranks"} for r in done]

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 
 from bench.common import FASHION, ROOT, machine, payload_bytes, ports_needed, summary, write_json
 from harness.ports import free_port_block
-from harness.processes import child_env, run_module, start, stop, wait_for
+from harness.processes import child_env, start, stop, wait_for
 
 BENCHMARKS = ("stragglers", "overhead", "ps_roundtrip", "adacomp", "sync", "ingest", "time_to_accuracy")
 COMPRESSORS = ("fp16", "bf16", "topk", "randomk", "qsgd", "sign", "powersgd")
@@ -168,34 +169,72 @@ def training_runs(names: list[str], size: dict[str, Any], slow_sleep: float) -> 
     return launches
 
 
-def launch(workers: int, runs: list[dict[str, Any]], size: dict[str, Any], work: Path,
-           label: str = "", threads: int | None = None) -> list[dict[str, Any]]:
-    """Run ``runs`` in one launch of ``workers`` ranks; ``label`` tells this launch's files from others';
-    ``threads``: torch threads per rank (default: the cores shared out among the ranks)."""
-    name = f"{workers}{label}"
+def train(workers: int, runs: list[dict[str, Any]], work: Path, name: str, *, test_subset: int | None,
+          timeout: float | None, threads: int | None = None, stall_s: float | None = None
+          ) -> tuple[list[dict], str | None]:
+    """``runs`` in one launch of ``bench.train`` on ``workers`` ranks, its files named by ``name``; stopped (its
+    whole process group) at ``timeout`` s (None: no limit), or where no run has finished for ``stall_s`` s, so
+    that a run that hangs costs its own limit rather than the whole launch's. ``threads``: torch threads per rank
+    (default: the cores shared out among the ranks). Returns the results of the runs finished, in order, and why
+    the launch ended early (None where every run finished)."""
     out = work / f"train{name}"
     # an earlier launch's files (a run killed part-way, say) must not be read as this one's: rank 0 polls
     # for the other ranks' records by name
     shutil.rmtree(out, ignore_errors=True)
-    spec = {"workers": workers, "data_dir": str(FASHION), "test_subset": size["test_subset"], "runs": runs}
     work.mkdir(parents=True, exist_ok=True)
-    (work / f"spec{name}.json").write_text(json.dumps(spec, indent=1))
+    spec_path = work / f"spec{name}.json"
+    spec_path.write_text(json.dumps({"workers": workers, "data_dir": str(FASHION), "test_subset": test_subset,
+                                     "runs": runs}, indent=1))
     threads = threads or max(1, (os.cpu_count() or 1) // workers)
     env = child_env(OMP_NUM_THREADS=str(threads), MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(free_port_block(ports_needed(runs) + 2)))
     log = work / f"train{name}.log"
-    t = time.monotonic()
-    rc = run_module("bench.train", ["--spec", str(work / f"spec{name}.json"), "--out", str(out)],
-                    timeout=size["timeout"], log=log, env=env)
-    print(f"[bench] {workers}-worker launch: {len(runs)} runs, rc {rc}, {time.monotonic() - t:.0f} s", flush=True)
+    proc = start([sys.executable, "-m", "bench.train", "--spec", str(spec_path), "--out", str(out)], env=env, log=log)
+    why, done, began = None, 0, time.monotonic()
+    last = began
+    try:
+        while why is None:
+            try:
+                proc.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            finished = sum(1 for i in range(len(runs)) if (out / f"run{i}_done").exists())
+            done, last = (finished, now) if finished > done else (done, last)
+            if timeout is not None and now - began > timeout:
+                why = f"not finished within {timeout:.0f} s: stopped"
+            elif stall_s is not None and now - last > stall_s:
+                why = f"no run finished in {stall_s:.0f} s: stopped"
+    finally:
+        stop(proc)
+    if why is not None:
+        with open(log, "a") as f:
+            f.write(f"\n[bench] {why}\n")
+    elif proc.returncode != 0:
+        why = f"exit {proc.returncode}"
     path = out / "results.json"
     results = json.loads(path.read_text()) if path.exists() else []
     for r in results:
         r["threads_per_process"] = threads
-    if rc != 0:
-        print(f"[bench] the {workers}-worker launch failed (rc {rc}); its log: {log}", file=sys.stderr)
-        results.append({"launch_error": f"the {workers}-worker launch failed (rc {rc}) after {len(results)} of "
-                                        f"{len(runs)} runs; its log: {log}"})
+    if why is None and len(results) < len(runs):
+        why = f"ended after {len(results)} of {len(runs)} runs"
+    return results, None if why is None else f"{why} (log: {log})"
+
+
+def launch(workers: int, runs: list[dict[str, Any]], size: dict[str, Any], work: Path,
+           label: str = "", threads: int | None = None) -> list[dict[str, Any]]:
+    """Run ``runs`` in one launch of ``workers`` ranks (:func:`train`, limited to the size's ``timeout``);
+    ``label`` tells this launch's files from others'. A launch that ended early adds a ``launch_error`` entry."""
+    t = time.monotonic()
+    results, why = train(workers, runs, work, f"{workers}{label}", test_subset=size["test_subset"],
+                         timeout=size["timeout"], threads=threads)
+    print(f"[bench] {workers}-worker launch: {len(runs)} runs, {why or 'finished'}, {time.monotonic() - t:.0f} s",
+          flush=True)
+    if why is not None:
+        print(f"[bench] the {workers}-worker launch failed: {why}", file=sys.stderr)
+        results.append({"launch_error": f"the {workers}-worker launch failed after {len(results)} of "
+                                        f"{len(runs)} runs: {why}"})
     return results
 
 

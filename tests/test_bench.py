@@ -96,7 +96,9 @@ def test_the_runners_formula_is_the_readme_table_and_the_codecs_own_wire_bytes(c
 # checks what those two add on smaller runs: each codec's push bytes against its formula and adacomp's delta replies
 # on the recipe's runs (tests/test_training.py), approximate replies (tests/test_delta_replies.py), and their
 # analyses on given runs below.
-SUITE_BENCHMARKS = ("stragglers", "overhead", "ps_roundtrip", "sync", "ingest")
+# the suite's quick runs; stragglers (a 2-rank launch of 4 runs, about 30 s on 2 cores) runs in the full tier's
+# quick_all, and its analysis on hand-made runs below (test_the_stragglers_ratio_pairs_each_repetitions_runs)
+SUITE_BENCHMARKS = ("overhead", "ps_roundtrip", "sync", "ingest")
 
 
 def run_quick(tmp_path_factory, names: list[str]) -> tuple[dict, Path, str]:
@@ -146,14 +148,12 @@ def test_quick_runner_reports_the_benchmarks_it_ran(quick):
     for name, r in results["benchmarks"].items():
         assert "error" not in r, (name, r.get("error"))
         assert r["figure"]
-    for name in ("stragglers", "overhead", "ps_roundtrip", "sync", "ingest"):
+    for name in SUITE_BENCHMARKS:
         ratio = results["benchmarks"][name]["ratio"]
         assert ratio["n"] >= 1 and finite_positive(ratio["median"]), (name, ratio)
         assert ratio["min"] <= ratio["median"] <= ratio["max"]
     # the ratios, recomputed here from the runs each benchmark stored: a repetition's two runs paired
     b = results["benchmarks"]
-    assert b["stragglers"]["ratio"]["median"] == pytest.approx(
-        paired_median(b["stragglers"]["runs"], "asgd", "ddp", "samples_per_s"), rel=1e-9)
     assert b["sync"]["ratio"]["median"] == pytest.approx(
         paired_median(b["sync"]["runs"], "sync", "ddp", "step_time_median_s"), rel=1e-9)
     assert set(b["overhead"]["by_batch"]) == {str(n) for n in SIZES["quick"]["overhead_batches"]} == {"32"}
@@ -167,7 +167,7 @@ def test_quick_runner_reports_the_benchmarks_it_ran(quick):
             assert b["overhead"][key][batch]["median"] == statistics.median(reported), (key, batch)
             assert all(finite_positive(t) for t in reported), (key, batch, reported)
     text = (out / "results.md").read_text()
-    assert "| stragglers |" in text and "Machine:" in text
+    assert "| sync |" in text and "Machine:" in text
     assert (out / "ratios.png").stat().st_size > 0
 
 
@@ -190,6 +190,8 @@ def test_quick_runner_reports_every_benchmark(quick_all):
     expected = max(kept) if kept else next(asgd["push_bytes"] / r["push_bytes"] for r in rows
                                            if r["name"] == "adacomp 0.01")
     assert b["adacomp"]["ratio"]["median"] == pytest.approx(expected, rel=1e-12)
+    assert b["stragglers"]["ratio"]["median"] == pytest.approx(
+        paired_median(b["stragglers"]["runs"], "asgd", "ddp", "samples_per_s"), rel=1e-9)
     text = (out / "results.md").read_text()
     assert "| stragglers |" in text and "Machine:" in text
     assert (out / "ratios.png").stat().st_size > 0
@@ -286,6 +288,25 @@ def _tta_run(name: str, rep: int, accs: list[float], every: float = 5.0) -> dict
             "curve": [[i * every + 0.013 * i, a] for i, a in enumerate(accs)]}
 
 
+def test_the_stragglers_ratio_pairs_each_repetitions_runs():
+    """bench stragglers' figures from hand-made runs: each repetition's asgd over its own DDP, with and without
+    max_time, then the median; a repetition without its DDP run adds no ratio."""
+    from bench.runner import analyse_stragglers
+
+    def run(name: str, rep: int, sps: float) -> dict:
+        return {"name": name, "rep": rep, "samples_per_s": sps}
+
+    runs = [run("asgd", 0, 300.0), run("ddp", 0, 100.0), run("asgd max_time", 0, 250.0), run("ddp max_time", 0, 125.0),
+            run("asgd", 1, 240.0), run("ddp", 1, 120.0), run("asgd max_time", 1, 330.0), run("ddp max_time", 1, 110.0),
+            run("asgd", 2, 500.0), run("ddp", 2, 100.0), run("asgd", 3, 999.0)]  # rep 3: no DDP to pair with
+    result = analyse_stragglers(runs, slow_sleep=0.03, base_step=0.01)
+    assert result["ratio"]["values"] == [3.0, 2.0, 5.0] and result["ratio"]["median"] == 3.0
+    assert result["ratio_max_time"]["values"] == [2.0, 3.0] and result["ratio_max_time"]["median"] == 2.5
+    assert result["asgd_samples_per_s"]["median"] == (300.0 + 500.0) / 2  # of 240, 300, 500, 999
+    assert result["ddp_samples_per_s"]["median"] == 100.0
+    assert "sleeps 30.0 ms" in result["method"] and "10.0 ms at batch 32" in result["method"]
+
+
 def test_time_to_accuracy_is_a_median_over_repetitions_of_paired_ratios():
     from bench.runner import analyse_time_to_accuracy
 
@@ -338,6 +359,37 @@ def test_time_to_accuracy_alternates_a_launch_of_each_per_repetition():
     assert {r["time_limit_s"] for r in timed} == {size["tta_limit_s"]}
     ddp = next(r for _, runs in launches for r in runs if r["name"] == "ddp")
     assert "time_limit_s" not in ddp and "max_steps" not in ddp  # DDP's ranks stop together, after the epochs
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("limit", ["stall", "timeout"])
+def test_a_launch_that_stalls_or_overruns_is_stopped_with_its_group_and_says_why(monkeypatch, tmp_path, limit):
+    """bench.runner.train's watch, on a stand-in for bench.train: a shell that finishes its first run at once,
+    then hangs with a child of its own. Stopped 2 s after that run (the stall), or at the 3 s limit."""
+    import time
+
+    import bench.runner as runner
+    from harness import processes
+
+    out = tmp_path / "trainx"
+    script = f"mkdir -p {out} && touch {out}/run0_done && sleep 60 & wait"
+    started = []
+
+    def stand_in(cmd, env=None, log=None):
+        started.append(processes.start(["bash", "-c", script], env=env, log=log))
+        return started[-1]
+
+    monkeypatch.setattr(runner, "start", stand_in)
+    t = time.monotonic()
+    stall, timeout = (2.0, 60.0) if limit == "stall" else (None, 3.0)
+    results, why = runner.train(2, [{}, {}], tmp_path, "x", test_subset=None, timeout=timeout, stall_s=stall)
+    took = time.monotonic() - t
+    assert results == []  # no results.json: the stand-in wrote none
+    expected = "no run finished in 2 s: stopped" if limit == "stall" else "not finished within 3 s: stopped"
+    assert why == f"{expected} (log: {tmp_path / 'trainx.log'})"
+    assert (stall or timeout) <= took < (stall or timeout) + 8  # 1 s polls, then SIGTERM to the group
+    assert started[0].poll() is not None and processes.group_members(started[0].pid) == []
+    assert f"[bench] {expected}" in (tmp_path / "trainx.log").read_text()
 
 
 def test_an_unknown_benchmark_is_refused(procs):

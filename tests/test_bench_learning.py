@@ -115,12 +115,13 @@ def test_a_run_that_stops_its_launch_is_recorded_as_failed_and_the_runs_after_it
     runs = plan(["cnn"], [0], ["asgd", "sync", "diloco"])
     calls = []
 
-    def fake(left, stall_s, work, label):  # the launch crashes at "sync" the first time
+    def fake(workers, left, work, name, *, test_subset, timeout, stall_s):  # the launch crashes at "sync" first
+        assert (workers, test_subset, timeout, stall_s) == (2, None, None, learning.STALL_S["quick"])
         calls.append([r["row"] for r in left])
         done = [{**r, "test_loss": 0.5, "test_acc": 0.8, "ranks": []} for r in left if r["row"] != "sync"]
         return (done[:2], "exit 1") if len(calls) == 1 else (done, None)
 
-    monkeypatch.setattr(learning, "watched_launch", fake)
+    monkeypatch.setattr(learning, "train", fake)
     results, errors = learning.run_launch("cnn", 0, runs, "quick", tmp_path)
     assert calls == [["ddp", "asgd", "sync", "diloco"], ["diloco"]]
     assert [(r["row"], r.get("failed", False)) for r in results] == [
