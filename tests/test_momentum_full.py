@@ -1,13 +1,13 @@
 """Momentum SGD on Fashion-MNIST at issue 17's own bound: every mode within 1.5 points of DDP. The full tier.
 
-``tests/test_momentum.py`` fits the momentum SGD rows of the modes in the suite (not the codecs', which it
-pushes on short runs for their bytes), once each at 8,000 images, and holds them to 5 points: at that size one run's accuracy varies by up to 6.5 points from one launch to the next (its
-comments say where), so a 1.5-point bound there would test the noise. Here every mode (the synchronous
-ones too) and every codec trains on 16,000 images with seeds 0, 1 and 2 (initialization and training
-subset), DDP with each seed, all tested on the whole test set; a row's gap is its accuracy minus DDP's of
-the same seed, and the median of its three gaps must be at least -1.5 points. 69 runs, 34 minutes on 2
-cores: far beyond the suite's budget, so these tests run only when selected (``pytest -m full``;
-``tests/conftest.py`` skips them otherwise). Their last run: bench/results/momentum_full.json.
+``tests/test_momentum.py`` fits the momentum SGD rows of the modes in the suite (not the codecs', which it pushes
+on short runs for their bytes), once each at 8,000 images, and holds them to 5 points: at that size one run's
+accuracy varies by up to 6.5 points from one launch to the next (its comments say where), so a 1.5-point bound
+there would test the noise. Here every mode (the synchronous ones too) and every codec trains on 16,000 images with
+seeds 0, 1 and 2 (initialization and training subset), DDP with each seed, all tested on the whole test set; a
+row's gap is its accuracy minus DDP's of the same seed, and the median of its three gaps must be at least -1.5
+points. 69 runs, 34 minutes on 2 cores: far beyond the suite's budget, so these tests run only when selected
+(``pytest -m full``; ``tests/conftest.py`` skips them otherwise). Their last run: bench/results/momentum_full.json.
 """
 
 from __future__ import annotations
