@@ -19,6 +19,7 @@ MODULES = {
     "islands": "bench.islands",  # per-device workers against islands of 2 against DDP on emulated hosts (root)
     "diloco": "bench.diloco",  # the language model: DDP, diloco, async_diloco, hivemind on emulated hosts (root)
     "learning": "bench.learning",  # every mode x {recipe CNN, language model}: final loss and accuracy against DDP
+    "async_sim": "bench.diloco_async_sim",  # async_diloco's outer update simulated in one process: its swing
 }
 
 
