@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -68,19 +67,6 @@ def group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             pids.append(int(entry.name))
     return pids
-
-
-def run_module(module: str, args: list[str], timeout: float, log: Path, env: dict[str, str]) -> int:
-    """``python -m module args`` in its own process group; ended (all of it) on return or timeout."""
-    proc = start([sys.executable, "-m", module, *args], env=env, log=log)
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with open(log, "a") as f:
-            f.write(f"\n[harness] {module} did not finish within {timeout:.0f} s: stopped\n")
-        return -1
-    finally:
-        stop(proc)
 
 
 def wait_for(predicate: Any, timeout: float, what: str) -> None:
