@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow-factor", type=float, default=2.0, help="worker 1's slowness (default 2)")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help="comma-separated, among: " + ", ".join(CONFIGS))
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="simulations side by side")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="simulations side by side (1: in this process)")
     parser.add_argument("--quick", action="store_true", help="H = 5, 20 steps, 1 seed, 64 windows: a check")
     parser.add_argument("--out", type=Path, help="results folder (default bench/results/diloco/async_sim)")
     args = parser.parse_args(argv)
@@ -213,8 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         "val_windows": VAL_WINDOWS}
     seeds = range(1 if args.quick else args.seeds)
     jobs = [(c, s) for s in seeds for c in configs]
-    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        runs = list(pool.map(simulate, *zip(*jobs, strict=True), [size] * len(jobs)))
+    if args.jobs <= 1:  # in this process
+        runs = [simulate(config, seed, size) for config, seed in jobs]
+    else:
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            runs = list(pool.map(simulate, *zip(*jobs, strict=True), [size] * len(jobs)))
     rows = summarize(runs)
     command = "python -m bench async_sim " + " ".join(sys.argv[1:] if argv is None else argv)
     out = args.out or ROOT / "bench/results/diloco/async_sim"

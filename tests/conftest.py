@@ -115,13 +115,31 @@ INTEGRATION_FIXTURES = {"procs", "start_ps"}
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """``-n auto``'s workers: two a core for the suite, whose failovers and lost workers wait out timeouts while a
-    launch computes beside them (on 2 cores, vmstat 5: 4 workers left 5% of the cores idle, 3 left 4 to 14% in
-    earlier runs); one a core, at least 2, for the quick tier, which only computes (each worker's start imports
-    torch). At most 16."""
+    """``-n auto``'s workers: one more than the cores for the suite, whose failovers and lost workers wait out
+    timeouts while a launch computes beside them (on 2 cores: 3 workers took 14 min 26 s in the work tree where 2
+    took 16 min 26 s; 4 workers took 13 min 20 s in a fresh clone, inside 3 workers' 12 min 7 s to 14 min 16 s, each
+    test 39% slower for 33% more workers); one a core, at least 2, for the quick tier, which only computes (each
+    worker's start imports torch)."""
     cores = len(os.sched_getaffinity(0))
     quick_only = (config.option.markexpr or "").strip() == "quick"
-    return max(2, cores) if quick_only else min(16, 2 * cores)
+    return max(2, cores) if quick_only else cores + 1
+
+
+def full_tier_param(value: str, suite: tuple[str, ...]) -> Any:
+    """``value`` as a parameter, marked for the full tier where ``suite`` leaves it out."""
+    return value if value in suite else pytest.param(value, marks=pytest.mark.full)
+
+
+def params_to_run(request: pytest.FixtureRequest, name: str) -> list[str]:
+    """The values of parameter ``name`` that this session's tests of the requesting fixture will run, in order
+    (the full tier's left out unless it is selected): what a module fixture's one launch must fit."""
+    seen: dict[str, None] = {}
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module is request.module and request.fixturename in getattr(item, "fixturenames", ()) \
+                and callspec is not None and name in callspec.params and item.get_closest_marker("skip") is None:
+            seen.setdefault(callspec.params[name], None)
+    return list(seen)
 
 
 

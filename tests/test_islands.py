@@ -16,12 +16,24 @@ import pytorch_lightning as pl
 from plug_asgd import AsyncPSStrategy
 from plug_asgd.placement.island import IslandPlan, check_island, island_size
 from plug_asgd.placement.island_collectives import decode_part, encode_part
-from tests.conftest import PYTHON, ProcessGroups, free_port_block, require_emulated_hosts, run_on_emulated_hosts
+from tests.conftest import (
+    PYTHON,
+    ProcessGroups,
+    free_port_block,
+    full_tier_param,
+    params_to_run,
+    require_emulated_hosts,
+    run_on_emulated_hosts,
+)
 
 SCRIPT = "tests/scripts/island_fit.py"
 # every mode that takes islands (hogwild refuses them), one fit each in one launch of 2 islands of 2 processes
 MODES = ["asgd", "adacomp", "agn", "downpour", "dynsgd", "eamsgd", "easgd", "localsgd", "losp", "osp", "sagn", "ssp",
          "sync", "diloco:inner_steps=5", "async_diloco:inner_steps=5"]
+# the suite's: one for each way an island's leader exchanges (a push each step, rounds, local steps between rounds,
+# rounds overlapped, elastic, inner steps with an outer step, inner steps applied as they arrive); the full tier
+# fits the others
+SUITE_MODES = ("asgd", "sync", "localsgd", "osp", "easgd", "diloco:inner_steps=5", "async_diloco:inner_steps=5")
 
 
 # -- refusals and arithmetic (quick) ---------------------------------------------------------------------
@@ -94,18 +106,19 @@ def _ranks(out: Path, log: str, ranks: int = 4) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def islands_run(tmp_path_factory):
-    """Every mode that takes islands, 2 islands of 2 processes on this machine, 20 steps each."""
+def islands_run(request, tmp_path_factory):
+    """Each mode this session's tests check, 2 islands of 2 processes on this machine, 20 steps each."""
+    modes = params_to_run(request, "mode")
     out = tmp_path_factory.mktemp("islands")
-    code, log = _launch(out, "--modes", ";".join(MODES), "--steps", "20", "--ps-port",
-                        str(free_port_block(10 * len(MODES))), timeout=400)
+    code, log = _launch(out, "--modes", ";".join(modes), "--steps", "20", "--ps-port",
+                        str(free_port_block(10 * len(modes))), timeout=400)
     assert code == 0, log[-4000:]
     return out, log
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [full_tier_param(m, SUITE_MODES) for m in MODES])
 def test_every_mode_trains_islands_whose_ranks_hold_the_same_bits_and_the_ps_sees_one_worker_each(islands_run,
                                                                                                    mode):
     out, log = islands_run
