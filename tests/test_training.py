@@ -105,11 +105,11 @@ CORE_PARAMS = [pytest.param(m, marks=[] if m == "asgd" else FULL) for m in CORE]
 PUSH_HEADER_BYTES = (400, 1200)
 # the sharded counterpart of these runs, the full tier's (`pytest -m full`: the same tests, their 2_shards rows): the
 # core modes and every codec on a PS of 2 embedded shards, held to the same threshold, versions (each shard's) and
-# bytes (summed over shards). The suite fits on shards in tests/test_sharding.py (every mode but hogwild on 2
-# embedded shards with Lightning, and the recipe on 2 shards to the same threshold) and checks what a codec's
-# slices carry bit for bit without training (tests/test_sharding_modes.py). The other schemes are
-# not run sharded here: tests/test_sharding.py fits every mode but hogwild on 2 embedded shards with Lightning (its
-# sharded_fits: versions, the workers' models, the central one assembled) and shows bit for bit that 2 shards fold
+# bytes (summed over shards). The suite fits on shards in tests/test_sharding.py (one mode for each way a worker
+# exchanges with the shards on 2 embedded shards with Lightning, every mode but hogwild in the full tier; and the
+# recipe on 2 shards to the same threshold) and checks what a codec's slices carry bit for bit without training
+# (tests/test_sharding_modes.py). The other schemes are not run sharded here: tests/test_sharding.py's sharded_fits
+# check versions, the workers' models and the central one assembled, and it shows bit for bit that 2 shards fold
 # what one PS folds (dynsgd, ssp, the sync rounds, easgd, eamsgd, osp, losp: there and in test_sharding_modes.py)
 SHARDS = 2
 SHARD_IDS = ["one_ps", f"{SHARDS}_shards"]
