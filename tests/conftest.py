@@ -142,7 +142,6 @@ def params_to_run(request: pytest.FixtureRequest, name: str) -> list[str]:
     return list(seen)
 
 
-
 def full_tier_selected(config) -> bool:
     """Whether this run selects the full tier (``pytest -m full``, or an expression naming it but not negating it)."""
     return "full" in (config.option.markexpr or "").replace("not full", "")

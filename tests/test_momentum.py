@@ -165,10 +165,11 @@ def test_a_deterministic_fit_in_threads_is_the_fit_of_real_processes(determinist
 # average synchronous rounds with nothing in flight (sync, localsgd, sagn): no update of theirs is stale, so there is
 # nothing to compensate (the regression case above fits them with momentum SGD; test_training's full-tier launch fits
 # them on Fashion-MNIST, and in a suite run they ended 0.1 to 1.8 points above DDP; tests/test_features.py trains
-# every mode). asgd under each codec with error feedback is the full tier's here (tests/test_momentum_full.py: 16,000
-# images, 3 seeds): the suite fits the codecs under momentum SGD with compensation in threads, on the regression
-# case (tests/test_momentum_quick.py, CODEC_BOUND), and pushes each on a short run below (BYTES_RUNS). Those four
-# rows were the launch's slowest, 12 to 15 s each on 2 loaded cores, where the suite's 12 minutes are short.
+# every mode, the full tier's launch the ones its suite launch leaves out). asgd under each codec with error feedback
+# is the full tier's here (tests/test_momentum_full.py: 16,000 images, 3 seeds): the suite fits the codecs under
+# momentum SGD with compensation in threads, on the regression case (tests/test_momentum_quick.py, CODEC_BOUND), and
+# pushes each on a short run below (BYTES_RUNS). Those four rows were the launch's slowest, 12 to 15 s each on 2
+# loaded cores, where the suite's 12 minutes are short.
 ROUND_MODES = ("sync", "localsgd", "sagn")
 SGD_ROWS = [(m, {"mode": m}) for m in STEP_MODES if m != "eamsgd" and m not in ROUND_MODES]
 # Nesterov's rows (and its DDP) are the full tier's (tests/test_momentum_full.py: 16,000 images, 3 seeds, against

@@ -93,7 +93,8 @@ PAIR_IDS = [f"{m}-{settings['compressor']}" for m, settings, _ in PAIRS]
 # of DDP on the same 8,000 images and to the PS version of SCHEMES; adacomp's bytes and replies to the bounds of
 # test_adacomp_* below (there on its momentum SGD rows); every codec's pushes to its wire bytes, each on a short
 # run of that launch (BYTES_RUNS). sync's recipe run under Adam is held to ACCURACY_THRESHOLD by
-# tests/test_standby.py's uninterrupted run; every mode trains under Lightning's features in tests/test_features.py.
+# tests/test_standby.py's uninterrupted run; every mode trains under Lightning's features in tests/test_features.py
+# (8 in the suite, the others in the full tier).
 # This file keeps in the suite asgd's run, the recipe's own with its callbacks (recipe_run). The launch cost the
 # suite about 110 s of both cores (10 runs).
 FULL = [pytest.mark.full]
