@@ -119,7 +119,15 @@ def test_a_worker_that_raises_or_diverges_mid_fit_ends_the_job_saying_why(procs,
         assert "rank 1 fails at step 20 on purpose" in out, out[-3000:]
     else:  # the PS refuses the update that holds NaN, and the worker says so
         assert "NaN" in out and "refused" in out, out[-3000:]
-    assert steps(tmp_path, 1) == 20  # rank 1 went no further
+    if fault == "raise":
+        assert steps(tmp_path, 1) == 20  # rank 1 went no further
+    else:
+        # rank 1's 21st step makes the NaN update. Pushed the usual way its refusal ends that step before it is
+        # logged: 20. Where rank 1's last push was answered "own" (rank 0 pushed nothing in between, which the
+        # machine's timing decides), the weights go through shared memory from a thread and the reply is taken
+        # before the next step writes them (PushExchange.push_weights): step 21 is logged, and the refusal ends
+        # step 22 (seen once in a fresh-clone suite run). Never more.
+        assert steps(tmp_path, 1) in (20, 21)
     assert not procs.leftovers(), "the job left processes behind"
     fault_report(fault=f"a worker {'raises' if fault == 'raise' else 'diverges (NaN loss)'} mid-fit", injected=1,
                  handled=1, pushes_lost="all since the last checkpoint",
