@@ -202,7 +202,7 @@ def test_another_compiler_gets_a_library_of_its_own_in_the_cache(monkeypatch, tm
     monkeypatch.setenv("PLUG_ASGD_CACHE", str(tmp_path))
     monkeypatch.delenv("PLUG_ASGD_NATIVE", raising=False)
     monkeypatch.setattr(native, "find_compiler", lambda: "/usr/bin/cc")
-    monkeypatch.setattr(native, "_build", build)
+    monkeypatch.setattr(native, "build", build)
     for identity in (gcc, clang):
         monkeypatch.setattr(native, "compiler_identity", lambda compiler, identity=identity: identity)
         monkeypatch.setattr(native, "_loaded", [])

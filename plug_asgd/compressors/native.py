@@ -21,13 +21,11 @@ where numpy makes each in several passes over the tensor and a temporary per pas
 numpy's path follows too (:mod:`.quantize`), and qsgd's decoding computes ``±level * step`` in float64 as numpy
 does: the same bits either way (``tests/test_native_quantize.py``).
 
-The sources (``kernels/*.c``) are compiled once per machine and compiler by the system's C compiler (``$CC``, else
-``cc``, else ``gcc``) into ``$PLUG_ASGD_CACHE`` (default ``~/.cache/plug_asgd``), and loaded from there after: the
-file's name holds a digest of the sources, the flags and the compiler's identity (its path and the first line of its
-``--version``), so another compiler builds its own. Where there is no compiler, or the compilation fails, or on a
-big-endian machine, or with ``PLUG_ASGD_NATIVE=0``, :func:`library` is None and numpy does it all: the same results,
-slower (``docs/limits.md``). Where the loops cannot be built (no compiler, a failed build, no cache folder) the
-process logs a warning, once, saying what to install; ``PLUG_ASGD_NATIVE=0`` chooses numpy and says nothing.
+The sources (``kernels/*.c``) are built once per machine and compiler (:mod:`.native_build`), and loaded after.
+Where there is no compiler, or the compilation fails, or on a big-endian machine, or with ``PLUG_ASGD_NATIVE=0``,
+:func:`library` is None and numpy does it all: the same results, slower (``docs/limits.md``). Where the loops cannot
+be built (no compiler, a failed build, no cache folder) the process logs a warning, once, saying what to install;
+``PLUG_ASGD_NATIVE=0`` chooses numpy and says nothing.
 
 A worker's guess of an "own" reply writes the PS's sum ``c + decoded`` to its weights and to its next held model in
 one pass (:func:`add_twice`). The passes that decode a packed update and add it in the same loop are
@@ -41,42 +39,33 @@ on another kind of CPU decode the same bits, which a BLAS product (its kernel ch
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
-from importlib import resources
-from pathlib import Path
 
 import numpy as np
+
+from plug_asgd.compressors.native_build import (
+    NoCompiler,
+    build,
+    cache_dir,
+    cached_path,
+    compiler_identity,
+    find_compiler,
+    sources,
+)
 
 log = logging.getLogger(__name__)
 
 
-# -O3 vectorises the blocks; no -march (a cache shared by other machines must run there too: the AVX2 clone or path is
-# chosen on the CPU that runs it), no fast-math and no contraction: the float operations stay those numpy does
-FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math")
 DIFFERENCE, ADDED, MADE = 0, 1, 2  # the modes: v = w - c, r += s * (w - c), v = r
 
 _lock = threading.Lock()
 _loaded: list[ctypes.CDLL | None] = []  # [the library], or [None] where it cannot be had
 
 
-def cache_dir() -> Path:
-    """Where the compiled loops are kept: ``$PLUG_ASGD_CACHE``, else ``$XDG_CACHE_HOME/plug_asgd``, else
-    ``~/.cache/plug_asgd``."""
-    explicit = os.environ.get("PLUG_ASGD_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "plug_asgd"
-
-
-KERNELS = ("selection.c", "quantize.c", "fold.c", "lowrank.c")  # in plug_asgd/compressors/kernels
 _P, _I64, _F32, _F64, _INT, _U32 = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int,
                                     ctypes.c_uint32)
 SIGNATURES: dict[str, tuple[object, list[object]]] = {  # each loop's return and argument types
@@ -97,71 +86,6 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {  # each loop's return and
 }
 
 
-def sources() -> dict[str, str]:
-    """The C sources compiled, by file name."""
-    folder = resources.files("plug_asgd.compressors") / "kernels"
-    return {name: (folder / name).read_text() for name in KERNELS}
-
-
-def find_compiler() -> str | None:
-    """The C compiler's path: ``$CC`` where set (a name on the ``PATH`` or a path), else ``cc``, else ``gcc``; None
-    where it is not found."""
-    named = os.environ.get("CC")
-    if named:
-        return shutil.which(named)
-    return shutil.which("cc") or shutil.which("gcc")
-
-
-def compiler_identity(compiler: str) -> str:
-    """What tells one compiler from another in the cache's key: its path, the file that path resolves to, and the
-    first line of its ``--version`` (empty where it says nothing).
-
-    Args:
-        compiler: the compiler's path (:func:`find_compiler`).
-    """
-    try:
-        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
-        first = (done.stdout.strip() or done.stderr.strip()).splitlines()[:1]
-    except (OSError, subprocess.SubprocessError):
-        first = []
-    return "\n".join([compiler, os.path.realpath(compiler), *first])
-
-
-def cached_path(folder: Path, texts: dict[str, str], identity: str) -> Path:
-    """Where the loops built from ``texts`` by the compiler ``identity`` names are kept in ``folder``.
-
-    Args:
-        folder: the cache folder (:func:`cache_dir`).
-        texts: the C sources, by file name.
-        identity: the compiler's (:func:`compiler_identity`).
-    """
-    key = "\0".join([*texts.values(), *FLAGS, identity])
-    return folder / f"native-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-
-
-def _build(target: Path, texts: dict[str, str], compiler: str) -> None:
-    """Compile ``texts`` with ``compiler`` into ``target``, written whole or not at all (another process may build it
-    too)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        files = []
-        for name, text in texts.items():
-            (Path(tmp) / name).write_text(text)
-            files.append(str(Path(tmp) / name))
-        built = Path(tmp) / target.name
-        try:
-            subprocess.run([compiler, *FLAGS, "-o", str(built), *files, "-lm"], check=True, capture_output=True,
-                           text=True, timeout=120)
-        except subprocess.CalledProcessError as exc:  # what the compiler said, in the warning
-            said = " ".join((exc.stderr or "").strip().splitlines()[-3:])
-            raise OSError(f"{compiler} failed ({exc.returncode})" + (f": {said}" if said else "")) from exc
-        os.replace(built, target)
-
-
-class NoCompiler(OSError):
-    """No C compiler was found (:func:`find_compiler`)."""
-
-
 def _load() -> ctypes.CDLL:
     """Build the loops where this compiler has not yet, and load them; raises where they cannot be had."""
     texts = sources()
@@ -171,7 +95,7 @@ def _load() -> ctypes.CDLL:
         raise NoCompiler(f"no C compiler found ({'$CC=' + os.environ['CC'] if os.environ.get('CC') else 'cc, gcc'})")
     target = cached_path(folder, texts, compiler_identity(compiler))
     if not target.exists():
-        _build(target, texts, compiler)
+        build(target, texts, compiler)
     lib = ctypes.CDLL(str(target))
     for name, (restype, argtypes) in SIGNATURES.items():
         function = getattr(lib, name)
