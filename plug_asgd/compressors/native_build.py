@@ -76,7 +76,16 @@ def cached_path(folder: Path, texts: dict[str, str], identity: str) -> Path:
 
 def build(target: Path, texts: dict[str, str], compiler: str) -> None:
     """Compile ``texts`` with ``compiler`` into ``target``, written whole or not at all (another process may build it
-    too)."""
+    too).
+
+    Args:
+        target: the library's path in the cache (:func:`cached_path`).
+        texts: the C sources, by file name.
+        compiler: the compiler's path (:func:`find_compiler`).
+
+    Raises:
+        OSError: the compiler failed (with the last lines it said), or the folder cannot be written.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         files = []
