@@ -32,7 +32,8 @@ log = logging.getLogger("plug_asgd.ps")
 # a standby's own, whatever its primary runs with
 OWN_FIELDS = ("bind", "keys", "insecure", "run_dir", "metrics_every", "io_retry_seconds", "standby_of", "parent_pid")
 LEADER_GRACE_S = 0.5  # find_leader: once one member leads, how long the others still silent may take to answer
-JOIN_WAIT_S = 90.0  # the join's answer: the primary sends the whole model first (JOIN_TIMEOUT_S) and may be busy
+# the join's answer: the primary sends the whole model first (replication_join.JOIN_TIMEOUT_S) and may be busy
+JOIN_WAIT_S = 90.0
 
 
 def proven(address: str, step: str, fields: dict[str, Any], keys: Any) -> dict[str, Any]:
