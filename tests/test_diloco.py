@@ -251,6 +251,51 @@ def test_over_n_arrivals_the_delayed_form_moves_as_one_synchronous_round():
         np.testing.assert_allclose(async_state.tensors["w"], sync_state.tensors["w"], rtol=1e-5, atol=1e-6)
 
 
+def test_a_worker_that_stops_training_mid_cycle_leaves_the_cycles_period_as_it_was():
+    """2 workers; rank 0 pushes its last pseudo-gradient and stops training (its fit's end) before rank 1's arrives:
+    the cycle keeps N = 2, so the two arrivals move the model as one synchronous round on their mean. Were N taken
+    anew (1 after rank 0 left), rank 1's would be applied at lr and the momentum at the sum: 0.98x and 1.33x of
+    the pseudo-gradients instead of 0.665x each (a threaded fit of the regression model ended at 57.2, not 10.9)."""
+    from plug_asgd.modes.diloco_async import AsyncDiLoCoRule
+
+    sync_rule, sync_state = DiLoCoRule(), CentralState({"w": W0.copy()})
+    rule, state = AsyncDiLoCoRule(), CentralState({"w": W0.copy()})
+    for r, s in ((sync_rule, sync_state), (rule, state)):
+        r.set_trainers(s, frozenset({0, 1}))
+    u0, u1 = ROUNDS[0]
+    for r, s in ((sync_rule, sync_state), (rule, state)):
+        r.push(s, Push(0, 0, 0, {"w": u0.copy()}))
+    rule.set_trainers(state, frozenset({1}))  # rank 0's hello(training=False); sync's round waits for rank 1 anyway
+    for r, s in ((sync_rule, sync_state), (rule, state)):
+        r.push(s, Push(1, 1, 0, {"w": u1.copy()}))
+    lr, mu = F32(0.7), F32(0.9)
+    mean = -(np.zeros(6, F32) + u0 + u1) / F32(2)
+    by_hand = W0 - lr * mean - lr * mu * mean
+    np.testing.assert_allclose(state.tensors["w"], by_hand, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.tensors["w"], sync_state.tensors["w"], rtol=1e-5, atol=1e-6)
+    rule.push(state, Push(2, 1, 1, {"w": ROUNDS[1][1].copy()}))  # the next cycle: N = 1, the worker left training
+    assert rule.state()[0]["cycles"] == {} and rule.state()[1]["outer/d/w"].tobytes() == np.zeros(6, F32).tobytes()
+
+
+def test_a_checkpoint_without_cycles_resumes_its_count_of_arrivals():
+    """A PS checkpoint written before cycles were kept counts its pending arrivals from the arrivals and skips."""
+    from plug_asgd.modes.diloco_async import AsyncDiLoCoRule
+
+    rule, state = AsyncDiLoCoRule(), CentralState({"w": W0.copy()})
+    rule.set_trainers(state, frozenset({0, 1}))
+    rule.push(state, Push(0, 0, 0, {"w": ROUNDS[0][0].copy()}))  # one arrival of the cycle's 2
+    fields, arrays = rule.state()
+    old = {k: v for k, v in fields.items() if k != "cycles"}
+    resumed, state2 = AsyncDiLoCoRule(), CentralState({"w": state.tensors["w"].copy()}, version=1)
+    resumed.restore(old, arrays)
+    for r, s in ((rule, state), (resumed, state2)):
+        r.set_trainers(s, frozenset({0, 1}))
+        for i, u in enumerate([ROUNDS[0][1], ROUNDS[1][0]]):  # the cycle closed, another begun
+            r.push(s, Push(i + 1, (i + 1) % 2, s.version, {"w": u.copy()}))
+    assert state2.tensors["w"].tobytes() == state.tensors["w"].tobytes()
+    assert resumed.state()[0]["cycles"] == rule.state()[0]["cycles"] == {"w": [2, 1]}
+
+
 def test_async_state_survives_a_checkpoint_and_its_knobs_are_checked():
     from plug_asgd import AsyncDiLoCo
     from plug_asgd.modes.diloco_async import AsyncDiLoCoRule

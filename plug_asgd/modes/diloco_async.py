@@ -26,6 +26,11 @@ class AsyncDiLoCoRule(FoldRule):
     (Nesterov's ``lr (mean + momentum b)``, SGD's ``lr b``), spread over the arrivals. A push is applied whatever its
     staleness, undiscounted: the delayed momentum is the remedy.
 
+    The period is fixed when a cycle of arrivals starts and kept until its last: a worker that stops training
+    mid-cycle (its fit's end) would otherwise change ``N`` between the arrivals of one cycle, and its shares and
+    mean would no longer add up to one outer step (2 workers, the first leaving before the second arrived: the
+    second's pseudo-gradient applied at 1.33x, the first's at 0.98x, a fit's last step overshooting).
+
     With streaming fragments (the modes' ``fragments``) a push carries some of the tensors only: each tensor counts
     the arrivals that carry it (a fragment's momentum moves every ``delay`` arrivals of that fragment), and a tensor
     a push does not carry is left as it is.
@@ -49,6 +54,8 @@ class AsyncDiLoCoRule(FoldRule):
         self.arrivals = 0
         self.slots: dict[str, dict[str, np.ndarray]] = {}  # by tensor: "d", the arrivals' sum; "b", the momentum
         self.skipped: dict[str, int] = {}  # by tensor, the arrivals that did not carry it: its own are the rest
+        self.cycles: dict[str, list[int]] = {}  # by tensor, the cycle under way: [its period, its arrivals so far]
+        self._from_arrivals: set[str] = set()  # cycles left by a checkpoint that kept none: counted as it did
         self.last_changed: frozenset[str] | None = None  # the last arrival's tensors, where it left some out
 
     @property
@@ -58,21 +65,24 @@ class AsyncDiLoCoRule(FoldRule):
 
     @override
     def push(self, state: Any, push: Any) -> list[Any]:
-        n = self.period
         self.arrivals += 1
         lr, mu = F32(self.outer.lr), F32(self.outer.momentum)
         for name, target in state.tensors.items():
             if name not in push.update:  # another fragment's push: this tensor's arrivals are not counted
                 self.skipped[name] = self.skipped.get(name, 0) + 1
                 continue
-            moves = (self.arrivals - self.skipped.get(name, 0)) % n == 0
+            n, done = self._cycle(name)
             g = np.zeros_like(target)
             _add_into(g, push.update[name], -1.0)  # the pseudo-gradient, w_base - w
             slots = self.slots.setdefault(name, {})
             d = slots.setdefault("d", np.zeros_like(target))
             d += g
             target -= (lr / F32(n)) * g
-            if moves and self.outer.momentum:
+            if done + 1 < n:
+                self.cycles[name] = [n, done + 1]
+                continue
+            self.cycles.pop(name, None)
+            if self.outer.momentum:
                 mean = d / F32(n)
                 b = slots.get("b")
                 if self.outer.name == "sgd" and b is not None:
@@ -80,12 +90,22 @@ class AsyncDiLoCoRule(FoldRule):
                 b = slots["b"] = mean.copy() if b is None else b * mu + mean
                 if self.outer.name == "nesterov":
                     target -= lr * mu * b  # Nesterov's is lr (mean + mu b_new)
-            if moves:
-                d[...] = 0
+            d[...] = 0
         state.version += 1
         carried = push.update.keys() & state.tensors.keys()
         self.last_changed = frozenset(carried) if len(carried) < len(state.tensors) else None
         return [(push.token, APPLIED)]
+
+    def _cycle(self, name: str) -> tuple[int, int]:
+        """``name``'s cycle under way: its period and its arrivals before this one; a new one at the period now."""
+        if name in self.cycles:
+            n, done = self.cycles[name]
+            return n, done
+        n = self.period
+        if name in self._from_arrivals:  # a checkpoint's sum of arrivals, counted as that checkpoint's rule did
+            self._from_arrivals.discard(name)
+            return n, (self.arrivals - 1 - self.skipped.get(name, 0)) % n
+        return n, 0
 
     @override
     def changed(self) -> frozenset[str] | None:
@@ -94,9 +114,10 @@ class AsyncDiLoCoRule(FoldRule):
 
     @override
     def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """The outer optimizer, the arrivals so far, and by tensor the arrivals' sum, the momentum and the arrivals
-        that did not carry it."""
-        return ({"outer": asdict(self.outer), "arrivals": self.arrivals, "skipped": self.skipped},
+        """The outer optimizer, the arrivals so far, and by tensor the arrivals' sum, the momentum, the arrivals
+        that did not carry it and the cycle under way."""
+        return ({"outer": asdict(self.outer), "arrivals": self.arrivals, "skipped": self.skipped,
+                 "cycles": self.cycles},
                 slot_arrays(self.slots))
 
     @override
@@ -113,7 +134,9 @@ class AsyncDiLoCoRule(FoldRule):
         check_saved_outer(fields, self.outer)
         self.arrivals = int(fields.get("arrivals", 0))
         self.skipped = {k: int(v) for k, v in (fields.get("skipped") or {}).items()}
+        self.cycles = {k: [int(n), int(done)] for k, (n, done) in (fields.get("cycles") or {}).items()}
         self.slots = saved_slots(arrays)
+        self._from_arrivals = set() if "cycles" in fields else set(self.slots)
 
 
 @dataclass(frozen=True, kw_only=True)
