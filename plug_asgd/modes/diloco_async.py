@@ -116,8 +116,8 @@ class AsyncDiLoCoRule(FoldRule):
     def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """The outer optimizer, the arrivals so far, and by tensor the arrivals' sum, the momentum, the arrivals
         that did not carry it and the cycle under way."""
-        return ({"outer": asdict(self.outer), "arrivals": self.arrivals, "skipped": self.skipped,
-                 "cycles": self.cycles},
+        return ({"outer": asdict(self.outer), "arrivals": self.arrivals, "skipped": dict(self.skipped),
+                 "cycles": {name: list(cycle) for name, cycle in self.cycles.items()}},
                 slot_arrays(self.slots))
 
     @override
