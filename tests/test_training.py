@@ -32,7 +32,11 @@ pytestmark = pytest.mark.integration  # every test trains in processes
 
 
 def run_recipe(groups: ProcessGroups, tmp: Path, *args: str, timeout: float = 150, env=None) -> dict:
+    """The recipe's metrics after a run of its command line. Its main port (the embedded PS's, shard I's at + I) is
+    picked below the ephemeral range: Lightning's own pick is an ephemeral port, whose next one a connection of
+    another test may hold (a fresh-clone suite run: shard 1 of the recipe's 2 failed to bind)."""
     metrics = tmp / f"metrics-{time.monotonic_ns()}.json"
+    env = {"MASTER_PORT": str(free_port_block(4)), **(env or {})}
     code, out = groups.run([PYTHON, *RECIPE, "--run-dir", str(tmp / "runs"), "--metrics-json", str(metrics),
                             *args], timeout=timeout, env=env)
     assert code == 0, out[-4000:]
