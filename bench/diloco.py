@@ -16,6 +16,8 @@ each (:data:`CONFIGS`):
   dynamic local steps), with worker host ``w1`` slowed ``--slow-factor`` times: after each of its steps it sleeps
   ``(factor - 1)`` x one step's compute, measured once alone on one thread before the launches (the
   ``bench stragglers`` sleep of :class:`bench.train.StepClock`);
+- ``async_diloco-slow-sgd``: ``async_diloco-slow`` with the outer step ``{"name": "sgd", "lr": 1.0, "momentum": 0}``
+  on the workers and the PS (``serve-ps --outer``), which does not swing at two workers (``bench async_sim``);
 - ``hivemind``: hivemind 1.1.12's ``Optimizer(use_local_updates=True)`` parameter averaging (its quickstart's
   configuration), with ``target_batch_size`` = DiLoCo's round, 2 x H x 32 samples (``bench.diloco_hivemind``).
 
@@ -53,6 +55,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "diloco": {"kind": "ps", "mode": "diloco"},
     "diloco-slow": {"kind": "ps", "mode": "diloco", "slow": True},
     "async_diloco-slow": {"kind": "ps", "mode": "async_diloco", "slow": True},
+    # the outer step that does not swing at two workers (docs/benchmarks.md, "Where async_diloco swings")
+    "async_diloco-slow-sgd": {"kind": "ps", "mode": "async_diloco", "slow": True,
+                              "outer": {"name": "sgd", "lr": 1.0, "momentum": 0.0}},
     "hivemind": {"kind": "hivemind"},
 }
 # tests/test_lm.py's LM_SMALL: 2 blocks 64 wide (118,528 parameters, 474 kB in float32), windows of 32 bytes
@@ -100,7 +105,7 @@ def run_spec(name: str, size: dict[str, Any], seed: int, ps_address: str, slow_s
         "snapshot_every_s": None if cfg["kind"] == "ps" else size["snapshot_s"]}
     if cfg["kind"] == "ps":
         spec.update(mode=cfg["mode"], inner_steps=size["inner_steps"], compressor=size.get("compressor", "none"),
-                    ps_address=ps_address)
+                    ps_address=ps_address, outer=cfg.get("outer"))
     if cfg["kind"] == "hivemind":
         spec.update(hivemind_target_batch_size=2 * size["inner_steps"] * BATCH,  # DiLoCo's round of samples
                     hivemind_matchmaking_time=size.get("hivemind_matchmaking_time", 3.0),

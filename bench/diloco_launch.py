@@ -111,7 +111,9 @@ def launch_lightning(topo: Topology, spec: dict[str, Any], out: Path, timeout: f
         if spec["kind"] == "ps":
             servers.append(start([*ps_host.prefix, sys.executable, "-m", "plug_asgd.cli.app", "serve-ps", "--host",
                                   ps_host.address, "--port", str(PS_PORT), "--mode", spec["mode"], "--insecure",
-                                  "--quiet", "--log-every", "0"], log=out / "ps.log"))
+                                  "--quiet", "--log-every", "0",
+                                  *(["--outer", json.dumps(spec["outer"])] if spec.get("outer") else [])],
+                                 log=out / "ps.log"))
             servers.append(start([*ps_host.prefix, sys.executable, "-m", "bench.diloco_observe", "--address",
                                   spec["ps_address"], "--mode", spec["mode"], "--out", str(out / "central.pt"),
                                   "--stop-file", str(stop_file)], env=child_env(OMP_NUM_THREADS="1"),

@@ -22,6 +22,8 @@ TARGETS: dict[str, tuple[str, str, float, float | None]] = {
     "time_diloco_over_ddp": ("time to DDP's final loss, diloco / DDP", "<=", 0.25, 100.0),
     "bytes_ddp_over_diloco": ("bytes per sample on the worker links, DDP / diloco", ">=", 100.0, None),
     "time_async_over_diloco_slow": ("time to DDP's loss with w1 slowed, async_diloco / diloco", "<=", 0.7, None),
+    "time_async_sgd_over_diloco_slow": ("the same, async_diloco with the outer SGD (lr 1.0, no momentum) / diloco",
+                                        "<=", 0.7, None),
     "time_diloco_over_hivemind": ("time to DDP's loss, diloco / hivemind", "<=", 0.5, None),
 }
 # (numerator, denominator, the runs' figure) of each ratio
@@ -30,11 +32,15 @@ RATIOS: dict[str, tuple[str, str, str]] = {
     "time_diloco_over_ddp": ("diloco", "ddp", "time"),
     "bytes_ddp_over_diloco": ("ddp", "diloco", "bytes"),
     "time_async_over_diloco_slow": ("async_diloco-slow", "diloco-slow", "time"),
+    "time_async_sgd_over_diloco_slow": ("async_diloco-slow-sgd", "diloco-slow", "time"),
     "time_diloco_over_hivemind": ("diloco", "hivemind", "time"),
 }
 LABELS = {"ddp": "DDP (gloo)", "diloco": "diloco", "diloco-slow": "diloco, w1 slowed",
-          "async_diloco-slow": "async_diloco, w1 slowed", "hivemind": "hivemind (local updates + averaging)"}
+          "async_diloco-slow": "async_diloco, w1 slowed",
+          "async_diloco-slow-sgd": "async_diloco, w1 slowed, outer SGD lr 1.0",
+          "hivemind": "hivemind (local updates + averaging)"}
 COLORS = {"ddp": "black", "diloco": "tab:blue", "diloco-slow": "tab:cyan", "async_diloco-slow": "tab:orange",
+          "async_diloco-slow-sgd": "tab:red",
           "hivemind": "tab:green"}
 
 
@@ -141,7 +147,9 @@ def _header(results: dict[str, Any]) -> list[str]:
         f"samples); the others {results['overtrained_steps']} per worker, so that a time to DDP's loss can be read "
         f"past DDP's samples. diloco: H = {h} inner steps, Nesterov outer optimizer (lr 0.7, momentum 0.9), pushes "
         f"coded `{size.get('compressor', 'none')}`; async_diloco: the same H for a fast worker, dynamic local steps, "
-        f"the delayed Nesterov update. `w1 slowed`: host w1 sleeps {results['slow_sleep_s'] * 1e3:.1f} ms after "
+        "the delayed Nesterov update (`outer SGD lr 1.0`: the outer step `{\"name\": \"sgd\", \"lr\": 1.0, "
+        "\"momentum\": 0}` instead). "
+        f"`w1 slowed`: host w1 sleeps {results['slow_sleep_s'] * 1e3:.1f} ms after "
         f"each step, {size['slow_factor']:g} - 1 times the {results['step_s'] * 1e3:.1f} ms of one step measured "
         "alone on one thread. hivemind 1.1.12: `hivemind.Optimizer(use_local_updates=True, matchmaking_time="
         f"{size.get('hivemind_matchmaking_time', 3.0):g}, averaging_timeout=10, target_batch_size="

@@ -34,12 +34,16 @@ def test_each_configuration_is_a_launch_of_its_scheme_on_the_same_model_and_data
         assert spec["seed"] == 2 and spec["batch_size"] == BATCH and spec["model"] == MODEL, name
         assert spec["data"]["context"] == MODEL["max_context"] == 32 and spec["data"]["val_windows"] == 512, name
         # the slowed host, and only in the -slow configurations: w1, the same sleep in diloco and async_diloco
-        assert (spec.get("slow_rank"), spec.get("slow_sleep_s")) == ((1, 0.04) if name.endswith("-slow") else
+        assert (spec.get("slow_rank"), spec.get("slow_sleep_s")) == ((1, 0.04) if "-slow" in name else
                                                                      (None, None)), name
     assert [specs[n]["mode"] for n in ("diloco", "diloco-slow", "async_diloco-slow")] == ["diloco", "diloco",
                                                                                         "async_diloco"]
     assert all(specs[n]["inner_steps"] == 50 and specs[n]["ps_address"] == "tcp://10.99.0.1:2223"
                and specs[n]["snapshot_every_s"] is None for n in ("diloco", "diloco-slow", "async_diloco-slow"))
+    # the outer step given to the workers' mode and the PS's flag; the others leave the default
+    assert specs["async_diloco-slow-sgd"]["mode"] == "async_diloco"
+    assert specs["async_diloco-slow-sgd"]["outer"] == {"name": "sgd", "lr": 1.0, "momentum": 0.0}
+    assert all(specs[n]["outer"] is None for n in ("diloco", "diloco-slow", "async_diloco-slow"))
     # hivemind averages as often as DiLoCo's rounds: its target batch is 2 workers x H x 32 samples
     assert specs["hivemind"]["hivemind_target_batch_size"] == 2 * 50 * BATCH
     assert specs["hivemind"]["hivemind_matchmaking_time"] == 3.0 and "mode" not in specs["hivemind"]
