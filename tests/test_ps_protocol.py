@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import time
 
@@ -151,6 +152,38 @@ def test_wrong_mode_is_refused_with_a_clear_message(start_ps):
     with pytest.raises(PSError, match="runs mode 'sync'"):
         c.hello(stage=1, training=True)
     c.close()
+
+
+def test_a_worker_whose_mode_folds_with_other_knobs_than_the_ps_is_refused_saying_which(start_ps):
+    """A PS started without ``--outer`` folds async_diloco's pushes with Nesterov (lr 0.7, momentum 0.9): a worker
+    whose mode asks for SGD is refused, told the flag to give; one whose knobs agree (or that sends none, as an
+    earlier client) joins. The same for ssp's staleness bound given on the PS's command line only."""
+    from plug_asgd import SSP, AsyncDiLoCo
+    from plug_asgd.modes import server_knobs
+
+    sgd = {"name": "sgd", "lr": 1.0, "momentum": 0.0}
+    diloco_ps, ssp_ps = start_ps("async_diloco"), start_ps("ssp", staleness_bound=3)
+    cases = [(diloco_ps, "async_diloco", AsyncDiLoCo(outer=sgd), "--outer '{\"beta1\""),
+             (ssp_ps, "ssp", SSP(), "with staleness_bound=3 but the worker's mode has staleness_bound=2: start the "
+                                    "PS with --staleness-bound '2' or give the mode staleness_bound=3")]
+    for address, name, mode, says in cases:
+        refused = PSClient(address, rank=0, world_size=1, mode=name, request_timeout=20,
+                           mode_options=server_knobs(mode))
+        with pytest.raises(PSError, match=re.escape(says)) as exc:
+            refused.hello(stage=1, training=True)
+        assert exc.value.code == "options_mismatch"
+        refused.close()
+    joined = [PSClient(diloco_ps, rank=0, world_size=2, mode="async_diloco", request_timeout=20,
+                       mode_options=server_knobs(AsyncDiLoCo(inner_steps=7))),  # inner_steps: the worker's own
+              PSClient(diloco_ps, rank=1, world_size=2, mode="async_diloco", request_timeout=20),
+              PSClient(ssp_ps, rank=0, world_size=1, mode="ssp", request_timeout=20,
+                       mode_options=server_knobs(SSP(staleness_bound=3)))]
+    try:
+        for c in joined:
+            assert "version" in c.hello(stage=1, training=True)
+    finally:
+        for c in joined:
+            c.close()
 
 
 def test_sync_workers_wait_for_the_round_then_get_the_average(start_ps):

@@ -542,6 +542,28 @@ def test_an_unreachable_ps_is_reported_with_its_address_not_a_hang(fault_report)
                  recovery_s=round(waited, 2), detail="a ConnectionError naming tcp://127.0.0.1:9, no hang")
 
 
+@pytest.mark.integration
+def test_a_mode_with_other_knobs_than_the_external_ps_is_refused_before_any_step(start_ps):
+    """An external ``serve-ps --mode async_diloco`` without ``--outer`` folds with Nesterov: a strategy whose mode
+    asks for SGD stops at its hello, told the flag to give, before any push; the PS's model is untouched."""
+    from plug_asgd import AsyncDiLoCo
+
+    address = start_ps("async_diloco")
+    s = AsyncPSStrategy(mode=AsyncDiLoCo(inner_steps=2, outer="sgd"), ps_address=address, connect_timeout=20)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=s, max_steps=4, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with pytest.raises(Exception, match=r"with outer=.*\"nesterov\".* but the worker's mode has outer=.*\"sgd\""
+                                        r".*start the PS with --outer") as refused:
+        trainer.fit(Tiny(), data())
+    assert getattr(refused.value, "code", None) == "options_mismatch", refused.value
+    s._shutdown(wait_for_workers=0)
+    probe = PSClient(address, rank=0, world_size=1, mode="async_diloco", request_timeout=20, heartbeat_s=None)
+    try:
+        assert probe.hello(1, True)["initialized"] is False  # no worker got as far as the model
+    finally:
+        probe.close()
+
+
 @pytest.mark.faults
 @pytest.mark.integration
 @pytest.mark.timeout(60)

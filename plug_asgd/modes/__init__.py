@@ -32,7 +32,7 @@ __all__ = ["AGN", "APPLIED", "AdaComp", "AdaCompRule", "Asgd", "AsgdRule", "Asyn
            "CentralState", "DROPPED", "DiLoCo", "DiLoCoRule", "Downpour", "DynSGD", "DynSGDRule", "EAMSGD", "EASGD",
            "FoldRule", "Hogwild", "LOSP", "LocalSGD", "MODES", "Mode", "OSP", "OuterOptimizer", "Push", "PushMode",
            "Resolution", "SAGN", "SSP", "SSPRule", "Sync", "SyncRule", "all_finite", "can_fold_into", "get",
-           "mode_table"]
+           "mode_table", "options_differ", "server_knobs"]
 
 ModeLike = str | Mode | Mapping[str, Any]
 
@@ -45,6 +45,39 @@ def get(mode: ModeLike) -> Mode:
         mode: a registered name (``"ssp"``), a configured :class:`Mode`, or a mapping of ``"name"`` and knobs.
     """
     return registry.get(mode, Mode, MODES, "mode")
+
+
+def server_knobs(mode: ModeLike, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The knobs a PS of ``mode`` folds with (its :meth:`~Mode.server_options`), each of ``given`` that is not None
+    in its place, the outer optimizer as its JSON: what a worker's mode and a PS's flags are compared by.
+
+    Args:
+        mode: the mode (a name: its defaults).
+        given: the PS's flags by name (``replicas_to_aggregate``, ``staleness_bound``, ``outer``); None: none.
+    """
+    knobs = dict(get(mode).server_options())
+    knobs.update({k: v for k, v in (given or {}).items() if k in knobs and v is not None})
+    if "outer" in knobs:
+        knobs["outer"] = OuterOptimizer.get(knobs["outer"]).to_json()
+    return knobs
+
+
+def options_differ(mode: str, ps: Mapping[str, Any], worker: Mapping[str, Any]) -> str | None:
+    """Why a worker whose mode folds with ``worker``'s knobs cannot train on a PS that folds with ``ps``'s (both
+    :func:`server_knobs`), saying what to change; None where they agree on every knob both name.
+
+    Args:
+        mode: the mode's name.
+        ps: the PS's knobs.
+        worker: the worker's mode's knobs, as its hello carries them.
+    """
+    for name in sorted(ps.keys() & worker.keys()):
+        if ps[name] != worker[name]:
+            flag = name.replace("_", "-")
+            theirs = str(worker[name])[:200]  # a message's field: any size the wire let through
+            return (f"this parameter server runs mode {mode!r} with {name}={ps[name]} but the worker's mode has "
+                    f"{name}={theirs}: start the PS with --{flag} '{theirs}' or give the mode {name}={ps[name]}")
+    return None
 
 
 def mode_table() -> str:

@@ -27,6 +27,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.compressors.heap import keep_freed_memory
+from plug_asgd.modes import options_differ, server_knobs
 from plug_asgd.protocol.security import load_server_keys, load_standby_keys
 from plug_asgd.protocol.wire import Local, Message, Tensor, WireError, decode, encode, message_bytes
 from plug_asgd.ps import failure
@@ -68,6 +69,8 @@ class ParameterServer(ModelRequests, Failover):
         server_keys = load_keys(config.keys) if config.keys is not None else None
         self.config = config
         self.mode = config.mode
+        self.knobs = server_knobs(config.mode, {"replicas_to_aggregate": config.replicas_to_aggregate,
+                                                "staleness_bound": config.staleness_bound, "outer": config.outer})
         self.limits = config.limits()
         self.stats = Stats()
         self.members = Membership(config.worker_timeout, self.stats, config.world_size or config.expected_workers)
@@ -329,10 +332,7 @@ class ParameterServer(ModelRequests, Failover):
                                             f"process that started it, the worker asked for run {run}: a previous "
                                             "Trainer's PS still answers on this port (it stops once its successor "
                                             "starts), or the ranks made their Trainers in different orders")
-        if mode != self.mode:
-            raise WireError("mode_mismatch", f"this parameter server runs mode {self.mode!r} but the worker "
-                                             f"asked for {mode!r}: start the PS with --mode {mode} or "
-                                             f"give the strategy mode={self.mode!r}")
+        check_mode(self.mode, self.knobs, mode, msg.fields.get("options"))
         held = self.members.claimed()  # a digest or world fixed by hellos alone holds while their workers may
         digest = self.shard.check(msg.fields, self.address, held=held)
         worker, replaced = self.members.hello(identity, msg, self.store.version)
@@ -393,3 +393,24 @@ class ParameterServer(ModelRequests, Failover):
 
     def _on_stats(self, identity: bytes, rid: Any, msg: Message) -> None:
         self._send(identity, rid, "stats", {"stats": self.snapshot()})
+
+
+def check_mode(mode: str, knobs: dict[str, Any], asked: str, options: Any) -> None:
+    """Refuse a hello whose worker trains another mode, or this mode with other knobs than this PS folds with.
+
+    Args:
+        mode: this PS's mode.
+        knobs: the knobs it folds with (:func:`plug_asgd.modes.server_knobs`).
+        asked: the mode the worker's hello names.
+        options: the knobs its hello carries (None: an earlier client's, not checked).
+
+    Raises:
+        WireError: ``mode_mismatch`` or ``options_mismatch``, saying which flag to give.
+    """
+    if asked != mode:
+        raise WireError("mode_mismatch", f"this parameter server runs mode {mode!r} but the worker asked for "
+                                         f"{asked!r}: start the PS with --mode {asked} or give the strategy "
+                                         f"mode={mode!r}")
+    differ = options_differ(mode, knobs, options) if isinstance(options, dict) else None
+    if differ is not None:
+        raise WireError("options_mismatch", differ)

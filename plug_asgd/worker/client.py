@@ -55,6 +55,9 @@ class PSClient(Transport):
         run: sent in hello, so that an embedded PS of another run on the same port (a previous Trainer's, not
             yet stopped) refuses this worker instead of training it; hello asks again until the run's own PS
             answers. None: any PS.
+        mode_options: the knobs the worker's mode folds with (:func:`plug_asgd.modes.server_knobs`), sent in hello,
+            so that a PS started with others (``serve-ps --outer`` or ``--staleness-bound`` left out) refuses this
+            worker instead of folding its pushes by them. None: not checked.
     """
 
     takes_weights = True  # a push may carry the worker's weights (push(weights=True)); a sharded PS's may not
@@ -74,6 +77,7 @@ class PSClient(Transport):
         keys: str | os.PathLike[str] | None = None,
         delta_replies: bool = True,
         run: int | None = None,
+        mode_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(address, rank=rank, request_timeout=request_timeout, lost_timeout=lost_timeout,
                          heartbeat_s=heartbeat_s, limits=limits, context=context, keys=keys)
@@ -88,6 +92,7 @@ class PSClient(Transport):
         # on one shard of a sharded PS: {shards, shard, digest} of the worker's partition, in hello and init
         self.partition: dict[str, Any] | None = None
         self.run = run
+        self.mode_options = mode_options
 
     def close(self) -> None:
         """Close the notices' socket and the transport, then give up the shared push segment."""
@@ -138,6 +143,8 @@ class PSClient(Transport):
             fields["partition"] = self.partition
         if self.run is not None:
             fields["run"] = self.run
+        if self.mode_options is not None:
+            fields["options"] = self.mode_options
         deadline = time.monotonic() + (self.request_timeout if timeout is None else timeout)
         while True:
             try:
