@@ -124,7 +124,8 @@ class Ticks:
         return self.left < 0
 
 
-def run_supervisor(monkeypatch, tmp_path, clock, polls: int, rate: int, **every) -> tuple[list[dict], FakeClient]:
+def run_supervisor(monkeypatch, tmp_path, clock, polls: int, rate: int, final: bool = False,
+                   **every) -> tuple[list[dict], FakeClient]:
     # a 2-class linear model that predicts class 0 for x = (1, 0) and class 1 for (0, 1) and (0, 2)
     tensors = {"weight": torch.tensor([[1.0, 0.0], [0.0, 1.0]]), "bias": torch.zeros(2)}
     batch = (torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 2.0], [1.0, 0.0]]), torch.tensor([0, 1, 0, 1]))
@@ -132,6 +133,7 @@ def run_supervisor(monkeypatch, tmp_path, clock, polls: int, rate: int, **every)
     monkeypatch.setattr(supervisor, "PSClient", lambda *a, **k: client)
     sup = Supervisor([batch], dirpath=tmp_path, **every)
     sup._file, sup._start, sup._stop = tmp_path / "supervisor.jsonl", clock.now, Ticks(clock, polls)
+    sup._final = final  # the stop is the fit's end (on_train_end), not an exception
     sup._watch(torch.nn.Linear(2, 2), "tcp://unused:1", "asgd")
     assert sup._error is None
     return [json.loads(line) for line in sup._file.read_text().splitlines()], client
@@ -159,6 +161,22 @@ def test_supervisor_evaluates_every_n_updates_whatever_the_clock(monkeypatch, tm
     records, _ = run_supervisor(monkeypatch, tmp_path, clock, polls=6, rate=3, every_n_updates=5)
     assert [r["version"] for r in records] == [3, 9, 15]
     assert [r["wall_s"] for r in records] == [0.25, 0.75, 1.25]
+
+
+def test_supervisor_evaluates_the_model_a_fit_ended_with_once_more(monkeypatch, tmp_path, clock):
+    # as above, but the 7th wait is the fit's end: version 21 (one more poll's) is evaluated though only 6 past the
+    # last evaluation; a fit shorter than one poll still gets its one evaluation, at its end
+    records, _ = run_supervisor(monkeypatch, tmp_path, clock, polls=6, rate=3, final=True, every_n_updates=5)
+    assert [r["version"] for r in records] == [3, 9, 15, 21]
+    (tmp_path / "short").mkdir()
+    records, _ = run_supervisor(monkeypatch, tmp_path / "short", clock, polls=0, rate=3, final=True,
+                                every_n_seconds=60.0)
+    assert [r["version"] for r in records] == [3]
+
+
+def test_supervisor_evaluates_nothing_more_where_the_fits_last_model_was_evaluated(monkeypatch, tmp_path, clock):
+    records, client = run_supervisor(monkeypatch, tmp_path, clock, polls=3, rate=0, final=True, every_n_updates=1)
+    assert [r["version"] for r in records] == [0] and client.pulls == 1  # version 0 throughout: evaluated once
 
 
 def test_supervisor_defaults_to_every_10_seconds():

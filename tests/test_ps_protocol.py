@@ -173,6 +173,8 @@ def test_a_worker_whose_mode_folds_with_other_knobs_than_the_ps_is_refused_sayin
             refused.hello(stage=1, training=True)
         assert exc.value.code == "options_mismatch"
         refused.close()
+    assert server_knobs(AsyncDiLoCo(outer={"name": "sgd", "lr": 1, "momentum": 0})) == server_knobs(
+        "async_diloco", {"outer": '{"name": "sgd", "lr": 1.0, "momentum": 0.0}'})  # the same optimizer, one JSON
     joined = [PSClient(diloco_ps, rank=0, world_size=2, mode="async_diloco", request_timeout=20,
                        mode_options=server_knobs(AsyncDiLoCo(inner_steps=7))),  # inner_steps: the worker's own
               PSClient(diloco_ps, rank=1, world_size=2, mode="async_diloco", request_timeout=20),

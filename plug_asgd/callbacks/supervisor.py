@@ -51,7 +51,8 @@ class Supervisor(KeepsRecords, LightningBound):
 
     On global rank 0, a thread with its own connection to the PS pulls the central model every
     ``every_n_updates`` updates or ``every_n_seconds`` seconds (default 10 s), loads it into a
-    copy of the module and evaluates it; the training loop never waits for it. Each evaluation
+    copy of the module and evaluates it; the training loop never waits for it. At the fit's end it
+    evaluates once more the model the fit ended with, where that moved since its last evaluation. Each evaluation
     is logged to the trainer's loggers (``central/test_acc``, ``central/test_loss``,
     ``central/version``, ``central/wall_s``, ``central/bytes_pushed``: the update bytes pushed so
     far, over the socket or through shared memory, step = PS version) and
@@ -97,6 +98,7 @@ class Supervisor(KeepsRecords, LightningBound):
         self.records: list[dict[str, Any]] = []
         self._pending: queue.Queue[dict[str, Any]] = queue.Queue()
         self._stop = threading.Event()
+        self._final = False  # the stop is the fit's end: the thread evaluates the model it ended with first
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._file: Path | None = None  # set up with the trainer (its log dir)
@@ -117,6 +119,7 @@ class Supervisor(KeepsRecords, LightningBound):
         address = handle.endpoints if len(handle.endpoints) > 1 else handle.endpoints[0]
         self._start = time.monotonic()
         self._stop.clear()
+        self._final = False
         self._thread = threading.Thread(target=self._watch, args=(model, address, handle.mode, handle.keys,
                                                                   handle.codec),
                                         name="plug_asgd-supervisor", daemon=True)
@@ -131,13 +134,20 @@ class Supervisor(KeepsRecords, LightningBound):
             address, {n: tuple(t.shape) for n, t in synced_tensors(model).items()}, codec, **options)
         last_version, last_time = None, 0.0
         try:
-            while not self._stop.wait(0.2):
+            while True:
+                # the fit's end (on_train_end sets _final) evaluates once more: the model it ended with, which a
+                # fit shorter than a poll, or ending between two evaluations, would otherwise never have recorded
+                final = self._stop.wait(0.2)
+                if final and not self._final:
+                    break
                 stats = client.stats()
                 version = stats["version"]
                 due_updates = self.every_n_updates is not None and (
                     last_version is None or version - last_version >= self.every_n_updates)
                 due_time = self.every_n_seconds is not None and time.monotonic() - last_time >= self.every_n_seconds
-                if version == last_version or not (due_updates or due_time):
+                if version == last_version or not (due_updates or due_time or final):
+                    if final:
+                        break
                     continue
                 reply = client.pull()
                 record = self._evaluate(model, reply.tensors)
@@ -150,6 +160,8 @@ class Supervisor(KeepsRecords, LightningBound):
                     f.write(json.dumps(record) + "\n")
                 self.records.append(record)
                 self._pending.put(record)
+                if final:
+                    break
         except (PSError, PSUnreachableError) as exc:
             # the PS went away: training is over or failed, and the trainer reports the failure itself
             log.info("Supervisor stopped: %s", exc)
@@ -191,6 +203,7 @@ class Supervisor(KeepsRecords, LightningBound):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._thread is not None:
+            self._final = True
             self._stop.set()
             self._thread.join(60)
             self._thread = None

@@ -53,6 +53,11 @@ class OuterOptimizer:
     def __post_init__(self) -> None:
         if self.name not in self.KINDS:
             raise ValueError(f"outer optimizer {self.name!r}: choose one of {', '.join(self.KINDS)}")
+        for knob in ("lr", "momentum", "beta1", "beta2", "eps"):  # floats: lr=1 and lr=1.0 are one optimizer, one JSON
+            value = getattr(self, knob)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"the outer optimizer's {knob} must be a number, got {value!r}")
+            object.__setattr__(self, knob, float(value))
         if not self.lr > 0:
             raise ValueError(f"the outer optimizer's lr must be > 0, got {self.lr}")
         for knob in ("momentum", "beta1", "beta2"):
