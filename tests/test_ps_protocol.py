@@ -154,32 +154,36 @@ def test_wrong_mode_is_refused_with_a_clear_message(start_ps):
     c.close()
 
 
-def test_a_worker_whose_mode_folds_with_other_knobs_than_the_ps_is_refused_saying_which(start_ps):
+def test_a_worker_whose_mode_sets_other_knobs_than_the_ps_folds_with_is_refused_saying_which(start_ps):
     """A PS started without ``--outer`` folds async_diloco's pushes with Nesterov (lr 0.7, momentum 0.9): a worker
-    whose mode asks for SGD is refused, told the flag to give; one whose knobs agree (or that sends none, as an
-    earlier client) joins. The same for ssp's staleness bound given on the PS's command line only."""
+    whose mode sets SGD is refused, told the flag to give; the same for an ssp worker that sets a bound other than
+    the PS's ``--staleness-bound``. A worker whose mode leaves the knob at its default joins: the PS's flag decides
+    (``serve-ps --staleness-bound 3`` serves ``mode="ssp"``), as does one that sends none (an earlier client)."""
     from plug_asgd import SSP, AsyncDiLoCo
-    from plug_asgd.modes import server_knobs
+    from plug_asgd.modes import chosen_knobs, server_knobs
 
     sgd = {"name": "sgd", "lr": 1.0, "momentum": 0.0}
     diloco_ps, ssp_ps = start_ps("async_diloco"), start_ps("ssp", staleness_bound=3)
     cases = [(diloco_ps, "async_diloco", AsyncDiLoCo(outer=sgd), "--outer '{\"beta1\""),
-             (ssp_ps, "ssp", SSP(), "with staleness_bound=3 but the worker's mode has staleness_bound=2: start the "
-                                    "PS with --staleness-bound '2' or give the mode staleness_bound=3")]
+             (ssp_ps, "ssp", SSP(staleness_bound=5), "with staleness_bound=3 but the worker's mode has "
+                                                     "staleness_bound=5: start the PS with --staleness-bound '5' or "
+                                                     "give the mode staleness_bound=3")]
     for address, name, mode, says in cases:
         refused = PSClient(address, rank=0, world_size=1, mode=name, request_timeout=20,
-                           mode_options=server_knobs(mode))
+                           mode_options=chosen_knobs(mode))
         with pytest.raises(PSError, match=re.escape(says)) as exc:
             refused.hello(stage=1, training=True)
         assert exc.value.code == "options_mismatch"
         refused.close()
     assert server_knobs(AsyncDiLoCo(outer={"name": "sgd", "lr": 1, "momentum": 0})) == server_knobs(
         "async_diloco", {"outer": '{"name": "sgd", "lr": 1.0, "momentum": 0.0}'})  # the same optimizer, one JSON
+    assert chosen_knobs(AsyncDiLoCo(inner_steps=7)) == chosen_knobs(SSP()) == {}  # nothing set away from defaults
     joined = [PSClient(diloco_ps, rank=0, world_size=2, mode="async_diloco", request_timeout=20,
-                       mode_options=server_knobs(AsyncDiLoCo(inner_steps=7))),  # inner_steps: the worker's own
+                       mode_options=chosen_knobs(AsyncDiLoCo(inner_steps=7))),  # inner_steps: the worker's own
               PSClient(diloco_ps, rank=1, world_size=2, mode="async_diloco", request_timeout=20),
-              PSClient(ssp_ps, rank=0, world_size=1, mode="ssp", request_timeout=20,
-                       mode_options=server_knobs(SSP(staleness_bound=3)))]
+              PSClient(ssp_ps, rank=0, world_size=2, mode="ssp", request_timeout=20,
+                       mode_options=chosen_knobs(SSP(staleness_bound=3))),
+              PSClient(ssp_ps, rank=1, world_size=2, mode="ssp", request_timeout=20, mode_options=chosen_knobs(SSP()))]
     try:
         for c in joined:
             assert "version" in c.hello(stage=1, training=True)

@@ -32,7 +32,7 @@ __all__ = ["AGN", "APPLIED", "AdaComp", "AdaCompRule", "Asgd", "AsgdRule", "Asyn
            "CentralState", "DROPPED", "DiLoCo", "DiLoCoRule", "Downpour", "DynSGD", "DynSGDRule", "EAMSGD", "EASGD",
            "FoldRule", "Hogwild", "LOSP", "LocalSGD", "MODES", "Mode", "OSP", "OuterOptimizer", "Push", "PushMode",
            "Resolution", "SAGN", "SSP", "SSPRule", "Sync", "SyncRule", "all_finite", "can_fold_into", "get",
-           "mode_table", "options_differ", "server_knobs"]
+           "chosen_knobs", "mode_table", "options_differ", "server_knobs"]
 
 ModeLike = str | Mode | Mapping[str, Any]
 
@@ -60,6 +60,17 @@ def server_knobs(mode: ModeLike, given: Mapping[str, Any] | None = None) -> dict
     if "outer" in knobs:
         knobs["outer"] = OuterOptimizer.get(knobs["outer"]).to_json()
     return knobs
+
+
+def chosen_knobs(mode: Mode) -> dict[str, Any]:
+    """The knobs of :func:`server_knobs` that ``mode`` sets away from its class's defaults: what a worker asks its
+    PS to fold with. The others the PS's flags decide (``serve-ps --staleness-bound 5`` serves ``mode="ssp"``).
+
+    Args:
+        mode: the worker's mode.
+    """
+    defaults = server_knobs(mode.name)
+    return {name: value for name, value in server_knobs(mode).items() if value != defaults.get(name)}
 
 
 def options_differ(mode: str, ps: Mapping[str, Any], worker: Mapping[str, Any]) -> str | None:

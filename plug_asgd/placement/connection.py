@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plug_asgd.compressors import Codec
-from plug_asgd.modes import Mode, server_knobs
+from plug_asgd.modes import Mode, chosen_knobs
 from plug_asgd.placement.ps_launcher import (
     EmbeddedPS,
     check_placement,
@@ -221,7 +221,7 @@ class PSConnection:
         settings = self.settings
         options = {"request_timeout": settings.request_timeout, "lost_timeout": settings.lost_timeout,
                    "heartbeat_s": self.heartbeat_s, "keys": settings.ps_keys, "delta_replies": settings.delta_replies,
-                   "run": self.run, "mode_options": server_knobs(self.mode)}
+                   "run": self.run, "mode_options": chosen_knobs(self.mode)}
         if self.per_node and job.num_nodes > 1:
             self._shard_addresses = addresses = self._start_per_node(job, shapes, trainer, options)
         else:

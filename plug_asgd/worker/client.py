@@ -55,9 +55,9 @@ class PSClient(Transport):
         run: sent in hello, so that an embedded PS of another run on the same port (a previous Trainer's, not
             yet stopped) refuses this worker instead of training it; hello asks again until the run's own PS
             answers. None: any PS.
-        mode_options: the knobs the worker's mode folds with (:func:`plug_asgd.modes.server_knobs`), sent in hello,
-            so that a PS started with others (``serve-ps --outer`` or ``--staleness-bound`` left out) refuses this
-            worker instead of folding its pushes by them. None: not checked.
+        mode_options: the knobs the worker's mode sets away from its defaults (:func:`plug_asgd.modes.chosen_knobs`),
+            sent in hello, so that a PS started with others (``serve-ps --outer`` or ``--staleness-bound`` left out)
+            refuses this worker instead of folding its pushes by them. None: not checked.
     """
 
     takes_weights = True  # a push may carry the worker's weights (push(weights=True)); a sharded PS's may not
