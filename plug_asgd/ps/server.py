@@ -27,7 +27,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.compressors.heap import keep_freed_memory
-from plug_asgd.modes import options_differ, server_knobs
+from plug_asgd.modes import server_knobs
 from plug_asgd.protocol.security import load_server_keys, load_standby_keys
 from plug_asgd.protocol.wire import Local, Message, Tensor, WireError, decode, encode, message_bytes
 from plug_asgd.ps import failure
@@ -40,6 +40,7 @@ from plug_asgd.ps.gathers import Gathers
 from plug_asgd.ps.membership import Membership
 from plug_asgd.ps.model_requests import ModelRequests
 from plug_asgd.ps.persistence import Persistence
+from plug_asgd.ps.refusals import check_mode
 from plug_asgd.ps.replication import Replication
 from plug_asgd.ps.replies import Replies
 from plug_asgd.ps.shard_guard import ShardGuard
@@ -394,23 +395,3 @@ class ParameterServer(ModelRequests, Failover):
     def _on_stats(self, identity: bytes, rid: Any, msg: Message) -> None:
         self._send(identity, rid, "stats", {"stats": self.snapshot()})
 
-
-def check_mode(mode: str, knobs: dict[str, Any], asked: str, options: Any) -> None:
-    """Refuse a hello whose worker trains another mode, or this mode with other knobs than this PS folds with.
-
-    Args:
-        mode: this PS's mode.
-        knobs: the knobs it folds with (:func:`plug_asgd.modes.server_knobs`).
-        asked: the mode the worker's hello names.
-        options: the knobs its hello carries (None: an earlier client's, not checked).
-
-    Raises:
-        WireError: ``mode_mismatch`` or ``options_mismatch``, saying which flag to give.
-    """
-    if asked != mode:
-        raise WireError("mode_mismatch", f"this parameter server runs mode {mode!r} but the worker asked for "
-                                         f"{asked!r}: start the PS with --mode {asked} or give the strategy "
-                                         f"mode={mode!r}")
-    differ = options_differ(mode, knobs, options) if isinstance(options, dict) else None
-    if differ is not None:
-        raise WireError("options_mismatch", differ)
