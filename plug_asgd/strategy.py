@@ -35,14 +35,13 @@ from typing_extensions import override
 from plug_asgd import compressors, modes
 from plug_asgd.compressors import Codec, NoCompression
 from plug_asgd.compressors.heap import keep_freed_memory
-from plug_asgd.lightning_bridge.plumbing import FAILED_GRACE_S, DDPPlumbing
+from plug_asgd.lightning_bridge.plumbing import DDPPlumbing
 from plug_asgd.modes import Mode
 from plug_asgd.placement.collectives import StrategyCollectives
 from plug_asgd.placement.connection import PSConnection, PSSettings
 from plug_asgd.placement.island import (
     Island,
     IslandGroup,
-    IslandLost,
     averaged_closure,
     check_island,
 )
@@ -50,25 +49,16 @@ from plug_asgd.placement.ps_view import PSView
 from plug_asgd.placement.stage import Stage
 from plug_asgd.ps import DEFAULT_WORKER_TIMEOUT
 from plug_asgd.sharding.client import ShardedClient
+from plug_asgd.strategy_stage import StageSync
 from plug_asgd.strategy_surface import PSSurface
 from plug_asgd.worker.client import PSClient
 from plug_asgd.worker.compensation import StalenessCompensation, resolve
 from plug_asgd.worker.exchange import Link, make_exchange
 from plug_asgd.worker.phase import Phase
 from plug_asgd.worker.tensors import synced_tensors
-from plug_asgd.worker.thread_tuner import ThreadTuner
+from plug_asgd.worker.thread_tuner import ThreadTuner, threads_chosen
 
 log = logging.getLogger("plug_asgd.strategy")
-# set where a strategy was made before anyone set OMP_NUM_THREADS: Lightning then chooses torch's threads (and exports
-# the variable to the workers it launches, which inherit this too), so the thread tuner may change them
-THREADS_CHOSEN = "PLUG_ASGD_THREADS_CHOSEN"
-
-
-def threads_chosen() -> bool:
-    """Whether torch's threads in this process are Lightning's choice, not the user's own (``OMP_NUM_THREADS``)."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        os.environ[THREADS_CHOSEN] = "1"
-    return os.environ.get(THREADS_CHOSEN) == "1"
 
 if TYPE_CHECKING:  # either namespace's classes (lightning_bridge.namespaces); pytorch_lightning's names them here
     import pytorch_lightning as pl
@@ -80,7 +70,7 @@ _FITTING = "fit"  # TrainerFn.FITTING of either namespace (a str enum)
 _TRAINING = "train"  # RunningStage.TRAINING of either namespace (a str enum)
 
 
-class AsyncPSStrategy(PSSurface, DDPPlumbing):
+class AsyncPSStrategy(StageSync, PSSurface, DDPPlumbing):
     """Train any LightningModule with asynchronous, compressed or synchronous parameter-server SGD.
 
     Written once for both Lightning namespaces: ``AsyncPSStrategy(...)`` is a
@@ -358,72 +348,6 @@ class AsyncPSStrategy(PSSurface, DDPPlumbing):
         self._refresh()
 
     @override
-    def on_exception(self, exception: BaseException) -> None:
-        self._stop_tuning()
-        # an island that lost a rank ends as a lost worker does: the PS goes on with the other islands
-        stage = self.stage
-        stage.failure = None if isinstance(exception, IslandLost) else f"{type(exception).__name__}: {exception}"
-        if stage.phase is not Phase.IDLE:  # (an exception before the stage began, as the PS's, has nothing to end)
-            stage.phase = Phase.FAILED
-
-    def _leave_batches(self) -> None:
-        if self.stage.phase is Phase.BATCHES:
-            self.stage.phase = Phase.STAGE
-
-    @override
-    def teardown(self) -> None:
-        stage = self.stage
-        if self.connection.client is not None and stage.phase is not Phase.IDLE:
-            failed = stage.phase is Phase.FAILED
-            try:
-                if stage.fitting and self._exchange.joined and not failed:
-                    self._exchange.leave()
-                    self._island_sync()  # the final central model on every rank of the island
-            finally:
-                stage.phase = Phase.IDLE  # only now: the barriers above are collectives of this stage
-                # after a failure: the socket is a sender's until it is done, hence let_go first
-                self.connection.goodbye(stage.number, failed, settle=self._exchange.let_go, failure=stage.failure)
-            if self._island is not None and not failed:  # the PS's counters as the leader left, to its island
-                self._island.broadcast_obj(self.connection.stats_at_exit)
-        elif self._island is not None and stage.phase is not Phase.IDLE:  # an island's other ranks
-            try:
-                if stage.phase is not Phase.FAILED:
-                    if stage.fitting and stage.joined:
-                        self._island_sync()
-                    self.ps.stats_at_exit = self._island.broadcast_obj(None)
-            finally:
-                stage.phase = Phase.IDLE
-        self._exchange.joined = stage.joined = False
-        if stage.failure is not None:  # as Lightning's launcher does where a rank fails: none trains on alone
-            stage.failure = None
-            self.end_launched_ranks(FAILED_GRACE_S)
-        super().teardown()
-
-    # -- synchronising the model with the PS -----------------------------------------------------
-
-    def _join(self) -> None:
-        """Start of a stage: offer our weights if the PS has none yet, then take the central ones (an island's
-        leader, which then sends them to its island)."""
-        if not self.stage.joined:
-            if self.island_leader:
-                self._exchange.join(init=not self._ps_initialized)
-                self._ps_initialized = True
-            self.stage.joined = True
-            self._island_sync()
-
-    def _refresh(self) -> None:
-        if not self.stage.joined:
-            self._join()
-        else:
-            if self.island_leader:
-                self._exchange.refresh()
-            self._island_sync()
-
-    def _request_stop(self) -> None:
-        if self.stage.fitting and self.lightning_module is not None:
-            self.lightning_module.trainer.should_stop = True
-
-    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """The local step (with islands: on the island's mean gradient, on every rank), then the exchange with the
         PS where one is due (the island's leader's), then the leader's weights and stop to the rest of its island."""
@@ -466,9 +390,3 @@ class AsyncPSStrategy(PSSurface, DDPPlumbing):
         """Release the exchange, let the other workers finish with the PS, then stop it (rank 0) and close: what
         happens at exit, or when a later strategy of this process connects."""
         self.connection.shutdown(wait_for_workers)
-
-    def _island_sync(self) -> None:
-        """The leader's weights on every rank of its island (all of them call it at the same point)."""
-        if self._island is not None:
-            self._island.send_weights(synced_tensors(self.lightning_module))
-

@@ -75,7 +75,7 @@ def test_the_strategy_tunes_only_a_codecs_fit_whose_threads_it_chose(compressor,
     import torch
 
     from plug_asgd import AsyncPSStrategy
-    from plug_asgd.strategy import THREADS_CHOSEN
+    from plug_asgd.worker.thread_tuner import THREADS_CHOSEN
 
     monkeypatch.delenv(THREADS_CHOSEN, raising=False)
     if omp is None:  # Lightning chooses the threads (the strategy is made first; the workers it launches inherit it)

@@ -50,8 +50,8 @@ log = logging.getLogger("plug_asgd.ps")
 
 
 def new_run_id() -> str:
-    """A fresh run's id: when it started, and 8 random hex digits (``20261124-085012-3fa2c1d0``). 6 were too few:
-    of 50 ids made in one second two were once the same (1 chance in about 13,000; 1 in 3.5 million with 8), and
+    """A fresh run's id: when it started, and 8 random hex digits (``YYYYMMDD-HHMMSS-`` and the digits). Two ids made
+    in one second are the same about once in 3.5 million pairs of runs of 50 (with 6 digits, once in 13,000), and
     two PSs started in the same second into one folder would then write each other's files."""
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}"
 

@@ -11,10 +11,22 @@ at torch's threads, some at one fewer, and keeps the faster, once per fit.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 from collections.abc import Callable
 
 log = logging.getLogger("plug_asgd.strategy")
+
+# set where a strategy was made before anyone set OMP_NUM_THREADS: Lightning then chooses torch's threads (and exports
+# the variable to the workers it launches, which inherit this too), so the thread tuner may change them
+THREADS_CHOSEN = "PLUG_ASGD_THREADS_CHOSEN"
+
+
+def threads_chosen() -> bool:
+    """Whether torch's threads in this process are Lightning's choice, not the user's own (``OMP_NUM_THREADS``)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ[THREADS_CHOSEN] = "1"
+    return os.environ.get(THREADS_CHOSEN) == "1"
 
 
 class ThreadTuner:

@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from plug_asgd.modes import Mode
-from plug_asgd.worker.exchange.base import Exchange, Link
+from plug_asgd.worker.exchange.base import Exchange
 from plug_asgd.worker.exchange.elastic import ElasticExchange
 from plug_asgd.worker.exchange.fragments import FragmentExchange
 from plug_asgd.worker.exchange.hogwild import SharedExchange
+from plug_asgd.worker.exchange.link import Link
 from plug_asgd.worker.exchange.overlap import OverlapExchange
 from plug_asgd.worker.exchange.push import PushExchange
 
