@@ -48,14 +48,6 @@ def test_fragments_is_a_knob_of_both_modes_and_one_keeps_the_push_exchange():
         AsyncDiLoCo(inner_steps=3, fragments=4)
 
 
-def test_a_sharded_ps_is_refused_with_what_to_do():
-    exchange = make_exchange(DiLoCo(inner_steps=4, fragments=2))
-    sharded = SimpleNamespace(clients=[object(), object()])
-    with pytest.raises(ValueError, match="sharded PS takes pushes of every tensor"):
-        exchange.attach(Link(client=sharded, tensors=dict, rank=0, world_size=1, stage=1, fitting=True,  # type: ignore[arg-type]
-                             barrier=lambda name: None, stop=lambda: None))
-
-
 # -- (b) the split ---------------------------------------------------------------------------------------------------
 
 

@@ -380,12 +380,14 @@ def test_a_worker_with_another_partition_is_refused_with_what_to_do(start_ps):
 # the fits of tests/scripts/shard_fit.py's FITS: every mode that works sharded, the codecs and downlink_fraction
 # spread over them (sync: bf16, localsgd: qsgd, sagn: sign, osp: powersgd, agn: downlink_fraction)
 FIT_MODES = ["asgd", "adacomp", "dynsgd", "ssp", "downpour", "agn", "asgd_overlap", "sync", "sync_backup", "localsgd",
-             "sagn", "osp", "losp", "easgd", "eamsgd"]
+             "sagn", "osp", "losp", "easgd", "eamsgd", "diloco_fragments"]
 # 2 workers x 40 steps (2 epochs of 20), a push every step but every push_every (tau) steps in these
 # (agn: as many steps as its 2 workers, its default)
 PUSH_EVERY = {"downpour": 4, "agn": 2, "localsgd": 4, "sagn": 4, "losp": 4, "easgd": 4, "eamsgd": 4}
 # a synchronous round is one version for both workers' pushes
-ROUNDS = {"sync", "localsgd", "sagn", "osp", "losp"}
+ROUNDS = {"sync", "localsgd", "sagn", "osp", "losp", "diloco_fragments"}
+# diloco_fragments (H = 8, F = 2): a fragment every 4 steps, and at the fit's end fragment 1 (last pushed at step 36)
+PUSHES = {"diloco_fragments": 11}
 # every fit's bar, at shard_fit's common step size (0.4; no fit has settings of its own). Measured on 2
 # loaded cores, 5 launches: every fit but sagn's ended at 0.924-0.977 (the lowest: agn 0.924, eamsgd 0.930, easgd
 # 0.955, downpour 0.963; the others 0.961 or more); the bar is bn_sched's for this model (test_training's BatchNorm
@@ -398,8 +400,8 @@ SHORT_OF_THE_BAR = {"sagn": "sagn ends this model's 40 steps at 0.811 at the com
                             "0.8), on one PS too: under the common 0.9"}
 # the suite's fits: one for each way a worker exchanges with the shards (a push each step, dense and sparse, pushes
 # overlapped, sync rounds with and without a backup, local steps, rounds overlapped, elastic) and the codecs and
-# downlink_fraction spread over them; the full tier fits the others (dynsgd, ssp, downpour, sagn, losp, eamsgd:
-# shown to fold on 2 shards what one PS folds, bit for bit, in tests/test_sharding_modes.py)
+# downlink_fraction spread over them; the full tier fits the others (dynsgd, ssp, downpour, sagn, losp, eamsgd,
+# diloco's fragments: shown to fold on 2 shards what one PS folds, bit for bit, in tests/test_sharding_modes.py)
 SUITE_FIT_MODES = ("asgd", "adacomp", "asgd_overlap", "sync", "sync_backup", "localsgd", "osp", "easgd", "agn")
 
 
@@ -414,8 +416,13 @@ def fit_param(mode: str, xfail: bool = False) -> Any:
 
 def fit_versions(mode: str) -> int:
     """Each shard's version after a fit: one per push, or per round of the two workers' pushes."""
-    pushes = 40 // PUSH_EVERY.get(mode, 1)
+    pushes = fit_pushes(mode)
     return pushes if mode in ROUNDS else 2 * pushes
+
+
+def fit_pushes(mode: str) -> int:
+    """Each worker's pushes in a fit: one every push_every steps, or PUSHES's."""
+    return PUSHES.get(mode, 40 // PUSH_EVERY.get(mode, 1))
 
 
 def fit_results(out: Path, mode: str, log: str) -> list[dict]:
@@ -446,7 +453,7 @@ def check_fit(ranks: list[dict], mode: str, accuracy: bool = True) -> None:
             assert partly == 0, partly
         if accuracy:
             assert r["test_acc"] >= FIT_ACCURACY, r["test_acc"]
-        assert r["comm"]["pushes"] == 40 // PUSH_EVERY.get(mode, 1)
+        assert r["comm"]["pushes"] == fit_pushes(mode)
         # downlink_fraction (agn's fit): the shards answered pushes with only the largest differences
         assert (r["approx_replies"] > 0) == (mode == "agn"), r["approx_replies"]
     # both workers ended on the same model, and it is the central one assembled from the shards

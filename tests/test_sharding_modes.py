@@ -308,6 +308,10 @@ EXCHANGES = {  # id: (the mode, its codec)
     "qsgd": ("asgd", {"name": "qsgd", "bits": 4}),
     "sign": ("asgd", "sign"),
     "powersgd": ("asgd", {"name": "powersgd", "rank": 2}),
+    # streaming DiLoCo: each fragment's tensors cut over both shards (the next test: each on one shard)
+    "diloco_fragments": ({"name": "diloco", "inner_steps": 4, "fragments": 2}, "none"),
+    "async_diloco_fragments_qsgd8": ({"name": "async_diloco", "inner_steps": 4, "fragments": 2,
+                                      "dynamic_steps": False}, {"name": "qsgd", "bits": 8}),
 }
 
 
@@ -339,6 +343,39 @@ def test_a_workers_exchange_over_two_shards_makes_the_bits_of_one_ps(start_ps, c
         versions = [s["version"] for s in sharded.stats()["shards"]]
         assert versions[0] == versions[1] == plain.stats()["version"] > 1
         assert isinstance(sharded.pull().version, ShardVersions)
+    finally:
+        plain.close()
+        sharded.close()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode_spec", [{"name": "diloco", "inner_steps": 4, "fragments": 2},
+                                       {"name": "async_diloco", "inner_steps": 4, "fragments": 2,
+                                        "dynamic_steps": False}], ids=["diloco", "async_diloco"])
+def test_a_fragment_held_by_one_shard_is_pushed_to_that_shard_alone_with_the_bits_of_one_ps(start_ps, mode_spec):
+    """Tensors kept whole: fragment 0 (``0.weight``) lies on shard 0, fragment 1 (the three others) on shard 1.
+    Over 8 steps at H = 4, F = 2 the worker pushes fragment 1 at steps 2 and 6, fragment 0 at 4 and 8, and its
+    flush pushes fragment 1 once more (steps 7 and 8 not pushed): one PS counts 5 versions, shard 0 the 2 of
+    fragment 0 and shard 1 the 3 of fragment 1. Each shard is asked for its fragment only, and the weights and
+    the central model are one PS's, bit for bit."""
+    options = {"rank": 0, "world_size": 1, "request_timeout": 30, "heartbeat_s": None}
+    mode = modes.get(mode_spec)
+    one = start_ps(mode.name)
+    shards = [start_ps(mode.name, shard=f"{i}/2") for i in range(2)]
+    shapes = {"0.weight": (30, 20), "0.bias": (30,), "2.weight": (3, 30), "2.bias": (3,)}
+    part = Partition(shapes, 2, max_piece=10**6)
+    assert {p.name: p.shard for p in part.pieces} == {"0.weight": 0, "0.bias": 1, "2.weight": 1, "2.bias": 1}
+    plain = PSClient(one, mode=mode.name, **options)
+    sharded = ShardedClient(shards, part, mode=mode.name, **options)
+    try:
+        expected_held, expected_central = worker_steps(plain, mode, compressors.get("none"), 8)
+        held, central = worker_steps(sharded, mode, compressors.get("none"), 8)
+        assert same_bits(central, expected_central), "the central model assembled from the shards"
+        assert same_bits(held, expected_held), "the worker's weights"
+        assert plain.stats()["version"] == 5
+        assert [s["version"] for s in sharded.stats()["shards"]] == [2, 3]
+        assert [c.counters.pushes for c in sharded.clients] == [2, 3]
     finally:
         plain.close()
         sharded.close()

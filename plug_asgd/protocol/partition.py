@@ -185,11 +185,14 @@ class Partition:
                 out[piece.shard][piece.key] = np.asarray(t).reshape(-1)[piece.start:piece.stop]
         return out
 
-    def assemble(self, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    def assemble(self, parts: Sequence[Mapping[str, np.ndarray]],
+                 names: Collection[str] | None = None) -> dict[str, np.ndarray]:
         """The model from each shard's pieces (a whole tensor as its shard sent it; a cut one joined, a copy).
 
         Args:
             parts: each shard's pieces by piece key, in shard order.
+            names: the tensors to assemble, in the model's order whatever order they come in (a push of some
+                tensors only: streaming DiLoCo's fragments); None: every tensor of the model.
 
         Raises:
             KeyError: where a shard did not send one of its pieces (it serves another model, or shards are
@@ -198,6 +201,8 @@ class Partition:
         out: dict[str, np.ndarray] = {}
         cut: dict[str, list[np.ndarray]] = {}
         for piece in self.pieces:
+            if names is not None and piece.name not in names:
+                continue
             part = parts[piece.shard]
             if piece.key not in part:
                 raise KeyError(f"shard {piece.shard} sent no {piece.key!r}: is it serving another model? Restart "
@@ -208,7 +213,7 @@ class Partition:
                 cut.setdefault(piece.name, []).append(np.asarray(part[piece.key]).reshape(-1))
         for name, slices in cut.items():
             out[name] = np.concatenate(slices).reshape(self.shapes[name])
-        return {name: out[name] for name in self.shapes}
+        return {name: out[name] for name in self.shapes if name in out}
 
     def describe(self) -> dict[str, int | str]:
         """What a worker tells each shard in its hello: the shard count and the partition's digest."""

@@ -1,9 +1,10 @@
 """ShardedClient: one worker's connection to a sharded PS, one :class:`PSClient` per shard, all asked at once.
 
 It speaks to the exchange as a :class:`PSClient` does. Each push is cut by the partition
-(:mod:`plug_asgd.protocol.partition`) and sent to every shard at once: shard 0's request from the calling
+(:mod:`plug_asgd.protocol.partition`) and sent at once to every shard that holds a piece of it (every shard, but
+for a push of some tensors: a fragment of streaming DiLoCo): the first shard's request from the calling
 thread, the others' from a thread each, so the replies are awaited together and a push costs the
-slowest shard's round trip, not their sum. A model reply is assembled from every shard's pieces.
+slowest shard's round trip, not their sum. A model reply is assembled from the shards' pieces.
 
 Versions are per shard. A reply's ``version`` is a :class:`ShardVersions`: an int (the newest
 shard's version, for the exchange's staleness arithmetic) that carries each shard's version, and the
@@ -186,6 +187,10 @@ class ShardedClient:
         An "own" reply only when every shard answered "own". Where only some did (another worker's push reached
         the others first), the model comes back whole: those shards' pieces are pulled.
 
+        A push of some tensors only (a fragment of streaming DiLoCo) goes to the shards that hold a piece of
+        them, and its reply carries those tensors; the other shards are not asked and keep their versions. Each
+        shard then counts the rounds of the tensors it holds, as one PS counts its rounds of every tensor.
+
         Args:
             base_version: the version of the reply the update was based on (a :class:`ShardVersions`).
             update: the update of every tensor, by name, whole: it is cut here.
@@ -196,28 +201,33 @@ class ShardedClient:
             scaled_for: the staleness the worker scaled the update for, sent to every shard; None: not scaled.
 
         Raises:
-            ValueError: for a push of weights, or one that leaves some shard without a piece.
+            ValueError: for a push of weights, or of no tensor of the model.
         """
         if weights or lend:
             raise ValueError("a sharded PS takes no pushes of weights (ShardedClient.takes_weights)")
         bases = self._bases(base_version)
         parts = self.partition.split(update, slice_packed)
-        if not all(parts):  # a shard's version counts its pushes: each must get one
-            raise ValueError("a sharded push carries a piece for every shard: push the update of every tensor")
-        replies = self._each(lambda c, i: c.push(bases[i], parts[i], want_model,
-                                                 while_waiting=while_waiting if i == 0 else None,
-                                                 scaled_for=scaled_for))
+        asked = [i for i, part in enumerate(parts) if part]
+        if not asked:
+            raise ValueError(f"the update carries no tensor of the model ({sorted(update)[:5]}): push the update of "
+                             "the model's tensors, by their names in the model")
+        first = asked[0]
+        answers = self._each(lambda c, i: c.push(bases[i], parts[i], want_model,
+                                                 while_waiting=while_waiting if i == first else None,
+                                                 scaled_for=scaled_for), asked)
         self.pushes += 1
-        status = combined_status([r.status for r in replies])  # the push's, whatever the pulls below answer
+        status = combined_status([r.status for r in answers])  # the push's, whatever the pulls below answer
         self.partly_applied += status == PARTLY_APPLIED
-        if all(r.own for r in replies):
+        names = None if len(asked) == len(parts) else set(update)
+        if all(r.own for r in answers):
             self.own_replies += 1
-            return self._combine(replies, status, own=True)
-        partly_own = any(r.own for r in replies)
+            return self._combine(dict(zip(asked, answers, strict=True)), status, own=True, names=names)
+        replies = dict(zip(asked, answers, strict=True))
+        partly_own = any(r.own for r in answers)
         if partly_own:
-            pulled = self._each(lambda c, i: c.pull() if replies[i].own else None)
-            replies = [p if p is not None else r for p, r in zip(pulled, replies, strict=True)]
-        return self._combine(replies, status, tensors=partly_own or want_model is not False)
+            pulled = self._each(lambda c, i: c.pull(), [i for i in asked if replies[i].own])
+            replies.update(zip([i for i in asked if replies[i].own], pulled, strict=True))
+        return self._combine(replies, status, tensors=partly_own or want_model is not False, names=names)
 
     def gather(self, *args: Any, **kwargs: Any) -> list[tuple[int, Any, dict[str, Any]]]:
         """A collective: through shard 0 only.
@@ -262,22 +272,24 @@ class ShardedClient:
 
     # -- the parts ----------------------------------------------------------------------------------
 
-    def _each(self, request: Callable[[PSClient, int], T]) -> list[T]:
-        """``request(client, index)`` on every shard at once: shard 0's in this thread, the others' in the pool.
+    def _each(self, request: Callable[[PSClient, int], T], among: Sequence[int] | None = None) -> list[T]:
+        """``request(client, index)`` on every shard (or those of ``among``) at once: the first's in this thread,
+        the others' in the pool; the results in that order.
 
         Every one is waited for before any error is raised: no socket may be left in use by a pool thread."""
+        shards = list(range(len(self.clients))) if among is None else list(among)
 
         def call(i: int) -> T:
             return request(self.clients[i], i)
 
         try:
-            futures = [self._pool.submit(call, i) for i in range(1, len(self.clients))]
+            futures = [self._pool.submit(call, i) for i in shards[1:]]
         except RuntimeError:  # the interpreter is exiting (the pool takes no more work): one shard after another
-            return [call(i) for i in range(len(self.clients))]
+            return [call(i) for i in shards]
         results: list[Any] = []
         error: BaseException | None = None
         try:
-            results.append(call(0))
+            results.append(call(shards[0]))
         except BaseException as exc:
             error = exc
         for future in futures:
@@ -298,14 +310,19 @@ class ShardedClient:
         raise ValueError(f"base version {base_version!r} is not one this sharded client handed out: base a push on "
                          "the version of a reply of this client")
 
-    def _combine(self, replies: Sequence[ModelReply], status: str | None = None, *, own: bool = False,
-                 tensors: bool = True) -> ModelReply:
-        """One reply from every shard's: versions kept per shard; the status given, or :func:`combined_status`."""
-        version = ShardVersions([r.version for r in replies])
+    def _combine(self, replies: Sequence[ModelReply] | Mapping[int, ModelReply], status: str | None = None, *,
+                 own: bool = False, tensors: bool = True, names: set[str] | None = None) -> ModelReply:
+        """One reply from the shards' (every shard's, or by index those asked): versions kept per shard (a shard
+        not asked keeps the last one known); the status given, or :func:`combined_status`; the tensors ``names``
+        (None: every one)."""
+        by_shard = replies if isinstance(replies, Mapping) else dict(enumerate(replies))
+        known = self._last.per_shard if self._last is not None else (0,) * len(self.clients)
+        version = ShardVersions([by_shard[i].version if i in by_shard else known[i] for i in range(len(self.clients))])
         self._last = version
+        answers = list(by_shard.values())
         if status is None:
-            status = combined_status([r.status for r in replies])
-        model = self.partition.assemble([r.tensors for r in replies]) if tensors and not own else {}
-        return ModelReply(version=version, status=status, stop=any(r.stop for r in replies), tensors=model,
-                          own=own, approx=any(r.approx for r in replies))
-
+            status = combined_status([r.status for r in answers])
+        parts = [by_shard[i].tensors if i in by_shard else {} for i in range(len(self.clients))]
+        model = self.partition.assemble(parts, names) if tensors and not own else {}
+        return ModelReply(version=version, status=status, stop=any(r.stop for r in answers), tensors=model,
+                          own=own, approx=any(r.approx for r in answers))

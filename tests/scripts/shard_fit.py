@@ -39,6 +39,8 @@ FITS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "losp": ("losp", "none", {}),
     "easgd": ("easgd", "none", {}),
     "eamsgd": ("eamsgd", "none", {}),
+    # streaming DiLoCo: a fragment every 4 steps, each pushed to the shards that hold its pieces
+    "diloco_fragments": ({"name": "diloco", "inner_steps": 8, "fragments": 2}, "fp16", {}),
 }
 
 

@@ -99,21 +99,6 @@ class FragmentExchange(PushExchange):
         return int(getattr(self.mode, "fragments", 1))
 
     @override
-    def attach(self, link: Any) -> None:
-        """Start of a stage; a sharded PS is refused (a fragment's push leaves some shards without a piece).
-
-        Args:
-            link: what the strategy hands the exchange for the stage.
-
-        Raises:
-            ValueError: where the client is a sharded PS's of several shards.
-        """
-        if len(getattr(link.client, "clients", ())) > 1:
-            raise ValueError(f"mode={self.mode.name!r} with fragments={self.count} pushes some tensors at a time: "
-                             "a sharded PS takes pushes of every tensor (use one PS, or fragments=1)")
-        super().attach(link)
-
-    @override
     def start_fit(self, optimizers: list[Any], rank: int, world_size: int) -> None:
         super().start_fit(optimizers, rank, world_size)
         self.fit_step = 0
