@@ -61,6 +61,13 @@ MODELS: dict[str, dict[str, Any]] = {
                        "per byte, accuracy: next-byte"},
 }
 QUICK_ROWS = ("asgd", "sync", "diloco")
+# rows of a mode with other knobs than its defaults: (the mode, its knobs, the row's note). async_diloco's outer SGD
+# without momentum is docs/modes.md's setting for 2 workers and a few rounds, where the default delayed Nesterov
+# swings (docs/benchmarks.md, "Where async_diloco swings")
+VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
+    "async_diloco-sgd": ("async_diloco", {"outer": {"name": "sgd", "lr": 1.0, "momentum": 0.0}},
+                         "outer SGD lr 1.0, no momentum"),
+}
 # the modes that refuse the models' optimizer: eamsgd is EASGD whose workers train with Nesterov momentum SGD (it
 # checks at fit), so it runs with that optimizer, paired with a DDP run of the same (NESTEROV_DDP)
 NESTEROV_ONLY = ("eamsgd",)
@@ -71,10 +78,10 @@ STALL_S = {"full": 480, "quick": 180}
 
 
 def all_rows() -> list[str]:
-    """Every mode's name, in :data:`plug_asgd.modes.MODES`' order."""
+    """Every mode's name, in :data:`plug_asgd.modes.MODES`' order, each :data:`VARIANTS` row after its mode's."""
     from plug_asgd.modes import MODES
 
-    return list(MODES)
+    return [row for mode in MODES for row in (mode, *(v for v, spec in VARIANTS.items() if spec[0] == mode))]
 
 
 def default_inner_steps() -> int:
@@ -164,15 +171,18 @@ def nesterov(common: dict[str, Any], model: str) -> dict[str, Any]:
 def _mode_run(common: dict[str, Any], model: str, row: str, seed: int, steps: int, h: int) -> dict[str, Any]:
     """A mode's run: the model's settings, DiLoCo's ``inner_steps`` where not its default, and the Nesterov
     optimizer (paired with DDP of that optimizer) for a mode that refuses any other."""
-    run = {**common, "seed": seed, "row": row, "kind": "asgd", "mode": row, "name": f"{model} {row} seed {seed}"}
-    if row in DILOCO:
+    mode, knobs, note = VARIANTS.get(row, (row, {}, ""))
+    run = {**common, "seed": seed, "row": row, "kind": "asgd", "mode": mode, "name": f"{model} {row} seed {seed}"}
+    if knobs:
+        run["options"], run["note"] = dict(knobs), note
+    if mode in DILOCO:
         run["inner_steps"] = h
-        rounds = f"{steps // h} rounds" if row == "diloco" else f"about {steps // h} rounds per worker"
-        run["note"] = f"inner_steps {h} ({rounds})" + (
-            "" if h == default_inner_steps() else f", not the default {default_inner_steps()}")
+        rounds = f"{steps // h} rounds" if mode == "diloco" else f"about {steps // h} rounds per worker"
+        run["note"] = "; ".join(n for n in (note, f"inner_steps {h} ({rounds})" + (
+            "" if h == default_inner_steps() else f", not the default {default_inner_steps()}")) if n)
         if h != default_inner_steps():
-            run["options"] = {"inner_steps": h}
-    if row in NESTEROV_ONLY:
+            run["options"] = {**run.get("options", {}), "inner_steps": h}
+    if mode in NESTEROV_ONLY:
         run.update(nesterov(common, model), reference=NESTEROV_DDP,
                    note=f"{NESTEROV_TEXT[model]}, which the mode requires; gaps to {NESTEROV_DDP}")
     return run
@@ -266,13 +276,13 @@ def markdown(report: dict[str, Any]) -> str:
     lines = ["# Every mode against DDP: final loss and accuracy of the central model", "",
              f"`{report['command']}` ({report['wall_s']:.0f} s) on {m['cpu_count']} cores ({m['cpu_model']}), "
              f"torch {m['torch']}, commit {m['commit']}, {m['date']}.", "",
-             f"{WORKERS} workers, every mode at its defaults, DDP (gloo) the reference: the same optimizer, rate, "
+             f"{WORKERS} workers, every mode at its defaults (a row named mode-knob: at the knobs its note gives), DDP (gloo) the reference: the same optimizer, rate, "
              f"batch, samples and seed. Values are means over {seeds} with "
              "(min..max) where they differ; the gaps are paired by seed (a row's accuracy minus DDP's of the same "
              "seed, in points; its loss over DDP's). The model tested is the PS's central model (DDP: rank 0's).", ""]
     for model, rows in report["tables"].items():
         lines += [f"## {model}", "", describe(model, report["size"]) + ".", ""]
-        if any(r["row"] in DILOCO and "not the default" in r["note"] for r in rows):
+        if any("not the default" in r["note"] for r in rows):
             lines += [f"The DiLoCo rows do **not** run at their default inner_steps ({default_inner_steps()}): at "
                       f"{steps_per_worker(model, report['size'])} steps per worker the default would make fewer than "
                       f"{MIN_ROUNDS} rounds; their notes give the inner_steps run.", ""]
@@ -320,8 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench learning", description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (--quick: 0)")
     parser.add_argument("--models", default="cnn,lm", help="comma-separated: cnn, lm (default: both)")
-    parser.add_argument("--rows", nargs="+", default=None, metavar="MODE",
-                        help="these modes only (default: every mode; --quick: " + " ".join(QUICK_ROWS) + ")")
+    parser.add_argument("--rows", nargs="+", default=None, metavar="ROW",
+                        help="these rows only: modes, or " + ", ".join(VARIANTS) + " (default: every mode and "
+                             "those; --quick: " + " ".join(QUICK_ROWS) + ")")
     parser.add_argument("--inner-steps", type=int, default=None,
                         help="the DiLoCo rows' inner_steps on every model (default: the mode's, or lower where it "
                              f"makes fewer than {MIN_ROUNDS} rounds)")

@@ -13,14 +13,21 @@ from plug_asgd.modes import MODES
 
 def test_the_plan_runs_ddp_then_every_mode_per_model_and_seed_with_the_same_settings():
     runs = plan(["cnn", "lm"], [0, 1, 2], all_rows())
-    assert all_rows() == list(MODES) and len(runs) == 2 * 3 * (2 + len(MODES))
+    # every mode, and async_diloco at the outer step docs/modes.md gives for 2 workers right after it
+    rows = [*MODES][:-1]
+    rows.insert(rows.index("async_diloco") + 1, "async_diloco-sgd")
+    assert all_rows() == [*rows, "eamsgd"] and len(runs) == 2 * 3 * (3 + len(MODES))
     for model in ("cnn", "lm"):
         for seed in (0, 1, 2):
             mine = [r for r in runs if r["model"] == model and r["seed"] == seed]
-            modes = [*MODES][:-1]  # DDP per seed, then every mode, eamsgd last beside DDP of its optimizer
-            assert [r["row"] for r in mine] == ["ddp", *modes, "ddp+nesterov", "eamsgd"]
-            assert [r["kind"] for r in mine] == ["ddp", *["asgd"] * len(modes), "ddp", "asgd"]
-            assert all(r["mode"] == r["row"] for r in mine if r["kind"] == "asgd")
+            # DDP per seed, then every row, eamsgd last beside DDP of its optimizer
+            assert [r["row"] for r in mine] == ["ddp", *rows, "ddp+nesterov", "eamsgd"]
+            assert [r["kind"] for r in mine] == ["ddp", *["asgd"] * len(rows), "ddp", "asgd"]
+            assert all(r["mode"] == r["row"] for r in mine if r["kind"] == "asgd" and r["row"] in MODES)
+            variant = next(r for r in mine if r["row"] == "async_diloco-sgd")
+            assert variant["mode"] == "async_diloco"
+            assert variant["options"]["outer"] == {"name": "sgd", "lr": 1.0, "momentum": 0.0}
+            assert variant["note"].startswith("outer SGD lr 1.0, no momentum; inner_steps ")
             shared = ("optimizer", "lr", "momentum", "batch_size", "train_subset", "test_subset", "epochs", "lm")
             # the same optimizer and data for every row, and for eamsgd and its own DDP
             assert len({json.dumps([r.get(k) for k in shared]) for r in mine[:-2]}) == 1
