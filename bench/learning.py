@@ -276,8 +276,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = ["# Every mode against DDP: final loss and accuracy of the central model", "",
              f"`{report['command']}` ({report['wall_s']:.0f} s) on {m['cpu_count']} cores ({m['cpu_model']}), "
              f"torch {m['torch']}, commit {m['commit']}, {m['date']}.", "",
-             f"{WORKERS} workers, every mode at its defaults (a row named mode-knob: at the knobs its note gives), DDP (gloo) the reference: the same optimizer, rate, "
-             f"batch, samples and seed. Values are means over {seeds} with "
+             f"{WORKERS} workers, every mode at its defaults (a row named after its mode and a knob, such as "
+             f"{next(iter(VARIANTS))}: at the knobs its note gives), DDP (gloo) the reference: the same optimizer, "
+             f"rate, batch, samples and seed. Values are means over {seeds} with "
              "(min..max) where they differ; the gaps are paired by seed (a row's accuracy minus DDP's of the same "
              "seed, in points; its loss over DDP's). The model tested is the PS's central model (DDP: rank 0's).", ""]
     for model, rows in report["tables"].items():

@@ -219,15 +219,14 @@ class ShardedClient:
         status = combined_status([r.status for r in answers])  # the push's, whatever the pulls below answer
         self.partly_applied += status == PARTLY_APPLIED
         names = None if len(asked) == len(parts) else set(update)
-        if all(r.own for r in answers):
-            self.own_replies += 1
-            return self._combine(dict(zip(asked, answers, strict=True)), status, own=True, names=names)
         replies = dict(zip(asked, answers, strict=True))
-        partly_own = any(r.own for r in answers)
-        if partly_own:
-            pulled = self._each(lambda c, i: c.pull(), [i for i in asked if replies[i].own])
-            replies.update(zip([i for i in asked if replies[i].own], pulled, strict=True))
-        return self._combine(replies, status, tensors=partly_own or want_model is not False, names=names)
+        owned = [i for i in asked if replies[i].own]
+        if len(owned) == len(asked):
+            self.own_replies += 1
+            return self._combine(replies, status, own=True, names=names)
+        if owned:
+            replies.update(zip(owned, self._each(lambda c, i: c.pull(), owned), strict=True))
+        return self._combine(replies, status, tensors=bool(owned) or want_model is not False, names=names)
 
     def gather(self, *args: Any, **kwargs: Any) -> list[tuple[int, Any, dict[str, Any]]]:
         """A collective: through shard 0 only.
