@@ -154,7 +154,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         full = item.get_closest_marker("full") is not None
         if full and not full_selected:
-            item.add_marker(pytest.mark.skip(reason="the full tier: run it with pytest -m full (34 min on 2 "
+            item.add_marker(pytest.mark.skip(reason="the full tier: run it with pytest -m full (31 min on 2 "
                                                     "cores)"))
         marker = item.get_closest_marker("timeout")
         # the backstop bounds the suite's tests; the full tier's run alone, each beyond it
