@@ -29,10 +29,11 @@ from tests.conftest import (
 SCRIPT = "tests/scripts/island_fit.py"
 # every mode that takes islands (hogwild refuses them), one fit each in one launch of 2 islands of 2 processes
 MODES = ["asgd", "adacomp", "agn", "downpour", "dynsgd", "eamsgd", "easgd", "localsgd", "losp", "osp", "sagn", "ssp",
-         "sync", "diloco:inner_steps=5", "async_diloco:inner_steps=5"]
+         "sync", "diloco:inner_steps=5", "async_diloco:inner_steps=5", "diloco:inner_steps=6,fragments=2"]
 # the suite's: one for each way an island's leader exchanges (a push each step, rounds, local steps between rounds,
 # rounds overlapped, elastic, inner steps with an outer step, inner steps applied as they arrive); the full tier
-# fits the others
+# fits the others (diloco's fragments among them: the leader's exchange is the fragments', its island gets its weights
+# after every step as with any exchange)
 SUITE_MODES = ("asgd", "sync", "localsgd", "osp", "easgd", "diloco:inner_steps=5", "async_diloco:inner_steps=5")
 
 
@@ -113,7 +114,7 @@ def islands_run(request, tmp_path_factory):
     code, log = _launch(out, "--modes", ";".join(modes), "--steps", "20", "--ps-port",
                         str(free_port_block(10 * len(modes))), timeout=400)
     assert code == 0, log[-4000:]
-    return out, log
+    return out, log, len(modes)
 
 
 @pytest.mark.integration
@@ -121,8 +122,10 @@ def islands_run(request, tmp_path_factory):
 @pytest.mark.parametrize("mode", [full_tier_param(m, SUITE_MODES) for m in MODES])
 def test_every_mode_trains_islands_whose_ranks_hold_the_same_bits_and_the_ps_sees_one_worker_each(islands_run,
                                                                                                    mode):
-    out, log = islands_run
-    ranks = _ranks(out / mode.partition(":")[0], log)
+    out, log, launched = islands_run
+    name, _, knobs = mode.partition(":")  # island_fit's folder of a mode in a launch of several (of one: OUT)
+    folder = "-".join([name, *(kv.replace("=", "") for kv in knobs.split(",") if kv)])
+    ranks = _ranks(out / folder if launched > 1 else out, log)
     for r in ranks:
         assert r["island"] == r["rank"] // 2 and r["leader"] == (r["rank"] % 2 == 0)
         assert r["steps"] == 20
@@ -143,6 +146,10 @@ def test_every_mode_trains_islands_whose_ranks_hold_the_same_bits_and_the_ps_see
     for leader, follower in ((ranks[0], ranks[1]), (ranks[2], ranks[3])):
         assert "pushes" not in follower["comm"] and follower["comm"]["local_steps"] == 20
         assert follower["ps"] == leader["ps"]  # ps_stats() after the fit: the counters its leader saw as it left
+        if "fragments=2" in mode:  # H = 6, F = 2: a fragment every 3 steps, fragment 1 first; the fit's end pushes
+            # both (their steps since 15 and 18 not pushed): (the fit's step, the fragment)
+            assert leader["comm"]["fragment_trace"] == [[3, 1], [6, 0], [9, 1], [12, 0], [15, 1], [18, 0], [20, 1],
+                                                        [20, 0]], leader["comm"]
 
 
 @pytest.mark.integration

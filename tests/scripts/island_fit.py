@@ -6,7 +6,8 @@ one fresh model under each mode in turn, in the same processes (each fit's PS on
 fit's place), and writes OUT/MODE/rank{r}.json: the rank's island, its steps, whether its island's weights agreed
 bit for bit at the start of each batch (gathered from every rank of the island, not assumed), a digest of its final
 weights, its counters, the PS's counters (leaders), and the test accuracy of the central model.
-``--modes "asgd;diloco:inner_steps=5"``: a mode's knobs after its name (``;`` between the modes then).
+``--modes "asgd;diloco:inner_steps=5,fragments=2"``: a mode's knobs after its name, between commas (``;`` between
+the modes then).
 ``--modes ddp`` trains under Lightning's DDP instead, for comparison.
 ``--kill-at K``: the rank given by ``--kill-rank`` SIGKILLs itself after its K-th step.
 """
@@ -103,6 +104,13 @@ def ended(rank: int, how: str) -> None:
             f.write(json.dumps({"rank": rank, "at": time.time(), "how": how}) + "\n")
 
 
+def folder(mode: str) -> str:
+    """A mode's results folder in a launch of several: its name, and its knobs where given
+    (``diloco:inner_steps=6,fragments=2`` -> ``diloco-inner_steps6-fragments2``)."""
+    name, _, knobs = mode.partition(":")
+    return "-".join([name, *(kv.replace("=", "") for kv in knobs.split(",") if kv)])
+
+
 def train(mode: str, args: argparse.Namespace, port: int | None, out: Path) -> None:
     pl.seed_everything(0, verbose=False)
     model = BNNet(nesterov=mode.startswith("eamsgd"), width=args.width)
@@ -182,11 +190,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     ENDS = args.out / "ends.jsonl"
     rank = int(os.environ.get("NODE_RANK", 0)) * args.devices + int(os.environ.get("LOCAL_RANK", 0))
-    modes = args.modes.split(";") if ";" in args.modes else args.modes.split(",")
+    modes = args.modes.split(";") if ";" in args.modes or ":" in args.modes else args.modes.split(",")
     try:
         for i, mode in enumerate(modes):
             port = None if args.ps_port is None else args.ps_port + 10 * i
-            train(mode, args, port, args.out / mode.partition(":")[0] if len(modes) > 1 else args.out)
+            train(mode, args, port, args.out / folder(mode) if len(modes) > 1 else args.out)
     except BaseException as exc:
         ended(rank, f"{type(exc).__name__}: {exc}")
         raise
