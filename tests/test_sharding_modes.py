@@ -89,6 +89,18 @@ def test_the_status_of_a_push_is_the_shards_where_they_agree_and_partly_applied_
     assert combined_status(["applied", "stopped"]) == "stopped"
 
 
+def test_a_fragments_reply_counts_its_staleness_on_the_shards_it_came_from():
+    base = ShardVersions([7, 3])  # the worker's version: shard 0 at 7, shard 1 at 3
+    # a fragment held by shard 1 alone, pushed from there; 2 pushes of others landed on shard 1 before it
+    reply = ShardVersions([7, 6], asked=[1])
+    assert int(reply) == 7 and reply.asked == (1,)
+    assert reply.since(base) == 2  # the newest shard's count would give 7 - 7 - 1 = -1
+    # a reply of every shard (a fragment across both, or a whole push) counts the newest shard's, as one PS counts
+    # its own: 9 - 7 - 1
+    assert ShardVersions([9, 4], asked=[1, 0]).since(base) == 1
+    assert ShardVersions([9, 4]).asked == (0, 1) and ShardVersions([9, 4]).since(base) == 1
+
+
 # -- 2. synchronous rounds on every shard: two shards and one PS given the same pushes, in the same order -----
 
 def test_a_sync_round_sums_its_updates_in_rank_order_whatever_order_they_came_in():
@@ -264,9 +276,10 @@ def test_a_sync_push_one_shard_takes_into_its_round_and_another_drops_is_partly_
 
 # -- 3. a worker's exchange over two shards makes the bits it makes with one PS ----------------------------------
 
-def worker_steps(client: Any, mode: Any, codec: Any, steps: int) -> tuple[dict, dict]:
+def worker_steps(client: Any, mode: Any, codec: Any, steps: int, stats: dict | None = None) -> tuple[dict, dict]:
     """One worker (world size 1) training a small model through ``mode``'s exchange: its final weights and the
-    central model. Deterministic: the same bits on one PS and on shards if the sharded fold is the PS's."""
+    central model (and its exchange's ``stats()`` into ``stats``). Deterministic: the same bits on one PS and on
+    shards if the sharded fold is the PS's."""
     import torch
 
     from plug_asgd.worker.compensation import resolve
@@ -294,6 +307,8 @@ def worker_steps(client: Any, mode: Any, codec: Any, steps: int) -> tuple[dict, 
         exchange.step(run, opt)
     exchange.flush()
     exchange.let_go()
+    if stats is not None:
+        stats.update(exchange.stats())
     held = {n: t.detach().numpy().copy() for n, t in model.named_parameters()}
     return held, {n: np.array(t) for n, t in client.pull().tensors.items()}
 
@@ -369,10 +384,13 @@ def test_a_fragment_held_by_one_shard_is_pushed_to_that_shard_alone_with_the_bit
     plain = PSClient(one, mode=mode.name, **options)
     sharded = ShardedClient(shards, part, mode=mode.name, **options)
     try:
-        expected_held, expected_central = worker_steps(plain, mode, compressors.get("none"), 8)
-        held, central = worker_steps(sharded, mode, compressors.get("none"), 8)
+        one, two = {}, {}
+        expected_held, expected_central = worker_steps(plain, mode, compressors.get("none"), 8, one)
+        held, central = worker_steps(sharded, mode, compressors.get("none"), 8, two)
         assert same_bits(central, expected_central), "the central model assembled from the shards"
         assert same_bits(held, expected_held), "the worker's weights"
+        # a lone worker's pushes are never stale, on shards as on one PS (async_diloco's pace is set by it)
+        assert (two["staleness_mean"], two["staleness_max"]) == (one["staleness_mean"], one["staleness_max"]) == (0, 0)
         assert plain.stats()["version"] == 5
         assert [s["version"] for s in sharded.stats()["shards"]] == [2, 3]
         assert [c.counters.pushes for c in sharded.clients] == [2, 3]

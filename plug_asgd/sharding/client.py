@@ -63,14 +63,30 @@ def combined_status(statuses: Sequence[str]) -> str:
 
 
 class ShardVersions(int):
-    """The version of a model held by several shards: the newest shard's, with each shard's in ``per_shard``."""
+    """The version of a model held by several shards: the newest shard's, with each shard's in ``per_shard`` and the
+    shards the reply came from in ``asked`` (every shard, but after a push of some tensors)."""
 
     per_shard: tuple[int, ...]
+    asked: tuple[int, ...]
 
-    def __new__(cls, versions: Sequence[int]) -> ShardVersions:
+    def __new__(cls, versions: Sequence[int], asked: Sequence[int] | None = None) -> ShardVersions:
         obj = super().__new__(cls, max(versions))
         obj.per_shard = tuple(int(v) for v in versions)
+        obj.asked = tuple(range(len(versions))) if asked is None else tuple(sorted(asked))
         return obj
+
+    def since(self, base: int) -> int:
+        """The staleness of the push this reply answers: the versions made since ``base`` less the push's own. A
+        reply of every shard counts the newest shard's, as one PS counts its own; a reply of some (a fragment's)
+        counts on the shards it came from, each against its own base: the newest shard's would count the other
+        shards' versions, and nothing where another shard was ahead (a negative staleness).
+
+        Args:
+            base: the version the push was based on (one this client handed out).
+        """
+        if len(self.asked) == len(self.per_shard) or not isinstance(base, ShardVersions):
+            return int(self) - int(base) - 1
+        return max(self.per_shard[i] - base.per_shard[i] for i in self.asked) - 1
 
     def __repr__(self) -> str:
         return f"ShardVersions({list(self.per_shard)})"
@@ -316,7 +332,8 @@ class ShardedClient:
         (None: every one)."""
         by_shard = replies if isinstance(replies, Mapping) else dict(enumerate(replies))
         known = self._last.per_shard if self._last is not None else (0,) * len(self.clients)
-        version = ShardVersions([by_shard[i].version if i in by_shard else known[i] for i in range(len(self.clients))])
+        version = ShardVersions([by_shard[i].version if i in by_shard else known[i] for i in range(len(self.clients))],
+                                asked=list(by_shard))
         self._last = version
         answers = list(by_shard.values())
         if status is None:

@@ -359,7 +359,8 @@ class Exchange(ABC):
             base: the central version the push was based on.
         """
         if reply.status == "applied":
-            staleness = reply.version - base - 1
+            since = getattr(reply.version, "since", None)  # a sharded PS's versions count it per shard
+            staleness = since(base) if since is not None else reply.version - base - 1
             self.compensator.observe(staleness)
             steps_for = getattr(self.mode, "steps_for", None)
             if steps_for is not None:  # async_diloco: the others' arrivals set this worker's inner steps
