@@ -25,6 +25,7 @@ from tests.conftest import (
     require_emulated_hosts,
     run_on_emulated_hosts,
 )
+from tests.scripts.island_fit import folder
 
 SCRIPT = "tests/scripts/island_fit.py"
 # every mode that takes islands (hogwild refuses them), one fit each in one launch of 2 islands of 2 processes
@@ -123,9 +124,7 @@ def islands_run(request, tmp_path_factory):
 def test_every_mode_trains_islands_whose_ranks_hold_the_same_bits_and_the_ps_sees_one_worker_each(islands_run,
                                                                                                    mode):
     out, log, launched = islands_run
-    name, _, knobs = mode.partition(":")  # island_fit's folder of a mode in a launch of several (of one: OUT)
-    folder = "-".join([name, *(kv.replace("=", "") for kv in knobs.split(",") if kv)])
-    ranks = _ranks(out / folder if launched > 1 else out, log)
+    ranks = _ranks(out / folder(mode) if launched > 1 else out, log)  # a launch of one mode writes into OUT
     for r in ranks:
         assert r["island"] == r["rank"] // 2 and r["leader"] == (r["rank"] % 2 == 0)
         assert r["steps"] == 20

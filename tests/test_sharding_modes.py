@@ -384,13 +384,14 @@ def test_a_fragment_held_by_one_shard_is_pushed_to_that_shard_alone_with_the_bit
     plain = PSClient(one, mode=mode.name, **options)
     sharded = ShardedClient(shards, part, mode=mode.name, **options)
     try:
-        one, two = {}, {}
-        expected_held, expected_central = worker_steps(plain, mode, compressors.get("none"), 8, one)
-        held, central = worker_steps(sharded, mode, compressors.get("none"), 8, two)
+        on_one, on_shards = {}, {}
+        expected_held, expected_central = worker_steps(plain, mode, compressors.get("none"), 8, on_one)
+        held, central = worker_steps(sharded, mode, compressors.get("none"), 8, on_shards)
         assert same_bits(central, expected_central), "the central model assembled from the shards"
         assert same_bits(held, expected_held), "the worker's weights"
         # a lone worker's pushes are never stale, on shards as on one PS (async_diloco's pace is set by it)
-        assert (two["staleness_mean"], two["staleness_max"]) == (one["staleness_mean"], one["staleness_max"]) == (0, 0)
+        staleness = [(s["staleness_mean"], s["staleness_max"]) for s in (on_one, on_shards)]
+        assert staleness == [(0, 0), (0, 0)], staleness
         assert plain.stats()["version"] == 5
         assert [s["version"] for s in sharded.stats()["shards"]] == [2, 3]
         assert [c.counters.pushes for c in sharded.clients] == [2, 3]
