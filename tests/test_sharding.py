@@ -111,6 +111,24 @@ def test_split_and_assemble_give_back_the_model_and_sparse_updates_keep_their_co
     assert np.array_equal(dense.reshape(300, 70), sparse.to_dense())
 
 
+def test_some_tensors_are_assembled_from_the_shards_that_hold_them_alone():
+    """A fragment's reply: the named tensors from the parts of the shards asked, the others' parts empty."""
+    rng = np.random.default_rng(1)
+    part = Partition(SHAPES, 3)
+    model = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+    name = min(SHAPES, key=lambda n: int(np.prod(SHAPES[n])))  # the smallest tensor: whole, on one shard
+    (held_by,) = {p.shard for p in part.pieces if p.name == name}
+    parts = [pieces if shard == held_by else {} for shard, pieces in enumerate(part.split({name: model[name]}))]
+    back = part.assemble(parts, {name})
+    assert list(back) == [name] and np.array_equal(back[name], model[name])
+    cut = next(n for n in SHAPES if len({p.shard for p in part.pieces if p.name == n}) > 1)  # over several shards
+    parts = part.split({cut: model[cut]})
+    assert np.array_equal(part.assemble(parts, {cut})[cut], model[cut])
+    parts[next(i for i, p in enumerate(parts) if p)] = {}  # a shard that holds a piece of it did not answer
+    with pytest.raises(KeyError, match="sent no"):
+        part.assemble(parts, {cut})
+
+
 def test_shard_specs_and_counts_are_checked():
     assert parse_shard("1/2") == (1, 2)
     for bad in ("2/2", "0", "a/b", "-1/2", "0/0"):
