@@ -7,7 +7,8 @@ thread, the others' from a thread each, so the replies are awaited together and 
 slowest shard's round trip, not their sum. A model reply is assembled from the shards' pieces.
 
 Versions are per shard. A reply's ``version`` is a :class:`ShardVersions`: an int (the newest
-shard's version, for the exchange's staleness arithmetic) that carries each shard's version, and the
+shard's version, for the exchange's staleness arithmetic; a fragment's reply counts its staleness on the shards
+it came from, :meth:`ShardVersions.since`) that carries each shard's version, and the
 push based on it sends each shard its own base version, so every shard's rule (adacomp's
 per-coordinate staleness, dynsgd's scale) sees the base that worker really had there.
 
@@ -209,7 +210,7 @@ class ShardedClient:
 
         Args:
             base_version: the version of the reply the update was based on (a :class:`ShardVersions`).
-            update: the update of every tensor, by name, whole: it is cut here.
+            update: the update of every tensor (or of some: a fragment's), by name, whole: it is cut here.
             want_model: whether the reply carries the model (``"unless_own"``: not where every shard says "own").
             while_waiting: runs once the push is sent, while the shards fold it (with shard 0's request).
             weights: must be False: a sharded PS takes no pushes of weights.
