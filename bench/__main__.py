@@ -5,6 +5,8 @@ DDP and one process (``all``, ``stragglers``, ``overhead``, ...: :mod:`bench.run
 import importlib
 import sys
 
+from plug_asgd.startup import gc_paused
+
 # name: the module whose own flags (and hosts, processes, device) it takes; not one of the runner's launches
 MODULES = {
     "slowlink": "bench.slowlink",  # emulated hosts on capped links (root); --push-cost, --push-timing: a push's time
@@ -20,15 +22,15 @@ MODULES = {
     "diloco": "bench.diloco",  # the language model: DDP, diloco, async_diloco, hivemind on emulated hosts (root)
     "learning": "bench.learning",  # every mode x {recipe CNN, language model}: final loss and accuracy against DDP
     "async_sim": "bench.diloco_async_sim",  # async_diloco's outer update simulated in one process: its swing
+    "startup": "bench.startup",  # a worker's import of Lightning with the cycle collector on and paused
 }
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] and argv[0] in MODULES:
-        return importlib.import_module(MODULES[argv[0]]).main(argv[1:])
-    from bench.runner import main as runner
-
-    return runner(argv)
+    named = bool(argv[:1]) and argv[0] in MODULES
+    with gc_paused():  # the benchmark's imports (torch and Lightning, for most) without the collector's passes
+        module = importlib.import_module(MODULES[argv[0]] if named else "bench.runner")
+    return module.main(argv[1:] if named else argv)
 
 
 if __name__ == "__main__":

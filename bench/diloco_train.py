@@ -24,12 +24,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
-import torch
+from plug_asgd.startup import gc_paused
 
-from bench.train import StepClock
-from plug_asgd.recipes.lm import ByteGPT
-from plug_asgd.recipes.lm_data import FortunesDataModule
+with gc_paused():  # torch and Lightning imported without the collector's passes (plug_asgd.startup)
+    import pytorch_lightning as pl
+    import torch
+
+    from bench.train import StepClock
+    from plug_asgd.recipes.lm import ByteGPT
+    from plug_asgd.recipes.lm_data import FortunesDataModule
 
 
 class BenchGPT(ByteGPT):

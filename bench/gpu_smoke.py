@@ -12,12 +12,15 @@ bits. Needs a GPU (none on the project's own machines).
 import sys
 import time
 
-import pytorch_lightning as pl
-import torch
-from torch.utils.data import DataLoader, TensorDataset
+from plug_asgd.startup import gc_paused
 
-from plug_asgd import AdaComp, AsyncPSStrategy
-from plug_asgd.recipes.mnist import MnistCNN
+with gc_paused():  # torch and Lightning imported without the collector's passes (plug_asgd.startup)
+    import pytorch_lightning as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from plug_asgd import AdaComp, AsyncPSStrategy
+    from plug_asgd.recipes.mnist import MnistCNN
 
 
 class WhereItTrains(pl.Callback):

@@ -38,16 +38,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pytorch_lightning as pl
-import torch
+from plug_asgd.startup import gc_paused
 
-from bench.common import ports_needed, ps_push_ms
-from plug_asgd.recipes.common import mode_and_codec
-from plug_asgd.recipes.data import Arrays
-from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
-from plug_asgd.strategy import AsyncPSStrategy
-from plug_asgd.worker.client import PSError
+with gc_paused():  # torch and Lightning imported without the collector's passes (plug_asgd.startup)
+    import numpy as np
+    import pytorch_lightning as pl
+    import torch
+
+    from bench.common import ports_needed, ps_push_ms
+    from plug_asgd.recipes.common import mode_and_codec
+    from plug_asgd.recipes.data import Arrays
+    from plug_asgd.recipes.mnist import MnistCNN, MnistDataModule
+    from plug_asgd.strategy import AsyncPSStrategy
+    from plug_asgd.worker.client import PSError
 
 
 class StepClock(pl.Callback):

@@ -29,7 +29,7 @@ MAY_IMPORT = {
     "ps": {"protocol", "compressors", "modes"},
     "worker": {"protocol", "compressors", "modes"},
     "sharding": {"protocol", "compressors", "modes", "worker"},
-    "cli": {"protocol", "ps", "worker"},
+    "cli": {"protocol", "ps", "worker", "startup"},  # startup.py: the standard library's gc alone
     "placement": {"protocol", "compressors", "modes", "ps", "worker", "sharding"},
     "callbacks": {"protocol", "compressors", "modes", "ps", "worker", "sharding", "placement", "lightning_bridge"},
 }

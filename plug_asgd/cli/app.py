@@ -18,7 +18,7 @@ unwrapped for the terminal to wrap.
 Only typer, rich and the standard library are imported at module level besides the PS and its
 client (neither imports torch or Lightning); a recipe, which imports Lightning, is imported when
 ``train`` runs, the dashboard when ``serve-ps`` or ``status`` shows it, matplotlib when ``plot`` draws.
-(``import plug_asgd`` itself imports Lightning through the package ``__init__``.)
+(``import plug_asgd`` imports neither: its public names load on first use.)
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 
 from plug_asgd.cli.output import console, fail
+from plug_asgd.startup import gc_paused
 
 # name -> (module whose ``main(argv)`` runs it, one-line description)
 RECIPES: dict[str, tuple[str, str]] = {
@@ -52,5 +53,6 @@ def train(
         raise typer.Exit(0)
     if recipe not in RECIPES:
         raise fail(f"unknown recipe {recipe!r}; available recipes: {_recipes_text()}", 2)
-    module = importlib.import_module(RECIPES[recipe][0])
+    with gc_paused():  # the recipe imports torch and Lightning (plug_asgd.startup)
+        module = importlib.import_module(RECIPES[recipe][0])
     module.main(args)

@@ -11,15 +11,18 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
-import pytorch_lightning as pl
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from plug_asgd.startup import gc_paused
 
-from plug_asgd import AsyncPSStrategy
-from plug_asgd.recipes.common import mode_and_codec
+with gc_paused():  # torch and Lightning imported without the collector's passes (plug_asgd.startup)
+    import numpy as np
+    import pytorch_lightning as pl
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from plug_asgd import AsyncPSStrategy
+    from plug_asgd.recipes.common import mode_and_codec
 
 # osp: rank 1 sleeps this long before its 5th step (batch 4 of epoch 0), so that rank 0's 5th push, whose round
 # waits for rank 1's, is held at least about as long while rank 0's next step computes (tests/test_training.py)

@@ -8,10 +8,13 @@ import json
 import os
 from pathlib import Path
 
-from feature_fit import Blobs, Net
-from pytorch_lightning.cli import LightningCLI
+from plug_asgd.startup import gc_paused
 
-import plug_asgd  # noqa: F401 (registers the strategy names with Lightning)
+with gc_paused():  # torch and Lightning imported without the collector's passes (plug_asgd.startup)
+    from feature_fit import Blobs, Net
+    from pytorch_lightning.cli import LightningCLI
+
+    import plug_asgd  # noqa: F401 (registers the strategy names with Lightning)
 
 
 class Recorded(Net):

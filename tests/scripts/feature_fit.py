@@ -22,14 +22,17 @@ import sys
 import time
 from pathlib import Path
 
-import pytorch_lightning as pl
-import torch
-import torch.nn.functional as F
-from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
-from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
-from torch.utils.data import DataLoader, TensorDataset
+from plug_asgd.startup import gc_paused
 
-from plug_asgd import AsyncPSStrategy
+with gc_paused():  # torch and Lightning imported without the collector's passes (plug_asgd.startup)
+    import pytorch_lightning as pl
+    import torch
+    import torch.nn.functional as F
+    from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+    from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from plug_asgd import AsyncPSStrategy
 
 BATCH = 16
 PORTS = 5  # embedded PS ports a mode's fits use

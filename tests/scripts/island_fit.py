@@ -20,15 +20,18 @@ import signal
 import time
 from pathlib import Path
 
-import numpy as np
-import pytorch_lightning as pl
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from plug_asgd.startup import gc_paused
 
-from plug_asgd import AsyncPSStrategy, CommunicationMonitor, PSCheckpoint, Supervisor
-from plug_asgd.recipes.common import mode_and_codec
+with gc_paused():  # torch and Lightning imported without the collector's passes (plug_asgd.startup)
+    import numpy as np
+    import pytorch_lightning as pl
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from plug_asgd import AsyncPSStrategy, CommunicationMonitor, PSCheckpoint, Supervisor
+    from plug_asgd.recipes.common import mode_and_codec
 
 
 class BNNet(pl.LightningModule):

@@ -15,13 +15,16 @@ import os
 import statistics
 from pathlib import Path
 
-import pytorch_lightning as pl
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from plug_asgd.startup import gc_paused
 
-from plug_asgd import AsyncPSStrategy
+with gc_paused():  # torch and Lightning imported without the collector's passes (plug_asgd.startup)
+    import pytorch_lightning as pl
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from plug_asgd import AsyncPSStrategy
 
 SAMPLES = 2048
 EPOCHS = 3

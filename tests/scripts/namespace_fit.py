@@ -14,13 +14,15 @@ import time
 from pathlib import Path
 
 import plug_asgd
+from plug_asgd.startup import gc_paused
 
 namespace, ps_port, root = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
-L = importlib.import_module(namespace)  # lightning or pytorch_lightning, and nothing of the other
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+with gc_paused():  # torch and Lightning imported without the collector's passes (plug_asgd.startup)
+    L = importlib.import_module(namespace)  # lightning or pytorch_lightning, and nothing of the other
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
 
-from plug_asgd import AsyncPSStrategy, CommunicationMonitor, PSCheckpoint, Supervisor  # noqa: E402
+    from plug_asgd import AsyncPSStrategy, CommunicationMonitor, PSCheckpoint, Supervisor
 
 
 def blobs(n: int, seed: int) -> TensorDataset:

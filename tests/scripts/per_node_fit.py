@@ -15,10 +15,13 @@ import signal
 import time
 from pathlib import Path
 
-import pytorch_lightning as pl
-from bn_sched import BNNet, loader
+from plug_asgd.startup import gc_paused
 
-from plug_asgd import AsyncPSStrategy
+with gc_paused():  # torch and Lightning imported without the collector's passes (plug_asgd.startup)
+    import pytorch_lightning as pl
+    from bn_sched import BNNet, loader
+
+    from plug_asgd import AsyncPSStrategy
 
 
 def main() -> None:

@@ -14,13 +14,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
-import torch
-from bn_sched import BNNet, loader
+from plug_asgd.startup import gc_paused
 
-from plug_asgd import AsyncPSStrategy, PSCheckpoint, compressors, modes
-from plug_asgd.sharding.config import connect
-from plug_asgd.strategy import synced_tensors
+with gc_paused():  # torch and Lightning imported without the collector's passes (plug_asgd.startup)
+    import pytorch_lightning as pl
+    import torch
+    from bn_sched import BNNet, loader
+
+    from plug_asgd import AsyncPSStrategy, PSCheckpoint, compressors, modes
+    from plug_asgd.sharding.config import connect
+    from plug_asgd.strategy import synced_tensors
 
 # fit name: (mode, compressor, the strategy's other arguments); every fit at the same step size (--lr)
 FITS: dict[str, tuple[Any, Any, dict[str, Any]]] = {

@@ -9,11 +9,14 @@ import sys
 import time
 from pathlib import Path
 
-import pytorch_lightning as pl
-import torch
-from torch.utils.data import DataLoader, TensorDataset
+from plug_asgd.startup import gc_paused
 
-from plug_asgd import AsyncPSStrategy
+with gc_paused():  # torch and Lightning imported without the collector's passes (plug_asgd.startup)
+    import pytorch_lightning as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from plug_asgd import AsyncPSStrategy
 
 
 class Timed(pl.LightningModule):
