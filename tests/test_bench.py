@@ -402,7 +402,7 @@ def test_a_benchmark_of_its_own_module_is_a_name_of_python_m_bench(procs):
     from bench.__main__ import MODULES  # (its dispatch runs only where a module's name comes first)
 
     assert set(MODULES) == {"slowlink", "exchange", "gpu", "momentum", "flood", "shard_ingest", "ps_floor", "standby",
-                            "kernels", "islands", "diloco", "learning", "async_sim"}
+                            "kernels", "islands", "diloco", "learning", "async_sim", "startup"}
     rc, out = procs.run([PYTHON, "-m", "bench", "momentum", "--stability"], timeout=120)
     assert rc == 0 and out.startswith("one process: 3.800 (heavy ball)"), out[-2000:]
 
