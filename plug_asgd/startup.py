@@ -1,8 +1,8 @@
 """A process's imports of torch and Lightning with Python's cycle collector paused.
 
 Importing torch and Lightning leaves hundreds of thousands of long-lived objects, and CPython's cycle
-collector makes full passes over them while they accumulate: about a fifth of the import's CPU time,
-in every worker process (``python -m bench startup`` measures it). None of them is garbage, so the
+collector makes full passes over them while they accumulate, and again as the process exits, in every
+worker process (``python -m bench startup`` measures what that costs). None of them is garbage, so the
 recipes, the CLI's ``train`` and the benchmarks' ranks import with the collector paused, then freeze
 what the imports made (:func:`gc.freeze`), so the collector's later passes skip it too. A script of
 your own can do the same: ``with gc_paused(): import pytorch_lightning as pl``.
@@ -22,8 +22,8 @@ def gc_paused() -> Iterator[None]:
     """Run the block (a process's imports) with the cycle collector off, then freeze what it made.
 
     The collector is on again afterwards only where it was on before, also when the block raises.
-    Objects made in the block and later dropped in a cycle are never collected (they are frozen):
-    keep the block to imports and module-level set-up.
+    Everything alive as the block ends is frozen: what of it is later dropped in a cycle is never
+    collected, so keep the block to a process's first imports and module-level set-up.
     """
     was_enabled = gc.isenabled()
     gc.disable()
