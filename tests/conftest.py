@@ -170,24 +170,29 @@ def pytest_collection_modifyitems(config, items):
 
 # The files pytest-xdist hands out first (`--dist loadfile --no-loadscope-reorder`, pyproject.toml), each worker
 # taking two at the start: the long launches that keep both cores busy beside the tests that mostly wait out
-# timeouts (failovers, lost workers), so that the waiting leaves its core to a launch. After them, the other files,
-# most tests first (xdist's own order). Measured: bench/results/README.md, "The README's two commands".
+# timeouts (failovers, lost workers), so that the waiting leaves its core to a launch. After them, the other files
+# that start processes (most such tests first), then the files of quick tests alone (most tests first): small
+# pieces of pure computing at the end, where a file that waits out timeouts left the cores idle while the other
+# workers had finished. Measured: bench/results/README.md, "The README's two commands".
 FIRST_FILES = ("test_training", "test_standby", "test_momentum", "test_faults", "test_bench", "test_totals",
-               "test_features", "test_worker_failures", "test_sharding", "test_shard_faults", "test_slowlink")
+               "test_features", "test_worker_failures", "test_sharding", "test_shard_faults", "test_slowlink",
+               # quick, but long: threaded fits of 10 to 20 s each, and a timeout of 15 s waited out
+               "test_momentum_quick", "test_momentum_quick_off", "test_liveness_clock")
 
 
 def _order_files(items: list[pytest.Item]) -> None:
-    """Sort ``items`` by file, FIRST_FILES first, then the other files by their test count; a file's own order
-    kept."""
+    """Sort ``items`` by file: FIRST_FILES first, then the other files with tests that start processes (by their
+    count of such tests), then the files of quick tests alone (by their test count); a file's own order kept."""
     def file_of(item: pytest.Item) -> str:
         return item.nodeid.split("::", 1)[0]
 
     counts = Counter(file_of(i) for i in items)
+    integration = Counter(file_of(i) for i in items if i.get_closest_marker("quick") is None)
 
-    def rank(item: pytest.Item) -> tuple[int, int, str]:
-        name = Path(file_of(item)).stem
+    def rank(item: pytest.Item) -> tuple[int, int, int, str]:
+        name, file = Path(file_of(item)).stem, file_of(item)
         first = FIRST_FILES.index(name) if name in FIRST_FILES else len(FIRST_FILES)
-        return first, -counts[file_of(item)], file_of(item)
+        return first, 0 if integration[file] else 1, -(integration[file] or counts[file]), file
 
     items.sort(key=rank)  # stable: each file's tests keep their order
 
