@@ -28,11 +28,27 @@ def test_no_pass_runs_in_the_block_and_what_it_made_is_frozen_after_it(collectio
     with gc_paused():
         assert not gc.isenabled()
         made = [[i] for i in range(50_000)]  # 50,000 tracked lists: about 70 passes of generation 0 with it on
-    assert collections == {0: 0, 1: 0, 2: 0}
+    assert collections == {0: 0, 1: 0, 2: 1}  # the one full pass at its entry, over the garbage already there
     assert gc.isenabled()
     assert gc.get_freeze_count() >= frozen + len(made)
     more = [[i] for i in range(50_000)]  # the collector runs again once the block is over
     assert collections[0] > 0 and len(more) == len(made)
+
+
+def test_garbage_made_before_the_block_is_collected_not_frozen(collections):
+    import weakref
+
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.me = cycle
+    gone = weakref.ref(cycle)
+    del cycle  # unreachable, but kept by its cycle until a pass of the collector
+    assert gone() is not None
+    with gc_paused():
+        pass
+    assert gone() is None
 
 
 def test_the_collector_stays_off_where_it_was_off_and_comes_back_when_the_block_raises(collections):
