@@ -358,6 +358,53 @@ def test_entering_makes_the_weights_what_the_own_base_would_push_and_leaving_giv
     assert kept["t"].tolist() == [1.5, 0.5] and b.tolist() == [2.0, 2.0] and base.kind is None
 
 
+def test_leaving_the_central_base_with_steps_pending_keeps_them_for_the_next_push():
+    # w = c + p: DiLoCo's exchange leaves the held base at a push, a round of inner steps after the last merge
+    c = np.array([0.5, 1.5], np.float32)
+    w = np.array([0.75, 1.0], np.float32)  # p = (0.25, -0.5)
+    b = torch.tensor([9.0, 9.0])
+    base = HeldBase()
+    base.kind = CENTRAL  # (entered at an earlier push, whose reply was merged: the weights are c plus the steps since)
+    base.leave({"t": w}, {"t": b}, {"t": c}, None)
+    # the own base's next update, w - b, is the steps since the held model: 0.25 and -0.5, not nothing
+    assert (w - b.numpy()).tolist() == [0.25, -0.5] and w.tolist() == [0.75, 1.0] and base.kind is None
+
+
+@pytest.mark.parametrize("codec", ["fp16", "qsgd"])
+def test_a_fast_workers_rounds_after_a_raced_push_from_the_held_base_all_reach_the_ps(codec, monkeypatch):
+    """async_diloco beside a worker 2x slower (its rounds shortened to 2 steps): the fast one's pushes land now on
+    their base (staleness 0), now after the slow one's (1), so the median of its staleness moves between 0 and 0.5:
+    it pushes from the held base, is raced, and pushes next from the exchange's own base. Every push carries its
+    round's steps: none is all zeros."""
+    import threading
+    import time
+
+    from plug_asgd.modes.diloco_async import AsyncDiLoCoRule
+
+    class Slowed(_Regression):
+        def training_step(self, batch, batch_idx):
+            time.sleep(0.02 if threading.current_thread().name == "rank1" else 0.01)
+            return super().training_step(batch, batch_idx)
+
+    pushed: list[float] = []
+    push = AsyncDiLoCoRule.push
+
+    def spy(self, state, update):
+        pushed.append(max(float(np.abs(np.asarray(u, np.float32)).max()) for u in update.update.values()))
+        return push(self, state, update)
+
+    monkeypatch.setattr(AsyncDiLoCoRule, "push", spy)
+    torch.manual_seed(1)
+    data = TensorDataset(torch.randn(512, 64), torch.randn(512, 4))
+    stats: list = []
+    fit_in_threads(Slowed, data, epochs=1, batch_size=8, workers=2, stats=stats, compressor=codec,
+                   mode={"name": "async_diloco", "inner_steps": 4, "outer": {"name": "sgd", "lr": 1.0,
+                                                                             "momentum": 0}})
+    fast = next(s for s in stats if s["rank"] == 0)
+    assert fast["held_base_raced"] >= 1 and fast["pushes"] > fast["held_base_pushes"] + 1, fast  # the case was met
+    assert len(pushed) == sum(s["pushes"] for s in stats) and min(pushed) > 0, pushed
+
+
 # -- a lone worker's fit ---------------------------------------------------------------------------------------
 
 

@@ -217,22 +217,25 @@ class HeldBase:
 
     def leave(self, weights: dict[str, np.ndarray], base: Mapping[str, Tensor], central: Mapping[str, np.ndarray],
               set_residual: Callable[[str, np.ndarray], None] | None) -> None:
-        """Back to the exchange's own base, after a merge (no progress pending): ``b = w`` and, where the residual
-        was implicit, ``r = w - c`` kept by the codec again.
+        """Back to the exchange's own base, the progress made since the held model kept for the next push (the
+        exchange leaves at a push as well as after a merge, with a round of inner steps pending in DiLoCo's):
+        where the base was the central model (``CENTRAL``, ``w = c + p``), ``b = c``; where the residual was
+        implicit (``w = c + r + p``), ``r + p = w - c`` kept by the codec again and ``b = w``.
 
         Args:
             weights: the worker's weights as host arrays.
-            base: the exchange's own base, set to the weights.
-            central: the central model the client holds.
+            base: the exchange's own base, set to ``c`` or to the weights.
+            central: the central model the client holds (of the version the weights' progress is counted from).
             set_residual: hands the codec a tensor's residual back (needed where the residual was implicit).
         """
         if self.kind is None:
             return
         for name, w in weights.items():
+            c = central[name].reshape(w.shape)
             if self.kind == RESIDUAL:
                 assert set_residual is not None  # (only a codec that keeps a residual keeps it in the model)
-                set_residual(name, np.subtract(w, central[name].reshape(w.shape)))
-            base[name].detach().numpy()[...] = w
+                set_residual(name, np.subtract(w, c))
+            base[name].detach().numpy()[...] = c if self.kind == CENTRAL else w
         self.kind = None
 
 
