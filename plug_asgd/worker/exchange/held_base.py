@@ -77,7 +77,7 @@ class HeldBase:
     def __init__(self) -> None:
         self.kind: str | None = None
         self.pushes = 0  # pushed from the held base
-        self.raced = 0  # ... and answered with a model another push had changed
+        self.raced = 0  # ... and answered with another model than held + sent (another push's, an outer step's)
 
     def enter(self, kind: str, weights: dict[str, np.ndarray], base: Mapping[str, Tensor],
               central: Mapping[str, np.ndarray], residual: Callable[[str], np.ndarray | None], version: int) -> None:
