@@ -18,6 +18,8 @@ each (:data:`CONFIGS`):
   ``bench stragglers`` sleep of :class:`bench.train.StepClock`);
 - ``async_diloco-slow-sgd``: ``async_diloco-slow`` with the outer step ``{"name": "sgd", "lr": 1.0, "momentum": 0}``
   on the workers and the PS (``serve-ps --outer``), which does not swing at two workers (``bench async_sim``);
+- ``diloco-slow-f2`` and ``async_diloco-slow-sgd-f2`` (by ``--configs`` only): the two beside the slowed host,
+  streaming with ``fragments=2``;
 - ``hivemind``: hivemind 1.1.12's ``Optimizer(use_local_updates=True)`` parameter averaging (its quickstart's
   configuration), with ``target_batch_size`` = DiLoCo's round, 2 x H x 32 samples (``bench.diloco_hivemind``).
 
@@ -59,7 +61,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "async_diloco-slow-sgd": {"kind": "ps", "mode": "async_diloco", "slow": True,
                               "outer": {"name": "sgd", "lr": 1.0, "momentum": 0.0}},
     "hivemind": {"kind": "hivemind"},
+    # streaming (fragments=2: each half of the model pushed at its staggered step, sent while the inner steps go on),
+    # both beside the slowed host; asked for by --configs only
+    "diloco-slow-f2": {"kind": "ps", "mode": "diloco", "slow": True, "fragments": 2},
+    "async_diloco-slow-sgd-f2": {"kind": "ps", "mode": "async_diloco", "slow": True, "fragments": 2,
+                                 "outer": {"name": "sgd", "lr": 1.0, "momentum": 0.0}},
 }
+DEFAULT_CONFIGS = [name for name, cfg in CONFIGS.items() if not cfg.get("fragments")]
 # tests/test_lm.py's LM_SMALL: 2 blocks 64 wide (118,528 parameters, 474 kB in float32), windows of 32 bytes
 MODEL: dict[str, Any] = {"d_model": 64, "layers": 2, "heads": 4, "max_context": 32, "warmup_steps": 20}
 SIZES: dict[str, dict[str, Any]] = {
@@ -105,7 +113,7 @@ def run_spec(name: str, size: dict[str, Any], seed: int, ps_address: str, slow_s
         "snapshot_every_s": None if cfg["kind"] == "ps" else size["snapshot_s"]}
     if cfg["kind"] == "ps":
         spec.update(mode=cfg["mode"], inner_steps=size["inner_steps"], compressor=size.get("compressor", "none"),
-                    ps_address=ps_address, outer=cfg.get("outer"))
+                    ps_address=ps_address, outer=cfg.get("outer"), fragments=cfg.get("fragments"))
     if cfg["kind"] == "hivemind":
         spec.update(hivemind_target_batch_size=2 * size["inner_steps"] * BATCH,  # DiLoCo's round of samples
                     hivemind_matchmaking_time=size.get("hivemind_matchmaking_time", 3.0),
@@ -294,7 +302,8 @@ def parser() -> argparse.ArgumentParser:
                    "the -slow configurations (default 2)")
     p.add_argument("--hivemind-matchmaking-time", type=float, default=3.0, metavar="S",
                    help="hivemind.Optimizer's matchmaking_time (default: its quickstart's 3 s)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma-separated, of {', '.join(CONFIGS)} (default: all but the -f2 ones)")
     p.add_argument("--out", type=Path, default=None, help="results folder (default: bench/results/diloco/SIZE)")
     return p
 

@@ -25,6 +25,9 @@ TARGETS: dict[str, tuple[str, str, float, float | None]] = {
     "time_async_sgd_over_diloco_slow": ("the same, async_diloco with the outer SGD (lr 1.0, no momentum) / diloco",
                                         "<=", 0.7, None),
     "time_diloco_over_hivemind": ("time to DDP's loss, diloco / hivemind", "<=", 0.5, None),
+    "time_async_sgd_f2_over_diloco_slow_f2": ("the same, both streaming (fragments=2)", "<=", 0.7, None),
+    "time_async_sgd_f2_over_diloco_slow": ("the same, async_diloco streaming (fragments=2) / diloco whole", "<=", 0.7,
+                                           None),
 }
 # (numerator, denominator, the runs' figure) of each ratio
 RATIOS: dict[str, tuple[str, str, str]] = {
@@ -34,14 +37,17 @@ RATIOS: dict[str, tuple[str, str, str]] = {
     "time_async_over_diloco_slow": ("async_diloco-slow", "diloco-slow", "time"),
     "time_async_sgd_over_diloco_slow": ("async_diloco-slow-sgd", "diloco-slow", "time"),
     "time_diloco_over_hivemind": ("diloco", "hivemind", "time"),
+    "time_async_sgd_f2_over_diloco_slow_f2": ("async_diloco-slow-sgd-f2", "diloco-slow-f2", "time"),
+    "time_async_sgd_f2_over_diloco_slow": ("async_diloco-slow-sgd-f2", "diloco-slow", "time"),
 }
 LABELS = {"ddp": "DDP (gloo)", "diloco": "diloco", "diloco-slow": "diloco, w1 slowed",
           "async_diloco-slow": "async_diloco, w1 slowed",
           "async_diloco-slow-sgd": "async_diloco, w1 slowed, outer SGD lr 1.0",
-          "hivemind": "hivemind (local updates + averaging)"}
+          "hivemind": "hivemind (local updates + averaging)", "diloco-slow-f2": "diloco, w1 slowed, fragments=2",
+          "async_diloco-slow-sgd-f2": "async_diloco, w1 slowed, outer SGD lr 1.0, fragments=2"}
 COLORS = {"ddp": "black", "diloco": "tab:blue", "diloco-slow": "tab:cyan", "async_diloco-slow": "tab:orange",
-          "async_diloco-slow-sgd": "tab:red",
-          "hivemind": "tab:green"}
+          "async_diloco-slow-sgd": "tab:red", "hivemind": "tab:green", "diloco-slow-f2": "tab:purple",
+          "async_diloco-slow-sgd-f2": "tab:brown"}
 
 
 def time_to(curve: list[list[Any]], loss: float | None) -> float | None:

@@ -10,7 +10,17 @@ import math
 
 import pytest
 
-from bench.diloco import CONFIGS, MODEL, SIZES, equal_samples_loss, overtrained_steps, parser, run_spec, settings
+from bench.diloco import (
+    CONFIGS,
+    DEFAULT_CONFIGS,
+    MODEL,
+    SIZES,
+    equal_samples_loss,
+    overtrained_steps,
+    parser,
+    run_spec,
+    settings,
+)
 from bench.diloco_launch import LinkMeter
 from bench.diloco_report import markdown, pair_ratio, summarize, time_to
 from bench.slowlink import HIVEMIND_PYTHON
@@ -44,6 +54,11 @@ def test_each_configuration_is_a_launch_of_its_scheme_on_the_same_model_and_data
     assert specs["async_diloco-slow-sgd"]["mode"] == "async_diloco"
     assert specs["async_diloco-slow-sgd"]["outer"] == {"name": "sgd", "lr": 1.0, "momentum": 0.0}
     assert all(specs[n]["outer"] is None for n in ("diloco", "diloco-slow", "async_diloco-slow"))
+    # the streaming pair: the same two beside the slowed host, with fragments=2; the others whole
+    assert {n: s.get("fragments") for n, s in specs.items() if s.get("fragments")} == {
+        "diloco-slow-f2": 2, "async_diloco-slow-sgd-f2": 2}
+    assert specs["async_diloco-slow-sgd-f2"]["outer"] == specs["async_diloco-slow-sgd"]["outer"]
+    assert specs["diloco-slow-f2"]["mode"] == "diloco" and specs["diloco-slow-f2"]["outer"] is None
     # hivemind averages as often as DiLoCo's rounds: its target batch is 2 workers x H x 32 samples
     assert specs["hivemind"]["hivemind_target_batch_size"] == 2 * 50 * BATCH
     assert specs["hivemind"]["hivemind_matchmaking_time"] == 3.0 and "mode" not in specs["hivemind"]
@@ -64,7 +79,7 @@ def _args(*flags: str) -> argparse.Namespace:
 def test_the_flags_are_checked_before_any_host_is_made():
     size, rates, names = settings(_args("--inner-steps", "20", "--seeds", "1", "--rates", "100,10,1"))
     assert (size["size"], size["steps"], size["inner_steps"], size["seeds"]) == ("small", 400, 20, 1)
-    assert rates == [100.0, 10.0, 1.0] and names == list(CONFIGS)
+    assert rates == [100.0, 10.0, 1.0] and names == DEFAULT_CONFIGS == [n for n in CONFIGS if "-f2" not in n]
     assert settings(_args("--quick"))[0]["steps"] == 40
     refused = {("--inner-steps", "30"): "a whole number of rounds", ("--rates", "100,none"): "a rate in Mbit/s",
                ("--configs", "ddp,localsgd"): "unknown configuration", ("--compressor", "zip"): "unknown compressor",
@@ -143,7 +158,7 @@ def test_quick_diloco_trains_every_scheme_and_counts_each_hosts_bytes(tmp_path):
     if not HAVE_FORTUNES:
         skip_unless_required("the corpus is not installed: apt-get install fortunes (scripts/setup.sh)")
     require_emulated_hosts(100.0, "d")
-    names = [n for n in CONFIGS if n != "hivemind" or HIVEMIND_PYTHON.exists()]  # hivemind: where its venv is
+    names = [n for n in DEFAULT_CONFIGS if n != "hivemind" or HIVEMIND_PYTHON.exists()]  # hivemind: where its venv is
     rc, output = run_on_emulated_hosts([PYTHON, "-m", "bench", "diloco", "--quick", "--configs", ",".join(names),
                                         "--out", str(tmp_path)], timeout=DILOCO_QUICK_TIMEOUT_S)
     assert rc == 0, output[-6000:]
