@@ -1,6 +1,7 @@
 """DiLoCo on slow links: the language model under DDP, DiLoCo, asynchronous DiLoCo and hivemind, on emulated hosts.
 
-``python -m bench diloco [--quick] [--rates 100,10] [--seeds 3] [--inner-steps 50] [--configs ...] [--out DIR]``
+``python -m bench diloco [--quick] [--rates 100,10] [--seeds 3] [--inner-steps 50] [--model small] [--configs ...]
+[--out DIR]``
 (root: it makes network namespaces). Issue 58's targets, measured side by side: ``bench.slowlink``'s machinery (a
 :class:`harness.netns.Topology` of a PS host and 2 worker hosts whose links htb caps at each rate in both directions,
 so every byte between two hosts crosses two capped links), one process per worker host, the language-model recipe's
@@ -70,6 +71,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
 DEFAULT_CONFIGS = [name for name, cfg in CONFIGS.items() if not cfg.get("fragments")]
 # tests/test_lm.py's LM_SMALL: 2 blocks 64 wide (118,528 parameters, 474 kB in float32), windows of 32 bytes
 MODEL: dict[str, Any] = {"d_model": 64, "layers": 2, "heads": 4, "max_context": 32, "warmup_steps": 20}
+# --model: ``small`` (MODEL), or ``recipe``: the recipe's default width and depth (1,835,136 parameters, 7.3 MB in
+# float32), on the same 32-byte windows
+MODELS: dict[str, dict[str, Any]] = {
+    "small": MODEL, "recipe": {"d_model": 192, "layers": 4, "heads": 6, "max_context": 32, "warmup_steps": 20}}
 SIZES: dict[str, dict[str, Any]] = {
     # the test suite's size: one rate, one seed, 40 steps (DDP), 60 (the others) at H = 10
     "quick": {"rates": [100.0], "seeds": 1, "steps": 40, "overtrain": 1.5, "inner_steps": 10, "warmup": 3,
@@ -121,6 +126,17 @@ def run_spec(name: str, size: dict[str, Any], seed: int, ps_address: str, slow_s
     if cfg.get("slow"):
         spec.update(slow_rank=SLOW_RANK, slow_sleep_s=slow_sleep_s)
     return spec
+
+
+def parameter_count(model: dict[str, Any]) -> int:
+    """ByteGPT's parameters at ``model``'s size (its output head tied to the byte embedding).
+
+    Args:
+        model: ByteGPT's size.
+    """
+    from bench.diloco_train import BenchGPT
+
+    return sum(p.numel() for p in BenchGPT(**model).parameters())
 
 
 def step_time(model: dict[str, Any], repeats: int = 20) -> float:
@@ -262,6 +278,7 @@ def run(size: dict[str, Any], rates: list[float], names: list[str], seeds: list[
     slow_sleep_s = (size["slow_factor"] - 1) * step_s
     results: dict[str, Any] = {"machine": machine(), "command": "python -m bench diloco " + " ".join(argv),
                                "batch_size": BATCH, "model": size.get("model", MODEL), "step_s": step_s,
+                               "parameters": parameter_count(size.get("model", MODEL)),
                                "slow_sleep_s": slow_sleep_s, "overtrained_steps": overtrained_steps(size),
                                "size": {k: v for k, v in size.items() if k != "rates"},
                                "configs": {n: CONFIGS[n] for n in names}, "seeds": seeds, "rates": {}}
@@ -297,6 +314,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--overtrain", type=float, default=None,
                    help="the other configurations' steps per worker over DDP's (default 1.5)")
     p.add_argument("--inner-steps", type=int, default=None, help="DiLoCo's H (default: quick 10, small 50)")
+    p.add_argument("--model", choices=list(MODELS), default="small",
+                   help="ByteGPT's size: small (118,528 parameters) or recipe (the recipe's default width and depth, "
+                   "1,835,136), on 32-byte windows (default: small)")
     p.add_argument("--compressor", default="none", help="the codec of DiLoCo's pushes (default: none, float32)")
     p.add_argument("--slow-factor", type=float, default=2.0, help="how much slower the slowed host's steps are in "
                    "the -slow configurations (default 2)")
@@ -320,7 +340,7 @@ def settings(args: argparse.Namespace) -> tuple[dict[str, Any], list[float], lis
     """
     name = "quick" if args.quick else "small"
     size = {**SIZES[name], "size": name, "slow_factor": args.slow_factor, "compressor": args.compressor,
-            "hivemind_matchmaking_time": args.hivemind_matchmaking_time}
+            "hivemind_matchmaking_time": args.hivemind_matchmaking_time, "model": MODELS[args.model]}
     for key in ("steps", "overtrain", "inner_steps", "seeds"):
         if getattr(args, key) is not None:
             size[key] = getattr(args, key)

@@ -141,12 +141,13 @@ def summarize(runs: dict[str, list[dict[str, Any]]], rate: float | None) -> dict
 def _header(results: dict[str, Any]) -> list[str]:
     m, size, model = results["machine"], results["size"], results["model"]
     h = size["inner_steps"]
+    params = f" ({results['parameters']:,} parameters)" if "parameters" in results else ""
     return [
         "# DiLoCo over slow links: the language model against DDP and hivemind", "",
         f"`{results['command']}`: {m['date']}, commit {m.get('commit')}, {m['cpu_count']} CPUs ({m['cpu_model']}), "
         f"torch {m['torch']}; {results.get('wall_s', '?')} s.", "",
         "2 worker hosts, one process each, and the PS on a third (network namespaces, each link capped both ways "
-        f"by htb). ByteGPT of the language-model recipe, d_model {model['d_model']}, {model['layers']} blocks, "
+        f"by htb). ByteGPT of the language-model recipe{params}, d_model {model['d_model']}, {model['layers']} blocks, "
         f"{model['heads']} heads, windows of {model['max_context']} bytes of Debian's fortunes, AdamW at the "
         f"recipe's rate (warmup {model['warmup_steps']} steps, then constant), batch {results['batch_size']} per "
         f"worker. DDP trains {size['steps']} steps per rank ({2 * size['steps'] * results['batch_size']:,} "

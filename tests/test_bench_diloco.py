@@ -17,6 +17,7 @@ from bench.diloco import (
     SIZES,
     equal_samples_loss,
     overtrained_steps,
+    parameter_count,
     parser,
     run_spec,
     settings,
@@ -81,6 +82,14 @@ def test_the_flags_are_checked_before_any_host_is_made():
     assert (size["size"], size["steps"], size["inner_steps"], size["seeds"]) == ("small", 400, 20, 1)
     assert rates == [100.0, 10.0, 1.0] and names == DEFAULT_CONFIGS == [n for n in CONFIGS if "-f2" not in n]
     assert settings(_args("--quick"))[0]["steps"] == 40
+    # --model recipe: the recipe's default width and depth (ByteGPT's defaults) on the same 32-byte windows
+    recipe = settings(_args("--model", "recipe"))[0]
+    assert size["model"] == MODEL and recipe["model"] == {**MODEL, "d_model": 192, "layers": 4, "heads": 6}
+    assert run_spec("ddp", recipe, 0, "", 0.0)["model"] == recipe["model"]
+    # by hand: embeddings 256 x 192 + 32 x 192; a block's 2 LayerNorms (2 x 384), qkv 192 x 576 + 576, proj
+    # 192 x 192 + 192, MLP 192 x 768 + 768 and 768 x 192 + 192 (444,864), 4 of them; the last LayerNorm 384
+    assert parameter_count(recipe["model"]) == 49_152 + 6_144 + 4 * 444_864 + 384 == 1_835_136
+    assert parameter_count(MODEL) == MODEL_BYTES // 4
     refused = {("--inner-steps", "30"): "a whole number of rounds", ("--rates", "100,none"): "a rate in Mbit/s",
                ("--configs", "ddp,localsgd"): "unknown configuration", ("--compressor", "zip"): "unknown compressor",
                ("--slow-factor", "0.5"): "1 \\(not slowed\\) or more", ("--overtrain", "0.5"): "1.0 or more"}
