@@ -1,7 +1,7 @@
 """DiLoCo on slow links: the language model under DDP, DiLoCo, asynchronous DiLoCo and hivemind, on emulated hosts.
 
-``python -m bench diloco [--quick] [--rates 100,10] [--seeds 3] [--inner-steps 50] [--model small] [--configs ...]
-[--out DIR]``
+``python -m bench diloco [--quick] [--rates 100,10] [--seeds 3] [--inner-steps 50] [--model small]
+[--async-until steps] [--configs ...] [--out DIR]``
 (root: it makes network namespaces). Issue 58's targets, measured side by side: ``bench.slowlink``'s machinery (a
 :class:`harness.netns.Topology` of a PS host and 2 worker hosts whose links htb caps at each rate in both directions,
 so every byte between two hosts crosses two capped links), one process per worker host, the language-model recipe's
@@ -25,7 +25,9 @@ each (:data:`CONFIGS`):
   configuration), with ``target_batch_size`` = DiLoCo's round, 2 x H x 32 samples (``bench.diloco_hivemind``).
 
 Every configuration but DDP trains ``overtrain`` x ``steps`` steps per worker, so that its time to DDP's loss can be
-read where it needs more samples than DDP for it; its loss at DDP's samples is read where it had trained them (the
+read where it needs more samples than DDP for it (with ``--async-until together``, async_diloco's host beside the
+slowed one trains ``--slow-factor`` x as many, so that it does not stop and leave the slowed host alone at the end;
+no round of async_diloco waits for the slowed host); its loss at DDP's samples is read where it had trained them (the
 central model after round ``steps / H``; hivemind's peer 0 at step ``steps``). The models evaluated: DDP's rank 0
 weights every ``snapshot_s`` seconds; the PS's central model at each of its versions, pulled over the PS host's own
 loopback by ``bench.diloco_observe``; hivemind's peer 0 every ``snapshot_s`` seconds; each on the same held-out
@@ -125,6 +127,10 @@ def run_spec(name: str, size: dict[str, Any], seed: int, ps_address: str, slow_s
                     hivemind_averaging_timeout=size.get("hivemind_averaging_timeout", 10.0))
     if cfg.get("slow"):
         spec.update(slow_rank=SLOW_RANK, slow_sleep_s=slow_sleep_s)
+        if cfg.get("mode") == "async_diloco" and size.get("async_until") == "together":
+            # no round waits for the slowed host: the other trains on while it does, slow_factor x its steps
+            fast = 1 - SLOW_RANK
+            spec["rank_max_steps"] = {str(fast): math.ceil(spec["max_steps"] * size["slow_factor"])}
     return spec
 
 
@@ -193,6 +199,7 @@ def measure(topo: Topology, name: str, size: dict[str, Any], seed: int, slow_sle
     with LinkMeter(topo) as meter:
         got = launch(topo, spec, out, size["timeout"])
     result: dict[str, Any] = {"name": name, "seed": seed, **CONFIGS[name], "max_steps": spec["max_steps"],
+                              "rank_max_steps": spec.get("rank_max_steps"),
                               "launch_s": round(time.monotonic() - started, 1), "load_average_at_start": load,
                               "wire_bytes": meter.wire()}
     if "error" in got:
@@ -320,6 +327,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compressor", default="none", help="the codec of DiLoCo's pushes (default: none, float32)")
     p.add_argument("--slow-factor", type=float, default=2.0, help="how much slower the slowed host's steps are in "
                    "the -slow configurations (default 2)")
+    p.add_argument("--async-until", choices=["steps", "together"], default="steps",
+                   help="beside the slowed host, async_diloco's other host trains the same steps and stops first "
+                   "(steps), or --slow-factor x them, so that both end about together (together) (default: steps)")
     p.add_argument("--hivemind-matchmaking-time", type=float, default=3.0, metavar="S",
                    help="hivemind.Optimizer's matchmaking_time (default: its quickstart's 3 s)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
@@ -340,7 +350,8 @@ def settings(args: argparse.Namespace) -> tuple[dict[str, Any], list[float], lis
     """
     name = "quick" if args.quick else "small"
     size = {**SIZES[name], "size": name, "slow_factor": args.slow_factor, "compressor": args.compressor,
-            "hivemind_matchmaking_time": args.hivemind_matchmaking_time, "model": MODELS[args.model]}
+            "hivemind_matchmaking_time": args.hivemind_matchmaking_time, "model": MODELS[args.model],
+            "async_until": args.async_until}
     for key in ("steps", "overtrain", "inner_steps", "seeds"):
         if getattr(args, key) is not None:
             size[key] = getattr(args, key)

@@ -4,8 +4,9 @@
 ``MASTER_ADDR`` as ``bench.slowlink`` sets them), a 2-node Lightning job of one device each. The spec (written by
 :mod:`bench.diloco_launch`) names the run: ``kind`` ``ddp`` (Lightning's DDP over gloo) or ``ps``
 (``AsyncPSStrategy(mode=..., inner_steps=H)`` on the external ``plug-asgd serve-ps`` at ``ps_address``), the model's
-and the data's sizes, the seed, the steps of each rank and the straggler: rank ``slow_rank`` sleeps ``slow_sleep_s``
-after each of its steps (:class:`bench.train.StepClock`'s sleep, the one ``bench stragglers`` uses).
+and the data's sizes, the seed, the steps of each rank (``rank_max_steps`` where one trains more) and the
+straggler: rank ``slow_rank`` sleeps ``slow_sleep_s`` after each of its steps (:class:`bench.train.StepClock`'s
+sleep, the one ``bench stragglers`` uses).
 
 Each rank writes ``rank{R}.json``: its steps, the wall-clock end of each step after the warm-up, its sleeps, the
 wall-clock time its fit began and the strategy's own byte counts. Under DDP rank 0 also keeps its weights every
@@ -133,8 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     run = {"warmup": spec["warmup"], "slow_rank": spec.get("slow_rank"), "slow_sleep_s": spec.get("slow_sleep_s"),
            "snapshot_every_s": spec.get("snapshot_every_s")}
     clock = Clock(run, rank)
+    max_steps = spec.get("rank_max_steps", {}).get(str(rank), spec["max_steps"])  # --async-until together
     trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=spec["nodes"], strategy=strategy, max_epochs=1000,
-                         max_steps=spec["max_steps"], limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+                         max_steps=max_steps, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
                          enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
                          callbacks=[clock])
     trainer.fit(model, datamodule=data_module(spec))

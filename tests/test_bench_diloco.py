@@ -5,6 +5,7 @@ against figures computed here."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 
@@ -25,6 +26,7 @@ from bench.diloco import (
 from bench.diloco_launch import LinkMeter
 from bench.diloco_report import markdown, pair_ratio, summarize, time_to
 from bench.slowlink import HIVEMIND_PYTHON
+from plug_asgd.recipes.lm import ByteGPT
 from plug_asgd.recipes.lm_data import FORTUNE_FILES, FORTUNES_DIR
 from tests.conftest import PYTHON, require_emulated_hosts, run_on_emulated_hosts, skip_unless_required
 
@@ -60,6 +62,12 @@ def test_each_configuration_is_a_launch_of_its_scheme_on_the_same_model_and_data
         "diloco-slow-f2": 2, "async_diloco-slow-sgd-f2": 2}
     assert specs["async_diloco-slow-sgd-f2"]["outer"] == specs["async_diloco-slow-sgd"]["outer"]
     assert specs["diloco-slow-f2"]["mode"] == "diloco" and specs["diloco-slow-f2"]["outer"] is None
+    # --async-until together: async_diloco's host beside the slowed one (w0) trains slow_factor x the steps; no
+    # other configuration changes
+    together = {n: run_spec(n, {**small, "async_until": "together"}, 2, "tcp://10.99.0.1:2223", 0.04) for n in CONFIGS}
+    assert {n: s.get("rank_max_steps") for n, s in together.items() if s.get("rank_max_steps")} == {
+        "async_diloco-slow": {"0": 1200}, "async_diloco-slow-sgd": {"0": 1200}, "async_diloco-slow-sgd-f2": {"0": 1200}}
+    assert all(together[n] == specs[n] for n in CONFIGS if "async_diloco" not in n)
     # hivemind averages as often as DiLoCo's rounds: its target batch is 2 workers x H x 32 samples
     assert specs["hivemind"]["hivemind_target_batch_size"] == 2 * 50 * BATCH
     assert specs["hivemind"]["hivemind_matchmaking_time"] == 3.0 and "mode" not in specs["hivemind"]
@@ -82,9 +90,13 @@ def test_the_flags_are_checked_before_any_host_is_made():
     assert (size["size"], size["steps"], size["inner_steps"], size["seeds"]) == ("small", 400, 20, 1)
     assert rates == [100.0, 10.0, 1.0] and names == DEFAULT_CONFIGS == [n for n in CONFIGS if "-f2" not in n]
     assert settings(_args("--quick"))[0]["steps"] == 40
+    assert size["async_until"] == "steps"
+    assert settings(_args("--async-until", "together"))[0]["async_until"] == "together"
     # --model recipe: the recipe's default width and depth (ByteGPT's defaults) on the same 32-byte windows
     recipe = settings(_args("--model", "recipe"))[0]
     assert size["model"] == MODEL and recipe["model"] == {**MODEL, "d_model": 192, "layers": 4, "heads": 6}
+    defaults = inspect.signature(ByteGPT).parameters
+    assert all(defaults[k].default == recipe["model"][k] for k in ("d_model", "layers", "heads"))
     assert run_spec("ddp", recipe, 0, "", 0.0)["model"] == recipe["model"]
     # by hand: embeddings 256 x 192 + 32 x 192; a block's 2 LayerNorms (2 x 384), qkv 192 x 576 + 576, proj
     # 192 x 192 + 192, MLP 192 x 768 + 768 and 768 x 192 + 192 (444,864), 4 of them; the last LayerNorm 384
