@@ -80,11 +80,11 @@ MODELS: dict[str, dict[str, Any]] = {
 SIZES: dict[str, dict[str, Any]] = {
     # the test suite's size: one rate, one seed, 40 steps (DDP), 60 (the others) at H = 10
     "quick": {"rates": [100.0], "seeds": 1, "steps": 40, "overtrain": 1.5, "inner_steps": 10, "warmup": 3,
-              "snapshot_s": 1.0, "val_windows": 128, "timeout": 240, "probe_s": 1.0, "probe_tries": 1},
+              "snapshot_s": 1.0, "val_windows": 128, "timeout": 240, "probe_s": 1.0, "probe_tries": 1, "model": MODEL},
     # 400 steps of 2 x 32 windows (25,600 samples, 819 kB of text) for DDP, 600 per worker for the others at H = 50
     # (8 rounds at DDP's samples, 12 in all); 512 held-out windows
     "small": {"rates": [100.0, 10.0], "seeds": 3, "steps": 400, "overtrain": 1.5, "inner_steps": 50, "warmup": 5,
-              "snapshot_s": 2.0, "val_windows": 512, "timeout": 900, "probe_s": 2.0, "probe_tries": 3},
+              "snapshot_s": 2.0, "val_windows": 512, "timeout": 900, "probe_s": 2.0, "probe_tries": 3, "model": MODEL},
 }
 
 
@@ -114,9 +114,9 @@ def run_spec(name: str, size: dict[str, Any], seed: int, ps_address: str, slow_s
     spec: dict[str, Any] = {
         "name": name, "kind": cfg["kind"], "nodes": 2, "seed": seed, "batch_size": BATCH,
         "max_steps": size["steps"] if cfg["kind"] == "ddp" else overtrained_steps(size),
-        "equal_steps": size["steps"], "warmup": size["warmup"], "model": dict(size.get("model", MODEL)),
+        "equal_steps": size["steps"], "warmup": size["warmup"], "model": dict(size["model"]),
         "data": {"data_dir": str(Path(os.environ.get("PLUG_ASGD_FORTUNES") or FORTUNES_DIR)),
-                 "context": size.get("model", MODEL)["max_context"], "val_windows": size["val_windows"]},
+                 "context": size["model"]["max_context"], "val_windows": size["val_windows"]},
         "snapshot_every_s": None if cfg["kind"] == "ps" else size["snapshot_s"]}
     if cfg["kind"] == "ps":
         spec.update(mode=cfg["mode"], inner_steps=size["inner_steps"], compressor=size.get("compressor", "none"),
@@ -281,11 +281,12 @@ def run(size: dict[str, Any], rates: list[float], names: list[str], seeds: list[
     """
     from bench.diloco_report import write_report
 
-    step_s = step_time(size.get("model", MODEL))
+    model = size["model"]
+    step_s = step_time(model)
     slow_sleep_s = (size["slow_factor"] - 1) * step_s
     results: dict[str, Any] = {"machine": machine(), "command": "python -m bench diloco " + " ".join(argv),
-                               "batch_size": BATCH, "model": size.get("model", MODEL), "step_s": step_s,
-                               "parameters": parameter_count(size.get("model", MODEL)),
+                               "batch_size": BATCH, "model": model, "step_s": step_s,
+                               "parameters": parameter_count(model),
                                "slow_sleep_s": slow_sleep_s, "overtrained_steps": overtrained_steps(size),
                                "size": {k: v for k, v in size.items() if k != "rates"},
                                "configs": {n: CONFIGS[n] for n in names}, "seeds": seeds, "rates": {}}

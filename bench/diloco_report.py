@@ -142,7 +142,7 @@ def _header(results: dict[str, Any]) -> list[str]:
     m, size, model = results["machine"], results["size"], results["model"]
     h = size["inner_steps"]
     params = f" ({results['parameters']:,} parameters)" if "parameters" in results else ""
-    together = ("its final loss is at the samples of `diloco, w1 slowed`'s." if size.get("async_until", "steps") ==
+    async_samples = ("its final loss is at the samples of `diloco, w1 slowed`'s." if size.get("async_until", "steps") ==
                 "steps" else f"beside the slowed host, its other host trains {size['slow_factor']:g}x the steps "
                 "(`--async-until together`), so both end about together; its final loss is at its own samples.")
     return [
@@ -171,7 +171,7 @@ def _header(results: dict[str, Any]) -> list[str]:
         "host's loopback). Time: wall clock from rank 0's start of training. Target loss: each seed's DDP final "
         "loss. kB/sample: both worker hosts' interface counters (tx + rx) over the launch, over the samples they "
         "trained; w0, w1: each host's over its own samples. async_diloco has no loss at DDP's samples (its rounds' "
-        f"lengths vary); {together} The hivemind ratio compares diloco without a slowed host. Median [min .. max] "
+        f"lengths vary); {async_samples} The hivemind ratio compares diloco without a slowed host. Median [min .. max] "
         "over seeds.", ""]
 
 
