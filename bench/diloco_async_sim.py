@@ -40,6 +40,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "diloco sgd lr 0.7": ("sync", {"name": "sgd", "lr": 0.7, "momentum": 0.0}),
     "async_diloco": ("async", {"name": "nesterov", "lr": 0.7, "momentum": 0.9}),
     "async nesterov m 0.5": ("async", {"name": "nesterov", "lr": 0.7, "momentum": 0.5}),
+    "async nesterov m 0.7": ("async", {"name": "nesterov", "lr": 0.7, "momentum": 0.7}),
+    "async nesterov lr 1.0 m 0.5": ("async", {"name": "nesterov", "lr": 1.0, "momentum": 0.5}),
     "async sgd lr 0.7": ("async", {"name": "sgd", "lr": 0.7, "momentum": 0.0}),
     "async sgd lr 1.0": ("async", {"name": "sgd", "lr": 1.0, "momentum": 0.0}),
 }

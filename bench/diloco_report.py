@@ -28,6 +28,10 @@ TARGETS: dict[str, tuple[str, str, float, float | None]] = {
     "time_async_sgd_f2_over_diloco_slow_f2": ("the same, both streaming (fragments=2)", "<=", 0.7, None),
     "time_async_sgd_f2_over_diloco_slow": ("the same, async_diloco streaming (fragments=2) / diloco whole", "<=", 0.7,
                                            None),
+    "time_async_m05_over_diloco_slow": ("the same, async_diloco with the delayed Nesterov at momentum 0.5 / diloco",
+                                        "<=", 0.7, None),
+    "time_async_m07_over_diloco_slow": ("the same, async_diloco with the delayed Nesterov at momentum 0.7 / diloco",
+                                        "<=", 0.7, None),
 }
 # (numerator, denominator, the runs' figure) of each ratio
 RATIOS: dict[str, tuple[str, str, str]] = {
@@ -39,15 +43,20 @@ RATIOS: dict[str, tuple[str, str, str]] = {
     "time_diloco_over_hivemind": ("diloco", "hivemind", "time"),
     "time_async_sgd_f2_over_diloco_slow_f2": ("async_diloco-slow-sgd-f2", "diloco-slow-f2", "time"),
     "time_async_sgd_f2_over_diloco_slow": ("async_diloco-slow-sgd-f2", "diloco-slow", "time"),
+    "time_async_m05_over_diloco_slow": ("async_diloco-slow-m05", "diloco-slow", "time"),
+    "time_async_m07_over_diloco_slow": ("async_diloco-slow-m07", "diloco-slow", "time"),
 }
 LABELS = {"ddp": "DDP (gloo)", "diloco": "diloco", "diloco-slow": "diloco, w1 slowed",
           "async_diloco-slow": "async_diloco, w1 slowed",
           "async_diloco-slow-sgd": "async_diloco, w1 slowed, outer SGD lr 1.0",
           "hivemind": "hivemind (local updates + averaging)", "diloco-slow-f2": "diloco, w1 slowed, fragments=2",
-          "async_diloco-slow-sgd-f2": "async_diloco, w1 slowed, outer SGD lr 1.0, fragments=2"}
+          "async_diloco-slow-sgd-f2": "async_diloco, w1 slowed, outer SGD lr 1.0, fragments=2",
+          "async_diloco-slow-m05": "async_diloco, w1 slowed, delayed Nesterov momentum 0.5",
+          "async_diloco-slow-m07": "async_diloco, w1 slowed, delayed Nesterov momentum 0.7"}
 COLORS = {"ddp": "black", "diloco": "tab:blue", "diloco-slow": "tab:cyan", "async_diloco-slow": "tab:orange",
           "async_diloco-slow-sgd": "tab:red", "hivemind": "tab:green", "diloco-slow-f2": "tab:purple",
-          "async_diloco-slow-sgd-f2": "tab:brown"}
+          "async_diloco-slow-sgd-f2": "tab:brown", "async_diloco-slow-m05": "tab:pink",
+          "async_diloco-slow-m07": "tab:olive"}
 
 
 def time_to(curve: list[list[Any]], loss: float | None) -> float | None:
@@ -158,7 +167,8 @@ def _header(results: dict[str, Any]) -> list[str]:
         f"past DDP's samples. diloco: H = {h} inner steps, Nesterov outer optimizer (lr 0.7, momentum 0.9), pushes "
         f"coded `{size.get('compressor', 'none')}`; async_diloco: the same H for a fast worker, dynamic local steps, "
         "the delayed Nesterov update (`outer SGD lr 1.0`: the outer step `{\"name\": \"sgd\", \"lr\": 1.0, "
-        "\"momentum\": 0}` instead). "
+        "\"momentum\": 0}` instead; `delayed Nesterov momentum 0.5` or `0.7`: the delayed Nesterov at lr 0.7 and that "
+        "momentum). "
         f"`w1 slowed`: host w1 sleeps {results['slow_sleep_s'] * 1e3:.1f} ms after "
         f"each step, {size['slow_factor']:g} - 1 times the {results['step_s'] * 1e3:.1f} ms of one step measured "
         "alone on one thread. hivemind 1.1.12: `hivemind.Optimizer(use_local_updates=True, matchmaking_time="

@@ -62,11 +62,16 @@ def test_each_configuration_is_a_launch_of_its_scheme_on_the_same_model_and_data
         "diloco-slow-f2": 2, "async_diloco-slow-sgd-f2": 2}
     assert specs["async_diloco-slow-sgd-f2"]["outer"] == specs["async_diloco-slow-sgd"]["outer"]
     assert specs["diloco-slow-f2"]["mode"] == "diloco" and specs["diloco-slow-f2"]["outer"] is None
+    # the delayed Nesterov at lower momenta, given to the workers and the PS as the outer SGD is
+    assert {n: specs[n]["outer"] for n in ("async_diloco-slow-m05", "async_diloco-slow-m07")} == {
+        "async_diloco-slow-m05": {"name": "nesterov", "lr": 0.7, "momentum": 0.5},
+        "async_diloco-slow-m07": {"name": "nesterov", "lr": 0.7, "momentum": 0.7}}
     # --async-until together: async_diloco's host beside the slowed one (w0) trains slow_factor x the steps; no
     # other configuration changes
     together = {n: run_spec(n, {**small, "async_until": "together"}, 2, "tcp://10.99.0.1:2223", 0.04) for n in CONFIGS}
     assert {n: s.get("rank_max_steps") for n, s in together.items() if s.get("rank_max_steps")} == {
-        "async_diloco-slow": {"0": 1200}, "async_diloco-slow-sgd": {"0": 1200}, "async_diloco-slow-sgd-f2": {"0": 1200}}
+        "async_diloco-slow": {"0": 1200}, "async_diloco-slow-sgd": {"0": 1200}, "async_diloco-slow-sgd-f2": {"0": 1200},
+        "async_diloco-slow-m05": {"0": 1200}, "async_diloco-slow-m07": {"0": 1200}}
     assert all(together[n] == specs[n] for n in CONFIGS if "async_diloco" not in n)
     # hivemind averages as often as DiLoCo's rounds: its target batch is 2 workers x H x 32 samples
     assert specs["hivemind"]["hivemind_target_batch_size"] == 2 * 50 * BATCH
@@ -88,7 +93,8 @@ def _args(*flags: str) -> argparse.Namespace:
 def test_the_flags_are_checked_before_any_host_is_made():
     size, rates, names = settings(_args("--inner-steps", "20", "--seeds", "1", "--rates", "100,10,1"))
     assert (size["size"], size["steps"], size["inner_steps"], size["seeds"]) == ("small", 400, 20, 1)
-    assert rates == [100.0, 10.0, 1.0] and names == DEFAULT_CONFIGS == [n for n in CONFIGS if "-f2" not in n]
+    assert rates == [100.0, 10.0, 1.0] and names == DEFAULT_CONFIGS == [
+        "ddp", "diloco", "diloco-slow", "async_diloco-slow", "async_diloco-slow-sgd", "hivemind"]
     assert settings(_args("--quick"))[0]["steps"] == 40
     assert size["async_until"] == "steps"
     assert settings(_args("--async-until", "together"))[0]["async_until"] == "together"
