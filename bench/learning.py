@@ -67,7 +67,11 @@ QUICK_ROWS = ("asgd", "sync", "diloco")
 VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
     "async_diloco-sgd": ("async_diloco", {"outer": {"name": "sgd", "lr": 1.0, "momentum": 0.0}},
                          "outer SGD lr 1.0, no momentum"),
+    "async_diloco-m05": ("async_diloco", {"outer": {"name": "nesterov", "lr": 0.7, "momentum": 0.5}},
+                         "delayed Nesterov lr 0.7, momentum 0.5"),
 }
+# variants run by --rows only, not in the default table
+OPT_IN = ("async_diloco-m05",)
 # the modes that refuse the models' optimizer: eamsgd is EASGD whose workers train with Nesterov momentum SGD (it
 # checks at fit), so it runs with that optimizer, paired with a DDP run of the same (NESTEROV_DDP)
 NESTEROV_ONLY = ("eamsgd",)
@@ -77,11 +81,16 @@ NESTEROV_TEXT = {"cnn": "Nesterov SGD lr 0.05 momentum 0.9", "lm": "Nesterov SGD
 STALL_S = {"full": 480, "quick": 180}
 
 
-def all_rows() -> list[str]:
-    """Every mode's name, in :data:`plug_asgd.modes.MODES`' order, each :data:`VARIANTS` row after its mode's."""
+def all_rows(opt_in: bool = False) -> list[str]:
+    """Every mode's name, in :data:`plug_asgd.modes.MODES`' order, each :data:`VARIANTS` row after its mode's.
+
+    Args:
+        opt_in: with the variants of :data:`OPT_IN` too (the rows ``--rows`` takes); else the default table's.
+    """
     from plug_asgd.modes import MODES
 
-    return [row for mode in MODES for row in (mode, *(v for v, spec in VARIANTS.items() if spec[0] == mode))]
+    return [row for mode in MODES for row in (mode, *(v for v, spec in VARIANTS.items()
+                                                      if spec[0] == mode and (opt_in or v not in OPT_IN)))]
 
 
 def default_inner_steps() -> int:
@@ -132,9 +141,9 @@ def plan(models: list[str], seeds: list[int], rows: list[str], size: str = "full
     Raises:
         ValueError: an unknown model or row.
     """
-    unknown = sorted(set(models) - set(MODELS)) + sorted(set(rows) - set(all_rows()))
+    unknown = sorted(set(models) - set(MODELS)) + sorted(set(rows) - set(all_rows(opt_in=True)))
     if unknown:
-        raise ValueError(f"unknown model(s) or row(s) {unknown}: models {list(MODELS)}, rows {all_rows()}")
+        raise ValueError(f"unknown model(s) or row(s) {unknown}: models {list(MODELS)}, rows {all_rows(opt_in=True)}")
     runs = []
     for model in models:
         steps = steps_per_worker(model, size)
@@ -216,7 +225,7 @@ def table(results: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
     """
     mine = [r for r in results if r.get("model", "cnn") == model]
     ddp = {(r["row"], r["seed"]): r for r in mine if r["row"] in ("ddp", NESTEROV_DDP) and _ok(r)}
-    order = ["ddp", *[n for m in all_rows() for n in ((NESTEROV_DDP, m) if m in NESTEROV_ONLY else (m,))]]
+    order = ["ddp", *[n for m in all_rows(opt_in=True) for n in ((NESTEROV_DDP, m) if m in NESTEROV_ONLY else (m,))]]
     out = []
     for row in sorted(dict.fromkeys(r["row"] for r in mine), key=lambda n: order.index(n) if n in order else 99):
         runs = sorted((r for r in mine if r["row"] == row), key=lambda r: r["seed"])
@@ -333,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="cnn,lm", help="comma-separated: cnn, lm (default: both)")
     parser.add_argument("--rows", nargs="+", default=None, metavar="ROW",
                         help="these rows only: modes, or " + ", ".join(VARIANTS) + " (default: every mode and "
-                             "those; --quick: " + " ".join(QUICK_ROWS) + ")")
+                             "those but " + ", ".join(OPT_IN) + "; --quick: " + " ".join(QUICK_ROWS) + ")")
     parser.add_argument("--inner-steps", type=int, default=None,
                         help="the DiLoCo rows' inner_steps on every model (default: the mode's, or lower where it "
                              f"makes fewer than {MIN_ROUNDS} rounds)")
