@@ -44,6 +44,9 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "async nesterov lr 1.0 m 0.5": ("async", {"name": "nesterov", "lr": 1.0, "momentum": 0.5}),
     "async sgd lr 0.7": ("async", {"name": "sgd", "lr": 0.7, "momentum": 0.0}),
     "async sgd lr 1.0": ("async", {"name": "sgd", "lr": 1.0, "momentum": 0.0}),
+    # not the library's: a reply that looks ahead (see simulate)
+    "async lookahead": ("lookahead", {"name": "nesterov", "lr": 0.7, "momentum": 0.9}),
+    "async lookahead m 0.5": ("lookahead", {"name": "nesterov", "lr": 0.7, "momentum": 0.5}),
 }
 
 
@@ -146,6 +149,13 @@ def simulate(config: str, seed: int, size: dict[str, Any]) -> dict[str, Any]:
         push = type("Push", (), {"update": {n: end[n] - bases[r][n] for n in names}, "token": (r, arrive[r])})()
         rule.push(state, push)
         bases[r] = {n: a.copy() for n, a in w.items()}  # the reply: the central model after this arrival
+        if kind == "lookahead":  # ... less the momentum step the cycle under way will take before r's next arrival
+            lr, mu = outer.lr, outer.momentum
+            for n, (_, done) in rule.cycles.items():
+                slots = rule.slots[n]
+                mean = slots["d"] / done  # the cycle's arrivals so far stand for its mean
+                b = slots.get("b")
+                bases[r][n] -= np.float32(lr * mu) * (mean if b is None else np.float32(mu) * b + mean)
         curve.append((arrive[r], loss(w)))
         arrive[r] += rounds[r] * workers[r].speed
     return {"config": config, "seed": seed, "curve": curve}
