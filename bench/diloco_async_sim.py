@@ -8,8 +8,12 @@ constant; batch 32 windows; each its own half of the training windows), worker 1
 simulated clock. Under ``async_diloco`` worker 1 makes ``inner_steps / slow_factor`` inner steps a round (the
 dynamic local steps' aim: both arrive as often), and each arrival is folded by the library's own
 :class:`~plug_asgd.modes.diloco_async.AsyncDiLoCoRule`; the worker then starts its next round from the central model
-after its own arrival, as a PS's reply gives it. ``diloco`` is the synchronous reference: both make ``inner_steps``
-steps from the same model, the round's mean pseudo-gradient stepped by the library's
+after its own arrival, as a PS's reply gives it (the ``lookahead`` configurations, which the library does not have:
+that model less the momentum step the delayed Nesterov's cycle under way is expected to take before the worker's
+next arrival, ``lr * mu * (mu * b + mean)`` with the cycle's arrivals so far for its mean, as the base the worker
+trains and measures its pseudo-gradient from; ``extrapolate``, a guess the worker could make alone: that model plus
+``mu`` times its move since the worker's previous reply). ``diloco`` is the synchronous reference: both make
+``inner_steps`` steps from the same model, the round's mean pseudo-gradient stepped by the library's
 :class:`~plug_asgd.modes.outer.OuterOptimizer`, a round lasting the slow worker's time. The central model is
 evaluated on the same held-out windows after each arrival (each round). Reported per configuration and seed: the
 final loss, the simulated time to the synchronous run's final loss of the same seed (over the synchronous run's
@@ -47,6 +51,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # not the library's: a reply that looks ahead (see simulate)
     "async lookahead": ("lookahead", {"name": "nesterov", "lr": 0.7, "momentum": 0.9}),
     "async lookahead m 0.5": ("lookahead", {"name": "nesterov", "lr": 0.7, "momentum": 0.5}),
+    "async extrapolate": ("extrapolate", {"name": "nesterov", "lr": 0.7, "momentum": 0.9}),
 }
 
 
@@ -79,6 +84,25 @@ class Worker:
             loss.backward()
             self.optimizer.step()
             self.step += 1
+
+
+def expected_momentum_step(rule: Any) -> dict[str, Any]:
+    """By tensor whose delayed-Nesterov cycle is under way, the step its momentum will take when the cycle closes,
+    ``lr * mu * (mu * b + mean)``, the cycle's arrivals so far standing for the mean of all of its arrivals.
+
+    Args:
+        rule: an :class:`~plug_asgd.modes.diloco_async.AsyncDiLoCoRule` with a Nesterov outer optimizer.
+    """
+    import numpy as np
+
+    lr, mu = rule.outer.lr, rule.outer.momentum
+    steps = {}
+    for name, (_, done) in rule.cycles.items():
+        slots = rule.slots[name]
+        mean = slots["d"] / done
+        b = slots.get("b")
+        steps[name] = np.float32(lr * mu) * (mean if b is None else np.float32(mu) * b + mean)
+    return steps
 
 
 def simulate(config: str, seed: int, size: dict[str, Any]) -> dict[str, Any]:
@@ -140,6 +164,7 @@ def simulate(config: str, seed: int, size: dict[str, Any]) -> dict[str, Any]:
     state = type("State", (), {"tensors": w, "version": 0})()
     rounds = [h, max(1, round(h / slow))]  # the dynamic local steps' aim: both arrive about as often
     bases = [{n: a.copy() for n, a in w.items()} for _ in workers]
+    replies: list[dict[str, np.ndarray] | None] = [None, None]  # "extrapolate": each worker's last reply
     arrive = [rounds[r] * workers[r].speed for r in range(2)]
     while min(worker.step for worker in workers) < steps:
         r = min(range(2), key=lambda i: (arrive[i], i))
@@ -150,12 +175,13 @@ def simulate(config: str, seed: int, size: dict[str, Any]) -> dict[str, Any]:
         rule.push(state, push)
         bases[r] = {n: a.copy() for n, a in w.items()}  # the reply: the central model after this arrival
         if kind == "lookahead":  # ... less the momentum step the cycle under way will take before r's next arrival
-            lr, mu = outer.lr, outer.momentum
-            for n, (_, done) in rule.cycles.items():
-                slots = rule.slots[n]
-                mean = slots["d"] / done  # the cycle's arrivals so far stand for its mean
-                b = slots.get("b")
-                bases[r][n] -= np.float32(lr * mu) * (mean if b is None else np.float32(mu) * b + mean)
+            for n, step in expected_momentum_step(rule).items():
+                bases[r][n] -= step
+        elif kind == "extrapolate":  # ... moved on by momentum x its move since r's last reply (the worker's guess)
+            last, replies[r] = replies[r], {n: a.copy() for n, a in w.items()}
+            if last is not None:
+                for n in names:
+                    bases[r][n] += np.float32(outer.momentum) * (w[n] - last[n])
         curve.append((arrive[r], loss(w)))
         arrive[r] += rounds[r] * workers[r].speed
     return {"config": config, "seed": seed, "curve": curve}
