@@ -155,7 +155,8 @@ def wait_for(condition, timeout: float = 30.0, what: str = "") -> None:
 
 
 def drive_rounds(clients: list, watchers: list[PSClient], initial: dict) -> tuple[list, dict]:
-    """The rounds of round_pushes, each rank's push from a thread of its own (a sync push waits for its round);
+    """The rounds of round_pushes, each rank's push from a thread of its own (a sync push waits for its round),
+    asking for the model ahead (async_diloco's momentum lookahead; the other rules anticipate nothing);
     the next rank pushes only once every PS (``watchers``: one per PS or shard) has received the last one, so
     every PS sees the same order. Returns each push's (rank, status, version, model) in order, and the final
     model."""
@@ -169,7 +170,7 @@ def drive_rounds(clients: list, watchers: list[PSClient], initial: dict) -> tupl
         threads, replies = [], {}
         for rank, update in pushes:
             def push(rank: int = rank, update: dict = update, replies: dict = replies) -> None:
-                replies[rank] = clients[rank].push(last[rank].version, update, want_model=True)
+                replies[rank] = clients[rank].push(last[rank].version, update, want_model=True, ahead=True)
 
             thread = threading.Thread(target=push)
             thread.start()
@@ -215,6 +216,9 @@ def test_two_shards_run_the_sync_rounds_of_one_ps_bit_for_bit(start_ps, mode, re
             assert same_bits(got_final, expected_final) and not same_bits(got_final, initial)
             versions = 12 if mode == "async_diloco" else 4  # one per push as it arrives; else one per round
             assert [s["version"] for s in sharded[0].stats()["shards"]] == [versions, versions]
+            # 3 workers, a cycle of 3 arrivals: its first 2 are answered ahead, on each shard as on one PS
+            ahead = 8 if mode == "async_diloco" else 0
+            assert [w.stats()["ahead_replies"] for w in watchers] == [ahead] * 3
     finally:
         for c in watchers:
             c.close()

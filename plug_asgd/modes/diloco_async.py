@@ -96,6 +96,27 @@ class AsyncDiLoCoRule(FoldRule):
         self.last_changed = frozenset(carried) if len(carried) < len(state.tensors) else None
         return [(push.token, APPLIED)]
 
+    @override
+    def ahead(self) -> dict[str, np.ndarray]:
+        """By tensor whose cycle is under way, the step its momentum will take when the cycle closes: Nesterov's
+        ``lr mu (mu b + mean)``, the cycle's arrivals so far standing for the mean of all of its arrivals; SGD's
+        ``lr mu b``, known already. A worker whose push opened the cycle trains its next round from the central
+        model less this step (``AsyncDiLoCo``'s ``momentum_lookahead``): without it, its next pseudo-gradient descends
+        again the stretch the momentum step covers once the cycle closes, and the central model swings."""
+        lr, mu = F32(self.outer.lr), F32(self.outer.momentum)
+        steps: dict[str, np.ndarray] = {}
+        if not self.outer.momentum:
+            return steps
+        for name, (_, done) in self.cycles.items():
+            slots = self.slots.get(name, {})
+            b, d = slots.get("b"), slots.get("d")
+            if self.outer.name == "nesterov" and d is not None and done > 0:
+                mean = d / F32(done)
+                steps[name] = (lr * mu) * (mean if b is None else mu * b + mean)
+            elif self.outer.name == "sgd" and b is not None:
+                steps[name] = (lr * mu) * b
+        return steps
+
     def _cycle(self, name: str) -> tuple[int, int]:
         """``name``'s cycle under way: its period and its arrivals before this one; a new one at the period now."""
         if name in self.cycles:
@@ -145,7 +166,10 @@ class AsyncDiLoCo(PushMode):
     PS applies it as it arrives, with the delayed Nesterov update (:class:`AsyncDiLoCoRule`); no worker waits for
     another. With ``dynamic_steps`` a slower worker makes fewer inner steps, so that every worker pushes about as
     often: each reply says how many others arrived since the worker's last push, and a worker that sees more than
-    ``workers - 1`` per push shortens its rounds to match (never above ``inner_steps``).
+    ``workers - 1`` per push shortens its rounds to match (never above ``inner_steps``). With ``momentum_lookahead`` a
+    worker whose push opened a cycle of the delayed momentum is answered with the central model less the momentum
+    step that cycle is expected to take (:meth:`AsyncDiLoCoRule.ahead`), and trains its next round from there: it
+    does not descend again what that step will cover, which at two workers swings the central model.
 
     Args:
         inner_steps: local steps between two pushes (a fast worker's; a slower one's are fewer).
@@ -156,6 +180,8 @@ class AsyncDiLoCo(PushMode):
             its staggered step (a slower worker's shortened rounds staggered alike).
         delay: arrivals between two moves of the outer momentum (of one fragment's); None: the number of workers.
         dynamic_steps: whether a slower worker shortens its rounds.
+        momentum_lookahead: whether a push asks for the central model less the momentum step its cycle is expected
+            to take, to train the next round from.
         push_every: set from ``inner_steps`` (give that).
         pull_every: must stay None: the new model comes with every reply.
         overlap: must stay False.
@@ -179,6 +205,7 @@ class AsyncDiLoCo(PushMode):
     fragments: int = 1
     delay: int | None = None
     dynamic_steps: bool = True
+    momentum_lookahead: bool = True
     push_every: int | None = None
 
     def __post_init__(self) -> None:
@@ -186,6 +213,8 @@ class AsyncDiLoCo(PushMode):
         super().__post_init__()
         if self.delay is not None and (isinstance(self.delay, bool) or self.delay < 1):
             raise ValueError(f"delay must be a whole number >= 1 of arrivals, got {self.delay!r}")
+        if not isinstance(self.momentum_lookahead, bool):
+            raise ValueError(f"momentum_lookahead must be True or False, got {self.momentum_lookahead!r}")
         if self.outer.name == "adam":  # type: ignore[union-attr]
             raise ValueError("async_diloco's delayed momentum is Nesterov's or SGD's: use outer='nesterov' or 'sgd'")
 
@@ -193,6 +222,11 @@ class AsyncDiLoCo(PushMode):
     @override
     def exchange(self) -> str:
         return "fragments" if self.fragments > 1 else super().exchange
+
+    @property
+    def asks_ahead(self) -> bool:
+        """Whether a push asks for the model ahead (:attr:`momentum_lookahead`, and an outer momentum to anticipate)."""
+        return self.momentum_lookahead and bool(self.outer.momentum)  # type: ignore[union-attr]
 
     @override
     def make_rule(self, options: Mapping[str, Any] | None = None) -> FoldRule:

@@ -70,6 +70,12 @@ class FoldRule(ABC):
         """
         return None
 
+    def ahead(self) -> dict[str, np.ndarray]:
+        """By tensor, the step the central model is expected to take before a worker that pushed just now pushes
+        again, where this rule can tell (async_diloco's delayed momentum): a reply that asks for it carries the
+        central model less that step (``ps/store.py``). Empty: nothing to anticipate."""
+        return {}
+
     def set_trainers(self, state: CentralState, ranks: frozenset[int]) -> list[Resolution]:
         """Called when workers join or leave training; a waiting push may now be released.
 

@@ -37,6 +37,7 @@ class _Reply:
     have: tuple[str, int] | None = None  # the central model its worker holds (ps/changes.py) ...
     held: tuple[str, int] | None = None  # ... or the copy it holds of one (ps/downlink.py)
     rank: int | None = None
+    ahead: bool = False  # the push asks for the model its rule anticipates (FoldRule.ahead), where there is one
 
 
 def _holds(msg: Message) -> dict[str, tuple[str, int] | None]:
@@ -72,7 +73,8 @@ class ModelRequests:
                   "epoch": self.epoch, **self.leadership()}
         if with_tensors:
             frames = self.store.reply_payload(fields, token and token.have, rank=token and token.rank,
-                                              held=token and token.held, push=push)
+                                              held=token and token.held, push=push,
+                                              ahead=token is not None and token.ahead)
             self.stats.model_bytes_out += self._send_frames(identity, frames)
         else:
             self._before_reply(identity)
@@ -126,12 +128,12 @@ class ModelRequests:
         seq = msg.int_field("seq", minimum=0)
         scaled_for = msg.float_field("scaled_for", minimum=0.0, maximum=MAX_SCALED_FOR, optional=True)
         model = msg.fields.get("model", True)
-        flags = {name: msg.fields.get(name, False) for name in ("weights", "lend")}
+        flags = {name: msg.fields.get(name, False) for name in ("weights", "lend", "ahead")}
         for name, value in flags.items():
             if not isinstance(value, bool):  # (1 == True: a membership test would let 1 through)
                 raise WireError("bad_field", f"field {name!r} must be true or false, got {value!r:.40}")
         token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all",
-                       rank=worker.rank, **_holds(msg))
+                       rank=worker.rank, ahead=flags.pop("ahead"), **_holds(msg))
         if self.replication.linked and not self.config.standby_window:  # the standby folds it first: what a
             # worker is answered, the standby holds (with a window, the whole state goes every N pushes instead; to
             # a standby being taken, it goes without waiting: the standby is named only once it holds it all)

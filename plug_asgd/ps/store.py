@@ -325,13 +325,16 @@ class Store(ABC):
         """The fold is done: note what the new central tensors are made of (``before``: the old ones)."""
 
     def reply_payload(self, fields: dict[str, Any], have: tuple[str, int] | None = None, *, rank: int | None = None,
-                      held: tuple[str, int] | None = None, push: bool = False) -> list[Any]:
+                      held: tuple[str, int] | None = None, push: bool = False, ahead: bool = False) -> list[Any]:
         """The frames of a ``model`` reply with ``fields`` and the central tensors, ready to send zero-copy.
 
         Only what the worker lacks, where that is less (``delta``): the changes since the central version it
         holds (``have``, ``ps/changes.py``), or, with a downlink fraction, the differences from the copy it
         holds (``held``, ``ps/downlink.py``), of which a reply to a ``push`` carries only the largest
-        (``approx``). ``rank``: the worker's, if a member.
+        (``approx``). ``rank``: the worker's, if a member. A reply to a push that asks to be ``ahead`` carries,
+        where the rule anticipates a step (:meth:`~plug_asgd.modes.rules.FoldRule.ahead`), the central model less
+        that step, whole and marked ``ahead``: the worker trains from it and holds no central model until its next
+        reply, so no later reply is a delta of it.
 
         Args:
             fields: the reply's header fields.
@@ -339,9 +342,16 @@ class Store(ABC):
             rank: the worker's rank; None: not a member (no downlink copy is kept for it).
             held: the ``[model_id, version]`` of the downlink copy the worker holds, or None.
             push: whether the reply answers a push (which may be approximate).
+            ahead: whether the push asked for the model its rule anticipates.
         """
         self.release()  # a reply in flight must not read memory its worker may write again
         model_id, version, central = self.changes.model_id, self.state.version, self.state.tensors
+        steps = self.rule.ahead() if push and ahead else {}
+        if steps:
+            self.stats.ahead_replies += 1
+            self.stats.model_replies += 1
+            return self._encode_reply({**fields, "ahead": True},
+                                      {n: t - steps[n] if n in steps else t for n, t in central.items()})
         fields = {**fields, "model_id": model_id}
         tensors: dict[str, Any] | None = None
         downlink = self.downlink if rank is not None else None

@@ -149,6 +149,9 @@ def _add_diloco_and_islands(parser: argparse.ArgumentParser) -> None:
                              "fields (default: nesterov, lr 0.7, momentum 0.9)")
     parser.add_argument("--fragments", type=int, default=None,
                         help="diloco/async_diloco: the model's parts, each synced at a staggered step (default 1)")
+    parser.add_argument("--no-momentum-lookahead", dest="momentum_lookahead", action="store_const", const=False,
+                        default=None, help="async_diloco: answer each push with the central model itself, not less "
+                                           "the outer momentum step its cycle is expected to take")
     parser.add_argument("--island", type=_island, default="auto", metavar="K|node|auto",
                         help="consecutive local ranks that train as one worker of the PS (1: every device; node: "
                              "each node; default auto: the node on several nodes, 1 on one)")
@@ -170,7 +173,8 @@ def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
                                  pull_every=args.pull_every, tau=args.tau, alpha=args.alpha,
                                  staleness_bound=args.staleness_bound,
                                  replicas_to_aggregate=args.replicas_to_aggregate, inner_steps=args.inner_steps,
-                                 outer=args.outer, fragments=args.fragments)
+                                 outer=args.outer, fragments=args.fragments,
+                                 momentum_lookahead=args.momentum_lookahead)
     return AsyncPSStrategy(mode=mode, compressor=codec, max_updates=args.max_updates,
                            ps_address=_addresses(args.ps_address), ps_shards=args.ps_shards,
                            resume_from=args.resume, ps_keys=args.ps_keys,

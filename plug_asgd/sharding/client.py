@@ -197,7 +197,7 @@ class ShardedClient:
     def push(self, base_version: int, update: Mapping[str, Tensor],
              want_model: bool | Literal["unless_own"] = True,
              while_waiting: Callable[[], None] | None = None, weights: bool = False,
-             lend: bool = False, scaled_for: float | None = None) -> ModelReply:
+             lend: bool = False, scaled_for: float | None = None, ahead: bool = False) -> ModelReply:
         """The push of ``PSClient.push``, each shard sent its pieces and its own base version, all at once
         (``scaled_for`` to each: each shard corrects its pieces by the staleness they land with there).
 
@@ -216,6 +216,7 @@ class ShardedClient:
             weights: must be False: a sharded PS takes no pushes of weights.
             lend: must be False, as ``weights``.
             scaled_for: the staleness the worker scaled the update for, sent to every shard; None: not scaled.
+            ahead: ask each shard for its pieces of the model its rule anticipates (``PSClient.push``'s).
 
         Raises:
             ValueError: for a push of weights, or of no tensor of the model.
@@ -231,7 +232,7 @@ class ShardedClient:
         first = asked[0]
         answers = self._each(lambda c, i: c.push(bases[i], parts[i], want_model,
                                                  while_waiting=while_waiting if i == first else None,
-                                                 scaled_for=scaled_for), asked)
+                                                 scaled_for=scaled_for, ahead=ahead), asked)
         self.pushes += 1
         status = combined_status([r.status for r in answers])  # the push's, whatever the pulls below answer
         self.partly_applied += status == PARTLY_APPLIED
@@ -342,4 +343,4 @@ class ShardedClient:
         parts = [by_shard[i].tensors if i in by_shard else {} for i in range(len(self.clients))]
         model = self.partition.assemble(parts, names) if tensors and not own else {}
         return ModelReply(version=version, status=status, stop=any(r.stop for r in answers), tensors=model,
-                          own=own, approx=any(r.approx for r in answers))
+                          own=own, approx=any(r.approx for r in answers), ahead=any(r.ahead for r in answers))

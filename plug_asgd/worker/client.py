@@ -245,7 +245,7 @@ class PSClient(Transport):
     def push(self, base_version: int, update: Mapping[str, Tensor],
              want_model: bool | Literal["unless_own"] = True,
              while_waiting: Callable[[], None] | None = None, weights: bool = False,
-             lend: bool = False, scaled_for: float | None = None) -> ModelReply:
+             lend: bool = False, scaled_for: float | None = None, ahead: bool = False) -> ModelReply:
         """Push an update; the reply carries the central model unless ``want_model`` is False.
 
         ``"unless_own"``: no tensors either when the PS folded the update into a model that nothing
@@ -285,6 +285,9 @@ class PSClient(Transport):
             weights: ``update`` holds the worker's weights, not a difference.
             lend: the PS may keep the pushed weight buffers as its model until its next answer to this client.
             scaled_for: the staleness the update was scaled for; None: not scaled.
+            ahead: ask for the central model less the step the PS's rule anticipates before this worker pushes
+                again (async_diloco's ``momentum_lookahead``): the reply says ``ahead`` where it carries that, and the
+                client then holds no central model until its next reply.
 
         Raises:
             ValueError: where ``want_model`` is none of True, False and ``"unless_own"``.
@@ -299,6 +302,8 @@ class PSClient(Transport):
             fields["lend"] = True
         if scaled_for is not None:
             fields["scaled_for"] = float(scaled_for)
+        if ahead:
+            fields["ahead"] = True
         if want_model is not False:
             fields = with_have(fields, self.held)
         try:

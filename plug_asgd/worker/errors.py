@@ -9,7 +9,8 @@ from typing import Any
 
 # What each reply to a push or a pull carried (CommCounters.replies): every push is answered by one of the push kinds,
 # every pull by one of the pull kinds.
-REPLY_KINDS = ("own", "whole", "delta", "approx", "no_model", "not_current", "duplicate", "pulled", "pulled_delta")
+REPLY_KINDS = ("own", "whole", "delta", "approx", "ahead", "no_model", "not_current", "duplicate", "pulled",
+               "pulled_delta")
 
 
 class PSError(RuntimeError):
@@ -49,7 +50,8 @@ class CommCounters:
             :class:`PSError`, is none of them). To a push: ``own`` (folded; no model: the worker makes it, base
             plus update), ``whole`` (the whole model), ``delta`` (only what changed since the model held: nothing
             where it held the current one), ``approx`` (only the largest differences from the copy held: a
-            downlink fraction), ``no_model`` (none asked for), ``not_current`` (weights the PS did not take:
+            downlink fraction), ``ahead`` (the whole model less the step the PS's rule anticipates: async_diloco's
+            ``momentum_lookahead``), ``no_model`` (none asked for), ``not_current`` (weights the PS did not take:
             nothing folded, no model; not in ``pushes``), ``duplicate`` (applied before a reconnection; the model
             then comes by a pull, counted as one). To a pull: ``pulled`` (the whole model) or ``pulled_delta``
             (what changed: nothing where the model held is current). On a sharded PS, each shard's reply.

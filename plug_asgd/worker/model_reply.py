@@ -42,6 +42,8 @@ class ModelReply:
         tensors: the central model by name (a delta reply's already patched in); empty where none came.
         own: no tensors: the central model is exactly the worker's base plus its update (or its weights).
         approx: the tensors are near the central model, not it: the PS sent only the largest differences.
+        ahead: the tensors are the central model less the step the PS's rule anticipates before the worker's next
+            push (:meth:`~plug_asgd.modes.rules.FoldRule.ahead`), which the push asked for: a base, not the model.
         changed: a delta reply's changes; None where the whole model came, or none.
     """
 
@@ -51,6 +53,7 @@ class ModelReply:
     tensors: dict[str, np.ndarray]
     own: bool = False  # no tensors: the central model is exactly the worker's base plus its update (or its weights)
     approx: bool = False  # near the central model, not it: the PS sent only the largest differences (downlink)
+    ahead: bool = False  # the central model less the step the PS's rule anticipates (a push that asked for it)
     changed: Changes | None = None  # a delta reply's changes; None: the whole model came, or none
 
 
@@ -84,6 +87,8 @@ def reply_kind(reply: Message, request: str) -> str:
         return "not_current"
     if reply.fields.get("approx") is True:
         return "approx"
+    if reply.fields.get("ahead") is True:
+        return "ahead"
     if delta:
         return "delta"
     return "whole" if reply.tensors else "no_model"
@@ -114,8 +119,10 @@ def model_reply(reply: Message, held: HeldModel | None, counters: CommCounters, 
                                          for n, t in tensors.items()})
         tensors = held.patch(tensors, version, exact=reply.fields.get("approx") is not True)
         counters.delta_replies += 1
-    elif tensors and held is not None:
-        held.keep(reply.fields.get("model_id"), version, tensors)
+    elif tensors and held is not None:  # a model ahead is not the central one: what is held is dropped
+        ahead = reply.fields.get("ahead") is True
+        held.keep(None if ahead else reply.fields.get("model_id"), version, tensors)
     return ModelReply(version=version, status=str(reply.fields.get("status")),
                       stop=bool(reply.fields.get("stop")), tensors=tensors, own=reply.fields.get("own") is True,
-                      approx=reply.fields.get("approx") is True, changed=changed)
+                      approx=reply.fields.get("approx") is True, ahead=reply.fields.get("ahead") is True,
+                      changed=changed)

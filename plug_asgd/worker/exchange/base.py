@@ -278,6 +278,13 @@ class Exchange(ABC):
         return False
 
     @property
+    def asks_ahead(self) -> bool:
+        """Whether pushes ask for the central model less the step the PS's rule anticipates (async_diloco's
+        ``momentum_lookahead``): the worker then trains its next round from that model and measures its update
+        from it."""
+        return bool(getattr(self.mode, "asks_ahead", False))
+
+    @property
     def nesterov_steps(self) -> bool:
         """Whether heavy-ball steps go in Nesterov's form: while others race this worker (a lone one's staleness is
         0: it trains the bits of plain Lightning); beside the look-ahead only where the worker scales its updates
@@ -334,7 +341,7 @@ class Exchange(ABC):
             else:
                 base.copy_(t.detach())
         self.based_on(reply)
-        self.base_is_central = central and not reply.approx
+        self.base_is_central = central and not (reply.approx or reply.ahead)
 
     def based_on(self, reply: ModelReply, central: bool = True) -> None:
         """``base`` is now version ``reply.version``: the central model itself, unless ``central`` is False.
@@ -343,7 +350,7 @@ class Exchange(ABC):
             reply: the PS's reply the base now stands for; its ``stop`` stops the fit.
             central: whether ``base`` is the central model of that version (False: the worker's own weights).
         """
-        self.base_is_central = central and not reply.approx  # an approximate reply: near the central model
+        self.base_is_central = central and not (reply.approx or reply.ahead)  # near the central model, or ahead
         self.base_lent = False  # whatever the PS held of ours, it gave back before this reply
         self.version = reply.version
         if central:

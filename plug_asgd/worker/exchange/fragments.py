@@ -187,7 +187,7 @@ class FragmentExchange(PushExchange):
                 if isinstance(update[name], Sparse):
                     self.compensator.mask(self.optimizers, tensors[name], update[name].indices)
         base, client, sent_at = self.fragment_versions[fragment], self._link.client, self.version
-        push = InFlight(lambda: client.push(base, update, want_model=True))
+        push = InFlight(lambda: client.push(base, update, want_model=True, ahead=self.asks_ahead))
         self.pending = (push, lambda: self.merge(push, fragment, sent, sent_at))
         self.pushed_at[fragment] = self.fit_step
         self.since_push = 0

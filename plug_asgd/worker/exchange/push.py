@@ -126,7 +126,8 @@ class PushExchange(UpdateMaking):
         # on cores the PS and the other workers need.
         guess = ask_own and self.weights_ok
         reply = link.client.push(base, update, want_model="unless_own" if ask_own else want_model,
-                                 while_waiting=own_model if guess else None, scaled_for=self.scaled_for())
+                                 while_waiting=own_model if guess else None, scaled_for=self.scaled_for(),
+                                 ahead=self.asks_ahead)
         self.count_staleness(reply, base)
         self.own_guesses[0] += guess
         self.own_guesses[1] += guess and reply.own
@@ -204,7 +205,8 @@ class PushExchange(UpdateMaking):
         """The held base this push goes from (its arrays, ``RESIDUAL`` or ``CENTRAL``, and the weights it
         works on), or None for the exchange's own: an encoded update, a pull due, the client holding the
         central model of our version, and the worker's pushes landing on the version they were based on (its
-        staleness estimate 0: nothing to scale or look ahead for). Float32 CPU tensors as numpy views; on a
+        staleness estimate 0: nothing to scale or look ahead for); never where pushes ask for a model ahead
+        (:attr:`asks_ahead`), which the held central model is not. Float32 CPU tensors as numpy views; on a
         GPU, where the codec selects the top of the difference and keeps its residual in the model, the tensors
         themselves (:mod:`.held_device`).
 
@@ -213,8 +215,8 @@ class PushExchange(UpdateMaking):
             want_model: whether the reply should carry the central model (a pull is due).
         """
         held = getattr(self._link.client, "held", None)
-        if (not want_model or self.dense(tensors) or held is None or held.model_id is None or not held.exact
-                or held.version != self.version or not tensors.keys() <= held.tensors.keys()
+        if (not want_model or self.asks_ahead or self.dense(tensors) or held is None or held.model_id is None
+                or not held.exact or held.version != self.version or not tensors.keys() <= held.tensors.keys()
                 or self.scale() != 1.0 or self.compensator.staleness > 0):
             return None
         kind = RESIDUAL if self.pending_residual() is not None else CENTRAL
