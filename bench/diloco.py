@@ -22,7 +22,9 @@ each (:data:`CONFIGS`):
 - ``diloco-slow-f2`` and ``async_diloco-slow-sgd-f2`` (by ``--configs`` only): the two beside the slowed host,
   streaming with ``fragments=2``;
 - ``async_diloco-slow-m05`` and ``async_diloco-slow-m07`` (by ``--configs`` only): ``async_diloco-slow`` with the
-  delayed Nesterov at momentum 0.5 and 0.7 (lr 0.7);
+  delayed Nesterov at momentum 0.5 and 0.7 (lr 0.7), without the momentum lookahead;
+- ``async_diloco-slow-nolookahead`` (by ``--configs`` only): ``async_diloco-slow`` with
+  ``momentum_lookahead=False``: each reply the central model itself;
 - ``hivemind``: hivemind 1.1.12's ``Optimizer(use_local_updates=True)`` parameter averaging (its quickstart's
   configuration), with ``target_batch_size`` = DiLoCo's round, 2 x H x 32 samples (``bench.diloco_hivemind``).
 
@@ -73,12 +75,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
                                  "outer": {"name": "sgd", "lr": 1.0, "momentum": 0.0}},
     # the delayed Nesterov at a lower momentum, which over 20 rounds of bench async_sim lags diloco less than the
     # outer SGD; asked for by --configs only
-    "async_diloco-slow-m05": {"kind": "ps", "mode": "async_diloco", "slow": True,
+    "async_diloco-slow-m05": {"kind": "ps", "mode": "async_diloco", "slow": True, "momentum_lookahead": False,
                               "outer": {"name": "nesterov", "lr": 0.7, "momentum": 0.5}},
-    "async_diloco-slow-m07": {"kind": "ps", "mode": "async_diloco", "slow": True,
+    "async_diloco-slow-m07": {"kind": "ps", "mode": "async_diloco", "slow": True, "momentum_lookahead": False,
                               "outer": {"name": "nesterov", "lr": 0.7, "momentum": 0.7}},
+    # each reply the central model itself, not less the momentum step its cycle is expected to take
+    "async_diloco-slow-nolookahead": {"kind": "ps", "mode": "async_diloco", "slow": True,
+                                      "momentum_lookahead": False},
 }
-OPT_IN = ("diloco-slow-f2", "async_diloco-slow-sgd-f2", "async_diloco-slow-m05", "async_diloco-slow-m07")
+OPT_IN = ("diloco-slow-f2", "async_diloco-slow-sgd-f2", "async_diloco-slow-m05", "async_diloco-slow-m07",
+          "async_diloco-slow-nolookahead")
 DEFAULT_CONFIGS = [name for name in CONFIGS if name not in OPT_IN]
 # tests/test_lm.py's LM_SMALL: 2 blocks 64 wide (118,528 parameters, 474 kB in float32), windows of 32 bytes
 MODEL: dict[str, Any] = {"d_model": 64, "layers": 2, "heads": 4, "max_context": 32, "warmup_steps": 20}
@@ -129,7 +135,8 @@ def run_spec(name: str, size: dict[str, Any], seed: int, ps_address: str, slow_s
         "snapshot_every_s": None if cfg["kind"] == "ps" else size["snapshot_s"]}
     if cfg["kind"] == "ps":
         spec.update(mode=cfg["mode"], inner_steps=size["inner_steps"], compressor=size.get("compressor", "none"),
-                    ps_address=ps_address, outer=cfg.get("outer"), fragments=cfg.get("fragments"))
+                    ps_address=ps_address, outer=cfg.get("outer"), fragments=cfg.get("fragments"),
+                    momentum_lookahead=cfg.get("momentum_lookahead"))
     if cfg["kind"] == "hivemind":
         spec.update(hivemind_target_batch_size=2 * size["inner_steps"] * BATCH,  # DiLoCo's round of samples
                     hivemind_matchmaking_time=size.get("hivemind_matchmaking_time", 3.0),

@@ -8,14 +8,16 @@ constant; batch 32 windows; each its own half of the training windows), worker 1
 simulated clock. Under ``async_diloco`` worker 1 makes ``inner_steps / slow_factor`` inner steps a round (the
 dynamic local steps' aim: both arrive as often), and each arrival is folded by the library's own
 :class:`~plug_asgd.modes.diloco_async.AsyncDiLoCoRule`; the worker then starts its next round from the central model
-after its own arrival, as a PS's reply gives it (the ``lookahead`` configurations, which the library does not have:
-that model less the momentum step the delayed Nesterov's cycle under way is expected to take before the worker's
-next arrival, ``lr * mu * (mu * b + mean)`` with the cycle's arrivals so far for its mean, as the base the worker
-trains and measures its pseudo-gradient from; ``extrapolate``, a guess the worker could make alone: that model plus
-``mu`` times its move since the worker's previous reply). ``diloco`` is the synchronous reference: both make
-``inner_steps`` steps from the same model, the round's mean pseudo-gradient stepped by the library's
-:class:`~plug_asgd.modes.outer.OuterOptimizer`, a round lasting the slow worker's time. The central model is
-evaluated on the same held-out windows after each arrival (each round). Reported per configuration and seed: the
+after its own arrival, as a PS's reply gives it (the ``lookahead`` configurations: that model less the momentum
+step the delayed Nesterov's cycle under way is expected to take before the worker's next arrival, ``lr * mu * (mu
+* b + mean)`` with the cycle's arrivals so far for its mean, as the base the worker trains and measures its
+pseudo-gradient from: the rule's :meth:`~plug_asgd.modes.diloco_async.AsyncDiLoCoRule.ahead`, which the library's
+replies carry under ``AsyncDiLoCo(momentum_lookahead=True)``, its default; the ``async`` configurations reply with
+the central model itself, as ``momentum_lookahead=False`` does; ``extrapolate``, a guess the worker could make
+alone: that model plus ``mu`` times its move since the worker's previous reply). ``diloco`` is the synchronous
+reference: both make ``inner_steps`` steps from the same model, the round's mean pseudo-gradient stepped by the
+library's :class:`~plug_asgd.modes.outer.OuterOptimizer`, a round lasting the slow worker's time. The central model
+is evaluated on the same held-out windows after each arrival (each round). Reported per configuration and seed: the
 final loss, the simulated time to the synchronous run's final loss of the same seed (over the synchronous run's
 time), and the largest rise of the loss from one evaluation to the next (the swing).
 """
@@ -48,7 +50,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "async nesterov lr 1.0 m 0.5": ("async", {"name": "nesterov", "lr": 1.0, "momentum": 0.5}),
     "async sgd lr 0.7": ("async", {"name": "sgd", "lr": 0.7, "momentum": 0.0}),
     "async sgd lr 1.0": ("async", {"name": "sgd", "lr": 1.0, "momentum": 0.0}),
-    # not the library's: a reply that looks ahead (see simulate)
+    # a reply that looks ahead, as the library's momentum lookahead (see simulate)
     "async lookahead": ("lookahead", {"name": "nesterov", "lr": 0.7, "momentum": 0.9}),
     "async lookahead m 0.5": ("lookahead", {"name": "nesterov", "lr": 0.7, "momentum": 0.5}),
     "async extrapolate": ("extrapolate", {"name": "nesterov", "lr": 0.7, "momentum": 0.9}),
@@ -84,25 +86,6 @@ class Worker:
             loss.backward()
             self.optimizer.step()
             self.step += 1
-
-
-def expected_momentum_step(rule: Any) -> dict[str, Any]:
-    """By tensor whose delayed-Nesterov cycle is under way, the step its momentum will take when the cycle closes,
-    ``lr * mu * (mu * b + mean)``, the cycle's arrivals so far standing for the mean of all of its arrivals.
-
-    Args:
-        rule: an :class:`~plug_asgd.modes.diloco_async.AsyncDiLoCoRule` with a Nesterov outer optimizer.
-    """
-    import numpy as np
-
-    lr, mu = rule.outer.lr, rule.outer.momentum
-    steps = {}
-    for name, (_, done) in rule.cycles.items():
-        slots = rule.slots[name]
-        mean = slots["d"] / done
-        b = slots.get("b")
-        steps[name] = np.float32(lr * mu) * (mean if b is None else np.float32(mu) * b + mean)
-    return steps
 
 
 def simulate(config: str, seed: int, size: dict[str, Any]) -> dict[str, Any]:
@@ -175,7 +158,7 @@ def simulate(config: str, seed: int, size: dict[str, Any]) -> dict[str, Any]:
         rule.push(state, push)
         bases[r] = {n: a.copy() for n, a in w.items()}  # the reply: the central model after this arrival
         if kind == "lookahead":  # ... less the momentum step the cycle under way will take before r's next arrival
-            for n, step in expected_momentum_step(rule).items():
+            for n, step in rule.ahead().items():
                 bases[r][n] -= step
         elif kind == "extrapolate":  # ... moved on by momentum x its move since r's last reply (the worker's guess)
             last, replies[r] = replies[r], {n: a.copy() for n, a in w.items()}

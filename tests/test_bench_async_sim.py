@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.diloco_async_sim import expected_momentum_step, main, markdown, simulate, summarize
+from bench.diloco_async_sim import main, markdown, simulate, summarize
 from plug_asgd.recipes.lm_data import FORTUNE_FILES, FORTUNES_DIR
 from tests.conftest import skip_unless_required
 
@@ -33,27 +33,6 @@ def test_the_table_reads_each_run_against_the_synchronous_run_of_its_seed():
     text = markdown(list(rows.values()), "python -m bench async_sim", {"inner_steps": 100, "steps": 600,
                                                                           "slow_factor": 2.0})
     assert "| async_diloco | nesterov lr 0.7 momentum 0.9 | 2.500, 2.900 | 0.75, never | +0.400, -0.200 |" in text
-
-
-def test_the_lookahead_is_the_momentum_step_of_the_cycle_under_way_by_hand():
-    import numpy as np
-
-    from plug_asgd.modes.diloco_async import AsyncDiLoCoRule
-    from plug_asgd.modes.outer import OuterOptimizer
-
-    rule = AsyncDiLoCoRule(OuterOptimizer("nesterov", lr=0.7, momentum=0.9))
-    rule.training_ranks = frozenset({0, 1})
-    state = type("State", (), {"tensors": {"w": np.zeros(2, np.float32)}, "version": 0})()
-
-    def arrive(g: list[float]) -> None:  # a push carries w - w_base, the negative pseudo-gradient
-        rule.push(state, type("Push", (), {"update": {"w": -np.array(g, np.float32)}, "token": 0})())
-
-    arrive([1.0, 2.0])  # the first cycle's first arrival: no momentum yet, the mean so far is [1, 2]
-    assert np.allclose(expected_momentum_step(rule)["w"], 0.7 * 0.9 * np.array([1.0, 2.0]))
-    arrive([3.0, 0.0])  # the cycle closes (b = [2, 1]): no cycle under way, nothing to look ahead to
-    assert expected_momentum_step(rule) == {}
-    arrive([0.0, 4.0])  # the second cycle opens: 0.7 * 0.9 * (0.9 * [2, 1] + [0, 4])
-    assert np.allclose(expected_momentum_step(rule)["w"], 0.63 * np.array([1.8, 4.9]))
 
 
 @pytest.mark.integration  # bench.common.machine asks git for the commit
