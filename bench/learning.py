@@ -67,11 +67,14 @@ QUICK_ROWS = ("asgd", "sync", "diloco")
 VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
     "async_diloco-sgd": ("async_diloco", {"outer": {"name": "sgd", "lr": 1.0, "momentum": 0.0}},
                          "outer SGD lr 1.0, no momentum"),
-    "async_diloco-m05": ("async_diloco", {"outer": {"name": "nesterov", "lr": 0.7, "momentum": 0.5}},
-                         "delayed Nesterov lr 0.7, momentum 0.5"),
+    "async_diloco-m05": ("async_diloco", {"outer": {"name": "nesterov", "lr": 0.7, "momentum": 0.5},
+                                          "momentum_lookahead": False},
+                         "delayed Nesterov lr 0.7, momentum 0.5, without the momentum lookahead"),
+    "async_diloco-nolookahead": ("async_diloco", {"momentum_lookahead": False},
+                                 "without the momentum lookahead (each reply the central model itself)"),
 }
 # variants run by --rows only, not in the default table
-OPT_IN = ("async_diloco-m05",)
+OPT_IN = ("async_diloco-m05", "async_diloco-nolookahead")
 # the modes that refuse the models' optimizer: eamsgd is EASGD whose workers train with Nesterov momentum SGD (it
 # checks at fit), so it runs with that optimizer, paired with a DDP run of the same (NESTEROV_DDP)
 NESTEROV_ONLY = ("eamsgd",)

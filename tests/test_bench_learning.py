@@ -47,12 +47,18 @@ def test_the_plan_runs_ddp_then_every_mode_per_model_and_seed_with_the_same_sett
     assert len({r["name"] for r in runs}) == len(runs)
     with pytest.raises(ValueError, match="unknown"):
         plan(["cnn"], [0], ["asgd", "nope"])
-    # the delayed Nesterov at momentum 0.5: asked for by --rows only, after the outer SGD's row
-    assert "async_diloco-m05" not in all_rows()
+    # the delayed Nesterov at momentum 0.5 (as measured: without the lookahead), and the default without the
+    # lookahead: asked for by --rows only, after the outer SGD's row
+    assert "async_diloco-m05" not in all_rows() and "async_diloco-nolookahead" not in all_rows()
     opt_in = all_rows(opt_in=True)
     assert opt_in.index("async_diloco-m05") == opt_in.index("async_diloco-sgd") + 1
+    assert opt_in.index("async_diloco-nolookahead") == opt_in.index("async_diloco-m05") + 1
     m05 = plan(["lm"], [0], ["async_diloco-m05"])[-1]
     assert (m05["mode"], m05["options"]["outer"]) == ("async_diloco", {"name": "nesterov", "lr": 0.7, "momentum": 0.5})
+    assert m05["options"]["momentum_lookahead"] is False
+    plain = plan(["lm"], [0], ["async_diloco-nolookahead"])[-1]
+    assert (plain["mode"], plain["options"]) == ("async_diloco", {"momentum_lookahead": False})
+    assert "options" not in plan(["lm"], [0], ["async_diloco"])[-1]  # the default: with the lookahead
 
 
 def test_diloco_keeps_its_default_inner_steps_where_it_makes_enough_rounds_and_says_so_where_not():
