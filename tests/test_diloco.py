@@ -273,8 +273,17 @@ def test_a_worker_that_stops_training_mid_cycle_leaves_the_cycles_period_as_it_w
     by_hand = W0 - lr * mean - lr * mu * mean
     np.testing.assert_allclose(state.tensors["w"], by_hand, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(state.tensors["w"], sync_state.tensors["w"], rtol=1e-5, atol=1e-6)
-    rule.push(state, Push(2, 1, 1, {"w": ROUNDS[1][1].copy()}))  # the next cycle: N = 1, the worker left training
-    assert rule.state()[0]["cycles"] == {} and rule.state()[1]["outer/d/w"].tobytes() == np.zeros(6, F32).tobytes()
+    # the next cycle keeps N = 2, the most workers that trained at once: rank 1's arrival applied at lr / 2, its
+    # momentum not moved until a second arrival (at N = 1 it was applied whole, with the momentum, at once)
+    before = state.tensors["w"].copy()
+    b = rule.state()[1]["outer/b/w"].copy()
+    rule.push(state, Push(2, 1, 1, {"w": ROUNDS[1][1].copy()}))
+    assert rule.state()[0]["cycles"] == {"w": [2, 1]} and rule.state()[0]["peak"] == 2
+    assert state.tensors["w"].tobytes() == (before - (lr / F32(2)) * (np.zeros(6, F32) + -ROUNDS[1][1])).tobytes()
+    assert rule.state()[1]["outer/b/w"].tobytes() == b.tobytes()
+    rule.set_trainers(state, frozenset())  # every worker has left: the next fit counts its own
+    rule.set_trainers(state, frozenset({0}))
+    assert rule.period == 1 and rule.state()[0]["peak"] == 1
 
 
 def test_a_checkpoint_without_cycles_resumes_its_count_of_arrivals():
