@@ -199,7 +199,11 @@ def test_a_keyless_join_without_the_secret_changes_nothing_and_a_flood_of_them_c
         flood.join(60)
         after, counters = _state(primary)
         pushed = len(alone) + len(during)
-        assert answered[0] == FLOOD_JOINS and counters["refused"]["bad_standby"] == FLOOD_JOINS + len(forged)
+        # every join refused; each refusal answered, or dropped and counted where the flood's connection had a full
+        # queue (ps/limits.py's REPLY_HWM: while the PS is busy, libzmq sees the flood's reads late), as a PS drops
+        # replies to any connection that does not keep up
+        dropped = sum(counters["replies_dropped"].values())
+        assert answered[0] + dropped == FLOOD_JOINS and counters["refused"]["bad_standby"] == FLOOD_JOINS + len(forged)
         assert after == {**before, "version": before["version"] + pushed}  # the pushes alone changed anything
         assert worker.pull().tensors["w"].tolist() == [float(pushed)] * 4
         assert len(during) >= 5 and max(during) < SLOWEST_PUSH_S, (len(during), max(during))
