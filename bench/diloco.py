@@ -25,6 +25,7 @@ each (:data:`CONFIGS`):
   delayed Nesterov at momentum 0.5 and 0.7 (lr 0.7), without the momentum lookahead;
 - ``async_diloco-slow-nolookahead`` (by ``--configs`` only): ``async_diloco-slow`` with
   ``momentum_lookahead=False``: each reply the central model itself;
+- ``async_diloco-slow-f2`` (by ``--configs`` only): ``async_diloco-slow`` streaming with ``fragments=2``;
 - ``hivemind``: hivemind 1.1.12's ``Optimizer(use_local_updates=True)`` parameter averaging (its quickstart's
   configuration), with ``target_batch_size`` = DiLoCo's round, 2 x H x 32 samples (``bench.diloco_hivemind``).
 
@@ -82,9 +83,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # each reply the central model itself, not less the momentum step its cycle is expected to take
     "async_diloco-slow-nolookahead": {"kind": "ps", "mode": "async_diloco", "slow": True,
                                       "momentum_lookahead": False},
+    "async_diloco-slow-f2": {"kind": "ps", "mode": "async_diloco", "slow": True, "fragments": 2},
 }
 OPT_IN = ("diloco-slow-f2", "async_diloco-slow-sgd-f2", "async_diloco-slow-m05", "async_diloco-slow-m07",
-          "async_diloco-slow-nolookahead")
+          "async_diloco-slow-nolookahead", "async_diloco-slow-f2")
 DEFAULT_CONFIGS = [name for name in CONFIGS if name not in OPT_IN]
 # tests/test_lm.py's LM_SMALL: 2 blocks 64 wide (118,528 parameters, 474 kB in float32), windows of 32 bytes
 MODEL: dict[str, Any] = {"d_model": 64, "layers": 2, "heads": 4, "max_context": 32, "warmup_steps": 20}

@@ -34,6 +34,8 @@ TARGETS: dict[str, tuple[str, str, float, float | None]] = {
                                         "<=", 0.7, None),
     "time_async_nolookahead_over_diloco_slow": ("the same, async_diloco without the momentum lookahead / diloco",
                                                 "<=", 0.7, None),
+    "time_async_f2_over_diloco_slow": ("the same, async_diloco streaming (fragments=2) / diloco whole", "<=", 0.7,
+                                       None),
 }
 # (numerator, denominator, the runs' figure) of each ratio
 RATIOS: dict[str, tuple[str, str, str]] = {
@@ -48,6 +50,7 @@ RATIOS: dict[str, tuple[str, str, str]] = {
     "time_async_m05_over_diloco_slow": ("async_diloco-slow-m05", "diloco-slow", "time"),
     "time_async_m07_over_diloco_slow": ("async_diloco-slow-m07", "diloco-slow", "time"),
     "time_async_nolookahead_over_diloco_slow": ("async_diloco-slow-nolookahead", "diloco-slow", "time"),
+    "time_async_f2_over_diloco_slow": ("async_diloco-slow-f2", "diloco-slow", "time"),
 }
 LABELS = {"ddp": "DDP (gloo)", "diloco": "diloco", "diloco-slow": "diloco, w1 slowed",
           "async_diloco-slow": "async_diloco, w1 slowed",
@@ -56,11 +59,13 @@ LABELS = {"ddp": "DDP (gloo)", "diloco": "diloco", "diloco-slow": "diloco, w1 sl
           "async_diloco-slow-sgd-f2": "async_diloco, w1 slowed, outer SGD lr 1.0, fragments=2",
           "async_diloco-slow-m05": "async_diloco, w1 slowed, delayed Nesterov momentum 0.5",
           "async_diloco-slow-m07": "async_diloco, w1 slowed, delayed Nesterov momentum 0.7",
-          "async_diloco-slow-nolookahead": "async_diloco, w1 slowed, without the momentum lookahead"}
+          "async_diloco-slow-nolookahead": "async_diloco, w1 slowed, without the momentum lookahead",
+          "async_diloco-slow-f2": "async_diloco, w1 slowed, fragments=2"}
 COLORS = {"ddp": "black", "diloco": "tab:blue", "diloco-slow": "tab:cyan", "async_diloco-slow": "tab:orange",
           "async_diloco-slow-sgd": "tab:red", "hivemind": "tab:green", "diloco-slow-f2": "tab:purple",
           "async_diloco-slow-sgd-f2": "tab:brown", "async_diloco-slow-m05": "tab:pink",
-          "async_diloco-slow-m07": "tab:olive", "async_diloco-slow-nolookahead": "tab:gray"}
+          "async_diloco-slow-m07": "tab:olive", "async_diloco-slow-nolookahead": "tab:gray",
+          "async_diloco-slow-f2": "gold"}
 
 
 def time_to(curve: list[list[Any]], loss: float | None) -> float | None:

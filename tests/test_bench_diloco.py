@@ -59,7 +59,7 @@ def test_each_configuration_is_a_launch_of_its_scheme_on_the_same_model_and_data
     assert all(specs[n]["outer"] is None for n in ("diloco", "diloco-slow", "async_diloco-slow"))
     # the streaming pair: the same two beside the slowed host, with fragments=2; the others whole
     assert {n: s.get("fragments") for n, s in specs.items() if s.get("fragments")} == {
-        "diloco-slow-f2": 2, "async_diloco-slow-sgd-f2": 2}
+        "diloco-slow-f2": 2, "async_diloco-slow-sgd-f2": 2, "async_diloco-slow-f2": 2}
     assert specs["async_diloco-slow-sgd-f2"]["outer"] == specs["async_diloco-slow-sgd"]["outer"]
     assert specs["diloco-slow-f2"]["mode"] == "diloco" and specs["diloco-slow-f2"]["outer"] is None
     # the delayed Nesterov at lower momenta, given to the workers and the PS as the outer SGD is
@@ -75,7 +75,7 @@ def test_each_configuration_is_a_launch_of_its_scheme_on_the_same_model_and_data
     assert {n: s.get("rank_max_steps") for n, s in together.items() if s.get("rank_max_steps")} == {
         "async_diloco-slow": {"0": 1200}, "async_diloco-slow-sgd": {"0": 1200}, "async_diloco-slow-sgd-f2": {"0": 1200},
         "async_diloco-slow-m05": {"0": 1200}, "async_diloco-slow-m07": {"0": 1200},
-        "async_diloco-slow-nolookahead": {"0": 1200}}
+        "async_diloco-slow-nolookahead": {"0": 1200}, "async_diloco-slow-f2": {"0": 1200}}
     assert all(together[n] == specs[n] for n in CONFIGS if "async_diloco" not in n)
     # hivemind averages as often as DiLoCo's rounds: its target batch is 2 workers x H x 32 samples
     assert specs["hivemind"]["hivemind_target_batch_size"] == 2 * 50 * BATCH
