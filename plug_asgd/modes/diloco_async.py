@@ -186,8 +186,8 @@ class AsyncDiLoCo(PushMode):
     Args:
         inner_steps: local steps between two pushes (a fast worker's; a slower one's are fewer).
         outer: the outer optimizer, ``"nesterov"`` (lr 0.7, momentum 0.9) or ``"sgd"``, as :class:`DiLoCo`'s. At
-            two workers that momentum swings the central model: docs/modes.md gives the outer SGD at lr 1.0 without
-            momentum for a few rounds, and momentum 0.5 for tens.
+            two workers of equal speed and a handful of rounds, docs/modes.md gives the outer SGD at lr 1.0 without
+            momentum.
         fragments: streaming fragments, as :class:`DiLoCo`'s: each fragment's pseudo-gradient a push of its own, at
             its staggered step (a slower worker's shortened rounds staggered alike).
         delay: arrivals between two moves of the outer momentum (of one fragment's); None: the number of workers

@@ -58,14 +58,16 @@ class FastStore(Store):
         tensors = self.state.tensors
         return {name: frame for name, (array, frame) in self._frames.items() if tensors.get(name) is array}
 
-    def _encode_reply(self, fields: dict[str, Any], tensors: dict[str, Tensor]) -> list[Any]:
-        frames = encode("model", fields, tensors, reuse=self.resent_frames())
+    def _encode_reply(self, fields: dict[str, Any], tensors: dict[str, Tensor],
+                      fresh: frozenset[str] = frozenset()) -> list[Any]:
+        reuse = {name: frame for name, frame in self.resent_frames().items() if name not in fresh}
+        frames = encode("model", fields, tensors, reuse=reuse)
         # received frames go out as they are (pyzmq shares their memory); the store's own arrays go out
         # zero-copy and tracked, so that a write knows when they are free again; a delta's sparse frames
-        # are gathered copies that nothing writes
+        # are gathered copies that nothing writes, as are the fresh arrays of a reply ahead
         owned = [False]  # the header; then per tensor: a dense one is the store's array, a sparse one 3 copies
-        for t in tensors.values():
-            owned += [False] * 3 if isinstance(t, Sparse) else [True]
+        for name, t in tensors.items():
+            owned += [False] * 3 if isinstance(t, Sparse) else [name not in fresh]
         parts = [f if not mine or isinstance(f, zmq.Frame) or memoryview(f).nbytes < self.copy_threshold
                  else zmq.Frame(f, track=True, copy=False) for f, mine in zip(frames, owned, strict=True)]
         self._in_flight += [p.tracker for p in parts if isinstance(p, zmq.Frame) and p.tracker is not None]

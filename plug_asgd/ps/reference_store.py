@@ -34,5 +34,6 @@ class ReferenceStore(Store):
                     before: dict[str, np.ndarray]) -> None:
         pass
 
-    def _encode_reply(self, fields: dict[str, Any], tensors: dict[str, Tensor]) -> list[Any]:
+    def _encode_reply(self, fields: dict[str, Any], tensors: dict[str, Tensor],
+                      fresh: frozenset[str] = frozenset()) -> list[Any]:
         return encode("model", fields, {n: t.copy() if isinstance(t, np.ndarray) else t for n, t in tensors.items()})

@@ -351,7 +351,8 @@ class Store(ABC):
             self.stats.ahead_replies += 1
             self.stats.model_replies += 1
             return self._encode_reply({**fields, "ahead": True},
-                                      {n: t - steps[n] if n in steps else t for n, t in central.items()})
+                                      {n: t - steps[n] if n in steps else t for n, t in central.items()},
+                                      fresh=frozenset(steps))
         fields = {**fields, "model_id": model_id}
         tensors: dict[str, Any] | None = None
         downlink = self.downlink if rank is not None else None
@@ -374,8 +375,10 @@ class Store(ABC):
         return self._encode_reply(fields, tensors)
 
     @abstractmethod
-    def _encode_reply(self, fields: dict[str, Any], tensors: dict[str, Tensor]) -> list[Any]:
-        """The frames of a ``model`` reply of ``tensors`` (central arrays, or sparse gathers of them)."""
+    def _encode_reply(self, fields: dict[str, Any], tensors: dict[str, Tensor],
+                      fresh: frozenset[str] = frozenset()) -> list[Any]:
+        """The frames of a ``model`` reply of ``tensors`` (central arrays, or sparse gathers of them; ``fresh``: the
+        names of new arrays that nothing else holds, as a reply ahead's)."""
 
     def release(self, session: str | None = None) -> None:  # noqa: B027 (a hook: only a lending store lends)
         """Stop using memory a worker lent (``session``'s only, if given), copying what is still the model.
