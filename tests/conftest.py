@@ -443,6 +443,23 @@ def once_per_session(tmp_path_factory, name: str):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def in_process_ps(mode: str, **options):
+    """A ParameterServer of ``mode`` serving from a thread of this process on a free loopback port, stopped after."""
+    import threading
+
+    from plug_asgd.ps import ParameterServer, PSConfig
+
+    server = ParameterServer(PSConfig(bind="tcp://127.0.0.1:*", mode=mode, **options))
+    serving = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 10}, daemon=True)
+    serving.start()
+    try:
+        yield server
+    finally:
+        server.request_stop()
+        serving.join(10)
+
+
 def serving_pair(address: str, tensors: dict, session: str = "raw") -> tuple:
     """A worker (rank 0 of 2) that initialised the PS at ``address`` with ``tensors``, and a raw DEALER socket
     to it that said hello as rank 1 in ``session``: the PS checks what it sends, not whether it may send."""

@@ -6,7 +6,6 @@ as on one PS: tests/test_sharding_modes.py)."""
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,10 +15,10 @@ import torch
 from plug_asgd import AsyncDiLoCo, OuterOptimizer
 from plug_asgd.modes import CentralState, Push
 from plug_asgd.modes.diloco_async import AsyncDiLoCoRule
-from plug_asgd.ps import ParameterServer, PSConfig
 from plug_asgd.worker.client import PSClient
 from plug_asgd.worker.exchange import Link, make_exchange
 from plug_asgd.worker.exchange.push import PushExchange
+from tests.conftest import in_process_ps
 
 F32 = np.float32
 RNG = np.random.default_rng(11)
@@ -142,56 +141,58 @@ def test_a_worker_trains_its_next_round_from_the_model_ahead_and_pushes_what_it_
     its next push carries the 4 steps it made since, measured from that model; rank 1's replies are the central
     model."""
     shapes = {"a": (16, 8), "b": (8,)}
-    server = ParameterServer(PSConfig(bind="tcp://127.0.0.1:*", mode="async_diloco", shm_pushes=False))
-    serving = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 10}, daemon=True)
-    serving.start()
     workers = []
-    try:
-        for rank in (0, 1):
-            client = PSClient(server.address, rank=rank, world_size=2, mode="async_diloco", request_timeout=30,
-                              heartbeat_s=None)
-            client.hello(stage=1, training=True, timeout=20)
-            g = torch.Generator().manual_seed(3)
-            tensors = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
-            log: list = []
-            exchange = make_exchange(AsyncDiLoCo(inner_steps=4, dynamic_steps=False), codec=None, shm_pushes=False)
-            assert isinstance(exchange, PushExchange)
-            exchange.attach(Link(client=Recording(client, log), tensors=lambda t=tensors: t, rank=rank,  # type: ignore[arg-type]
-                                 world_size=2, stage=1, fitting=True, barrier=lambda name: None, stop=lambda: None))
-            exchange.start_fit([torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)], rank, 2)
-            exchange.join(init=rank == 0)
-            workers.append(SimpleNamespace(exchange=exchange, log=log, tensors=tensors, client=client, bases=[]))
-        made: dict[int, list[dict[str, torch.Tensor]]] = {0: [], 1: []}
-        for t in range(1, 13):
-            for rank, w in enumerate(workers):
-                g = torch.Generator().manual_seed(100 * rank + t)
-                delta = {n: 0.01 * torch.randn(s, generator=g) for n, s in shapes.items()}
-                made[rank].append(delta)
+    with in_process_ps("async_diloco", shm_pushes=False) as server:
+        try:
+            _steps_in_turn(server, shapes, workers)
+        finally:
+            for w in workers:
+                w.client.close()
+    first, second = workers
+    assert [p.asked for p in first.log] == [True] * 3 and [p.reply.ahead for p in first.log] == [True] * 3
+    assert [p.reply.ahead for p in second.log] == [False] * 3
+    assert first.client.counters.replies["ahead"] == 3 and second.client.counters.replies["ahead"] == 0
+    for k, push in enumerate(first.log):
+        for name, (x, base) in first.bases[k].items():  # after the push: the reply's model, the base too
+            assert x.numpy().tobytes() == base.numpy().tobytes() == push.reply.tensors[name].tobytes()
+        if k:  # the next push: the 4 steps made since, from the model ahead
+            for name in shapes:
+                since = sum(first.made[s][name] for s in range(4 * k, 4 * k + 4))
+                np.testing.assert_allclose(push.update[name], since.numpy(), rtol=0, atol=1e-6)
+    assert not first.exchange.base_is_central
+    rule = server.store.rule
+    assert isinstance(rule, AsyncDiLoCoRule) and rule.arrivals == 6 and server.stats.ahead_replies == 3
 
-                def run(w=w, delta=delta) -> None:
-                    with torch.no_grad():
-                        for name, x in w.tensors.items():
-                            x.add_(delta[name])
 
-                w.exchange.step(run, w.exchange.optimizers[0])
-                if t % 4 == 0:  # just pushed: the weights and the base
-                    w.bases.append({n: (x.clone(), w.exchange.base[n].clone()) for n, x in w.tensors.items()})
-        first, second = workers
-        assert [p.asked for p in first.log] == [True] * 3 and [p.reply.ahead for p in first.log] == [True] * 3
-        assert [p.reply.ahead for p in second.log] == [False] * 3
-        assert first.client.counters.replies["ahead"] == 3 and second.client.counters.replies["ahead"] == 0
-        for k, push in enumerate(first.log):
-            for name, (x, base) in first.bases[k].items():  # after the push: the reply's model, the base too
-                assert x.numpy().tobytes() == base.numpy().tobytes() == push.reply.tensors[name].tobytes()
-            if k:  # the next push: the 4 steps made since, from the model ahead
-                for name in shapes:
-                    since = sum(made[0][s][name] for s in range(4 * k, 4 * k + 4))
-                    np.testing.assert_allclose(push.update[name], since.numpy(), rtol=0, atol=1e-6)
-        assert not first.exchange.base_is_central
-        rule = server.store.rule
-        assert isinstance(rule, AsyncDiLoCoRule) and rule.arrivals == 6 and server.stats.ahead_replies == 3
-    finally:
-        for w in workers:
-            w.client.close()
-        server.request_stop()
-        serving.join(10)
+def _steps_in_turn(server, shapes: dict, workers: list) -> None:
+    """Two AsyncDiLoCo(inner_steps=4) workers joined to ``server`` (appended to ``workers`` as they join), each
+    making 12 local steps in turn; each worker's steps, its push log, and its weights and base after each push."""
+    for rank in (0, 1):
+        client = PSClient(server.address, rank=rank, world_size=2, mode="async_diloco", request_timeout=30,
+                          heartbeat_s=None)
+        workers.append(SimpleNamespace(client=client, log=[], bases=[], made=[]))
+        client.hello(stage=1, training=True, timeout=20)
+        g = torch.Generator().manual_seed(3)
+        tensors = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+        exchange = make_exchange(AsyncDiLoCo(inner_steps=4, dynamic_steps=False), codec=None, shm_pushes=False)
+        assert isinstance(exchange, PushExchange)
+        exchange.attach(Link(client=Recording(client, workers[-1].log), tensors=lambda t=tensors: t,  # type: ignore[arg-type]
+                             rank=rank, world_size=2, stage=1, fitting=True, barrier=lambda name: None,
+                             stop=lambda: None))
+        exchange.start_fit([torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)], rank, 2)
+        exchange.join(init=rank == 0)
+        workers[-1].exchange, workers[-1].tensors = exchange, tensors
+    for t in range(1, 13):
+        for rank, w in enumerate(workers):
+            g = torch.Generator().manual_seed(100 * rank + t)
+            delta = {n: 0.01 * torch.randn(s, generator=g) for n, s in shapes.items()}
+            w.made.append(delta)
+
+            def run(w=w, delta=delta) -> None:
+                with torch.no_grad():
+                    for name, x in w.tensors.items():
+                        x.add_(delta[name])
+
+            w.exchange.step(run, w.exchange.optimizers[0])
+            if t % 4 == 0:  # just pushed: the weights and the base
+                w.bases.append({n: (x.clone(), w.exchange.base[n].clone()) for n, x in w.tensors.items()})
