@@ -30,8 +30,7 @@ class FoldRule(ABC):
     # update does not name (a sparse update: only its indices): the PS can then send a worker only
     # what changed since its base (``plug_asgd.ps.changes``).
     changes_only_pushed = False
-    # True when a rule folds each push in as it arrives with ``Push.scale`` applied (``_fold_all`` does): the PS
-    # may then correct a worker's estimate of its staleness.
+    # True when a rule folds each push as it arrives, ``Push.scale`` applied: the PS may correct its staleness.
     corrects = False
     # True when a rule scales a push its worker did not scale by the push's staleness itself (dynsgd's): a worker
     # then scales only a push it says it scaled (``scaled_for``), or it would be scaled twice.
@@ -71,9 +70,7 @@ class FoldRule(ABC):
         return None
 
     def ahead(self) -> dict[str, np.ndarray]:
-        """By tensor, the step the central model is expected to take before a worker that pushed just now pushes
-        again, where this rule can tell (async_diloco's delayed momentum): a reply that asks for it carries the
-        central model less that step (``ps/store.py``). Empty: nothing to anticipate."""
+        """By tensor, the step expected before a worker that just pushed pushes again (a reply ahead: ps/store.py)."""
         return {}
 
     def set_trainers(self, state: CentralState, ranks: frozenset[int]) -> list[Resolution]:
