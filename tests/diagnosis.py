@@ -6,6 +6,7 @@ every thread's stack, and the machine's load. tests/conftest.py adds it to such 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -99,6 +100,22 @@ def thread_stacks() -> str:
                      for ident, frame in sys._current_frames().items())
 
 
+def native_stacks(timeout_s: float = 60.0) -> str:
+    """Each thread's native stack, ZeroMQ's I/O threads' included, from gdb attached to this process for a moment:
+    where the shared context is stuck, its I/O thread shows whether it waits for a lock (a ``futex``, a zero-copy
+    frame's free callback) or for a wake-up that never came (``epoll_wait``). Says so where gdb is not installed."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return "native stacks: gdb is not installed"
+    command = [gdb, "-p", str(os.getpid()), "-batch", "-nx", "-ex", "thread apply all bt 16"]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"native stacks: gdb failed ({exc})"
+    threads = [block for block in out.stdout.split("\n\nThread ") if block.strip()]
+    return "native stacks:\n" + "\n\n".join(threads)[-12000:]
+
+
 def machine_load() -> str:
     """The load average and the memory available, which make a slow machine tell from a silent PS."""
     try:
@@ -114,4 +131,5 @@ def report(started: dict[str, subprocess.Popen]) -> str:
     parts = [machine_load(), zmq_round_trip(shared=True), zmq_round_trip(shared=False)]
     parts += [f"PS at {address}: {process_state(proc)}" for address, proc in started.items()]
     parts.append(thread_stacks())
+    parts.append(native_stacks())
     return "\n\n".join(parts)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 
 import pytest
 
-from tests.diagnosis import process_state, report, waited_on_a_ps, zmq_round_trip
+from tests.diagnosis import native_stacks, process_state, report, waited_on_a_ps, zmq_round_trip
 
 pytestmark = pytest.mark.integration
 
@@ -16,6 +17,19 @@ def test_a_round_trip_through_either_context_is_reported_with_its_time():
     for shared, which in ((True, "zmq.Context.instance()"), (False, "a fresh zmq.Context")):
         said = zmq_round_trip(shared)
         assert said.startswith(f"{which}: a round trip in ") and said.endswith(" ms"), said
+
+
+def test_native_stacks_show_zeromqs_io_threads_waiting_where_they_wait():
+    import zmq
+
+    zmq.Context.instance()  # its I/O thread and reaper run from here on
+    said = native_stacks()
+    if shutil.which("gdb") is None:
+        assert said == "native stacks: gdb is not installed"
+        return
+    assert said.startswith("native stacks:\n") and '"ZMQbg/IO/0"' in said and '"ZMQbg/Reaper"' in said, said
+    io_thread = said.split('"ZMQbg/IO/0"')[1].split("\n\n")[0]
+    assert "epoll_wait" in io_thread, io_thread  # an idle I/O thread waits for its sockets, not for a lock
 
 
 def test_a_process_is_reported_running_or_with_its_exit_code_and_what_it_printed(procs):

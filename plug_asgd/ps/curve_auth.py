@@ -17,6 +17,8 @@ from typing import Any
 
 import zmq
 
+from plug_asgd.protocol.monitor import monitor_socket
+
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 LINK_DOMAIN = "plug_asgd.link"  # the ZAP domain of a standby's record socket
@@ -46,7 +48,7 @@ def authenticate(ctx: zmq.Context, socket: zmq.Socket, keys: Any) -> tuple[Any, 
     socket.curve_server = True
     socket.curve_publickey = keys.public
     socket.curve_secretkey = keys.secret
-    return auth, socket.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
+    return auth, monitor_socket(socket, HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
 
 
 def plain_link(ctx: zmq.Context, token: str) -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 
 import zmq
 
+from plug_asgd.protocol.monitor import monitor_socket
 from plug_asgd.protocol.wire import Limits, Tensor, WireError, decode, encode
 from plug_asgd.ps.curve_auth import client_socket
 
@@ -88,7 +89,7 @@ class StandbyJoin:
                                              "it first, or join this one to the standby instead")
         sock = client_socket(self._ctx, self._keys, link=link)
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        monitor = monitor_socket(sock, zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sock.connect(link_address)
         now = time.monotonic()
         self._sock, self._link = sock, link

@@ -28,6 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.compressors.heap import keep_freed_memory
 from plug_asgd.modes import server_knobs
+from plug_asgd.protocol.monitor import monitor_socket
 from plug_asgd.protocol.security import load_server_keys, load_standby_keys
 from plug_asgd.protocol.wire import Local, Message, Tensor, WireError, decode, encode, message_bytes
 from plug_asgd.ps import failure
@@ -101,7 +102,7 @@ class ParameterServer(ModelRequests, Failover):
         if server_keys is not None:
             self._auth, self._monitor = authenticate(self._ctx, self.socket, server_keys)
         else:  # a connection that closes: its queued replies' memory goes back to the system (Replies.closed)
-            self._monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitor = monitor_socket(self.socket, zmq.EVENT_DISCONNECTED)
         try:
             self.socket.bind(config.bind)
         except zmq.ZMQError as exc:

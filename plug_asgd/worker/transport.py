@@ -29,6 +29,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from plug_asgd.protocol.monitor import monitor_socket
 from plug_asgd.protocol.security import KEYGEN_HINT, load_worker_keys
 from plug_asgd.protocol.wire import (
     DEFAULT_LIMITS,
@@ -108,8 +109,8 @@ class Transport(LeaderWatch):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
         self._secure(self._sock)
-        self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
+        self._monitor = monitor_socket(
+            self._sock, zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
