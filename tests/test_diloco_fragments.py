@@ -105,7 +105,8 @@ class Recording:
         self.log.append(SimpleNamespace(base=base_version, names=sorted(update), status=reply.status,
                                         version=reply.version, bytes=counters.push_bytes_up - up,
                                         down=counters.bytes_down - down,
-                                        sent_back=None if reply.changed is None else sorted(reply.changed.indices)))
+                                        sent_back=None if reply.changed is None else sorted(reply.changed.indices),
+                                        part=reply.part, returned=sorted(reply.tensors)))
         return reply
 
 
@@ -243,7 +244,7 @@ def test_a_flush_pushes_every_fragment_with_steps_not_pushed_and_leaves_every_ba
 def test_a_fragments_push_carries_about_one_fragment_of_a_whole_pushs_bytes(codec):
     """F = 2: each push's frame bytes against the whole push of diloco at F = 1 (same tensors, same codec): about
     half, and a fragment of each pushes together what the whole one does (less one frame's header). The replies
-    too: each carries the tensors its round changed (what the worker's held model lacks), not the whole model."""
+    too: each carries its fragment's tensors only (``part``), not the whole model."""
     whole, _, _ = fit(DiLoCo(inner_steps=4), steps=8, codec=codec, threads=True)
     whole_bytes = [p.bytes for p in whole[0][1]]
     assert len(whole_bytes) == 2 and abs(whole_bytes[0] - whole_bytes[1]) < 64  # (the headers' numbers)
@@ -258,9 +259,9 @@ def test_a_fragments_push_carries_about_one_fragment_of_a_whole_pushs_bytes(code
         assert 0.45 < nbytes / whole_bytes[0] < 0.55
     assert abs(part_bytes[0] + part_bytes[1] - whole_bytes[0]) < 1024
     whole_down = whole[0][1][0].down
-    assert all(p.sent_back is None for p in whole[0][1])  # (F = 1: the whole model, as before)
+    assert all(p.sent_back is None and not p.part for p in whole[0][1])  # (F = 1: the whole model, as before)
     for p in parts[0][1]:
-        assert p.sent_back == p.names  # the round of its fragment, nothing else changed since the last reply
+        assert p.part and p.returned == p.names and p.sent_back is None  # the fragment, whole
         assert sum(sizes[n] for n in p.names) * 4 <= p.down < sum(sizes[n] for n in p.names) * 4 + 1024
         assert 0.45 < p.down / whole_down < 0.55
 

@@ -117,6 +117,39 @@ def test_a_real_ps_answers_the_push_opening_a_cycle_ahead_and_every_other_reques
             c.close()
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+def test_a_push_that_wants_its_own_tensors_gets_them_only_ahead_or_central_and_the_held_model_stays(start_ps):
+    """Streaming's fragments (``want_model="pushed"``) on a PS process: a model of two tensors, pushes of ``w``
+    only. Rank 0's opens ``w``'s cycle: its reply is ``w`` alone, less the anticipated step, bit for bit, marked
+    ``ahead`` and ``part``, and the client still holds the central model it held (the init's). Rank 1's closes the
+    cycle: ``w`` alone, central. A pull after them is then a delta of that held model: the central model."""
+    address = start_ps("async_diloco")
+    clients = [PSClient(address, rank=r, world_size=2, mode="async_diloco", request_timeout=30, heartbeat_s=None)
+               for r in (0, 1)]
+    hand, v0 = expected(), RNG.standard_normal(4).astype(F32)
+    try:
+        for c in clients:
+            c.hello(stage=1, training=True, timeout=30)
+        assert clients[0].init({"w": W0.copy(), "v": v0})
+        held = clients[0].held.have
+        first = clients[0].push(0, {"w": U[0].copy()}, want_model="pushed", ahead=True)
+        assert first.ahead and first.part and list(first.tensors) == ["w"] and first.version == 1
+        assert first.tensors["w"].tobytes() == hand[0][1].tobytes()
+        assert clients[0].held.have == held and clients[0].counters.replies["ahead"] == 1
+        second = clients[1].push(0, {"w": U[1].copy()}, want_model="pushed", ahead=True)
+        assert second.part and not second.ahead and list(second.tensors) == ["w"]
+        assert second.tensors["w"].tobytes() == hand[1][0].tobytes() and clients[1].counters.replies["part"] == 1
+        pulled = clients[0].pull()
+        assert clients[0].counters.replies["pulled_delta"] == 1 and pulled.version == 2
+        assert pulled.tensors["w"].tobytes() == hand[1][0].tobytes() and pulled.tensors["v"].tobytes() == v0.tobytes()
+        stats = clients[0].stats()
+        assert stats["ahead_replies"] == 1 and stats["part_replies"] == 2 and stats["model_replies"] == 3
+    finally:
+        for c in clients:
+            c.close()
+
+
 class Recording:
     """A PSClient that records each push's update and reply."""
 

@@ -70,6 +70,15 @@ def ps_client(address: str, mode: str) -> PSClient:
     return PSClient(address, rank=0, world_size=1, mode=mode, request_timeout=20, heartbeat_s=None)
 
 
+def ps_stats(address: str, mode: str) -> dict:
+    """The PS's counters, through a bystander connection closed after (an open one would keep reconnecting)."""
+    client = ps_client(address, mode)
+    try:
+        return client.stats()
+    finally:
+        client.close()
+
+
 def finish(proc: subprocess.Popen, timeout: float = 60) -> str:
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out[-3000:]
@@ -101,7 +110,7 @@ def test_sync_stops_waiting_for_a_killed_worker_and_a_restarted_one_rejoins(proc
     wait_for(lambda: any(r["t"] > killed_at + 0.5 for r in pushes(log0)), 5 * TIMEOUT, "rank 0 to go on alone")
     stall = min(r["t"] for r in pushes(log0) if r["t"] > killed_at) - killed_at
     assert stall <= TIMEOUT + 2.0, f"rank 0 waited {stall:.1f} s for a worker dead since then"
-    stats = ps_client(address, "sync").stats()
+    stats = ps_stats(address, "sync")
     assert stats["lost"] == [1] and stats["workers_lost"] == 1
     w1b = start_worker(procs, address, 1, log1b, mode="sync", pushes=20, delta=3.0)
     finish(w1b)
@@ -149,7 +158,7 @@ def test_a_frozen_worker_is_lost_then_taken_back_and_its_stale_push_meets_the_ru
     w1.send_signal(signal.SIGSTOP)
     frozen_at = time.time()
     time.sleep(TIMEOUT + 2.0)
-    stats = ps_client(address, mode).stats()
+    stats = ps_stats(address, mode)
     assert stats["lost"] == [1], stats
     progressed = [r for r in pushes(log0) if r["t"] > frozen_at + TIMEOUT + 1.0]
     assert progressed, "rank 0 did not go on while rank 1 was frozen"
@@ -157,7 +166,7 @@ def test_a_frozen_worker_is_lost_then_taken_back_and_its_stale_push_meets_the_ru
     w1.send_signal(signal.SIGCONT)
     finish(w1)
     finish(w0)
-    stats = ps_client(address, mode).stats()
+    stats = ps_stats(address, mode)
     assert stats["workers_back"] == 1 and stats["lost"] == []
 
     rows = [(0, 1.0, r) for r in pushes(log0)] + [(1, 3.0, r) for r in pushes(log1)]

@@ -97,10 +97,14 @@ def test_malformed_messages_get_error_replies_and_the_model_is_untouched(start_p
     for code, frames in cases.items():
         reply = ask(frames)
         assert reply.type == "error" and reply.fields["code"] == code, (code, reply.fields)
+    for seq, model in enumerate(["fragment", 1]):  # what a push's reply is to carry: a bool, unless_own or pushed
+        reply = ask(encode("push", {"rid": 1, "rank": 1, "base_version": 0, "seq": 5 + seq, "session": "x",
+                                    "model": model}, {"w": np.zeros((2, 3), np.float32)}))
+        assert reply.type == "error" and reply.fields["code"] == "bad_field" and "'model'" in reply.fields["message"]
     np.testing.assert_array_equal(good.pull().tensors["w"], W0["w"])
     assert good.pull().version == 0
     refused = good.stats()["refused"]
-    assert sum(refused.values()) == len(cases)
+    assert sum(refused.values()) == len(cases) + 2
     raw.close()
     good.close()
 

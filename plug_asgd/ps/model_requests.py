@@ -28,7 +28,7 @@ log = logging.getLogger("plug_asgd.ps")
 
 @dataclass
 class _Reply:
-    """Where a push's answer goes, and what it should carry (``want``: all, none or unless_own)."""
+    """Where a push's answer goes, and what it should carry (``want``: all, none, unless_own or pushed)."""
 
     identity: bytes
     rid: Any
@@ -38,6 +38,7 @@ class _Reply:
     held: tuple[str, int] | None = None  # ... or the copy it holds of one (ps/downlink.py)
     rank: int | None = None
     ahead: bool = False  # the push asks for the model its rule anticipates (FoldRule.ahead), where there is one
+    only: frozenset[str] | None = None  # want "pushed": the tensors the push carried, the only ones its reply has
 
 
 def _holds(msg: Message) -> dict[str, tuple[str, int] | None]:
@@ -74,7 +75,8 @@ class ModelRequests:
         if with_tensors:
             frames = self.store.reply_payload(fields, token and token.have, rank=token and token.rank,
                                               held=token and token.held, push=push,
-                                              ahead=token is not None and token.ahead)
+                                              ahead=token is not None and token.ahead,
+                                              only=token.only if token is not None else None)
             self.stats.model_bytes_out += self._send_frames(identity, frames)
         else:
             self._before_reply(identity)
@@ -132,8 +134,12 @@ class ModelRequests:
         for name, value in flags.items():
             if not isinstance(value, bool):  # (1 == True: a membership test would let 1 through)
                 raise WireError("bad_field", f"field {name!r} must be true or false, got {value!r:.40}")
-        token = _Reply(identity, rid, "none" if model is False else "unless_own" if model == "unless_own" else "all",
-                       rank=worker.rank, ahead=flags.pop("ahead"), **_holds(msg))
+        if not (isinstance(model, bool) or model in ("unless_own", "pushed")):  # (1 == True: not a bool)
+            raise WireError("bad_field", "field 'model' must be true, false, 'unless_own' or 'pushed', "
+                                         f"got {model!r:.40}")
+        want = "none" if model is False else "all" if model is True else model
+        only = frozenset(msg.tensors) if model == "pushed" else None  # the tensors its reply carries, no others
+        token = _Reply(identity, rid, want, rank=worker.rank, ahead=flags.pop("ahead"), only=only, **_holds(msg))
         if self.replication.linked and not self.config.standby_window:  # the standby folds it first: what a
             # worker is answered, the standby holds (with a window, the whole state goes every N pushes instead; to
             # a standby being taken, it goes without waiting: the standby is named only once it holds it all)

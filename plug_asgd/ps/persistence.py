@@ -283,6 +283,7 @@ class Persistence:
             "copies_on_write": s.copies_on_write, "own_replies": s.own_replies,
             "model_replies": s.model_replies, "delta_replies": s.delta_replies, "model_bytes_out": s.model_bytes_out,
             "approx_replies": s.approx_replies, "ahead_replies": s.ahead_replies,
+            "part_replies": s.part_replies,
             "downlink_gap_max": store.downlink.gap_max if store.downlink is not None else None,
             "bytes_out_by_rank": {str(k): v for k, v in sorted(s.bytes_out_by_rank.items())},
             "weights_pushes": s.weights_pushes, "weights_not_current": s.weights_not_current,

@@ -33,6 +33,7 @@ class Stats:
         approx_replies: of those, the ones with only the largest differences (``downlink_fraction``).
         ahead_replies: of those, the ones with the central model less the step its rule anticipates (a push's that
             asked, under async_diloco's ``momentum_lookahead``).
+        part_replies: of those, the ones with only the tensors their push carried (streaming's fragments).
         model_bytes_out: the bytes of the replies that carried model tensors.
         weights_pushes: pushes of weights taken as the model.
         weights_not_current: pushes of weights answered ``not_current`` instead (nothing folded).
@@ -70,6 +71,7 @@ class Stats:
     delta_replies: int = 0  # ... of which only what their worker lacked (plug_asgd.ps.changes)
     approx_replies: int = 0  # ... of which only the largest differences (plug_asgd.ps.downlink)
     ahead_replies: int = 0  # ... of which the central model less its rule's anticipated step (FoldRule.ahead)
+    part_replies: int = 0  # ... of which only the tensors their push carried (``model: "pushed"``)
     model_bytes_out: int = 0  # ... their bytes
     weights_pushes: int = 0  # pushes of weights taken as the model (see PSClient.push)
     weights_not_current: int = 0  # ... answered "not_current" instead: nothing folded

@@ -325,32 +325,36 @@ class Store(ABC):
         """The fold is done: note what the new central tensors are made of (``before``: the old ones)."""
 
     def reply_payload(self, fields: dict[str, Any], have: tuple[str, int] | None = None, *, rank: int | None = None,
-                      held: tuple[str, int] | None = None, push: bool = False, ahead: bool = False) -> list[Any]:
+                      held: tuple[str, int] | None = None, push: bool = False, ahead: bool = False,
+                      only: frozenset[str] | None = None) -> list[Any]:
         """The frames of a ``model`` reply with ``fields`` and the central tensors, ready to send zero-copy.
 
         Only what the worker lacks, where that is less (``delta``): the changes since the central version it
         holds (``have``, ``ps/changes.py``), or, with a downlink fraction, the differences from the copy it
         holds (``held``, ``ps/downlink.py``), of which a reply to a ``push`` carries only the largest
-        (``approx``). ``rank``: the worker's, if a member. A reply to a push that asks to be ``ahead`` carries,
-        where the rule anticipates a step (:meth:`~plug_asgd.modes.rules.FoldRule.ahead`), the central model less
-        that step, whole and marked ``ahead``: the worker trains from it and holds no central model until its next
-        reply, so no later reply is a delta of it.
+        (``approx``). A push that asks to be ``ahead`` gets the central model less the step its rule anticipates
+        (:meth:`~plug_asgd.modes.rules.FoldRule.ahead`), marked ``ahead``; one that wants ``only`` the tensors it
+        carried (a fragment), those, marked ``part``. Neither names a model: a worker's held model stays as it was.
 
         Args:
             fields: the reply's header fields.
             have: the ``[model_id, version]`` of the central model the worker holds, or None.
-            rank: the worker's rank; None: not a member (no downlink copy is kept for it).
+            rank: the worker's rank, if a member; None: not one (no downlink copy is kept for it).
             held: the ``[model_id, version]`` of the downlink copy the worker holds, or None.
             push: whether the reply answers a push (which may be approximate).
             ahead: whether the push asked for the model its rule anticipates.
+            only: the tensors the push carried, where it wants those only; None: the model.
         """
         self.release()  # a reply in flight must not read memory its worker may write again
         model_id, version, central = self.changes.model_id, self.state.version, self.state.tensors
-        steps = self.rule.ahead() if push and ahead else {}
-        if steps:
-            self.stats.ahead_replies += 1
+        central = {n: t for n, t in central.items() if n in only} if only is not None else central
+        steps = {n: step for n, step in (self.rule.ahead() if push and ahead else {}).items() if n in central}
+        if steps or only is not None:
+            marks = {"ahead": bool(steps), "part": only is not None}
             self.stats.model_replies += 1
-            return self._encode_reply({**fields, "ahead": True},
+            self.stats.ahead_replies += marks["ahead"]
+            self.stats.part_replies += marks["part"]
+            return self._encode_reply({**fields, **{k: True for k, on in marks.items() if on}},
                                       {n: t - steps[n] if n in steps else t for n, t in central.items()},
                                       fresh=frozenset(steps))
         fields = {**fields, "model_id": model_id}
@@ -377,8 +381,7 @@ class Store(ABC):
     @abstractmethod
     def _encode_reply(self, fields: dict[str, Any], tensors: dict[str, Tensor],
                       fresh: frozenset[str] = frozenset()) -> list[Any]:
-        """The frames of a ``model`` reply of ``tensors`` (central arrays, or sparse gathers of them; ``fresh``: the
-        names of new arrays that nothing else holds, as a reply ahead's)."""
+        """A ``model`` reply's frames: ``tensors`` central arrays or gathers of them, ``fresh`` ones new (ahead)."""
 
     def release(self, session: str | None = None) -> None:  # noqa: B027 (a hook: only a lending store lends)
         """Stop using memory a worker lent (``session``'s only, if given), copying what is still the model.

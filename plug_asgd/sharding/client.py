@@ -195,7 +195,7 @@ class ShardedClient:
         return None if any(r is None for r in replies) else self._combine(replies)  # type: ignore[arg-type]
 
     def push(self, base_version: int, update: Mapping[str, Tensor],
-             want_model: bool | Literal["unless_own"] = True,
+             want_model: bool | Literal["unless_own", "pushed"] = True,
              while_waiting: Callable[[], None] | None = None, weights: bool = False,
              lend: bool = False, scaled_for: float | None = None, ahead: bool = False) -> ModelReply:
         """The push of ``PSClient.push``, each shard sent its pieces and its own base version, all at once
@@ -211,7 +211,8 @@ class ShardedClient:
         Args:
             base_version: the version of the reply the update was based on (a :class:`ShardVersions`).
             update: the update of every tensor (or of some: a fragment's), by name, whole: it is cut here.
-            want_model: whether the reply carries the model (``"unless_own"``: not where every shard says "own").
+            want_model: whether the reply carries the model (``"unless_own"``: not where every shard says "own";
+                ``"pushed"``: each shard's pieces of the tensors pushed only).
             while_waiting: runs once the push is sent, while the shards fold it (with shard 0's request).
             weights: must be False: a sharded PS takes no pushes of weights.
             lend: must be False, as ``weights``.
@@ -236,7 +237,7 @@ class ShardedClient:
         self.pushes += 1
         status = combined_status([r.status for r in answers])  # the push's, whatever the pulls below answer
         self.partly_applied += status == PARTLY_APPLIED
-        names = None if len(asked) == len(parts) else set(update)
+        names = None if len(asked) == len(parts) and want_model != "pushed" else set(update)
         replies = dict(zip(asked, answers, strict=True))
         owned = [i for i in asked if replies[i].own]
         if len(owned) == len(asked):

@@ -243,7 +243,7 @@ class PSClient(Transport):
         return model_reply(self.request("pull", with_have(fields, self.held)), self.held, self.counters, "pull")
 
     def push(self, base_version: int, update: Mapping[str, Tensor],
-             want_model: bool | Literal["unless_own"] = True,
+             want_model: bool | Literal["unless_own", "pushed"] = True,
              while_waiting: Callable[[], None] | None = None, weights: bool = False,
              lend: bool = False, scaled_for: float | None = None, ahead: bool = False) -> ModelReply:
         """Push an update; the reply carries the central model unless ``want_model`` is False.
@@ -253,6 +253,9 @@ class PSClient(Transport):
         worker then makes the central model itself, with the same decoding and float additions as
         the PS (:meth:`HeldModel.add`): the same bits, without the model's bytes on the wire. The PS
         decides, and answers with the model otherwise.
+
+        ``"pushed"``: the reply carries the central tensors the push carried, whole, and no others (``reply.part``):
+        streaming's fragment needs no more. The held model stays as it was.
 
         ``while_waiting`` runs once the push is sent, while the PS folds it (see :meth:`request`);
         not again if the push has to be sent a second time.
@@ -280,20 +283,20 @@ class PSClient(Transport):
         Args:
             base_version: the central version the update was computed from.
             update: the update by tensor name (dense or sparse, as the codec encoded it), or the weights.
-            want_model: whether the reply carries the central model: True, False or ``"unless_own"``.
+            want_model: whether the reply carries the central model: True, False, ``"unless_own"`` or ``"pushed"``.
             while_waiting: work to run once the push is sent, while the PS folds it.
             weights: ``update`` holds the worker's weights, not a difference.
             lend: the PS may keep the pushed weight buffers as its model until its next answer to this client.
             scaled_for: the staleness the update was scaled for; None: not scaled.
             ahead: ask for the central model less the step the PS's rule anticipates before this worker pushes
                 again (async_diloco's ``momentum_lookahead``): the reply says ``ahead`` where it carries that, and the
-                client then holds no central model until its next reply.
+                client then holds no central model until its next reply (with ``"pushed"``, it keeps the one it held).
 
         Raises:
-            ValueError: where ``want_model`` is none of True, False and ``"unless_own"``.
+            ValueError: where ``want_model`` is none of True, False, ``"unless_own"`` and ``"pushed"``.
         """
-        if want_model not in (True, False, "unless_own"):
-            raise ValueError(f"want_model must be True, False or 'unless_own', got {want_model!r}")
+        if want_model not in (True, False, "unless_own", "pushed"):
+            raise ValueError(f"want_model must be True, False, 'unless_own' or 'pushed', got {want_model!r}")
         fields = {"rank": self.rank, "base_version": base_version, "seq": next(self._seq),
                   "session": self.session, "model": want_model}
         if weights:
@@ -304,7 +307,7 @@ class PSClient(Transport):
             fields["scaled_for"] = float(scaled_for)
         if ahead:
             fields["ahead"] = True
-        if want_model is not False:
+        if want_model not in (False, "pushed"):  # (no delta answers a push that wants its own tensors)
             fields = with_have(fields, self.held)
         try:
             return self._send_push(fields, update, while_waiting)

@@ -9,7 +9,7 @@ from typing import Any
 
 # What each reply to a push or a pull carried (CommCounters.replies): every push is answered by one of the push kinds,
 # every pull by one of the pull kinds.
-REPLY_KINDS = ("own", "whole", "delta", "approx", "ahead", "no_model", "not_current", "duplicate", "pulled",
+REPLY_KINDS = ("own", "whole", "delta", "approx", "ahead", "part", "no_model", "not_current", "duplicate", "pulled",
                "pulled_delta")
 
 
@@ -47,13 +47,14 @@ class CommCounters:
         partly_applied: on a sharded PS, pushes some shards folded in and others dropped (sync rounds).
         wait_seconds: seconds spent waiting for replies, not counting work done meanwhile.
         replies: the replies by what they carried (``REPLY_KINDS``), one kind a reply (a refusal, raised as
-            :class:`PSError`, is none of them). To a push: ``own`` (folded; no model: the worker makes it, base
-            plus update), ``whole`` (the whole model), ``delta`` (only what changed since the model held: nothing
-            where it held the current one), ``approx`` (only the largest differences from the copy held: a
-            downlink fraction), ``ahead`` (the whole model less the step the PS's rule anticipates: async_diloco's
-            ``momentum_lookahead``), ``no_model`` (none asked for), ``not_current`` (weights the PS did not take:
-            nothing folded, no model; not in ``pushes``), ``duplicate`` (applied before a reconnection; the model
-            then comes by a pull, counted as one). To a pull: ``pulled`` (the whole model) or ``pulled_delta``
+            :class:`PSError`, is none of them). To a push: ``own`` (folded; no model: the worker makes it, base plus
+            update), ``whole`` (the whole model), ``delta`` (only what changed since the model held: nothing where it
+            held the current one), ``approx`` (only the largest differences from the copy held: a downlink fraction),
+            ``ahead`` (the model, or the tensors pushed where the push wanted those only, less the step the PS's rule
+            anticipates: async_diloco's ``momentum_lookahead``), ``part`` (the tensors pushed only, as they are: a push
+            that wanted those, streaming's fragment), ``no_model`` (none asked for), ``not_current`` (weights the PS did
+            not take: nothing folded, no model; not in ``pushes``), ``duplicate`` (applied before a reconnection; the
+            model then comes by a pull, counted as one). To a pull: ``pulled`` (the whole model) or ``pulled_delta``
             (what changed: nothing where the model held is current). On a sharded PS, each shard's reply.
     """
 

@@ -44,6 +44,7 @@ class ModelReply:
         approx: the tensors are near the central model, not it: the PS sent only the largest differences.
         ahead: the tensors are the central model less the step the PS's rule anticipates before the worker's next
             push (:meth:`~plug_asgd.modes.rules.FoldRule.ahead`), which the push asked for: a base, not the model.
+        part: the tensors are those the push carried only (it wanted those: streaming's fragment).
         changed: a delta reply's changes; None where the whole model came, or none.
     """
 
@@ -54,6 +55,7 @@ class ModelReply:
     own: bool = False  # no tensors: the central model is exactly the worker's base plus its update (or its weights)
     approx: bool = False  # near the central model, not it: the PS sent only the largest differences (downlink)
     ahead: bool = False  # the central model less the step the PS's rule anticipates (a push that asked for it)
+    part: bool = False  # the tensors the push carried only (a push that wanted those)
     changed: Changes | None = None  # a delta reply's changes; None: the whole model came, or none
 
 
@@ -89,6 +91,8 @@ def reply_kind(reply: Message, request: str) -> str:
         return "approx"
     if reply.fields.get("ahead") is True:
         return "ahead"
+    if reply.fields.get("part") is True:
+        return "part"
     if delta:
         return "delta"
     return "whole" if reply.tensors else "no_model"
@@ -119,10 +123,10 @@ def model_reply(reply: Message, held: HeldModel | None, counters: CommCounters, 
                                          for n, t in tensors.items()})
         tensors = held.patch(tensors, version, exact=reply.fields.get("approx") is not True)
         counters.delta_replies += 1
-    elif tensors and held is not None:  # a model ahead is not the central one: what is held is dropped
-        ahead = reply.fields.get("ahead") is True
+    elif tensors and held is not None and reply.fields.get("part") is not True:  # a part leaves the held model as it is
+        ahead = reply.fields.get("ahead") is True  # a model ahead is not the central one: what is held is dropped
         held.keep(None if ahead else reply.fields.get("model_id"), version, tensors)
     return ModelReply(version=version, status=str(reply.fields.get("status")),
                       stop=bool(reply.fields.get("stop")), tensors=tensors, own=reply.fields.get("own") is True,
                       approx=reply.fields.get("approx") is True, ahead=reply.fields.get("ahead") is True,
-                      changed=changed)
+                      part=reply.fields.get("part") is True, changed=changed)

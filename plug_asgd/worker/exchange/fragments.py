@@ -9,6 +9,10 @@ the PS): ``w_f = central_f + (w_f - w_f_at_send)``, ``base_f = central_f``. The 
 are left as they are. Each fragment's base is the central model of the version its last reply carried, and its
 pushes say that version: the PS's rule (:class:`~plug_asgd.modes.diloco.DiLoCoRule`) takes a push as current where
 no round changed its tensors since.
+
+A push asks for its own tensors only (``want_model="pushed"``): its reply carries the fragment, ``1/F`` of the
+model, and leaves the client's held model as it was; a reply ahead (async_diloco's ``momentum_lookahead``) costs
+the fragment too.
 """
 
 from __future__ import annotations
@@ -187,7 +191,7 @@ class FragmentExchange(PushExchange):
                 if isinstance(update[name], Sparse):
                     self.compensator.mask(self.optimizers, tensors[name], update[name].indices)
         base, client, sent_at = self.fragment_versions[fragment], self._link.client, self.version
-        push = InFlight(lambda: client.push(base, update, want_model=True, ahead=self.asks_ahead))
+        push = InFlight(lambda: client.push(base, update, want_model="pushed", ahead=self.asks_ahead))
         self.pending = (push, lambda: self.merge(push, fragment, sent, sent_at))
         self.pushed_at[fragment] = self.fit_step
         self.since_push = 0
