@@ -36,6 +36,7 @@ TARGETS: dict[str, tuple[str, str, float, float | None]] = {
                                                 "<=", 0.7, None),
     "time_async_f2_over_diloco_slow": ("the same, async_diloco streaming (fragments=2) / diloco whole", "<=", 0.7,
                                        None),
+    "time_async_f2_over_diloco_slow_f2": ("the same, both streaming (fragments=2)", "<=", 0.7, None),
 }
 # (numerator, denominator, the runs' figure) of each ratio
 RATIOS: dict[str, tuple[str, str, str]] = {
@@ -51,6 +52,7 @@ RATIOS: dict[str, tuple[str, str, str]] = {
     "time_async_m07_over_diloco_slow": ("async_diloco-slow-m07", "diloco-slow", "time"),
     "time_async_nolookahead_over_diloco_slow": ("async_diloco-slow-nolookahead", "diloco-slow", "time"),
     "time_async_f2_over_diloco_slow": ("async_diloco-slow-f2", "diloco-slow", "time"),
+    "time_async_f2_over_diloco_slow_f2": ("async_diloco-slow-f2", "diloco-slow-f2", "time"),
 }
 LABELS = {"ddp": "DDP (gloo)", "diloco": "diloco", "diloco-slow": "diloco, w1 slowed",
           "async_diloco-slow": "async_diloco, w1 slowed",

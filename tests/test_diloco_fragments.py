@@ -23,6 +23,7 @@ from plug_asgd.worker.exchange import Link, make_exchange
 from plug_asgd.worker.exchange.fragments import FragmentExchange, offsets, split
 from plug_asgd.worker.exchange.push import PushExchange
 from plug_asgd.worker.tensors import synced_tensors
+from tests.conftest import in_process_ps
 
 F32 = np.float32
 SHAPES = {"l1.weight": (64, 32), "l1.bias": (64,), "l2.weight": (32, 64), "l2.bias": (32,)}
@@ -153,8 +154,8 @@ def fit(mode, steps: int, codec: str = "none", end: str = "finish", threads: boo
                         w.add_(delta[name])
 
             exchange.step(run, exchange.optimizers[0])
-            if isinstance(exchange, FragmentExchange):  # sent from a thread, merged when the next is due
-                assert exchange.pending is not None or t < exchange.gap(0)
+            if isinstance(exchange, FragmentExchange):  # sent from a thread from the first fragment's step on
+                assert exchange.fragment_pushes > 0 or t < exchange.gap(0)
 
         def whole(rank: int) -> None:
             for t in range(1, steps + 1):
@@ -223,6 +224,57 @@ def test_fragments_are_synced_at_their_staggered_steps_and_merged_keeping_the_pr
         assert rule.outer_steps == 6 and rule.skipped == {n: 3 for n in SHAPES}
     else:  # 12 arrivals, 6 carrying each tensor: its momentum moved 3 times, every 2 of them
         assert rule.arrivals == 12 and rule.skipped == {n: 6 for n in SHAPES}
+
+
+@pytest.mark.integration
+def test_a_fragments_reply_that_came_during_a_step_is_merged_after_that_step_not_when_the_next_is_due():
+    """One async_diloco worker (H = 8, F = 2) on an in-process PS: fragment 1 goes at step 4, and its reply is waited
+    for before step 5. After step 5 it is merged (fragment 0 is due at step 8 only): nothing in flight, fragment 1's
+    base is the central model and its weights that plus step 5's progress; fragment 0 untouched. The reply was a part
+    of fragment 1's tensors only, and the client keeps the held model it had (the init's)."""
+    mode = AsyncDiLoCo(inner_steps=8, fragments=2, dynamic_steps=False, momentum_lookahead=False)
+    with in_process_ps(mode.name, shm_pushes=False) as server:
+        client = PSClient(server.address, rank=0, world_size=1, mode=mode.name, request_timeout=30, heartbeat_s=None)
+        try:
+            client.hello(stage=1, training=True, timeout=20)
+            g = torch.Generator().manual_seed(42)
+            tensors = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+            log: list = []
+            exchange = make_exchange(mode, codec=get_codec("none"), shm_pushes=False)
+            exchange.attach(Link(client=Recording(client, log), tensors=lambda: tensors, rank=0,  # type: ignore[arg-type]
+                                 world_size=1, stage=1, fitting=True, barrier=lambda name: None, stop=lambda: None))
+            exchange.start_fit([torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)], 0, 1)
+            exchange.join(init=True)
+            held = client.held.have
+
+            def step(t: int) -> None:
+                def run() -> None:
+                    with torch.no_grad():
+                        for name, w in tensors.items():
+                            w.add_(step_of(0, t)[name])
+
+                exchange.step(run, exchange.optimizers[0])
+
+            for t in range(1, 5):
+                step(t)
+            assert exchange.pending is not None and exchange.fragment_trace == [(4, 1)]
+            exchange.pending[0].thread.join(30)  # the reply is in before step 5
+            before = {n: exchange.base[n].clone() for n in HALVES[0]}
+            step(5)
+            assert exchange.pending is None and exchange.fragment_trace == [(4, 1)]
+            (push,) = log
+            assert push.part and push.returned == sorted(HALVES[1]) and client.held.have == held
+            central = client.pull().tensors
+            for name in HALVES[1]:  # merged: the central fragment, and the progress made since it was sent
+                assert exchange.base[name].numpy().tobytes() == central[name].tobytes()
+                np.testing.assert_allclose(tensors[name] - exchange.base[name], step_of(0, 5)[name], rtol=0,
+                                           atol=1e-6)
+            for name in HALVES[0]:  # not pushed yet: its base as it was, its weights every step since
+                assert exchange.base[name].numpy().tobytes() == before[name].numpy().tobytes()
+                np.testing.assert_allclose(tensors[name] - exchange.base[name],
+                                           sum(step_of(0, t)[name] for t in range(1, 6)), rtol=0, atol=1e-6)
+        finally:
+            client.close()
 
 
 @pytest.mark.integration

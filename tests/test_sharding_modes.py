@@ -283,11 +283,13 @@ def test_a_sync_push_one_shard_takes_into_its_round_and_another_drops_is_partly_
 def worker_steps(client: Any, mode: Any, codec: Any, steps: int, stats: dict | None = None) -> tuple[dict, dict]:
     """One worker (world size 1) training a small model through ``mode``'s exchange: its final weights and the
     central model (and its exchange's ``stats()`` into ``stats``). Deterministic: the same bits on one PS and on
-    shards if the sharded fold is the PS's."""
+    shards if the sharded fold is the PS's (a fragment's reply is waited for before the next step, so that it is
+    merged after that step in every run)."""
     import torch
 
     from plug_asgd.worker.compensation import resolve
     from plug_asgd.worker.exchange import Link, make_exchange
+    from plug_asgd.worker.exchange.fragments import FragmentExchange
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.Tanh(), torch.nn.Linear(30, 3))
@@ -309,6 +311,9 @@ def worker_steps(client: Any, mode: Any, codec: Any, steps: int, stats: dict | N
             opt.step()
 
         exchange.step(run, opt)
+        in_flight = getattr(exchange, "pending", None) if isinstance(exchange, FragmentExchange) else None
+        if in_flight is not None:  # a fragment's reply merged after the next step, whenever it came: the same bits
+            in_flight[0].thread.join(30)
     exchange.flush()
     exchange.let_go()
     if stats is not None:

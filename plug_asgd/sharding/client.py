@@ -344,4 +344,5 @@ class ShardedClient:
         parts = [by_shard[i].tensors if i in by_shard else {} for i in range(len(self.clients))]
         model = self.partition.assemble(parts, names) if tensors and not own else {}
         return ModelReply(version=version, status=status, stop=any(r.stop for r in answers), tensors=model,
-                          own=own, approx=any(r.approx for r in answers), ahead=any(r.ahead for r in answers))
+                          own=own, approx=any(r.approx for r in answers), ahead=any(r.ahead for r in answers),
+                          part=any(r.part for r in answers))

@@ -4,11 +4,12 @@ own, so that a round's bytes are spread over its inner steps instead of sent at 
 With ``F`` fragments and ``H`` inner steps, fragment ``f`` is pushed at the fit's local steps ``t`` where
 ``t = f * H // F`` modulo ``H`` (fragment 0 at ``H``, ``2H``, ...; the others in between). A push carries
 ``w_f - base_f``, fragment ``f``'s pseudo-gradient, through the codec as any push; it is sent from a thread while
-the inner steps go on, and its reply is merged when the next fragment is due (or before anything else is asked of
-the PS): ``w_f = central_f + (w_f - w_f_at_send)``, ``base_f = central_f``. The other fragments' weights and bases
-are left as they are. Each fragment's base is the central model of the version its last reply carried, and its
-pushes say that version: the PS's rule (:class:`~plug_asgd.modes.diloco.DiLoCoRule`) takes a push as current where
-no round changed its tensors since.
+the inner steps go on, and its reply is merged after the first step that ends with it arrived (at the latest when
+the next fragment is due, or before anything else is asked of the PS): ``w_f = central_f + (w_f - w_f_at_send)``,
+``base_f = central_f``. So a fragment trains on a central model its round trip's steps late, the paper's overlap
+``tau``, and not ``H / F`` steps late. The other fragments' weights and bases are left as they are. Each fragment's
+base is the central model of the version its last reply carried, and its pushes say that version: the PS's rule
+(:class:`~plug_asgd.modes.diloco.DiLoCoRule`) takes a push as current where no round changed its tensors since.
 
 A push asks for its own tensors only (``want_model="pushed"``): its reply carries the fragment, ``1/F`` of the
 model, and leaves the client's held model as it was; a reply ahead (async_diloco's ``momentum_lookahead``) costs
@@ -73,7 +74,7 @@ def offsets(period: int, fragments: int) -> list[int]:
 
 
 class FragmentExchange(PushExchange):
-    """Streaming DiLoCo's fragments, each pushed at its staggered step from a thread and merged when the next is due.
+    """Streaming DiLoCo's fragments, each pushed at its staggered step from a thread and merged once its reply came.
 
     One request at a time on the socket: a push waits for the one before it (its reply merged) first. A flush (the
     end of a fit, before evaluating) merges the push in flight, then pushes every fragment with steps not yet
@@ -142,10 +143,12 @@ class FragmentExchange(PushExchange):
 
     @override
     def before_update(self) -> None:
-        """Nothing: a fragment's reply is merged when the next one is due, not before the next step."""
+        """Nothing: a fragment's reply is merged after a step, once it came (:meth:`after_step`)."""
 
     @override
     def after_step(self) -> None:
+        if self.pending is not None and not self.pending[0].thread.is_alive():
+            self.finish()  # the reply came during this step: merged now, not when the next fragment is due
         self.fit_step += 1
         self.countdown -= 1
         if self.countdown <= 0:
