@@ -27,8 +27,10 @@ def test_no_pass_runs_in_the_block_and_what_it_made_is_frozen_after_it(collectio
     frozen = gc.get_freeze_count()
     with gc_paused():
         assert not gc.isenabled()
+        at_entry = dict(collections)  # (before the block a thread's allocations may make a pass of generation 0)
         made = [[i] for i in range(50_000)]  # 50,000 tracked lists: about 70 passes of generation 0 with it on
-    assert collections == {0: 0, 1: 0, 2: 1}  # the one full pass at its entry, over the garbage already there
+        assert collections == at_entry  # none in the block
+    assert at_entry[2] >= 1  # the full pass at its entry, over the garbage already there
     assert gc.isenabled()
     assert gc.get_freeze_count() >= frozen + len(made)
     more = [[i] for i in range(50_000)]  # the collector runs again once the block is over
