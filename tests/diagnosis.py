@@ -102,8 +102,9 @@ def thread_stacks() -> str:
 
 def native_stacks(timeout_s: float = 60.0) -> str:
     """Each thread's native stack, ZeroMQ's I/O threads' included, from gdb attached to this process for a moment:
-    where the shared context is stuck, its I/O thread shows whether it waits for a lock (a ``futex``, a zero-copy
-    frame's free callback) or for a wake-up that never came (``epoll_wait``). Says so where gdb is not installed."""
+    where the shared context is stuck, its I/O thread shows what it waits in (a send of its own, such as a monitor's
+    event into a full pipe; a lock, ``futex``), where an idle one waits in ``epoll_wait``. Says so where gdb is not
+    installed."""
     gdb = shutil.which("gdb")
     if gdb is None:
         return "native stacks: gdb is not installed"
@@ -112,8 +113,9 @@ def native_stacks(timeout_s: float = 60.0) -> str:
         out = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"native stacks: gdb failed ({exc})"
-    threads = [block for block in out.stdout.split("\n\nThread ") if block.strip()]
-    return "native stacks:\n" + "\n\n".join(threads)[-12000:]
+    text = out.stdout
+    first = text.find("\nThread ")  # (what gdb says before the stacks is left out)
+    return "native stacks:\n" + (text[first + 1:] if first >= 0 else text)[-12000:]
 
 
 def machine_load() -> str:
