@@ -17,7 +17,6 @@ from plug_asgd.compressors import get as get_codec
 from plug_asgd.modes import APPLIED, DROPPED, CentralState, Push, get
 from plug_asgd.modes.diloco import DiLoCoRule
 from plug_asgd.modes.diloco_async import AsyncDiLoCoRule
-from plug_asgd.ps import ParameterServer, PSConfig
 from plug_asgd.worker.client import PSClient
 from plug_asgd.worker.exchange import Link, make_exchange
 from plug_asgd.worker.exchange.fragments import FragmentExchange, offsets, split
@@ -117,76 +116,81 @@ def step_of(rank: int, t: int) -> dict[str, torch.Tensor]:
     return {n: 0.01 * torch.randn(s, generator=g) for n, s in SHAPES.items()}
 
 
+def join_worker(address: str, mode, rank: int, world: int, codec: str = "none"):
+    """A worker of ``mode`` joined to the PS at ``address`` (rank 0 initialises it), its weights made the same on
+    every rank: its client, exchange, push log and weights."""
+    client = PSClient(address, rank=rank, world_size=world, mode=mode.name, request_timeout=30, heartbeat_s=None)
+    client.hello(stage=1, training=True, timeout=20)
+    g = torch.Generator().manual_seed(42)  # the same initial model on every rank
+    tensors = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    log: list = []
+    exchange = make_exchange(mode, codec=get_codec(codec), shm_pushes=False)
+    exchange.attach(Link(client=Recording(client, log), tensors=lambda: tensors, rank=rank,  # type: ignore[arg-type]
+                         world_size=world, stage=1, fitting=True, barrier=lambda name: None, stop=lambda: None))
+    exchange.start_fit([torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)], rank, world)
+    exchange.join(init=rank == 0)
+    return client, exchange, log, tensors
+
+
+def take_step(exchange, tensors: dict[str, torch.Tensor], rank: int, t: int) -> None:
+    """Worker ``rank``'s local step ``t`` (:func:`step_of`) through its exchange."""
+    delta = step_of(rank, t)
+
+    def run() -> None:
+        with torch.no_grad():
+            for name, w in tensors.items():
+                w.add_(delta[name])
+
+    exchange.step(run, exchange.optimizers[0])
+
+
 def fit(mode, steps: int, codec: str = "none", end: str = "finish", threads: bool = False):
     """Two workers of ``mode`` against an in-process PS. Stepped in turn from this thread (each push goes from a
     thread of its worker's exchange, and a sync round completes once both pushed), or (``threads``: for F = 1,
     whose push waits for its round) each from a thread of its own; then each takes its last reply
     (``end="finish"``), or flushes (``"flush"``, both at once: a flush's rounds wait for the other worker).
     Returns the workers (exchange, push log, weights) and the PS's central model and rule."""
-    server = ParameterServer(PSConfig(bind="tcp://127.0.0.1:*", mode=mode.name, shm_pushes=False))
-    serving = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 10}, daemon=True)
-    serving.start()
     workers, clients = [], []
-    try:
-        for rank in (0, 1):
-            client = PSClient(server.address, rank=rank, world_size=2, mode=mode.name, request_timeout=30,
-                              heartbeat_s=None)
-            clients.append(client)
-            client.hello(stage=1, training=True, timeout=20)
-            g = torch.Generator().manual_seed(42)  # the same initial model on both
-            tensors = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
-            log: list = []
-            exchange = make_exchange(mode, codec=get_codec(codec), shm_pushes=False)
-            exchange.attach(Link(client=Recording(client, log), tensors=lambda t=tensors: t, rank=rank,  # type: ignore[arg-type]
-                                 world_size=2, stage=1, fitting=True, barrier=lambda name: None, stop=lambda: None))
-            exchange.start_fit([torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)], rank, 2)
-            exchange.join(init=rank == 0)
-            workers.append((exchange, log, tensors))
+    with in_process_ps(mode.name, shm_pushes=False) as server:
+        try:
+            for rank in (0, 1):
+                client, exchange, log, tensors = join_worker(server.address, mode, rank, 2, codec)
+                clients.append(client)
+                workers.append((exchange, log, tensors))
 
-        def step(rank: int, t: int) -> None:
-            exchange, _, tensors = workers[rank]
+            def step(rank: int, t: int) -> None:
+                exchange, _, tensors = workers[rank]
+                take_step(exchange, tensors, rank, t)
+                if isinstance(exchange, FragmentExchange):  # sent from a thread from the first fragment's step on
+                    assert exchange.fragment_pushes > 0 or t < exchange.gap(0)
 
-            delta = step_of(rank, t)
-
-            def run() -> None:
-                with torch.no_grad():
-                    for name, w in tensors.items():
-                        w.add_(delta[name])
-
-            exchange.step(run, exchange.optimizers[0])
-            if isinstance(exchange, FragmentExchange):  # sent from a thread from the first fragment's step on
-                assert exchange.fragment_pushes > 0 or t < exchange.gap(0)
-
-        def whole(rank: int) -> None:
-            for t in range(1, steps + 1):
-                step(rank, t)
-            getattr(workers[rank][0], end)()
-
-        if not threads:
-            for t in range(1, steps + 1):
-                for rank in (0, 1):
+            def whole(rank: int) -> None:
+                for t in range(1, steps + 1):
                     step(rank, t)
-        errors: list[BaseException] = []
+                getattr(workers[rank][0], end)()
 
-        def each(rank: int) -> None:
-            try:
-                whole(rank) if threads else getattr(workers[rank][0], end)()
-            except BaseException as exc:  # re-raised below
-                errors.append(exc)
+            if not threads:
+                for t in range(1, steps + 1):
+                    for rank in (0, 1):
+                        step(rank, t)
+            errors: list[BaseException] = []
 
-        runs = [threading.Thread(target=each, args=(r,)) for r in (0, 1)]
-        for run in runs:
-            run.start()
-        for run in runs:
-            run.join(60)
-        assert not errors and not any(run.is_alive() for run in runs), errors
-        central = clients[0].pull()
-        return workers, central, server.store.rule
-    finally:
-        for client in clients:
-            client.close()
-        server.request_stop()
-        serving.join(10)
+            def each(rank: int) -> None:
+                try:
+                    whole(rank) if threads else getattr(workers[rank][0], end)()
+                except BaseException as exc:  # re-raised below
+                    errors.append(exc)
+
+            runs = [threading.Thread(target=each, args=(r,)) for r in (0, 1)]
+            for run in runs:
+                run.start()
+            for run in runs:
+                run.join(60)
+            assert not errors and not any(run.is_alive() for run in runs), errors
+            return workers, clients[0].pull(), server.store.rule
+        finally:
+            for client in clients:
+                client.close()
 
 
 @pytest.mark.integration
@@ -234,33 +238,15 @@ def test_a_fragments_reply_that_came_during_a_step_is_merged_after_that_step_not
     of fragment 1's tensors only, and the client keeps the held model it had (the init's)."""
     mode = AsyncDiLoCo(inner_steps=8, fragments=2, dynamic_steps=False, momentum_lookahead=False)
     with in_process_ps(mode.name, shm_pushes=False) as server:
-        client = PSClient(server.address, rank=0, world_size=1, mode=mode.name, request_timeout=30, heartbeat_s=None)
+        client, exchange, log, tensors = join_worker(server.address, mode, 0, 1)
         try:
-            client.hello(stage=1, training=True, timeout=20)
-            g = torch.Generator().manual_seed(42)
-            tensors = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
-            log: list = []
-            exchange = make_exchange(mode, codec=get_codec("none"), shm_pushes=False)
-            exchange.attach(Link(client=Recording(client, log), tensors=lambda: tensors, rank=0,  # type: ignore[arg-type]
-                                 world_size=1, stage=1, fitting=True, barrier=lambda name: None, stop=lambda: None))
-            exchange.start_fit([torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)], 0, 1)
-            exchange.join(init=True)
             held = client.held.have
-
-            def step(t: int) -> None:
-                def run() -> None:
-                    with torch.no_grad():
-                        for name, w in tensors.items():
-                            w.add_(step_of(0, t)[name])
-
-                exchange.step(run, exchange.optimizers[0])
-
             for t in range(1, 5):
-                step(t)
+                take_step(exchange, tensors, 0, t)
             assert exchange.pending is not None and exchange.fragment_trace == [(4, 1)]
             exchange.pending[0].thread.join(30)  # the reply is in before step 5
             before = {n: exchange.base[n].clone() for n in HALVES[0]}
-            step(5)
+            take_step(exchange, tensors, 0, 5)
             assert exchange.pending is None and exchange.fragment_trace == [(4, 1)]
             (push,) = log
             assert push.part and push.returned == sorted(HALVES[1]) and client.held.have == held

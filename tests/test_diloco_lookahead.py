@@ -70,6 +70,7 @@ def test_the_step_anticipated_is_the_momentums_of_the_cycle_under_way_by_hand():
     sgd.push(state, Push(2, 0, 2, {"w": U[2].copy()}))
     b = (np.zeros(6, F32) + -U[0] + -U[1]) / F32(2)
     assert sgd.ahead()["w"].tobytes() == ((F32(0.5) * F32(0.8)) * b).tobytes()
+    assert sgd.ahead(frozenset({"w"})).keys() == {"w"} and sgd.ahead(frozenset({"v"})) == {}  # a fragment's only
     for rule in (AsyncDiLoCoRule(OuterOptimizer("sgd", lr=1.0, momentum=0.0)), AsyncDiLoCoRule(delay=1)):
         state = CentralState({"w": W0.copy()})
         rule.set_trainers(state, frozenset({0, 1}))

@@ -108,17 +108,23 @@ class AsyncDiLoCoRule(FoldRule):
         return [(push.token, APPLIED)]
 
     @override
-    def ahead(self) -> dict[str, np.ndarray]:
+    def ahead(self, names: frozenset[str] | None = None) -> dict[str, np.ndarray]:
         """By tensor whose cycle is under way, the step its momentum will take when the cycle closes: Nesterov's
         ``lr mu (mu b + mean)``, the cycle's arrivals so far standing for the mean of all of its arrivals; SGD's
         ``lr mu b``, known already. A worker whose push opened the cycle trains its next round from the central
         model less this step (``AsyncDiLoCo``'s ``momentum_lookahead``): without it, its next pseudo-gradient descends
-        again the stretch the momentum step covers once the cycle closes, and the central model swings."""
+        again the stretch the momentum step covers once the cycle closes, and the central model swings.
+
+        Args:
+            names: the tensors to anticipate (a fragment's push: its reply carries those only); None: every one.
+        """
         lr, mu = F32(self.outer.lr), F32(self.outer.momentum)
         steps: dict[str, np.ndarray] = {}
         if not self.outer.momentum:
             return steps
         for name, (_, done) in self.cycles.items():
+            if names is not None and name not in names:
+                continue
             slots = self.slots.get(name, {})
             b, d = slots.get("b"), slots.get("d")
             if self.outer.name == "nesterov" and d is not None and done > 0:

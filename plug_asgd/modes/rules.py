@@ -23,17 +23,15 @@ from plug_asgd.protocol.wire import Sparse, Tensor
 class FoldRule(ABC):
     """Server half of a mode. ``trainers`` is the number of workers currently training."""
 
-    # True when a rule's only change to the central model is ``_fold_all`` of a push's tensors:
-    # the PS then gives it buffers to fold into (``Push.out``) and copies nothing on write.
+    # True when only ``_fold_all`` of a push changes the model: the PS gives buffers (Push.out), copies none on write
     folds_into_update = False
-    # True when each version is made by folding one push's tensors in, and changes no coordinate its
-    # update does not name (a sparse update: only its indices): the PS can then send a worker only
-    # what changed since its base (``plug_asgd.ps.changes``).
+    # True when each version folds one push's tensors in and changes no coordinate its update does not name (a
+    # sparse update: only its indices): the PS can then send a worker only what changed (``plug_asgd.ps.changes``).
     changes_only_pushed = False
     # True when a rule folds each push as it arrives, ``Push.scale`` applied: the PS may correct its staleness.
     corrects = False
-    # True when a rule scales a push its worker did not scale by the push's staleness itself (dynsgd's): a worker
-    # then scales only a push it says it scaled (``scaled_for``), or it would be scaled twice.
+    # True when a rule scales an unscaled push by its staleness itself (dynsgd's): a worker then scales only a push
+    # it says it scaled (``scaled_for``), or it would be scaled twice.
     scales_by_staleness = False
 
     def __init__(self) -> None:
@@ -65,12 +63,15 @@ class FoldRule(ABC):
     def changed(self) -> frozenset[str] | None:
         """The tensors the last version this rule made changed, where it left the others as they were (streaming
         DiLoCo's rounds of one fragment): the PS then sends a worker only those (``ps/changes.py``); None where it
-        may have changed any (a rule that folds a push's coordinates says so by ``changes_only_pushed`` instead).
-        """
+        may have changed any (a rule that folds a push's coordinates says so by ``changes_only_pushed`` instead)."""
         return None
 
-    def ahead(self) -> dict[str, np.ndarray]:
-        """By tensor, the step expected before a worker that just pushed pushes again (a reply ahead: ps/store.py)."""
+    def ahead(self, names: frozenset[str] | None = None) -> dict[str, np.ndarray]:
+        """By tensor, the step expected before a worker that just pushed pushes again (a reply ahead: ps/store.py).
+
+        Args:
+            names: the tensors to anticipate (a fragment's push); None: every one.
+        """
         return {}
 
     def set_trainers(self, state: CentralState, ranks: frozenset[int]) -> list[Resolution]:
@@ -124,9 +125,8 @@ class AsgdRule(FoldRule):
 class AdaCompRule(FoldRule):
     """``w_i += delta_i / max(1, s_i)``, ``s_i`` = updates folded in since the base that touched i.
 
-    The PS remembers which coordinates each of the last ``history`` updates touched (a dense
-    update touches all). A push based on a version older than that memory is scaled by what
-    is remembered, a lower bound of its staleness; ``truncated`` counts such pushes.
+    The PS remembers which coordinates each of the last ``history`` updates touched (a dense one: all); an older
+    push is scaled by what is remembered, a lower bound of its staleness (``truncated`` counts such pushes).
 
     Args:
         history: how many of the last updates' touched coordinates are remembered.

@@ -26,7 +26,7 @@ def monitor_socket(socket: zmq.Socket, events: int) -> zmq.Socket:
         socket: the socket whose connection events to receive.
         events: the ``zmq.EVENT_*`` bits wanted.
     """
-    address = f"inproc://plug-asgd-monitor-{id(socket):x}-{next(_numbers)}"
+    address = f"inproc://plug-asgd-monitor-{next(_numbers)}"  # (one per socket this process monitors)
     socket.monitor(address, events)
     pair = socket.context.socket(zmq.PAIR)
     pair.setsockopt(zmq.RCVHWM, 0)  # before connecting: the events' pipe takes its limit from it, 0 for none

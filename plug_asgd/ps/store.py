@@ -348,7 +348,7 @@ class Store(ABC):
         self.release()  # a reply in flight must not read memory its worker may write again
         model_id, version, central = self.changes.model_id, self.state.version, self.state.tensors
         central = {n: t for n, t in central.items() if n in only} if only is not None else central
-        steps = {n: step for n, step in (self.rule.ahead() if push and ahead else {}).items() if n in central}
+        steps = self.rule.ahead(only) if push and ahead else {}  # (only the tensors the reply carries)
         if steps or only is not None:
             marks = {"ahead": bool(steps), "part": only is not None}
             self.stats.model_replies += 1
