@@ -34,27 +34,30 @@ def start(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = 
 
 
 def stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """SIGTERM the process group led by ``proc``, SIGKILL what is left after ``grace``, reap the leader."""
+    """SIGTERM the process group led by ``proc``, SIGKILL what is left after ``grace``, reap the leader.
+
+    Returns once no live member is left (or 10 s after the SIGKILL): a member signalled with its leader may still
+    be exiting when the leader has been reaped, and a caller that checks the group at once must not see it.
+    """
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+        deadline = time.monotonic() + wait
         try:
             proc.wait(timeout=wait)
         except subprocess.TimeoutExpired:
             continue
+        while group_members(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
         if not group_members(proc.pid):
             return
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def group_members(pgid: int) -> list[int]:
-    """Pids whose process group is ``pgid`` (read from /proc, so zombies of other parents count too): the test
-    suite's process fixtures check with it that a test left none behind."""
+    """Live pids whose process group is ``pgid``, read from /proc so that members of any parent count (zombies do
+    not: they have ended): the test suite's process fixtures check with it that a test left none behind."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
