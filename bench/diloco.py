@@ -26,6 +26,8 @@ each (:data:`CONFIGS`):
 - ``async_diloco-slow-nolookahead`` (by ``--configs`` only): ``async_diloco-slow`` with
   ``momentum_lookahead=False``: each reply the central model itself;
 - ``async_diloco-slow-f2`` (by ``--configs`` only): ``async_diloco-slow`` streaming with ``fragments=2``;
+- ``async_diloco-slow-overlap`` and ``diloco-slow-overlap`` (by ``--configs`` only): the two beside the slowed host
+  with ``overlap=True``: the whole model's push sent while the inner steps go on;
 - ``hivemind``: hivemind 1.1.12's ``Optimizer(use_local_updates=True)`` parameter averaging (its quickstart's
   configuration), with ``target_batch_size`` = DiLoCo's round, 2 x H x 32 samples (``bench.diloco_hivemind``).
 
@@ -84,9 +86,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "async_diloco-slow-nolookahead": {"kind": "ps", "mode": "async_diloco", "slow": True,
                                       "momentum_lookahead": False},
     "async_diloco-slow-f2": {"kind": "ps", "mode": "async_diloco", "slow": True, "fragments": 2},
+    # the whole model's push sent from a thread while the inner steps go on (streaming's exchange, one fragment)
+    "async_diloco-slow-overlap": {"kind": "ps", "mode": "async_diloco", "slow": True, "overlap": True},
+    "diloco-slow-overlap": {"kind": "ps", "mode": "diloco", "slow": True, "overlap": True},
 }
 OPT_IN = ("diloco-slow-f2", "async_diloco-slow-sgd-f2", "async_diloco-slow-m05", "async_diloco-slow-m07",
-          "async_diloco-slow-nolookahead", "async_diloco-slow-f2")
+          "async_diloco-slow-nolookahead", "async_diloco-slow-f2", "async_diloco-slow-overlap", "diloco-slow-overlap")
 DEFAULT_CONFIGS = [name for name in CONFIGS if name not in OPT_IN]
 # tests/test_lm.py's LM_SMALL: 2 blocks 64 wide (118,528 parameters, 474 kB in float32), windows of 32 bytes
 MODEL: dict[str, Any] = {"d_model": 64, "layers": 2, "heads": 4, "max_context": 32, "warmup_steps": 20}
@@ -138,7 +143,7 @@ def run_spec(name: str, size: dict[str, Any], seed: int, ps_address: str, slow_s
     if cfg["kind"] == "ps":
         spec.update(mode=cfg["mode"], inner_steps=size["inner_steps"], compressor=size.get("compressor", "none"),
                     ps_address=ps_address, outer=cfg.get("outer"), fragments=cfg.get("fragments"),
-                    momentum_lookahead=cfg.get("momentum_lookahead"))
+                    momentum_lookahead=cfg.get("momentum_lookahead"), overlap=cfg.get("overlap"))
     if cfg["kind"] == "hivemind":
         spec.update(hivemind_target_batch_size=2 * size["inner_steps"] * BATCH,  # DiLoCo's round of samples
                     hivemind_matchmaking_time=size.get("hivemind_matchmaking_time", 3.0),

@@ -37,6 +37,8 @@ TARGETS: dict[str, tuple[str, str, float, float | None]] = {
     "time_async_f2_over_diloco_slow": ("the same, async_diloco streaming (fragments=2) / diloco whole", "<=", 0.7,
                                        None),
     "time_async_f2_over_diloco_slow_f2": ("the same, both streaming (fragments=2)", "<=", 0.7, None),
+    "time_async_overlap_over_diloco_slow": ("the same, async_diloco with overlap=True / diloco", "<=", 0.7, None),
+    "time_async_overlap_over_diloco_slow_overlap": ("the same, both with overlap=True", "<=", 0.7, None),
 }
 # (numerator, denominator, the runs' figure) of each ratio
 RATIOS: dict[str, tuple[str, str, str]] = {
@@ -53,6 +55,8 @@ RATIOS: dict[str, tuple[str, str, str]] = {
     "time_async_nolookahead_over_diloco_slow": ("async_diloco-slow-nolookahead", "diloco-slow", "time"),
     "time_async_f2_over_diloco_slow": ("async_diloco-slow-f2", "diloco-slow", "time"),
     "time_async_f2_over_diloco_slow_f2": ("async_diloco-slow-f2", "diloco-slow-f2", "time"),
+    "time_async_overlap_over_diloco_slow": ("async_diloco-slow-overlap", "diloco-slow", "time"),
+    "time_async_overlap_over_diloco_slow_overlap": ("async_diloco-slow-overlap", "diloco-slow-overlap", "time"),
 }
 LABELS = {"ddp": "DDP (gloo)", "diloco": "diloco", "diloco-slow": "diloco, w1 slowed",
           "async_diloco-slow": "async_diloco, w1 slowed",
@@ -62,12 +66,15 @@ LABELS = {"ddp": "DDP (gloo)", "diloco": "diloco", "diloco-slow": "diloco, w1 sl
           "async_diloco-slow-m05": "async_diloco, w1 slowed, delayed Nesterov momentum 0.5",
           "async_diloco-slow-m07": "async_diloco, w1 slowed, delayed Nesterov momentum 0.7",
           "async_diloco-slow-nolookahead": "async_diloco, w1 slowed, without the momentum lookahead",
-          "async_diloco-slow-f2": "async_diloco, w1 slowed, fragments=2"}
+          "async_diloco-slow-f2": "async_diloco, w1 slowed, fragments=2",
+          "async_diloco-slow-overlap": "async_diloco, w1 slowed, overlap=True",
+          "diloco-slow-overlap": "diloco, w1 slowed, overlap=True"}
 COLORS = {"ddp": "black", "diloco": "tab:blue", "diloco-slow": "tab:cyan", "async_diloco-slow": "tab:orange",
           "async_diloco-slow-sgd": "tab:red", "hivemind": "tab:green", "diloco-slow-f2": "tab:purple",
           "async_diloco-slow-sgd-f2": "tab:brown", "async_diloco-slow-m05": "tab:pink",
           "async_diloco-slow-m07": "tab:olive", "async_diloco-slow-nolookahead": "tab:gray",
-          "async_diloco-slow-f2": "gold"}
+          "async_diloco-slow-f2": "gold", "async_diloco-slow-overlap": "teal",
+          "diloco-slow-overlap": "navy"}
 
 
 def time_to(curve: list[list[Any]], loss: float | None) -> float | None:

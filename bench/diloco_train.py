@@ -99,7 +99,7 @@ def make_strategy(spec: dict[str, Any]) -> Any:
 
     mode, codec = mode_and_codec(spec["mode"], spec.get("compressor", "none"), inner_steps=spec["inner_steps"],
                                  outer=spec.get("outer"), fragments=spec.get("fragments"),
-                                 momentum_lookahead=spec.get("momentum_lookahead"))
+                                 momentum_lookahead=spec.get("momentum_lookahead"), overlap=spec.get("overlap"))
     # no CURVE keys between emulated hosts (encryption would cost CPU no other scheme pays), no shared memory
     return AsyncPSStrategy(mode=mode, compressor=codec, ps_address=spec["ps_address"], ps_insecure=True,
                            shm_pushes=False)

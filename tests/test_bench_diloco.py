@@ -69,13 +69,17 @@ def test_each_configuration_is_a_launch_of_its_scheme_on_the_same_model_and_data
     # the momentum lookahead (AsyncDiLoCo's default) turned off where a configuration says so, left alone elsewhere
     assert {n: s["momentum_lookahead"] for n, s in specs.items() if s.get("momentum_lookahead") is not None} == {
         "async_diloco-slow-m05": False, "async_diloco-slow-m07": False, "async_diloco-slow-nolookahead": False}
+    # overlap=True (the whole model's push beside the inner steps) where a configuration says so only
+    assert {n: s["overlap"] for n, s in specs.items() if s.get("overlap") is not None} == {
+        "async_diloco-slow-overlap": True, "diloco-slow-overlap": True}
     # --async-until together: async_diloco's host beside the slowed one (w0) trains slow_factor x the steps; no
     # other configuration changes
     together = {n: run_spec(n, {**small, "async_until": "together"}, 2, "tcp://10.99.0.1:2223", 0.04) for n in CONFIGS}
     assert {n: s.get("rank_max_steps") for n, s in together.items() if s.get("rank_max_steps")} == {
         "async_diloco-slow": {"0": 1200}, "async_diloco-slow-sgd": {"0": 1200}, "async_diloco-slow-sgd-f2": {"0": 1200},
         "async_diloco-slow-m05": {"0": 1200}, "async_diloco-slow-m07": {"0": 1200},
-        "async_diloco-slow-nolookahead": {"0": 1200}, "async_diloco-slow-f2": {"0": 1200}}
+        "async_diloco-slow-nolookahead": {"0": 1200}, "async_diloco-slow-f2": {"0": 1200},
+        "async_diloco-slow-overlap": {"0": 1200}}
     assert all(together[n] == specs[n] for n in CONFIGS if "async_diloco" not in n)
     # hivemind averages as often as DiLoCo's rounds: its target batch is 2 workers x H x 32 samples
     assert specs["hivemind"]["hivemind_target_batch_size"] == 2 * 50 * BATCH

@@ -29,14 +29,14 @@ _OUTER_FIELDS = ("outer", "outer_steps", "skipped", "changed_at", "floor")  # Di
 
 def inner_steps_knobs(mode: Any) -> None:
     """DiLoCo's and its asynchronous form's knobs checked: ``push_every`` is ``inner_steps``, the outer optimizer
-    made from what was given, no pull or overlap of their own, at most one fragment per inner step.
+    made from what was given, no pull of their own, ``overlap`` a bool, at most one fragment per inner step.
 
     Args:
         mode: the mode being built (its fields are set in place).
 
     Raises:
         ValueError: ``inner_steps`` or ``fragments`` not a whole number >= 1, more fragments than inner steps, a
-            ``push_every`` other than ``inner_steps``, a pull or an overlap of its own.
+            ``push_every`` other than ``inner_steps``, a pull of its own, an ``overlap`` not True or False.
     """
     if not isinstance(mode.inner_steps, int) or isinstance(mode.inner_steps, bool) or mode.inner_steps < 1:
         raise ValueError(f"inner_steps must be a whole number >= 1, got {mode.inner_steps!r}")
@@ -47,8 +47,10 @@ def inner_steps_knobs(mode: Any) -> None:
                          "fragment is synced per step, so fragments <= inner_steps")
     if mode.push_every not in (None, mode.inner_steps):
         raise ValueError(f"{mode.name} pushes every inner_steps local steps: give inner_steps, not push_every")
-    if mode.pull_every is not None or mode.overlap:
-        raise ValueError(f"{mode.name} takes the new model with every reply: pull_every and overlap stay unset")
+    if mode.pull_every is not None:
+        raise ValueError(f"{mode.name} takes the new model with every reply: pull_every stays unset")
+    if not isinstance(mode.overlap, bool):
+        raise ValueError(f"overlap must be True or False, got {mode.overlap!r}")
     object.__setattr__(mode, "push_every", mode.inner_steps)
     object.__setattr__(mode, "outer", OuterOptimizer.get(mode.outer))
 
@@ -178,16 +180,18 @@ class DiLoCo(Sync):
         fragments: streaming DiLoCo (Douillard et al. 2025): the model split in this many fragments of about
             equal size (:func:`plug_asgd.worker.exchange.fragments.split`), fragment ``f`` synced every
             ``inner_steps`` steps at offset ``f * inner_steps // fragments``, each sent while the inner steps go
-            on and merged when the next is due (:class:`~plug_asgd.worker.exchange.fragments.FragmentExchange`);
+            on and merged once its reply came (:class:`~plug_asgd.worker.exchange.fragments.FragmentExchange`);
             1: the whole model at once, as the paper of 2023.
         replicas_to_aggregate: the workers averaged per round; None: every worker training.
         push_every: set from ``inner_steps`` (give that).
         pull_every: must stay None: the new model comes with every round's reply.
-        overlap: must stay False.
+        overlap: with ``fragments=1``, whether the whole model's push is sent while the inner steps go on and its
+            reply merged once it came, keeping the steps made meanwhile (streaming's exchange with one fragment:
+            the paper's overlap ``tau``); False: the worker waits for its round. Fragments always overlap.
 
     Raises:
         ValueError: ``inner_steps`` below 1, ``fragments`` below 1 or above ``inner_steps``, a ``push_every``
-            other than ``inner_steps``, ``pull_every`` or ``overlap`` given, or an outer optimizer
+            other than ``inner_steps``, ``pull_every`` given, ``overlap`` not a bool, or an outer optimizer
             :class:`OuterOptimizer` refuses.
 
     Example:
@@ -213,7 +217,7 @@ class DiLoCo(Sync):
     @property
     @override
     def exchange(self) -> str:
-        return "fragments" if self.fragments > 1 else super().exchange
+        return "fragments" if self.fragments > 1 or self.overlap else super().exchange
 
     @override
     def make_rule(self, options: Mapping[str, Any] | None = None) -> FoldRule:

@@ -203,7 +203,8 @@ class AsyncDiLoCo(PushMode):
             to take, to train the next round from.
         push_every: set from ``inner_steps`` (give that).
         pull_every: must stay None: the new model comes with every reply.
-        overlap: must stay False.
+        overlap: with ``fragments=1``, whether the push is sent while the inner steps go on and its reply merged
+            once it came, keeping the steps made meanwhile, as :class:`DiLoCo`'s; False: the worker waits for it.
 
     Raises:
         ValueError: the knobs :class:`DiLoCo` refuses, an Adam outer optimizer, or a ``delay`` below 1.
@@ -240,7 +241,7 @@ class AsyncDiLoCo(PushMode):
     @property
     @override
     def exchange(self) -> str:
-        return "fragments" if self.fragments > 1 else super().exchange
+        return "fragments" if self.fragments > 1 or self.overlap else super().exchange
 
     @property
     def asks_ahead(self) -> bool:

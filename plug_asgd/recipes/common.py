@@ -149,6 +149,9 @@ def _add_diloco_and_islands(parser: argparse.ArgumentParser) -> None:
                              "fields (default: nesterov, lr 0.7, momentum 0.9)")
     parser.add_argument("--fragments", type=int, default=None,
                         help="diloco/async_diloco: the model's parts, each synced at a staggered step (default 1)")
+    parser.add_argument("--overlap", action="store_const", const=True, default=None,
+                        help="send each push from a thread while the next steps compute, its reply merged when it "
+                             "came (asgd and the other push modes; diloco/async_diloco with one fragment)")
     parser.add_argument("--no-momentum-lookahead", dest="momentum_lookahead", action="store_const", const=False,
                         default=None, help="async_diloco: answer each push with the central model itself, not less "
                                            "the outer momentum step its cycle is expected to take")
@@ -173,7 +176,7 @@ def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
                                  pull_every=args.pull_every, tau=args.tau, alpha=args.alpha,
                                  staleness_bound=args.staleness_bound,
                                  replicas_to_aggregate=args.replicas_to_aggregate, inner_steps=args.inner_steps,
-                                 outer=args.outer, fragments=args.fragments,
+                                 outer=args.outer, fragments=args.fragments, overlap=args.overlap,
                                  momentum_lookahead=args.momentum_lookahead)
     return AsyncPSStrategy(mode=mode, compressor=codec, max_updates=args.max_updates,
                            ps_address=_addresses(args.ps_address), ps_shards=args.ps_shards,

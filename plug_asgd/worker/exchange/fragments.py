@@ -13,7 +13,8 @@ base is the central model of the version its last reply carried, and its pushes 
 
 A push asks for its own tensors only (``want_model="pushed"``): its reply carries the fragment, ``1/F`` of the
 model, and leaves the client's held model as it was; a reply ahead (async_diloco's ``momentum_lookahead``) costs
-the fragment too.
+the fragment too. With one fragment (the modes' ``overlap=True``) the whole model is pushed every ``H`` steps this
+way: a push's round trip goes on beside the inner steps instead of stopping them.
 """
 
 from __future__ import annotations
