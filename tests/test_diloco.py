@@ -31,7 +31,7 @@ def by_hand(w0: np.ndarray, rounds, lr: float = 0.7, mu: float = 0.9) -> list[np
     pseudo-gradient g, Nesterov's momentum b = mu b + g (b = g at first), w -= lr (g + mu b), in float32."""
     w, b, out = w0.copy(), None, []
     for u0, u1 in rounds:
-        g = -((np.zeros(6, F32) + u0 + u1) / F32(2))
+        g = -((np.zeros_like(u0) + u0 + u1) / F32(2))
         b = g.copy() if b is None else b * F32(mu) + g
         w = w - F32(lr) * (g + F32(mu) * b)
         out.append(w.copy())
