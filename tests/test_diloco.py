@@ -324,27 +324,3 @@ def test_async_state_survives_a_checkpoint_and_its_knobs_are_checked():
         AsyncDiLoCo(delay=0)
     mode = get({"name": "async_diloco", "inner_steps": 40, "delay": 3})
     assert mode.push_every == 40 and mode.make_rule({}).period == 3
-
-
-def test_a_slower_worker_shortens_its_inner_steps_to_arrive_as_often_as_the_others():
-    """A worker of 2 whose pushes each see 2 of the other's (it is twice as slow) halves its 8 inner steps; one
-    that sees none keeps them; dynamic_steps=False keeps them whatever it sees."""
-    from plug_asgd import AsyncDiLoCo
-    from plug_asgd.worker.exchange.push import PushExchange
-    from plug_asgd.worker.model_reply import ModelReply
-
-    def seen_per_push(others: list[int], **knobs) -> list[int]:
-        exchange = PushExchange(AsyncDiLoCo(inner_steps=8, **knobs))
-        exchange.start_fit([], 0, 2)
-        steps, base = [], 0
-        for k in others:  # k pushes of the other worker land between two of this worker's
-            version = base + k + 1
-            exchange.count_staleness(ModelReply(version, "applied", False, {}), base)
-            steps.append(exchange.steps_per_push)
-            base = version
-        return steps
-
-    assert seen_per_push([2, 1, 1, 1]) == [4, 4, 4, 4]  # 2 per 8 steps, then 1 per 4: the same rate, kept
-    assert seen_per_push([2, 2, 2]) == [4, 3, 2]  # the other arrives twice per 4 steps: it is 4 times as fast
-    assert seen_per_push([0, 1, 0]) == [8, 8, 8]  # never above inner_steps
-    assert seen_per_push([2, 2], dynamic_steps=False) == [8, 8]

@@ -294,7 +294,7 @@ class _StubClient:
     def __init__(self, held: HeldModel, reply: ModelReply, masks: list) -> None:
         self.held, self.reply, self.masks, self.seen_at_fold = held, reply, masks, None
 
-    def push(self, base, update, want_model, scaled_for, while_waiting):
+    def push(self, base, update, want_model, scaled_for, while_waiting, rate=None):
         while_waiting()
         self.seen_at_fold = len(self.masks)
         return self.reply

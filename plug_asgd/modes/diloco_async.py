@@ -183,8 +183,9 @@ class AsyncDiLoCo(PushMode):
     """Asynchronous DiLoCo (Liu et al. 2024): each worker pushes its pseudo-gradient after its inner steps and the
     PS applies it as it arrives, with the delayed Nesterov update (:class:`AsyncDiLoCoRule`); no worker waits for
     another. With ``dynamic_steps`` a slower worker makes fewer inner steps, so that every worker pushes about as
-    often: each reply says how many others arrived since the worker's last push, and a worker that sees more than
-    ``workers - 1`` per push shortens its rounds to match (never above ``inner_steps``). With ``momentum_lookahead`` a
+    often (the paper's dynamic local updates): each push says the worker's local steps per second, each reply its
+    pace, those over the fastest training worker's, and a worker at pace ``p`` makes ``p`` of ``inner_steps``
+    (:meth:`steps_for`). With ``momentum_lookahead`` a
     worker whose push opened a cycle of the delayed momentum is answered with the central model less the momentum
     step that cycle is expected to take (:meth:`AsyncDiLoCoRule.ahead`), and trains its next round from there: it
     does not descend again what that step will cover, which at two workers swings the central model.
@@ -198,7 +199,7 @@ class AsyncDiLoCo(PushMode):
             its staggered step (a slower worker's shortened rounds staggered alike).
         delay: arrivals between two moves of the outer momentum (of one fragment's); None: the number of workers
             (the most that have trained at once: one that ends its fit first leaves it as it was).
-        dynamic_steps: whether a slower worker shortens its rounds.
+        dynamic_steps: whether a slower worker shortens its rounds to its speed over the fastest's.
         momentum_lookahead: whether a push asks for the central model less the momentum step its cycle is expected
             to take, to train the next round from.
         push_every: set from ``inner_steps`` (give that).
@@ -212,8 +213,8 @@ class AsyncDiLoCo(PushMode):
     Example:
         >>> from plug_asgd import AsyncDiLoCo, AsyncPSStrategy
         >>> strategy = AsyncPSStrategy(mode=AsyncDiLoCo(inner_steps=50))
-        >>> strategy.mode.push_every, strategy.mode.steps_for(0.5, workers=3)  # others arrive 0.5 a step: 4 steps
-        (50, 4)
+        >>> strategy.mode.push_every, strategy.mode.steps_for(0.42)  # at 0.42x the fastest's speed: 21 steps
+        (50, 21)
     """
 
     name = "async_diloco"
@@ -258,14 +259,14 @@ class AsyncDiLoCo(PushMode):
         assert isinstance(self.outer, OuterOptimizer)
         return {"outer": self.outer.to_json()}
 
-    def steps_for(self, others_per_step: float, workers: int) -> int:
-        """The inner steps of a worker that sees ``others_per_step`` pushes of the others per local step: as many
-        as make ``workers - 1`` of them arrive per push of its own, at most ``inner_steps``.
+    def steps_for(self, pace: float) -> int:
+        """The inner steps of a worker that makes ``pace`` times the fastest training worker's local steps per
+        second (the PS's reply says it): ``pace`` of ``inner_steps``, rounded, at least 1, so that its rounds take
+        the fastest's time.
 
         Args:
-            others_per_step: the others' arrivals per local step of this worker, as measured.
-            workers: the workers training.
+            pace: this worker's steps per second over the fastest's, in (0, 1].
         """
-        if not self.dynamic_steps or workers <= 1 or others_per_step <= 0:
+        if not self.dynamic_steps or not 0 < pace < 1:
             return self.inner_steps
-        return max(1, min(self.inner_steps, round((workers - 1) / others_per_step)))
+        return max(1, min(self.inner_steps, round(self.inner_steps * pace)))

@@ -35,6 +35,8 @@ class WorkerInfo:
         pushes: how many of its pushes were folded in.
         heartbeat_s: the heartbeat interval its hello announced, in seconds; None: never declared lost.
         token: the membership token the hello reply gave it: a hello that carries it may take the rank over.
+        rate: the local steps per second its last push said it makes (async_diloco's ``dynamic_steps``); None: none
+            said in this stage.
     """
 
     rank: int
@@ -46,6 +48,7 @@ class WorkerInfo:
     pushes: int = 0
     heartbeat_s: float | None = None  # announced in hello; None: never declared lost
     token: str = ""  # given in the hello reply: a hello that carries it may take the rank over
+    rate: float | None = None  # the local steps per second its last push said (async_diloco's dynamic steps)
 
 
 class Liveness:

@@ -106,6 +106,20 @@ class Membership(Liveness):
         """The ranks training now: those a sync round or ssp's bound waits for."""
         return frozenset(r for r, w in self.workers.items() if w.training) | frozenset(self.awaited)
 
+    def pace(self, rank: int) -> float | None:
+        """``rank``'s local steps per second over the fastest's of the workers training now, by the rates their
+        last pushes said (async_diloco's dynamic local steps: a worker at pace ``p`` makes ``p`` of the inner steps,
+        so that every worker pushes as often); None where ``rank`` said none.
+
+        Args:
+            rank: the worker asking, which has said a rate with a push of this stage.
+        """
+        own = self.workers[rank].rate if rank in self.workers else None
+        if own is None:
+            return None
+        fastest = max([w.rate for w in self.workers.values() if w.training and w.rate is not None] + [own])
+        return own / fastest
+
     def absent(self, stage: int) -> set[int]:
         """Ranks a collective of ``stage`` does not wait for: those that left it and those lost.
 

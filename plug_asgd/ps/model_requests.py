@@ -23,6 +23,9 @@ from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.stats import Stats
 from plug_asgd.ps.store_records import FOLDED, MAX_SCALED_FOR, NOT_CURRENT, PushIn
 
+# the local steps per second a push may say (``rate``): from one a day to a million
+MIN_RATE, MAX_RATE = 1 / 86400, 1e6
+
 log = logging.getLogger("plug_asgd.ps")
 
 
@@ -39,6 +42,7 @@ class _Reply:
     rank: int | None = None
     ahead: bool = False  # the push asks for the model its rule anticipates (FoldRule.ahead), where there is one
     only: frozenset[str] | None = None  # want "pushed": the tensors the push carried, the only ones its reply has
+    paced: bool = False  # the push said its worker's steps per second: its reply says its pace (Membership.pace)
 
 
 def _holds(msg: Message) -> dict[str, tuple[str, int] | None]:
@@ -72,6 +76,10 @@ class ModelRequests:
                     token: _Reply | None = None, push: bool = False) -> None:
         fields = {**fields, "version": self.store.version, "stop": self.store.stopped, "rid": rid,
                   "epoch": self.epoch, **self.leadership()}
+        if token is not None and token.paced and token.rank is not None:
+            pace = self.members.pace(token.rank)
+            if pace is not None:
+                fields["pace"] = pace
         if with_tensors:
             frames = self.store.reply_payload(fields, token and token.have, rank=token and token.rank,
                                               held=token and token.held, push=push,
@@ -93,7 +101,7 @@ class ModelRequests:
                 # nothing but this push changed the model since the worker's base: it adds its update to
                 # its base itself (same float additions, same bits); the model stays here
                 self.stats.own_replies += 1
-                self._send_model(token.identity, token.rid, {"status": status, "own": True}, False)
+                self._send_model(token.identity, token.rid, {"status": status, "own": True}, False, token)
             else:
                 self._send_model(token.identity, token.rid, {"status": status}, token.want != "none" or not applied,
                                  token, push=True)
@@ -129,6 +137,7 @@ class ModelRequests:
         base = msg.int_field("base_version", minimum=0)
         seq = msg.int_field("seq", minimum=0)
         scaled_for = msg.float_field("scaled_for", minimum=0.0, maximum=MAX_SCALED_FOR, optional=True)
+        rate = msg.float_field("rate", minimum=MIN_RATE, maximum=MAX_RATE, optional=True)
         model = msg.fields.get("model", True)
         flags = {name: msg.fields.get(name, False) for name in ("weights", "lend", "ahead")}
         for name, value in flags.items():
@@ -139,7 +148,10 @@ class ModelRequests:
                                          f"got {model!r:.40}")
         want = "none" if model is False else "all" if model is True else model
         only = frozenset(msg.tensors) if model == "pushed" else None  # the tensors its reply carries, no others
-        token = _Reply(identity, rid, want, rank=worker.rank, ahead=flags.pop("ahead"), only=only, **_holds(msg))
+        token = _Reply(identity, rid, want, rank=worker.rank, ahead=flags.pop("ahead"), only=only,
+                       paced=rate is not None, **_holds(msg))
+        if rate is not None:
+            worker.rate = rate  # (a push refused below has said it as well: the worker's pace stands)
         if self.replication.linked and not self.config.standby_window:  # the standby folds it first: what a
             # worker is answered, the standby holds (with a window, the whole state goes every N pushes instead; to
             # a standby being taken, it goes without waiting: the standby is named only once it holds it all)

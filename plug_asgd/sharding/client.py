@@ -197,7 +197,8 @@ class ShardedClient:
     def push(self, base_version: int, update: Mapping[str, Tensor],
              want_model: bool | Literal["unless_own", "pushed"] = True,
              while_waiting: Callable[[], None] | None = None, weights: bool = False,
-             lend: bool = False, scaled_for: float | None = None, ahead: bool = False) -> ModelReply:
+             lend: bool = False, scaled_for: float | None = None, ahead: bool = False,
+             rate: float | None = None) -> ModelReply:
         """The push of ``PSClient.push``, each shard sent its pieces and its own base version, all at once
         (``scaled_for`` to each: each shard corrects its pieces by the staleness they land with there).
 
@@ -218,6 +219,8 @@ class ShardedClient:
             lend: must be False, as ``weights``.
             scaled_for: the staleness the worker scaled the update for, sent to every shard; None: not scaled.
             ahead: ask each shard for its pieces of the model its rule anticipates (``PSClient.push``'s).
+            rate: this worker's local steps per second, said to each shard asked (``PSClient.push``'s); the reply's
+                pace is the lowest of theirs (the fastest worker any shard has heard of).
 
         Raises:
             ValueError: for a push of weights, or of no tensor of the model.
@@ -233,7 +236,7 @@ class ShardedClient:
         first = asked[0]
         answers = self._each(lambda c, i: c.push(bases[i], parts[i], want_model,
                                                  while_waiting=while_waiting if i == first else None,
-                                                 scaled_for=scaled_for, ahead=ahead), asked)
+                                                 scaled_for=scaled_for, ahead=ahead, rate=rate), asked)
         self.pushes += 1
         status = combined_status([r.status for r in answers])  # the push's, whatever the pulls below answer
         self.partly_applied += status == PARTLY_APPLIED
@@ -343,6 +346,7 @@ class ShardedClient:
             status = combined_status([r.status for r in answers])
         parts = [by_shard[i].tensors if i in by_shard else {} for i in range(len(self.clients))]
         model = self.partition.assemble(parts, names) if tensors and not own else {}
+        paces = [r.pace for r in answers if r.pace is not None]
         return ModelReply(version=version, status=status, stop=any(r.stop for r in answers), tensors=model,
                           own=own, approx=any(r.approx for r in answers), ahead=any(r.ahead for r in answers),
-                          part=any(r.part for r in answers))
+                          part=any(r.part for r in answers), pace=min(paces) if paces else None)

@@ -245,7 +245,8 @@ class PSClient(Transport):
     def push(self, base_version: int, update: Mapping[str, Tensor],
              want_model: bool | Literal["unless_own", "pushed"] = True,
              while_waiting: Callable[[], None] | None = None, weights: bool = False,
-             lend: bool = False, scaled_for: float | None = None, ahead: bool = False) -> ModelReply:
+             lend: bool = False, scaled_for: float | None = None, ahead: bool = False,
+             rate: float | None = None) -> ModelReply:
         """Push an update; the reply carries the central model unless ``want_model`` is False.
 
         ``"unless_own"``: no tensors either when the PS folded the update into a model that nothing
@@ -291,6 +292,8 @@ class PSClient(Transport):
             ahead: ask for the central model less the step the PS's rule anticipates before this worker pushes
                 again (async_diloco's ``momentum_lookahead``): the reply says ``ahead`` where it carries that, and the
                 client then holds no central model until its next reply (with ``"pushed"``, it keeps the one it held).
+            rate: the local steps per second this worker makes (async_diloco's ``dynamic_steps``): the reply then says
+                its pace, those over the fastest training worker's (``ModelReply.pace``); None: say none.
 
         Raises:
             ValueError: where ``want_model`` is none of True, False, ``"unless_own"`` and ``"pushed"``.
@@ -307,6 +310,8 @@ class PSClient(Transport):
             fields["scaled_for"] = float(scaled_for)
         if ahead:
             fields["ahead"] = True
+        if rate is not None:
+            fields["rate"] = float(rate)
         if want_model not in (False, "pushed"):  # (no delta answers a push that wants its own tensors)
             fields = with_have(fields, self.held)
         try:

@@ -46,6 +46,8 @@ class ModelReply:
             push (:meth:`~plug_asgd.modes.rules.FoldRule.ahead`), which the push asked for: a base, not the model.
         part: the tensors are those the push carried only (it wanted those: streaming's fragment).
         changed: a delta reply's changes; None where the whole model came, or none.
+        pace: the worker's local steps per second over the fastest training worker's, where its push said its own
+            (``PSClient.push``'s ``rate``); None: not said.
     """
 
     version: int
@@ -57,6 +59,7 @@ class ModelReply:
     ahead: bool = False  # the central model less the step the PS's rule anticipates (a push that asked for it)
     part: bool = False  # the tensors the push carried only (a push that wanted those)
     changed: Changes | None = None  # a delta reply's changes; None: the whole model came, or none
+    pace: float | None = None  # its steps per second over the fastest worker's, where its push said its own
 
 
 
@@ -129,4 +132,11 @@ def model_reply(reply: Message, held: HeldModel | None, counters: CommCounters, 
     return ModelReply(version=version, status=str(reply.fields.get("status")),
                       stop=bool(reply.fields.get("stop")), tensors=tensors, own=reply.fields.get("own") is True,
                       approx=reply.fields.get("approx") is True, ahead=reply.fields.get("ahead") is True,
-                      part=reply.fields.get("part") is True, changed=changed)
+                      part=reply.fields.get("part") is True, changed=changed, pace=_pace(reply.fields.get("pace")))
+
+
+def _pace(value: Any) -> float | None:
+    """A reply's ``pace``: a number in (0, 1], or None (missing, or not one: the worker keeps its inner steps)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        return None
+    return float(value)

@@ -23,6 +23,7 @@ from plug_asgd.worker.compensation import (
     warn_unknown_optimizers,
 )
 from plug_asgd.worker.exchange.link import Link
+from plug_asgd.worker.exchange.pace import StepClock
 from plug_asgd.worker.model_reply import ModelReply
 from plug_asgd.worker.staging import Staging
 
@@ -74,8 +75,10 @@ class Exchange(ABC):
         self.closure_runs = True  # the optimizers run their closure before they write the weights (step)
         self.closure_ran = False
         self.steps_per_push = getattr(mode, "push_every", None) or 1  # this worker's (async_diloco's dynamic steps)
-        self.workers = 1  # the fit's workers
-        self.others_per_step: float | None = None  # the others' pushes per local step of this worker, as seen
+        self.clock = StepClock()  # this worker's steps per second, which its pushes say where its mode paces them
+        # whether its inner steps follow its speed over the fastest worker's (async_diloco's dynamic_steps): its
+        # steps are then timed and its pushes say its steps per second (rate)
+        self.paced = False
 
     # -- what the strategy calls ---------------------------------------------------------------------
 
@@ -97,8 +100,9 @@ class Exchange(ABC):
         """
         self.optimizers = optimizers
         self.mode = self.configured_mode.for_workers(world_size)
-        self.workers, self.others_per_step = world_size, None
         self.steps_per_push = getattr(self.mode, "push_every", None) or 1
+        self.paced = bool(getattr(self.mode, "dynamic_steps", False))
+        self.clock.start()
         self.rank, self.fit_codec = rank, self.codec
         self.encoder = self.mode.encoder(self.codec, rank)
         self.normalized_steps = normalized = bool(optimizers) and all(normalizes_steps(o) for o in optimizers)
@@ -206,7 +210,11 @@ class Exchange(ABC):
         if self.joined and self._link.fitting:
             self.since_push += 1
             self.since_pull += 1
+            if self.paced:
+                self.clock.stepped()
             self.after_step()
+            if self.paced:
+                self.clock.exchanged()
         return out
 
     def flush(self) -> None:
@@ -276,6 +284,11 @@ class Exchange(ABC):
     def lookahead(self) -> bool:
         """Whether the compensation may compute the next step where the model is heading."""
         return False
+
+    def rate(self) -> float | None:
+        """The local steps per second a push says, where this worker is :attr:`paced` (None otherwise, or where
+        no step was timed since the last push)."""
+        return self.clock.rate() if self.paced else None
 
     @property
     def asks_ahead(self) -> bool:
@@ -369,11 +382,7 @@ class Exchange(ABC):
             since = getattr(reply.version, "since", None)  # a sharded PS's versions count it per shard
             staleness = since(base) if since is not None else reply.version - base - 1
             self.compensator.observe(staleness)
-            steps_for = getattr(self.mode, "steps_for", None)
-            if steps_for is not None:  # async_diloco: the others' arrivals set this worker's inner steps
-                seen = staleness / max(1, self.steps_per_push)
-                ema = seen if self.others_per_step is None else (self.others_per_step + seen) / 2
-                self.others_per_step = ema
-                self.steps_per_push = steps_for(ema, self.workers)
+            if self.paced and reply.pace is not None:  # async_diloco: its speed over the fastest's sets its steps
+                self.steps_per_push = self.mode.steps_for(reply.pace)  # type: ignore[attr-defined]
             st = self.staleness
             st[0], st[1], st[2] = st[0] + staleness, st[1] + 1, max(st[2], staleness)

@@ -194,8 +194,8 @@ class FragmentExchange(PushExchange):
                 update[name] = self.encoder.encode(name, update[name])
                 if isinstance(update[name], Sparse):
                     self.compensator.mask(self.optimizers, tensors[name], update[name].indices)
-        base, client, sent_at = self.fragment_versions[fragment], self._link.client, self.version
-        push = InFlight(lambda: client.push(base, update, want_model="pushed", ahead=self.asks_ahead))
+        base, client, sent_at, rate = self.fragment_versions[fragment], self._link.client, self.version, self.rate()
+        push = InFlight(lambda: client.push(base, update, want_model="pushed", ahead=self.asks_ahead, rate=rate))
         self.pending = (push, lambda: self.merge(push, fragment, sent, sent_at))
         self.pushed_at[fragment] = self.fit_step
         self.since_push = 0
@@ -220,7 +220,7 @@ class FragmentExchange(PushExchange):
         missing = [n for n in names if n not in reply.tensors]
         if missing:
             raise RuntimeError(f"the parameter server's reply lacks {missing[:5]}: is it serving another model?")
-        self.count_staleness(reply, sent_at)  # the others' pushes since this worker's last (async_diloco's pace)
+        self.count_staleness(reply, sent_at)  # (and async_diloco's pace: this worker's inner steps)
         tensors = self._link.tensors()
         with torch.no_grad():
             for name in names:

@@ -255,11 +255,12 @@ class HeldPush(InFlight):
         scaled_for: the staleness the update was scaled for (None: not scaled), which the PS corrects for.
         mask: masks the optimizers' momentum where an update was sent; run by the push's thread once the push is
             sent, while the PS folds it (the momentum is read only by the optimizer's step, which waits for it).
+        rate: the worker's local steps per second, said with the push (``PSClient.push``'s); None: none said.
     """
 
     def __init__(self, held: HeldBase, encoder: Compressor, client: PSClient, weights: dict[str, np.ndarray],
                  central: dict[str, np.ndarray], base: int, scaled_for: float | None,
-                 mask: Callable[[Mapping[str, Any]], None] | None = None) -> None:
+                 mask: Callable[[Mapping[str, Any]], None] | None = None, rate: float | None = None) -> None:
         self.held, self.weights, self.central, self.base = held, weights, central, base
         self.encoder, self._mask = encoder, mask
         self.update: dict[str, Any] = {}
@@ -278,7 +279,7 @@ class HeldPush(InFlight):
                 finally:
                     self._encoded.set()
                 reply = client.push(base, self.update, want_model="unless_own", scaled_for=scaled_for,
-                                    while_waiting=self._decode)
+                                    while_waiting=self._decode, rate=rate)
             finally:
                 self._decoded.set()
             if client.held is not None and self.decoded.keys() == self.update.keys():

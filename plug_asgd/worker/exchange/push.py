@@ -127,7 +127,7 @@ class PushExchange(UpdateMaking):
         guess = ask_own and self.weights_ok
         reply = link.client.push(base, update, want_model="unless_own" if ask_own else want_model,
                                  while_waiting=own_model if guess else None, scaled_for=self.scaled_for(),
-                                 ahead=self.asks_ahead)
+                                 ahead=self.asks_ahead, rate=self.rate())
         self.count_staleness(reply, base)
         self.own_guesses[0] += guess
         self.own_guesses[1] += guess and reply.own
@@ -252,7 +252,8 @@ class PushExchange(UpdateMaking):
         residual = self.pending_residual() or (lambda name: None)
         held.enter(kind, weights, self.base, central, residual, client.held.version)  # type: ignore[union-attr]
         push = HeldPush(held, self.encoder, client, weights, central,  # type: ignore[arg-type]
-                        self.version, self.scaled_for(), mask=self.mask_update if held is self.held_host else None)
+                        self.version, self.scaled_for(), mask=self.mask_update if held is self.held_host else None,
+                        rate=self.rate())
         self.pending = (push, lambda: self.settle_held(push))
         self.since_push = 0
         if not self.held_answered_own and not self.overlaps:
