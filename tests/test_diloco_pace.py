@@ -5,6 +5,7 @@ median, and two workers on their own threads, one 4x slower, whose rounds come o
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -20,6 +21,8 @@ from plug_asgd.worker.exchange import pace as pace_module
 from plug_asgd.worker.exchange.pace import StepClock
 from plug_asgd.worker.exchange.push import PushExchange
 from plug_asgd.worker.model_reply import ModelReply
+from tests.conftest import in_process_ps
+from tests.test_diloco_fragments import join_worker, take_step
 
 W0 = np.arange(6, dtype=np.float32)
 
@@ -96,6 +99,42 @@ def test_the_step_clock_times_steps_without_their_exchange_and_takes_the_median(
     assert clock.steps == pytest.approx([0.1, 0.1, 1.0, 0.1])  # the first step: nothing to time it from
     assert clock.rate() == pytest.approx(10.0)
     assert clock.rate() is None  # each push says the steps since the last one's
+    for step_s, said in ((0.0, 1e6), (1e-9, 1e6), (1e7, 1 / 86400)):  # within what a push may say (RATE_RANGE)
+        clock.steps = [step_s]
+        assert clock.rate() == said
+
+
+class _Paced:
+    """A client whose push replies say the pace ``pace``, whatever the PS said."""
+
+    def __init__(self, client, pace: float) -> None:
+        self._client, self.pace = client, pace
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def push(self, *args, **kwargs):
+        return dataclasses.replace(self._client.push(*args, **kwargs), pace=self.pace)
+
+
+@pytest.mark.integration
+def test_an_overlapped_reply_that_halves_the_pace_shortens_the_round_under_way():
+    """``overlap=True``, H = 8: the push at step 8 goes from a thread; its reply, merged after step 9, says pace
+    0.5, and the round under way ends at step 12 (4 steps after the push), not 16."""
+    mode = AsyncDiLoCo(inner_steps=8, overlap=True, momentum_lookahead=False)
+    with in_process_ps(mode.name, shm_pushes=False) as server:
+        client, exchange, log, tensors = join_worker(server.address, mode, 0, 1)
+        exchange.link.client = _Paced(exchange.link.client, 0.5)
+        try:
+            for t in range(1, 9):
+                take_step(exchange, tensors, 0, t)
+            exchange.pending[0].thread.join(30)
+            for t in range(9, 14):
+                take_step(exchange, tensors, 0, t)
+            assert exchange.steps_per_push == 4
+            assert exchange.fragment_trace == [(8, 0), (12, 0)]
+        finally:
+            client.close()
 
 
 @pytest.mark.integration

@@ -51,9 +51,9 @@ OFF_REPEATS = 5
 OFF_MODES = ("asgd", "adacomp", "downpour", "ssp", "losp")
 # DiLoCo's modes are not fitted here: their regime is hundreds of inner steps per round (100 by default), and these
 # fits make a round or two at that default (measured in a fresh-clone suite run: the regression case under
-# async_diloco ended at 40.3 against one process's 6.8, from 57.5). Their learning table (every mode x the CNN and
-# the language model, against DDP) is issue 58's, not yet made; tests/test_diloco*.py hold their rules to hand
-# computations and tests/test_islands.py trains both.
+# async_diloco ended at 40.3 against one process's 6.8, from 57.5). They are fitted against DDP on the CNN and the
+# language model by the learning table (`python -m bench learning`, docs/benchmarks.md); tests/test_diloco*.py hold
+# their rules to hand computations and tests/test_islands.py trains both.
 STEP_MODES = [m for m in MODES if m not in ("diloco", "async_diloco")]
 # Fashion-MNIST, 8,000 images, 1 epoch: every mode's central model within this many points of DDP's. Not the
 # issue's 1.5 (tested at 16,000 images over 3 seeds in the full tier, tests/test_momentum_full.py, which the

@@ -35,6 +35,8 @@ PACKED_MAX_STR = 256  # characters of a string meta value
 # Broadcasts inside the training loop (notices, plug_asgd/worker/notices.py): calls per batch, bytes per value.
 NOTICE_KEYS = 64  # Lightning's own code makes one a batch (the Timer's)
 NOTICE_BYTES = 4096  # a decision, not a payload
+# The local steps per second a push may say (``rate``, async_diloco's dynamic local steps): one a day to a million.
+RATE_RANGE = (1 / 86400, 1e6)
 CODEC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.+")
 
 

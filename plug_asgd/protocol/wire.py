@@ -53,6 +53,7 @@ from plug_asgd.protocol.schema import (
     PACKED_MAX_NAME,
     PACKED_MAX_STR,
     PROTOCOL_VERSION,
+    RATE_RANGE,
     Limits,
     Local,
     Message,
@@ -67,7 +68,8 @@ from plug_asgd.protocol.schema import (
 
 __all__ = ["BLOCK_BITS", "BLOCK_SIZE", "CODEC_CHARS", "DEFAULT_LIMITS", "DTYPES", "DTYPE_NAMES", "FLOAT_DTYPES",
            "LOCAL_MAX_OFFSET", "Limits", "Local", "Message", "PACKED_MAX_ARRAYS", "PACKED_MAX_META",
-           "PACKED_MAX_NAME", "PACKED_MAX_STR", "PROTOCOL_VERSION", "Packed", "Sparse", "Tensor", "WireError",
+           "PACKED_MAX_NAME", "PACKED_MAX_STR", "PROTOCOL_VERSION", "Packed", "RATE_RANGE", "Sparse", "Tensor",
+           "WireError",
            "decode", "dtype_name", "encode", "frame_summary", "message_bytes", "num_blocks", "sparse_wire_bytes"]
 
 

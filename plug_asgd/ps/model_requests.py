@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plug_asgd.modes import APPLIED
-from plug_asgd.protocol.wire import Message, WireError, encode
+from plug_asgd.protocol.wire import RATE_RANGE, Message, WireError, encode
 from plug_asgd.ps.changes import parse_have
 from plug_asgd.ps.fast_store import FastStore
 from plug_asgd.ps.membership import Membership
@@ -22,9 +22,6 @@ from plug_asgd.ps.refusals import check_model
 from plug_asgd.ps.shard_guard import ShardGuard
 from plug_asgd.ps.stats import Stats
 from plug_asgd.ps.store_records import FOLDED, MAX_SCALED_FOR, NOT_CURRENT, PushIn
-
-# the local steps per second a push may say (``rate``): from one a day to a million
-MIN_RATE, MAX_RATE = 1 / 86400, 1e6
 
 log = logging.getLogger("plug_asgd.ps")
 
@@ -137,7 +134,7 @@ class ModelRequests:
         base = msg.int_field("base_version", minimum=0)
         seq = msg.int_field("seq", minimum=0)
         scaled_for = msg.float_field("scaled_for", minimum=0.0, maximum=MAX_SCALED_FOR, optional=True)
-        rate = msg.float_field("rate", minimum=MIN_RATE, maximum=MAX_RATE, optional=True)
+        rate = msg.float_field("rate", minimum=RATE_RANGE[0], maximum=RATE_RANGE[1], optional=True)
         model = msg.fields.get("model", True)
         flags = {name: msg.fields.get(name, False) for name in ("weights", "lend", "ahead")}
         for name, value in flags.items():

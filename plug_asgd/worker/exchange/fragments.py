@@ -149,7 +149,9 @@ class FragmentExchange(PushExchange):
     @override
     def after_step(self) -> None:
         if self.pending is not None and not self.pending[0].thread.is_alive():
+            running = self.gap(last := (self.next_fragment - 1) % self.count)
             self.finish()  # the reply came during this step: merged now, not when the next fragment is due
+            self.countdown += self.gap(last) - running  # its pace (async_diloco's) sets the length of this gap too
         self.fit_step += 1
         self.countdown -= 1
         if self.countdown <= 0:

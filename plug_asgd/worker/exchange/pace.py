@@ -12,6 +12,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from plug_asgd.protocol.wire import RATE_RANGE
+
 
 class StepClock:
     """The wall time of each local step, from the end of the last step's exchange to the start of this one's: the
@@ -39,10 +41,11 @@ class StepClock:
         self.last_end = time.perf_counter()
 
     def rate(self) -> float | None:
-        """The local steps per second since the last call (the median step's), and the steps forgotten; None where
-        no step was timed."""
+        """The local steps per second since the last call (the median step's, within what a push may say), and the
+        steps forgotten; None where no step was timed."""
         steps, self.steps = self.steps, []
         if not steps:
             return None
         median = statistics.median(steps)
-        return 1.0 / median if median > 0 else None
+        low, high = RATE_RANGE
+        return high if median <= 1 / high else max(low, 1.0 / median)
