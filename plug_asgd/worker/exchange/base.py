@@ -372,7 +372,8 @@ class Exchange(ABC):
             self._link.stop()
 
     def count_staleness(self, reply: ModelReply, base: int) -> None:
-        """Count an applied push's staleness into the compensator's estimate and this worker's counters.
+        """Count an applied push's staleness into the compensator's estimate and this worker's counters, and take
+        the pace its reply says as this worker's inner steps (where :attr:`paced`).
 
         Args:
             reply: the PS's reply to the push; only an ``applied`` one counts.
