@@ -1,9 +1,7 @@
 """async_diloco's dynamic local steps (``AsyncDiLoCo(dynamic_steps=True)``): each push says the worker's local steps
 per second, the PS answers it with its pace (those over the fastest training worker's) and the worker makes that
-share of ``inner_steps``; before its first push a worker says its rate on its own (a ``pace`` request), so that its
-first round is paced too. The PS's arithmetic on a real PS process and socket, what it refuses, the clock's median,
-when a first round asks, and two workers on their own threads, one 4x slower, whose rounds (the first included)
-come out in proportion."""
+share of ``inner_steps``. The PS's arithmetic on a real PS process and socket, what it refuses, the clock's
+median, and two workers on their own threads, one 4x slower, whose rounds come out in proportion."""
 
 from __future__ import annotations
 
@@ -16,13 +14,11 @@ import pytest
 import torch
 
 from plug_asgd import AsyncDiLoCo
-from plug_asgd.protocol.partition import Partition
-from plug_asgd.sharding.client import ShardedClient
 from plug_asgd.worker.client import PSClient
 from plug_asgd.worker.errors import PSError
 from plug_asgd.worker.exchange import Link, make_exchange
 from plug_asgd.worker.exchange import pace as pace_module
-from plug_asgd.worker.exchange.pace import FIRST_ASK, FirstPace, StepClock
+from plug_asgd.worker.exchange.pace import StepClock
 from plug_asgd.worker.exchange.push import PushExchange
 from plug_asgd.worker.model_reply import ModelReply
 from tests.conftest import in_process_ps
@@ -75,65 +71,6 @@ def test_a_ps_process_answers_each_push_with_its_pace_over_the_fastest_trainer(s
             c.close()
 
 
-@pytest.mark.integration
-@pytest.mark.timeout(120)
-def test_a_ps_process_answers_a_rate_said_before_any_push_once_every_trainer_said_one(start_ps):
-    """A ``pace`` request keeps its rate as a push's would and answers the pace by hand, but only once every worker
-    training now has said a rate (none before: the fastest may be among the silent); a hello forgets the rate; a
-    rate that is not a positive number of steps per second (at most 10^6), or none, is refused with ``bad_field``,
-    another session's with ``not_owner``, and a refused one changes no pace; no request moves the model."""
-    pair = _pair(start_ps("async_diloco"))
-    try:
-        pair[0].init({"w": W0.copy()})
-        assert pair[0].pace(40.0) is None  # rank 1 trains and has said nothing
-        assert pair[1].pace(10.0) == 0.25
-        assert pair[0].pace(40.0) == 1.0
-        u = {"w": np.full(6, 0.01, np.float32)}
-        assert pair[1].push(0, u, rate=20.0).pace == 0.5  # a push's rate and a pace request's are one
-        assert pair[0].pace(10.0) == 0.5
-        for bad in (0, -3.0, float("nan"), float("inf"), 1e7, "fast", True, None):
-            fields = {"rank": 0, "session": pair[0].session, **({} if bad is None else {"rate": bad})}
-            with pytest.raises(PSError) as refused:
-                pair[0].request("pace", fields)
-            assert refused.value.code == "bad_field" and "rate" in str(refused.value), bad
-        with pytest.raises(PSError) as refused:
-            pair[0].request("pace", {"rank": 0, "session": pair[1].session, "rate": 1.0})
-        assert refused.value.code == "not_owner"
-        assert pair[1].pace(20.0) == 1.0  # rank 0's 10 stands: none of the refused changed it
-        assert pair[0].pull().version == 1  # the push alone moved the model
-        pair[1].hello(stage=1, training=True)  # a hello forgets rank 1's rate
-        assert pair[0].pace(10.0) is None
-    finally:
-        for c in pair:
-            c.close()
-
-
-@pytest.mark.integration
-@pytest.mark.timeout(120)
-def test_a_sharded_worker_takes_the_lowest_of_its_shards_paces_and_none_while_one_has_none(start_ps):
-    """Two shard processes: rank 0's rate said to shard 0 alone leaves rank 1's answer None (shard 1 waits for
-    rank 0's); said to both, 40 to shard 0 and 80 to shard 1, rank 1's 10 is paced 0.25 and 0.125: the lowest
-    is taken, by a rate said on its own and by a push's."""
-    shapes = {"w": (8, 5), "b": (5,)}
-    part = Partition(shapes, 2)
-    addresses = [start_ps("async_diloco", shard="0/2"), start_ps("async_diloco", shard="1/2")]
-    workers = [ShardedClient(addresses, part, rank=r, world_size=2, mode="async_diloco", request_timeout=30,
-                             heartbeat_s=None) for r in (0, 1)]
-    try:
-        for w in workers:
-            w.hello(stage=1, training=True, timeout=30)
-        assert workers[0].init({n: np.ones(s, np.float32) for n, s in shapes.items()})
-        assert workers[0].clients[0].pace(40.0) is None  # rank 1 has said nothing yet
-        assert workers[1].pace(10.0) is None  # shard 1 has no rate of rank 0's
-        assert workers[0].clients[1].pace(80.0) == 1.0
-        assert workers[1].pace(10.0) == 0.125
-        update = {n: np.full(s, 0.01, np.float32) for n, s in shapes.items()}
-        assert workers[1].push(workers[1].pull().version, update, rate=10.0).pace == 0.125
-    finally:
-        for w in workers:
-            w.close()
-
-
 @pytest.mark.parametrize(("pace", "steps"), [(1.0, 8), (0.5, 4), (0.26, 2), (0.01, 1), (0.999, 8), (None, 8)])
 def test_a_worker_makes_its_pace_of_the_inner_steps(pace, steps):
     """``round(pace * inner_steps)``, at least 1 and at most ``inner_steps``; no pace said: the steps stay as they
@@ -165,78 +102,6 @@ def test_the_step_clock_times_steps_without_their_exchange_and_takes_the_median(
     for step_s, said in ((0.0, 1e6), (1e-9, 1e6), (1e7, 1 / 86400)):  # within what a push may say (RATE_RANGE)
         clock.steps = [step_s]
         assert clock.rate() == said
-
-
-def test_a_first_round_says_its_rate_after_8_steps_then_24_while_half_the_round_is_left():
-    """H = 100: asked at step 8, and with no pace yet at 24 (8 + 16), then no more (72 is past half the round); a
-    pace answered ends the asking, and so does a push (it says the rate itself); a worker not paced never asks."""
-    first = FirstPace()
-    first.start(paced=True)
-    said = []
-
-    class Client:
-        def __init__(self, answers):
-            self.answers = answers
-
-        def pace(self, rate):
-            said.append(rate)
-            return self.answers.pop(0)
-
-    client = Client([None, None])
-    asked = [t for t in range(1, 101) if first.due(t, 100) and first.ask(client, 5.0, t) is None]
-    assert asked == [8, 24] and said == [5.0, 5.0] and first.asked == 2
-    first.start(paced=True)
-    assert [t for t in range(1, 101) if first.due(t, 100) and first.ask(Client([0.5]), 5.0, t)] == [8]
-    first.start(paced=True)
-    assert not first.due(FIRST_ASK, 2 * FIRST_ASK - 1)  # less than half the round left: no request
-    first.stop()
-    assert not any(first.due(t, 40) for t in range(41))
-    first.start(paced=False)
-    assert not any(first.due(t, 40) for t in range(41))
-    assert first.ask(Client([]), None, 8) is None and first.next_at == 24  # no step timed: nothing said
-
-
-class _FirstPaced:
-    """A client whose answers to a rate, said on its own or with a push, are ``answer``, whatever the PS said
-    (kept in ``said``)."""
-
-    def __init__(self, client, answer: float) -> None:
-        self._client, self.answer, self.said = client, answer, []
-
-    def __getattr__(self, name):
-        return getattr(self._client, name)
-
-    def pace(self, rate):
-        self.said.append(self._client.pace(rate))
-        return self.answer
-
-    def push(self, *args, **kwargs):
-        reply = self._client.push(*args, **kwargs)
-        self.said.append(reply.pace)
-        return dataclasses.replace(reply, pace=self.answer)
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_first_round_answered_pace_a_quarter_ends_at_a_quarter_of_the_inner_steps(overlap):
-    """H = 40, whole and overlapped: the rate said at step 8 is answered with pace 0.25 (the PS, alone with this
-    worker, said 1.0), and the first push goes at step 10, not 40; each push says the rate, so none is asked again."""
-    mode = AsyncDiLoCo(inner_steps=40, overlap=overlap, momentum_lookahead=False)
-    with in_process_ps(mode.name, shm_pushes=False) as server:
-        client, exchange, log, tensors = join_worker(server.address, mode, 0, 1)
-        exchange.link.client = paced = _FirstPaced(exchange.link.client, 0.25)
-        try:
-            for t in range(1, 21):
-                take_step(exchange, tensors, 0, t)
-            exchange.finish()
-            assert paced.said == [1.0, 1.0, 1.0] and exchange.first_pace.asked == 1
-            assert exchange.steps_per_push == 10
-            if overlap:
-                assert exchange.fragment_trace == [(10, 0), (20, 0)]
-            else:
-                assert len(log) == 2 and exchange.since_push == 0  # pushed at steps 10 and 20
-        finally:
-            client.close()
 
 
 class _Paced:
@@ -275,13 +140,11 @@ def test_an_overlapped_reply_that_halves_the_pace_shortens_the_round_under_way()
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_a_worker_4x_slower_makes_a_quarter_of_the_inner_steps(start_ps):
-    """Two workers of AsyncDiLoCo(inner_steps=40) on a PS process, each on a thread of its own, one sleeping 10 ms
-    a step, the other 40 ms: the slower makes rounds of about 10 steps, its first one included (it says its rate
-    at its 8th step), the faster keeps 40."""
+    """Two workers of AsyncDiLoCo(inner_steps=12) on a PS process, each on a thread of its own, one sleeping 10 ms
+    a step, the other 40 ms: after its first push the slower makes rounds of about 3 steps, the faster keeps 12."""
     address = start_ps("async_diloco")
     shapes = {"a": (16, 8), "b": (8,)}
     steps_seen: dict[int, list[int]] = {0: [], 1: []}
-    first_push: dict[int, int] = {}
     clients: list[PSClient] = []
     errors: list[BaseException] = []
 
@@ -292,7 +155,7 @@ def test_a_worker_4x_slower_makes_a_quarter_of_the_inner_steps(start_ps):
             clients.append(client)
             client.hello(stage=1, training=True, timeout=30)
             tensors = {n: torch.zeros(s) for n, s in shapes.items()}
-            exchange = make_exchange(AsyncDiLoCo(inner_steps=40), codec=None, shm_pushes=False)
+            exchange = make_exchange(AsyncDiLoCo(inner_steps=12), codec=None, shm_pushes=False)
             exchange.attach(Link(client=client, tensors=lambda: tensors, rank=rank, world_size=2, stage=1,
                                  fitting=True, barrier=lambda name: None, stop=lambda: None))
             exchange.start_fit([torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)], rank, 2)
@@ -309,11 +172,10 @@ def test_a_worker_4x_slower_makes_a_quarter_of_the_inner_steps(start_ps):
                         x.add_(0.01)
 
             pushes = 0
-            while pushes < 4:
+            while pushes < (12 if rank == 0 else 4):
                 before = exchange.since_push
                 exchange.step(run, exchange.optimizers[0])
                 if exchange.since_push < before + 1:  # it pushed: the steps of its next round
-                    first_push.setdefault(rank, before + 1)
                     pushes += 1
                     steps_seen[rank].append(exchange.steps_per_push)
         except BaseException as exc:  # noqa: BLE001 (reported by the test's thread)
@@ -330,8 +192,6 @@ def test_a_worker_4x_slower_makes_a_quarter_of_the_inner_steps(start_ps):
     finally:
         for c in clients:
             c.close()
-    assert steps_seen[0] == [40] * 4 and first_push[0] == 40  # the faster worker's pace is 1
-    # 40 x 10/40 = 10; 7 to 18 where either sleep overran (18: the faster's steps measured at 18 ms); the first
-    # round's pace comes at step 8, and a pace of fewer steps ends the round at once
-    assert all(7 <= s <= 18 for s in steps_seen[1]), steps_seen[1]
-    assert 8 <= first_push[1] <= 18, first_push
+    assert steps_seen[0] == [12] * 12  # the faster worker's pace is 1
+    # 12 x 10/40 = 3; 2 to 5 where either sleep overran (5: the faster's steps measured at 18 ms)
+    assert all(2 <= s <= 5 for s in steps_seen[1]), steps_seen[1]

@@ -106,21 +106,19 @@ class Membership(Liveness):
         """The ranks training now: those a sync round or ssp's bound waits for."""
         return frozenset(r for r, w in self.workers.items() if w.training) | frozenset(self.awaited)
 
-    def pace(self, rank: int, every: bool = False) -> float | None:
+    def pace(self, rank: int) -> float | None:
         """``rank``'s local steps per second over the fastest's of the workers training now, by the rates their
-        last pushes (or ``pace`` requests) said (async_diloco's dynamic local steps: a worker at pace ``p`` makes
-        ``p`` of the inner steps, so that every worker pushes as often); None where ``rank`` said none.
+        last pushes said (async_diloco's dynamic local steps: a worker at pace ``p`` makes ``p`` of the inner steps,
+        so that every worker pushes as often); None where ``rank`` said none.
 
         Args:
-            rank: the worker asking, which has said a rate with a push or a ``pace`` request of this stage.
-            every: None also while a worker training now has said no rate yet (a ``pace`` request's answer: the
-                fastest may be among those, and the worker asks again some steps later).
+            rank: the worker asking, which has said a rate with a push of this stage.
         """
         own = self.workers[rank].rate if rank in self.workers else None
-        training = [w.rate for w in self.workers.values() if w.training]
-        if own is None or (every and None in training):
+        if own is None:
             return None
-        return own / max([r for r in training if r is not None] + [own])
+        fastest = max([w.rate for w in self.workers.values() if w.training and w.rate is not None] + [own])
+        return own / fastest
 
     def absent(self, stage: int) -> set[int]:
         """Ranks a collective of ``stage`` does not wait for: those that left it and those lost.

@@ -125,14 +125,6 @@ class ModelRequests:
         token = _Reply(identity, rid, "all", rank=rank, **_holds(msg))
         self._send_model(identity, rid, {"status": "pulled"}, True, token)
 
-    def _on_pace(self, identity: bytes, rid: Any, msg: Message) -> None:
-        """A worker's local steps per second, said before its first push of a fit (async_diloco's dynamic steps), kept
-        as a push's ``rate`` is: the answer says its pace once every worker training now has said a rate."""
-        worker = self.members.member(identity, msg, session=True)
-        worker.rate = msg.float_field("rate", minimum=RATE_RANGE[0], maximum=RATE_RANGE[1])
-        pace = self.members.pace(worker.rank, every=True)
-        self._send(identity, rid, "paced", {} if pace is None else {"pace": pace})
-
     def _on_push(self, identity: bytes, rid: Any, msg: Message) -> None:
         worker = self.members.member(identity, msg, session=True)
         if not msg.tensors:

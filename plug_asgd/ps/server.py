@@ -49,8 +49,8 @@ from plug_asgd.ps.stats import Stats
 
 log = logging.getLogger("plug_asgd.ps")
 
-_TYPES = ("hello", "bye", "attach", "heartbeat", "init", "pull", "push", "pace", "gather", "notice", "stats",
-          "standby", "replicate", "lead", "ping")
+_TYPES = ("hello", "bye", "attach", "heartbeat", "init", "pull", "push", "gather", "notice", "stats", "standby",
+          "replicate", "lead", "ping")
 
 
 class ParameterServer(ModelRequests, Failover):

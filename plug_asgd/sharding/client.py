@@ -194,16 +194,6 @@ class ShardedClient:
         replies = self._each(lambda c, _: c.pull_once_initialized(within))
         return None if any(r is None for r in replies) else self._combine(replies)  # type: ignore[arg-type]
 
-    def pace(self, rate: float) -> float | None:
-        """Say this worker's local steps per second to every shard (``PSClient.pace``'s): the lowest of their paces,
-        or None while a shard has none to say yet.
-
-        Args:
-            rate: this worker's local steps per second.
-        """
-        paces = self._each(lambda c, _: c.pace(rate))
-        return None if None in paces else min(p for p in paces if p is not None)
-
     def push(self, base_version: int, update: Mapping[str, Tensor],
              want_model: bool | Literal["unless_own", "pushed"] = True,
              while_waiting: Callable[[], None] | None = None, weights: bool = False,

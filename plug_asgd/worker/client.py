@@ -1,15 +1,15 @@
 """PSClient: one worker's connection to the parameter server, and the protocol it speaks.
 
-Requests travel through :class:`~plug_asgd.worker.transport.Transport` (timeouts, reconnection, heartbeats, byte
-counters). Pushes carry a sequence number, so one that the PS had already applied before a reconnection is refused as
-a duplicate and never counted twice.
+Requests travel through :class:`~plug_asgd.worker.transport.Transport` (timeouts, reconnection,
+heartbeats, byte counters). Pushes carry a sequence number, so one that the PS had already
+applied before a reconnection is refused as a duplicate and never counted twice.
 
 What a model reply carries, and how it is read into the model the client holds, is
 :mod:`plug_asgd.worker.model_reply`'s.
 
 On the PS's machine the client can push through shared memory (:meth:`PSClient.push_buffers`,
-:mod:`plug_asgd.protocol.push_memory`); should the PS lose the segment (a restart), the push is sent again as bytes,
-and so are all later ones.
+:mod:`plug_asgd.protocol.push_memory`); should the PS lose the segment (a restart), the push is sent again
+as bytes, and so are all later ones.
 """
 
 from __future__ import annotations
@@ -119,11 +119,12 @@ class PSClient(Transport):
 
     def hello(self, stage: int, training: bool, *, timeout: float | None = None,
               alive: Callable[[], str | None] | None = None) -> dict[str, Any]:
-        """Join (or rejoin) the run as this rank. The PS's token is kept and sent with every later hello and
-        heartbeat: it proves this is the worker that holds the rank. A rank still held by a live worker (a restarted
-        process whose predecessor is not yet declared lost), a world size held by workers of another (``world_held``:
-        a PS without a fixed world, whose first hello claimed another, until those workers are declared lost), or a
-        PS of another run (``run_mismatch``), is asked again every half second until ``timeout``.
+        """Join (or rejoin) the run as this rank. The PS's token is kept and sent with every later hello
+        and heartbeat: it proves this is the worker that holds the rank. A rank still held by a live
+        worker (a restarted process whose predecessor is not yet declared lost), a world size held by
+        workers of another (``world_held``: a PS without a fixed world, whose first hello claimed
+        another, until those workers are declared lost), or a PS of another run (``run_mismatch``), is
+        asked again every half second until ``timeout``.
 
         Args:
             stage: the number of the Lightning stage being joined.
@@ -166,9 +167,10 @@ class PSClient(Transport):
     def push_buffers(self, shapes: Mapping[str, tuple[tuple[int, ...], Any]]) -> dict[str, np.ndarray] | None:
         """Buffers (name -> shape, dtype) that :meth:`push` hands the PS through shared memory, not the socket.
 
-        None where the PS cannot take them: it is on another machine, runs as another user, does not offer it, or
-        this system has no sealed shared memory (Linux's memfd). An update made in these buffers must not change
-        until its push has been answered; another array is sent as bytes, as always.
+        None where the PS cannot take them: it is on another machine, runs as another user, does
+        not offer it, or this system has no sealed shared memory (Linux's memfd). An update made in
+        these buffers must not change until its push has been answered; another array is sent as
+        bytes, as always.
 
         Args:
             shapes: per tensor name, the shape and numpy dtype of the buffer to hold its update.
@@ -218,8 +220,8 @@ class PSClient(Transport):
     def pull_once_initialized(self, within: float) -> ModelReply | None:
         """The central model as soon as a worker has sent it, waiting at most ``within`` seconds; None after.
 
-        What a worker that need not initialise does first: its own model, sent while another's is on its way, would
-        be bytes the PS refuses (the model's size on every link at every start).
+        What a worker that need not initialise does first: its own model, sent while another's is on
+        its way, would be bytes the PS refuses (the model's size on every link at every start).
 
         Args:
             within: seconds to wait for another worker's initial model.
@@ -240,16 +242,6 @@ class PSClient(Transport):
         fields = {"rank": self.rank} if self._hello_fields is not None else {}
         return model_reply(self.request("pull", with_have(fields, self.held)), self.held, self.counters, "pull")
 
-    def pace(self, rate: float) -> float | None:
-        """Say this worker's local steps per second before its first push of a fit (async_diloco's dynamic steps):
-        its pace (``ModelReply.pace``), or None while a worker training now has said no rate yet.
-
-        Args:
-            rate: this worker's local steps per second, in ``RATE_RANGE``.
-        """
-        pace = self.request("pace", {"rank": self.rank, "session": self.session, "rate": rate}).fields.get("pace")
-        return float(pace) if isinstance(pace, (int, float)) and not isinstance(pace, bool) else None
-
     def push(self, base_version: int, update: Mapping[str, Tensor],
              want_model: bool | Literal["unless_own", "pushed"] = True,
              while_waiting: Callable[[], None] | None = None, weights: bool = False,
@@ -257,10 +249,11 @@ class PSClient(Transport):
              rate: float | None = None) -> ModelReply:
         """Push an update; the reply carries the central model unless ``want_model`` is False.
 
-        ``"unless_own"``: no tensors either when the PS folded the update into a model that nothing else had changed
-        since ``base_version``, as ``base + decoded update`` (``reply.own``). The worker then makes the central model
-        itself, with the same decoding and float additions as the PS (:meth:`HeldModel.add`): the same bits, without
-        the model's bytes on the wire. The PS decides, and answers with the model otherwise.
+        ``"unless_own"``: no tensors either when the PS folded the update into a model that nothing
+        else had changed since ``base_version``, as ``base + decoded update`` (``reply.own``). The
+        worker then makes the central model itself, with the same decoding and float additions as
+        the PS (:meth:`HeldModel.add`): the same bits, without the model's bytes on the wire. The PS
+        decides, and answers with the model otherwise.
 
         ``"pushed"``: the reply carries the central tensors the push carried, whole, and no others (``reply.part``):
         streaming's fragment needs no more. The held model stays as it was.
@@ -268,23 +261,25 @@ class PSClient(Transport):
         ``while_waiting`` runs once the push is sent, while the PS folds it (see :meth:`request`);
         not again if the push has to be sent a second time.
 
-        ``weights``: ``update`` holds the worker's weights ``w``, not ``w - base``. If nothing else changed the model
-        since ``base_version`` (a lone worker), the PS takes them as its model: ``base + (w - base)`` without the
-        rounding of that sum, and without the two passes over the model that computing it takes on each side.
-        Otherwise it folds nothing and answers ``status == "not_current"``: push ``w - base`` instead. Dense tensors
-        of the central dtype, in modes whose PS folds ``w += delta`` (asgd, dynsgd, ssp); others answer "not_current".
+        ``weights``: ``update`` holds the worker's weights ``w``, not ``w - base``. If nothing else
+        changed the model since ``base_version`` (a lone worker), the PS takes them as its model:
+        ``base + (w - base)`` without the rounding of that sum, and without the two passes over
+        the model that computing it takes on each side. Otherwise it folds nothing and answers
+        ``status == "not_current"``: push ``w - base`` instead. Dense tensors of the central dtype,
+        in modes whose PS folds ``w += delta`` (asgd, dynsgd, ssp); other modes answer "not_current".
 
-        ``lend`` (with ``weights`` held in :meth:`push_buffers`): the PS may keep these very buffers as its model,
-        checked but not copied, until it has answered this client's next push or pull. Do not write them before that
-        answer: the next push of weights goes from another set of buffers (the strategy keeps two and swaps them).
-        The PS keeps them only if it took them as its model, and copies them first if it must send or change the
-        model meanwhile.
+        ``lend`` (with ``weights`` held in :meth:`push_buffers`): the PS may keep these very
+        buffers as its model, checked but not copied, until it has answered this client's next
+        push or pull. Do not write them before that answer: the next push of weights goes from
+        another set of buffers (the strategy keeps two and swaps them). The PS keeps them only if
+        it took them as its model, and copies them first if it must send or change the model
+        meanwhile.
 
-        ``scaled_for``: the update was scaled by ``1 / (1 + scaled_for)`` for that staleness (an estimate); the PS
-        multiplies it by ``(1 + scaled_for) / (1 + max(scaled_for, s))``, ``s`` the staleness it lands with: a push
-        staler than its estimate is folded in scaled for its own. Modes whose PS folds each push as it arrives
-        (asgd, adacomp, downpour, dynsgd, ssp, ...; dynsgd's PS then scales it no further); sync's rounds refuse it
-        (``bad_field``).
+        ``scaled_for``: the update was scaled by ``1 / (1 + scaled_for)`` for that staleness (an
+        estimate); the PS multiplies it by ``(1 + scaled_for) / (1 + max(scaled_for, s))``, ``s``
+        the staleness it lands with: a push staler than its estimate is folded in scaled for its
+        own. Modes whose PS folds each push as it arrives (asgd, adacomp, downpour, dynsgd, ssp, ...; dynsgd's
+        PS then scales it no further); sync's rounds refuse it (``bad_field``).
 
         Args:
             base_version: the central version the update was computed from.

@@ -23,7 +23,7 @@ from plug_asgd.worker.compensation import (
     warn_unknown_optimizers,
 )
 from plug_asgd.worker.exchange.link import Link
-from plug_asgd.worker.exchange.pace import FirstPace, StepClock
+from plug_asgd.worker.exchange.pace import StepClock
 from plug_asgd.worker.model_reply import ModelReply
 from plug_asgd.worker.staging import Staging
 
@@ -76,8 +76,9 @@ class Exchange(ABC):
         self.closure_ran = False
         self.steps_per_push = getattr(mode, "push_every", None) or 1  # this worker's (async_diloco's dynamic steps)
         self.clock = StepClock()  # this worker's steps per second, which its pushes say where its mode paces them
-        self.paced = False  # its inner steps follow its speed over the fastest's (async_diloco's dynamic_steps)
-        self.first_pace = FirstPace()  # when it says its rate before its first push of a fit
+        # whether its inner steps follow its speed over the fastest worker's (async_diloco's dynamic_steps): its
+        # steps are then timed and its pushes say its steps per second (rate)
+        self.paced = False
 
     # -- what the strategy calls ---------------------------------------------------------------------
 
@@ -102,7 +103,6 @@ class Exchange(ABC):
         self.steps_per_push = getattr(self.mode, "push_every", None) or 1
         self.paced = bool(getattr(self.mode, "dynamic_steps", False))
         self.clock.start()
-        self.first_pace.start(self.paced)
         self.rank, self.fit_codec = rank, self.codec
         self.encoder = self.mode.encoder(self.codec, rank)
         self.normalized_steps = normalized = bool(optimizers) and all(normalizes_steps(o) for o in optimizers)
@@ -140,8 +140,8 @@ class Exchange(ABC):
     def join(self, init: bool) -> None:
         """Start of a stage: offer our weights if the PS has none yet (``init``), then take the central ones.
 
-        Rank 0 offers at once; another rank first waits a little for rank 0's (``INIT_WAIT_S``), and offers its own
-        only if none came (rank 0 slow to start, or gone).
+        Rank 0 offers at once; another rank first waits a little for rank 0's (``INIT_WAIT_S``), and
+        offers its own only if none came (rank 0 slow to start, or gone).
 
         Args:
             init: whether the PS holds no model yet (its hello reply said so).
@@ -156,9 +156,9 @@ class Exchange(ABC):
         self.joined = True
 
     def refresh(self) -> None:
-        """Before evaluating: send what is pending, then take the central model. During a fit every worker takes the
-        same one (a barrier between the pushes and the pulls): the metrics reduced across workers, and the checkpoint
-        they rank, are then those of one model, as under DDP."""
+        """Before evaluating: send what is pending, then take the central model. During a fit every worker takes
+        the same one (a barrier between the pushes and the pulls): the metrics reduced across workers, and the
+        checkpoint they rank, are then those of one model, as under DDP."""
         self.flush()
         self.wait_for_the_others()
         self.load(self._link.client.pull())
@@ -212,8 +212,6 @@ class Exchange(ABC):
             self.since_pull += 1
             if self.paced:
                 self.clock.stepped()
-                if self.first_pace.due(self.since_push, self.steps_per_push):  # (this worker's first round)
-                    self.take_pace(self.first_pace.ask(self._link.client, self.clock.rate(), self.since_push))
             self.after_step()
             if self.paced:
                 self.clock.exchanged()
@@ -290,8 +288,6 @@ class Exchange(ABC):
     def rate(self) -> float | None:
         """The local steps per second a push says, where this worker is :attr:`paced` (None otherwise, or where
         no step was timed since the last push)."""
-        if self.paced:
-            self.first_pace.stop()  # (a push says it from now on)
         return self.clock.rate() if self.paced else None
 
     @property
@@ -343,10 +339,11 @@ class Exchange(ABC):
                                "Restart it, or point ps_address at the PS of this run")
         central = True
         if ahead and self.compensator.config.active:
-            # where the model will be when our next update lands (a single local step per push only), plus what the
-            # codec still holds back
+            # where the model will be when our next update lands (a single local step per push only), plus
+            # what the codec still holds back
             central = self.compensator.load(tensors, reply.tensors, reply.version, lookahead=self.lookahead,
-                                            pending=self.pending_residual(), staging=self.staging)
+                                            pending=self.pending_residual(),
+                                            staging=self.staging)
         else:
             self.compensator.forget()
             self.staging.load(tensors, reply.tensors)
@@ -358,15 +355,6 @@ class Exchange(ABC):
                 base.copy_(t.detach())
         self.based_on(reply)
         self.base_is_central = central and not (reply.approx or reply.ahead)
-
-    def take_pace(self, pace: float | None) -> None:
-        """Where :attr:`paced`, this worker's rounds made ``pace`` of the inner steps (async_diloco's ``steps_for``).
-
-        Args:
-            pace: the pace a reply said, or None.
-        """
-        if self.paced and pace is not None:
-            self.steps_per_push = self.mode.steps_for(pace)  # type: ignore[attr-defined]
 
     def based_on(self, reply: ModelReply, central: bool = True) -> None:
         """``base`` is now version ``reply.version``: the central model itself, unless ``central`` is False.
@@ -385,7 +373,7 @@ class Exchange(ABC):
 
     def count_staleness(self, reply: ModelReply, base: int) -> None:
         """Count an applied push's staleness into the compensator's estimate and this worker's counters, and take
-        the pace its reply says (:meth:`take_pace`).
+        the pace its reply says as this worker's inner steps (where :attr:`paced`).
 
         Args:
             reply: the PS's reply to the push; only an ``applied`` one counts.
@@ -395,6 +383,7 @@ class Exchange(ABC):
             since = getattr(reply.version, "since", None)  # a sharded PS's versions count it per shard
             staleness = since(base) if since is not None else reply.version - base - 1
             self.compensator.observe(staleness)
-            self.take_pace(reply.pace)
+            if self.paced and reply.pace is not None:  # async_diloco: its speed over the fastest's sets its steps
+                self.steps_per_push = self.mode.steps_for(reply.pace)  # type: ignore[attr-defined]
             st = self.staleness
             st[0], st[1], st[2] = st[0] + staleness, st[1] + 1, max(st[2], staleness)

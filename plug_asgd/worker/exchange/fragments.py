@@ -149,7 +149,9 @@ class FragmentExchange(PushExchange):
     @override
     def after_step(self) -> None:
         if self.pending is not None and not self.pending[0].thread.is_alive():
+            running = self.gap(last := (self.next_fragment - 1) % self.count)
             self.finish()  # the reply came during this step: merged now, not when the next fragment is due
+            self.countdown += self.gap(last) - running  # its pace (async_diloco's) sets the length of this gap too
         self.fit_step += 1
         self.countdown -= 1
         if self.countdown <= 0:
@@ -157,14 +159,6 @@ class FragmentExchange(PushExchange):
             self.push_fragment(fragment)
             self.next_fragment = (fragment + 1) % self.count
             self.countdown = self.gap(fragment)
-
-    @override
-    def take_pace(self, pace: float | None) -> None:
-        """The pace sets the length of the gap under way too: a reply merged during it, or the answer to the rate
-        said before the first push, shortens it."""
-        running = self.gap(last := (self.next_fragment - 1) % self.count)
-        super().take_pace(pace)
-        self.countdown += self.gap(last) - running
 
     @override
     def send(self) -> None:

@@ -5,18 +5,12 @@ local steps compare with the fastest worker's (Liu et al. 2024: a worker at ``p`
 The PS compares the rates the workers' pushes say and answers each with its pace (``ModelReply.pace``): the
 others' speeds come from their own clocks, not from counting their pushes between two of this worker's, which at
 two workers is 1 or 2, and shortens a slower worker's rounds only rounds after it should have.
-
-A worker's first round has no push before its end to say the rate: :class:`FirstPace` has it say the rate on its own
-(a ``pace`` request) once the round's first steps are timed. Left at all its inner steps, a worker slowed 2x would
-push its first round when the fastest pushes its second, and the delayed momentum's next cycle would pair one of
-the fastest's pushes with that stale one.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
 
 from plug_asgd.protocol.wire import RATE_RANGE
 
@@ -55,52 +49,3 @@ class StepClock:
         median = statistics.median(steps)
         low, high = RATE_RANGE
         return high if median <= 1 / high else max(low, 1.0 / median)
-
-
-FIRST_ASK = 8  # the local steps a worker's first round times before it says its rate (then twice as many more)
-
-
-class FirstPace:
-    """When a paced worker says its rate before its first push of a fit: after :data:`FIRST_ASK` steps, and again
-    after twice as many more while the PS has no pace to say (a worker training has said no rate yet), as long as
-    at least half the round is left to shorten. A push says the rate from then on: it stops asking.
-    """
-
-    def __init__(self) -> None:
-        self.next_at: int | None = None  # the round's step at which to ask; None: not before the first push
-        self.asked = 0  # the requests made
-
-    def start(self, paced: bool) -> None:
-        """A fit begins: ask at :data:`FIRST_ASK` steps where the worker is paced.
-
-        Args:
-            paced: whether the worker's inner steps follow its speed.
-        """
-        self.next_at = FIRST_ASK if paced else None
-
-    def due(self, steps: int, round_steps: int) -> bool:
-        """Whether to say the rate now.
-
-        Args:
-            steps: the local steps of the round so far (of the fit's, before its first push).
-            round_steps: the round's length as it stands.
-        """
-        return self.next_at is not None and self.next_at <= steps and 2 * steps <= round_steps
-
-    def ask(self, client: Any, rate: float | None, steps: int) -> float | None:
-        """Say ``rate`` to the PS: returns the pace it answers, which ends the asking; where it has none yet (or
-        no step was timed), None, and the worker asks again after twice the steps.
-
-        Args:
-            client: the worker's client (``PSClient.pace``; a sharded one asks every shard).
-            rate: the worker's local steps per second since the fit began (``StepClock.rate``).
-            steps: the round's steps so far.
-        """
-        pace = None if rate is None else client.pace(rate)
-        self.asked += 1
-        self.next_at = None if pace is not None else 3 * steps
-        return pace
-
-    def stop(self) -> None:
-        """A push says the rate from now on."""
-        self.next_at = None
