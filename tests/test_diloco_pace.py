@@ -1,7 +1,8 @@
 """async_diloco's dynamic local steps (``AsyncDiLoCo(dynamic_steps=True)``): each push says the worker's local steps
 per second, the PS answers it with its pace (those over the fastest training worker's) and the worker makes that
 share of ``inner_steps``. The PS's arithmetic on a real PS process and socket, what it refuses, the clock's
-median, and two workers on their own threads, one 4x slower, whose rounds come out in proportion."""
+median, a sharded worker's lowest pace, and two workers on their own threads, one 4x slower, whose rounds come out
+in proportion."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 import torch
 
 from plug_asgd import AsyncDiLoCo
+from plug_asgd.protocol.partition import Partition
+from plug_asgd.sharding.client import ShardedClient
 from plug_asgd.worker.client import PSClient
 from plug_asgd.worker.errors import PSError
 from plug_asgd.worker.exchange import Link, make_exchange
@@ -69,6 +72,32 @@ def test_a_ps_process_answers_each_push_with_its_pace_over_the_fastest_trainer(s
     finally:
         for c in pair:
             c.close()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_a_sharded_worker_takes_the_lowest_of_its_shards_paces(start_ps):
+    """Two shard processes, rank 0's rate (40) said to both, then forgotten by shard 0 (a hello there): rank 1's
+    push at 10 steps per second is paced 1.0 by shard 0 (the fastest it knows of) and 0.25 by shard 1, and takes
+    0.25; once rank 0 says its rate again, both say 0.25."""
+    shapes = {"w": (8, 5), "b": (5,)}
+    part = Partition(shapes, 2)
+    addresses = [start_ps("async_diloco", shard="0/2"), start_ps("async_diloco", shard="1/2")]
+    workers = [ShardedClient(addresses, part, rank=r, world_size=2, mode="async_diloco", request_timeout=30,
+                             heartbeat_s=None) for r in (0, 1)]
+    update = {n: np.full(s, 0.01, np.float32) for n, s in shapes.items()}
+    try:
+        for w in workers:
+            w.hello(stage=1, training=True, timeout=30)
+        assert workers[0].init({n: np.ones(s, np.float32) for n, s in shapes.items()})
+        assert workers[0].push(workers[0].pull().version, update, rate=40.0).pace == 1.0
+        workers[0].clients[0].hello(stage=1, training=True)  # shard 0 forgets rank 0's rate
+        assert workers[1].push(workers[1].pull().version, update, rate=10.0).pace == 0.25
+        assert workers[0].push(workers[0].pull().version, update, rate=40.0).pace == 1.0
+        assert workers[1].push(workers[1].pull().version, update, rate=10.0).pace == 0.25
+    finally:
+        for w in workers:
+            w.close()
 
 
 @pytest.mark.parametrize(("pace", "steps"), [(1.0, 8), (0.5, 4), (0.26, 2), (0.01, 1), (0.999, 8), (None, 8)])
