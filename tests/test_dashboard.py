@@ -96,6 +96,24 @@ def test_render_shows_workers_and_counters():
     assert [re.findall(r"\d+", row)[0] for row in rows] == ["0", "2"]  # one row per rank, in order
 
 
+def test_paced_workers_show_their_steps_per_second_and_pace_and_others_no_such_columns():
+    """async_diloco's dynamic steps: each worker's rate and pace (the PS's ``worker_details``), blank for one that
+    has said none or trains no more; a snapshot without rates has no such columns."""
+    assert "steps/s" not in text_of(render(SNAPSHOT)) and "pace" not in text_of(render(SNAPSHOT))
+    details = [{"rank": 0, "stage": 1, "training": True, "pushes": 12, "last_seen_s": 0.2, "rate": 58.14, "pace": 1.0},
+               {"rank": 1, "stage": 1, "training": True, "pushes": 11, "last_seen_s": 0.4, "rate": 29.3,
+                "pace": 0.5039},
+               {"rank": 2, "stage": 1, "training": False, "pushes": 3, "last_seen_s": 9.0, "rate": 40.0, "pace": None},
+               {"rank": 3, "stage": 1, "training": True, "pushes": 0, "last_seen_s": 1.0}]
+    text = text_of(render({**SNAPSHOT, "mode": "async_diloco", "worker_details": details}))
+    lines = text.splitlines()
+    header = [c.strip() for c in next(line for line in lines if "pushes" in line).split("┃")[1:-1]]
+    assert header == ["rank", "stage", "training", "pushes", "steps/s", "pace", "last contact"]
+    cells = {row[0]: row[4:6] for row in ([c.strip() for c in line.split("│")[2:-2]] for line in lines
+                                          if "s ago" in line)}
+    assert cells == {"0": ["58.1", "1.00"], "1": ["29.3", "0.50"], "2": ["40.0", ""], "3": ["", ""]}
+
+
 def test_update_bytes_through_shared_memory_are_shown_beside_those_on_the_socket():
     text = text_of(render({**SNAPSHOT, "push_local_bytes_in": 4_799_528}, None, "a"))
     assert "pushes 2.00 MB (+ 4.80 MB through shared memory)" in text, text

@@ -41,9 +41,10 @@ def _pair(address: str) -> list[PSClient]:
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_a_ps_process_answers_each_push_with_its_pace_over_the_fastest_trainer(start_ps):
-    """Paces by hand from the rates said: the fastest trainer's latest rate divides each; a worker that left
-    training no longer counts; a push that says no rate gets none; a rate that is not a positive number of steps
-    per second (at most 10^6) is refused with ``bad_field`` and the push is not applied."""
+    """Paces by hand from the rates said, in the push replies and in the stats ``plug-asgd status`` shows: the
+    fastest trainer's latest rate divides each; a worker that left training no longer counts; a push that says no
+    rate gets none; a rate that is not a positive number of steps per second (at most 10^6) is refused with
+    ``bad_field`` and the push is not applied."""
     pair = _pair(start_ps("async_diloco"))
     try:
         pair[0].init({"w": W0.copy()})
@@ -56,10 +57,16 @@ def test_a_ps_process_answers_each_push_with_its_pace_over_the_fastest_trainer(s
         assert push(1, 10.0).pace == 0.25
         assert push(0, 50.0).pace == 1.0
         assert push(1, 12.5).pace == 0.25  # against rank 0's latest, 50
+
+        def shown() -> dict[int, tuple]:  # what plug-asgd status shows of each worker
+            return {w["rank"]: (w.get("rate"), w.get("pace")) for w in pair[0].stats()["worker_details"]}
+
+        assert shown() == {0: (50.0, 1.0), 1: (12.5, 0.25)}
         assert push(1, 100.0).pace == 1.0 and push(0, 50.0).pace == 0.5  # rank 1 is now the faster
         assert push(0, None).pace is None
         pair[1].hello(stage=1, training=False)  # rank 1's fit ended: its rate no longer counts
         assert push(0, 5.0).pace == 1.0
+        assert shown() == {0: (5.0, 1.0), 1: (None, None)}  # (a hello forgets the rate)
         version = pair[0].pull().version
         for bad in (0, -3.0, float("nan"), float("inf"), 1e7, "fast", True):
             fields = {"rank": 0, "base_version": version, "seq": 10_000, "session": pair[0].session,

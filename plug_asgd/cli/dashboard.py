@@ -24,11 +24,11 @@ from rich.table import Table
 from rich.text import Text
 
 from plug_asgd.cli.roles import failover_text
+from plug_asgd.cli.workers_table import workers_table
 
 Snapshot = Mapping[str, Any]
 
 _BLOCKS = " ▁▂▃▄▅▆▇█"
-MAX_WORKER_ROWS = 24  # past that, the table ends with a "... N more" row
 
 
 def human_bytes(n: Any) -> str:
@@ -244,32 +244,6 @@ def _header(snapshot: Snapshot, previous: Snapshot | None) -> Text:
     return text
 
 
-def _workers_table(snapshot: Snapshot) -> Table:
-    table = Table(title="workers", title_justify="left", show_edge=True, expand=False)
-    for name, justify in (("rank", "right"), ("stage", "right"), ("training", "center"), ("pushes", "right"),
-                          ("last contact", "right")):
-        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    details = snapshot.get("worker_details")
-    if details is None:  # an older PS: ranks only
-        details = [{"rank": r} for r in snapshot.get("workers") or []]
-    shown = details if len(details) <= MAX_WORKER_ROWS else details[:MAX_WORKER_ROWS - 1]
-    for w in shown:
-        seen = w.get("last_seen_s")
-        table.add_row(
-            str(w.get("rank")),
-            "" if w.get("stage") is None else str(w.get("stage")),
-            "" if w.get("training") is None else ("[green]yes[/]" if w.get("training") else "[dim]no[/]"),
-            "" if w.get("pushes") is None else str(w.get("pushes")),
-            "" if seen is None else (f"[red]{float(seen):.1f} s ago: lost[/]" if w.get("lost")
-                                     else f"{float(seen):.1f} s ago"),
-        )
-    if len(shown) < len(details):
-        table.add_row("[dim]...[/]", "", "", "", f"[dim]{len(details) - len(shown)} more[/]")
-    if not details:
-        table.add_row("[dim]-[/]", "", "", "", "[dim]no worker connected[/]")
-    return table
-
-
 def _counters_table(snapshot: Snapshot, previous: Snapshot | None) -> Table:
     table = Table.grid(padding=(0, 2))
     table.add_column(style="cyan", no_wrap=True)
@@ -318,7 +292,7 @@ def render(snapshot: Snapshot, previous: Snapshot | None = None, address: str | 
         previous: an older snapshot of the same PS, for the rates; None where there is none yet.
         address: the PS's address, shown in the title; None for none.
     """
-    body = Group(_header(snapshot, previous), _workers_table(snapshot), _counters_table(snapshot, previous))
+    body = Group(_header(snapshot, previous), workers_table(snapshot), _counters_table(snapshot, previous))
     return Panel(body, title=_title(address or "", snapshot), title_align="left", border_style="green")
 
 

@@ -329,11 +329,16 @@ class Membership(Liveness):
         return False
 
     def details(self) -> list[dict[str, Any]]:
-        """Each worker, live or lost, as plain data (for ``stats``)."""
-        now = time.time()
-        return [{"rank": w.rank, "stage": w.stage, "training": w.training, "pushes": w.pushes,
-                 "last_seen_s": round(now - w.last_seen, 3), "lost": w.rank in self.lost}
-                for w in sorted([*self.workers.values(), *self.lost.values()], key=lambda w: w.rank)]
+        """Each worker, live or lost, as plain data (for ``stats``); one that paces its rounds (async_diloco's dynamic
+        steps) with the local steps per second it said last (``rate``) and, while it trains, its :meth:`pace`."""
+        now, out = time.time(), []
+        for w in sorted([*self.workers.values(), *self.lost.values()], key=lambda w: w.rank):
+            row = {"rank": w.rank, "stage": w.stage, "training": w.training, "pushes": w.pushes,
+                   "last_seen_s": round(now - w.last_seen, 3), "lost": w.rank in self.lost}
+            if w.rate is not None:
+                row["rate"], row["pace"] = w.rate, self.pace(w.rank) if w.training and not row["lost"] else None
+            out.append(row)
+        return out
 
 
 def _heartbeat(value: Any) -> float | None:
