@@ -72,9 +72,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
                          "delayed Nesterov lr 0.7, momentum 0.5, without the momentum lookahead"),
     "async_diloco-nolookahead": ("async_diloco", {"momentum_lookahead": False},
                                  "without the momentum lookahead (each reply the central model itself)"),
+    "async_diloco-overlap": ("async_diloco", {"overlap": True},
+                             "overlap=True (each push sent while the inner steps go on, its reply merged once come)"),
 }
 # variants run by --rows only, not in the default table
-OPT_IN = ("async_diloco-m05", "async_diloco-nolookahead")
+OPT_IN = ("async_diloco-m05", "async_diloco-nolookahead", "async_diloco-overlap")
 # the modes that refuse the models' optimizer: eamsgd is EASGD whose workers train with Nesterov momentum SGD (it
 # checks at fit), so it runs with that optimizer, paired with a DDP run of the same (NESTEROV_DDP)
 NESTEROV_ONLY = ("eamsgd",)
