@@ -159,9 +159,9 @@ def make_strategy(run: dict[str, Any], index: int, runs: list[dict[str, Any]]) -
     # "options": the strategy's own arguments, and knobs of the mode or the codec
     options = run.get("options", {})
     own = {k: v for k, v in options.items() if k in inspect.signature(AsyncPSStrategy).parameters}
+    knobs = {"overlap": run.get("overlap"), **{k: v for k, v in options.items() if k not in own}}
     mode, codec = mode_and_codec(run.get("mode", "asgd"), run.get("compressor", "none"),
-                                 compression=run.get("compression"), overlap=run.get("overlap"),
-                                 **{k: v for k, v in options.items() if k not in own})
+                                 compression=run.get("compression"), **knobs)
     return AsyncPSStrategy(mode=mode, compressor=codec, ps_port=port, shm_pushes=run.get("shm_pushes", True),
                            ps_shards=run.get("ps_shards"), **own)
 
