@@ -69,8 +69,8 @@ from plug_asgd.protocol.schema import (
 __all__ = ["BLOCK_BITS", "BLOCK_SIZE", "CODEC_CHARS", "DEFAULT_LIMITS", "DTYPES", "DTYPE_NAMES", "FLOAT_DTYPES",
            "LOCAL_MAX_OFFSET", "Limits", "Local", "Message", "PACKED_MAX_ARRAYS", "PACKED_MAX_META",
            "PACKED_MAX_NAME", "PACKED_MAX_STR", "PROTOCOL_VERSION", "Packed", "RATE_RANGE", "Sparse", "Tensor",
-           "WireError",
-           "decode", "dtype_name", "encode", "frame_summary", "message_bytes", "num_blocks", "sparse_wire_bytes"]
+           "WireError", "decode", "dtype_name", "encode", "frame_summary", "message_bytes", "num_blocks",
+           "sparse_wire_bytes"]
 
 
 def _dtype_name(array: np.ndarray) -> str:

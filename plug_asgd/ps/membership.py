@@ -115,10 +115,11 @@ class Membership(Liveness):
             rank: the worker asking, which has said a rate with a push of this stage.
         """
         own = self.workers[rank].rate if rank in self.workers else None
-        if own is None:
-            return None
-        fastest = max([w.rate for w in self.workers.values() if w.training and w.rate is not None] + [own])
-        return own / fastest
+        return None if own is None else own / max(own, self.fastest_rate() or own)
+
+    def fastest_rate(self) -> float | None:
+        """The highest rate the workers training now have said; None where none has said one."""
+        return max((w.rate for w in self.workers.values() if w.training and w.rate is not None), default=None)
 
     def absent(self, stage: int) -> set[int]:
         """Ranks a collective of ``stage`` does not wait for: those that left it and those lost.
@@ -331,12 +332,13 @@ class Membership(Liveness):
     def details(self) -> list[dict[str, Any]]:
         """Each worker, live or lost, as plain data (for ``stats``); one that paces its rounds (async_diloco's dynamic
         steps) with the local steps per second it said last (``rate``) and, while it trains, its :meth:`pace`."""
-        now, out = time.time(), []
+        now, out, fastest = time.time(), [], self.fastest_rate()  # (once: the dashboard asks on every tick)
         for w in sorted([*self.workers.values(), *self.lost.values()], key=lambda w: w.rank):
             row = {"rank": w.rank, "stage": w.stage, "training": w.training, "pushes": w.pushes,
                    "last_seen_s": round(now - w.last_seen, 3), "lost": w.rank in self.lost}
             if w.rate is not None:
-                row["rate"], row["pace"] = w.rate, self.pace(w.rank) if w.training and not row["lost"] else None
+                live = w.training and not row["lost"]
+                row["rate"], row["pace"] = w.rate, w.rate / max(w.rate, fastest or w.rate) if live else None
             out.append(row)
         return out
 

@@ -16,10 +16,10 @@ from plug_asgd.protocol.wire import RATE_RANGE
 
 
 class StepClock:
-    """The wall time of each local step, from the end of the last step's exchange to the start of this one's: the
-    data, the forward and backward and the optimizer's step, and anything else the loop does per step (a
-    callback, a slowed host's sleep), but not the pushes. The median of a round's steps stands for them all, so
-    that a validation run or a wait for an overlapped reply in one step does not count as slowness.
+    """The wall time of each local step, from the end of the last step's exchange to the end of this step (the start
+    of its exchange): the data, the forward and backward and the optimizer's step, and anything else the loop does
+    per step (a callback, a slowed host's sleep), but not the pushes. The median of a round's steps stands for them
+    all, so that a validation run or a wait for an overlapped reply in one step does not count as slowness.
     """
 
     def __init__(self) -> None:
