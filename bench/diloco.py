@@ -143,7 +143,8 @@ def run_spec(name: str, size: dict[str, Any], seed: int, ps_address: str, slow_s
     if cfg["kind"] == "ps":
         spec.update(mode=cfg["mode"], inner_steps=size["inner_steps"], compressor=size.get("compressor", "none"),
                     ps_address=ps_address, outer=cfg.get("outer"), fragments=cfg.get("fragments"),
-                    momentum_lookahead=cfg.get("momentum_lookahead"), overlap=cfg.get("overlap"))
+                    momentum_lookahead=cfg.get("momentum_lookahead"), overlap=cfg.get("overlap"),
+                    downlink_codec=size.get("downlink_codec"))
     if cfg["kind"] == "hivemind":
         spec.update(hivemind_target_batch_size=2 * size["inner_steps"] * BATCH,  # DiLoCo's round of samples
                     hivemind_matchmaking_time=size.get("hivemind_matchmaking_time", 3.0),
@@ -355,6 +356,9 @@ def parser() -> argparse.ArgumentParser:
                    help="ByteGPT's size: small (118,528 parameters) or recipe (the recipe's default width and depth, "
                    "1,835,136), on 32-byte windows (default: small)")
     p.add_argument("--compressor", default="none", help="the codec of DiLoCo's pushes (default: none, float32)")
+    p.add_argument("--downlink-codec", choices=["fp16"], default=None, help="every PS configuration's replies to "
+                   "pushes in this type, differences from each worker's copy (serve-ps --downlink-codec) (default: "
+                   "float32, the model whole)")
     p.add_argument("--slow-factor", type=float, default=2.0, help="how much slower the slowed host's steps are in "
                    "the -slow configurations (default 2)")
     p.add_argument("--async-until", choices=["steps", "together"], default="steps",
@@ -381,7 +385,7 @@ def settings(args: argparse.Namespace) -> tuple[dict[str, Any], list[float], lis
     name = "quick" if args.quick else "small"
     size = {**SIZES[name], "size": name, "slow_factor": args.slow_factor, "compressor": args.compressor,
             "hivemind_matchmaking_time": args.hivemind_matchmaking_time, "model": MODELS[args.model],
-            "async_until": args.async_until}
+            "async_until": args.async_until, "downlink_codec": args.downlink_codec}
     for key in ("steps", "overtrain", "inner_steps", "seeds"):
         if getattr(args, key) is not None:
             size[key] = getattr(args, key)

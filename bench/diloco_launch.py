@@ -112,7 +112,9 @@ def launch_lightning(topo: Topology, spec: dict[str, Any], out: Path, timeout: f
             servers.append(start([*ps_host.prefix, sys.executable, "-m", "plug_asgd.cli.app", "serve-ps", "--host",
                                   ps_host.address, "--port", str(PS_PORT), "--mode", spec["mode"], "--insecure",
                                   "--quiet", "--log-every", "0",
-                                  *(["--outer", json.dumps(spec["outer"])] if spec.get("outer") else [])],
+                                  *(["--outer", json.dumps(spec["outer"])] if spec.get("outer") else []),
+                                  *(["--downlink-codec", spec["downlink_codec"]]
+                                    if spec.get("downlink_codec") else [])],
                                  log=out / "ps.log"))
             servers.append(start([*ps_host.prefix, sys.executable, "-m", "bench.diloco_observe", "--address",
                                   spec["ps_address"], "--mode", spec["mode"], "--out", str(out / "central.pt"),

@@ -119,6 +119,8 @@ class AsyncPSStrategy(StageSync, PSSurface, DDPPlumbing):
         downlink_fraction: the embedded PS answers pushes with only this share of each tensor, where the worker is
             furthest off (``plug_asgd.ps.downlink``); None: the whole tensor.
         downlink_bound: with ``downlink_fraction``, every coordinate off by more than this is sent too.
+        downlink_codec: the embedded PS answers pushes with every difference from the worker's copy in this type
+            (``"fp16"``: half the bytes of a DiLoCo round's reply); None: exact replies.
         ps_standby: node 1's local rank 0 runs a hot standby of each embedded PS (port ``ps_port + shards + I``
             on node 1's address), which leads when node 0's PS is gone; the workers move to it by themselves
             (``plug_asgd.placement.standby_launcher``, docs/design.md "Hot standby"). Needs 2 nodes or more.
@@ -183,6 +185,7 @@ class AsyncPSStrategy(StageSync, PSSurface, DDPPlumbing):
         delta_replies: bool = True,
         downlink_fraction: float | None = None,
         downlink_bound: float | None = None,
+        downlink_codec: str | None = None,
         ps_standby: bool = False,
         failover_timeout: float = 3.0,
         island: Island = "auto",
@@ -205,7 +208,7 @@ class AsyncPSStrategy(StageSync, PSSurface, DDPPlumbing):
                               resume_from=resume_from, ps_run_dir=ps_run_dir, ps_keys=ps_keys, ps_insecure=ps_insecure,
                               ps_threads=ps_threads, delta_replies=delta_replies,
                               downlink_fraction=downlink_fraction, downlink_bound=downlink_bound,
-                              ps_standby=ps_standby, failover_timeout=failover_timeout)
+                              downlink_codec=downlink_codec, ps_standby=ps_standby, failover_timeout=failover_timeout)
         self.connection = PSConnection(self.mode, self.compressor, settings)
         self.shm_pushes = shm_pushes
         self.staleness_compensation = resolve(staleness_compensation, self.mode.name, self.mode.compensate)

@@ -331,7 +331,8 @@ def test_the_strategy_and_the_recipes_refuse_a_downlink_fraction_out_of_range():
     with pytest.raises(ValueError, match="downlink_bound must be >= 0"):
         AsyncPSStrategy(downlink_fraction=0.01, downlink_bound=-1)
     strategy = make_strategy(build_parser().parse_args(["--downlink-fraction", "0.01", "--downlink-bound", "0.1"]))
-    assert strategy.connection.settings.downlink == {"downlink_fraction": 0.01, "downlink_bound": 0.1}
+    assert strategy.connection.settings.downlink == {"downlink_fraction": 0.01, "downlink_bound": 0.1,
+                                                     "downlink_codec": None}
 
 
 def test_a_change_the_client_cannot_apply_is_refused_whole_and_the_next_request_asks_for_all():

@@ -89,6 +89,8 @@ SHOWN: dict[str, Shown] = {
                                "downlink_fraction=", "exact replies"),
     "downlink_bound": Shown(NETWORK, "with --downlink-fraction: send any off by more too", "X",
                             "downlink_bound=", "none"),
+    "downlink_codec": Shown(NETWORK, "a push's reply: the differences from the worker's copy in fp16", "fp16",
+                            "downlink_codec=", "exact replies"),
     "shard": Shown(NETWORK, "hold shard I of N of the model (0/2, then 1/2)", "I/N", default="the whole model"),
     "standby_of": Shown(NETWORK, "be the hot standby of the PS at this address", "ADDR", default="lead from the start"),
     "failover_timeout": Shown(NETWORK, "seconds of the primary's silence before its standby may lead", "S"),

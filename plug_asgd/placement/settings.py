@@ -34,6 +34,8 @@ def check_arguments(*, max_updates: int | None, heartbeat_s: float | str | None,
     """
     for name, value in ps_options.items():
         PSConfig.check(name, value)
+    if ps_options.get("downlink_fraction") is not None and ps_options.get("downlink_codec") is not None:
+        raise ValueError("downlink_fraction and downlink_codec are two ways to answer a push: give one")
     if max_updates is not None and max_updates < 1:
         raise ValueError(f"max_updates must be >= 1, got {max_updates}")
     if heartbeat_s == "auto":
@@ -72,6 +74,7 @@ class PSSettings:
         delta_replies: replies carry only what changed, where that is less.
         downlink_fraction: the share of each tensor a reply carries (None: all).
         downlink_bound: every coordinate off by more than this is sent too.
+        downlink_codec: replies to pushes carry every difference in this type (``"fp16"``; None: exact).
         ps_standby: node 1's local rank 0 runs a hot standby of each embedded PS
             (:mod:`plug_asgd.placement.standby_launcher`).
         failover_timeout: seconds of the PS's silence after which its standby may lead.
@@ -99,6 +102,7 @@ class PSSettings:
     delta_replies: bool = True
     downlink_fraction: float | None = None
     downlink_bound: float | None = None
+    downlink_codec: str | None = None
     ps_standby: bool = False
     failover_timeout: float = 3.0
 
@@ -108,7 +112,8 @@ class PSSettings:
         seconds = check_arguments(max_updates=self.max_updates, heartbeat_s=self.heartbeat_s,
                                   worker_timeout=self.worker_timeout, ps_address=self.ps_address,
                                   ps_threads=self.ps_threads, downlink_fraction=self.downlink_fraction,
-                                  downlink_bound=self.downlink_bound, failover_timeout=self.failover_timeout)
+                                  downlink_bound=self.downlink_bound, downlink_codec=self.downlink_codec,
+                                  failover_timeout=self.failover_timeout)
         if self.ps_standby and (self.ps_address is not None or self.ps_shards == "per_node"):
             raise ValueError("ps_standby=True starts a standby of the embedded PS (or of each of ps_shards=N): "
                              + ("an external PS (ps_address=) gets one from `plug-asgd serve-ps --standby-of ADDR`"
@@ -118,6 +123,7 @@ class PSSettings:
         object.__setattr__(self, "heartbeat_seconds", seconds)
 
     @property
-    def downlink(self) -> dict[str, float | None]:
+    def downlink(self) -> dict[str, float | str | None]:
         """The downlink's options, as :class:`~plug_asgd.ps.PSConfig` names them."""
-        return {"downlink_fraction": self.downlink_fraction, "downlink_bound": self.downlink_bound}
+        return {"downlink_fraction": self.downlink_fraction, "downlink_bound": self.downlink_bound,
+                "downlink_codec": self.downlink_codec}

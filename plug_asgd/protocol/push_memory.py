@@ -33,6 +33,7 @@ import stat
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -188,3 +189,29 @@ class AttachedSegments:
     def clear(self) -> None:
         """Forget every session's memory."""
         self._maps.clear()
+
+
+def read_locals(segments: AttachedSegments | None, session: str,
+                tensors: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """``tensors`` with each :class:`Local` reference read (as a view) from ``session``'s segment; their bytes.
+
+    Args:
+        segments: the PS's attached segments; None where it takes pushes over its socket only.
+        session: the pushing worker's session.
+        tensors: the push's tensors.
+
+    Raises:
+        WireError: ``bad_local`` where there are no segments to read, or a reference is out of its segment.
+    """
+    if not any(isinstance(t, Local) for t in tensors.values()):
+        return tensors, 0
+    if segments is None:
+        raise WireError("bad_local", "this parameter server takes pushes over its socket only: push the "
+                                     "update's bytes")
+    out, nbytes = {}, 0
+    for name, t in tensors.items():
+        if isinstance(t, Local):
+            t = segments.resolve(session, t)
+            nbytes += t.nbytes
+        out[name] = t
+    return out, nbytes

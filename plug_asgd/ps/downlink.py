@@ -1,4 +1,4 @@
-"""Approximate replies to pushes: each carries the coordinates where its worker's copy is furthest off.
+"""Approximate replies to pushes: the coordinates where a worker's copy is furthest off, or every difference in fp16.
 
 Where every update is dense (asgd, dynsgd, ssp without a sparse codec), the exact change since a
 worker's version is the whole model, and a reply to a push costs the model's bytes on the link
@@ -10,6 +10,15 @@ and is sent once it has grown enough: error feedback kept per worker on the PS, 
 DoubleSqueeze (Tang et al., 2019), without a separate residual. After each reply the PS knows
 how far the worker's copy is from the central model (``gap``: the largest coordinate left out),
 and counts the largest such gap (``downlink_gap_max``).
+
+With ``--downlink-codec fp16`` a reply to a push carries instead, per tensor, the whole difference
+``central - copy`` cast to float16, which the worker adds to its copy as the PS adds it to its own
+(the same float operations: both copies stay equal, bit for bit). What the cast rounds off stays in
+the next difference, so no copy drifts: it is within one rounding of the last difference sent. A
+reply then costs half of float32's bytes where every coordinate changes between two pushes, as a
+DiLoCo round's outer step changes them all. A reply ahead (``AsyncDiLoCo``'s lookahead) goes the
+same way: the copy is then the model ahead, the worker's next base; so does a reply with only the tensors its
+push carried (streaming's fragments, ``overlap=True``): those of the copy are brought up to date.
 
 Pulls stay exact: a worker pulls before validation, test, checkpoints and at the end of a fit,
 so the model it evaluates or saves is the central one, bit for bit. An approximate copy is
@@ -33,22 +42,35 @@ class _Copy:
     tensors: dict[str, np.ndarray]
 
 
+CODECS: dict[str, np.dtype] = {"fp16": np.dtype(np.float16)}  # --downlink-codec: what a difference travels in
+
+
 class Downlink:
-    """What each worker holds, for approximate replies to its pushes (top ``fraction`` per tensor).
+    """What each worker holds, for approximate replies to its pushes (top ``fraction`` per tensor, or every
+    difference in ``codec``).
 
     Args:
-        fraction: the share of each tensor's coordinates a reply carries (those furthest off), in (0, 1].
+        fraction: the share of each tensor's coordinates a reply carries (those furthest off), in (0, 1]; None:
+            with ``codec``.
         bound: also send every coordinate off by more than this, so that no copy is further off; None: no bound.
+        codec: a name in :data:`CODECS`: a reply carries every difference in that type, which the worker adds;
+            None: with ``fraction``.
 
     Raises:
-        ValueError: where ``fraction`` is not in (0, 1].
+        ValueError: where ``fraction`` is not in (0, 1], ``codec`` is not one of :data:`CODECS`, or not exactly one
+            of the two is given.
     """
 
-    def __init__(self, fraction: float, bound: float | None = None) -> None:
-        if not 0 < fraction <= 1:
+    def __init__(self, fraction: float | None = None, bound: float | None = None, codec: str | None = None) -> None:
+        if (fraction is None) == (codec is None):
+            raise ValueError("a downlink takes a fraction or a codec, one of the two")
+        if fraction is not None and not 0 < fraction <= 1:
             raise ValueError(f"downlink fraction must be in (0, 1], got {fraction}")
+        if codec is not None and codec not in CODECS:
+            raise ValueError(f"downlink codec must be one of {sorted(CODECS)}, got {codec!r}")
         self.fraction = fraction
         self.bound = bound
+        self.codec = codec
         self.copies: dict[int, _Copy] = {}
         self.gap_max = 0.0  # the largest coordinate left out of a reply, over all replies
 
@@ -63,10 +85,16 @@ class Downlink:
         """
         self.copies[rank] = _Copy(model_id, version, {n: np.array(t, copy=True) for n, t in tensors.items()})
 
+    @property
+    def adds(self) -> bool:
+        """Whether a reply to a push carries differences to add (a ``codec``), not values to set."""
+        return self.codec is not None
+
     def reply(self, rank: int, held: tuple[str, int] | None, model_id: str, version: int,
               tensors: dict[str, np.ndarray], exact: bool = False) -> dict[str, Sparse | np.ndarray] | None:
         """What to set in ``rank``'s copy, which it says it holds (``held``): the largest differences, or
-        (``exact``) all of them, a tensor whole where that is smaller; None: the PS knows no such copy.
+        (``exact``) all of them, a tensor whole where that is smaller; with a codec and not ``exact``, every
+        difference in the codec's type, to add; None: the PS knows no such copy.
 
         Args:
             rank: the worker's rank.
@@ -79,13 +107,19 @@ class Downlink:
         copy = self.copies.get(rank)
         if copy is None or held != (copy.model_id, copy.version) or model_id != copy.model_id:
             return None
-        if copy.tensors.keys() != tensors.keys() or any(copy.tensors[n].shape != t.shape for n, t in tensors.items()):
+        if not tensors.keys() <= copy.tensors.keys() or (self.codec is None and tensors.keys() != copy.tensors.keys()):
+            return None  # (with a codec: some of the tensors, a fragment's, may be answered)
+        if any(copy.tensors[n].shape != t.shape for n, t in tensors.items()):
             return None
+        if self.codec is not None and not exact:
+            out = self._differences(copy, tensors, CODECS[self.codec])
+            copy.version = version
+            return out
         out: dict[str, Sparse | np.ndarray] = {}
         for name, central in tensors.items():
             mine = copy.tensors[name]
             diff = np.abs(central.reshape(-1) - mine.reshape(-1))
-            k = max(1, int(self.fraction * diff.size))
+            k = max(1, int((self.fraction or 1.0) * diff.size))
             if exact or k >= diff.size:
                 idx, left = np.flatnonzero(diff), 0.0
                 if exact and sparse_wire_bytes(diff.size, idx.size, central.itemsize) >= central.nbytes:
@@ -106,3 +140,40 @@ class Downlink:
                 out[name] = Sparse(indices=idx.astype(np.int64), values=values, shape=central.shape)
         copy.version = version
         return out
+
+    def _differences(self, copy: _Copy, tensors: dict[str, np.ndarray],
+                     dtype: np.dtype) -> dict[str, Sparse | np.ndarray]:
+        """Every difference of ``tensors`` from ``copy`` in ``dtype``, added to the copy as the worker adds it
+        (:meth:`~plug_asgd.worker.held_model.HeldModel.patch`); a tensor that did not change is left out. One
+        whose difference ``dtype`` cannot hold (beyond its range) goes in the copy's own type."""
+        out: dict[str, Sparse | np.ndarray] = {}
+        for name, central in tensors.items():
+            mine = copy.tensors[name]
+            diff = np.subtract(central, mine)
+            if not diff.any():
+                continue
+            with np.errstate(over="ignore"):
+                cast = diff.astype(dtype)
+            if not np.isfinite(cast).all():
+                cast = diff
+            np.add(mine, cast.astype(mine.dtype), out=mine)
+            self.gap_max = max(self.gap_max, float(np.abs(central - mine).max()))
+            out[name] = cast
+        return out
+
+
+def make_downlink(fraction: float | None, bound: float | None, codec: str | None) -> Downlink | None:
+    """The PS's downlink for its options (``--downlink-fraction``, ``--downlink-bound``, ``--downlink-codec``);
+    None where replies are exact.
+
+    Args:
+        fraction: the share of each tensor a reply carries, or None.
+        bound: with ``fraction``: every coordinate off by more than this is sent too, or None.
+        codec: what every difference travels in, or None.
+
+    Raises:
+        ValueError: as :class:`Downlink`, for both a fraction and a codec.
+    """
+    if fraction is None and codec is None:
+        return None
+    return Downlink(fraction, bound, codec)

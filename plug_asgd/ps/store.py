@@ -21,12 +21,12 @@ from plug_asgd.compressors.decoding import Undecoded
 from plug_asgd.modes import CentralState, FoldRule, Push, Resolution
 from plug_asgd.modes import get as get_mode
 from plug_asgd.modes.slices import SlicePool
-from plug_asgd.protocol.push_memory import AttachedSegments
+from plug_asgd.protocol.push_memory import AttachedSegments, read_locals
 from plug_asgd.protocol.push_memory import available as shm_available
-from plug_asgd.protocol.wire import Local, Tensor, WireError
+from plug_asgd.protocol.wire import Tensor, WireError
 from plug_asgd.ps.changes import ChangeLog
 from plug_asgd.ps.config import PSConfig
-from plug_asgd.ps.downlink import Downlink
+from plug_asgd.ps.downlink import make_downlink
 from plug_asgd.ps.refusals import check_finite, check_model
 from plug_asgd.ps.stats import Stats
 from plug_asgd.ps.store_records import FOLDED, MAX_SEQ_STEP, NOT_CURRENT, STOPPED, Folded, PushIn, Snapshot
@@ -56,7 +56,7 @@ class Store(ABC):
         use_shm = config.shm_pushes and shm_available()
         self.segments = AttachedSegments(config.limits().max_message_bytes) if use_shm else None
         self.changes = ChangeLog()  # what each version changed: replies carry only what a worker lacks
-        self.downlink = Downlink(config.downlink_fraction, config.downlink_bound) if config.downlink_fraction else None
+        self.downlink = make_downlink(config.downlink_fraction, config.downlink_bound, config.downlink_codec)
 
     @property
     def version(self) -> int:
@@ -201,7 +201,7 @@ class Store(ABC):
                                        f"({last or 0}): a worker numbers its pushes one after another")
         staleness = self.state.version - base
         correction = self._correction(push.scaled_for, staleness)  # refused before anything is read
-        sent, local_bytes = self._read_local(push.session, push.tensors)
+        sent, local_bytes = read_locals(self.segments, push.session, push.tensors)
         # a store that folds into spare arrays folds a packed tensor as it is (Undecoded), never writing its decoding
         update = self._decode(sent, defer=self.folds_packed and self.rule.folds_into_update and not self.stopped)
         fresh = staleness == 0 and correction == 1.0 and not self.resumed
@@ -276,22 +276,7 @@ class Store(ABC):
         Raises:
             WireError: ``bad_local`` where this store maps no segment, or the reference is out of it.
         """
-        return self._read_local(session, tensors)[0]
-
-    def _read_local(self, session: str, tensors: dict[str, Any]) -> tuple[dict[str, Any], int]:
-        """``tensors`` with each :class:`Local` reference read (as a view) from ``session``'s segment; its bytes."""
-        if not any(isinstance(t, Local) for t in tensors.values()):
-            return tensors, 0
-        if self.segments is None:
-            raise WireError("bad_local", "this parameter server takes pushes over its socket only: push the "
-                                         "update's bytes")
-        out, nbytes = {}, 0
-        for name, t in tensors.items():
-            if isinstance(t, Local):
-                t = self.segments.resolve(session, t)
-                nbytes += t.nbytes
-            out[name] = t
-        return out, nbytes
+        return read_locals(self.segments, session, tensors)[0]
 
     def _decode(self, update: dict[str, Tensor], defer: bool) -> dict[str, Tensor | Undecoded]:
         """What each compressor sent, decoded into the central tensor's dtype (not yet checked for NaN/Inf); a
@@ -329,12 +314,12 @@ class Store(ABC):
                       only: frozenset[str] | None = None) -> list[Any]:
         """The frames of a ``model`` reply with ``fields`` and the central tensors, ready to send zero-copy.
 
-        Only what the worker lacks, where that is less (``delta``): the changes since the central version it
-        holds (``have``, ``ps/changes.py``), or, with a downlink fraction, the differences from the copy it
-        holds (``held``, ``ps/downlink.py``), of which a reply to a ``push`` carries only the largest
-        (``approx``). A push that asks to be ``ahead`` gets the central model less the step its rule anticipates
-        (:meth:`~plug_asgd.modes.rules.FoldRule.ahead`), marked ``ahead``; one that wants ``only`` the tensors it
-        carried (a fragment), those, marked ``part``. Neither names a model: a worker's held model stays as it was.
+        Only what the worker lacks, where that is less (``delta``): the changes since the central version it holds
+        (``have``, ``ps/changes.py``), or, with a downlink, the differences from the copy it holds (``held``,
+        ``ps/downlink.py``), of which a reply to a ``push`` carries the largest, or all in the codec's type to add
+        (``approx``, ``add``). A push that asks to be ``ahead`` gets the central model less the step its rule
+        anticipates (:meth:`~plug_asgd.modes.rules.FoldRule.ahead`), marked ``ahead``: the downlink's copy with a
+        codec, else no model named; one that wants ``only`` the tensors it carried (a fragment), those (``part``).
 
         Args:
             fields: the reply's header fields.
@@ -346,37 +331,41 @@ class Store(ABC):
             only: the tensors the push carried, where it wants those only; None: the model.
         """
         self.release()  # a reply in flight must not read memory its worker may write again
-        model_id, version, central = self.changes.model_id, self.state.version, self.state.tensors
-        central = {n: t for n, t in central.items() if n in only} if only is not None else central
+        model_id, version = self.changes.model_id, self.state.version
         steps = self.rule.ahead(only) if push and ahead else {}  # (only the tensors the reply carries)
-        if steps or only is not None:
-            marks = {"ahead": bool(steps), "part": only is not None}
-            self.stats.model_replies += 1
-            self.stats.ahead_replies += marks["ahead"]
-            self.stats.part_replies += marks["part"]
-            return self._encode_reply({**fields, **{k: True for k, on in marks.items() if on}},
-                                      {n: t - steps[n] if n in steps else t for n, t in central.items()},
-                                      fresh=frozenset(steps))
-        fields = {**fields, "model_id": model_id}
-        tensors: dict[str, Any] | None = None
+        central = {n: t - steps[n] if n in steps else t for n, t in self.state.tensors.items()
+                   if only is None or n in only}
         downlink = self.downlink if rank is not None else None
-        if downlink is not None and (held is not None or push):
-            tensors = downlink.reply(rank, held or have, model_id, version, central, exact=not push)  # type: ignore[arg-type]
+        adds = downlink is not None and downlink.adds  # its copy of the worker's may be the model ahead
+        self.stats.model_replies += 1
+        self.stats.ahead_replies += bool(steps)
+        self.stats.part_replies += only is not None
+        fields = {**fields, **({"ahead": True} if steps else {}), **({"part": True} if only is not None else {})}
+        if (only is not None or steps) and not adds:
+            return self._encode_reply(fields, central, fresh=frozenset(steps))
+        asks = downlink is not None and (held is not None or push)
+        tensors = downlink.reply(rank, held or have, model_id, version, central,  # type: ignore[union-attr,arg-type]
+                                 exact=not push) if asks else None
         from_downlink = tensors is not None  # the downlink brought its copy of the worker's model up to date
-        if from_downlink and push:
+        if only is not None and not from_downlink:  # a part whole: what the worker holds, and its copy, stay
+            return self._encode_reply(fields, central, fresh=frozenset(steps))
+        fields["model_id"] = model_id
+        if push and (from_downlink or steps):  # (a model ahead, whole: the copy the downlink keeps from now on)
             fields["approx"] = True
             self.stats.approx_replies += 1
-        if tensors is None:
+        if tensors is None and not steps:
             tensors = self.changes.delta(have, version, central)
+        fresh = frozenset(steps)
         if tensors is None:
             tensors = dict(central)
         else:
             fields["delta"] = True
             self.stats.delta_replies += 1
+            if adds and push and from_downlink:  # differences to add, each a new array
+                fields["add"], fresh = True, frozenset(tensors)
         if downlink is not None and not from_downlink:
             downlink.holds(rank, model_id, version, central)  # type: ignore[arg-type]  # it now holds this exactly
-        self.stats.model_replies += 1
-        return self._encode_reply(fields, tensors)
+        return self._encode_reply(fields, tensors, fresh=fresh)
 
     @abstractmethod
     def _encode_reply(self, fields: dict[str, Any], tensors: dict[str, Tensor],

@@ -74,6 +74,7 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     ps_argument(parser, "worker_timeout")
     ps_argument(parser, "downlink_fraction")
     ps_argument(parser, "downlink_bound")
+    ps_argument(parser, "downlink_codec")
     parser.add_argument("--ps-keys", type=Path, default=None,
                         help="CURVE keys of `plug-asgd keygen DIR`: DIR (embedded PS) or DIR/worker (external PS)")
     ps_argument(parser, "insecure", "--ps-insecure")
@@ -183,6 +184,7 @@ def make_strategy(args: argparse.Namespace) -> AsyncPSStrategy:
                            resume_from=args.resume, ps_keys=args.ps_keys,
                            ps_insecure=args.ps_insecure, worker_timeout=args.worker_timeout,
                            downlink_fraction=args.downlink_fraction, downlink_bound=args.downlink_bound,
+                           downlink_codec=args.downlink_codec,
                            ps_standby=args.ps_standby, failover_timeout=args.failover_timeout,
                            staleness_compensation=False if args.no_staleness_compensation else None,
                            island=args.island)

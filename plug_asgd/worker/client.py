@@ -255,8 +255,9 @@ class PSClient(Transport):
         the PS (:meth:`HeldModel.add`): the same bits, without the model's bytes on the wire. The PS
         decides, and answers with the model otherwise.
 
-        ``"pushed"``: the reply carries the central tensors the push carried, whole, and no others (``reply.part``):
-        streaming's fragment needs no more. The held model stays as it was.
+        ``"pushed"``: the reply carries the central tensors the push carried, and no others (``reply.part``):
+        streaming's fragment needs no more. Whole, they leave the held model as it was; from a downlink codec,
+        they are its differences from the PS's copy, added to those tensors of the held model.
 
         ``while_waiting`` runs once the push is sent, while the PS folds it (see :meth:`request`);
         not again if the push has to be sent a second time.
@@ -291,7 +292,8 @@ class PSClient(Transport):
             scaled_for: the staleness the update was scaled for; None: not scaled.
             ahead: ask for the central model less the step the PS's rule anticipates before this worker pushes
                 again (async_diloco's ``momentum_lookahead``): the reply says ``ahead`` where it carries that, and the
-                client then holds no central model until its next reply (with ``"pushed"``, it keeps the one it held).
+                client then holds no central model until its next reply (with ``"pushed"``, it keeps the one it held),
+                unless the PS keeps the model ahead as its copy of this client's (a downlink codec).
             rate: the local steps per second this worker makes (async_diloco's ``dynamic_steps``): the reply then says
                 its pace, those over the fastest training worker's (``ModelReply.pace``); None: say none.
 
@@ -312,7 +314,7 @@ class PSClient(Transport):
             fields["ahead"] = True
         if rate is not None:
             fields["rate"] = float(rate)
-        if want_model not in (False, "pushed"):  # (no delta answers a push that wants its own tensors)
+        if want_model is not False:  # (a push that wants its own tensors gets differences from a downlink codec only)
             fields = with_have(fields, self.held)
         try:
             return self._send_push(fields, update, while_waiting)

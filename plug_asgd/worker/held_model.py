@@ -37,7 +37,7 @@ class HeldModel:
         """``(model_id, version)`` of the model held, which a request tells the PS; None: none held yet."""
         return (self.model_id, self.version) if self.model_id is not None else None
 
-    def keep(self, model_id: Any, version: int, tensors: dict[str, np.ndarray]) -> None:
+    def keep(self, model_id: Any, version: int, tensors: dict[str, np.ndarray], exact: bool = True) -> None:
         """A whole model arrived (the received arrays are kept as they are: no copy).
 
         Args:
@@ -45,35 +45,44 @@ class HeldModel:
                 that does not send deltas) drops what is held, so that no request asks for a delta.
             version: the central version of ``tensors``.
             tensors: the central model, by name; never written afterwards (a change goes into a copy).
+            exact: whether ``tensors`` are the central model of ``version``; False: a copy the PS keeps of this
+                client's (its downlink's), such as a model ahead.
         """
-        self.exact = True
+        self.exact = exact
         self._returned, self._lent = set(tensors), set()
         if isinstance(model_id, str) and model_id:
             self.model_id, self.version, self.tensors = model_id, version, dict(tensors)
         else:  # a PS that does not send deltas
             self.model_id, self.version, self.tensors = None, -1, {}
 
-    def patch(self, delta: dict[str, Tensor], version: int, exact: bool = True) -> dict[str, np.ndarray]:
-        """Apply what changed (sparse: current values at the changed coordinates; dense: whole tensors); not
-        ``exact``: only the largest differences were sent. Returns the model as read-only views.
+    def patch(self, delta: dict[str, Tensor], version: int, exact: bool = True,
+              add: bool = False) -> dict[str, np.ndarray]:
+        """Apply what changed (sparse: current values at the changed coordinates; dense: whole tensors, or with
+        ``add`` differences to add); not ``exact``: only the largest differences were sent, or differences in a
+        codec's type. Returns the model as read-only views.
 
         Args:
             delta: what changed since the version held, by tensor name; tensors not named are unchanged.
             version: the central version the patched model is (or, not ``exact``, is near).
             exact: whether the patched model is the central model of ``version`` bit for bit.
+            add: whether each (dense) tensor is a difference to add, in the held tensor's type, as the PS adds
+                it to its copy (``plug_asgd.ps.downlink``): the two copies stay equal, bit for bit.
 
         Raises:
-            PSError: ``bad_reply``, where ``delta`` names a tensor not held or of another shape; what is held
-                is dropped first, so that the next request asks for the whole model.
+            PSError: ``bad_reply``, where ``delta`` names a tensor not held or of another shape (or a sparse one
+                to add); what is held is dropped first, so that the next request asks for the whole model.
         """
         for name, part in delta.items():
             held = self.tensors.get(name)
-            if held is None or tuple(part.shape) != held.shape:
+            if held is None or tuple(part.shape) != held.shape or (add and isinstance(part, Sparse)):
                 self.keep(None, -1, {})  # all or nothing: the next request asks for the whole model
                 raise PSError("bad_reply", f"the parameter server sent a change of tensor {name!r} of shape "
                                            f"{tuple(part.shape)}, which this client does not hold")
         for name, part in delta.items():
-            if isinstance(part, Sparse):
+            if add:
+                held = self.tensors[name]
+                self.tensors[name] = np.add(held, np.asarray(part).astype(held.dtype, copy=False))
+            elif isinstance(part, Sparse):
                 self._writable(name, self._returned | self._lent).reshape(-1)[part.indices] = part.values
             else:
                 self.tensors[name] = np.asarray(part)

@@ -41,7 +41,8 @@ class ModelReply:
         stop: whether the PS asks the workers to stop training.
         tensors: the central model by name (a delta reply's already patched in); empty where none came.
         own: no tensors: the central model is exactly the worker's base plus its update (or its weights).
-        approx: the tensors are near the central model, not it: the PS sent only the largest differences.
+        approx: the tensors are near the central model (or the model ahead), not it: the PS sent only the largest
+            differences, or the differences in a codec's type (its downlink).
         ahead: the tensors are the central model less the step the PS's rule anticipates before the worker's next
             push (:meth:`~plug_asgd.modes.rules.FoldRule.ahead`), which the push asked for: a base, not the model.
         part: the tensors are those the push carried only (it wanted those: streaming's fragment).
@@ -55,7 +56,7 @@ class ModelReply:
     stop: bool
     tensors: dict[str, np.ndarray]
     own: bool = False  # no tensors: the central model is exactly the worker's base plus its update (or its weights)
-    approx: bool = False  # near the central model, not it: the PS sent only the largest differences (downlink)
+    approx: bool = False  # near the central model, not it: the PS's downlink sent the largest differences, or in fp16
     ahead: bool = False  # the central model less the step the PS's rule anticipates (a push that asked for it)
     part: bool = False  # the tensors the push carried only (a push that wanted those)
     changed: Changes | None = None  # a delta reply's changes; None: the whole model came, or none
@@ -124,11 +125,15 @@ def model_reply(reply: Message, held: HeldModel | None, counters: CommCounters, 
             raise PSError("bad_reply", "the parameter server sent part of the model to a client that keeps none")
         changed = Changes(held.version, {n: t.indices if isinstance(t, Sparse) else None
                                          for n, t in tensors.items()})
-        tensors = held.patch(tensors, version, exact=reply.fields.get("approx") is not True)
+        model = held.patch(tensors, version, exact=reply.fields.get("approx") is not True,
+                           add=reply.fields.get("add") is True)
+        tensors = {n: model[n] for n in tensors} if reply.fields.get("part") is True else model
         counters.delta_replies += 1
     elif tensors and held is not None and reply.fields.get("part") is not True:  # a part leaves the held model as it is
-        ahead = reply.fields.get("ahead") is True  # a model ahead is not the central one: what is held is dropped
-        held.keep(None if ahead else reply.fields.get("model_id"), version, tensors)
+        # a model ahead is not the central one: what is held is dropped, unless the PS keeps it as this client's copy
+        kept = reply.fields.get("ahead") is not True or reply.fields.get("approx") is True
+        held.keep(reply.fields.get("model_id") if kept else None, version, tensors,
+                  exact=reply.fields.get("approx") is not True)
     return ModelReply(version=version, status=str(reply.fields.get("status")),
                       stop=bool(reply.fields.get("stop")), tensors=tensors, own=reply.fields.get("own") is True,
                       approx=reply.fields.get("approx") is True, ahead=reply.fields.get("ahead") is True,

@@ -1,10 +1,10 @@
 """tests/scripts/bn_sched.py's model fitted by 2 workers on a sharded PS (``ps_shards``), one fit per entry of FITS.
 
 FITS names a mode, its codec and the strategy's other arguments: every mode that works sharded, with every
-codec and ``downlink_fraction`` spread over them (one launch, few fits), all at one step size (``--lr``). Each
-rank writes OUT/FIT/rank{r}.json: the weights it holds after fit, the test accuracy, each shard's version as it left;
-rank 0 also the central model assembled from the shards by a bystander client after fit (its embedded
-shards stop only when it exits). ``--ps-address`` (comma-separated) uses shards started by hand instead of
+codec, ``downlink_fraction`` and ``downlink_codec`` spread over them (one launch, few fits), all at one step size
+(``--lr``). Each rank writes OUT/FIT/rank{r}.json: the weights it holds after fit, the test accuracy, each shard's
+version as it left; rank 0 also the central model assembled from the shards by a bystander client after fit (its
+embedded shards stop only when it exits). ``--ps-address`` (comma-separated) uses shards started by hand instead of
 embedded ones; ``--ps-ports`` gives each fit's first embedded port. ``--checkpoint-dir``
 adds a PSCheckpoint (each embedded shard writes DIR/shard-I), ``--resume-from`` starts the shards from one.
 """
@@ -36,7 +36,8 @@ FITS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "asgd_overlap": ({"name": "asgd", "overlap": True}, "none", {}),
     "sync": ("sync", "sign", {}),
     "sync_backup": ({"name": "sync", "replicas_to_aggregate": 1}, "none", {}),  # each shard takes its first push
-    "localsgd": ({"name": "localsgd", "push_every": 4}, {"name": "qsgd", "bits": 6}, {}),
+    # replies in fp16 differences: each round's average changes every coordinate
+    "localsgd": ({"name": "localsgd", "push_every": 4}, {"name": "qsgd", "bits": 6}, {"downlink_codec": "fp16"}),
     "sagn": ("sagn", "bf16", {}),
     "osp": ("osp", {"name": "powersgd", "rank": 2}, {}),
     "losp": ("losp", "none", {}),
