@@ -364,7 +364,7 @@ class Store(ABC):
             if adds and push and from_downlink:  # differences to add, each a new array
                 fields["add"], fresh = True, frozenset(tensors)
         if downlink is not None and not from_downlink:
-            downlink.holds(rank, model_id, version, central)  # type: ignore[arg-type]  # it now holds this exactly
+            downlink.holds(rank, model_id, version, central)  # type: ignore[arg-type]  # it holds this now (or ahead)
         return self._encode_reply(fields, tensors, fresh=fresh)
 
     @abstractmethod
