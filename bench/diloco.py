@@ -356,9 +356,9 @@ def parser() -> argparse.ArgumentParser:
                    help="ByteGPT's size: small (118,528 parameters) or recipe (the recipe's default width and depth, "
                    "1,835,136), on 32-byte windows (default: small)")
     p.add_argument("--compressor", default="none", help="the codec of DiLoCo's pushes (default: none, float32)")
-    p.add_argument("--downlink-codec", choices=["fp16"], default=None, help="every PS configuration's replies to "
-                   "pushes in this type, differences from each worker's copy (serve-ps --downlink-codec) (default: "
-                   "float32, the model whole)")
+    p.add_argument("--downlink-codec", choices=["fp16", "int8", "int4"], default=None, help="every PS "
+                   "configuration's replies to pushes: differences from each worker's copy, so coded (serve-ps "
+                   "--downlink-codec) (default: float32, the model whole)")
     p.add_argument("--slow-factor", type=float, default=2.0, help="how much slower the slowed host's steps are in "
                    "the -slow configurations (default 2)")
     p.add_argument("--async-until", choices=["steps", "together"], default="steps",

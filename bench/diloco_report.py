@@ -184,7 +184,8 @@ def _header(results: dict[str, Any]) -> list[str]:
         f"samples); the others {results['overtrained_steps']} per worker, so that a time to DDP's loss can be read "
         f"past DDP's samples. diloco: H = {h} inner steps, Nesterov outer optimizer (lr 0.7, momentum 0.9), pushes "
         f"coded `{size.get('compressor', 'none')}`, replies "
-        f"{'in fp16 differences (--downlink-codec fp16)' if size.get('downlink_codec') else 'the model in float32'}; "
+        + (f"differences coded `{size['downlink_codec']}` (--downlink-codec)" if size.get("downlink_codec")
+           else "the model in float32") + "; "
         "async_diloco: the same H for a fast worker, dynamic local steps, "
         "the delayed Nesterov update (`outer SGD lr 1.0`: the outer step `{\"name\": \"sgd\", \"lr\": 1.0, "
         "\"momentum\": 0}` instead; `delayed Nesterov momentum 0.5` or `0.7`: the delayed Nesterov at lr 0.7 and that "

@@ -119,8 +119,8 @@ class AsyncPSStrategy(StageSync, PSSurface, DDPPlumbing):
         downlink_fraction: the embedded PS answers pushes with only this share of each tensor, where the worker is
             furthest off (``plug_asgd.ps.downlink``); None: the whole tensor.
         downlink_bound: with ``downlink_fraction``, every coordinate off by more than this is sent too.
-        downlink_codec: the embedded PS answers pushes with every difference from the worker's copy in this type
-            (``"fp16"``: half the bytes of a DiLoCo round's reply); None: exact replies.
+        downlink_codec: the embedded PS answers pushes with every difference from the worker's copy, coded:
+            ``"fp16"``, ``"int8"`` or ``"int4"`` (a half, a quarter, an eighth of a DiLoCo round's reply); None: exact.
         ps_standby: node 1's local rank 0 runs a hot standby of each embedded PS (port ``ps_port + shards + I``
             on node 1's address), which leads when node 0's PS is gone; the workers move to it by themselves
             (``plug_asgd.placement.standby_launcher``, docs/design.md "Hot standby"). Needs 2 nodes or more.

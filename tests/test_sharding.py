@@ -396,7 +396,7 @@ def test_a_worker_with_another_partition_is_refused_with_what_to_do(start_ps):
 # -- 4. a sharded fit: 2 Lightning workers, embedded shards (ps_shards=2) or shards started by hand ----------
 
 # the fits of tests/scripts/shard_fit.py's FITS: every mode that works sharded, the codecs and downlink_fraction
-# spread over them (sync: bf16, localsgd: qsgd and downlink_codec fp16, sagn: sign, osp: powersgd, agn:
+# spread over them (sync: bf16, localsgd: qsgd and downlink_codec int4, sagn: sign, osp: powersgd, agn:
 # downlink_fraction)
 FIT_MODES = ["asgd", "adacomp", "dynsgd", "ssp", "downpour", "agn", "asgd_overlap", "sync", "sync_backup", "localsgd",
              "sagn", "osp", "losp", "easgd", "eamsgd", "diloco_fragments"]
@@ -474,7 +474,7 @@ def check_fit(ranks: list[dict], mode: str, accuracy: bool = True) -> None:
             assert r["test_acc"] >= FIT_ACCURACY, r["test_acc"]
         assert r["comm"]["pushes"] == fit_pushes(mode)
         # downlink_fraction (agn's fit): the shards answered pushes with only the largest differences; downlink_codec
-        # (localsgd's): every reply to a push in fp16 differences, on each shard to each of the 2 workers
+        # (localsgd's): every reply to a push in 4-bit differences, on each shard to each of the 2 workers
         approx = {"agn": r["approx_replies"] > 0, "localsgd": r["approx_replies"] == 2 * 2 * fit_pushes(mode)}
         assert approx.get(mode, r["approx_replies"] == 0), r["approx_replies"]
     # both workers ended on the same model, and it is the central one assembled from the shards

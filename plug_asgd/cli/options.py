@@ -89,7 +89,7 @@ SHOWN: dict[str, Shown] = {
                                "downlink_fraction=", "exact replies"),
     "downlink_bound": Shown(NETWORK, "with --downlink-fraction: send any off by more too", "X",
                             "downlink_bound=", "none"),
-    "downlink_codec": Shown(NETWORK, "a push's reply: the differences from the worker's copy in fp16", "fp16",
+    "downlink_codec": Shown(NETWORK, "a push's reply: the differences from the worker's copy, coded", "CODEC",
                             "downlink_codec=", "exact replies"),
     "shard": Shown(NETWORK, "hold shard I of N of the model (0/2, then 1/2)", "I/N", default="the whole model"),
     "standby_of": Shown(NETWORK, "be the hot standby of the PS at this address", "ADDR", default="lead from the start"),

@@ -74,7 +74,8 @@ class PSSettings:
         delta_replies: replies carry only what changed, where that is less.
         downlink_fraction: the share of each tensor a reply carries (None: all).
         downlink_bound: every coordinate off by more than this is sent too.
-        downlink_codec: replies to pushes carry every difference in this type (``"fp16"``; None: exact).
+        downlink_codec: replies to pushes carry every difference so coded (``"fp16"``, ``"int8"``, ``"int4"``;
+            None: exact).
         ps_standby: node 1's local rank 0 runs a hot standby of each embedded PS
             (:mod:`plug_asgd.placement.standby_launcher`).
         failover_timeout: seconds of the PS's silence after which its standby may lead.

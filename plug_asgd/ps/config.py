@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plug_asgd.compressors.reply_codecs import CODECS as DOWNLINK_CODECS
 from plug_asgd.modes import MODES
 from plug_asgd.modes import get as get_mode
 from plug_asgd.protocol.checkpoint import CheckpointPolicy, check_run_id
 from plug_asgd.protocol.partition import parse_shard
 from plug_asgd.protocol.security import check_bind
 from plug_asgd.protocol.wire import DEFAULT_LIMITS, Limits
-from plug_asgd.ps.downlink import CODECS as DOWNLINK_CODECS
 
 DEFAULT_WORKER_TIMEOUT = 20.0  # seconds of silence (no heartbeat, no request) before a worker is lost
 
@@ -71,8 +71,8 @@ class PSConfig:
         downlink_fraction: the share of each tensor's coordinates a push's reply carries; None: exact replies.
         downlink_bound: with ``downlink_fraction``: also send every coordinate off by more than this; None: no
             such bound.
-        downlink_codec: a push's reply carries every difference from the worker's copy in this type (``fp16``);
-            None: exact replies (or ``downlink_fraction``'s).
+        downlink_codec: a push's reply carries every difference from the worker's copy so coded (``fp16``,
+            ``int8``, ``int4``); None: exact replies (or ``downlink_fraction``'s).
         shard: ``"I/N"``: this PS holds shard I of N of a sharded model; None: the whole model.
         parent_pid: stop once the process of this pid is no longer the parent; None: never for that reason.
         run: refuse a hello that names another run (the embedded PS's); None: accept any.
@@ -149,9 +149,10 @@ class PSConfig:
                                            "than this, so that no worker's copy is further from the central model",
                                            min=0.0)
     downlink_codec: str | None = _option(
-        None, "answer each push with the difference between the central model and the worker's copy in this type "
-        "(fp16: half of float32's bytes where every coordinate changed, as a DiLoCo round changes them; error "
-        "feedback kept per worker; pulls stay exact) [default: exact replies only]")
+        None, "answer each push with the difference between the central model and the worker's copy in fp16, or in "
+        "levels of 8 or 4 bits with one scale per tensor (int8, int4): a half, a quarter or an eighth of float32's "
+        "bytes where every coordinate changed, as a DiLoCo round changes them; error feedback kept per worker; "
+        "pulls stay exact [default: exact replies only]")
     shard: str | None = _option(None, "this PS holds shard I of N of a sharded model (I/N, counted from 0: one PS "
                                 "started with 0/2, another with 1/2); the workers list every shard's address, in "
                                 "order, and must spread the model over as many [default: the whole model]")
@@ -215,7 +216,7 @@ class PSConfig:
         elif name == "shard" and value is not None:
             parse_shard(value)
         elif name == "downlink_codec" and value is not None and value not in DOWNLINK_CODECS:
-            raise ValueError(f"downlink_codec must be one of {sorted(DOWNLINK_CODECS)}, got {value!r}")
+            raise ValueError(f"downlink_codec must be one of {list(DOWNLINK_CODECS)}, got {value!r}")
         elif value is not None and not isinstance(value, bool) and isinstance(value, int | float):
             low, high = meta["min"], meta["max"]
             if (low is not None and value < low) or (high is not None and value > high):

@@ -1,4 +1,4 @@
-"""Approximate replies to pushes: the coordinates where a worker's copy is furthest off, or every difference in fp16.
+"""Approximate replies to pushes: the coordinates where a worker's copy is furthest off, or every difference coded.
 
 Where every update is dense (asgd, dynsgd, ssp without a sparse codec), the exact change since a
 worker's version is the whole model, and a reply to a push costs the model's bytes on the link
@@ -11,14 +11,16 @@ DoubleSqueeze (Tang et al., 2019), without a separate residual. After each reply
 how far the worker's copy is from the central model (``gap``: the largest coordinate left out),
 and counts the largest such gap (``downlink_gap_max``).
 
-With ``--downlink-codec fp16`` a reply to a push carries instead, per tensor, the whole difference
-``central - copy`` cast to float16, which the worker adds to its copy as the PS adds it to its own
-(the same float operations: both copies stay equal, bit for bit). What the cast rounds off stays in
-the next difference, so no copy drifts: it is within one rounding of the last difference sent. A
-reply then costs half of float32's bytes where every coordinate changes between two pushes, as a
-DiLoCo round's outer step changes them all. A reply ahead (``AsyncDiLoCo``'s lookahead) goes the
-same way: the copy is then the model ahead, the worker's next base; so does a reply with only the tensors its
-push carried (streaming's fragments, ``overlap=True``): those of the copy are brought up to date.
+With ``--downlink-codec fp16`` (``int8``, ``int4``) a reply to a push carries instead, per tensor, the
+whole difference ``central - copy`` cast to float16 (or in levels of 8 or 4 bits with one scale:
+:mod:`plug_asgd.compressors.reply_codecs`), whose decoding the worker adds to its copy as the PS adds
+it to its own (the same float operations: both copies stay equal, bit for bit). What the coding
+rounds off stays in the next difference, so no copy drifts: it is within one rounding of the last
+difference sent. A reply then costs a half (a quarter, an eighth) of float32's bytes where every
+coordinate changes between two pushes, as a DiLoCo round's outer step changes them all. A reply
+ahead (``AsyncDiLoCo``'s lookahead) goes the same way: the copy is then the model ahead, the
+worker's next base; so does a reply with only the tensors its push carried (streaming's
+fragments, ``overlap=True``): those of the copy are brought up to date.
 
 Pulls stay exact: a worker pulls before validation, test, checkpoints and at the end of a fit,
 so the model it evaluates or saves is the central one, bit for bit. An approximate copy is
@@ -32,7 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plug_asgd.protocol.wire import Sparse, sparse_wire_bytes
+from plug_asgd.compressors.reply_codecs import CODECS, decode_difference, encode_difference
+from plug_asgd.protocol.wire import Packed, Sparse, sparse_wire_bytes
 
 
 @dataclass
@@ -40,9 +43,6 @@ class _Copy:
     model_id: str
     version: int
     tensors: dict[str, np.ndarray]
-
-
-CODECS: dict[str, np.dtype] = {"fp16": np.dtype(np.float16)}  # --downlink-codec: what a difference travels in
 
 
 class Downlink:
@@ -53,12 +53,12 @@ class Downlink:
         fraction: the share of each tensor's coordinates a reply carries (those furthest off), in (0, 1]; None:
             with ``codec``.
         bound: also send every coordinate off by more than this, so that no copy is further off; None: no bound.
-        codec: a name in :data:`CODECS`: a reply carries every difference in that type, which the worker adds;
-            None: with ``fraction``.
+        codec: a name in :data:`~plug_asgd.compressors.reply_codecs.CODECS`: a reply carries every difference so
+            coded, which the worker adds; None: with ``fraction``.
 
     Raises:
-        ValueError: where ``fraction`` is not in (0, 1], ``codec`` is not one of :data:`CODECS`, or not exactly one
-            of the two is given.
+        ValueError: where ``fraction`` is not in (0, 1], ``codec`` is not a downlink codec, or not exactly one of
+            the two is given.
     """
 
     def __init__(self, fraction: float | None = None, bound: float | None = None, codec: str | None = None) -> None:
@@ -67,7 +67,7 @@ class Downlink:
         if fraction is not None and not 0 < fraction <= 1:
             raise ValueError(f"downlink fraction must be in (0, 1], got {fraction}")
         if codec is not None and codec not in CODECS:
-            raise ValueError(f"downlink codec must be one of {sorted(CODECS)}, got {codec!r}")
+            raise ValueError(f"downlink codec must be one of {list(CODECS)}, got {codec!r}")
         self.fraction = fraction
         self.bound = bound
         self.codec = codec
@@ -112,7 +112,7 @@ class Downlink:
         if any(copy.tensors[n].shape != t.shape for n, t in tensors.items()):
             return None
         if self.codec is not None and not exact:
-            out = self._differences(copy, tensors, CODECS[self.codec])
+            out = self._differences(copy, tensors, self.codec)
             copy.version = version
             return out
         out: dict[str, Sparse | np.ndarray] = {}
@@ -142,23 +142,21 @@ class Downlink:
         return out
 
     def _differences(self, copy: _Copy, tensors: dict[str, np.ndarray],
-                     dtype: np.dtype) -> dict[str, Sparse | np.ndarray]:
-        """Every difference of ``tensors`` from ``copy`` in ``dtype``, added to the copy as the worker adds it
-        (:meth:`~plug_asgd.worker.held_model.HeldModel.patch`); a tensor that did not change is left out. One
-        whose difference ``dtype`` cannot hold (beyond its range) goes in the copy's own type."""
-        out: dict[str, Sparse | np.ndarray] = {}
+                     codec: str) -> dict[str, Sparse | Packed | np.ndarray]:
+        """Every difference of ``tensors`` from ``copy`` as ``codec`` sends it
+        (:func:`~plug_asgd.compressors.reply_codecs.encode_difference`), its decoding added to the copy as the
+        worker adds it (:meth:`~plug_asgd.worker.held_model.HeldModel.patch`); a tensor that did not change is
+        left out."""
+        out: dict[str, Sparse | Packed | np.ndarray] = {}
         for name, central in tensors.items():
             mine = copy.tensors[name]
             diff = np.subtract(central, mine)
             if not diff.any():
                 continue
-            with np.errstate(over="ignore"):
-                cast = diff.astype(dtype)
-            if not np.isfinite(cast).all():
-                cast = diff
-            np.add(mine, cast.astype(mine.dtype), out=mine)
+            sent = encode_difference(codec, diff)
+            np.add(mine, decode_difference(sent, mine.dtype), out=mine)
             self.gap_max = max(self.gap_max, float(np.abs(central - mine).max()))
-            out[name] = cast
+            out[name] = sent
         return out
 
 

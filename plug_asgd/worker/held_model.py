@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 
 from plug_asgd.compressors import native
-from plug_asgd.protocol.wire import Sparse, Tensor
+from plug_asgd.compressors.reply_codecs import decode_difference
+from plug_asgd.protocol.wire import Packed, Sparse, Tensor
 from plug_asgd.worker.errors import PSError
 
 
@@ -72,16 +73,25 @@ class HeldModel:
             PSError: ``bad_reply``, where ``delta`` names a tensor not held or of another shape (or a sparse one
                 to add); what is held is dropped first, so that the next request asks for the whole model.
         """
+        added: dict[str, np.ndarray] = {}
         for name, part in delta.items():
             held = self.tensors.get(name)
-            if held is None or tuple(part.shape) != held.shape or (add and isinstance(part, Sparse)):
+            fits = held is not None and tuple(part.shape) == held.shape
+            problem = None if fits else "which this client does not hold"
+            if fits and not add and isinstance(part, Packed):
+                problem = "coded, which comes only as a difference to add"
+            elif fits and add:
+                try:
+                    added[name] = decode_difference(part, held.dtype)  # type: ignore[union-attr]
+                except ValueError as exc:
+                    problem = f"which this client cannot read ({exc})"
+            if problem is not None:
                 self.keep(None, -1, {})  # all or nothing: the next request asks for the whole model
                 raise PSError("bad_reply", f"the parameter server sent a change of tensor {name!r} of shape "
-                                           f"{tuple(part.shape)}, which this client does not hold")
+                                           f"{tuple(part.shape)}, {problem}")
         for name, part in delta.items():
             if add:
-                held = self.tensors[name]
-                self.tensors[name] = np.add(held, np.asarray(part).astype(held.dtype, copy=False))
+                self.tensors[name] = np.add(self.tensors[name], added[name])
             elif isinstance(part, Sparse):
                 self._writable(name, self._returned | self._lent).reshape(-1)[part.indices] = part.values
             else:

@@ -36,8 +36,8 @@ FITS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "asgd_overlap": ({"name": "asgd", "overlap": True}, "none", {}),
     "sync": ("sync", "sign", {}),
     "sync_backup": ({"name": "sync", "replicas_to_aggregate": 1}, "none", {}),  # each shard takes its first push
-    # replies in fp16 differences: each round's average changes every coordinate
-    "localsgd": ({"name": "localsgd", "push_every": 4}, {"name": "qsgd", "bits": 6}, {"downlink_codec": "fp16"}),
+    # replies in 4-bit differences: each round's average changes every coordinate
+    "localsgd": ({"name": "localsgd", "push_every": 4}, {"name": "qsgd", "bits": 6}, {"downlink_codec": "int4"}),
     "sagn": ("sagn", "bf16", {}),
     "osp": ("osp", {"name": "powersgd", "rank": 2}, {}),
     "losp": ("losp", "none", {}),
