@@ -94,7 +94,7 @@ class Downlink:
               tensors: dict[str, np.ndarray], exact: bool = False) -> dict[str, Sparse | np.ndarray] | None:
         """What to set in ``rank``'s copy, which it says it holds (``held``): the largest differences, or
         (``exact``) all of them, a tensor whole where that is smaller; with a codec and not ``exact``, every
-        difference in the codec's type, to add; None: the PS knows no such copy.
+        difference coded, to add; None: the PS knows no such copy.
 
         Args:
             rank: the worker's rank.

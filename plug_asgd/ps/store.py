@@ -316,7 +316,7 @@ class Store(ABC):
 
         Only what the worker lacks, where that is less (``delta``): the changes since the central version it holds
         (``have``, ``ps/changes.py``), or, with a downlink, the differences from the copy it holds (``held``,
-        ``ps/downlink.py``), of which a reply to a ``push`` carries the largest, or all in the codec's type to add
+        ``ps/downlink.py``), of which a reply to a ``push`` carries the largest, or every one coded, to add
         (``approx``, ``add``). A push that asks to be ``ahead`` gets the central model less the step its rule
         anticipates (:meth:`~plug_asgd.modes.rules.FoldRule.ahead`), marked ``ahead``: the downlink's copy with a
         codec, else no model named; one that wants ``only`` the tensors it carried (a fragment), those (``part``).

@@ -59,19 +59,20 @@ class HeldModel:
     def patch(self, delta: dict[str, Tensor], version: int, exact: bool = True,
               add: bool = False) -> dict[str, np.ndarray]:
         """Apply what changed (sparse: current values at the changed coordinates; dense: whole tensors, or with
-        ``add`` differences to add); not ``exact``: only the largest differences were sent, or differences in a
-        codec's type. Returns the model as read-only views.
+        ``add`` differences to add); not ``exact``: only the largest differences were sent, or coded differences.
+        Returns the model as read-only views.
 
         Args:
             delta: what changed since the version held, by tensor name; tensors not named are unchanged.
             version: the central version the patched model is (or, not ``exact``, is near).
             exact: whether the patched model is the central model of ``version`` bit for bit.
-            add: whether each (dense) tensor is a difference to add, in the held tensor's type, as the PS adds
-                it to its copy (``plug_asgd.ps.downlink``): the two copies stay equal, bit for bit.
+            add: whether each tensor is a difference to add, dense or coded, decoded and added as the PS adds it
+                to its copy (``plug_asgd.compressors.reply_codecs``): the two copies stay equal, bit for bit.
 
         Raises:
-            PSError: ``bad_reply``, where ``delta`` names a tensor not held or of another shape (or a sparse one
-                to add); what is held is dropped first, so that the next request asks for the whole model.
+            PSError: ``bad_reply``, where ``delta`` names a tensor not held or of another shape, or a difference
+                this client cannot read (a coded one to set); what is held is dropped first, so that the next
+                request asks for the whole model.
         """
         added: dict[str, np.ndarray] = {}
         for name, part in delta.items():

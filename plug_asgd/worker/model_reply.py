@@ -42,7 +42,7 @@ class ModelReply:
         tensors: the central model by name (a delta reply's already patched in); empty where none came.
         own: no tensors: the central model is exactly the worker's base plus its update (or its weights).
         approx: the tensors are near the central model (or the model ahead), not it: the PS sent only the largest
-            differences, or the differences in a codec's type (its downlink).
+            differences, or every difference coded (its downlink).
         ahead: the tensors are the central model less the step the PS's rule anticipates before the worker's next
             push (:meth:`~plug_asgd.modes.rules.FoldRule.ahead`), which the push asked for: a base, not the model.
         part: the tensors are those the push carried only (it wanted those: streaming's fragment).
@@ -56,7 +56,7 @@ class ModelReply:
     stop: bool
     tensors: dict[str, np.ndarray]
     own: bool = False  # no tensors: the central model is exactly the worker's base plus its update (or its weights)
-    approx: bool = False  # near the central model, not it: the PS's downlink sent the largest differences, or in fp16
+    approx: bool = False  # near the central model, not it: the PS's downlink sent the largest differences, or coded
     ahead: bool = False  # the central model less the step the PS's rule anticipates (a push that asked for it)
     part: bool = False  # the tensors the push carried only (a push that wanted those)
     changed: Changes | None = None  # a delta reply's changes; None: the whole model came, or none
