@@ -1,7 +1,7 @@
 """DiLoCo on slow links: the language model under DDP, DiLoCo, asynchronous DiLoCo and hivemind, on emulated hosts.
 
 ``python -m bench diloco [--quick] [--rates 100,10] [--seeds 3] [--inner-steps 50] [--model small]
-[--async-until steps] [--configs ...] [--out DIR]``
+[--async-until steps] [--downlink-codec fp16|int8|int4] [--configs ...] [--out DIR]``
 (root: it makes network namespaces). Issue 58's targets, measured side by side: ``bench.slowlink``'s machinery (a
 :class:`harness.netns.Topology` of a PS host and 2 worker hosts whose links htb caps at each rate in both directions,
 so every byte between two hosts crosses two capped links), one process per worker host, the language-model recipe's
