@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import random
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,9 @@ LM_SMALL = ["--d-model", "64", "--layers", "2", "--heads", "4", "--context", "32
 # 2.6070, 2.6400, 2.6904, 2.6277, 2.6657 (the workers' interleaving moves it: a spread of 0.13).
 # The bar is the worst asgd run plus 0.21, about one and a half times that spread; it stays 0.44 below a unigram
 # model's 3.34 (a model that learnt only the bytes' frequencies fails) and far below an untrained model's ln 256.
+# Single runs have a heavier tail than those 6 showed: 2.95 on an idle machine (of 2.61, 2.95 at one commit and
+# 2.74, 2.69, 2.68 at the next) and 3.03 in a fresh-clone suite run on 2 loaded cores. As the CNN's rows
+# (tests/test_momentum.py, FASHION_RERUN), a run that misses the bar is run twice more and the median of its 3 decides.
 LM_LOSS_BAR = 2.9
 UNTRAINED_LOSS = math.log(256)  # 5.545: uniform over the bytes
 UNIGRAM_ENTROPY = 3.34  # the held-out bytes' cross-entropy under the training bytes' frequencies (3.339)
@@ -263,17 +267,21 @@ def test_the_recipe_has_the_recipes_flags_and_its_own(monkeypatch):
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(560)  # one fit, or three where the first misses the bar
 def test_two_workers_under_asgd_learn_the_corpus(procs, tmp_path):
     if not HAVE_FORTUNES:
         skip_unless_required(f"the corpus is not installed: apt-get install {lm_data.PACKAGE} (scripts/setup.sh)")
-    metrics = tmp_path / "m.json"
-    code, out = procs.run([PYTHON, "recipes/lm.py", "--workers", "2", "--mode", "asgd", *LM_SMALL,
-                           "--metrics-json", str(metrics), "--run-dir", str(tmp_path / "runs")], timeout=170)
-    assert code == 0, out[-4000:]
-    run = json.loads(metrics.read_text())
+    def fit(i: int) -> dict:
+        metrics = tmp_path / f"m{i}.json"
+        code, out = procs.run([PYTHON, "recipes/lm.py", "--workers", "2", "--mode", "asgd", *LM_SMALL,
+                               "--metrics-json", str(metrics), "--run-dir", str(tmp_path / f"runs{i}")], timeout=170)
+        assert code == 0, out[-4000:]
+        return json.loads(metrics.read_text())
+
+    run = fit(0)
     assert run["recipe"] == "lm" and run["workers"] == 2 and run["ps_version"] == 800  # 2 workers x 400 steps
-    assert run["test_loss"] < LM_LOSS_BAR < UNIGRAM_ENTROPY < UNTRAINED_LOSS, run
+    losses = [run["test_loss"]] + ([fit(i)["test_loss"] for i in (1, 2)] if run["test_loss"] >= LM_LOSS_BAR else [])
+    assert statistics.median(losses) < LM_LOSS_BAR < UNIGRAM_ENTROPY < UNTRAINED_LOSS, (losses, run)
     assert run["test_ppl"] == pytest.approx(math.exp(run["test_loss"]), rel=1e-5)
     # validation ran at the epoch's end on the same held-out windows, and logged its loss and perplexity
     with open(Path(run["log_dir"]) / "metrics.csv") as f:
