@@ -34,8 +34,7 @@ def check_arguments(*, max_updates: int | None, heartbeat_s: float | str | None,
     """
     for name, value in ps_options.items():
         PSConfig.check(name, value)
-    if ps_options.get("downlink_fraction") is not None and ps_options.get("downlink_codec") is not None:
-        raise ValueError("downlink_fraction and downlink_codec are two ways to answer a push: give one")
+    PSConfig.check_downlink(ps_options.get("downlink_fraction"), ps_options.get("downlink_codec"))
     if max_updates is not None and max_updates < 1:
         raise ValueError(f"max_updates must be >= 1, got {max_updates}")
     if heartbeat_s == "auto":

@@ -189,9 +189,7 @@ class PSConfig:
         if self.checkpoint_dir is None and (self.checkpoint_every_updates or self.checkpoint_every_seconds):
             raise ValueError("checkpoint_every_updates / checkpoint_every_seconds (--checkpoint-every-*) need "
                              "checkpoint_dir (--checkpoint-dir): say where the checkpoints go")
-        if self.downlink_fraction is not None and self.downlink_codec is not None:
-            raise ValueError("downlink_fraction (--downlink-fraction) and downlink_codec (--downlink-codec) are two "
-                             "ways to answer a push: give one")
+        self.check_downlink(self.downlink_fraction, self.downlink_codec)
         if self.standby_of is not None and self.resume is not None:
             raise ValueError("a standby (--standby-of) takes its state from its primary: it cannot be given --resume")
         check_bind(self.bind, self.keys is not None, self.insecure)
@@ -223,6 +221,21 @@ class PSConfig:
                 bounds = f"between {low:g} and {high:g}" if high is not None else f">= {low:g}"
                 raise ValueError(f"{name} must be {bounds}, got {value:g}")
         return value
+
+    @staticmethod
+    def check_downlink(fraction: float | None, codec: str | None) -> None:
+        """Refuse a downlink fraction beside a downlink codec: two ways to answer a push.
+
+        Args:
+            fraction: ``downlink_fraction``, or None.
+            codec: ``downlink_codec``, or None.
+
+        Raises:
+            ValueError: where both are given.
+        """
+        if fraction is not None and codec is not None:
+            raise ValueError("downlink_fraction (--downlink-fraction) and downlink_codec (--downlink-codec) are two "
+                             "ways to answer a push: give one")
 
     def limits(self) -> Limits:
         """The wire's limits for this PS's requests."""

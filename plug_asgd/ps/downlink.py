@@ -155,7 +155,9 @@ class Downlink:
                 continue
             sent = encode_difference(codec, diff)
             np.add(mine, decode_difference(sent, mine.dtype), out=mine)
-            self.gap_max = max(self.gap_max, float(np.abs(central - mine).max()))
+            spare = diff if sent is not diff else np.empty_like(diff)  # (diff's buffer, unless it is what is sent)
+            left = np.abs(np.subtract(central, mine, out=spare), out=spare)
+            self.gap_max = max(self.gap_max, float(left.max()))
             out[name] = sent
         return out
 

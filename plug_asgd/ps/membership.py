@@ -115,7 +115,7 @@ class Membership(Liveness):
             rank: the worker asking, which has said a rate with a push of this stage.
         """
         own = self.workers[rank].rate if rank in self.workers else None
-        return None if own is None else own / max(own, self.fastest_rate() or own)
+        return None if own is None else _share(own, self.fastest_rate())
 
     def fastest_rate(self) -> float | None:
         """The highest rate the workers training now have said; None where none has said one."""
@@ -338,9 +338,14 @@ class Membership(Liveness):
                    "last_seen_s": round(now - w.last_seen, 3), "lost": w.rank in self.lost}
             if w.rate is not None:
                 live = w.training and not row["lost"]
-                row["rate"], row["pace"] = w.rate, w.rate / max(w.rate, fastest or w.rate) if live else None
+                row["rate"], row["pace"] = w.rate, _share(w.rate, fastest) if live else None
             out.append(row)
         return out
+
+
+def _share(rate: float, fastest: float | None) -> float:
+    """A pace: ``rate`` over the fastest rate said (itself where it is the fastest, or the only one)."""
+    return rate / max(rate, fastest or rate)
 
 
 def _heartbeat(value: Any) -> float | None:

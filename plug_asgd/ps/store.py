@@ -333,8 +333,8 @@ class Store(ABC):
         self.release()  # a reply in flight must not read memory its worker may write again
         model_id, version = self.changes.model_id, self.state.version
         steps = self.rule.ahead(only) if push and ahead else {}  # (only the tensors the reply carries)
-        central = {n: t - steps[n] if n in steps else t for n, t in self.state.tensors.items()
-                   if only is None or n in only}
+        central = self.state.tensors if not steps and only is None else {
+            n: t - steps[n] if n in steps else t for n, t in self.state.tensors.items() if only is None or n in only}
         downlink = self.downlink if rank is not None else None
         adds = downlink is not None and downlink.adds  # its copy of the worker's may be the model ahead
         self.stats.model_replies += 1
