@@ -15,8 +15,8 @@ each (:data:`CONFIGS`):
   (Nesterov outer optimizer, lr 0.7, momentum 0.9);
 - ``diloco-slow`` and ``async_diloco-slow``: the same, and ``mode="async_diloco"`` (the delayed Nesterov update,
   dynamic local steps), with worker host ``w1`` slowed ``--slow-factor`` times: after each of its steps it sleeps
-  ``(factor - 1)`` x one step's compute, measured once alone on one thread before the launches (the
-  ``bench stragglers`` sleep of :class:`bench.train.StepClock`);
+  ``(factor - 1)`` x the median of its last 31 steps (:class:`bench.train.StepClock`'s proportional straggler), so
+  that it stays that many times slower than itself whatever the machine's load does to its steps during a run;
 - ``async_diloco-slow-sgd``: ``async_diloco-slow`` with the outer step ``{"name": "sgd", "lr": 1.0, "momentum": 0}``
   on the workers and the PS (``serve-ps --outer``), which does not swing at two workers (``bench async_sim``);
 - ``diloco-slow-f2`` and ``async_diloco-slow-sgd-f2`` (by ``--configs`` only): the two beside the slowed host,
@@ -120,7 +120,7 @@ def overtrained_steps(size: dict[str, Any]) -> int:
     return math.ceil(size["steps"] * size["overtrain"] / h) * h
 
 
-def run_spec(name: str, size: dict[str, Any], seed: int, ps_address: str, slow_sleep_s: float) -> dict[str, Any]:
+def run_spec(name: str, size: dict[str, Any], seed: int, ps_address: str) -> dict[str, Any]:
     """The spec of configuration ``name``'s launch (read by ``bench.diloco_train`` or ``bench.diloco_hivemind``).
 
     Args:
@@ -128,7 +128,6 @@ def run_spec(name: str, size: dict[str, Any], seed: int, ps_address: str, slow_s
         size: the size's settings.
         seed: the run's seed (the model's initialization, the training windows, their order).
         ps_address: the PS's address on its host.
-        slow_sleep_s: the slowed host's sleep after each step.
     """
     from plug_asgd.recipes.lm_data import FORTUNES_DIR
 
@@ -150,7 +149,7 @@ def run_spec(name: str, size: dict[str, Any], seed: int, ps_address: str, slow_s
                     hivemind_matchmaking_time=size.get("hivemind_matchmaking_time", 3.0),
                     hivemind_averaging_timeout=size.get("hivemind_averaging_timeout", 10.0))
     if cfg.get("slow"):
-        spec.update(slow_rank=SLOW_RANK, slow_sleep_s=slow_sleep_s)
+        spec.update(slow_rank=SLOW_RANK, slow_factor=size["slow_factor"])
         if cfg.get("mode") == "async_diloco" and size.get("async_until") == "together":
             # no round waits for the slowed host: the other trains on while it does, slow_factor x its steps
             fast = 1 - SLOW_RANK
@@ -207,8 +206,7 @@ def step_time(model: dict[str, Any], repeats: int = 20, blocks: int = 3) -> floa
     return min(medians)
 
 
-def measure(topo: Topology, name: str, size: dict[str, Any], seed: int, slow_sleep_s: float,
-            out: Path) -> dict[str, Any]:
+def measure(topo: Topology, name: str, size: dict[str, Any], seed: int, out: Path) -> dict[str, Any]:
     """One configuration at the current rate: its launch, its curve of validation loss against wall time and the
     links' bytes, its samples, samples/s and bytes per sample on each worker host's link.
 
@@ -217,12 +215,11 @@ def measure(topo: Topology, name: str, size: dict[str, Any], seed: int, slow_sle
         name: a key of :data:`CONFIGS`.
         size: the size's settings.
         seed: the run's seed.
-        slow_sleep_s: the slowed host's sleep after each step.
         out: the launch's folder.
     """
     from bench.diloco_launch import WORKER_HOSTS, LinkMeter, launch_hivemind, launch_lightning
 
-    spec = run_spec(name, size, seed, f"tcp://{topo.hosts['ps'].address}:{PS_PORT}", slow_sleep_s)
+    spec = run_spec(name, size, seed, f"tcp://{topo.hosts['ps'].address}:{PS_PORT}")
     launch = launch_hivemind if spec["kind"] == "hivemind" else launch_lightning
     load = [round(x, 2) for x in os.getloadavg()]
     started = time.monotonic()
@@ -248,7 +245,9 @@ def measure(topo: Topology, name: str, size: dict[str, Any], seed: int, slow_sle
                   equal_samples_loss=equal_samples_loss(spec, curve), hosts=hosts,
                   bytes_per_sample=sum(h["bytes"] for h in hosts.values()) / samples,
                   samples_per_s=window(records, BATCH)["samples_per_s"],
-                  slept_s=[r.get("slept_s") for r in records], threads_per_process=got["threads_per_process"],
+                  slept_s=[r.get("slept_s") for r in records],
+                  step_median_s=[r.get("step_median_s") for r in records],
+                  threads_per_process=got["threads_per_process"],
                   comm=[r.get("comm") for r in records],
                   hivemind={**{k: records[0][k] for k in ("config", "hivemind")}, "log": got["hivemind_log"]}
                   if spec["kind"] == "hivemind" else None, local_epochs=[r.get("local_epoch") for r in records])
@@ -313,11 +312,10 @@ def run(size: dict[str, Any], rates: list[float], names: list[str], seeds: list[
 
     model = size["model"]
     step_s = step_time(model)
-    slow_sleep_s = (size["slow_factor"] - 1) * step_s
     results: dict[str, Any] = {"machine": machine(), "command": "python -m bench diloco " + " ".join(argv),
                                "batch_size": BATCH, "model": model, "step_s": step_s,
                                "parameters": parameter_count(model),
-                               "slow_sleep_s": slow_sleep_s, "overtrained_steps": overtrained_steps(size),
+                               "overtrained_steps": overtrained_steps(size),
                                "size": {k: v for k, v in size.items() if k != "rates"},
                                "configs": {n: CONFIGS[n] for n in names}, "seeds": seeds, "rates": {}}
     started = time.monotonic()
@@ -330,7 +328,7 @@ def run(size: dict[str, Any], rates: list[float], names: list[str], seeds: list[
             print(f"[diloco] {key} Mbit/s: measured {entry['probe']['mbit_per_s']:.1f}", flush=True)
             for seed in seeds:
                 for name in names:
-                    r = measure(topo, name, size, seed, slow_sleep_s, out / "work" / key / f"seed{seed}" / name)
+                    r = measure(topo, name, size, seed, out / "work" / key / f"seed{seed}" / name)
                     entry["runs"][name].append(r)
                     print(f"[diloco] {key} seed {seed} {name}: " + (r["error"] if "error" in r else
                           f"final loss {r['final_loss']:.4f} at {r['train_s']:.1f} s (at DDP's samples: "
@@ -408,7 +406,7 @@ def settings(args: argparse.Namespace) -> tuple[dict[str, Any], list[float], lis
     from plug_asgd.recipes.lm_data import find_corpus
 
     compressors.get(args.compressor)  # ValueError: not a codec
-    find_corpus(run_spec("ddp", size, 0, "", 0.0)["data"]["data_dir"])
+    find_corpus(run_spec("ddp", size, 0, "")["data"]["data_dir"])
     return size, rates, names
 
 

@@ -165,6 +165,19 @@ def summarize(runs: dict[str, list[dict[str, Any]]], rate: float | None) -> dict
     return out
 
 
+def straggler(results: dict[str, Any]) -> str:
+    """How the results' slowed host was slowed: proportionally (``slow_factor`` in its specs), or by the fixed sleep
+    of results written before (``slow_sleep_s``)."""
+    size, step_ms = results["size"], results["step_s"] * 1e3
+    if "slow_sleep_s" in results:
+        return (f"`w1 slowed`: host w1 sleeps {results['slow_sleep_s'] * 1e3:.1f} ms after each step, "
+                f"{size['slow_factor']:g} - 1 times the {step_ms:.1f} ms of one step measured alone on one thread.")
+    return (f"`w1 slowed`: after each step host w1 sleeps {size['slow_factor']:g} - 1 times the median of its last 31 "
+            f"steps, so it stays {size['slow_factor']:g} x slower than itself whatever the machine's load (one step "
+            f"measured alone on one thread: {step_ms:.1f} ms; each run's median step per host: `step_median_s` in "
+            "results.json).")
+
+
 def _header(results: dict[str, Any]) -> list[str]:
     m, size, model = results["machine"], results["size"], results["model"]
     h = size["inner_steps"]
@@ -190,9 +203,7 @@ def _header(results: dict[str, Any]) -> list[str]:
         "the delayed Nesterov update (`outer SGD lr 1.0`: the outer step `{\"name\": \"sgd\", \"lr\": 1.0, "
         "\"momentum\": 0}` instead; `delayed Nesterov momentum 0.5` or `0.7`: the delayed Nesterov at lr 0.7 and that "
         "momentum). "
-        f"`w1 slowed`: host w1 sleeps {results['slow_sleep_s'] * 1e3:.1f} ms after "
-        f"each step, {size['slow_factor']:g} - 1 times the {results['step_s'] * 1e3:.1f} ms of one step measured "
-        "alone on one thread. hivemind 1.1.12: `hivemind.Optimizer(use_local_updates=True, matchmaking_time="
+        + straggler(results) + " hivemind 1.1.12: `hivemind.Optimizer(use_local_updates=True, matchmaking_time="
         f"{size.get('hivemind_matchmaking_time', 3.0):g}, averaging_timeout=10, target_batch_size="
         f"{2 * h * results['batch_size']})`, its quickstart's parameter averaging (AdamW inside, as above), "
         f"target_batch_size set to DiLoCo's round (2 workers x H = {h} x {results['batch_size']} samples), so both "

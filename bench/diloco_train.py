@@ -5,8 +5,8 @@
 :mod:`bench.diloco_launch`) names the run: ``kind`` ``ddp`` (Lightning's DDP over gloo) or ``ps``
 (``AsyncPSStrategy(mode=..., inner_steps=H)`` on the external ``plug-asgd serve-ps`` at ``ps_address``), the model's
 and the data's sizes, the seed, the steps of each rank (``rank_max_steps`` where one trains more) and the
-straggler: rank ``slow_rank`` sleeps ``slow_sleep_s`` after each of its steps (:class:`bench.train.StepClock`'s
-sleep, the one ``bench stragglers`` uses).
+straggler: rank ``slow_rank`` sleeps ``slow_factor - 1`` x the median of its recent steps after each step
+(:class:`bench.train.StepClock`'s proportional straggler).
 
 Each rank writes ``rank{R}.json``: its steps, the wall-clock end of each step after the warm-up, its sleeps, the
 wall-clock time its fit began and the strategy's own byte counts. Under DDP rank 0 also keeps its weights every
@@ -60,7 +60,7 @@ class Clock(StepClock):
     every curve of the run (the observer on the PS's host and the link counters are read on the same clock).
 
     Args:
-        run: StepClock's settings (``warmup``, ``slow_rank``, ``slow_sleep_s``, ``snapshot_every_s``).
+        run: StepClock's settings (``warmup``, ``slow_rank``, ``slow_factor``, ``snapshot_every_s``).
         rank: this process's global rank.
     """
 
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     pl.seed_everything(spec["seed"], workers=True, verbose=False)
     model = BenchGPT(**spec["model"])
     strategy = make_strategy(spec)
-    run = {"warmup": spec["warmup"], "slow_rank": spec.get("slow_rank"), "slow_sleep_s": spec.get("slow_sleep_s"),
+    run = {"warmup": spec["warmup"], "slow_rank": spec.get("slow_rank"), "slow_factor": spec.get("slow_factor"),
            "snapshot_every_s": spec.get("snapshot_every_s")}
     clock = Clock(run, rank)
     max_steps = spec.get("rank_max_steps", {}).get(str(rank), spec["max_steps"])  # --async-until together
@@ -150,6 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     tmp.write_text(json.dumps(record))
     tmp.replace(args.out / f"rank{rank}.json")
     print(f"bench.diloco_train: rank {rank} done, {clock.steps} steps", flush=True)
+    # DDP's default group, which Lightning leaves to the interpreter's exit: its gloo threads torn down there aborted
+    # a rank after its record was written ("terminate called without an active exception", exit -6); ended here
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

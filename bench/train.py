@@ -21,11 +21,17 @@ Measured on each rank by :class:`StepClock`: the wall-clock end of every trainin
 ``warmup`` steps), forward+backward time, and, on rank 0 where asked, snapshots of the weights
 every ``snapshot_every_s`` seconds of training (the time taken by a snapshot is subtracted from
 the clock), evaluated on the test set after the fit; with ``snapshot_central``, beside each, rank 0's
-copy of the central model as of its last reply (:func:`central_weights`). The straggler is a sleep of ``slow_sleep_s``
-at the end of each step of rank ``slow_rank``: the runner sets it to ``(factor - 1) x`` the
-compute time of one step measured once, alone, before the launch, so that DDP and asgd are
-slowed by the same amount (a sleep proportional to the step's own measured time would also
-scale DDP's all-reduce, which runs inside its backward pass).
+copy of the central model as of its last reply (:func:`central_weights`). The straggler is a sleep at the end of
+each step of rank ``slow_rank``, of one of two kinds:
+
+- ``slow_sleep_s``, fixed: the runner sets it to ``(factor - 1) x`` the compute time of one step measured once,
+  alone, before the launch, so that DDP and asgd are slowed by the same amount (a sleep proportional to the step's
+  own time would also scale DDP's all-reduce, which runs inside its backward pass, and asgd's exchange, which runs
+  in every step);
+- ``slow_factor``, proportional: from its third step, ``(factor - 1) x`` the median of the rank's last
+  :data:`RECENT_STEPS` steps (``bench diloco``, whose slowed runs are DiLoCo's: one step in H exchanges, which the
+  median leaves out). The host stays ``factor`` x slower than itself when the machine's load changes its steps
+  during a run, where a fixed sleep measured at the start would slow it more or less than that.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ import argparse
 import inspect
 import json
 import os
+import statistics
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +61,20 @@ with gc_paused():  # torch and Lightning imported without the collector's passes
     from plug_asgd.worker.client import PSError
 
 
+RECENT_STEPS = 31  # the proportional straggler's window: its median leaves out a DiLoCo round's exchange (1 step in H)
+
+
 class StepClock(pl.Callback):
     def __init__(self, run: dict[str, Any], rank: int) -> None:
         self.run = run
         self.rank = rank
         self.warmup = int(run.get("warmup", 3))
-        self.pause = float(run.get("slow_sleep_s") or 0.0) if run.get("slow_rank") == rank else 0.0
+        slowed = run.get("slow_rank") == rank
+        self.pause = float(run.get("slow_sleep_s") or 0.0) if slowed else 0.0
+        # a straggler as slow as its own steps: (factor - 1) x the median of its recent steps (bench diloco)
+        self.stretch = float(run.get("slow_factor") or 1.0) - 1.0 if slowed else 0.0
+        self.recent: deque[float] = deque(maxlen=RECENT_STEPS)
+        self.step_times: list[float] = []  # each step's time before its sleep: compute, and any exchange in it
         self.time_limit = run.get("time_limit_s")
         self.snapshot_every = run.get("snapshot_every_s") if rank == 0 else None
         self.steps = 0
@@ -103,9 +119,13 @@ class StepClock(pl.Callback):
                            idx: int) -> None:
         fb = getattr(self, "_fb", 0.0)
         self.compute.append(fb)
-        if self.pause:
-            time.sleep(self.pause)
-            self.slept += self.pause
+        self.step_times.append(time.perf_counter() - self._t0)
+        self.recent.append(self.step_times[-1])
+        # (the proportional straggler from its third step: a median of fewer would be the first step's, set-up and all)
+        pause = self.pause or (self.stretch * statistics.median(self.recent) if len(self.recent) >= 3 else 0.0)
+        if pause:
+            time.sleep(pause)
+            self.slept += pause
         self.steps += 1
         now = time.time()
         if self.steps == self.warmup:
@@ -125,7 +145,7 @@ class StepClock(pl.Callback):
     def record(self) -> dict[str, Any]:
         return {"rank": self.rank, "steps": self.steps, "window_start": self.window_start,
                 "step_ends": self.step_ends, "compute_median_s": float(np.median(self.compute)) if self.compute else 0,
-                "slept_s": self.slept}
+                "step_median_s": float(np.median(self.step_times)) if self.step_times else 0, "slept_s": self.slept}
 
 
 def central_weights(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, torch.Tensor] | None:
