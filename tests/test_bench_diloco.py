@@ -8,6 +8,7 @@ import argparse
 import inspect
 import json
 import math
+import statistics
 
 import pytest
 
@@ -185,6 +186,37 @@ def test_the_ratios_pair_the_seeds_and_a_run_that_never_got_there_counts_as_a_bo
     assert "host w1 sleeps 2 - 1 times the median of its last 31 steps" in text and "20.0 ms" in text
     before = markdown({**results, "slow_sleep_s": 0.02})
     assert "host w1 sleeps 20.0 ms after each step, 2 - 1 times the 20.0 ms" in before
+
+
+def test_the_slowed_host_sleeps_the_median_of_its_own_recent_steps(monkeypatch):
+    import bench.train as train
+
+    # a step's time (seconds), as the clock sees it from the batch's start to its end: a first step with its set-up,
+    # steps of 20 ms, one with a round's exchange (0.9 s), then the machine slower (30 ms)
+    steps = [0.5, 0.02, 0.02, 0.02, 0.9, 0.02, 0.02, *[0.03] * 40]
+    now = [0.0]
+    slept: list[float] = []
+    monkeypatch.setattr(train.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(train.time, "sleep", slept.append)
+    clock = train.StepClock({"slow_rank": 1, "slow_factor": 2.0}, 1)
+    other = train.StepClock({"slow_rank": 1, "slow_factor": 2.0}, 0)
+    for i, t in enumerate(steps):
+        for c in (clock, other):
+            c.on_train_batch_start(None, None, None, i)
+            now[0] += t
+            c.on_train_batch_end(None, None, None, None, i)
+    # by hand: nothing for the first 2 steps, then (2 - 1) x the median of the last 31 steps, the exchange left out
+    want = [statistics.median(steps[max(0, i - 30):i + 1]) for i in range(2, len(steps))]
+    assert want[:6] == [0.02] * 6 and want[7] == 0.025 and want[-1] == 0.03  # the set-up and the exchange left out
+    assert slept == pytest.approx(want)
+    assert clock.slept == pytest.approx(sum(want)) and other.slept == 0  # rank 0 is not slowed
+    assert clock.record()["step_median_s"] == pytest.approx(0.03)
+    # the fixed sleep of bench stragglers stays as it was
+    fixed = train.StepClock({"slow_rank": 1, "slow_sleep_s": 0.05}, 1)
+    fixed.on_train_batch_start(None, None, None, 0)
+    now[0] += 0.5
+    fixed.on_train_batch_end(None, None, None, None, 0)
+    assert slept[-1] == 0.05 and fixed.slept == 0.05
 
 
 # The full tier's (pytest -m full): 6 launches on emulated hosts, hivemind's virtualenv among them, about 65 to
