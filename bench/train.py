@@ -42,7 +42,6 @@ import json
 import os
 import statistics
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +72,6 @@ class StepClock(pl.Callback):
         self.pause = float(run.get("slow_sleep_s") or 0.0) if slowed else 0.0
         # a straggler as slow as its own steps: (factor - 1) x the median of its recent steps (bench diloco)
         self.stretch = float(run.get("slow_factor") or 1.0) - 1.0 if slowed else 0.0
-        self.recent: deque[float] = deque(maxlen=RECENT_STEPS)
         self.step_times: list[float] = []  # each step's time before its sleep: compute, and any exchange in it
         self.time_limit = run.get("time_limit_s")
         self.snapshot_every = run.get("snapshot_every_s") if rank == 0 else None
@@ -120,9 +118,9 @@ class StepClock(pl.Callback):
         fb = getattr(self, "_fb", 0.0)
         self.compute.append(fb)
         self.step_times.append(time.perf_counter() - self._t0)
-        self.recent.append(self.step_times[-1])
-        # (the proportional straggler from its third step: a median of fewer would be the first step's, set-up and all)
-        pause = self.pause or (self.stretch * statistics.median(self.recent) if len(self.recent) >= 3 else 0.0)
+        pause = self.pause
+        if self.stretch and len(self.step_times) >= 3:  # (from the third step: fewer would be the first's, set-up)
+            pause = self.stretch * statistics.median(self.step_times[-RECENT_STEPS:])
         if pause:
             time.sleep(pause)
             self.slept += pause
