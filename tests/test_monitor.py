@@ -6,11 +6,20 @@ millisecond, 3,000 times or until the drops stop) while nothing reads its monito
 message any more; with ``monitor_socket`` the pipe takes every event and the context goes on. Each case runs in a
 process of its own (a frozen context cannot be ended): it prints whether a round trip through the same context still
 works, and how many events were queued.
+
+An owner dropped unclosed (a worker's transport, a PS) is closed by Python's collector, its socket before the PAIR
+its events go to; connections that keep dropping meanwhile send an event to the closed PAIR, and the context
+freezes the same way. The second script drops 200 transports (and 15 PSs, a client knocking at each) while their
+peers keep dropping and two processes keep both cores busy (the window is a few microseconds on an idle machine),
+then needs the context: each owner's ``stop_on_drop`` must have stopped its events first. Without it the context
+froze in every run tried (4 of the transports' case, 5 of the PSs').
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -76,3 +85,67 @@ def test_pyzmqs_own_monitor_freezes_the_context_in_the_same_case():
     """Why the module exists: the case above with pyzmq's monitor (the pipe's marks at 1,000 + 1,000)."""
     theirs = flap("pyzmq")
     assert not theirs["carried"] and theirs["queued"] <= 2_100, theirs
+
+
+DROPPED = r"""
+import gc, json, os, socket, subprocess, sys, threading, time
+import zmq
+from plug_asgd.ps.config import PSConfig
+from plug_asgd.ps.server import ParameterServer
+from plug_asgd.worker.transport import Transport
+
+owner_kind, rounds = sys.argv[1], int(sys.argv[2])
+target = socket.create_server(("127.0.0.1", 0), backlog=128)
+def drop_every_connection():
+    while True:
+        connection, _ = target.accept()
+        connection.close()
+threading.Thread(target=drop_every_connection, daemon=True).start()
+
+def knock(port, stop):  # a client that connects to the PS and drops, over and over
+    while not stop.is_set():
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            time.sleep(0.001)
+
+spin = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"  # ends itself at worst
+busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+ctx = zmq.Context.instance()
+ctx.setsockopt(zmq.RECONNECT_IVL, 1)  # the sockets made from here on reconnect at once: an event every few ms
+for i in range(rounds):
+    stop = threading.Event()
+    if owner_kind == "transport":
+        owner = Transport(f"tcp://127.0.0.1:{target.getsockname()[1]}", rank=0, heartbeat_s=None)
+    else:
+        owner = ParameterServer(PSConfig(bind="tcp://127.0.0.1:0"))
+        threading.Thread(target=knock, args=(int(owner.address.rsplit(":", 1)[1]), stop), daemon=True).start()
+    time.sleep(0.002 * (1 + i % 5))
+    del owner  # never closed
+    gc.collect()
+    stop.set()
+for process in busy:
+    process.kill()
+
+router, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+for s in (router, client):
+    s.setsockopt(zmq.LINGER, 0)
+client.connect(f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}")
+client.send(b"ping")
+print(json.dumps({"carried": bool(router.poll(5000))}), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize(("owner", "rounds"), [("transport", 200), ("ps", 15)])
+def test_an_owner_dropped_unclosed_beside_dropping_connections_leaves_the_context_working(owner, rounds):
+    process = subprocess.Popen([sys.executable, "-c", DROPPED, owner, str(rounds)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # with the processes it keeps busy
+        process.communicate()
+        pytest.fail(f"the process froze after dropping {rounds} unclosed {owner}s: its ZeroMQ context is stuck")
+    assert process.returncode == 0, err[-2000:]
+    assert json.loads(out.strip().splitlines()[-1]) == {"carried": True}

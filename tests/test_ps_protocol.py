@@ -25,9 +25,20 @@ BEAT = 0.25  # heartbeat of the clients in the liveness tests, whose PSes time o
 RELEASED_WITHIN_S = (0.7, 8.0)
 
 
+_opened: list[PSClient] = []  # every client a test made, closed after it: none is left to the collector
+
+
+@pytest.fixture(autouse=True)
+def _close_clients():
+    yield
+    while _opened:
+        _opened.pop().close()
+
+
 def client(address: str, rank: int = 0, world: int = 1, mode: str = "asgd", training: bool = True,
            heartbeat_s: float | None = None) -> PSClient:
     c = PSClient(address, rank=rank, world_size=world, mode=mode, request_timeout=10, heartbeat_s=heartbeat_s)
+    _opened.append(c)
     c.hello(stage=1, training=training, timeout=20)
     return c
 

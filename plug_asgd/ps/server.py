@@ -28,7 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from plug_asgd.compressors.heap import keep_freed_memory
 from plug_asgd.modes import server_knobs
-from plug_asgd.protocol.monitor import monitor_socket
+from plug_asgd.protocol.monitor import monitor_socket, stop_on_drop
 from plug_asgd.protocol.security import load_server_keys, load_standby_keys
 from plug_asgd.protocol.wire import Local, Message, Tensor, WireError, decode, encode, message_bytes
 from plug_asgd.ps import failure
@@ -103,6 +103,7 @@ class ParameterServer(ModelRequests, Failover):
             self._auth, self._monitor = authenticate(self._ctx, self.socket, server_keys)
         else:  # a connection that closes: its queued replies' memory goes back to the system (Replies.closed)
             self._monitor = monitor_socket(self.socket, zmq.EVENT_DISCONNECTED)
+        self._unmonitor = stop_on_drop(self, self.socket, self._monitor)  # also where the PS is never closed
         try:
             self.socket.bind(config.bind)
         except zmq.ZMQError as exc:
@@ -129,8 +130,7 @@ class ParameterServer(ModelRequests, Failover):
                 os.close(fd)
         self._wake_r = self._wake_w = -1
         if self._monitor is not None:
-            self.socket.disable_monitor()
-            self._monitor.close(0)
+            self._unmonitor()
             self._monitor = None
         self.close_failover()
         self.socket.close(0)

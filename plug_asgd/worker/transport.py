@@ -29,7 +29,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from plug_asgd.protocol.monitor import monitor_socket
+from plug_asgd.protocol.monitor import monitor_socket, stop_on_drop
 from plug_asgd.protocol.security import KEYGEN_HINT, load_worker_keys
 from plug_asgd.protocol.wire import (
     DEFAULT_LIMITS,
@@ -111,6 +111,7 @@ class Transport(LeaderWatch):
         self._secure(self._sock)
         self._monitor = monitor_socket(
             self._sock, zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
+        self._unmonitor = stop_on_drop(self, self._sock, self._monitor)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
@@ -122,8 +123,7 @@ class Transport(LeaderWatch):
 
     def _close_sockets(self) -> None:
         self._close_probe()
-        self._sock.disable_monitor()
-        self._monitor.close(0)
+        self._unmonitor()
         self._sock.close(0)
 
     def _switch(self, address: str, msg_type: str, frames: list[Any]) -> None:
