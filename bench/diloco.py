@@ -13,6 +13,8 @@ each (:data:`CONFIGS`):
   validation loss is the target loss of the seed;
 - ``diloco``: ``AsyncPSStrategy(mode="diloco", inner_steps=H)`` on a ``plug-asgd serve-ps`` on the PS's host
   (Nesterov outer optimizer, lr 0.7, momentum 0.9);
+- ``diloco-m05`` and ``diloco-lr1-m05`` (by ``--configs`` only): ``diloco`` with the outer Nesterov at momentum 0.5,
+  lr 0.7 and 1.0;
 - ``diloco-slow`` and ``async_diloco-slow``: the same, and ``mode="async_diloco"`` (the delayed Nesterov update,
   dynamic local steps), with worker host ``w1`` slowed ``--slow-factor`` times: after each of its steps it sleeps
   ``(factor - 1)`` x the median of its last 31 steps (:class:`bench.train.StepClock`'s proportional straggler), so
@@ -66,6 +68,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "ddp": {"kind": "ddp"},
     "diloco": {"kind": "ps", "mode": "diloco"},
     "diloco-slow": {"kind": "ps", "mode": "diloco", "slow": True},
+    # the outer Nesterov at a lower momentum, which at a few rounds ends nearer DDP's loss (bench learning's rows
+    # diloco-m05 and diloco-lr1-m05); asked for by --configs only
+    "diloco-m05": {"kind": "ps", "mode": "diloco", "outer": {"name": "nesterov", "lr": 0.7, "momentum": 0.5}},
+    "diloco-lr1-m05": {"kind": "ps", "mode": "diloco", "outer": {"name": "nesterov", "lr": 1.0, "momentum": 0.5}},
     "async_diloco-slow": {"kind": "ps", "mode": "async_diloco", "slow": True},
     # the outer step that does not swing at two workers (docs/benchmarks.md, "Where async_diloco swings")
     "async_diloco-slow-sgd": {"kind": "ps", "mode": "async_diloco", "slow": True,
@@ -90,7 +96,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "async_diloco-slow-overlap": {"kind": "ps", "mode": "async_diloco", "slow": True, "overlap": True},
     "diloco-slow-overlap": {"kind": "ps", "mode": "diloco", "slow": True, "overlap": True},
 }
-OPT_IN = ("diloco-slow-f2", "async_diloco-slow-sgd-f2", "async_diloco-slow-m05", "async_diloco-slow-m07",
+OPT_IN = ("diloco-m05", "diloco-lr1-m05",
+          "diloco-slow-f2", "async_diloco-slow-sgd-f2", "async_diloco-slow-m05", "async_diloco-slow-m07",
           "async_diloco-slow-nolookahead", "async_diloco-slow-f2", "async_diloco-slow-overlap", "diloco-slow-overlap")
 DEFAULT_CONFIGS = [name for name in CONFIGS if name not in OPT_IN]
 # tests/test_lm.py's LM_SMALL: 2 blocks 64 wide (118,528 parameters, 474 kB in float32), windows of 32 bytes

@@ -59,6 +59,7 @@ RATIOS: dict[str, tuple[str, str, str]] = {
     "time_async_overlap_over_diloco_slow_overlap": ("async_diloco-slow-overlap", "diloco-slow-overlap", "time"),
 }
 LABELS = {"ddp": "DDP (gloo)", "diloco": "diloco", "diloco-slow": "diloco, w1 slowed",
+          "diloco-m05": "diloco, outer Nesterov momentum 0.5", "diloco-lr1-m05": "diloco, outer Nesterov lr 1.0 m 0.5",
           "async_diloco-slow": "async_diloco, w1 slowed",
           "async_diloco-slow-sgd": "async_diloco, w1 slowed, outer SGD lr 1.0",
           "hivemind": "hivemind (local updates + averaging)", "diloco-slow-f2": "diloco, w1 slowed, fragments=2",
@@ -69,7 +70,8 @@ LABELS = {"ddp": "DDP (gloo)", "diloco": "diloco", "diloco-slow": "diloco, w1 sl
           "async_diloco-slow-f2": "async_diloco, w1 slowed, fragments=2",
           "async_diloco-slow-overlap": "async_diloco, w1 slowed, overlap=True",
           "diloco-slow-overlap": "diloco, w1 slowed, overlap=True"}
-COLORS = {"ddp": "black", "diloco": "tab:blue", "diloco-slow": "tab:cyan", "async_diloco-slow": "tab:orange",
+COLORS = {"ddp": "black", "diloco": "tab:blue", "diloco-m05": "darkviolet", "diloco-lr1-m05": "lime",
+          "diloco-slow": "tab:cyan", "async_diloco-slow": "tab:orange",
           "async_diloco-slow-sgd": "tab:red", "hivemind": "tab:green", "diloco-slow-f2": "tab:purple",
           "async_diloco-slow-sgd-f2": "tab:brown", "async_diloco-slow-m05": "tab:pink",
           "async_diloco-slow-m07": "tab:olive", "async_diloco-slow-nolookahead": "tab:gray",

@@ -72,11 +72,23 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
                          "delayed Nesterov lr 0.7, momentum 0.5, without the momentum lookahead"),
     "async_diloco-nolookahead": ("async_diloco", {"momentum_lookahead": False},
                                  "without the momentum lookahead (each reply the central model itself)"),
+    # diloco's outer step at other settings than the paper's (Nesterov lr 0.7, momentum 0.9): at a few rounds a
+    # lower momentum ends nearer DDP (docs/benchmarks.md, "The outer momentum at a few rounds")
+    **{f"diloco-{key}": ("diloco", {"outer": outer}, note) for key, outer, note in (
+        ("sgd", {"name": "sgd", "lr": 1.0, "momentum": 0.0}, "outer SGD lr 1.0, no momentum (the models averaged)"),
+        ("sgd15", {"name": "sgd", "lr": 1.5, "momentum": 0.0}, "outer SGD lr 1.5, no momentum"),
+        ("sgd2", {"name": "sgd", "lr": 2.0, "momentum": 0.0}, "outer SGD lr 2.0, no momentum"),
+        ("lr1", {"name": "nesterov", "lr": 1.0, "momentum": 0.9}, "outer Nesterov lr 1.0, momentum 0.9"),
+        ("m03", {"name": "nesterov", "lr": 0.7, "momentum": 0.3}, "outer Nesterov lr 0.7, momentum 0.3"),
+        ("m05", {"name": "nesterov", "lr": 0.7, "momentum": 0.5}, "outer Nesterov lr 0.7, momentum 0.5"),
+        ("m07", {"name": "nesterov", "lr": 0.7, "momentum": 0.7}, "outer Nesterov lr 0.7, momentum 0.7"),
+        ("lr1-m05", {"name": "nesterov", "lr": 1.0, "momentum": 0.5}, "outer Nesterov lr 1.0, momentum 0.5"))},
     "async_diloco-overlap": ("async_diloco", {"overlap": True},
                              "overlap=True (each push sent while the inner steps go on, its reply merged once come)"),
 }
 # variants run by --rows only, not in the default table
-OPT_IN = ("async_diloco-m05", "async_diloco-nolookahead", "async_diloco-overlap")
+OPT_IN = ("async_diloco-m05", "async_diloco-nolookahead", "async_diloco-overlap",
+          *(row for row in VARIANTS if row.startswith("diloco-")))
 # the modes that refuse the models' optimizer: eamsgd is EASGD whose workers train with Nesterov momentum SGD (it
 # checks at fit), so it runs with that optimizer, paired with a DDP run of the same (NESTEROV_DDP)
 NESTEROV_ONLY = ("eamsgd",)

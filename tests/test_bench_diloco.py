@@ -67,6 +67,11 @@ def test_each_configuration_is_a_launch_of_its_scheme_on_the_same_model_and_data
     assert {n: specs[n]["outer"] for n in ("async_diloco-slow-m05", "async_diloco-slow-m07")} == {
         "async_diloco-slow-m05": {"name": "nesterov", "lr": 0.7, "momentum": 0.5},
         "async_diloco-slow-m07": {"name": "nesterov", "lr": 0.7, "momentum": 0.7}}
+    # diloco's outer Nesterov at momentum 0.5 (lr 0.7 and 1.0), unslowed as diloco is, by --configs only
+    assert {n: specs[n]["outer"] for n in ("diloco-m05", "diloco-lr1-m05")} == {
+        "diloco-m05": {"name": "nesterov", "lr": 0.7, "momentum": 0.5},
+        "diloco-lr1-m05": {"name": "nesterov", "lr": 1.0, "momentum": 0.5}}
+    assert all(specs[n]["mode"] == "diloco" and n not in DEFAULT_CONFIGS for n in ("diloco-m05", "diloco-lr1-m05"))
     # the momentum lookahead (AsyncDiLoCo's default) turned off where a configuration says so, left alone elsewhere
     assert {n: s["momentum_lookahead"] for n, s in specs.items() if s.get("momentum_lookahead") is not None} == {
         "async_diloco-slow-m05": False, "async_diloco-slow-m07": False, "async_diloco-slow-nolookahead": False}

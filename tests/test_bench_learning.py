@@ -59,6 +59,14 @@ def test_the_plan_runs_ddp_then_every_mode_per_model_and_seed_with_the_same_sett
     plain = plan(["lm"], [0], ["async_diloco-nolookahead"])[-1]
     assert (plain["mode"], plain["options"]) == ("async_diloco", {"momentum_lookahead": False})
     assert "options" not in plan(["lm"], [0], ["async_diloco"])[-1]  # the default: with the lookahead
+    # diloco's outer step at other settings: by --rows only, each row's outer optimizer as its name says
+    outers = {row: plan(["lm"], [0], [row])[-1]["options"]["outer"] for row in opt_in if row.startswith("diloco-")}
+    assert not set(outers) & set(all_rows())
+    assert {row: (o["name"], o["lr"], o["momentum"]) for row, o in outers.items()} == {
+        "diloco-sgd": ("sgd", 1.0, 0.0), "diloco-sgd15": ("sgd", 1.5, 0.0), "diloco-sgd2": ("sgd", 2.0, 0.0),
+        "diloco-lr1": ("nesterov", 1.0, 0.9), "diloco-m03": ("nesterov", 0.7, 0.3),
+        "diloco-m05": ("nesterov", 0.7, 0.5), "diloco-m07": ("nesterov", 0.7, 0.7),
+        "diloco-lr1-m05": ("nesterov", 1.0, 0.5)}
 
 
 def test_diloco_keeps_its_default_inner_steps_where_it_makes_enough_rounds_and_says_so_where_not():
