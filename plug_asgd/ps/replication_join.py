@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from plug_asgd.protocol.monitor import monitor_socket
+from plug_asgd.protocol.monitor import monitor_socket, stop_on_drop
 from plug_asgd.protocol.wire import Limits, Tensor, WireError, decode, encode
 from plug_asgd.ps.curve_auth import client_socket
 
@@ -33,6 +34,7 @@ class Joining:
         address: the standby's address.
         requester: the join request's sender and request id, answered once the join is done or abandoned.
         monitor: the link's monitor, until its ZeroMQ handshake has succeeded (None after).
+        stop_monitor: stops the link's events and closes ``monitor`` (also where the PS is dropped unclosed).
         last_rid: the request id of the last record sent: its acknowledgement attaches the standby.
         connect_by: when the handshake must have succeeded (``time.monotonic()``).
         held_by: when the last record must have been acknowledged.
@@ -42,6 +44,7 @@ class Joining:
     address: str
     requester: tuple[bytes, Any]
     monitor: zmq.Socket | None
+    stop_monitor: Callable[[], Any]
     last_rid: int
     connect_by: float
     held_by: float
@@ -93,7 +96,8 @@ class StandbyJoin:
         sock.connect(link_address)
         now = time.monotonic()
         self._sock, self._link = sock, link
-        self._joining = Joining(address, requester, monitor, 0, now + self.failover_timeout, now + JOIN_TIMEOUT_S)
+        self._joining = Joining(address, requester, monitor, stop_on_drop(self, sock, monitor), 0,
+                                now + self.failover_timeout, now + JOIN_TIMEOUT_S)
         log.info("a hot standby at %s asks to join: sending it the state", address)
         self._stream("snapshot", *snapshot)
 
@@ -160,6 +164,5 @@ class StandbyJoin:
     def _unmonitor(self) -> None:
         joining, sock = self._joining, self._sock
         if joining is not None and joining.monitor is not None and sock is not None:
-            sock.disable_monitor()
-            joining.monitor.close(0)
+            joining.stop_monitor()
             joining.monitor = None
