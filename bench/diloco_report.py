@@ -19,6 +19,9 @@ from bench.common import spread, summary, write_json
 # issue 58's targets: (figure, "<=" or ">=", target, the only rate it is set at, or None: every rate)
 TARGETS: dict[str, tuple[str, str, float, float | None]] = {
     "loss_diloco_over_ddp": ("diloco's validation loss at DDP's samples / DDP's final", "<=", 1.02, None),
+    "loss_diloco_m05_over_ddp": ("the same, diloco with the outer Nesterov at momentum 0.5", "<=", 1.02, None),
+    "loss_diloco_lr1_m05_over_ddp": ("the same, diloco with the outer Nesterov at lr 1.0, momentum 0.5", "<=", 1.02,
+                                     None),
     "time_diloco_over_ddp": ("time to DDP's final loss, diloco / DDP", "<=", 0.25, 100.0),
     "bytes_ddp_over_diloco": ("bytes per sample on the worker links, DDP / diloco", ">=", 100.0, None),
     "time_async_over_diloco_slow": ("time to DDP's loss with w1 slowed, async_diloco / diloco", "<=", 0.7, None),
@@ -43,6 +46,8 @@ TARGETS: dict[str, tuple[str, str, float, float | None]] = {
 # (numerator, denominator, the runs' figure) of each ratio
 RATIOS: dict[str, tuple[str, str, str]] = {
     "loss_diloco_over_ddp": ("diloco", "ddp", "loss"),
+    "loss_diloco_m05_over_ddp": ("diloco-m05", "ddp", "loss"),
+    "loss_diloco_lr1_m05_over_ddp": ("diloco-lr1-m05", "ddp", "loss"),
     "time_diloco_over_ddp": ("diloco", "ddp", "time"),
     "bytes_ddp_over_diloco": ("ddp", "diloco", "bytes"),
     "time_async_over_diloco_slow": ("async_diloco-slow", "diloco-slow", "time"),
