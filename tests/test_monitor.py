@@ -150,3 +150,35 @@ def test_an_owner_dropped_unclosed_beside_dropping_connections_leaves_the_contex
         pytest.fail(f"the process froze after dropping {rounds} unclosed {owner}s: its ZeroMQ context is stuck")
     assert process.returncode == 0, err[-2000:]
     assert json.loads(out.strip().splitlines()[-1]) == {"carried": True}
+
+
+
+def test_stop_on_drop_closes_the_pair_when_its_owner_goes_or_its_socket_closed_first_and_only_once():
+    import gc
+
+    import zmq
+
+    from plug_asgd.protocol.monitor import monitor_socket, stop_on_drop
+
+    class Owner:
+        pass
+
+    ctx = zmq.Context()
+    try:
+        owner, dealer = Owner(), ctx.socket(zmq.DEALER)
+        pair = monitor_socket(dealer, zmq.EVENT_DISCONNECTED)
+        stop = stop_on_drop(owner, dealer, pair)
+        assert stop.alive and not pair.closed
+        del owner
+        gc.collect()
+        assert pair.closed and not stop.alive and not dealer.closed  # the owner's socket is its to close
+        dealer.close(0)
+        other, dealer = Owner(), ctx.socket(zmq.DEALER)
+        pair = monitor_socket(dealer, zmq.EVENT_DISCONNECTED)
+        stop = stop_on_drop(other, dealer, pair)
+        dealer.close(0)  # closed before its monitor was stopped: disable_monitor would raise ENOTSOCK
+        stop()
+        assert pair.closed and not stop.alive
+        assert stop() is None  # a second call (a close after a collection) does nothing
+    finally:
+        ctx.destroy(linger=0)
