@@ -10,8 +10,8 @@ works, and how many events were queued.
 An owner dropped unclosed (a worker's transport, a PS) is closed by Python's collector, its socket before the PAIR
 its events go to; connections that keep dropping meanwhile send an event to the closed PAIR, and the context
 freezes the same way. The second script drops 100 transports (and 15 PSs, a client knocking at each) while their
-peers keep dropping and two processes keep both cores busy (the race's window is short: on an idle machine the
-case of 200 transports froze in 1 of 5 runs without the fix), then needs the context: each owner's ``stop_on_drop`` must
+peers keep dropping and two processes keep both cores busy (the race's window is short: on an idle machine the case
+of 200 transports froze in 1 of 5 runs without the fix), then needs the context: each owner's ``stop_on_drop`` must
 have stopped its events first. Without it, and with the busy processes, the context froze in every run tried (4 of
 the transports' case, 5 of the PSs'; with 200 transports, 4 of 4 too).
 """
