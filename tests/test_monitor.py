@@ -28,10 +28,10 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-SCRIPT = r"""
-import json, os, socket, sys, threading, time
+# both scripts' start: a TCP server that accepts every connection and drops it at once
+DROPPING_SERVER = r"""
+import gc, json, os, socket, subprocess, sys, threading, time
 import zmq
-from plug_asgd.protocol.monitor import monitor_socket
 
 server = socket.create_server(("127.0.0.1", 0), backlog=128)
 accepted = [0]
@@ -41,6 +41,19 @@ def drop_every_connection():
         connection.close()
         accepted[0] += 1
 threading.Thread(target=drop_every_connection, daemon=True).start()
+"""
+# both scripts' check: whether a message still crosses the context ctx (carried)
+ROUND_TRIP = r"""
+router, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+for s in (router, client):
+    s.setsockopt(zmq.LINGER, 0)
+client.connect(f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}")
+client.send(b"ping")
+carried = bool(router.poll(5000))
+"""
+
+SCRIPT = DROPPING_SERVER + r"""
+from plug_asgd.protocol.monitor import monitor_socket
 
 ctx = zmq.Context()
 dealer = ctx.socket(zmq.DEALER)
@@ -54,13 +67,7 @@ while accepted[0] < 3000 and time.monotonic() < deadline and time.monotonic() - 
     time.sleep(0.05)  # until past the 2,000 events a pipe with high-water marks holds, or the drops stop
     if accepted[0] != seen:
         seen, still_since = accepted[0], time.monotonic()
-
-router, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-for s in (router, client):
-    s.setsockopt(zmq.LINGER, 0)
-client.connect(f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}")
-client.send(b"ping")
-carried = bool(router.poll(5000))
+""" + ROUND_TRIP + r"""
 queued = 0
 while monitor.poll(0):
     monitor.recv_multipart()
@@ -88,20 +95,12 @@ def test_pyzmqs_own_monitor_freezes_the_context_in_the_same_case():
     assert not theirs["carried"] and theirs["queued"] <= 2_100, theirs
 
 
-DROPPED = r"""
-import gc, json, os, socket, subprocess, sys, threading, time
-import zmq
+DROPPED = DROPPING_SERVER + r"""
 from plug_asgd.ps.config import PSConfig
 from plug_asgd.ps.server import ParameterServer
 from plug_asgd.worker.transport import Transport
 
 owner_kind, rounds = sys.argv[1], int(sys.argv[2])
-target = socket.create_server(("127.0.0.1", 0), backlog=128)
-def drop_every_connection():
-    while True:
-        connection, _ = target.accept()
-        connection.close()
-threading.Thread(target=drop_every_connection, daemon=True).start()
 
 def knock(port, stop):  # a client that connects to the PS and drops, over and over
     while not stop.is_set():
@@ -117,7 +116,7 @@ ctx.setsockopt(zmq.RECONNECT_IVL, 1)  # the sockets made from here on reconnect 
 for i in range(rounds):
     stop = threading.Event()
     if owner_kind == "transport":
-        owner = Transport(f"tcp://127.0.0.1:{target.getsockname()[1]}", rank=0, heartbeat_s=None)
+        owner = Transport(f"tcp://127.0.0.1:{server.getsockname()[1]}", rank=0, heartbeat_s=None)
     else:
         owner = ParameterServer(PSConfig(bind="tcp://127.0.0.1:0"))
         threading.Thread(target=knock, args=(int(owner.address.rsplit(":", 1)[1]), stop), daemon=True).start()
@@ -127,13 +126,8 @@ for i in range(rounds):
     stop.set()
 for process in busy:
     process.kill()
-
-router, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-for s in (router, client):
-    s.setsockopt(zmq.LINGER, 0)
-client.connect(f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}")
-client.send(b"ping")
-print(json.dumps({"carried": bool(router.poll(5000))}), flush=True)
+""" + ROUND_TRIP + r"""
+print(json.dumps({"carried": carried}), flush=True)
 os._exit(0)
 """
 
